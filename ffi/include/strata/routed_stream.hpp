@@ -1,0 +1,287 @@
+// The route gate and the issuer walk of the routed expert stream.
+//
+// Header-only and free of CUDA and XLA headers on purpose: the same walk runs
+// behind the CUDA backend, the simulated CPU link and the GPU-free unit test,
+// so its rules are proven once, anywhere. The failure it guards against is a
+// walk that copies an expert no token needs (wasted PCIe time), skips one that
+// a token does need (wrong output), or deadlocks against its consumer.
+//
+// Rules (DESIGN.md, "The issuer walk"). For entry k of the chunk's stream list:
+//   1. Ring rule: wait until k < consumed + ring.
+//   2. Routed switch only. Depth rule: at most `depth` copies queued ahead of
+//      the link; wait until the copy issued `depth` copies earlier has landed.
+//   3. Routed switch only. Skip rule: if k's layer is published, its expert's
+//      gate byte is 0 and the entry is not staged, skip it (touch nothing).
+//      Re-checked while waiting in 1 and 2.
+//   4. Otherwise copy it into slot k % ring.
+//   5. issued = k + 1 (release) whether copied or skipped; wake waiters.
+// Every wait honours the stop flag.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+// One ring entry: a non-resident expert of one layer.
+struct StreamEntry {
+  int32_t layer = 0;
+  int32_t expert = 0;
+  // Copied through the Stager's pinned bounce buffers: its queue is in order,
+  // so the entry can never be skipped.
+  bool staged = false;
+};
+
+// What became of an entry. Written by the issuer before `issued` is released.
+enum class EntryState : uint8_t { kPending = 0, kCopied = 1, kSkipped = 2 };
+
+inline constexpr int kDefaultDepth = 16;
+inline constexpr int kMinDepth = 1;
+inline constexpr int kMaxDepth = 256;
+
+// Clamps a requested depth to [kMinDepth, kMaxDepth]; `clamped` says whether
+// the value changed so the caller can warn with both numbers.
+inline int ClampDepth(int64_t requested, bool* clamped = nullptr) {
+  int64_t used = std::clamp<int64_t>(requested, kMinDepth, kMaxDepth);
+  if (clamped) *clamped = used != requested;
+  return static_cast<int>(used);
+}
+
+// Validates a stream list against the model's shape. Returns an empty string
+// when it is good, else a message naming the first bad entry.
+inline std::string ValidateStreamList(const std::vector<StreamEntry>& entries,
+                                      int64_t n_layers, int64_t n_experts) {
+  if (n_layers < 0) return "negative layer count " + std::to_string(n_layers);
+  if (n_experts < 0)
+    return "negative expert count " + std::to_string(n_experts);
+  int32_t prev_layer = -1;
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const StreamEntry& e = entries[k];
+    if (e.layer < 0 || e.layer >= n_layers)
+      return "stream entry " + std::to_string(k) + " names layer " +
+             std::to_string(e.layer) + ", outside the model's " +
+             std::to_string(n_layers) + " layers";
+    if (e.expert < 0 || e.expert >= n_experts)
+      return "stream entry " + std::to_string(k) + " names expert " +
+             std::to_string(e.expert) + ", outside the model's " +
+             std::to_string(n_experts) + " experts";
+    if (e.layer < prev_layer)
+      return "stream entry " + std::to_string(k) + " (layer " +
+             std::to_string(e.layer) + ") comes after layer " +
+             std::to_string(prev_layer) + ": the list must be in layer order";
+    prev_layer = e.layer;
+  }
+  return {};
+}
+
+// One byte per (layer, expert) per chunk plus a per-layer published flag.
+// One writer per layer per chunk (the publisher); the issuer and consumers
+// read. The row is written before the flag is stored with release, and read
+// only after the flag is loaded with acquire.
+class RouteGate {
+ public:
+  RouteGate() = default;
+  RouteGate(int n_layers, int n_experts) { Reset(n_layers, n_experts); }
+
+  // Clears every row and flag. Must run before the walk starts (no reader).
+  void Reset(int n_layers, int n_experts) {
+    if (n_layers < 0 || n_experts < 0)
+      throw std::invalid_argument("RouteGate: negative layer or expert count");
+    if (n_layers != n_layers_ || n_experts != n_experts_) {
+      n_layers_ = n_layers;
+      n_experts_ = n_experts;
+      routed_.assign(static_cast<size_t>(n_layers) * n_experts, 0);
+      published_ = std::make_unique<std::atomic<uint8_t>[]>(
+          static_cast<size_t>(std::max(n_layers, 1)));
+    } else {
+      std::fill(routed_.begin(), routed_.end(), 0);
+    }
+    for (int l = 0; l < n_layers_; ++l)
+      published_[l].store(0, std::memory_order_release);
+  }
+
+  // Fills layer `layer`'s row from per-expert token counts and publishes it.
+  // Returns false (and publishes nothing) for a layer outside the gate.
+  bool Publish(int layer, const int32_t* counts) {
+    if (layer < 0 || layer >= n_layers_) return false;
+    uint8_t* row = &routed_[static_cast<size_t>(layer) * n_experts_];
+    for (int e = 0; e < n_experts_; ++e) row[e] = counts[e] > 0 ? 1 : 0;
+    published_[layer].store(1, std::memory_order_release);
+    return true;
+  }
+
+  bool Published(int layer) const {
+    return layer >= 0 && layer < n_layers_ &&
+           published_[layer].load(std::memory_order_acquire) != 0;
+  }
+
+  // Valid only after Published(layer) returned true on this thread.
+  bool Routed(int layer, int expert) const {
+    return routed_[static_cast<size_t>(layer) * n_experts_ + expert] != 0;
+  }
+
+  int n_layers() const { return n_layers_; }
+  int n_experts() const { return n_experts_; }
+
+ private:
+  int n_layers_ = -1;
+  int n_experts_ = -1;
+  std::vector<uint8_t> routed_;
+  std::unique_ptr<std::atomic<uint8_t>[]> published_;
+};
+
+// Counters shared by the issuer, the consumer and the publisher of a chunk.
+class WalkState {
+ public:
+  // Prepares for a chunk of `n_entries`. Must run with no walk in progress.
+  void Reset(int64_t n_entries) {
+    issued.store(0, std::memory_order_relaxed);
+    consumed.store(0, std::memory_order_relaxed);
+    stop.store(false, std::memory_order_relaxed);
+    state.assign(static_cast<size_t>(n_entries), EntryState::kPending);
+  }
+
+  // Wakes every waiter (issuer and consumer); call after any state change.
+  void Notify() {
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv_.notify_all();
+  }
+
+  void RequestStop() {
+    stop.store(true, std::memory_order_release);
+    Notify();
+  }
+  bool Stopped() const { return stop.load(std::memory_order_acquire); }
+
+  // Waits until `ready()` holds or stop is requested; returns ready(). The
+  // predicate is re-evaluated at least every `poll` so conditions that nobody
+  // notifies (a CUDA event landing) are still seen.
+  template <class Pred>
+  bool WaitUntil(Pred ready, std::chrono::microseconds poll) {
+    while (true) {
+      if (ready()) return true;
+      if (Stopped()) return false;
+      std::unique_lock<std::mutex> lock(mu_);
+      if (ready()) return true;
+      if (Stopped()) return false;
+      cv_.wait_for(lock, poll);
+    }
+  }
+
+  // Consumer side: waits until the issuer has passed entry k.
+  bool WaitIssued(int64_t k, std::chrono::microseconds poll =
+                                 std::chrono::microseconds(2000)) {
+    return WaitUntil(
+        [&] { return issued.load(std::memory_order_acquire) > k; }, poll);
+  }
+
+  // Consumer side: entry k's slot has been read; the issuer may reuse it.
+  void Consume(int64_t k) {
+    consumed.store(k + 1, std::memory_order_release);
+    Notify();
+  }
+
+  // Valid after issued > k was observed with acquire.
+  EntryState entry_state(int64_t k) const { return state[k]; }
+
+  std::atomic<int64_t> issued{0};
+  std::atomic<int64_t> consumed{0};
+  std::atomic<bool> stop{false};
+  std::vector<EntryState> state;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+struct WalkConfig {
+  int64_t ring = 1;     // ring slots; >= 1
+  int depth = kDefaultDepth;  // clamped to [1, 256]; routed switch only
+  bool routed = false;  // the routed switch
+  std::chrono::microseconds poll{20};  // how often unnotified conditions are re-read
+};
+
+struct WalkResult {
+  bool stopped = false;
+  int64_t copied = 0;
+  int64_t skipped = 0;
+};
+
+// The issuer walk, as a template over a link policy with:
+//   void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e);
+//       Queues entry k's copy into `slot`. The link must not write the slot
+//       before entry k - ring's consumer released it (its `used` event); the
+//       walk guarantees that release was requested on the host (k < consumed
+//       + ring), the link orders the device side (cudaStreamWaitEvent).
+//   bool CopyLanded(int64_t k);
+//       Whether entry k's copy has landed (cudaEventQuery on copied[slot]).
+// Returns how many entries were copied and skipped, or stopped = true.
+template <class Link>
+WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
+                     const WalkConfig& cfg, const RouteGate& gate,
+                     WalkState& st, Link& link) {
+  if (cfg.ring < 1)
+    throw std::invalid_argument("IssueWalk: ring of " +
+                                std::to_string(cfg.ring) +
+                                " slots; it needs at least one");
+  const int depth = ClampDepth(cfg.depth);
+  const int64_t n = static_cast<int64_t>(entries.size());
+  WalkResult res;
+  // Entry index of every copy issued, so the depth rule can query the copy
+  // issued `depth` copies earlier. A ring of depth entries suffices.
+  std::vector<int64_t> copy_entry(static_cast<size_t>(depth), -1);
+
+  for (int64_t k = 0; k < n; ++k) {
+    const StreamEntry& e = entries[k];
+    auto skippable = [&] {
+      return cfg.routed && !e.staged && gate.Published(e.layer) &&
+             !gate.Routed(e.layer, e.expert);
+    };
+    auto ring_ok = [&] {
+      return k < st.consumed.load(std::memory_order_acquire) + cfg.ring;
+    };
+    auto depth_ok = [&] {
+      if (!cfg.routed || res.copied < depth) return true;
+      return link.CopyLanded(copy_entry[res.copied % depth]);
+    };
+
+    bool skip = skippable();
+    if (!skip) {
+      bool ok = st.WaitUntil(
+          [&] {
+            if (skippable()) {
+              skip = true;
+              return true;
+            }
+            return ring_ok() && depth_ok();
+          },
+          cfg.poll);
+      if (!ok) {
+        res.stopped = true;
+        return res;
+      }
+    }
+    if (skip) {
+      st.state[k] = EntryState::kSkipped;
+      ++res.skipped;
+    } else {
+      link.IssueCopy(k, k % cfg.ring, e);
+      if (cfg.routed) copy_entry[res.copied % depth] = k;
+      st.state[k] = EntryState::kCopied;
+      ++res.copied;
+    }
+    st.issued.store(k + 1, std::memory_order_release);
+    st.Notify();
+  }
+  return res;
+}
+
+}  // namespace strata

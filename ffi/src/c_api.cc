@@ -1,0 +1,158 @@
+// The C API Python drives through ctypes: make, configure and destroy
+// engines, read their stats. Also a minimal CPython module init so the
+// library is an importable extension (scikit-build-core's editable installs
+// find it by module name), while its functions are reached through ctypes.
+#include <Python.h>
+
+#include <cstring>
+#include <exception>
+#include <vector>
+
+#include "engine.hpp"
+
+using strata::Engine;
+using strata::EngineOptions;
+using strata::Status;
+
+namespace {
+int Report(const Status& s, char* err, int64_t errlen) {
+  if (s.empty()) return 0;
+  if (err && errlen > 0) {
+    std::strncpy(err, s.c_str(), static_cast<size_t>(errlen - 1));
+    err[errlen - 1] = '\0';
+  }
+  return 1;
+}
+}  // namespace
+
+extern "C" {
+
+PyMODINIT_FUNC PyInit__native(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_native",
+                            "strata_jax native library (used through ctypes)",
+                            -1, nullptr};
+  return PyModule_Create(&def);
+}
+
+int64_t strata_options_size() { return sizeof(EngineOptions); }
+
+int strata_has_cuda() {
+#ifdef STRATA_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int64_t strata_engine_create(const EngineOptions* opt, char* err,
+                             int64_t errlen) {
+  try {
+    Status s;
+    if (opt->n_layers < 0) s = "negative layer count " + std::to_string(opt->n_layers);
+    else if (opt->n_experts < 0)
+      s = "negative expert count " + std::to_string(opt->n_experts);
+    else if (opt->ring < 1)
+      s = "a ring of " + std::to_string(opt->ring) +
+          " slots cannot work; it needs at least one slot";
+    else if (opt->blob_bytes < 1)
+      s = "expert blob of " + std::to_string(opt->blob_bytes) + " bytes";
+    if (!s.empty()) return Report(s, err, errlen), 0;
+    std::unique_ptr<Engine> e =
+        opt->backend == 1 ? strata::MakeCudaEngine(*opt, &s)
+                          : strata::MakeCpuEngine(*opt, &s);
+    if (!e) return Report(s, err, errlen), 0;
+    return strata::RegisterEngine(std::move(e));
+  } catch (const std::exception& ex) {
+    Report(std::string("engine creation failed: ") + ex.what(), err, errlen);
+    return 0;
+  }
+}
+
+int strata_engine_set_store(int64_t id, int32_t layer, const void* host,
+                            int64_t bytes, char* err, int64_t errlen) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return Report("no engine " + std::to_string(id), err, errlen);
+  return Report(e->SetLayerStore(layer, static_cast<const uint8_t*>(host), bytes),
+                err, errlen);
+}
+
+int strata_engine_set_plan(int64_t id, const int32_t* layers,
+                           const int32_t* experts, const uint8_t* staged,
+                           int64_t n, const int32_t* res_layers,
+                           const int32_t* res_experts, int64_t n_res, char* err,
+                           int64_t errlen) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return Report("no engine " + std::to_string(id), err, errlen);
+  try {
+    std::vector<strata::StreamEntry> stream(static_cast<size_t>(n));
+    for (int64_t k = 0; k < n; ++k)
+      stream[k] = {layers[k], experts[k], staged[k] != 0};
+    int L = e->options().n_layers;
+    std::vector<std::vector<int32_t>> resident(static_cast<size_t>(L));
+    for (int64_t r = 0; r < n_res; ++r) {
+      if (res_layers[r] < 0 || res_layers[r] >= L)
+        return Report("resident entry names layer " +
+                          std::to_string(res_layers[r]) + ", outside the model's " +
+                          std::to_string(L) + " layers",
+                      err, errlen);
+      resident[res_layers[r]].push_back(res_experts[r]);
+    }
+    return Report(e->SetPlan(stream, resident), err, errlen);
+  } catch (const std::exception& ex) {
+    return Report(ex.what(), err, errlen);
+  }
+}
+
+int strata_engine_prepare(int64_t id, char* err, int64_t errlen) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return Report("no engine " + std::to_string(id), err, errlen);
+  try {
+    return Report(e->Prepare(), err, errlen);
+  } catch (const std::exception& ex) {
+    return Report(ex.what(), err, errlen);
+  }
+}
+
+int strata_engine_destroy(int64_t id) { return strata::DestroyEngine(id) ? 0 : 1; }
+
+int strata_engine_abort(int64_t id) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return 1;
+  e->Abort();
+  return 0;
+}
+
+int strata_engine_walk_active(int64_t id) {
+  Engine* e = strata::FindEngine(id);
+  return e && e->WalkActive() ? 1 : 0;
+}
+
+int strata_engine_inject_fault(int64_t id, int32_t layer, int32_t kind) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return 1;
+  e->InjectFault(layer, static_cast<strata::Fault>(kind));
+  return 0;
+}
+
+int strata_engine_depth(int64_t id) {
+  Engine* e = strata::FindEngine(id);
+  return e ? e->depth() : -1;
+}
+
+// out: int64[n_layers, 4] (streamed, copied, skipped, bytes) of the last chunk.
+int strata_engine_last_stats(int64_t id, int64_t* out, int64_t n_layers) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return 1;
+  const auto& st = e->last_stats();
+  for (int64_t l = 0; l < n_layers; ++l) {
+    strata::LayerStats s = l < static_cast<int64_t>(st.size()) ? st[l]
+                                                                : strata::LayerStats{};
+    out[4 * l] = s.streamed;
+    out[4 * l + 1] = s.copied;
+    out[4 * l + 2] = s.skipped;
+    out[4 * l + 3] = s.bytes;
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,286 @@
+// The backend-independent half of the streaming engine (see engine.hpp).
+#include "engine.hpp"
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+
+namespace strata {
+
+std::atomic<bool> Engine::depth_line_printed_{false};
+
+Engine::Engine(const EngineOptions& opt) : opt_(opt) {
+  depth_ = ClampDepth(opt.depth);
+  stores_.assign(static_cast<size_t>(opt.n_layers), nullptr);
+  resident_.assign(static_cast<size_t>(opt.n_layers), {});
+  resident_row_.assign(static_cast<size_t>(opt.n_layers),
+                       std::vector<int32_t>(opt.n_experts, -1));
+  gate_.Reset(opt.n_layers, opt.n_experts);
+}
+
+Engine::~Engine() = default;  // backends call Abort() in their destructors
+
+Status Engine::SetLayerStore(int layer, const uint8_t* host, int64_t bytes) {
+  if (in_chunk_) return "cannot change the host store during a chunk";
+  if (layer < 0 || layer >= opt_.n_layers)
+    return "layer " + std::to_string(layer) + " is outside the model's " +
+           std::to_string(opt_.n_layers) + " layers";
+  int64_t want = opt_.blob_bytes * opt_.n_experts;
+  if (bytes != want)
+    return "layer " + std::to_string(layer) + " store holds " +
+           std::to_string(bytes) + " bytes; " + std::to_string(opt_.n_experts) +
+           " experts of " + std::to_string(opt_.blob_bytes) + " bytes need " +
+           std::to_string(want);
+  if (!host) return "layer " + std::to_string(layer) + " store is null";
+  stores_[layer] = host;
+  prepared_ = false;
+  return {};
+}
+
+Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
+                       const std::vector<std::vector<int32_t>>& resident) {
+  if (in_chunk_) return "cannot change the stream plan during a chunk";
+  Status s = ValidateStreamList(stream, opt_.n_layers, opt_.n_experts);
+  if (!s.empty()) return s;
+  if (static_cast<int>(resident.size()) != opt_.n_layers)
+    return "resident plan has " + std::to_string(resident.size()) +
+           " layers; the model has " + std::to_string(opt_.n_layers);
+  // Every expert of a streamed layer is either resident or streamed, once.
+  std::vector<std::vector<int32_t>> seen(opt_.n_layers,
+                                         std::vector<int32_t>(opt_.n_experts, 0));
+  for (const StreamEntry& e : stream) ++seen[e.layer][e.expert];
+  std::vector<std::vector<int32_t>> rows(
+      opt_.n_layers, std::vector<int32_t>(opt_.n_experts, -1));
+  for (int l = 0; l < opt_.n_layers; ++l) {
+    for (size_t r = 0; r < resident[l].size(); ++r) {
+      int32_t e = resident[l][r];
+      if (e < 0 || e >= opt_.n_experts)
+        return "resident expert " + std::to_string(e) + " of layer " +
+               std::to_string(l) + " is outside the model's " +
+               std::to_string(opt_.n_experts) + " experts";
+      ++seen[l][e];
+      rows[l][e] = static_cast<int32_t>(r);
+    }
+  }
+  for (int l = 0; l < opt_.n_layers; ++l)
+    for (int e = 0; e < opt_.n_experts; ++e)
+      if (seen[l][e] > 1)
+        return "expert " + std::to_string(e) + " of layer " +
+               std::to_string(l) +
+               " is planned more than once (resident and streamed, or "
+               "streamed twice)";
+  stream_ = stream;
+  resident_ = resident;
+  resident_row_ = rows;
+  layer_begin_.assign(static_cast<size_t>(opt_.n_layers) + 1, 0);
+  {
+    size_t k = 0;
+    for (int l = 0; l < opt_.n_layers; ++l) {
+      layer_begin_[l] = static_cast<int64_t>(k);
+      while (k < stream_.size() && stream_[k].layer == l) ++k;
+    }
+    layer_begin_[opt_.n_layers] = static_cast<int64_t>(k);
+  }
+  prepared_ = false;
+  return {};
+}
+
+void Engine::JoinIssuer() {
+  if (issuer_.joinable()) issuer_.join();
+}
+
+void Engine::Abort() {
+  state_.RequestStop();
+  BackendAbort();
+  JoinIssuer();
+  in_chunk_ = false;
+}
+
+Status Engine::Fail(Status s) {
+  Abort();
+  return s;
+}
+
+Status Engine::Begin(ChunkMode mode, void* stream) {
+  if (!prepared_)
+    return "engine is not prepared: set every layer's host store and the "
+           "stream plan, then call prepare()";
+  // A chunk that failed before its end leaves its walk behind: stop it here
+  // so a new chunk always starts clean.
+  if (in_chunk_ || issuer_.joinable()) Abort();
+  Status s = BackendBegin(mode, stream);
+  if (!s.empty()) return Fail(s);
+  mode_ = mode;
+  gate_.Reset(opt_.n_layers, opt_.n_experts);
+  state_.Reset(static_cast<int64_t>(stream_.size()));
+  walk_failed_ = false;
+  walk_error_.clear();
+  walk_result_ = WalkResult{};
+  stats_.assign(static_cast<size_t>(opt_.n_layers), LayerStats{});
+  for (int l = 0; l < opt_.n_layers; ++l)
+    stats_[l].streamed = layer_begin_[l + 1] - layer_begin_[l];
+  in_chunk_ = true;
+  if (mode == ChunkMode::kStream && !stream_.empty()) {
+    if (opt_.routed && opt_.trace && !depth_line_printed_.exchange(true))
+      std::fprintf(stderr,
+                   "strata: routed stream on: depth %d (requested %d), ring "
+                   "%lld slots\n",
+                   depth_, opt_.depth, static_cast<long long>(opt_.ring));
+    StartWalk();
+  }
+  return {};
+}
+
+Status Engine::Publish(int layer, const void* counts, void* stream) {
+  if (!in_chunk_) return "publish outside a chunk (begin_chunk not run)";
+  if (layer < 0 || layer >= opt_.n_layers)
+    return Fail("publish: layer " + std::to_string(layer) +
+                " is outside the model's " + std::to_string(opt_.n_layers) +
+                " layers");
+  Status s = BackendPublish(layer, counts, stream);
+  if (!s.empty()) return Fail("publish, layer " + std::to_string(layer) + ": " + s);
+  return {};
+}
+
+Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
+                     void* out, int64_t out_bytes, void* stream) {
+  const std::string where = "fetch, layer " + std::to_string(layer) + ": ";
+  if (!in_chunk_) return where + "outside a chunk (begin_chunk not run)";
+  if (layer < 0 || layer >= opt_.n_layers)
+    return Fail(where + "outside the model's " + std::to_string(opt_.n_layers) +
+                " layers");
+  const int64_t blob = opt_.blob_bytes;
+  if (out_bytes != blob * opt_.n_experts)
+    return Fail(where + "output of " + std::to_string(out_bytes) +
+                " bytes; expected " + std::to_string(blob * opt_.n_experts));
+  const int64_t n_res = static_cast<int64_t>(resident_[layer].size());
+  if (resident_bytes != blob * n_res)
+    return Fail(where + "resident operand of " +
+                std::to_string(resident_bytes) + " bytes; the plan has " +
+                std::to_string(n_res) + " resident experts (" +
+                std::to_string(blob * n_res) + " bytes)");
+  if (fault_.load() != 0 && fault_layer_ == layer) {
+    Fault f = static_cast<Fault>(fault_.exchange(0));
+    if (f == Fault::kError) return Fail(where + "injected fault");
+    if (f == Fault::kStop) state_.RequestStop();
+  }
+  uint8_t* dst = static_cast<uint8_t*>(out);
+  const uint8_t* res = static_cast<const uint8_t*>(resident);
+  Status s;
+  for (int64_t r = 0; r < n_res; ++r) {
+    s = CopyResident(res + r * blob, dst + resident_[layer][r] * blob, blob,
+                     stream);
+    if (!s.empty()) return Fail(where + s);
+  }
+  LayerStats& st = stats_[layer];
+  const int64_t k0 = layer_begin_[layer], k1 = layer_begin_[layer + 1];
+  if (mode_ == ChunkMode::kStream) {
+    for (int64_t k = k0; k < k1; ++k) {
+      if (!state_.WaitIssued(k))
+        return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
+                                          : std::string("the walk was stopped")));
+      uint8_t* row = dst + stream_[k].expert * blob;
+      if (state_.entry_state(k) == EntryState::kCopied) {
+        s = ReadSlot(k, k % opt_.ring, row, stream);
+        ++st.copied;
+        st.bytes += blob;
+      } else {
+        s = ZeroRow(row, stream);  // no token reads it
+        ++st.skipped;
+      }
+      if (!s.empty()) return Fail(where + s);
+      state_.Consume(k);
+    }
+  } else {
+    if (k1 > k0) {
+      s = WaitPublished(layer);
+      if (!s.empty()) return Fail(where + s);
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      const StreamEntry& e = stream_[k];
+      uint8_t* row = dst + e.expert * blob;
+      if (gate_.Routed(e.layer, e.expert)) {
+        s = CopyDirect(e.layer, e.expert, row, stream);
+        ++st.copied;
+        st.bytes += blob;
+      } else {
+        s = ZeroRow(row, stream);
+        ++st.skipped;
+      }
+      if (!s.empty()) return Fail(where + s);
+    }
+  }
+  return {};
+}
+
+Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
+  if (!in_chunk_) return "end_chunk outside a chunk (begin_chunk not run)";
+  JoinIssuer();
+  if (walk_failed_) return Fail("the issuer failed: " + walk_error_);
+  for (int l = 0; l < opt_.n_layers; ++l) {
+    stats_host[2 * l] = static_cast<int32_t>(stats_[l].copied);
+    stats_host[2 * l + 1] = static_cast<int32_t>(stats_[l].skipped);
+  }
+  Status s = WriteStats(stats_host, stats_out,
+                        static_cast<int64_t>(opt_.n_layers) * 2 * 4, stream);
+  if (!s.empty()) return Fail("end_chunk: " + s);
+  last_stats_ = stats_;
+  ++chunks_;
+  if (opt_.trace) {
+    int64_t n = 0, copied = 0, skipped = 0;
+    for (const LayerStats& ls : stats_) {
+      n += ls.streamed;
+      copied += ls.copied;
+      skipped += ls.skipped;
+    }
+    std::fprintf(stderr,
+                 "strata: chunk %lld (%s, %s): ring entries %lld, copied "
+                 "%lld, skipped %lld\n",
+                 static_cast<long long>(chunks_),
+                 mode_ == ChunkMode::kStream
+                     ? (opt_.routed ? "routed stream" : "stream all")
+                     : "routed-only",
+                 Describe().c_str(), static_cast<long long>(n),
+                 static_cast<long long>(copied),
+                 static_cast<long long>(skipped));
+  }
+  in_chunk_ = false;
+  return {};
+}
+
+namespace {
+std::mutex g_registry_mu;
+std::map<int64_t, std::unique_ptr<Engine>>& Registry() {
+  static auto* r = new std::map<int64_t, std::unique_ptr<Engine>>();
+  return *r;
+}
+int64_t g_next_id = 1;
+}  // namespace
+
+int64_t RegisterEngine(std::unique_ptr<Engine> engine) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  int64_t id = g_next_id++;
+  Registry()[id] = std::move(engine);
+  return id;
+}
+
+Engine* FindEngine(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = Registry().find(id);
+  return it == Registry().end() ? nullptr : it->second.get();
+}
+
+bool DestroyEngine(int64_t id) {
+  std::unique_ptr<Engine> doomed;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto it = Registry().find(id);
+    if (it == Registry().end()) return false;
+    doomed = std::move(it->second);
+    Registry().erase(it);
+  }
+  doomed->Abort();
+  return true;
+}
+
+}  // namespace strata

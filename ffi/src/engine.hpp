@@ -1,0 +1,163 @@
+// The streaming engine behind the FFI handlers: configuration, the chunk
+// protocol (begin / publish / fetch / end) and what both backends share.
+//
+// A backend supplies the link (how a ring entry is copied and how the
+// consumer reads it) and publication (how a layer's counts reach the gate).
+// Everything else — stream list, gate, walk state, the issuer thread's life,
+// stats and trace lines — lives here once, so the CPU simulation exercises
+// the same protocol the CUDA backend runs.
+//
+// Failure rule: an error anywhere in a chunk stops the walk, joins the issuer
+// and leaves the engine ready for the next Begin. No thread outlives a failed
+// chunk, and no handler throws across the FFI boundary.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strata/routed_stream.hpp"
+
+namespace strata {
+
+using Status = std::string;  // empty: ok; otherwise the message
+
+enum class Backend : int32_t { kCpu = 0, kCuda = 1 };
+enum class ChunkMode : int32_t { kStream = 0, kRoutedOnly = 1 };
+
+// Filled from Python (ctypes Structure of the same layout).
+struct EngineOptions {
+  int32_t backend = 0;
+  int32_t n_layers = 0;
+  int32_t n_experts = 0;
+  int32_t routed = 0;
+  int64_t blob_bytes = 0;
+  int64_t ring = 0;
+  int32_t depth = kDefaultDepth;
+  int32_t trace = 0;
+  // Simulated link (CPU backend).
+  double sim_bandwidth = 0.0;
+  double sim_latency = 0.0;
+  double sim_jitter = 0.0;
+  uint64_t seed = 0;
+  // CUDA backend: 0 = pin the host store in place (cudaHostRegister),
+  // 1 = copy it into a pinned arena (cudaHostAlloc), 2 = do not pin: stage
+  // through pinned bounce buffers.
+  int32_t pin_mode = 0;
+  int32_t device = 0;
+};
+
+// Per layer and chunk, as returned to Python.
+struct LayerStats {
+  int64_t streamed = 0;
+  int64_t copied = 0;
+  int64_t skipped = 0;
+  int64_t bytes = 0;
+};
+
+// Fault injection for tests: at fetch of `layer`, fail (kError) or stop the
+// walk as a cancellation would (kStop). Cleared after it fires once.
+enum class Fault : int32_t { kNone = 0, kError = 1, kStop = 2 };
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& opt);
+  virtual ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Configuration, from Python, before the first chunk and between chunks.
+  Status SetLayerStore(int layer, const uint8_t* host, int64_t bytes);
+  Status SetPlan(const std::vector<StreamEntry>& stream,
+                 const std::vector<std::vector<int32_t>>& resident);
+  virtual Status Prepare() = 0;  // after the stores and plan are set
+
+  // The chunk protocol, from the FFI handlers. `stream` is the platform
+  // stream (cudaStream_t) or null on the CPU.
+  Status Begin(ChunkMode mode, void* stream);
+  Status Publish(int layer, const void* counts, void* stream);
+  Status Fetch(int layer, const void* resident, int64_t resident_bytes,
+               void* out, int64_t out_bytes, void* stream);
+  Status End(int32_t* stats_host, void* stats_out, void* stream);
+
+  // Stops and joins everything of the current chunk; the engine stays usable.
+  void Abort();
+
+  void InjectFault(int layer, Fault fault) {
+    fault_layer_ = layer;
+    fault_.store(static_cast<int32_t>(fault));
+  }
+  bool WalkActive() const { return issuer_.joinable(); }
+  const std::vector<LayerStats>& last_stats() const { return last_stats_; }
+  int64_t chunks() const { return chunks_; }
+  const EngineOptions& options() const { return opt_; }
+  int depth() const { return depth_; }
+
+ protected:
+  // Backend hooks.
+  virtual Status BackendBegin(ChunkMode mode, void* stream) = 0;
+  virtual void StartWalk() = 0;  // runs IssueWalk on issuer_ (stream mode)
+  virtual Status BackendPublish(int layer, const void* counts,
+                                void* stream) = 0;
+  // Copies entry k (copied by the walk) from its slot into `dst`, then
+  // releases the slot. Called in entry order.
+  virtual Status ReadSlot(int64_t k, int64_t slot, uint8_t* dst,
+                          void* stream) = 0;
+  // Copies a streamed expert straight from the host store (routed-only).
+  virtual Status CopyDirect(int layer, int expert, uint8_t* dst,
+                            void* stream) = 0;
+  virtual Status CopyResident(const uint8_t* src, uint8_t* dst, int64_t bytes,
+                              void* stream) = 0;
+  virtual Status ZeroRow(uint8_t* dst, void* stream) = 0;
+  virtual Status WriteStats(const int32_t* host, void* out, int64_t bytes,
+                            void* stream) = 0;
+  // Waits until layer's routing is in the gate (routed-only fetch).
+  virtual Status WaitPublished(int layer) = 0;
+  virtual void BackendAbort() = 0;
+  virtual std::string Describe() const = 0;
+
+  const uint8_t* HostBlob(int layer, int expert) const {
+    return stores_[layer] + static_cast<int64_t>(expert) * opt_.blob_bytes;
+  }
+  void JoinIssuer();
+  Status Fail(Status s);  // aborts the chunk and returns s
+
+  EngineOptions opt_;
+  int depth_ = kDefaultDepth;
+  std::vector<const uint8_t*> stores_;         // per layer [E, blob]
+  std::vector<StreamEntry> stream_;            // the chunk's stream list
+  std::vector<int64_t> layer_begin_;           // first entry of each layer
+  std::vector<std::vector<int32_t>> resident_; // per layer: resident experts
+  std::vector<std::vector<int32_t>> resident_row_;  // [l][e] -> row or -1
+  RouteGate gate_;
+  WalkState state_;
+  std::thread issuer_;
+  WalkResult walk_result_;
+  std::atomic<bool> walk_failed_{false};
+  std::string walk_error_;
+
+  bool in_chunk_ = false;
+  bool prepared_ = false;
+  ChunkMode mode_ = ChunkMode::kStream;
+  std::vector<LayerStats> stats_;
+  std::vector<LayerStats> last_stats_;
+  int64_t chunks_ = 0;
+  std::atomic<int32_t> fault_{0};
+  int fault_layer_ = -1;
+  static std::atomic<bool> depth_line_printed_;
+};
+
+std::unique_ptr<Engine> MakeCpuEngine(const EngineOptions& opt, Status* err);
+// Defined only in builds with CUDA; otherwise returns null with a message.
+std::unique_ptr<Engine> MakeCudaEngine(const EngineOptions& opt, Status* err);
+
+// Process-wide registry: FFI attributes carry an engine id.
+int64_t RegisterEngine(std::unique_ptr<Engine> engine);
+Engine* FindEngine(int64_t id);
+bool DestroyEngine(int64_t id);
+
+}  // namespace strata

@@ -1,0 +1,139 @@
+// XLA FFI handlers of the streaming engine: begin_chunk, publish, fetch and
+// end_chunk. One templated implementation; the CPU and CUDA registrations
+// (handlers_cpu.cc, handlers_cuda.cc) differ only in how the platform stream
+// is bound. Every engine error comes back as an ffi::Error naming the call
+// and the layer; nothing throws across the FFI boundary.
+#pragma once
+
+#include <exception>
+#include <utility>
+#include <string>
+#include <vector>
+
+#include "engine.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace strata::handlers {
+
+namespace ffi = xla::ffi;
+
+inline ffi::Error ToError(const Status& s) {
+  return s.empty() ? ffi::Error::Success() : ffi::Error::Internal("strata: " + s);
+}
+
+inline Engine* Lookup(int64_t id, Status* err) {
+  Engine* e = FindEngine(id);
+  if (!e)
+    *err = "no engine with id " + std::to_string(id) +
+           " (closed, or made in another process)";
+  return e;
+}
+
+template <class Fn>
+ffi::Error Guard(const char* call, Fn fn) {
+  try {
+    return ToError(fn());
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(std::string("strata: ") + call + ": " + ex.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string("strata: ") + call +
+                                ": unknown exception");
+  }
+}
+
+inline ffi::Error Begin(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>,
+                        int64_t engine, int32_t mode) {
+  return Guard("begin_chunk", [&]() -> Status {
+    Status err;
+    Engine* e = Lookup(engine, &err);
+    if (!e) return err;
+    if (mode != 0 && mode != 1)
+      return "begin_chunk: mode " + std::to_string(mode) + " is not 0 or 1";
+    return e->Begin(static_cast<ChunkMode>(mode), stream);
+  });
+}
+
+inline ffi::Error Publish(void* stream, ffi::AnyBuffer, ffi::AnyBuffer counts,
+                          ffi::Result<ffi::AnyBuffer>, int64_t engine,
+                          int32_t layer) {
+  return Guard("publish", [&]() -> Status {
+    Status err;
+    Engine* e = Lookup(engine, &err);
+    if (!e) return err;
+    if (counts.element_type() != ffi::DataType::S32 ||
+        counts.element_count() != static_cast<size_t>(e->options().n_experts))
+      return "publish, layer " + std::to_string(layer) +
+             ": counts must be int32[" +
+             std::to_string(e->options().n_experts) + "]";
+    return e->Publish(layer, counts.untyped_data(), stream);
+  });
+}
+
+inline ffi::Error Fetch(void* stream, ffi::AnyBuffer, ffi::AnyBuffer resident,
+                        ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer>, int64_t engine,
+                        int32_t layer) {
+  return Guard("fetch", [&]() -> Status {
+    Status err;
+    Engine* e = Lookup(engine, &err);
+    if (!e) return err;
+    return e->Fetch(layer, resident.untyped_data(),
+                    static_cast<int64_t>(resident.size_bytes()),
+                    out->untyped_data(), static_cast<int64_t>(out->size_bytes()),
+                    stream);
+  });
+}
+
+inline ffi::Error End(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> stats,
+                      int64_t engine) {
+  return Guard("end_chunk", [&]() -> Status {
+    Status err;
+    Engine* e = Lookup(engine, &err);
+    if (!e) return err;
+    const int64_t want = 2LL * e->options().n_layers * 4;
+    if (static_cast<int64_t>(stats->size_bytes()) != want)
+      return "end_chunk: stats output must be int32[" +
+             std::to_string(e->options().n_layers) + ", 2]";
+    std::vector<int32_t> host(static_cast<size_t>(2 * e->options().n_layers));
+    return e->End(host.data(), stats->untyped_data(), stream);
+  });
+}
+
+// Bindings: one .Arg/.Ret/.Attr per line. `b` is Ffi::Bind(), with the
+// platform stream's .Ctx on CUDA.
+template <class B>
+auto BeginBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Ret<ffi::AnyBuffer>()   // token
+      .template Attr<int64_t>("engine")
+      .template Attr<int32_t>("mode");
+}
+template <class B>
+auto PublishBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Arg<ffi::AnyBuffer>()   // counts: int32[E]
+      .template Ret<ffi::AnyBuffer>()   // token
+      .template Attr<int64_t>("engine")
+      .template Attr<int32_t>("layer");
+}
+template <class B>
+auto FetchBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
+      .template Ret<ffi::AnyBuffer>()   // weights: [E, blob]
+      .template Ret<ffi::AnyBuffer>()   // token
+      .template Attr<int64_t>("engine")
+      .template Attr<int32_t>("layer");
+}
+template <class B>
+auto EndBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Ret<ffi::AnyBuffer>()   // stats: int32[L, 2] (copied, skipped)
+      .template Attr<int64_t>("engine");
+}
+
+}  // namespace strata::handlers

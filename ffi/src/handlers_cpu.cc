@@ -1,0 +1,35 @@
+// Registration of the handlers for platform "cpu" (the simulated link).
+#include "handlers.hpp"
+
+namespace h = strata::handlers;
+namespace ffi = xla::ffi;
+
+namespace {
+ffi::Error BeginCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o,
+                    int64_t engine, int32_t mode) {
+  return h::Begin(nullptr, t, o, engine, mode);
+}
+ffi::Error PublishCpu(ffi::AnyBuffer t, ffi::AnyBuffer c,
+                      ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                      int32_t layer) {
+  return h::Publish(nullptr, t, c, o, engine, layer);
+}
+ffi::Error FetchCpu(ffi::AnyBuffer t, ffi::AnyBuffer r,
+                    ffi::Result<ffi::AnyBuffer> w, ffi::Result<ffi::AnyBuffer> o,
+                    int64_t engine, int32_t layer) {
+  return h::Fetch(nullptr, t, r, w, o, engine, layer);
+}
+ffi::Error EndCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> s,
+                  int64_t engine) {
+  return h::End(nullptr, t, s, engine);
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataBeginCpu, BeginCpu,
+                              h::BeginBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPublishCpu, PublishCpu,
+                              h::PublishBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFetchCpu, FetchCpu,
+                              h::FetchBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataEndCpu, EndCpu,
+                              h::EndBinding(ffi::Ffi::Bind()));

@@ -1,0 +1,513 @@
+// GPU-free test of the routed issuer walk (strata/routed_stream.hpp) against
+// the simulated link (strata/sim_link.hpp), with real threads and atomics.
+//
+// Each simulated chunk runs three threads, as the engine does: the issuer
+// (IssueWalk), the consumer (walks the layers in order like fetch: waits for
+// issued > k, reads and checks the slot of every copied entry, releases it)
+// and the publisher (publishes each layer's routing when the consumer reaches
+// it, after a random delay, like the host callback after the router). On every
+// chunk it asserts:
+//   - every routed entry is copied exactly once, into slot k % ring, and the
+//     consumer reads its own bytes;
+//   - only unrouted, non-staged entries of published layers are skipped;
+//   - never more than `depth` copies are queued (switch on);
+//   - no copy is issued past the ring nor writes a slot still being read;
+//   - issued covers every entry;
+//   - with the switch off nothing is skipped.
+// Exit status 0 when every check held; the first failures are printed.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strata/routed_stream.hpp"
+#include "strata/sim_link.hpp"
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+
+#define CHECK(cond, ...)                                               \
+  do {                                                                 \
+    ++g_checks;                                                        \
+    if (!(cond)) {                                                     \
+      if (++g_failures <= 20) {                                        \
+        std::fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__,    \
+                     __LINE__, #cond);                                 \
+        std::fprintf(stderr, __VA_ARGS__);                             \
+        std::fprintf(stderr, "\n");                                    \
+      }                                                                \
+    }                                                                  \
+  } while (0)
+
+using strata::EntryState;
+using strata::RouteGate;
+using strata::SimLink;
+using strata::SimLinkOptions;
+using strata::StreamEntry;
+using strata::WalkConfig;
+using strata::WalkResult;
+using strata::WalkState;
+
+// A model's host store: every (layer, expert) blob filled with bytes derived
+// from its identity, so a slot holding the wrong expert is caught.
+struct Store {
+  int n_layers, n_experts;
+  int64_t blob_bytes;
+  std::vector<uint8_t> bytes;
+  Store(int L, int E, int64_t b) : n_layers(L), n_experts(E), blob_bytes(b) {
+    bytes.resize(static_cast<size_t>(L) * E * b);
+    for (int l = 0; l < L; ++l)
+      for (int e = 0; e < E; ++e)
+        for (int64_t i = 0; i < b; ++i)
+          bytes[(static_cast<size_t>(l) * E + e) * b + i] =
+              static_cast<uint8_t>((l * 131 + e * 31 + i * 7 + 1) & 0xff);
+  }
+  const uint8_t* blob(int l, int e) const {
+    return bytes.data() + (static_cast<size_t>(l) * n_experts + e) * blob_bytes;
+  }
+};
+
+struct Chunk {
+  std::string name;
+  int n_layers = 1, n_experts = 1;
+  std::vector<StreamEntry> entries;
+  std::vector<std::vector<int32_t>> counts;  // [layer][expert]
+  WalkConfig cfg;
+  SimLinkOptions link;
+  // Publisher: delay before each layer's routing lands (microseconds), and
+  // whether every layer is published before the walk starts.
+  int max_publish_delay_us = 0;
+  bool publish_all_first = false;
+  bool publish_none = false;
+  // Consumer: wait this long before starting (lets the issuer run ahead).
+  int consumer_start_delay_us = 0;
+};
+
+// Records what the walk asked of the link, then forwards to the SimLink.
+struct RecordingLink {
+  SimLink* link;
+  int64_t ring;
+  std::vector<int> copies;  // per entry
+  std::vector<int64_t> slots;
+  int64_t bad_slot = 0;
+  void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
+    ++copies[k];
+    slots[k] = slot;
+    if (slot != k % ring) ++bad_slot;
+    link->IssueCopy(k, slot, e);
+  }
+  bool CopyLanded(int64_t k) { return link->CopyLanded(k); }
+};
+
+struct Outcome {
+  WalkResult res;
+  std::vector<int> copies;
+  int64_t max_queued = 0;
+};
+
+Outcome RunChunk(const Chunk& c) {
+  Store store(c.n_layers, c.n_experts, 64 + (c.n_experts % 5) * 8);
+  const int64_t n = static_cast<int64_t>(c.entries.size());
+  std::vector<uint8_t> ring(static_cast<size_t>(c.cfg.ring * store.blob_bytes));
+  SimLink link(
+      [&](const StreamEntry& e) { return store.blob(e.layer, e.expert); },
+      store.blob_bytes, ring.data(), c.cfg.ring, c.link);
+  RouteGate gate(c.n_layers, c.n_experts);
+  WalkState st;
+  st.Reset(n);
+  link.BeginChunk(&st);
+  RecordingLink rec{&link, c.cfg.ring, std::vector<int>(n, 0),
+                    std::vector<int64_t>(n, -1)};
+
+  if (c.publish_all_first)
+    for (int l = 0; l < c.n_layers; ++l) gate.Publish(l, c.counts[l].data());
+
+  std::atomic<int> reached{-1};
+  std::atomic<bool> consumer_done{false};
+  Outcome out;
+
+  std::thread issuer([&] {
+    out.res = strata::IssueWalk(c.entries, c.cfg, gate, st, rec);
+  });
+  std::thread publisher([&] {
+    if (c.publish_all_first || c.publish_none) return;
+    std::mt19937 rng(static_cast<unsigned>(n * 7 + c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {
+      while (reached.load(std::memory_order_acquire) < l &&
+             !consumer_done.load())
+        std::this_thread::yield();
+      if (c.max_publish_delay_us > 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(
+            std::uniform_int_distribution<int>(0, c.max_publish_delay_us)(
+                rng)));
+      gate.Publish(l, c.counts[l].data());
+      st.Notify();
+    }
+  });
+  std::thread consumer([&] {
+    if (c.consumer_start_delay_us > 0)
+      std::this_thread::sleep_for(
+          std::chrono::microseconds(c.consumer_start_delay_us));
+    int64_t k = 0;
+    for (int l = 0; l < c.n_layers; ++l) {
+      reached.store(l, std::memory_order_release);
+      for (; k < n && c.entries[k].layer == l; ++k) {
+        const StreamEntry& e = c.entries[k];
+        bool ok = st.WaitIssued(k);
+        CHECK(ok, "[%s] consumer: walk stopped before entry %lld",
+              c.name.c_str(), (long long)k);
+        if (!ok) {
+          consumer_done = true;
+          return;
+        }
+        bool routed = c.counts[e.layer][e.expert] > 0;
+        EntryState s = st.entry_state(k);
+        if (routed)
+          CHECK(s == EntryState::kCopied,
+                "[%s] routed entry %lld (layer %d expert %d) not copied",
+                c.name.c_str(), (long long)k, e.layer, e.expert);
+        if (s == EntryState::kCopied) {
+          int64_t slot = k % c.cfg.ring;
+          CHECK(link.WaitCopied(k, slot, st), "[%s] copy %lld never landed",
+                c.name.c_str(), (long long)k);
+          CHECK(std::memcmp(link.Slot(slot), store.blob(e.layer, e.expert),
+                            store.blob_bytes) == 0,
+                "[%s] entry %lld read foreign bytes from slot %lld",
+                c.name.c_str(), (long long)k, (long long)slot);
+          link.ReleaseSlot(k, slot);
+        }
+        st.Consume(k);
+      }
+    }
+    consumer_done = true;
+  });
+  issuer.join();
+  consumer.join();
+  publisher.join();
+  link.Drain();
+
+  CHECK(!out.res.stopped, "[%s] walk reported a stop", c.name.c_str());
+  CHECK(st.issued.load() == n, "[%s] issued %lld of %lld entries",
+        c.name.c_str(), (long long)st.issued.load(), (long long)n);
+  CHECK(rec.bad_slot == 0, "[%s] %lld copies into a slot other than k %% ring",
+        c.name.c_str(), (long long)rec.bad_slot);
+  CHECK(link.ring_violations() == 0, "[%s] %lld copies issued past the ring",
+        c.name.c_str(), (long long)link.ring_violations());
+  CHECK(link.slot_violations() == 0,
+        "[%s] %lld copies overwrote a slot still in use", c.name.c_str(),
+        (long long)link.slot_violations());
+  int64_t copied = 0, skipped = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const StreamEntry& e = c.entries[k];
+    bool routed = c.counts[e.layer][e.expert] > 0;
+    EntryState s = st.entry_state(k);
+    CHECK(s != EntryState::kPending, "[%s] entry %lld left pending",
+          c.name.c_str(), (long long)k);
+    CHECK(rec.copies[k] == (s == EntryState::kCopied ? 1 : 0),
+          "[%s] entry %lld copied %d times (state %d)", c.name.c_str(),
+          (long long)k, rec.copies[k], (int)s);
+    if (s == EntryState::kSkipped) {
+      ++skipped;
+      CHECK(c.cfg.routed, "[%s] entry %lld skipped with the switch off",
+            c.name.c_str(), (long long)k);
+      CHECK(!routed, "[%s] routed entry %lld skipped", c.name.c_str(),
+            (long long)k);
+      CHECK(!e.staged, "[%s] staged entry %lld skipped", c.name.c_str(),
+            (long long)k);
+      CHECK(!c.publish_none, "[%s] entry %lld skipped with nothing published",
+            c.name.c_str(), (long long)k);
+    } else {
+      ++copied;
+    }
+    // Routing published before the walk: every unrouted, non-staged entry
+    // must be skipped (switch on), so the skip is exact, not best-effort.
+    if (c.publish_all_first && c.cfg.routed && !routed && !e.staged)
+      CHECK(s == EntryState::kSkipped,
+            "[%s] entry %lld unrouted and published before the walk, but "
+            "copied",
+            c.name.c_str(), (long long)k);
+  }
+  CHECK(copied == out.res.copied && skipped == out.res.skipped,
+        "[%s] walk counts %lld/%lld differ from states %lld/%lld",
+        c.name.c_str(), (long long)out.res.copied,
+        (long long)out.res.skipped, (long long)copied, (long long)skipped);
+  out.max_queued = link.max_queued();
+  if (c.cfg.routed) {
+    int depth = strata::ClampDepth(c.cfg.depth);
+    CHECK(out.max_queued <= depth, "[%s] %lld copies queued, depth %d",
+          c.name.c_str(), (long long)out.max_queued, depth);
+  }
+  out.copies = rec.copies;
+  return out;
+}
+
+Chunk RandomChunk(std::mt19937_64& rng, int index) {
+  auto uni = [&](int lo, int hi) {
+    return std::uniform_int_distribution<int>(lo, hi)(rng);
+  };
+  Chunk c;
+  c.name = "random-" + std::to_string(index);
+  c.n_layers = uni(1, 6);
+  c.n_experts = uni(1, 24);
+  double p_stream = std::uniform_real_distribution<double>(0.2, 1.0)(rng);
+  double p_unrouted = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+  double p_staged = uni(0, 2) == 0 ? 0.2 : 0.0;
+  size_t max_layer = 0;
+  c.counts.assign(c.n_layers, std::vector<int32_t>(c.n_experts, 0));
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::vector<int> experts;
+    for (int e = 0; e < c.n_experts; ++e) {
+      c.counts[l][e] = std::bernoulli_distribution(p_unrouted)(rng)
+                           ? 0
+                           : uni(1, 100);
+      if (std::bernoulli_distribution(p_stream)(rng)) experts.push_back(e);
+    }
+    std::shuffle(experts.begin(), experts.end(), rng);  // profile order
+    for (int e : experts)
+      c.entries.push_back(
+          {l, e, std::bernoulli_distribution(p_staged)(rng)});
+    max_layer = std::max(max_layer, experts.size());
+  }
+  c.cfg.ring = uni(1, static_cast<int>(max_layer) * 2 + 2);
+  c.cfg.depth = uni(0, 3) == 0 ? uni(-3, 300) : uni(1, 8);
+  c.cfg.routed = uni(0, 3) != 0;
+  c.cfg.poll = std::chrono::microseconds(uni(5, 50));
+  c.link.bandwidth = uni(0, 1) ? 0.0 : 2e6 * uni(1, 50);
+  c.link.latency = uni(0, 1) ? 0.0 : 1e-6 * uni(1, 200);
+  c.link.jitter = uni(0, 2) == 0 ? 1e-6 * uni(1, 300) : 0.0;
+  c.link.seed = static_cast<uint64_t>(index);
+  c.max_publish_delay_us = uni(0, 400);
+  c.consumer_start_delay_us = uni(0, 3) == 0 ? uni(0, 2000) : 0;
+  int mode = uni(0, 9);
+  c.publish_all_first = mode == 0;
+  c.publish_none = mode == 1;
+  return c;
+}
+
+// A chunk whose layers are all streamed, with a given routing pattern.
+Chunk FixedChunk(const std::string& name, int L, int E, int ring, int depth,
+                 bool routed, int unrouted_every) {
+  Chunk c;
+  c.name = name;
+  c.n_layers = L;
+  c.n_experts = E;
+  c.counts.assign(L, std::vector<int32_t>(E, 0));
+  for (int l = 0; l < L; ++l)
+    for (int e = 0; e < E; ++e) {
+      c.counts[l][e] =
+          (unrouted_every > 0 && (e + l) % unrouted_every == 0) ? 0 : 3;
+      c.entries.push_back({l, e, false});
+    }
+  c.cfg.ring = ring;
+  c.cfg.depth = depth;
+  c.cfg.routed = routed;
+  return c;
+}
+
+void TestFixed() {
+  // 1. Everything published up front: the skip is exact.
+  {
+    Chunk c = FixedChunk("fixed-published-first", 4, 16, 20, 4, true, 2);
+    c.publish_all_first = true;
+    Outcome o = RunChunk(c);
+    CHECK(o.res.skipped == 4 * 8, "skipped %lld of 32 unrouted",
+          (long long)o.res.skipped);
+  }
+  // 2. Nothing published: nothing skipped, even with the switch on.
+  {
+    Chunk c = FixedChunk("fixed-unpublished", 3, 8, 10, 2, true, 2);
+    c.publish_none = true;
+    Outcome o = RunChunk(c);
+    CHECK(o.res.skipped == 0, "skipped %lld with nothing published",
+          (long long)o.res.skipped);
+  }
+  // 3. Switch off, everything published, a slow link and a consumer that
+  //    starts late: nothing is skipped, and the queue runs as far ahead as
+  //    the ring allows (no depth rule).
+  {
+    Chunk c = FixedChunk("fixed-switch-off", 2, 12, 24, 2, false, 2);
+    c.publish_all_first = true;
+    c.link.latency = 200e-6;
+    c.consumer_start_delay_us = 5000;
+    Outcome o = RunChunk(c);
+    CHECK(o.res.skipped == 0, "switch off skipped %lld",
+          (long long)o.res.skipped);
+    CHECK(o.max_queued > 2, "switch off queued at most %lld: depth applied",
+          (long long)o.max_queued);
+  }
+  // 4. The same with the switch on: at most depth queued.
+  {
+    Chunk c = FixedChunk("fixed-switch-on-depth", 2, 12, 24, 2, true, 0);
+    c.link.latency = 200e-6;
+    c.consumer_start_delay_us = 5000;
+    Outcome o = RunChunk(c);
+    CHECK(o.max_queued <= 2, "queued %lld with depth 2",
+          (long long)o.max_queued);
+  }
+  // 5. A ring of one slot: the walk and the consumer alternate.
+  {
+    Chunk c = FixedChunk("fixed-ring-1", 3, 5, 1, 16, true, 3);
+    c.max_publish_delay_us = 100;
+    RunChunk(c);
+  }
+  // 6. Staged entries are never skipped.
+  {
+    Chunk c = FixedChunk("fixed-staged", 2, 10, 12, 4, true, 1);  // all unrouted
+    for (auto& e : c.entries) e.staged = (e.expert % 2 == 0);
+    c.publish_all_first = true;
+    Outcome o = RunChunk(c);
+    CHECK(o.res.copied == 10 && o.res.skipped == 10,
+          "staged: copied %lld skipped %lld, want 10/10",
+          (long long)o.res.copied, (long long)o.res.skipped);
+  }
+  // 7. Depth outside 1..256 is clamped.
+  {
+    bool clamped = false;
+    CHECK(strata::ClampDepth(0, &clamped) == 1 && clamped, "depth 0 -> 1");
+    CHECK(strata::ClampDepth(1000, &clamped) == 256 && clamped, "1000 -> 256");
+    CHECK(strata::ClampDepth(16, &clamped) == 16 && !clamped, "16 stays");
+    Chunk c = FixedChunk("fixed-depth-0", 2, 6, 8, 0, true, 2);
+    c.link.latency = 100e-6;
+    Outcome o = RunChunk(c);
+    CHECK(o.max_queued <= 1, "depth 0 clamped to 1, queued %lld",
+          (long long)o.max_queued);
+  }
+  // 8. An empty chunk completes at once.
+  {
+    Chunk c = FixedChunk("fixed-empty", 2, 4, 4, 16, true, 0);
+    c.entries.clear();
+    auto t0 = std::chrono::steady_clock::now();
+    Outcome o = RunChunk(c);
+    double ms = std::chrono::duration<double, std::milli>(
+                    std::chrono::steady_clock::now() - t0)
+                    .count();
+    CHECK(o.res.copied == 0 && o.res.skipped == 0, "empty chunk did work");
+    CHECK(ms < 100, "empty chunk took %.1f ms", ms);
+  }
+}
+
+void TestBadInput() {
+  std::vector<StreamEntry> entries = {{0, 0, false}, {1, 3, false}};
+  CHECK(strata::ValidateStreamList(entries, 2, 4).empty(), "valid list");
+  std::string m = strata::ValidateStreamList(entries, 2, 3);
+  CHECK(m.find("expert 3") != std::string::npos, "bad expert: '%s'", m.c_str());
+  m = strata::ValidateStreamList(entries, 1, 4);
+  CHECK(m.find("layer 1") != std::string::npos, "bad layer: '%s'", m.c_str());
+  m = strata::ValidateStreamList(entries, -1, 4);
+  CHECK(m.find("negative layer count") != std::string::npos, "'%s'", m.c_str());
+  m = strata::ValidateStreamList(entries, 2, -2);
+  CHECK(m.find("negative expert count") != std::string::npos, "'%s'",
+        m.c_str());
+  std::vector<StreamEntry> backwards = {{1, 0, false}, {0, 0, false}};
+  m = strata::ValidateStreamList(backwards, 2, 4);
+  CHECK(m.find("layer order") != std::string::npos, "'%s'", m.c_str());
+
+  bool threw = false;
+  try {
+    RouteGate g(-1, 4);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw, "negative gate size accepted");
+
+  threw = false;
+  try {
+    RouteGate gate(1, 1);
+    WalkState st;
+    st.Reset(1);
+    WalkConfig cfg;
+    cfg.ring = 0;
+    struct NullLink {
+      void IssueCopy(int64_t, int64_t, const StreamEntry&) {}
+      bool CopyLanded(int64_t) { return true; }
+    } link;
+    strata::IssueWalk(std::vector<StreamEntry>{{0, 0, false}}, cfg, gate, st,
+                      link);
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("ring of 0") != std::string::npos;
+  }
+  CHECK(threw, "a ring of 0 slots was accepted");
+}
+
+// A stop requested mid-walk ends the walk and the link within 100 ms with
+// no thread left running; the next walk on the same link works.
+void TestStop() {
+  const int L = 4, E = 64;
+  Store store(L, E, 256);
+  std::vector<StreamEntry> entries;
+  for (int l = 0; l < L; ++l)
+    for (int e = 0; e < E; ++e) entries.push_back({l, e, false});
+  const int64_t ring_slots = 16;
+  std::vector<uint8_t> ring(ring_slots * store.blob_bytes);
+  SimLinkOptions opt;
+  opt.latency = 20e-3;  // a very slow link: the walk is mid-chunk for seconds
+  SimLink link([&](const StreamEntry& e) { return store.blob(e.layer, e.expert); },
+               store.blob_bytes, ring.data(), ring_slots, opt);
+  RouteGate gate(L, E);
+  WalkState st;
+  for (int round = 0; round < 2; ++round) {
+    st.Reset(static_cast<int64_t>(entries.size()));
+    gate.Reset(L, E);
+    link.BeginChunk(&st);
+    WalkConfig cfg;
+    cfg.ring = ring_slots;
+    cfg.depth = 4;
+    cfg.routed = true;
+    WalkResult res;
+    std::thread issuer(
+        [&] { res = strata::IssueWalk(entries, cfg, gate, st, link); });
+    std::thread consumer([&] {
+      for (int64_t k = 0; k < static_cast<int64_t>(entries.size()); ++k) {
+        if (!st.WaitIssued(k)) return;
+        if (st.entry_state(k) == EntryState::kCopied) {
+          if (!link.WaitCopied(k, k % ring_slots, st)) return;
+          link.ReleaseSlot(k, k % ring_slots);
+        }
+        st.Consume(k);
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    auto t0 = std::chrono::steady_clock::now();
+    st.RequestStop();
+    issuer.join();
+    consumer.join();
+    link.Abort();
+    double ms = std::chrono::duration<double, std::milli>(
+                    std::chrono::steady_clock::now() - t0)
+                    .count();
+    CHECK(res.stopped, "round %d: walk did not report the stop", round);
+    CHECK(ms < 100, "round %d: stop took %.1f ms", round, ms);
+    CHECK(st.issued.load() < static_cast<int64_t>(entries.size()),
+          "round %d: walk finished before the stop", round);
+  }
+  link.Shutdown();
+  CHECK(!link.running(), "link worker still running after shutdown");
+
+  // The next walk after the stops: a full chunk, fast link.
+  Chunk c = FixedChunk("after-stop", 3, 8, 6, 4, true, 2);
+  c.max_publish_delay_us = 50;
+  RunChunk(c);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int n_random = argc > 1 ? std::atoi(argv[1]) : 60;
+  uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261130;
+  TestBadInput();
+  TestFixed();
+  TestStop();
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < n_random; ++i) RunChunk(RandomChunk(rng, i));
+  std::printf("routed_stream_test: %d random chunks (seed %llu), %d checks, %d "
+              "failures\n",
+              n_random, (unsigned long long)seed, g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}

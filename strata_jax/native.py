@@ -1,0 +1,120 @@
+"""Loads the native library and registers its XLA FFI targets.
+
+The library (``strata_jax/_native``, built by scikit-build-core from ``ffi/``)
+is an importable extension module so that editable installs find it by name;
+its functions are reached through ctypes. The failure this module guards
+against is an obscure ImportError or segfault deep inside a prefill: a missing
+or mismatched build is reported once, here, with the way to fix it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+
+import jax
+
+__all__ = ["EngineOptions", "lib", "has_cuda", "register_targets", "TARGETS"]
+
+# XLA custom-call names; the same names are registered for "cpu" and "CUDA".
+TARGETS = {
+    "begin": "strata_begin_chunk",
+    "publish": "strata_publish",
+    "fetch": "strata_fetch",
+    "end": "strata_end_chunk",
+}
+_SYMBOLS = {
+    "begin": "StrataBegin",
+    "publish": "StrataPublish",
+    "fetch": "StrataFetch",
+    "end": "StrataEnd",
+}
+
+
+class EngineOptions(ctypes.Structure):
+    """Mirror of ``strata::EngineOptions`` (ffi/src/engine.hpp)."""
+
+    _fields_ = [
+        ("backend", ctypes.c_int32),
+        ("n_layers", ctypes.c_int32),
+        ("n_experts", ctypes.c_int32),
+        ("routed", ctypes.c_int32),
+        ("blob_bytes", ctypes.c_int64),
+        ("ring", ctypes.c_int64),
+        ("depth", ctypes.c_int32),
+        ("trace", ctypes.c_int32),
+        ("sim_bandwidth", ctypes.c_double),
+        ("sim_latency", ctypes.c_double),
+        ("sim_jitter", ctypes.c_double),
+        ("seed", ctypes.c_uint64),
+        ("pin_mode", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+    ]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    p = c.c_void_p
+    sigs = {
+        "strata_options_size": (c.c_int64, []),
+        "strata_has_cuda": (c.c_int, []),
+        "strata_engine_create": (c.c_int64, [c.POINTER(EngineOptions), c.c_char_p, c.c_int64]),
+        "strata_engine_set_store": (c.c_int, [c.c_int64, c.c_int32, p, c.c_int64, c.c_char_p, c.c_int64]),
+        "strata_engine_set_plan": (
+            c.c_int,
+            [c.c_int64, p, p, p, c.c_int64, p, p, c.c_int64, c.c_char_p, c.c_int64],
+        ),
+        "strata_engine_prepare": (c.c_int, [c.c_int64, c.c_char_p, c.c_int64]),
+        "strata_engine_destroy": (c.c_int, [c.c_int64]),
+        "strata_engine_abort": (c.c_int, [c.c_int64]),
+        "strata_engine_walk_active": (c.c_int, [c.c_int64]),
+        "strata_engine_inject_fault": (c.c_int, [c.c_int64, c.c_int32, c.c_int32]),
+        "strata_engine_depth": (c.c_int, [c.c_int64]),
+        "strata_engine_last_stats": (c.c_int, [c.c_int64, p, c.c_int64]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+@functools.cache
+def lib() -> ctypes.CDLL:
+    """The native library, loaded once; raises ImportError saying how to build it."""
+    try:
+        mod = importlib.import_module("strata_jax._native")
+    except ImportError as e:
+        raise ImportError(
+            "strata_jax's native library is missing (strata_jax/_native was not "
+            "built). Install the package with `pip install -e .[test]` (or, where "
+            "there is no network, `pip install --no-build-isolation --no-deps -e .`) "
+            f"so scikit-build-core compiles ffi/. Cause: {e}"
+        ) from e
+    handle = ctypes.CDLL(mod.__file__)
+    _declare(handle)
+    size = handle.strata_options_size()
+    if size != ctypes.sizeof(EngineOptions):
+        raise ImportError(
+            f"strata_jax/_native is out of date: EngineOptions is {size} bytes in "
+            f"the library and {ctypes.sizeof(EngineOptions)} in Python; rebuild "
+            "with `pip install -e .`"
+        )
+    return handle
+
+
+def has_cuda() -> bool:
+    """Whether the native library was built with the CUDA backend."""
+    return bool(lib().strata_has_cuda())
+
+
+@functools.cache
+def register_targets() -> None:
+    """Registers the FFI targets for "cpu" and, when built with CUDA, "CUDA"."""
+    handle = lib()
+    for key, name in TARGETS.items():
+        fn = getattr(handle, _SYMBOLS[key] + "Cpu")
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
+        if has_cuda():
+            fn = getattr(handle, _SYMBOLS[key] + "Cuda")
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="CUDA")

@@ -1,0 +1,481 @@
+"""The expert stream: switches, the host store, the native engine and its JAX ops.
+
+A `StreamEngine` owns one native engine (ffi/src/engine.hpp): the host expert
+store, the ring, the issuer thread and the route gate. Inside a jitted chunk,
+`StreamedExperts` is the model's expert source: after each MoE layer's router
+it publishes the layer's per-expert counts (`publish`) and takes the layer's
+full expert weights from the stream (`fetch`); `begin`/`end` bracket the
+chunk. The four are XLA FFI custom calls threaded by a token so XLA keeps
+their order; the same names are registered for "cpu" (simulated link) and
+"CUDA".
+
+The failure this guards against: an expert the chunk needs that is not where
+the math reads it. Every routed expert's bytes arrive unchanged, skipped
+experts have no token, so the outputs are the same bits in every mode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import threading
+import warnings
+import weakref
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import native
+from .config import ModelConfig
+from .experts import ExpertWeights, blob_size, unpack_expert_blobs
+
+__all__ = [
+    "StreamConfig",
+    "StreamEngine",
+    "StreamedExperts",
+    "ChunkStats",
+    "DEPTH_MIN",
+    "DEPTH_MAX",
+]
+
+DEPTH_MIN, DEPTH_MAX = 1, 256
+_ENV_ROUTED = "STRATA_PREFILL_ROUTED_STREAM"
+_ENV_DEPTH = "STRATA_PREFILL_ROUTED_STREAM_DEPTH"
+_ENV_TRACE = "STRATA_TRACE"
+_PIN_MODES = {"register": 0, "arena": 1, "none": 2}
+_MODE_STREAM, _MODE_ROUTED_ONLY = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """How experts stream. Environment overrides are read once, when an engine is made.
+
+    Attributes:
+        routed: The routed switch: skip ring entries whose layer's routing
+            landed before they were issued and whose expert no token routes
+            to, and keep at most `depth` copies queued. Overridden by
+            STRATA_PREFILL_ROUTED_STREAM=0/1.
+        depth: Copies queued ahead of the link with the switch on; clamped to
+            1..256 with a warning. Overridden by STRATA_PREFILL_ROUTED_STREAM_DEPTH.
+        ring: Ring slots; None sizes it to two layers' streamed experts (one
+            layer plus a layer of read-ahead), capped by `ring_budget_gib`.
+        ring_budget_gib: Device memory the ring may take when `ring` is None.
+        stream_floor: Chunks shorter than this many tokens use routed-only
+            fetch (wait for the routing, copy only the routed experts).
+        resident_per_layer: Experts kept resident on the device per MoE layer
+            (the hottest by `profile`, else the lowest ids).
+        resident_budget_gib: Alternatively, device memory for resident experts;
+            the hottest experts by `profile` (globally) fill it.
+        profile: Per-(layer, expert) routing counts, int [n_layers, n_experts]:
+            orders each layer's stream list hottest first and chooses residents.
+        backend: "auto" (CUDA when JAX runs on a GPU and the library has CUDA),
+            "cpu" (simulated link) or "cuda".
+        pin: CUDA host store: "register" (cudaHostRegister in place), "arena"
+            (copy into cudaHostAlloc memory) or "none" (stage through pinned
+            bounce buffers; such entries are never skipped).
+        sim_bandwidth: Simulated link bandwidth in bytes/s (CPU backend); 0 is unlimited.
+        sim_latency: Simulated per-copy latency in seconds (CPU backend).
+        sim_jitter: Up to this many extra seconds per copy, uniform (CPU backend).
+        seed: Seed of the simulated link's jitter.
+        trace: Print per-chunk copied/skipped lines; None reads STRATA_TRACE.
+        device: CUDA device ordinal.
+    """
+
+    routed: bool = True
+    depth: int = 16
+    ring: int | None = None
+    ring_budget_gib: float = 4.0
+    stream_floor: int = 1024
+    resident_per_layer: int = 0
+    resident_budget_gib: float | None = None
+    profile: np.ndarray | None = dataclasses.field(default=None, compare=False, hash=False)
+    backend: str = "auto"
+    pin: str = "register"
+    sim_bandwidth: float = 2e9
+    sim_latency: float = 20e-6
+    sim_jitter: float = 0.0
+    seed: int = 0
+    trace: bool | None = None
+    device: int = 0
+
+    def resolved(self) -> "StreamConfig":
+        """Applies the environment overrides and clamps; warns on clamping."""
+        routed, depth, trace = self.routed, self.depth, self.trace
+        env = os.environ.get(_ENV_ROUTED)
+        if env is not None and env.strip() != "":
+            if env.strip() not in ("0", "1"):
+                raise ValueError(f"{_ENV_ROUTED}={env!r}: expected 0 or 1")
+            routed = env.strip() == "1"
+        env = os.environ.get(_ENV_DEPTH)
+        source = "depth"
+        if env is not None and env.strip() != "":
+            try:
+                depth = int(env)
+            except ValueError:
+                raise ValueError(f"{_ENV_DEPTH}={env!r}: expected an integer 1..256") from None
+            source = _ENV_DEPTH
+        used = min(max(int(depth), DEPTH_MIN), DEPTH_MAX)
+        if used != depth:
+            warnings.warn(
+                f"{source}={depth} is outside {DEPTH_MIN}..{DEPTH_MAX}; using {used}",
+                stacklevel=3)
+        if trace is None:
+            trace = os.environ.get(_ENV_TRACE, "0").strip() not in ("", "0")
+        if self.pin not in _PIN_MODES:
+            raise ValueError(f"pin={self.pin!r}: expected one of {sorted(_PIN_MODES)}")
+        if self.backend not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"backend={self.backend!r}: expected 'auto', 'cpu' or 'cuda'")
+        if self.stream_floor < 1:
+            raise ValueError(f"stream_floor={self.stream_floor}: must be at least 1")
+        if self.resident_per_layer < 0:
+            raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
+        return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace))
+
+
+@dataclasses.dataclass
+class ChunkStats:
+    """What one chunk streamed, per MoE layer (numpy int64 arrays over model layers).
+
+    `unrouted` counts streamed experts with no token; `skipped` those the walk
+    did not copy (a subset of unrouted, never a routed one).
+    """
+
+    tokens: int
+    mode: str  # "stream" or "routed-only"
+    streamed: np.ndarray
+    copied: np.ndarray
+    skipped: np.ndarray
+    unrouted: np.ndarray
+    bytes: np.ndarray
+
+    def totals(self) -> dict:
+        return {
+            "streamed": int(self.streamed.sum()),
+            "copied": int(self.copied.sum()),
+            "skipped": int(self.skipped.sum()),
+            "unrouted": int(self.unrouted.sum()),
+            "bytes": int(self.bytes.sum()),
+        }
+
+
+def _check(rc: int, err: ctypes.Array, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"strata engine: {what}: {err.value.decode(errors='replace')}")
+
+
+def _choose_backend(requested: str) -> str:
+    platform = jax.default_backend()
+    if requested == "auto":
+        return "cuda" if platform == "gpu" and native.has_cuda() else "cpu"
+    if requested == "cuda":
+        if not native.has_cuda():
+            raise RuntimeError(
+                "backend='cuda' but strata_jax was built without CUDA support; install the "
+                "CUDA toolkit and reinstall (`pip install --no-build-isolation -e .`)")
+        if platform != "gpu":
+            raise RuntimeError(
+                f"backend='cuda' but JAX's default backend is {platform!r}; install jax[cuda12] "
+                "or use backend='cpu'")
+    return requested
+
+
+class StreamEngine:
+    """A native streaming engine for one model: host store, ring, issuer, gate.
+
+    Args:
+        config: The model config.
+        experts: Per model layer, that layer's routed experts as numpy
+            ExpertWeights (host memory), or None for dense layers.
+        stream: StreamConfig (environment overrides applied here, once).
+
+    The host store keeps one contiguous blob per expert so one copy moves it.
+    Close the engine (or use it as a context manager) to stop its threads and
+    free its memory; it is also closed when garbage-collected.
+    """
+
+    def __init__(self, config: ModelConfig,
+                 experts: Sequence[ExpertWeights | np.ndarray | None],
+                 stream: StreamConfig | None = None):
+        native.register_targets()
+        self.config = config
+        self.stream = (stream or StreamConfig()).resolved()
+        self.backend = _choose_backend(self.stream.backend)
+        self.platform = "gpu" if self.backend == "cuda" else "cpu"
+        L, E = config.n_layers, config.n_experts
+        if len(experts) != L:
+            raise ValueError(f"experts has {len(experts)} layers; the model has {L}")
+        self.dtype = np.dtype(config.dtype)
+        self.blob_elems = blob_size(config.hidden_size, config.expert_intermediate)
+        self.blob_bytes = self.blob_elems * self.dtype.itemsize
+        self.moe_layers = tuple(config.moe_layers)
+        self._stores: list[np.ndarray | None] = [None] * L
+        for layer in range(L):
+            w = experts[layer]
+            if layer not in self.moe_layers:
+                if w is not None:
+                    raise ValueError(f"layer {layer} is dense but experts were given for it")
+                continue
+            if w is None:
+                raise ValueError(f"MoE layer {layer} has no expert weights")
+            self._stores[layer] = self._pack(layer, w)
+
+        self.resident, self.stream_list = self._plan()
+        self.ring = self._ring_size()
+
+        opts = native.EngineOptions(
+            backend=1 if self.backend == "cuda" else 0,
+            n_layers=L, n_experts=E, routed=int(self.stream.routed),
+            blob_bytes=self.blob_bytes, ring=self.ring, depth=self.stream.depth,
+            trace=int(self.stream.trace), sim_bandwidth=self.stream.sim_bandwidth,
+            sim_latency=self.stream.sim_latency, sim_jitter=self.stream.sim_jitter,
+            seed=self.stream.seed, pin_mode=_PIN_MODES[self.stream.pin],
+            device=self.stream.device)
+        lib = native.lib()
+        err = ctypes.create_string_buffer(1024)
+        self.id = int(lib.strata_engine_create(ctypes.byref(opts), err, len(err)))
+        if self.id == 0:
+            raise RuntimeError(f"strata engine: {err.value.decode(errors='replace')}")
+        self._finalizer = weakref.finalize(self, lib.strata_engine_destroy, self.id)
+        for layer, store in enumerate(self._stores):
+            if store is not None:
+                _check(lib.strata_engine_set_store(self.id, layer, store.ctypes.data,
+                                                   store.nbytes, err, len(err)),
+                       err, f"host store of layer {layer}")
+        layers = np.array([l for l, _ in self.stream_list], np.int32)
+        exps = np.array([e for _, e in self.stream_list], np.int32)
+        staged = np.zeros(len(self.stream_list), np.uint8)
+        rl = np.array([l for l in range(L) for _ in self.resident[l]], np.int32)
+        re_ = np.array([e for l in range(L) for e in self.resident[l]], np.int32)
+        _check(lib.strata_engine_set_plan(
+            self.id, layers.ctypes.data, exps.ctypes.data, staged.ctypes.data, len(layers),
+            rl.ctypes.data, re_.ctypes.data, len(rl), err, len(err)), err, "stream plan")
+        _check(lib.strata_engine_prepare(self.id, err, len(err)), err, "prepare")
+        self._resident_blobs = self._put_resident()
+        self._lock = threading.Lock()
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def _pack(self, layer: int, w) -> np.ndarray:
+        E, H, I = self.config.n_experts, self.config.hidden_size, self.config.expert_intermediate
+        if isinstance(w, np.ndarray):
+            blobs = w
+            if blobs.shape != (E, self.blob_elems):
+                raise ValueError(f"layer {layer} blobs have shape {blobs.shape}; "
+                                 f"expected ({E}, {self.blob_elems})")
+        else:
+            shapes = {"gate": (E, H, I), "up": (E, H, I), "down": (E, I, H)}
+            for name, want in shapes.items():
+                got = tuple(np.shape(getattr(w, name)))
+                if got != want:
+                    raise ValueError(f"layer {layer} expert {name} has shape {got}; expected {want}")
+            blobs = np.concatenate([np.asarray(x).reshape(E, -1) for x in w], axis=1)
+        blobs = np.ascontiguousarray(blobs, dtype=self.dtype)
+        return blobs.view(np.uint8).reshape(E, self.blob_bytes)
+
+    def _plan(self):
+        cfg, sc = self.config, self.stream
+        L, E = cfg.n_layers, cfg.n_experts
+        profile = None
+        if sc.profile is not None:
+            profile = np.asarray(sc.profile)
+            if profile.shape != (L, E):
+                raise ValueError(
+                    f"expert profile has shape {profile.shape}; this model needs ({L}, {E}) "
+                    "(a profile recorded on another model?)")
+        order = {}
+        for l in self.moe_layers:
+            # Hottest first (stable on ties, so lower ids first without a profile).
+            order[l] = (list(np.argsort(-profile[l], kind="stable")) if profile is not None
+                        else list(range(E)))
+        resident: list[list[int]] = [[] for _ in range(L)]
+        if sc.resident_budget_gib is not None:
+            budget = int(sc.resident_budget_gib * 2**30) // self.blob_bytes
+            if profile is not None:
+                flat = [(-int(profile[l, e]), l, e) for l in self.moe_layers for e in range(E)]
+                flat.sort()
+                for _, l, e in flat[:budget]:
+                    resident[l].append(int(e))
+            else:
+                per = budget // max(len(self.moe_layers), 1)
+                for l in self.moe_layers:
+                    resident[l] = [int(e) for e in order[l][:min(per, E)]]
+        elif sc.resident_per_layer:
+            if sc.resident_per_layer > E:
+                raise ValueError(f"resident_per_layer={sc.resident_per_layer} exceeds the "
+                                 f"{E} experts of a layer")
+            for l in self.moe_layers:
+                resident[l] = [int(e) for e in order[l][:sc.resident_per_layer]]
+        for l in range(L):
+            resident[l].sort()
+        stream_list = []
+        for l in self.moe_layers:
+            res = set(resident[l])
+            stream_list += [(l, int(e)) for e in order[l] if e not in res]
+        return resident, stream_list
+
+    def _ring_size(self) -> int:
+        per_layer = [sum(1 for l, _ in self.stream_list if l == layer) for layer in self.moe_layers]
+        need = max(per_layer, default=0)
+        if self.stream.ring is not None:
+            ring = int(self.stream.ring)
+            if ring < 1:
+                raise ValueError(f"a ring of {ring} slots cannot work; it needs at least one slot")
+            if ring < need:
+                raise ValueError(
+                    f"a ring of {ring} slots cannot hold one layer's {need} streamed experts; "
+                    f"use ring >= {need} (one layer plus read-ahead: {2 * need})")
+            return ring
+        if need == 0:
+            return 1
+        budget_slots = int(self.stream.ring_budget_gib * 2**30) // self.blob_bytes
+        if budget_slots < need:
+            raise ValueError(
+                f"ring_budget_gib={self.stream.ring_budget_gib} holds {budget_slots} experts of "
+                f"{self.blob_bytes / 2**20:.1f} MiB, fewer than one layer's {need} streamed experts "
+                f"({need * self.blob_bytes / 2**30:.2f} GiB); raise the budget or keep more "
+                "experts resident")
+        return max(need, min(2 * need, budget_slots))
+
+    def _put_resident(self) -> dict[int, jax.Array]:
+        device = jax.devices("gpu" if self.backend == "cuda" else "cpu")[0]
+        out = {}
+        for l in self.moe_layers:
+            rows = self._stores[l][self.resident[l]].view(self.dtype)  # [R, blob]
+            out[l] = jax.device_put(np.ascontiguousarray(rows), device)
+        return out
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def streamed_per_layer(self) -> np.ndarray:
+        out = np.zeros(self.config.n_layers, np.int64)
+        for l, _ in self.stream_list:
+            out[l] += 1
+        return out
+
+    @property
+    def resident_blobs(self) -> dict[int, jax.Array]:
+        return self._resident_blobs
+
+    def walk_active(self) -> bool:
+        return bool(native.lib().strata_engine_walk_active(self.id))
+
+    def depth(self) -> int:
+        return int(native.lib().strata_engine_depth(self.id))
+
+    def abort(self) -> None:
+        """Stops the current chunk's walk, if any; the engine stays usable."""
+        native.lib().strata_engine_abort(self.id)
+
+    def inject_fault(self, layer: int, kind: str) -> None:
+        """Test hook: fail ("error") or stop ("stop") the next fetch of `layer`."""
+        kinds = {"none": 0, "error": 1, "stop": 2}
+        if kind not in kinds:
+            raise ValueError(f"fault kind {kind!r}: expected one of {sorted(kinds)}")
+        native.lib().strata_engine_inject_fault(self.id, layer, kinds[kind])
+
+    def last_native_stats(self) -> np.ndarray:
+        """int64 [n_layers, 4]: streamed, copied, skipped, bytes of the last chunk."""
+        out = np.zeros((self.config.n_layers, 4), np.int64)
+        native.lib().strata_engine_last_stats(self.id, out.ctypes.data, self.config.n_layers)
+        return out
+
+    def close(self) -> None:
+        """Stops the threads and frees the engine. Idempotent."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def chunk_mode(self, n_tokens: int) -> int:
+        return _MODE_STREAM if n_tokens >= self.stream.stream_floor else _MODE_ROUTED_ONLY
+
+    def make_stats(self, n_tokens: int, native_stats: np.ndarray, counts: np.ndarray) -> ChunkStats:
+        """ChunkStats from end_chunk's output [L, 2] and the router counts [n_moe, E]."""
+        L = self.config.n_layers
+        streamed = self.streamed_per_layer
+        copied = np.asarray(native_stats, np.int64)[:, 0]
+        skipped = np.asarray(native_stats, np.int64)[:, 1]
+        unrouted = np.zeros(L, np.int64)
+        counts = np.asarray(counts)
+        for i, l in enumerate(self.moe_layers):
+            res = set(self.resident[l])
+            unrouted[l] = sum(1 for e in range(self.config.n_experts)
+                              if e not in res and counts[i, e] == 0)
+        return ChunkStats(
+            tokens=n_tokens,
+            mode="stream" if self.chunk_mode(n_tokens) == _MODE_STREAM else "routed-only",
+            streamed=streamed, copied=copied, skipped=skipped, unrouted=unrouted,
+            bytes=copied * self.blob_bytes)
+
+
+# -- the JAX ops -----------------------------------------------------------------------------
+
+
+def _token() -> jax.Array:
+    return jnp.zeros((), jnp.int32)
+
+
+def begin(engine_id: int, mode: int, token: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call(native.TARGETS["begin"], jax.ShapeDtypeStruct((), jnp.int32),
+                            has_side_effect=True)(
+        token, engine=np.int64(engine_id), mode=np.int32(mode))
+
+
+def publish(engine_id: int, layer: int, token: jax.Array, counts: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call(native.TARGETS["publish"], jax.ShapeDtypeStruct((), jnp.int32),
+                            has_side_effect=True)(
+        token, counts.astype(jnp.int32), engine=np.int64(engine_id), layer=np.int32(layer))
+
+
+def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array,
+          n_experts: int) -> tuple[jax.Array, jax.Array]:
+    out = (jax.ShapeDtypeStruct((n_experts, resident.shape[1]), resident.dtype),
+           jax.ShapeDtypeStruct((), jnp.int32))
+    return jax.ffi.ffi_call(native.TARGETS["fetch"], out, has_side_effect=True)(
+        token, resident, engine=np.int64(engine_id), layer=np.int32(layer))
+
+
+def end(engine_id: int, token: jax.Array, n_layers: int) -> jax.Array:
+    return jax.ffi.ffi_call(native.TARGETS["end"], jax.ShapeDtypeStruct((n_layers, 2), jnp.int32),
+                            has_side_effect=True)(token, engine=np.int64(engine_id))
+
+
+class StreamedExperts:
+    """The model's expert source inside one traced chunk.
+
+    Made inside the jitted function: `begin` on construction, then for each
+    MoE layer `publish` (the router's counts) and `fetch` (the layer's
+    weights), and `finish` returns end_chunk's per-layer (copied, skipped).
+    """
+
+    def __init__(self, engine_id: int, mode: int, config: ModelConfig,
+                 resident_blobs: dict[int, jax.Array], token: jax.Array):
+        self.engine_id = engine_id
+        self.config = config
+        self.resident_blobs = resident_blobs
+        self.token = begin(engine_id, mode, token)
+
+    def expert_weights(self, layer: int, counts: jax.Array,
+                       resident: ExpertWeights | None) -> ExpertWeights:
+        del resident  # the stream supplies every expert, resident ones from the cache
+        with jax.named_scope(f"stream_publish_{layer}"):
+            self.token = publish(self.engine_id, layer, self.token, counts)
+        with jax.named_scope(f"stream_fetch_{layer}"):
+            blobs, self.token = fetch(self.engine_id, layer, self.token,
+                                      self.resident_blobs[layer], self.config.n_experts)
+        return unpack_expert_blobs(blobs, self.config.hidden_size,
+                                   self.config.expert_intermediate)
+
+    def finish(self) -> jax.Array:
+        return end(self.engine_id, self.token, self.config.n_layers)
