@@ -206,12 +206,11 @@ class SimLink {
       copied_[job.slot].store(job.k + 1, std::memory_order_release);
       landed_upto_.store(job.k + 1, std::memory_order_release);
       copies_landed_.fetch_add(1);
+      // Notify while still busy: Drain() returns only after this, so the
+      // walk state is never touched once its owner has drained the link.
+      if (WalkState* st = state_) st->Notify();
       lock.lock();
       busy_ = false;
-      WalkState* st = state_;
-      lock.unlock();
-      if (st) st->Notify();
-      lock.lock();
       idle_cv_.notify_all();
     }
     busy_ = false;
