@@ -1,0 +1,900 @@
+// The CUDA backend: the host store pinned (or staged through pinned bounce
+// buffers), a ring of device slots, one copy stream with a `copied` and a
+// `used` event per slot, and the issuer thread running the shared walk.
+//
+// The failures it guards against: a copy landing in a slot that fetch is
+// still reading (every overwrite waits on the slot's `used` event), a late
+// publish callback of one chunk writing the next chunk's gate (Begin waits for
+// every callback), a copy still in flight after a chunk was abandoned (Abort
+// drains the copy stream), and a CUDA error escaping as a crash instead of a
+// message naming the call and what it was doing.
+#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine.hpp"
+
+namespace strata {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Room left on the device beside the ring for XLA's own scratch and for the
+// resident experts that are put on the device after prepare.
+constexpr int64_t kRingMarginBytes = 256LL << 20;
+// Bounce buffers of the staged path: enough for the copy of one blob to run
+// while the stager threads fill the next ones.
+constexpr int kBounceBuffers = 4;
+constexpr int kStagerThreads = 2;
+// Publish callbacks run when the device reaches them, possibly long after
+// XLA enqueued them; this bounds how long the host waits for the stragglers.
+constexpr std::chrono::seconds kCallbackWait{60};
+constexpr std::chrono::seconds kAbortCallbackWait{10};
+constexpr std::chrono::seconds kPublishWait{60};
+
+std::string CudaError(const char* call, const std::string& context,
+                      cudaError_t err) {
+  std::string s = call;
+  if (!context.empty()) s += "(" + context + ")";
+  return s + ": " + cudaGetErrorString(err);
+}
+
+// `context` is evaluated only on failure, so building it costs nothing on the
+// hot path.
+#define STRATA_CUDA_RETURN(context, fn, ...)                 \
+  do {                                                       \
+    const cudaError_t strata_err_ = fn(__VA_ARGS__);         \
+    if (strata_err_ != cudaSuccess)                          \
+      return CudaError(#fn, (context), strata_err_);         \
+  } while (0)
+
+#define STRATA_CUDA_THROW(context, fn, ...)                              \
+  do {                                                                   \
+    const cudaError_t strata_err_ = fn(__VA_ARGS__);                     \
+    if (strata_err_ != cudaSuccess)                                      \
+      throw std::runtime_error(CudaError(#fn, (context), strata_err_));  \
+  } while (0)
+
+std::string GiB(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", bytes / double(1LL << 30));
+  return buf;
+}
+
+std::string Entry(int64_t slot, const StreamEntry& e) {
+  return "slot " + std::to_string(slot) + " <- layer " +
+         std::to_string(e.layer) + " expert " + std::to_string(e.expert);
+}
+
+// Makes `device` current for the scope and puts the caller's device back:
+// handlers run on XLA's threads, whose current device is XLA's business.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : device_(device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (prev_ != device_) status_ = cudaSetDevice(device_);
+  }
+  ~DeviceScope() {
+    if (prev_ >= 0 && prev_ != device_) cudaSetDevice(prev_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+  Status status() const {
+    if (status_ == cudaSuccess) return {};
+    return CudaError("cudaSetDevice", "device " + std::to_string(device_),
+                     status_);
+  }
+
+ private:
+  int device_;
+  int prev_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// Thrown out of the link when the walk is stopped while a staged entry waits
+// for its bounce buffer: a cancellation, which must not read as an issuer
+// failure.
+struct WalkStopped {};
+
+// Whether [p, p + bytes) is page-locked already (by XLA's pinned_host memory
+// or another registration), so it can be copied from directly.
+bool AlreadyPinned(const void* p, int64_t bytes) {
+  const void* ends[2] = {p, static_cast<const uint8_t*>(p) + bytes - 1};
+  for (const void* q : ends) {
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, q) != cudaSuccess) {
+      cudaGetLastError();  // a failed query must not surface in a later call
+      return false;
+    }
+    if (attr.type != cudaMemoryTypeHost) return false;
+  }
+  return true;
+}
+
+// By value so the stats reach the device as kernel arguments: a copy from
+// pageable host memory may synchronize, and End's host buffer dies on return.
+struct Ints256 {
+  int32_t v[256];
+};
+
+__global__ void WriteInts(Ints256 v, int32_t* out, int n) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < n) out[i] = v.v[i];
+}
+
+// Copies pageable blobs into pinned bounce buffers ahead of the issuer, in
+// stream order: entry k goes through buffer k % n. Without it every copy from
+// the pageable store would be staged by the driver on the issuer thread,
+// stalling the walk's waits behind a host memcpy. Threads live for one walk:
+// the issuer starts them and stops them before it returns.
+class Stager {
+ public:
+  using Source = std::function<const uint8_t*(const StreamEntry&)>;
+
+  Stager() = default;
+  ~Stager() { Free(); }
+  Stager(const Stager&) = delete;
+  Stager& operator=(const Stager&) = delete;
+
+  Status Allocate(int64_t blob, int n) {
+    Free();
+    blob_ = blob;
+    STRATA_CUDA_RETURN(std::to_string(n) + " bounce buffers of " +
+                           std::to_string(blob) + " bytes",
+                       cudaHostAlloc, reinterpret_cast<void**>(&buf_),
+                       static_cast<size_t>(blob * n), cudaHostAllocDefault);
+    done_.assign(static_cast<size_t>(n), nullptr);
+    for (int b = 0; b < n; ++b)
+      // Blocking sync: the stager threads sleep on these instead of spinning
+      // a core each while the link is busy.
+      STRATA_CUDA_RETURN("bounce buffer " + std::to_string(b),
+                         cudaEventCreateWithFlags, &done_[b],
+                         cudaEventDisableTiming | cudaEventBlockingSync);
+    filled_ = std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(n));
+    n_ = n;
+    return {};
+  }
+
+  void Free() {
+    Stop();
+    for (cudaEvent_t e : done_)
+      if (e) cudaEventDestroy(e);
+    done_.clear();
+    if (buf_) cudaFreeHost(buf_);
+    buf_ = nullptr;
+    n_ = 0;
+  }
+
+  int buffers() const { return n_; }
+
+  // Issuer thread, before the walk.
+  void Start(const std::vector<StreamEntry>* entries, Source source,
+             WalkState* st, int device) {
+    Stop();
+    entries_ = entries;
+    source_ = std::move(source);
+    st_ = st;
+    device_ = device;
+    stop_ = false;
+    released_ = 0;
+    next_.store(0);
+    failed_.store(false);
+    error_.clear();
+    for (int b = 0; b < n_; ++b) filled_[b].store(-1);
+    for (int t = 0; t < kStagerThreads; ++t)
+      threads_.emplace_back([this] { Work(); });
+  }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
+
+  // Issuer: waits until entry k sits in its buffer and returns the buffer.
+  // Throws the stager's error, or WalkStopped when the walk was stopped.
+  const uint8_t* WaitFilled(int64_t k, std::chrono::microseconds poll) {
+    const int64_t b = k % n_;
+    const bool ok = st_->WaitUntil(
+        [&] {
+          return failed_.load(std::memory_order_acquire) ||
+                 filled_[b].load(std::memory_order_acquire) == k;
+        },
+        poll);
+    if (failed_.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      throw std::runtime_error("stager: " + error_);
+    }
+    if (!ok) throw WalkStopped{};
+    return buf_ + b * blob_;
+  }
+
+  // Issuer: entry k's copy out of its buffer is queued on `stream`; the
+  // buffer may be refilled once that copy has run.
+  void Release(int64_t k, cudaStream_t stream) {
+    const int64_t b = k % n_;
+    STRATA_CUDA_THROW("bounce buffer " + std::to_string(b) + ", entry " +
+                          std::to_string(k),
+                      cudaEventRecord, done_[b], stream);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = k + 1;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Work() {
+    cudaError_t err = cudaSetDevice(device_);
+    if (err != cudaSuccess)
+      return Fail(CudaError("cudaSetDevice",
+                            "stager thread, device " + std::to_string(device_),
+                            err));
+    const int64_t n = static_cast<int64_t>(entries_->size());
+    while (true) {
+      // Claimed in order, so entry k - n_ is already claimed by a thread that
+      // does not wait on k: no thread can starve another.
+      const int64_t k = next_.fetch_add(1);
+      if (k >= n) return;
+      const int64_t b = k % n_;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || released_ > k - n_; });
+        if (stop_) return;
+      }
+      // The last record of done_[b] is entry k - n_'s: entry k is not filled,
+      // so the issuer cannot have recorded it again.
+      if (k >= n_) {
+        err = cudaEventSynchronize(done_[b]);
+        if (err != cudaSuccess)
+          return Fail(CudaError("cudaEventSynchronize",
+                                "bounce buffer " + std::to_string(b) +
+                                    " before entry " + std::to_string(k),
+                                err));
+      }
+      std::memcpy(buf_ + b * blob_, source_((*entries_)[k]),
+                  static_cast<size_t>(blob_));
+      filled_[b].store(k, std::memory_order_release);
+      st_->Notify();
+    }
+  }
+
+  void Fail(const std::string& msg) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.empty()) error_ = msg;
+    }
+    failed_.store(true, std::memory_order_release);
+    st_->Notify();
+  }
+
+  int64_t blob_ = 0;
+  int n_ = 0;
+  uint8_t* buf_ = nullptr;
+  std::vector<cudaEvent_t> done_;  // per buffer: its last copy out has run
+  std::unique_ptr<std::atomic<int64_t>[]> filled_;  // per buffer: entry held
+
+  const std::vector<StreamEntry>* entries_ = nullptr;
+  Source source_;
+  WalkState* st_ = nullptr;
+  int device_ = 0;
+  std::vector<std::thread> threads_;
+  std::atomic<int64_t> next_{0};
+  std::atomic<bool> failed_{false};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;        // under mu_
+  int64_t released_ = 0;     // under mu_: entries whose copy out is queued
+  std::string error_;        // under mu_
+};
+
+class CudaEngine;
+
+// Shared by the engine and the publish callbacks. Callbacks run on a CUDA
+// driver thread whenever the device reaches them, so they reach the engine
+// only through this block, under its mutex; an engine destroyed with
+// callbacks still queued detaches itself and leaks the block instead of
+// leaving them a dangling pointer.
+struct PublishHub {
+  struct Ctx {
+    PublishHub* hub;
+    int layer;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t pending = 0;           // under mu
+  CudaEngine* engine = nullptr;  // under mu; null once the engine is gone
+  std::vector<Ctx> ctx;          // per layer; stable addresses
+};
+
+class CudaEngine final : public Engine {
+ public:
+  explicit CudaEngine(const EngineOptions& opt) : Engine(opt) {
+    hub_ = new PublishHub;
+    hub_->engine = this;
+    hub_->ctx.resize(static_cast<size_t>(std::max(opt.n_layers, 0)));
+    for (int l = 0; l < opt.n_layers; ++l) hub_->ctx[l] = {hub_, l};
+  }
+
+  ~CudaEngine() override {
+    Abort();
+    DeviceScope dev(opt_.device);
+    const bool drained = WaitCallbacks(kCallbackWait);
+    {
+      std::lock_guard<std::mutex> lock(hub_->mu);
+      hub_->engine = nullptr;
+    }
+    ReleaseResources();
+    if (drained) {
+      if (pinned_counts_) cudaFreeHost(pinned_counts_);
+      delete hub_;
+    } else {
+      // Their D2H copies may still target pinned_counts_: leak it with the hub.
+      std::fprintf(stderr,
+                   "strata: cuda engine destroyed with publish callbacks "
+                   "still queued after %llds; leaking their buffers\n",
+                   static_cast<long long>(kCallbackWait.count()));
+    }
+  }
+
+  // The CUDA half of construction, which can fail.
+  Status Init() {
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    const int64_t n = std::max<int64_t>(
+        1, static_cast<int64_t>(opt_.n_layers) * opt_.n_experts);
+    STRATA_CUDA_RETURN("routing counts, " + std::to_string(n) + " int32",
+                       cudaHostAlloc, reinterpret_cast<void**>(&pinned_counts_),
+                       static_cast<size_t>(n) * sizeof(int32_t),
+                       cudaHostAllocDefault);
+    return {};
+  }
+
+  Status Prepare() override {
+    if (in_chunk_) return "cannot prepare during a chunk";
+    for (int l = 0; l < opt_.n_layers; ++l)
+      if (!stores_[l] && layer_begin_.size() > static_cast<size_t>(l) + 1 &&
+          layer_begin_[l + 1] > layer_begin_[l])
+        return "layer " + std::to_string(l) +
+               " streams experts but has no host store";
+    if (opt_.pin_mode < 0 || opt_.pin_mode > 2)
+      return "pin_mode " + std::to_string(opt_.pin_mode) +
+             " is not 0 (cudaHostRegister), 1 (pinned arena) or 2 (staged)";
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    // The old pinned counts, ring and events may still be targeted by the
+    // last chunk's device work.
+    if (!WaitCallbacks(kCallbackWait))
+      return "publish callbacks of the last chunk have not run after " +
+             std::to_string(kCallbackWait.count()) + " s";
+    ReleaseResources();
+    s = Allocate();
+    if (!s.empty()) {
+      ReleaseResources();
+      return s;
+    }
+    prepared_ = true;
+    return {};
+  }
+
+  // Called by the publish callback with hub_->mu held; must not call CUDA.
+  void OnPublished(int layer) {
+    gate_.Publish(layer, pinned_counts_ +
+                             static_cast<int64_t>(layer) * opt_.n_experts);
+    state_.Notify();
+  }
+
+  // Link, on the issuer thread (see IssueWalk).
+  void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
+    // Never recorded means never read since the ring was made: waiting on an
+    // unrecorded event would be a no-op anyway, but this keeps it explicit.
+    if (used_recorded_[slot].load(std::memory_order_acquire))
+      STRATA_CUDA_THROW(Entry(slot, e) + ", waiting for the slot's release",
+                        cudaStreamWaitEvent, copy_stream_, used_[slot], 0u);
+    const uint8_t* src = staging_
+                             ? stager_.WaitFilled(k, kIssuerPoll)
+                             : SourceBlob(e.layer, e.expert);
+    STRATA_CUDA_THROW(Entry(slot, e), cudaMemcpyAsync,
+                      ring_ + slot * opt_.blob_bytes, src,
+                      static_cast<size_t>(opt_.blob_bytes),
+                      cudaMemcpyHostToDevice, copy_stream_);
+    STRATA_CUDA_THROW(Entry(slot, e), cudaEventRecord, copied_[slot],
+                      copy_stream_);
+    if (staging_) stager_.Release(k, copy_stream_);
+  }
+
+  // The slot's event may since carry a later entry's copy; the copy stream
+  // is in order, so its landing implies entry k's.
+  bool CopyLanded(int64_t k) {
+    const int64_t slot = k % opt_.ring;
+    const cudaError_t err = cudaEventQuery(copied_[slot]);
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) return false;
+    throw std::runtime_error(CudaError(
+        "cudaEventQuery",
+        "copy of entry " + std::to_string(k) + ", slot " + std::to_string(slot),
+        err));
+  }
+
+ protected:
+  Status BackendBegin(ChunkMode, void*) override {
+    if (!copy_stream_) return "cuda engine is not prepared";
+    // A callback of the previous chunk landing after the gate reset would
+    // publish a stale row into this chunk.
+    if (!WaitCallbacks(kCallbackWait))
+      return "publish callbacks of the previous chunk have not run after " +
+             std::to_string(kCallbackWait.count()) + " s";
+    return {};
+  }
+
+  void StartWalk() override {
+    WalkConfig cfg;
+    cfg.ring = opt_.ring;
+    cfg.depth = depth_;
+    cfg.routed = opt_.routed != 0;
+    cfg.poll = kIssuerPoll;  // events are polled: nothing notifies a landing
+    issuer_ = std::thread([this, cfg] {
+      try {
+        STRATA_CUDA_THROW("issuer thread, device " + std::to_string(opt_.device),
+                          cudaSetDevice, opt_.device);
+        struct StagerRun {
+          Stager* stager;
+          ~StagerRun() {
+            if (stager) stager->Stop();
+          }
+        } run{staging_ ? &stager_ : nullptr};
+        if (staging_)
+          stager_.Start(
+              &stream_,
+              [this](const StreamEntry& e) { return SourceBlob(e.layer, e.expert); },
+              &state_, opt_.device);
+        Link link{this};
+        walk_result_ = IssueWalk(stream_, cfg, gate_, state_, link);
+      } catch (const WalkStopped&) {
+        walk_result_.stopped = true;
+      } catch (const std::exception& e) {
+        walk_error_ = e.what();
+        walk_failed_ = true;
+        state_.RequestStop();
+      }
+    });
+  }
+
+  Status BackendPublish(int layer, const void* counts, void* stream) override {
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    const int64_t n = opt_.n_experts;
+    STRATA_CUDA_RETURN("routing counts of layer " + std::to_string(layer),
+                       cudaMemcpyAsync, pinned_counts_ + layer * n, counts,
+                       static_cast<size_t>(n) * sizeof(int32_t),
+                       cudaMemcpyDeviceToHost, st);
+    {
+      std::lock_guard<std::mutex> lock(hub_->mu);
+      ++hub_->pending;
+    }
+    const cudaError_t err =
+        cudaLaunchHostFunc(st, &CudaEngine::PublishLanded, &hub_->ctx[layer]);
+    if (err != cudaSuccess) {
+      {
+        std::lock_guard<std::mutex> lock(hub_->mu);
+        --hub_->pending;
+      }
+      hub_->cv.notify_all();
+      return CudaError("cudaLaunchHostFunc",
+                       "gate row of layer " + std::to_string(layer), err);
+    }
+    return {};
+  }
+
+  Status ReadSlot(int64_t k, int64_t slot, uint8_t* dst,
+                  void* stream) override {
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    const StreamEntry& e = stream_[k];
+    auto where = [&] {
+      return "layer " + std::to_string(e.layer) + " expert " +
+             std::to_string(e.expert) + " <- slot " + std::to_string(slot);
+    };
+    // Orders the device only; the host never waits for the copy.
+    STRATA_CUDA_RETURN(where(), cudaStreamWaitEvent, st, copied_[slot], 0u);
+    STRATA_CUDA_RETURN(where(), cudaMemcpyAsync, dst,
+                       ring_ + slot * opt_.blob_bytes,
+                       static_cast<size_t>(opt_.blob_bytes),
+                       cudaMemcpyDeviceToDevice, st);
+    STRATA_CUDA_RETURN(where(), cudaEventRecord, used_[slot], st);
+    used_recorded_[slot].store(true, std::memory_order_release);
+    return {};
+  }
+
+  Status CopyDirect(int layer, int expert, uint8_t* dst,
+                    void* stream) override {
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    // From a pageable store the driver stages the blob before returning:
+    // synchronous on this thread, still ordered on the stream, and correct.
+    // Routed-only chunks are small, so the slow path is acceptable here.
+    STRATA_CUDA_RETURN("layer " + std::to_string(layer) + " expert " +
+                           std::to_string(expert) + " from the host store",
+                       cudaMemcpyAsync, dst, SourceBlob(layer, expert),
+                       static_cast<size_t>(opt_.blob_bytes),
+                       cudaMemcpyHostToDevice,
+                       static_cast<cudaStream_t>(stream));
+    return {};
+  }
+
+  Status CopyResident(const uint8_t* src, uint8_t* dst, int64_t bytes,
+                      void* stream) override {
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    STRATA_CUDA_RETURN("resident expert, " + std::to_string(bytes) + " bytes",
+                       cudaMemcpyAsync, dst, src, static_cast<size_t>(bytes),
+                       cudaMemcpyDeviceToDevice,
+                       static_cast<cudaStream_t>(stream));
+    return {};
+  }
+
+  Status ZeroRow(uint8_t* dst, void* stream) override {
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    STRATA_CUDA_RETURN("row of a skipped expert", cudaMemsetAsync, dst, 0,
+                       static_cast<size_t>(opt_.blob_bytes),
+                       static_cast<cudaStream_t>(stream));
+    return {};
+  }
+
+  Status WriteStats(const int32_t* host, void* out, int64_t bytes,
+                    void* stream) override {
+    if (bytes % static_cast<int64_t>(sizeof(int32_t)) != 0)
+      return "stats of " + std::to_string(bytes) +
+             " bytes are not a whole number of int32";
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    const int64_t n = bytes / static_cast<int64_t>(sizeof(int32_t));
+    constexpr int64_t kPer = 256;  // Ints256's capacity
+    for (int64_t off = 0; off < n; off += kPer) {
+      Ints256 v{};
+      int count = static_cast<int>(std::min(kPer, n - off));
+      std::memcpy(v.v, host + off, static_cast<size_t>(count) * sizeof(int32_t));
+      int32_t* dst = static_cast<int32_t*>(out) + off;
+      void* args[] = {&v, &dst, &count};
+      STRATA_CUDA_RETURN("stats, ints " + std::to_string(off) + ".." +
+                             std::to_string(off + count),
+                         cudaLaunchKernel, reinterpret_cast<const void*>(&WriteInts),
+                         dim3(1), dim3(static_cast<unsigned>(kPer)), args,
+                         size_t{0}, static_cast<cudaStream_t>(stream));
+    }
+    return {};
+  }
+
+  // Blocks XLA's enqueue thread until the device has run this layer's
+  // publish: acceptable for the small routed-only chunks that use it.
+  Status WaitPublished(int layer) override {
+    const Clock::time_point deadline = Clock::now() + kPublishWait;
+    bool late = false;
+    const bool ok = state_.WaitUntil(
+        [&] {
+          if (gate_.Published(layer)) return true;
+          late = Clock::now() > deadline;
+          return late;
+        },
+        std::chrono::microseconds(20));
+    if (!ok)
+      return "the chunk was stopped while waiting for the routing of layer " +
+             std::to_string(layer);
+    if (late)
+      return "routing of layer " + std::to_string(layer) +
+             " was not published within " +
+             std::to_string(kPublishWait.count()) +
+             " s (did its publish run before its fetch?)";
+    return {};
+  }
+
+  void BackendAbort() override {
+    // Joined here, before the drain, so no copy is queued after it.
+    JoinIssuer();
+    DeviceScope dev(opt_.device);
+    if (copy_stream_) {
+      // Copies queued before the stop may still be running; none may land in
+      // a ring slot once the chunk is over.
+      const cudaError_t err = cudaStreamSynchronize(copy_stream_);
+      if (err != cudaSuccess && opt_.trace)
+        std::fprintf(stderr, "strata: abort: %s\n",
+                     CudaError("cudaStreamSynchronize", "copy stream", err)
+                         .c_str());
+    }
+    WaitCallbacks(kAbortCallbackWait);  // Begin waits again, unbounded by this
+  }
+
+  std::string Describe() const override {
+    std::string s = "cuda device " + std::to_string(opt_.device) + ", ";
+    switch (pin_path_) {
+      case PinPath::kNone:
+        s += "not prepared";
+        break;
+      case PinPath::kRegistered:
+        s += "pinned (cudaHostRegister)";
+        break;
+      case PinPath::kArena:
+        s += "pinned arena (cudaHostAlloc)";
+        break;
+      case PinPath::kStaged:
+        s += "staged (pageable, " + std::to_string(stager_.buffers()) +
+             " bounce buffers)";
+        break;
+    }
+    if (!pin_note_.empty()) s += "; " + pin_note_;
+    return s;
+  }
+
+ private:
+  enum class PinPath { kNone, kRegistered, kArena, kStaged };
+
+  struct Link {
+    CudaEngine* engine;
+    void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
+      engine->IssueCopy(k, slot, e);
+    }
+    bool CopyLanded(int64_t k) { return engine->CopyLanded(k); }
+  };
+
+  static constexpr std::chrono::microseconds kIssuerPoll{10};
+
+  static void CUDART_CB PublishLanded(void* arg) {
+    auto* ctx = static_cast<PublishHub::Ctx*>(arg);
+    PublishHub* hub = ctx->hub;
+    {
+      std::lock_guard<std::mutex> lock(hub->mu);
+      if (hub->engine) hub->engine->OnPublished(ctx->layer);
+      --hub->pending;
+    }
+    hub->cv.notify_all();
+  }
+
+  // Returns whether every queued publish callback has run.
+  bool WaitCallbacks(std::chrono::seconds timeout) {
+    std::unique_lock<std::mutex> lock(hub_->mu);
+    return hub_->cv.wait_for(lock, timeout,
+                             [&] { return hub_->pending == 0; });
+  }
+
+  const uint8_t* SourceBlob(int layer, int expert) const {
+    return src_[layer] + static_cast<int64_t>(expert) * opt_.blob_bytes;
+  }
+
+  // Ring, copy stream and events first: the ring is the allocation most
+  // likely to fail, and pinning a large store before finding out is wasted.
+  Status Allocate() {
+    const int64_t blob = opt_.blob_bytes;
+    const int64_t ring_bytes = opt_.ring * blob;
+    size_t free_bytes = 0, total_bytes = 0;
+    STRATA_CUDA_RETURN("device " + std::to_string(opt_.device), cudaMemGetInfo,
+                       &free_bytes, &total_bytes);
+    if (static_cast<int64_t>(free_bytes) < ring_bytes + kRingMarginBytes)
+      return "ring of " + std::to_string(opt_.ring) + " slots x " +
+             std::to_string(blob) + " bytes = " + GiB(double(ring_bytes)) +
+             " GiB does not fit: " + GiB(double(free_bytes)) +
+             " GiB free on device " + std::to_string(opt_.device) +
+             " (JAX preallocates 75% of GPU memory; set "
+             "XLA_PYTHON_CLIENT_MEM_FRACTION lower, or make the ring smaller)";
+    STRATA_CUDA_RETURN("ring of " + std::to_string(opt_.ring) + " slots x " +
+                           std::to_string(blob) + " bytes",
+                       cudaMalloc, reinterpret_cast<void**>(&ring_),
+                       static_cast<size_t>(ring_bytes));
+    STRATA_CUDA_RETURN("copy stream", cudaStreamCreateWithFlags, &copy_stream_,
+                       cudaStreamNonBlocking);
+    copied_.assign(static_cast<size_t>(opt_.ring), nullptr);
+    used_.assign(static_cast<size_t>(opt_.ring), nullptr);
+    for (int64_t slot = 0; slot < opt_.ring; ++slot) {
+      STRATA_CUDA_RETURN("copied event of slot " + std::to_string(slot),
+                         cudaEventCreateWithFlags, &copied_[slot],
+                         cudaEventDisableTiming);
+      STRATA_CUDA_RETURN("used event of slot " + std::to_string(slot),
+                         cudaEventCreateWithFlags, &used_[slot],
+                         cudaEventDisableTiming);
+    }
+    used_recorded_ = std::make_unique<std::atomic<bool>[]>(
+        static_cast<size_t>(opt_.ring));
+    for (int64_t slot = 0; slot < opt_.ring; ++slot)
+      used_recorded_[slot].store(false);
+
+    Status s = PinStore();
+    if (!s.empty()) return s;
+    if (staging_) {
+      s = stager_.Allocate(blob, kBounceBuffers);
+      if (!s.empty()) return s;
+      // The stager's queue is in order: the walk must not skip past it.
+      for (StreamEntry& e : stream_) e.staged = true;
+    }
+    return {};
+  }
+
+  // Chooses where copies read the host store from, per opt_.pin_mode. A
+  // store that cannot be pinned falls back to staging, with the reason kept
+  // for Describe(): slower, but the chunk still runs.
+  Status PinStore() {
+    const int64_t bytes = opt_.blob_bytes * opt_.n_experts;
+    src_ = stores_;
+    std::string fallback;
+    if (opt_.pin_mode == 0) {
+      for (int l = 0; l < opt_.n_layers && fallback.empty(); ++l) {
+        if (!stores_[l] || bytes == 0) continue;
+        // Layers may share one store (tests do): register it once.
+        if (std::find(stores_.begin(), stores_.begin() + l, stores_[l]) !=
+            stores_.begin() + l)
+          continue;
+        void* p = const_cast<uint8_t*>(stores_[l]);
+        const cudaError_t err = cudaHostRegister(
+            p, static_cast<size_t>(bytes), cudaHostRegisterDefault);
+        if (err == cudaSuccess) {
+          registered_.push_back(p);
+          continue;
+        }
+        cudaGetLastError();  // not sticky; keep it out of later calls
+        if (err == cudaErrorHostMemoryAlreadyRegistered &&
+            AlreadyPinned(p, bytes))
+          continue;
+        fallback = CudaError("cudaHostRegister",
+                             "layer " + std::to_string(l) + " store, " +
+                                 GiB(double(bytes)) + " GiB",
+                             err);
+      }
+      if (fallback.empty()) {
+        pin_path_ = PinPath::kRegistered;
+        return {};
+      }
+      Unpin();
+    } else if (opt_.pin_mode == 1) {
+      int64_t layers = 0;
+      for (int l = 0; l < opt_.n_layers; ++l) layers += stores_[l] ? 1 : 0;
+      const int64_t total = layers * bytes;
+      cudaError_t err = cudaSuccess;
+      if (total > 0) {
+        err = cudaHostAlloc(reinterpret_cast<void**>(&arena_),
+                            static_cast<size_t>(total), cudaHostAllocDefault);
+        if (err != cudaSuccess) {
+          cudaGetLastError();
+          arena_ = nullptr;
+        }
+      }
+      if (err == cudaSuccess) {
+        int64_t off = 0;
+        for (int l = 0; l < opt_.n_layers; ++l) {
+          if (!stores_[l]) continue;
+          std::memcpy(arena_ + off, stores_[l], static_cast<size_t>(bytes));
+          src_[l] = arena_ + off;
+          off += bytes;
+        }
+        pin_path_ = PinPath::kArena;
+        return {};
+      }
+      fallback = CudaError("cudaHostAlloc",
+                           "pinned arena of " + GiB(double(total)) + " GiB", err);
+    }
+    pin_path_ = PinPath::kStaged;
+    staging_ = true;
+    if (!fallback.empty()) {
+      pin_note_ = "fell back from pin_mode " + std::to_string(opt_.pin_mode) +
+                  ": " + fallback;
+      if (opt_.trace)
+        std::fprintf(stderr, "strata: host store not pinned: %s\n",
+                     pin_note_.c_str());
+    }
+    return {};
+  }
+
+  void Unpin() {
+    for (void* p : registered_) cudaHostUnregister(p);
+    registered_.clear();
+    if (arena_) cudaFreeHost(arena_);
+    arena_ = nullptr;
+  }
+
+  // Frees everything Prepare made; errors are ignored, there is no one left
+  // to report them to.
+  void ReleaseResources() {
+    prepared_ = false;
+    if (ring_ || copy_stream_ || !registered_.empty() || arena_)
+      // Reads of the ring and copies from the store queued on XLA's streams
+      // are not ours to sync one by one; the whole device is, rarely.
+      cudaDeviceSynchronize();
+    stager_.Free();
+    for (cudaEvent_t e : copied_)
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : used_)
+      if (e) cudaEventDestroy(e);
+    copied_.clear();
+    used_.clear();
+    used_recorded_.reset();
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
+    copy_stream_ = nullptr;
+    if (ring_) cudaFree(ring_);
+    ring_ = nullptr;
+    Unpin();
+    src_.clear();
+    pin_path_ = PinPath::kNone;
+    pin_note_.clear();
+    staging_ = false;
+    cudaGetLastError();
+  }
+
+  PublishHub* hub_ = nullptr;
+  int32_t* pinned_counts_ = nullptr;  // [L, E], written by D2H, read by callbacks
+
+  PinPath pin_path_ = PinPath::kNone;
+  std::string pin_note_;
+  std::vector<const uint8_t*> src_;  // per layer: where copies read from
+  std::vector<void*> registered_;    // ranges this engine registered
+  uint8_t* arena_ = nullptr;
+  bool staging_ = false;
+  Stager stager_;
+
+  uint8_t* ring_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;
+  std::vector<cudaEvent_t> copied_;  // per slot, recorded on copy_stream_
+  std::vector<cudaEvent_t> used_;    // per slot, recorded on XLA's stream
+  // Written by fetch before it releases the slot (consumed, release); read by
+  // the issuer after it saw that release.
+  std::unique_ptr<std::atomic<bool>[]> used_recorded_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> MakeCudaEngine(const EngineOptions& opt, Status* err) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *err = std::string("no CUDA device visible (cudaGetDeviceCount: ") +
+           cudaGetErrorString(e) + ")";
+    return nullptr;
+  }
+  if (count == 0) {
+    *err = "no CUDA device visible (cudaGetDeviceCount: 0 devices)";
+    return nullptr;
+  }
+  if (opt.device < 0 || opt.device >= count) {
+    *err = "CUDA device " + std::to_string(opt.device) + " requested; " +
+           std::to_string(count) + " visible (0.." +
+           std::to_string(count - 1) + ")";
+    return nullptr;
+  }
+  auto engine = std::make_unique<CudaEngine>(opt);
+  Status s = engine->Init();
+  if (!s.empty()) {
+    *err = s;
+    return nullptr;
+  }
+  return engine;
+}
+
+}  // namespace strata

@@ -1,0 +1,46 @@
+// Registration of the handlers for platform "CUDA". The same templated
+// handlers as the CPU registration; only the platform stream is bound, so the
+// engine queues its copies, events and host callbacks on XLA's own stream.
+#include <cuda_runtime_api.h>
+
+#include "handlers.hpp"
+
+namespace h = strata::handlers;
+namespace ffi = xla::ffi;
+
+namespace {
+ffi::Error BeginCuda(cudaStream_t stream, ffi::AnyBuffer t,
+                     ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                     int32_t mode) {
+  return h::Begin(static_cast<void*>(stream), t, o, engine, mode);
+}
+ffi::Error PublishCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer c,
+                       ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                       int32_t layer) {
+  return h::Publish(static_cast<void*>(stream), t, c, o, engine, layer);
+}
+ffi::Error FetchCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer r,
+                     ffi::Result<ffi::AnyBuffer> w,
+                     ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                     int32_t layer) {
+  return h::Fetch(static_cast<void*>(stream), t, r, w, o, engine, layer);
+}
+ffi::Error EndCuda(cudaStream_t stream, ffi::AnyBuffer t,
+                   ffi::Result<ffi::AnyBuffer> s, int64_t engine) {
+  return h::End(static_cast<void*>(stream), t, s, engine);
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    StrataBeginCuda, BeginCuda,
+    h::BeginBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    StrataPublishCuda, PublishCuda,
+    h::PublishBinding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    StrataFetchCuda, FetchCuda,
+    h::FetchBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    StrataEndCuda, EndCuda,
+    h::EndBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
