@@ -1,5 +1,30 @@
-"""strata_jax: prefill prompts through MoE models whose experts stream from pinned host RAM."""
+"""strata_jax: prefill prompts through MoE models whose experts stream from pinned host RAM.
 
-from .config import ModelConfig, get_preset  # noqa: F401
+The model, configs and checkpoints import without the native library; the
+stream and the prefill engine load it on first use (`strata_jax.native`).
+"""
 
+from .config import PRESETS, ModelConfig, get_preset
+from .experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_blobs,
+                      unpack_expert_blobs)
+from .model import KVCache, MoETransformer, build_model, forward, init_cache
+from .synthetic import SKEW_40_PERCENT_512_TOP10, init_synthetic
+
+__all__ = [
+    "PRESETS", "ModelConfig", "get_preset", "ExpertSource", "ExpertWeights", "ResidentExperts",
+    "pack_expert_blobs", "unpack_expert_blobs", "KVCache", "MoETransformer", "build_model",
+    "forward", "init_cache", "SKEW_40_PERCENT_512_TOP10", "init_synthetic", "Engine",
+    "StreamConfig", "Session",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: these load the native library.
+    if name in ("Engine", "Session"):
+        from . import engine
+        return getattr(engine, name)
+    if name == "StreamConfig":
+        from .stream import StreamConfig
+        return StreamConfig
+    raise AttributeError(f"module 'strata_jax' has no attribute {name!r}")

@@ -72,6 +72,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_inject_fault": (c.c_int, [c.c_int64, c.c_int32, c.c_int32]),
         "strata_engine_depth": (c.c_int, [c.c_int64]),
         "strata_engine_last_stats": (c.c_int, [c.c_int64, p, c.c_int64]),
+        "strata_measure_h2d": (
+            c.c_int,
+            [c.c_int, c.c_int64, c.c_int, c.c_int, c.POINTER(c.c_double), c.c_char_p, c.c_int64],
+        ),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -106,6 +110,18 @@ def lib() -> ctypes.CDLL:
 def has_cuda() -> bool:
     """Whether the native library was built with the CUDA backend."""
     return bool(lib().strata_has_cuda())
+
+
+def measure_h2d(nbytes: int = 256 * 2**20, reps: int = 10, *, pinned: bool = True,
+                device: int = 0) -> float:
+    """Median host-to-device copy rate in GB/s (CUDA events), pinned or pageable."""
+    out = ctypes.c_double(0.0)
+    err = ctypes.create_string_buffer(512)
+    rc = lib().strata_measure_h2d(device, int(nbytes), int(reps), int(pinned), ctypes.byref(out),
+                                  err, len(err))
+    if rc != 0:
+        raise RuntimeError(f"link probe failed: {err.value.decode(errors='replace')}")
+    return out.value
 
 
 @functools.cache

@@ -11,3 +11,14 @@ std::unique_ptr<Engine> MakeCudaEngine(const EngineOptions&, Status* err) {
   return nullptr;
 }
 }  // namespace strata
+
+extern "C" int strata_measure_h2d(int, int64_t, int, int, double*, char* err, int64_t errlen) {
+  if (err && errlen > 0) {
+    const char msg[] = "strata_jax was built without CUDA support";
+    for (int64_t i = 0; i < errlen; ++i) {
+      err[i] = i < static_cast<int64_t>(sizeof(msg)) ? msg[i] : '\0';
+      if (!err[i]) break;
+    }
+  }
+  return 1;
+}

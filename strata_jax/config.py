@@ -1,0 +1,348 @@
+"""Model configurations: frozen dataclasses and presets of published MoE models.
+
+Guards against shape drift: every preset carries the exact expert and router shapes of the published
+Hugging Face config it names, so byte counts (what the streaming engine moves over the link) are the
+real ones. Attention may be simplified to standard grouped-query attention where the original uses a
+variant; each such preset says so in its docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+    "float64": np.dtype(np.float64),
+}
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+QK_NORMS = ("none", "per_head", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and routing description of a decoder-only MoE transformer.
+
+    Attributes:
+        name: Preset name (informational).
+        vocab_size: Number of token ids.
+        hidden_size: Residual stream width H.
+        n_layers: Number of decoder layers.
+        n_heads: Query heads.
+        n_kv_heads: Key/value heads (grouped-query attention); divides `n_heads`.
+        head_dim: Per-head width D.
+        n_experts: Routed experts per MoE layer E.
+        top_k: Experts chosen per token.
+        expert_intermediate: Per-expert SwiGLU width I.
+        n_dense_layers: The first `n_dense_layers` layers use a dense MLP instead of MoE (DeepSeek).
+        dense_intermediate: Width of those dense MLPs.
+        shared_expert_intermediate: Width of the always-on shared expert; 0 means none.
+        shared_expert_gate: Whether the shared expert output is scaled by sigmoid(x @ w) (Qwen2/3-MoE
+            style gate).
+        router_scores: "softmax" (Qwen, Mixtral, OLMoE) or "sigmoid" (DeepSeek-V3).
+        norm_topk_prob: Renormalise the chosen k weights to sum to one.
+        routed_scaling: Multiplier applied to the routed weights (DeepSeek-V3: 2.5).
+        selection_bias: A learned per-expert bias added to the scores for choosing only
+            (DeepSeek-V3 `e_score_correction_bias`); weights come from the unbiased scores.
+        n_groups: Expert groups for group-limited routing (DeepSeek-V3: 8); 1 disables it.
+        topk_groups: Groups kept per token when `n_groups > 1` (DeepSeek-V3: 4).
+        qk_norm: "none", "per_head" (Qwen3: RMSNorm over each head's D) or "full" (OLMoE: RMSNorm over
+            the whole q / k projection).
+        rope_theta: RoPE base.
+        rms_norm_eps: RMSNorm epsilon.
+        tie_embeddings: LM head shares the embedding matrix.
+        max_seq_len: Longest context the model accepts.
+        param_dtype: Parameter and activation dtype name ("bfloat16", "float32", ...).
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_intermediate: int
+    n_dense_layers: int = 0
+    dense_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    shared_expert_gate: bool = False
+    router_scores: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+    selection_bias: bool = False
+    n_groups: int = 1
+    topk_groups: int = 1
+    qk_norm: str = "none"
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_seq_len: int = 32_768
+    param_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        positive = (
+            "vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+            "n_experts", "top_k", "expert_intermediate", "max_seq_len", "n_groups", "topk_groups",
+        )
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(
+                f"n_dense_layers={self.n_dense_layers} must be within 0..n_layers={self.n_layers}")
+        if self.n_dense_layers and self.dense_intermediate <= 0:
+            raise ValueError(
+                f"n_dense_layers={self.n_dense_layers} needs dense_intermediate > 0, "
+                f"got {self.dense_intermediate}")
+        if self.shared_expert_intermediate < 0:
+            raise ValueError(
+                f"shared_expert_intermediate must be >= 0, got {self.shared_expert_intermediate}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate:
+            raise ValueError("shared_expert_gate=True needs shared_expert_intermediate > 0")
+        if self.router_scores not in ROUTER_SCORES:
+            raise ValueError(f"router_scores={self.router_scores!r}, expected one of {ROUTER_SCORES}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={self.qk_norm!r}, expected one of {QK_NORMS}")
+        if self.param_dtype not in _DTYPES:
+            raise ValueError(f"param_dtype={self.param_dtype!r}, expected one of {sorted(_DTYPES)}")
+        if self.n_experts % self.n_groups:
+            raise ValueError(
+                f"n_experts={self.n_experts} is not a multiple of n_groups={self.n_groups}")
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"topk_groups={self.topk_groups} exceeds n_groups={self.n_groups}")
+        if self.n_groups > 1 and self.top_k > self.topk_groups * (self.n_experts // self.n_groups):
+            raise ValueError(
+                f"top_k={self.top_k} exceeds the {self.topk_groups * (self.n_experts // self.n_groups)}"
+                f" experts left by topk_groups={self.topk_groups} of n_groups={self.n_groups}")
+        if self.selection_bias and self.router_scores != "sigmoid":
+            raise ValueError("selection_bias=True is only defined for router_scores='sigmoid'")
+
+    # ---- derived values -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def dtype(self) -> np.dtype:
+        """The parameter dtype as a NumPy dtype (bfloat16 through ml_dtypes)."""
+        return _DTYPES[self.param_dtype]
+
+    @functools.cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Model layer indices that hold an MoE block, in order."""
+        return tuple(range(self.n_dense_layers, self.n_layers))
+
+    @functools.cached_property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Model layer indices that hold a dense MLP."""
+        return tuple(range(self.n_dense_layers))
+
+    @functools.cached_property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert: gate [H, I] + up [H, I] + down [I, H]."""
+        return 3 * self.hidden_size * self.expert_intermediate
+
+    @functools.cached_property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert (gate + up + down) in the parameter dtype."""
+        return self.expert_params * self.dtype.itemsize
+
+    @functools.cached_property
+    def expert_bytes_per_layer(self) -> int:
+        """Bytes of one MoE layer's routed experts."""
+        return self.n_experts * self.expert_bytes
+
+    @functools.cached_property
+    def expert_bytes_total(self) -> int:
+        """Bytes of all routed experts of the model."""
+        return len(self.moe_layers) * self.expert_bytes_per_layer
+
+    @functools.cached_property
+    def q_dim(self) -> int:
+        """Width of the query projection, n_heads * head_dim."""
+        return self.n_heads * self.head_dim
+
+    @functools.cached_property
+    def kv_dim(self) -> int:
+        """Width of each of the key and value projections, n_kv_heads * head_dim."""
+        return self.n_kv_heads * self.head_dim
+
+    # ---- variants -------------------------------------------------------------------------------
+
+    def replace(self, **changes) -> "ModelConfig":
+        """Returns a copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def scaled(
+        self,
+        *,
+        n_layers: int | None = None,
+        hidden_size: int | None = None,
+        n_heads: int | None = None,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        n_experts: int | None = None,
+        top_k: int | None = None,
+        expert_intermediate: int | None = None,
+        vocab_size: int | None = None,
+        max_seq_len: int | None = None,
+        param_dtype: str | None = None,
+    ) -> "ModelConfig":
+        """Shrinks a preset for tests and CPU demos while keeping its structure.
+
+        Defaults: 2 layers beyond the dense ones (so DeepSeek keeps one dense and one MoE layer at
+        least), hidden 64, head_dim 16, heads divided keeping the q/kv ratio, vocab 512, widths
+        divided proportionally. Routing kind, shared experts, qk-norm, tying and group-limited
+        routing are kept; experts and top-k are kept unless given.
+
+        Returns:
+            A new validated `ModelConfig` named "<name>-scaled".
+        """
+        hidden = hidden_size or 64
+        ratio = self.hidden_size / hidden
+
+        def shrink(width: int) -> int:
+            return max(8, int(round(width / ratio / 8)) * 8) if width else 0
+
+        kv = n_kv_heads or max(1, min(self.n_kv_heads, 2))
+        heads = n_heads or kv * min(self.n_heads // self.n_kv_heads, 4)
+        dense = min(self.n_dense_layers, 1)
+        experts = n_experts or self.n_experts
+        groups = self.n_groups if experts % self.n_groups == 0 else 1
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}-scaled",
+            n_layers=n_layers or dense + 2,
+            n_dense_layers=min(dense, (n_layers or dense + 2)),
+            hidden_size=hidden,
+            n_heads=heads,
+            n_kv_heads=kv,
+            head_dim=head_dim or 16,
+            n_experts=experts,
+            top_k=top_k or min(self.top_k, experts),
+            expert_intermediate=expert_intermediate or shrink(self.expert_intermediate),
+            dense_intermediate=shrink(self.dense_intermediate),
+            shared_expert_intermediate=shrink(self.shared_expert_intermediate),
+            n_groups=groups,
+            topk_groups=min(self.topk_groups, groups),
+            vocab_size=vocab_size or 512,
+            max_seq_len=max_seq_len or min(self.max_seq_len, 4096),
+            param_dtype=param_dtype or self.param_dtype,
+        )
+
+    scale_down = scaled
+
+
+# ---- presets ------------------------------------------------------------------------------------
+
+
+def qwen3_30b_a3b() -> ModelConfig:
+    """Qwen3-30B-A3B: an MoE model with 128 experts per layer, top-8, 48 layers."""
+    return ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151_936, hidden_size=2048, n_layers=48, n_heads=32,
+        n_kv_heads=4, head_dim=128, n_experts=128, top_k=8, expert_intermediate=768,
+        norm_topk_prob=True, qk_norm="per_head", rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        max_seq_len=40_960)
+
+
+def qwen3_235b_a22b() -> ModelConfig:
+    """Qwen3-235B-A22B: an MoE model with 128 experts per layer, top-8, 94 layers, hidden 4096."""
+    return ModelConfig(
+        name="qwen3-235b-a22b", vocab_size=151_936, hidden_size=4096, n_layers=94, n_heads=64,
+        n_kv_heads=4, head_dim=128, n_experts=128, top_k=8, expert_intermediate=1536,
+        norm_topk_prob=True, qk_norm="per_head", rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        max_seq_len=40_960)
+
+
+def qwen3_next_80b_a3b() -> ModelConfig:
+    """Qwen3-Next-80B-A3B-style: 512 experts per layer, top-10, plus a gated shared expert.
+
+    Expert, shared-expert and router shapes are the published ones. Attention is standard GQA
+    (16 q / 2 kv heads of 256) with per-head qk-norm in every layer, in place of the original's
+    mix of gated full attention and Gated DeltaNet linear attention (3 of every 4 layers), its
+    partial rotary embedding and zero-centred norms.
+    """
+    return ModelConfig(
+        name="qwen3-next-80b-a3b", vocab_size=151_936, hidden_size=2048, n_layers=48, n_heads=16,
+        n_kv_heads=2, head_dim=256, n_experts=512, top_k=10, expert_intermediate=512,
+        shared_expert_intermediate=512, shared_expert_gate=True, norm_topk_prob=True,
+        qk_norm="per_head", rope_theta=10_000_000.0, rms_norm_eps=1e-6, max_seq_len=262_144)
+
+
+def mixtral_8x7b() -> ModelConfig:
+    """Mixtral-8x7B: an MoE model with 8 experts per layer, top-2, 32 layers.
+
+    Mixtral takes a softmax over all 8 logits, keeps the top 2 and renormalises them, which equals
+    a softmax over the top-2 logits: norm_topk_prob=True.
+    """
+    return ModelConfig(
+        name="mixtral-8x7b", vocab_size=32_000, hidden_size=4096, n_layers=32, n_heads=32,
+        n_kv_heads=8, head_dim=128, n_experts=8, top_k=2, expert_intermediate=14_336,
+        norm_topk_prob=True, qk_norm="none", rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+        max_seq_len=32_768)
+
+
+def olmoe_1b_7b() -> ModelConfig:
+    """OLMoE-1B-7B: an MoE model with 64 experts per layer, top-8, no top-k renormalisation.
+
+    OLMoE normalises q and k over the whole projection (qk_norm="full"), not per head.
+    """
+    return ModelConfig(
+        name="olmoe-1b-7b", vocab_size=50_304, hidden_size=2048, n_layers=16, n_heads=16,
+        n_kv_heads=16, head_dim=128, n_experts=64, top_k=8, expert_intermediate=1024,
+        norm_topk_prob=False, qk_norm="full", rope_theta=10_000.0, rms_norm_eps=1e-5,
+        max_seq_len=4096)
+
+
+def deepseek_v3() -> ModelConfig:
+    """DeepSeek-V3-style: 256 routed experts, top-8, one shared expert, first 3 layers dense.
+
+    Router as published: sigmoid scores, a selection bias used only for choosing, group-limited
+    choice (8 groups, best 4 by the sum of their top-2 scores), weights renormalised and scaled by
+    2.5. Attention is standard multi-head attention (128 heads of 128) in place of Multi-head
+    Latent Attention (MLA); no multi-token-prediction layer.
+    """
+    return ModelConfig(
+        name="deepseek-v3", vocab_size=129_280, hidden_size=7168, n_layers=61, n_heads=128,
+        n_kv_heads=128, head_dim=128, n_experts=256, top_k=8, expert_intermediate=2048,
+        n_dense_layers=3, dense_intermediate=18_432, shared_expert_intermediate=2048,
+        router_scores="sigmoid", norm_topk_prob=True, routed_scaling=2.5, selection_bias=True,
+        n_groups=8, topk_groups=4, qk_norm="none", rope_theta=10_000.0, rms_norm_eps=1e-6,
+        max_seq_len=163_840)
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "qwen3-235b-a22b": qwen3_235b_a22b,
+    "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
+    "mixtral-8x7b": mixtral_8x7b,
+    "olmoe-1b-7b": olmoe_1b_7b,
+    "deepseek-v3": deepseek_v3,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Returns the preset called `name`.
+
+    Raises:
+        ValueError: `name` is not a preset; the message lists the known names.
+    """
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None

@@ -1,0 +1,138 @@
+"""Expert weights, the expert-source seam and blob packing.
+
+The seam is where streaming plugs in: an MoE layer asks its `ExpertSource` for the layer's expert
+weights after routing and before the grouped matmul, and uses exactly what comes back. The resident
+source returns the layer's own parameters; a streaming source returns an XLA buffer filled by FFI
+copies. Because experts with no routed token are never read by the grouped matmul, a source may
+leave their rows zero (or garbage) without changing any output bit.
+
+Blob layout (one contiguous row per expert, so one copy moves one expert):
+    blob[e] = concat(gate[e].ravel(), up[e].ravel(), down[e].ravel())
+with gate/up as [H, I] and down as [I, H], row-major, in the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class ExpertWeights(NamedTuple):
+    """One MoE layer's routed SwiGLU experts (jax or numpy arrays).
+
+    Attributes:
+        gate: [E, H, I] gate projection.
+        up: [E, H, I] up projection.
+        down: [E, I, H] down projection.
+    """
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+@runtime_checkable
+class ExpertSource(Protocol):
+    """Supplies an MoE layer's expert weights for one forward chunk."""
+
+    def expert_weights(self, layer: int, counts: jax.Array,
+                       resident: ExpertWeights | None) -> ExpertWeights:
+        """Returns the weights the layer must use.
+
+        Args:
+            layer: Model layer index (a static Python int).
+            counts: int32 [E] tokens routed to each expert in this chunk, computed by the router
+                before the experts run. Rows of experts with count 0 are never read.
+            resident: The layer's own expert parameters, or None when the model was built without
+                resident experts.
+
+        Returns:
+            ExpertWeights with shapes gate/up [E, H, I], down [E, I, H] in the parameter dtype.
+        """
+        ...
+
+
+class ResidentExperts:
+    """The default source: every expert is resident; returns the layer's own parameters."""
+
+    def expert_weights(self, layer: int, counts: jax.Array,
+                       resident: ExpertWeights | None) -> ExpertWeights:
+        del counts
+        if resident is None:
+            raise ValueError(
+                f"layer {layer} has no resident expert weights (model built without experts); "
+                "pass an expert_source that supplies them")
+        return resident
+
+    def __hash__(self):
+        return hash(ResidentExperts)
+
+    def __eq__(self, other):
+        return isinstance(other, ResidentExperts)
+
+
+def blob_size(hidden: int, intermediate: int) -> int:
+    """Elements of one expert blob: gate [H, I] + up [H, I] + down [I, H]."""
+    return 3 * hidden * intermediate
+
+
+def pack_expert_blobs(w: ExpertWeights) -> jax.Array:
+    """Packs [E, H, I] / [E, H, I] / [E, I, H] expert weights into blobs.
+
+    Args:
+        w: ExpertWeights of jax arrays, all of one dtype.
+
+    Returns:
+        [E, 3*H*I] array in the weights' dtype, row e = concat(gate[e], up[e], down[e]) raveled.
+    """
+    n_experts = w.gate.shape[0]
+    return jnp.concatenate(
+        [w.gate.reshape(n_experts, -1), w.up.reshape(n_experts, -1),
+         w.down.reshape(n_experts, -1)], axis=1)  # [E, 3*H*I]
+
+
+def unpack_expert_blobs(blobs: jax.Array, hidden: int, intermediate: int) -> ExpertWeights:
+    """Inverse of `pack_expert_blobs`: pure reshape and slice, jit-friendly.
+
+    Args:
+        blobs: [E, 3*H*I] packed experts.
+        hidden: H.
+        intermediate: I.
+
+    Returns:
+        ExpertWeights (gate [E, H, I], up [E, H, I], down [E, I, H]).
+    """
+    _check_blob_shape(blobs.shape, hidden, intermediate)
+    n_experts, hi = blobs.shape[0], hidden * intermediate
+    gate = blobs[:, :hi].reshape(n_experts, hidden, intermediate)
+    up = blobs[:, hi:2 * hi].reshape(n_experts, hidden, intermediate)
+    down = blobs[:, 2 * hi:].reshape(n_experts, intermediate, hidden)
+    return ExpertWeights(gate, up, down)
+
+
+def pack_expert_blobs_np(w: ExpertWeights) -> np.ndarray:
+    """NumPy `pack_expert_blobs` for host stores; returns a new C-contiguous [E, 3*H*I] array."""
+    n_experts = w.gate.shape[0]
+    return np.concatenate(
+        [np.asarray(w.gate).reshape(n_experts, -1), np.asarray(w.up).reshape(n_experts, -1),
+         np.asarray(w.down).reshape(n_experts, -1)], axis=1)
+
+
+def unpack_expert_blobs_np(blobs: np.ndarray, hidden: int, intermediate: int) -> ExpertWeights:
+    """NumPy `unpack_expert_blobs`; returns views into `blobs` (no copy)."""
+    _check_blob_shape(blobs.shape, hidden, intermediate)
+    n_experts, hi = blobs.shape[0], hidden * intermediate
+    return ExpertWeights(
+        blobs[:, :hi].reshape(n_experts, hidden, intermediate),
+        blobs[:, hi:2 * hi].reshape(n_experts, hidden, intermediate),
+        blobs[:, 2 * hi:].reshape(n_experts, intermediate, hidden))
+
+
+def _check_blob_shape(shape, hidden: int, intermediate: int) -> None:
+    if len(shape) != 2 or shape[1] != blob_size(hidden, intermediate):
+        raise ValueError(
+            f"expert blobs have shape {tuple(shape)}, expected [E, {blob_size(hidden, intermediate)}]"
+            f" for hidden={hidden}, intermediate={intermediate}")

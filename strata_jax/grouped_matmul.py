@@ -1,0 +1,208 @@
+"""Grouped matmul dispatch: rows sorted by group times one weight matrix per group.
+
+Guards against the default `lax.ragged_dot` lowering on CUDA, which is a dense masked product over
+every group (5 TFLOP/s measured on the H200, out of memory at 32K tokens x top-8), and against any
+path that lets a group with zero rows affect outputs (its weights may be zeros or garbage when they
+were streamed).
+
+Implementations, chosen by `STRATA_GROUPED_MATMUL` (auto|mgpu|lax|tiled, default auto):
+    mgpu   Pallas Mosaic GPU `ragged_dot` (Hopper only): only the tiles of each group are computed,
+           a zero-size group owns no rows and stores nothing.
+    lax    `lax.ragged_dot` (CPU, TPU). On CPU it lowers to a dense masked product that multiplies
+           every group's weights by zeros, so NaN/Inf in an unrouted expert would leak (0 * NaN);
+           the weights of zero-size groups are therefore replaced by zeros first. The routed rows
+           see the same bits whatever the unrouted rows held.
+    tiled  Portable fallback for non-Hopper GPUs: rows are laid out in row tiles of one group each
+           and each tile is multiplied by its group's matrix in a `lax.map`. Zero-size groups own
+           no tile. Slower than a fused kernel but memory-safe at any M.
+"auto" picks mgpu on Hopper (device kind H100/H200/H800/GH200 or compute capability 9.x), tiled
+on other GPUs and lax elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLEMENTATIONS = ("auto", "mgpu", "lax", "tiled")
+ENV_VAR = "STRATA_GROUPED_MATMUL"
+
+# Measured best on the H200 for MoE shapes (DESIGN.md): 131-349 TFLOP/s.
+MGPU_BLOCK_M = 128
+MGPU_BLOCK_N = 128
+MGPU_BLOCK_K = 64
+MGPU_STAGES = 4
+MGPU_GRID_BLOCK_N = 2
+
+_HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
+
+
+def is_hopper(device: jax.Device | None = None) -> bool:
+    """Whether `device` (default: the first default-backend device) is an NVIDIA Hopper GPU."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    kind = getattr(device, "device_kind", "") or ""
+    if any(k in kind for k in _HOPPER_KINDS):
+        return True
+    capability = str(getattr(device, "compute_capability", "") or "")
+    return capability.startswith("9.")
+
+
+def resolve_implementation(impl: str | None = None) -> str:
+    """Returns the concrete implementation for `impl` (or the env var, default "auto").
+
+    Raises:
+        ValueError: unknown name, or "mgpu" requested on a device that is not a Hopper GPU.
+    """
+    impl = (impl or os.environ.get(ENV_VAR) or "auto").lower()
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"{ENV_VAR}={impl!r}; expected one of {IMPLEMENTATIONS}")
+    device = jax.devices()[0]
+    if impl == "auto":
+        if device.platform == "gpu":
+            return "mgpu" if is_hopper(device) else "tiled"
+        return "lax"
+    if impl == "mgpu" and not is_hopper(device):
+        raise ValueError(
+            f"grouped matmul 'mgpu' needs a Hopper GPU, but the device is "
+            f"{getattr(device, 'device_kind', device.platform)!r}; use 'tiled' or 'lax'")
+    # "lax" on a GPU is allowed on request (tests compare against it) but never picked by "auto".
+    return impl
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                   impl: str | None = None) -> jax.Array:
+    """Multiplies row groups of `x` by their group's matrix.
+
+    Args:
+        x: [M, K] rows sorted by group: rows 0..group_sizes[0]-1 belong to group 0, and so on.
+        w: [G, K, N] one matrix per group, same dtype as `x`.
+        group_sizes: int32 [G]; sum(group_sizes) <= M. Rows past the sum come back as zeros (lax,
+            tiled) or are unspecified (mgpu) and must not be used.
+        impl: overrides `STRATA_GROUPED_MATMUL` (auto|mgpu|lax|tiled).
+
+    Returns:
+        [M, N] in `x.dtype`, accumulated in float32.
+    """
+    m, k = x.shape
+    g, k2, n = w.shape
+    if k != k2:
+        raise ValueError(f"grouped_matmul: x is [M, {k}] but w is [G, {k2}, N]")
+    if group_sizes.shape != (g,):
+        raise ValueError(f"grouped_matmul: group_sizes has shape {group_sizes.shape}, expected ({g},)")
+    if x.dtype != w.dtype:
+        raise ValueError(f"grouped_matmul: x dtype {x.dtype} != w dtype {w.dtype}")
+    group_sizes = group_sizes.astype(jnp.int32)
+    impl = resolve_implementation(impl)
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    if impl == "mgpu":
+        if _mgpu_supports(k, n, x.dtype):
+            return _mgpu(x, w, group_sizes)
+        impl = "tiled"  # shape the kernel cannot tile: stay memory-safe.
+    if impl == "tiled":
+        return _tiled(x, w, group_sizes)
+    return _lax(x, w, group_sizes)
+
+
+def _lax(x, w, group_sizes):
+    with jax.named_scope("grouped_matmul_lax"):
+        # Zero-size groups are multiplied by zero rows in the dense lowering: sanitise them so their
+        # content (zeros, stale data, NaN) cannot reach the output.
+        w = jnp.where((group_sizes > 0)[:, None, None], w, jnp.zeros((), w.dtype))
+        return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _tiled(x, w, group_sizes, tile: int = 128, batch: int = 8):
+    """Row tiles of one group each, one small matmul per tile."""
+    with jax.named_scope("grouped_matmul_tiled"):
+        m, k = x.shape
+        g, _, n = w.shape
+        tile = min(tile, max(8, 1 << (m - 1).bit_length()))
+        n_tiles = -(-m // tile) + g  # each group adds at most one partial tile
+        padded_sizes = -(-group_sizes // tile) * tile  # [G]
+        starts = jnp.cumsum(group_sizes) - group_sizes  # [G] exclusive
+        padded_ends = jnp.cumsum(padded_sizes)  # [G]
+        padded_starts = padded_ends - padded_sizes
+
+        # Padded slot p -> (group, source row); slots past the last group are invalid.
+        p = jnp.arange(n_tiles * tile, dtype=jnp.int32)  # [P]
+        group_of = jnp.minimum(jnp.searchsorted(padded_ends, p, side="right"), g - 1)  # [P]
+        offset = p - padded_starts[group_of]
+        valid = (offset < group_sizes[group_of]) & (p < padded_ends[-1])
+        src = jnp.where(valid, starts[group_of] + offset, 0)
+        xp = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))  # [P, K]
+        xp = xp.reshape(n_tiles, tile, k)  # [n_tiles, tile, K]
+        tile_group = group_of[::tile]  # [n_tiles]
+
+        def one_tile(args):
+            xt, gt = args
+            return jnp.dot(xt, w[gt], preferred_element_type=jnp.float32).astype(x.dtype)
+
+        out = lax.map(one_tile, (xp, tile_group), batch_size=batch)  # [n_tiles, tile, N]
+        out = out.reshape(n_tiles * tile, n)
+
+        # Row i (sorted) -> its padded slot.
+        i = jnp.arange(m, dtype=jnp.int32)
+        ends = jnp.cumsum(group_sizes)
+        gi = jnp.minimum(jnp.searchsorted(ends, i, side="right"), g - 1)
+        row_valid = i < ends[-1]
+        slot = jnp.where(row_valid, padded_starts[gi] + (i - starts[gi]), 0)
+        return jnp.where(row_valid[:, None], out[slot], jnp.zeros((), x.dtype))
+
+
+@functools.cache
+def _mgpu_module():
+    try:
+        return importlib.import_module("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu")
+    except Exception as e:  # noqa: BLE001 - any import failure means the kernel is unusable.
+        raise RuntimeError(
+            "the Mosaic GPU ragged_dot kernel (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu) "
+            f"cannot be imported with jax {jax.__version__}: {e}; set {ENV_VAR}=tiled") from e
+
+
+def _mgpu_supports(k: int, n: int, dtype) -> bool:
+    return (k % MGPU_BLOCK_K == 0 and n % MGPU_BLOCK_N == 0
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def _mgpu(x, w, group_sizes):
+    with jax.named_scope("grouped_matmul_mgpu"):
+        module = _mgpu_module()
+        m, _ = x.shape
+        n = w.shape[2]
+        # The kernel tiles M by block_m; zero rows past the groups belong to no group and are
+        # sliced off, so no expert's weights are read for them.
+        pad = (-m) % MGPU_BLOCK_M
+        if pad:
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+        grid_block_n = MGPU_GRID_BLOCK_N if n % (MGPU_BLOCK_N * MGPU_GRID_BLOCK_N) == 0 else 1
+        kwargs = dict(group_sizes=group_sizes, block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N,
+                      block_k=MGPU_BLOCK_K, max_concurrent_steps=MGPU_STAGES,
+                      grid_block_n=grid_block_n)
+        accepted = inspect.signature(module.ragged_dot).parameters
+        out = module.ragged_dot(x, w, **{k: v for k, v in kwargs.items() if k in accepted})
+        return out[:m] if pad else out
+
+
+def grouped_matmul_reference(x, w, group_sizes):
+    """NumPy float64 reference: explicit loop over groups; rows past the groups are zeros."""
+    import numpy as np
+
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    out = np.zeros((x.shape[0], w.shape[2]), np.float64)
+    start = 0
+    for gi, size in enumerate(np.asarray(group_sizes)):
+        size = int(size)
+        if size:
+            out[start:start + size] = x[start:start + size] @ w[gi]
+        start += size
+    return out

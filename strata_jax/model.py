@@ -1,0 +1,621 @@
+"""Flax NNX mixture-of-experts transformer (batch 1, prefill with a KV cache).
+
+Guards against two failures the streaming engine cannot tolerate: expert math that depends on the
+weights of experts no token routes to (a streamed source leaves those rows zero), and an op sequence
+that changes with the expert source (the streamed arm must match the resident arm bit for bit). The
+only difference between arms is where `ExpertSource.expert_weights` gets its bytes.
+
+Layers are a Python loop over an `nnx.List` with static layer indices (not `lax.scan`), so a
+streaming source can issue a per-layer FFI call with the layer index as a static attribute.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from strata_jax.config import ModelConfig
+from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
+from strata_jax.grouped_matmul import grouped_matmul
+
+ATTENTION_ENV_VAR = "STRATA_ATTENTION"  # auto|xla|cudnn|einsum
+_INIT_STD = 0.02
+
+
+class KVCache(NamedTuple):
+    """Per-layer key/value cache.
+
+    Attributes:
+        keys: one [S, KVH, D] array per layer (S = capacity), RoPE already applied.
+        values: one [S, KVH, D] array per layer.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache can hold."""
+        return self.keys[0].shape[0]
+
+
+def init_cache(config: ModelConfig, capacity: int, dtype=None) -> KVCache:
+    """Returns a zero KV cache of `capacity` positions in the parameter dtype (or `dtype`).
+
+    Raises:
+        ValueError: capacity is not positive or exceeds `config.max_seq_len`.
+    """
+    if not 0 < capacity <= config.max_seq_len:
+        raise ValueError(
+            f"cache capacity {capacity} must be within 1..max_seq_len={config.max_seq_len}")
+    dtype = dtype or config.dtype
+    shape = (capacity, config.n_kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+    return KVCache(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)))
+
+
+def cache_shapes(config: ModelConfig, capacity: int) -> KVCache:
+    """`KVCache` of `jax.ShapeDtypeStruct`s, for `jax.eval_shape` (allocates nothing)."""
+    spec = jax.ShapeDtypeStruct((capacity, config.n_kv_heads, config.head_dim), config.dtype)
+    return KVCache((spec,) * config.n_layers, (spec,) * config.n_layers)
+
+
+def _normal(rngs: nnx.Rngs | None, shape, dtype, std=_INIT_STD):
+    # rngs=None builds an abstract model (ShapeDtypeStruct leaves) without tracing any RNG: full-size
+    # presets then take milliseconds instead of tracing hundreds of random initialisers.
+    if rngs is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def _filled(rngs: nnx.Rngs | None, shape, dtype, value: float):
+    if rngs is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jnp.full(shape, value, dtype)
+
+
+# ---- building blocks ----------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(_filled(rngs, (dim,), dtype, 1.0))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split (Hugging Face `rotate_half`) convention.
+
+    Args:
+        x: [T, heads, D].
+        positions: int32 [T].
+        theta: RoPE base.
+
+    Returns:
+        [T, heads, D] in x.dtype.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
+    sin = jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _dot(x, w):
+    """x @ w accumulated in float32, result in x.dtype."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _attention_impl(dtype, head_dim: int) -> str:
+    impl = (os.environ.get(ATTENTION_ENV_VAR) or "auto").lower()
+    if impl not in ("auto", "xla", "cudnn", "einsum"):
+        raise ValueError(f"{ATTENTION_ENV_VAR}={impl!r}; expected auto|xla|cudnn|einsum")
+    if impl != "auto":
+        return impl
+    if jnp.dtype(dtype) == jnp.float64:
+        return "einsum"  # jax.nn.dot_product_attention targets float16/32 kernels
+    if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim <= 128 and head_dim % 8 == 0):
+        return "cudnn"
+    return "xla"
+
+
+def _einsum_attention(q, k, v, mask):
+    """Explicit GQA attention. q [T, N, D], k/v [S, KVH, D], mask bool [T, S] -> [T, N, D]."""
+    t, n, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(t, kvh, n // kvh, d)  # [T, KVH, G, D]
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(d)
+    scores = jnp.where(mask[None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [KVH, G, T, S]
+    out = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(t, n, d).astype(q.dtype)
+
+
+def attend(q, k, v, mask=None, *, causal_self: bool = False):
+    """Grouped-query attention over keys `k`/`v`.
+
+    Args:
+        q: [T, N, D] queries.
+        k: [S, KVH, D] keys; v: [S, KVH, D] values.
+        mask: bool [T, S], True where a query may attend (ignored when `causal_self`).
+        causal_self: keys are exactly the queries' own positions (S == T, first chunk): plain causal
+            attention, which cuDNN runs as a fused kernel on the GPU.
+
+    Returns:
+        [T, N, D] in q.dtype.
+    """
+    impl = _attention_impl(q.dtype, q.shape[-1])
+    if causal_self and mask is None:
+        t = q.shape[0]
+        mask = jnp.tril(jnp.ones((t, t), bool))
+    if impl == "einsum":
+        return _einsum_attention(q, k, v, mask)
+    if impl == "cudnn" and causal_self:
+        try:
+            return jax.nn.dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
+        except (NotImplementedError, ValueError, RuntimeError):
+            pass  # this cuDNN build rejects the shape: the XLA path below is exact too.
+    return jax.nn.dot_product_attention(
+        q[None], k[None], v[None], mask=mask[None, None], implementation="xla")[0]
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, dt = config, config.dtype
+        self.config = config
+        self.q_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.q_dim), dt))  # [H, N*D]
+        self.k_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
+        self.v_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
+        self.o_proj = nnx.Param(_normal(rngs, (c.q_dim, c.hidden_size), dt))  # [N*D, H]
+        if c.qk_norm == "per_head":
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
+        elif c.qk_norm == "full":
+            self.q_norm = RMSNorm(c.q_dim, c.rms_norm_eps, dt, rngs)
+            self.k_norm = RMSNorm(c.kv_dim, c.rms_norm_eps, dt, rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, cache_k, cache_v, start, positions):
+        """x [T, H]; cache_k/v [S, KVH, D]; start int (static 0 = first chunk) or int32 scalar."""
+        c = self.config
+        t = x.shape[0]
+        q = _dot(x, self.q_proj[...])  # [T, N*D]
+        k = _dot(x, self.k_proj[...])  # [T, KVH*D]
+        v = _dot(x, self.v_proj[...])  # [T, KVH*D]
+        if c.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(t, c.n_heads, c.head_dim)  # [T, N, D]
+        k = k.reshape(t, c.n_kv_heads, c.head_dim)  # [T, KVH, D]
+        v = v.reshape(t, c.n_kv_heads, c.head_dim)  # [T, KVH, D]
+        if c.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q, positions, c.rope_theta)
+        k = rope(k, positions, c.rope_theta)
+        k = k.astype(cache_k.dtype)
+        v = v.astype(cache_v.dtype)
+        cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
+        cache_v = lax.dynamic_update_slice(cache_v, v, (start, 0, 0))
+        if isinstance(start, int) and start == 0:
+            # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
+            # causally is the same math and lets cuDNN run it fused.
+            out = attend(q, k.astype(q.dtype), v.astype(q.dtype), causal_self=True)
+        else:
+            key_pos = jnp.arange(cache_k.shape[0], dtype=jnp.int32)  # [S]
+            mask = key_pos[None, :] <= positions[:, None]  # [T, S]
+            out = attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask)
+        out = _dot(out.reshape(t, c.q_dim), self.o_proj[...])  # [T, H]
+        return out, cache_k, cache_v
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). Used for dense layers and shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype, *, rngs: nnx.Rngs):
+        self.gate = nnx.Param(_normal(rngs, (hidden, intermediate), dtype))  # [H, I]
+        self.up = nnx.Param(_normal(rngs, (hidden, intermediate), dtype))  # [H, I]
+        self.down = nnx.Param(_normal(rngs, (intermediate, hidden), dtype))  # [I, H]
+
+    def __call__(self, x):
+        g = jnp.dot(x, self.gate[...], preferred_element_type=jnp.float32)
+        u = jnp.dot(x, self.up[...], preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(g) * u).astype(x.dtype)  # [T, I]
+        return _dot(h, self.down[...])  # [T, H]
+
+
+# ---- MoE: routing, permute, experts, unpermute as small functions ----------------------------------
+
+
+class Routing(NamedTuple):
+    """Router output for one chunk.
+
+    Attributes:
+        expert_ids: int32 [T, k] chosen experts per token.
+        weights: float32 [T, k] combination weights.
+        counts: int32 [E] tokens routed to each expert.
+    """
+
+    expert_ids: jax.Array
+    weights: jax.Array
+    counts: jax.Array
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: ModelConfig) -> Routing:
+    """Chooses top-k experts per token and their weights.
+
+    Softmax routers take softmax(logits) in float32, keep the top k and optionally renormalise.
+    Sigmoid routers (DeepSeek-V3) choose by sigmoid(logits) + selection bias (group-limited when
+    n_groups > 1), weight by the unbiased sigmoid scores, renormalise and scale by routed_scaling.
+    """
+    with jax.named_scope("routing"):
+        c = config
+        t = x.shape[0]
+        logits = jnp.dot(x, router, preferred_element_type=jnp.float32)  # [T, E]
+        if c.router_scores == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+        choice = scores + bias.astype(jnp.float32)[None, :] if bias is not None else scores
+        if c.n_groups > 1:
+            grouped = choice.reshape(t, c.n_groups, c.n_experts // c.n_groups)  # [T, G, E/G]
+            group_scores = lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+            _, keep = lax.top_k(group_scores, c.topk_groups)  # [T, topk_groups]
+            group_mask = jnp.zeros((t, c.n_groups), bool).at[jnp.arange(t)[:, None], keep].set(True)
+            # Hugging Face fills dropped groups with 0.0 (not -inf); kept for identical choices.
+            choice = jnp.where(group_mask[:, :, None], grouped, 0.0).reshape(t, c.n_experts)
+        _, expert_ids = lax.top_k(choice, c.top_k)  # [T, k]
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [T, k]
+        if c.norm_topk_prob:
+            denom = weights.sum(-1, keepdims=True)
+            if c.router_scores == "sigmoid":
+                denom = denom + 1e-20
+            weights = weights / denom
+        weights = weights * c.routed_scaling
+        expert_ids = expert_ids.astype(jnp.int32)
+        counts = jnp.zeros((c.n_experts,), jnp.int32).at[expert_ids.reshape(-1)].add(1)  # [E]
+        return Routing(expert_ids, weights, counts)
+
+
+def permute(x: jax.Array, expert_ids: jax.Array):
+    """Sorts token copies by expert.
+
+    Args:
+        x: [T, H] tokens.
+        expert_ids: int32 [T, k].
+
+    Returns:
+        (x_sorted [T*k, H], order int32 [T*k]) where x_sorted[j] = x[order[j] // k].
+    """
+    with jax.named_scope("permute"):
+        k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)  # [T*k]
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [T*k]
+        return x[order // k], order
+
+
+def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array) -> jax.Array:
+    """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
+
+    Args:
+        x_sorted: [T*k, H].
+        w: gate/up [E, H, I], down [E, I, H]; rows of experts with count 0 are never read.
+        counts: int32 [E] group sizes.
+
+    Returns:
+        [T*k, H] in x_sorted.dtype.
+    """
+    with jax.named_scope("experts"):
+        g = grouped_matmul(x_sorted, w.gate, counts)  # [T*k, I]
+        u = grouped_matmul(x_sorted, w.up, counts)  # [T*k, I]
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_sorted.dtype)
+        return grouped_matmul(h, w.down, counts)  # [T*k, H]
+
+
+def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Puts expert outputs back in token order and combines them with the routing weights.
+
+    Args:
+        y_sorted: [T*k, H] expert outputs in sorted order.
+        order: int32 [T*k] from `permute`.
+        weights: float32 [T, k].
+
+    Returns:
+        [T, H] in y_sorted.dtype, summed in float32.
+    """
+    with jax.named_scope("unpermute"):
+        t, k = weights.shape
+        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # [T*k, H], token-major
+        y = y.reshape(t, k, -1).astype(jnp.float32)  # [T, k, H]
+        return jnp.einsum("tkh,tk->th", y, weights).astype(y_sorted.dtype)
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts with an optional shared expert.
+
+    Steps for one chunk of T tokens:
+      1. Router: logits = x @ router [T, E] in float32 -> scores -> top-k experts and weights.
+      2. Counts: tokens per expert, int32 [E], known before any expert runs.
+      3. Source: weights = expert_source.expert_weights(layer, counts, resident) - the streaming
+         seam; the returned rows of experts with count 0 are never read.
+      4. Permute: copy each token k times and sort the copies by expert id (stable) -> [T*k, H].
+      5. Experts: grouped matmuls gate and up [T*k, I], silu(gate) * up, grouped matmul down
+         [T*k, H]; zero-size groups compute nothing.
+      6. Unpermute: scatter back to token order [T, k, H], weighted sum over k in float32 -> [T, H].
+      7. Shared expert (if any): dense SwiGLU of x, times sigmoid(x @ shared_gate) when gated,
+         added to the routed output.
+    The op sequence never depends on the source, so resident and streamed arms give the same bits.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
+                 resident_experts: bool = True):
+        c, dt = config, config.dtype
+        self.config = config
+        self.layer = layer
+        self.router = nnx.Param(_normal(rngs, (c.hidden_size, c.n_experts), dt))  # [H, E]
+        self.selection_bias = (nnx.Param(_filled(rngs, (c.n_experts,), jnp.float32, 0.0))
+                               if c.selection_bias else None)  # [E]
+        if resident_experts:
+            e, h, i = c.n_experts, c.hidden_size, c.expert_intermediate
+            self.gate = nnx.Param(_normal(rngs, (e, h, i), dt))  # [E, H, I]
+            self.up = nnx.Param(_normal(rngs, (e, h, i), dt))  # [E, H, I]
+            self.down = nnx.Param(_normal(rngs, (e, i, h), dt))  # [E, I, H]
+        else:
+            self.gate = self.up = self.down = None
+        self.shared = (MLP(c.hidden_size, c.shared_expert_intermediate, dt, rngs=rngs)
+                       if c.shared_expert_intermediate else None)
+        self.shared_gate = (nnx.Param(_normal(rngs, (c.hidden_size, 1), dt))
+                            if c.shared_expert_gate else None)  # [H, 1]
+
+    def resident_weights(self) -> ExpertWeights | None:
+        """The layer's own expert parameters, or None when built without them."""
+        if self.gate is None:
+            return None
+        return ExpertWeights(self.gate[...], self.up[...], self.down[...])
+
+    def __call__(self, x: jax.Array, expert_source: ExpertSource | None = None):
+        """x [T, H] -> ([T, H], counts int32 [E])."""
+        bias = self.selection_bias[...] if self.selection_bias is not None else None
+        routing = route(x, self.router[...], bias, self.config)
+        source = expert_source if expert_source is not None else ResidentExperts()
+        w = source.expert_weights(self.layer, routing.counts, self.resident_weights())
+        w = ExpertWeights(*(a.astype(x.dtype) for a in w))
+        x_sorted, order = permute(x, routing.expert_ids)
+        y_sorted = experts_swiglu(x_sorted, w, routing.counts)
+        out = unpermute(y_sorted, order, routing.weights)
+        if self.shared is not None:
+            with jax.named_scope("shared_expert"):
+                shared = self.shared(x)
+                if self.shared_gate is not None:
+                    gate = jax.nn.sigmoid(
+                        jnp.dot(x, self.shared_gate[...], preferred_element_type=jnp.float32))
+                    shared = (gate * shared.astype(jnp.float32)).astype(x.dtype)
+                out = out + shared
+        return out, routing.counts
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) with an MoE or dense MLP."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
+                 resident_experts: bool = True):
+        c, dt = config, config.dtype
+        self.layer = layer
+        self.is_moe = layer in c.moe_layers
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
+        self.attn = Attention(c, rngs=rngs)
+        self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
+        if self.is_moe:
+            self.mlp = MoE(c, layer, rngs=rngs, resident_experts=resident_experts)
+        else:
+            self.mlp = MLP(c.hidden_size, c.dense_intermediate, dt, rngs=rngs)
+
+    def __call__(self, x, cache_k, cache_v, start, positions, expert_source):
+        with jax.named_scope(f"layer_{self.layer}"):
+            h, cache_k, cache_v = self.attn(self.input_norm(x), cache_k, cache_v, start, positions)
+            x = x + h
+            counts = None
+            if self.is_moe:
+                h, counts = self.mlp(self.post_attn_norm(x), expert_source)
+            else:
+                h = self.mlp(self.post_attn_norm(x))
+            return x + h, cache_k, cache_v, counts
+
+
+class MoETransformer(nnx.Module):
+    """Decoder-only MoE transformer, batch size 1.
+
+    Call it as `model(tokens, cache, start, expert_source=None)` inside your own jit, or use
+    `forward` for validated inputs and a cached jit.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None,
+                 resident_experts: bool = True):
+        """Random-initialised model; `rngs=None` gives ShapeDtypeStruct leaves (see abstract_model).
+
+        Real weights come from `build_model` (synthetic or checkpoint arrays) instead.
+        """
+        c, dt = config, config.dtype
+        self.config = config
+        self.embed = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), dt, std=1.0))  # [V, H]
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, resident_experts=resident_experts)
+                                for i in range(c.n_layers)])
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
+        self.lm_head = (None if c.tie_embeddings
+                        else nnx.Param(_normal(rngs, (c.hidden_size, c.vocab_size), dt)))  # [H, V]
+
+    def __call__(self, tokens: jax.Array, cache: KVCache, start,
+                 expert_source: ExpertSource | None = None):
+        """Runs one chunk.
+
+        Args:
+            tokens: int32 [T], ids within the vocabulary (not checked here: see `forward`).
+            cache: KVCache with capacity >= start + T.
+            start: position of tokens[0]; a Python int 0 marks the first chunk (no cache read),
+                anything else (int or int32 scalar) attends to cached positions 0..start-1.
+            expert_source: supplies each MoE layer's expert weights; None = resident params.
+
+        Returns:
+            (logits float32 [T, V], updated KVCache, counts int32 [n_moe_layers, E]).
+        """
+        c = self.config
+        t = tokens.shape[0]
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [T, H]
+        positions = (jnp.arange(t, dtype=jnp.int32) + jnp.asarray(start, jnp.int32))  # [T]
+        if not isinstance(start, int):
+            start = jnp.asarray(start, jnp.int32)
+        keys, values, counts = [], [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v, layer_counts = layer(x, cache.keys[i], cache.values[i], start, positions,
+                                          expert_source)
+            keys.append(k)
+            values.append(v)
+            if layer_counts is not None:
+                counts.append(layer_counts)
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [H, V]
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)  # [T, V]
+        counts = jnp.stack(counts) if counts else jnp.zeros((0, c.n_experts), jnp.int32)
+        return logits, KVCache(tuple(keys), tuple(values)), counts
+
+
+# ---- construction from arrays ---------------------------------------------------------------------
+
+
+def abstract_model(config: ModelConfig, *, resident_experts: bool = True) -> MoETransformer:
+    """The model with `jax.ShapeDtypeStruct` leaves: allocates nothing."""
+    return MoETransformer(config, rngs=None, resident_experts=resident_experts)
+
+
+def _get(variable):
+    return variable.get_value() if hasattr(variable, "get_value") else variable.value
+
+
+def param_shapes(config: ModelConfig, *, resident_experts: bool = True
+                 ) -> dict[str, jax.ShapeDtypeStruct]:
+    """Flat parameter names ("layers.3.mlp.gate", ...) to shape/dtype, in model order."""
+    _, state = nnx.split(abstract_model(config, resident_experts=resident_experts))
+    return {".".join(map(str, path)): _get(v) for path, v in nnx.to_flat_state(state)}
+
+
+def expert_param_names(config: ModelConfig, layer: int) -> ExpertWeights:
+    """Flat names of layer `layer`'s routed expert parameters (gate, up, down)."""
+    return ExpertWeights(*(f"layers.{layer}.mlp.{n}" for n in ExpertWeights._fields))
+
+
+def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array], *,
+                experts: Mapping[int, ExpertWeights] | None = None,
+                resident_experts: bool = True) -> MoETransformer:
+    """Builds the model from flat arrays without initialising random weights first.
+
+    Args:
+        config: model config.
+        params: flat name -> array (names as in `param_shapes`); cast to the parameter dtype.
+        experts: optional layer -> ExpertWeights for routed experts not present in `params`
+            (e.g. a host expert store); used only when `resident_experts`.
+        resident_experts: put routed experts on the device; False leaves them out (a streaming
+            source then supplies them).
+
+    Raises:
+        KeyError: a parameter is missing (named).
+        ValueError: a parameter has the wrong shape (name and both shapes).
+    """
+    graphdef, state = nnx.split(abstract_model(config, resident_experts=resident_experts))
+    filled = []
+    for path, variable in nnx.to_flat_state(state):
+        name = ".".join(map(str, path))
+        spec = _get(variable)
+        value = params.get(name)
+        if value is None and experts is not None and path[-1] in ExpertWeights._fields:
+            layer = int(path[1])
+            if layer in experts:
+                value = getattr(experts[layer], path[-1])
+        if value is None:
+            raise KeyError(f"missing parameter {name!r} (expected shape {tuple(spec.shape)})")
+        if tuple(value.shape) != tuple(spec.shape):
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+        filled.append((path, variable.replace(jnp.asarray(value, dtype=spec.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+# ---- validated, jitted entry point ------------------------------------------------------------------
+
+
+@nnx.jit(static_argnames=("expert_source", "first_chunk"))
+def _forward_jit(model, tokens, cache, start, expert_source, first_chunk):
+    return model(tokens, cache, 0 if first_chunk else start, expert_source)
+
+
+def validate_inputs(config: ModelConfig, tokens, cache_capacity: int, start: int) -> np.ndarray:
+    """Checks a chunk on the host before any device work.
+
+    Returns:
+        tokens as int32 numpy [T].
+
+    Raises:
+        ValueError: empty prompt, wrong rank, non-integer ids, ids outside [0, vocab), negative
+            start, or start + T past the cache capacity or max_seq_len.
+    """
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D array [T], got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError("empty prompt: tokens has length 0")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= config.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} outside the vocabulary [0, {config.vocab_size})")
+    start = int(start)
+    if start < 0:
+        raise ValueError(f"start position must be >= 0, got {start}")
+    end = start + arr.size
+    if end > config.max_seq_len:
+        raise ValueError(
+            f"prompt past max context: positions {start}..{end - 1} exceed "
+            f"max_seq_len={config.max_seq_len}")
+    if end > cache_capacity:
+        raise ValueError(
+            f"prompt past the KV cache: positions {start}..{end - 1} exceed capacity {cache_capacity}")
+    return arr.astype(np.int32)
+
+
+def forward(model: MoETransformer, tokens, cache: KVCache, start: int = 0,
+            expert_source: ExpertSource | None = None):
+    """Validated, jitted forward of one chunk.
+
+    Args:
+        model: the model.
+        tokens: int [T] token ids (host or device array with concrete values).
+        cache: KV cache.
+        start: position of tokens[0].
+        expert_source: hashable ExpertSource (a static jit argument) or None for resident experts.
+
+    Returns:
+        (logits float32 [T, V], updated KVCache, counts int32 [n_moe_layers, E]).
+    """
+    arr = validate_inputs(model.config, tokens, cache.capacity, start)
+    return _forward_jit(model, jnp.asarray(arr), cache, jnp.int32(start), expert_source,
+                        int(start) == 0)

@@ -1,0 +1,144 @@
+"""Float64 NumPy reference of the whole forward pass, independent of the JAX model.
+
+Guards against a model bug hiding behind a shared helper: nothing here imports the model. It
+runs one whole sequence (positions 0..T-1, no cache), per-token expert loops instead of sorting and
+grouped matmuls, and Hugging Face's conventions written out directly.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from strata_jax.config import ModelConfig
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(a).astype(np.float64)
+
+
+def _rms_norm(x, weight, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(weight)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _rope(x, positions, theta):
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = positions[:, None].astype(np.float64) * inv_freq[None]  # [T, D/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _attention(c: ModelConfig, p, prefix, x):
+    t = x.shape[0]
+    q = x @ _f64(p[prefix + "q_proj"])
+    k = x @ _f64(p[prefix + "k_proj"])
+    v = x @ _f64(p[prefix + "v_proj"])
+    if c.qk_norm == "full":
+        q = _rms_norm(q, p[prefix + "q_norm.weight"], c.rms_norm_eps)
+        k = _rms_norm(k, p[prefix + "k_norm.weight"], c.rms_norm_eps)
+    q = q.reshape(t, c.n_heads, c.head_dim)
+    k = k.reshape(t, c.n_kv_heads, c.head_dim)
+    v = v.reshape(t, c.n_kv_heads, c.head_dim)
+    if c.qk_norm == "per_head":
+        q = _rms_norm(q, p[prefix + "q_norm.weight"], c.rms_norm_eps)
+        k = _rms_norm(k, p[prefix + "k_norm.weight"], c.rms_norm_eps)
+    pos = np.arange(t)
+    q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
+    out = np.zeros_like(q)
+    group = c.n_heads // c.n_kv_heads
+    causal = np.tril(np.ones((t, t), bool))
+    for h in range(c.n_heads):
+        kh = h // group  # query head h reads kv head h // group
+        s = q[:, h] @ k[:, kh].T / np.sqrt(c.head_dim)  # [T, T]
+        s = np.where(causal, s, -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
+    return out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
+
+
+def _swiglu(x, gate, up, down):
+    return (_silu(x @ gate) * (x @ up)) @ down
+
+
+def reference_route(c: ModelConfig, logits: np.ndarray, bias: np.ndarray | None):
+    """Top-k choice and weights for one token's router logits [E] -> (ids [k], weights [k])."""
+    if c.router_scores == "softmax":
+        e = np.exp(logits - logits.max())
+        scores = e / e.sum()
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + _f64(bias) if bias is not None else scores.copy()
+    if c.n_groups > 1:
+        per = c.n_experts // c.n_groups
+        grouped = choice.reshape(c.n_groups, per)
+        group_score = np.sort(grouped, axis=-1)[:, -2:].sum(-1)
+        keep = np.argsort(-group_score, kind="stable")[: c.topk_groups]
+        mask = np.zeros(c.n_groups, bool)
+        mask[keep] = True
+        choice = np.where(mask[:, None], grouped, 0.0).reshape(-1)
+    ids = np.argsort(-choice, kind="stable")[: c.top_k]
+    w = scores[ids]
+    if c.norm_topk_prob:
+        w = w / w.sum()
+    return ids, w * c.routed_scaling
+
+
+def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,
+                      experts: Mapping[int, tuple] | None = None):
+    """Float64 forward of a whole sequence starting at position 0.
+
+    Args:
+        config: model config.
+        params: flat name -> array, names as in `strata_jax.model.param_shapes`.
+        tokens: int [T].
+        experts: optional layer -> (gate, up, down) used when the expert params are not in `params`.
+
+    Returns:
+        (logits float64 [T, V], counts int64 [n_moe_layers, E]).
+    """
+    c = config
+    tokens = np.asarray(tokens)
+    x = _f64(params["embed"])[tokens]  # [T, H]
+    all_counts = []
+    for layer in range(c.n_layers):
+        pre = f"layers.{layer}."
+        h = _rms_norm(x, params[pre + "input_norm.weight"], c.rms_norm_eps)
+        x = x + _attention(c, params, pre + "attn.", h)
+        h = _rms_norm(x, params[pre + "post_attn_norm.weight"], c.rms_norm_eps)
+        m = pre + "mlp."
+        if layer not in c.moe_layers:
+            x = x + _swiglu(h, _f64(params[m + "gate"]), _f64(params[m + "up"]),
+                            _f64(params[m + "down"]))
+            continue
+        if m + "gate" in params:
+            gate, up, down = (_f64(params[m + n]) for n in ("gate", "up", "down"))
+        else:
+            gate, up, down = (_f64(a) for a in experts[layer])
+        logits = h @ _f64(params[m + "router"])  # [T, E]
+        bias = params.get(m + "selection_bias")
+        counts = np.zeros(c.n_experts, np.int64)
+        out = np.zeros_like(h)
+        for t in range(h.shape[0]):
+            ids, w = reference_route(c, logits[t], bias)
+            for e, we in zip(ids, w):
+                counts[e] += 1
+                out[t] += we * _swiglu(h[t], gate[e], up[e], down[e])
+        if c.shared_expert_intermediate:
+            shared = _swiglu(h, _f64(params[m + "shared.gate"]), _f64(params[m + "shared.up"]),
+                             _f64(params[m + "shared.down"]))
+            if c.shared_expert_gate:
+                shared = shared / (1.0 + np.exp(-(h @ _f64(params[m + "shared_gate"]))))
+            out = out + shared
+        x = x + out
+        all_counts.append(counts)
+    x = _rms_norm(x, params["final_norm.weight"], c.rms_norm_eps)
+    head = _f64(params["embed"]).T if c.tie_embeddings else _f64(params["lm_head"])
+    counts = np.stack(all_counts) if all_counts else np.zeros((0, c.n_experts), np.int64)
+    return x @ head, counts

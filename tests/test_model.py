@@ -1,0 +1,275 @@
+"""The Flax model against the float64 NumPy reference, the KV cache, the expert-source seam."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from strata_jax import model as M
+from strata_jax.config import PRESETS, get_preset
+from strata_jax.experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_blobs,
+                                pack_expert_blobs_np, unpack_expert_blobs, unpack_expert_blobs_np)
+from strata_jax.reference import reference_forward
+from strata_jax.synthetic import init_synthetic, split_experts
+from strata_jax.testing import assert_close
+
+
+def small(name, **kw):
+    full = get_preset(name)
+    kw.setdefault("n_experts", 16 if full.n_experts > 16 else None)
+    kw.setdefault("param_dtype", "float32")
+    return full.scaled(**kw)
+
+
+_MODELS = {}
+
+
+def built(config, seed=0):
+    """(model, params) cached per config so each test module compiles a config once."""
+    key = (config, seed)
+    if key not in _MODELS:
+        params = init_synthetic(config, seed)
+        _MODELS[key] = (M.build_model(config, params), params)
+    return _MODELS[key]
+
+
+def tokens_for(config, n, seed=1):
+    return np.random.default_rng(seed).integers(0, config.vocab_size, n).astype(np.int32)
+
+
+def test_constant_prompt_matches_reference():
+    c = small("qwen3-30b-a3b")
+    model, params = built(c)
+    toks = np.full(12, 7, np.int32)
+    logits, _, counts = M.forward(model, toks, M.init_cache(c, 32))
+    ref, ref_counts = reference_forward(c, params, toks)
+    assert_close(logits, ref, np.float32)
+    np.testing.assert_array_equal(np.asarray(counts), ref_counts)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_random_prompt_matches_reference(name):
+    c = small(name)
+    model, params = built(c)
+    toks = tokens_for(c, 24)
+    logits, cache, counts = M.forward(model, toks, M.init_cache(c, 32))
+    assert logits.dtype == jnp.float32 and logits.shape == (24, c.vocab_size)
+    assert counts.dtype == jnp.int32 and counts.shape == (len(c.moe_layers), c.n_experts)
+    ref, ref_counts = reference_forward(c, params, toks)
+    assert_close(logits, ref, np.float32, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(counts), ref_counts)
+    assert np.asarray(counts).sum(1).tolist() == [24 * c.top_k] * len(c.moe_layers)
+
+
+def test_tied_embeddings_match_reference():
+    c = dataclasses.replace(small("olmoe-1b-7b"), tie_embeddings=True)
+    model, params = built(c)
+    assert "lm_head" not in params
+    toks = tokens_for(c, 10)
+    logits, _, _ = M.forward(model, toks, M.init_cache(c, 16))
+    assert_close(logits, reference_forward(c, params, toks)[0], np.float32)
+
+
+def test_bfloat16_matches_reference():
+    # Few experts and top-k = E/2 with 8 tokens: routing near-ties that bf16 could flip are rare;
+    # the reference runs on the same bf16-rounded weights.
+    c = small("qwen3-30b-a3b", param_dtype="bfloat16", n_experts=8, top_k=4)
+    model, params = built(c, seed=3)
+    toks = tokens_for(c, 8)
+    logits, cache, _ = M.forward(model, toks, M.init_cache(c, 16))
+    assert cache.keys[0].dtype == jnp.bfloat16
+    assert_close(logits, reference_forward(c, params, toks)[0], ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_chunked_prefill_equals_one_shot(name):
+    # Within float32 tolerance, not bitwise: the first chunk attends to its own keys (S = T) while
+    # later chunks reduce over the whole cache capacity with a mask, a different reduction order.
+    c = small(name)
+    model, _ = built(c)
+    toks = tokens_for(c, 30)
+    one_logits, one_cache, one_counts = M.forward(model, toks, M.init_cache(c, 32))
+    cache = M.init_cache(c, 32)
+    parts, counts = [], []
+    for lo, hi in ((0, 7), (7, 19), (19, 30)):
+        logits, cache, cnt = M.forward(model, toks[lo:hi], cache, lo)
+        parts.append(np.asarray(logits))
+        counts.append(np.asarray(cnt))
+    assert_close(np.concatenate(parts), one_logits, np.float32)
+    np.testing.assert_array_equal(sum(counts), np.asarray(one_counts))
+    for a, b in zip(cache.keys + cache.values, one_cache.keys + one_cache.values):
+        assert_close(a, b, np.float32)
+
+
+class PoisonUnrouted:
+    """Replaces every unrouted expert's rows with NaN, as a worst-case streamed buffer."""
+
+    def __init__(self):
+        self.calls = []
+
+    def expert_weights(self, layer, counts, resident):
+        assert isinstance(layer, int)
+        self.calls.append((layer, counts.shape, counts.dtype))
+        keep = (counts > 0)[:, None, None]
+        return ExpertWeights(*(jnp.where(keep, a, jnp.nan) for a in resident))
+
+
+def test_source_seam_unrouted_rows_never_read():
+    c = small("qwen3-next-80b-a3b", n_experts=64, top_k=2)
+    model, _ = built(c)
+    toks = tokens_for(c, 5)  # 10 assignments over 64 experts: most are unrouted
+    cache = M.init_cache(c, 8)
+    resident = M.forward(model, toks, cache, 0)
+    source = PoisonUnrouted()
+    assert isinstance(source, ExpertSource)
+    poisoned = M.forward(model, toks, cache, 0, expert_source=source)
+    assert (np.asarray(resident[2]) == 0).sum() > 64  # the test really has unrouted experts
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 resident, poisoned)  # exact equality, never a tolerance
+    assert [call[0] for call in source.calls] == list(c.moe_layers)
+    assert all(call[1:] == ((c.n_experts,), jnp.int32) for call in source.calls)
+
+
+class BlobSource:
+    """Serves experts from packed blobs, as a host store would."""
+
+    def __init__(self, blobs, config):
+        self.blobs, self.config = blobs, config
+
+    def expert_weights(self, layer, counts, resident):
+        assert resident is None
+        return unpack_expert_blobs(jnp.asarray(self.blobs[layer]), self.config.hidden_size,
+                                   self.config.expert_intermediate)
+
+
+def test_model_without_resident_experts_uses_source():
+    c = small("deepseek-v3")
+    model, params = built(c)
+    dense, experts = split_experts(c, params)
+    lean = M.build_model(c, dense, resident_experts=False)
+    lean_names = M.param_shapes(c, resident_experts=False)
+    assert not any(n in lean_names for l in c.moe_layers for n in M.expert_param_names(c, l))
+    toks = tokens_for(c, 9)
+    cache = M.init_cache(c, 16)
+    with pytest.raises(ValueError, match="no resident expert weights"):
+        M.forward(lean, toks, cache, 0)
+    blobs = {l: pack_expert_blobs_np(w) for l, w in experts.items()}
+    streamed = M.forward(lean, toks, cache, 0, expert_source=BlobSource(blobs, c))
+    resident = M.forward(model, toks, cache, 0, expert_source=ResidentExperts())
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 resident, streamed)
+
+
+def test_blob_roundtrip():
+    rng = np.random.default_rng(0)
+    e, h, i = 3, 4, 5
+    w = ExpertWeights(rng.standard_normal((e, h, i)).astype(np.float32),
+                      rng.standard_normal((e, h, i)).astype(np.float32),
+                      rng.standard_normal((e, i, h)).astype(np.float32))
+    blobs = pack_expert_blobs_np(w)
+    assert blobs.shape == (e, 3 * h * i) and blobs.dtype == np.float32
+    np.testing.assert_array_equal(blobs[1, : h * i], w.gate[1].ravel())  # layout: gate first
+    np.testing.assert_array_equal(blobs[2, 2 * h * i:], w.down[2].ravel())
+    jblobs = pack_expert_blobs(ExpertWeights(*map(jnp.asarray, w)))
+    np.testing.assert_array_equal(np.asarray(jblobs), blobs)
+    for a, b in zip(jax.jit(unpack_expert_blobs, static_argnums=(1, 2))(jblobs, h, i), w):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    for a, b in zip(unpack_expert_blobs_np(blobs, h, i), w):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="expected"):
+        unpack_expert_blobs_np(blobs, h, i + 1)
+
+
+def test_einsum_attention_matches_xla(monkeypatch):
+    c = small("mixtral-8x7b")
+    model, _ = built(c)
+    toks = tokens_for(c, 16)
+    cache = M.init_cache(c, 32)
+    first, cache1, _ = M.forward(model, toks[:8], cache, 0)
+    second, _, _ = M.forward(model, toks[8:], cache1, 8)
+    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "einsum")
+    # A fresh jit cache: the attention path is chosen at trace time.
+    first_e, cache1_e, _ = jax.jit(lambda t, k: model(t, k, 0))(jnp.asarray(toks[:8]), cache)
+    second_e, _, _ = jax.jit(lambda t, k, s: model(t, k, s))(jnp.asarray(toks[8:]), cache1_e,
+                                                            jnp.int32(8))
+    assert_close(first_e, first, np.float32)
+    assert_close(second_e, second, np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_eval_shape_full_size(name):
+    c = get_preset(name)
+    shapes = M.param_shapes(c)
+    l = c.moe_layers[0]
+    assert shapes[f"layers.{l}.mlp.gate"].shape == (c.n_experts, c.hidden_size,
+                                                     c.expert_intermediate)
+    assert shapes[f"layers.{l}.mlp.down"].shape == (c.n_experts, c.expert_intermediate,
+                                                     c.hidden_size)
+    assert shapes[f"layers.{l}.mlp.router"].shape == (c.hidden_size, c.n_experts)
+    expert_bytes = sum(s.size * s.dtype.itemsize for k, s in shapes.items()
+                       if k.rsplit(".", 1)[-1] in ("gate", "up", "down") and ".shared" not in k
+                       and int(k.split(".")[1]) in c.moe_layers)
+    assert expert_bytes == c.expert_bytes_total
+    graphdef, state = nnx.split(M.abstract_model(c))  # ShapeDtypeStruct leaves: nothing allocated
+
+    def run(state, tokens, cache):
+        return nnx.merge(graphdef, state)(tokens, cache, 0)
+
+    logits, cache, counts = jax.eval_shape(
+        run, state, jax.ShapeDtypeStruct((8,), jnp.int32), M.cache_shapes(c, 16))
+    assert logits.shape == (8, c.vocab_size) and logits.dtype == jnp.float32
+    assert counts.shape == (len(c.moe_layers), c.n_experts)
+    assert len(cache.keys) == c.n_layers and cache.keys[0].shape == (16, c.n_kv_heads, c.head_dim)
+
+
+@pytest.mark.parametrize("tokens, start, pattern", [
+    ([1, 2, 512], 0, "token id 512 outside the vocabulary"),
+    ([1, -3, 2], 0, "token id -3 outside"),
+    ([], 0, "empty prompt"),
+    ([[1, 2]], 0, "1-D"),
+    ([1.5, 2.0], 0, "integer"),
+    ([1, 2, 3], 30, "past the KV cache"),
+    ([1, 2], -1, "start position"),
+])
+def test_bad_inputs_raise_before_device_work(tokens, start, pattern):
+    c = small("qwen3-30b-a3b")
+    model, _ = built(c)
+    with pytest.raises(ValueError, match=pattern):
+        M.forward(model, tokens, M.init_cache(c, 32), start)
+
+
+def test_prompt_past_max_context():
+    c = small("qwen3-30b-a3b", max_seq_len=16)
+    with pytest.raises(ValueError, match="capacity 32"):
+        M.init_cache(c, 32)
+    with pytest.raises(ValueError, match="past max context.*max_seq_len=16"):
+        M.validate_inputs(c, np.zeros(20, np.int32), cache_capacity=64, start=0)
+
+
+def test_build_model_errors():
+    c = small("qwen3-30b-a3b")
+    params = init_synthetic(c, 0)
+    missing = dict(params)
+    del missing["layers.1.attn.k_proj"]
+    with pytest.raises(KeyError, match="layers.1.attn.k_proj"):
+        M.build_model(c, missing)
+    bad = dict(params, **{"layers.0.mlp.router": np.zeros((3, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"layers.0.mlp.router.*\(3, 3\).*\(64, 16\)"):
+        M.build_model(c, bad)
+
+
+@pytest.mark.gpu
+def test_forward_8k_tokens_on_gpu():
+    # Hopper-friendly shapes (K % 64, N % 128) so the Mosaic GPU grouped matmul runs.
+    c = get_preset("qwen3-30b-a3b").scaled(hidden_size=256, expert_intermediate=256, n_experts=128,
+                                           n_layers=2, max_seq_len=8192)
+    model = M.build_model(c, init_synthetic(c, 0))
+    toks = tokens_for(c, 8192)
+    logits, _, counts = M.forward(model, toks, M.init_cache(c, 8192))
+    logits = np.asarray(logits)
+    assert np.isfinite(logits).all()
+    assert np.asarray(counts).sum(1).tolist() == [8192 * c.top_k] * len(c.moe_layers)

@@ -1,0 +1,50 @@
+"""Synthetic weights: determinism, dtypes, and the routing-skew calibration."""
+
+import numpy as np
+import pytest
+
+from strata_jax import model as M
+from strata_jax.config import get_preset
+from strata_jax.synthetic import (SKEW_40_PERCENT_512_TOP10, init_synthetic, synthetic_model,
+                                  unrouted_fraction)
+
+
+def test_deterministic_and_typed():
+    c = get_preset("deepseek-v3").scaled(n_experts=16)
+    a, b = init_synthetic(c, 5), init_synthetic(c, 5)
+    assert a.keys() == set(M.param_shapes(c))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+    assert a["layers.1.mlp.gate"].dtype == c.dtype  # bf16 preset
+    assert a["layers.1.mlp.selection_bias"].dtype == np.float32
+    assert not np.array_equal(init_synthetic(c, 6)["embed"], a["embed"])
+
+
+def test_uniform_routing_leaves_nothing_unrouted():
+    assert unrouted_fraction(get_preset("qwen3-next-80b-a3b"), 0.0, 1000) == 0.0
+
+
+def test_documented_skew_leaves_about_40_percent_unrouted():
+    frac = unrouted_fraction(get_preset("qwen3-next-80b-a3b"), SKEW_40_PERCENT_512_TOP10, 1000, seed=7)
+    assert 0.33 < frac < 0.47
+
+
+def test_skew_is_monotone():
+    c = get_preset("qwen3-next-80b-a3b")
+    fracs = [unrouted_fraction(c, s, 1000, seed=1) for s in (0.0, 0.3, 0.6, 1.2)]
+    assert fracs == sorted(fracs) and fracs[-1] > 0.5
+
+
+def test_skewed_model_routes_fewer_experts():
+    c = get_preset("qwen3-next-80b-a3b").scaled(n_experts=128, top_k=4, param_dtype="float32")
+    toks = np.random.default_rng(0).integers(0, c.vocab_size, 40).astype(np.int32)
+    unrouted = []
+    for skew in (0.0, 1.5):
+        _, _, counts = M.forward(synthetic_model(c, 0, skew), toks, M.init_cache(c, 64))
+        unrouted.append(int((np.asarray(counts) == 0).sum()))
+    assert unrouted[1] > unrouted[0] + 20
+
+
+def test_negative_skew_rejected():
+    with pytest.raises(ValueError, match="routing_skew"):
+        init_synthetic(get_preset("olmoe-1b-7b").scaled(), 0, -1.0)
