@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|all]
+# Run from the repository root (the device tool's working directory).
+set -uo pipefail
+STAGE=${1:-all}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total \
+  --format=csv > "$OUT/machine.txt" 2>&1
+$PY -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+t0=$(date +%s)
+$PY -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.STRATA_CUDA=ON > "$OUT/build.log" 2>&1 \
+  || { tail -60 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+rc=0
+if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
+  STRATA_REQUIRE_GPU=1 timeout 420 $PY -m pytest -m gpu -q -rs tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
+  timeout 240 $PY -m strata_jax.benchmarks.grouped_matmul_bench --json "$OUT/grouped_matmul.json" 2>&1 \
+    | tee "$OUT/grouped_matmul.log" | tail -20
+  timeout 420 $PY -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \
+    --lengths 1024,2048,4096,8192 --skew 0 --publication --json "$OUT/stream_uniform.json" 2>&1 \
+    | tee "$OUT/stream_uniform.log" | tail -30
+fi
+exit $rc
