@@ -18,14 +18,14 @@ $PY -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.STRATA_CUD
 echo "build: $(( $(date +%s) - t0 )) s"
 rc=0
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
-  STRATA_REQUIRE_GPU=1 timeout 420 $PY -m pytest -m gpu -q -rs tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 -p pytest_timeout --timeout=150 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
-  timeout 240 $PY -m strata_jax.benchmarks.grouped_matmul_bench --json "$OUT/grouped_matmul.json" 2>&1 \
+  [ -n "${SKIP_GMM:-}" ] || timeout 240 $PY -m strata_jax.benchmarks.grouped_matmul_bench --json "$OUT/grouped_matmul.json" 2>&1 \
     | tee "$OUT/grouped_matmul.log" | tail -20
-  timeout 420 $PY -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \
-    --lengths 1024,2048,4096,8192 --skew 0 --publication --json "$OUT/stream_uniform.json" 2>&1 \
+  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \
+    --lengths ${LENGTHS:-1024,2048,4096,8192} --skew 0 --publication --json "$OUT/stream_uniform.json" 2>&1 \
     | tee "$OUT/stream_uniform.log" | tail -30
 fi
 exit $rc
