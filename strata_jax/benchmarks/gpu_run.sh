@@ -18,7 +18,7 @@ $PY -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.STRATA_CUD
 echo "build: $(( $(date +%s) - t0 )) s"
 rc=0
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
-  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 -p pytest_timeout --timeout=150 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
