@@ -164,6 +164,11 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
     if (f == Fault::kError) return Fail(where + "injected fault");
     if (f == Fault::kStop) state_.RequestStop();
   }
+  // A stop (cancellation, or an error elsewhere) fails the chunk even when the
+  // walk had already issued this layer: the caller asked for it to end.
+  if (state_.Stopped())
+    return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
+                                      : std::string("the walk was stopped")));
   uint8_t* dst = static_cast<uint8_t*>(out);
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
