@@ -203,9 +203,12 @@ class SimLink {
         ++slot_violations_;
       std::memcpy(ring_ + job.slot * blob_bytes_, job.src,
                   static_cast<size_t>(blob_bytes_));
+      // Count the landing before publishing it: the walk may issue the next
+      // copy as soon as it sees landed_upto_, and the queue-depth check must
+      // not count this copy as still queued then.
+      copies_landed_.fetch_add(1);
       copied_[job.slot].store(job.k + 1, std::memory_order_release);
       landed_upto_.store(job.k + 1, std::memory_order_release);
-      copies_landed_.fetch_add(1);
       // Notify while still busy: Drain() returns only after this, so the
       // walk state is never touched once its owner has drained the link.
       if (WalkState* st = state_) st->Notify();
