@@ -27,7 +27,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .experts import ExpertWeights
-from .model import KVCache, build_model, init_cache, validate_inputs
+from .model import KVCache, build_model, expert_param_names, init_cache, validate_inputs
 from .stream import ChunkStats, StreamConfig, StreamedExperts, StreamEngine
 
 __all__ = ["Engine", "Session", "PrefillResult", "sha256_of"]
@@ -140,24 +140,21 @@ class Engine:
         self.chunk_size = int(chunk_size)
         self.uid = next(_engine_ids)
         host_experts = dict(experts or {})
+        expert_names = set()
         for layer in config.moe_layers:
+            names = expert_param_names(config, layer)
+            expert_names.update(names)
             if layer not in host_experts:
-                names = [f"layers.{layer}.mlp.{n}" for n in ExpertWeights._fields]
                 missing = [n for n in names if n not in params]
                 if missing:
                     raise KeyError(f"missing expert parameter {missing[0]!r}")
                 host_experts[layer] = ExpertWeights(*(np.asarray(params[n]) for n in names))
-        expert_names = {f"layers.{l}.mlp.{n}" for l in config.moe_layers
-                        for n in ExpertWeights._fields}
         dense = {k: v for k, v in params.items() if k not in expert_names}
 
         self.streamer: StreamEngine | None = None
         if stream is None:
             self.device = jax.devices()[0]
-            full = dict(dense)
-            for l, w in host_experts.items():
-                full.update({f"layers.{l}.mlp.{n}": a for n, a in zip(ExpertWeights._fields, w)})
-            model = build_model(config, full, resident_experts=True)
+            model = build_model(config, dense, experts=host_experts, resident_experts=True)
         else:
             self.streamer = StreamEngine(
                 config, [host_experts.get(l) for l in range(config.n_layers)], stream)

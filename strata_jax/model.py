@@ -546,7 +546,10 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
         name = ".".join(map(str, path))
         spec = _get(variable)
         value = params.get(name)
-        if value is None and experts is not None and path[-1] in ExpertWeights._fields:
+        # Only a routed expert's own leaf (layers.N.mlp.gate/up/down), never the shared expert's
+        # leaves of the same names (layers.N.mlp.shared.gate ...).
+        if (value is None and experts is not None and len(path) == 4 and path[2] == "mlp"
+                and path[-1] in ExpertWeights._fields):
             layer = int(path[1])
             if layer in experts:
                 value = getattr(experts[layer], path[-1])

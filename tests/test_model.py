@@ -273,3 +273,24 @@ def test_forward_8k_tokens_on_gpu():
     logits = np.asarray(logits)
     assert np.isfinite(logits).all()
     assert np.asarray(counts).sum(1).tolist() == [8192 * c.top_k] * len(c.moe_layers)
+
+
+
+def test_build_model_with_separate_experts_keeps_shared_expert_weights():
+    # The shared expert's leaves (layers.N.mlp.shared.gate/up/down) share names with the routed
+    # experts'; they must come from `params`, never from the `experts` mapping: a missing one is
+    # reported as missing, not filled with a routed expert's array of another shape.
+    from strata_jax.synthetic import init_synthetic, split_experts
+
+    c = get_preset("qwen3-next-80b-a3b").scaled(n_layers=2, n_experts=8, top_k=2,
+                                                  param_dtype="float32")
+    params = init_synthetic(c, seed=4)
+    dense, experts = split_experts(c, params)
+    _, built = nnx.split(M.build_model(c, dense, experts=experts))
+    _, reference = nnx.split(M.build_model(c, params))
+    for (pa, va), (pb, vb) in zip(nnx.to_flat_state(built), nnx.to_flat_state(reference)):
+        assert pa == pb
+        np.testing.assert_array_equal(np.asarray(M._get(va)), np.asarray(M._get(vb)))
+    del dense["layers.0.mlp.shared.down"]
+    with pytest.raises(KeyError, match="missing parameter 'layers.0.mlp.shared.down'"):
+        M.build_model(c, dense, experts=experts)
