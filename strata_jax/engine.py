@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import itertools
 import time
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
-import threading
 import warnings
 import weakref
 from typing import Sequence
@@ -30,7 +29,7 @@ import numpy as np
 
 from . import native
 from .config import ModelConfig
-from .experts import ExpertWeights, blob_size, unpack_expert_blobs
+from .experts import ExpertWeights, blob_size, pack_expert_blobs_np, unpack_expert_blobs
 
 __all__ = [
     "StreamConfig",
@@ -223,6 +222,12 @@ class StreamEngine:
             self._stores[layer] = self._pack(layer, w)
 
         self.resident, self.stream_list = self._plan()
+        # [L, E]: which experts cross the link. Static for the engine's life; every chunk's
+        # stats are read against it.
+        self.streamed_mask = np.zeros((L, E), bool)
+        for l, e in self.stream_list:
+            self.streamed_mask[l, e] = True
+        self.streamed_per_layer = self.streamed_mask.sum(axis=1).astype(np.int64)
         self.ring = self._ring_size()
 
         opts = native.EngineOptions(
@@ -254,7 +259,6 @@ class StreamEngine:
             rl.ctypes.data, re_.ctypes.data, len(rl), err, len(err)), err, "stream plan")
         _check(lib.strata_engine_prepare(self.id, err, len(err)), err, "prepare")
         self._resident_blobs = self._put_resident()
-        self._lock = threading.Lock()
 
     # -- planning -----------------------------------------------------------------------------
 
@@ -271,7 +275,7 @@ class StreamEngine:
                 got = tuple(np.shape(getattr(w, name)))
                 if got != want:
                     raise ValueError(f"layer {layer} expert {name} has shape {got}; expected {want}")
-            blobs = np.concatenate([np.asarray(x).reshape(E, -1) for x in w], axis=1)
+            blobs = pack_expert_blobs_np(w)
         blobs = np.ascontiguousarray(blobs, dtype=self.dtype)
         return blobs.view(np.uint8).reshape(E, self.blob_bytes)
 
@@ -317,8 +321,7 @@ class StreamEngine:
         return resident, stream_list
 
     def _ring_size(self) -> int:
-        per_layer = [sum(1 for l, _ in self.stream_list if l == layer) for layer in self.moe_layers]
-        need = max(per_layer, default=0)
+        need = int(self.streamed_per_layer.max(initial=0))
         if self.stream.ring is not None:
             ring = int(self.stream.ring)
             if ring < 1:
@@ -348,13 +351,6 @@ class StreamEngine:
         return out
 
     # -- properties ---------------------------------------------------------------------------
-
-    @property
-    def streamed_per_layer(self) -> np.ndarray:
-        out = np.zeros(self.config.n_layers, np.int64)
-        for l, _ in self.stream_list:
-            out[l] += 1
-        return out
 
     @property
     def resident_blobs(self) -> dict[int, jax.Array]:
@@ -402,20 +398,16 @@ class StreamEngine:
 
     def make_stats(self, n_tokens: int, native_stats: np.ndarray, counts: np.ndarray) -> ChunkStats:
         """ChunkStats from end_chunk's output [L, 2] and the router counts [n_moe, E]."""
-        L = self.config.n_layers
+        native_stats = np.asarray(native_stats, np.int64)
+        copied, skipped = native_stats[:, 0], native_stats[:, 1]
+        unrouted = np.zeros(self.config.n_layers, np.int64)
+        idle = np.asarray(counts) == 0  # [n_moe, E]
+        unrouted[list(self.moe_layers)] = (idle & self.streamed_mask[list(self.moe_layers)]).sum(1)
         streamed = self.streamed_per_layer
-        copied = np.asarray(native_stats, np.int64)[:, 0]
-        skipped = np.asarray(native_stats, np.int64)[:, 1]
-        unrouted = np.zeros(L, np.int64)
-        counts = np.asarray(counts)
-        for i, l in enumerate(self.moe_layers):
-            res = set(self.resident[l])
-            unrouted[l] = sum(1 for e in range(self.config.n_experts)
-                              if e not in res and counts[i, e] == 0)
         return ChunkStats(
             tokens=n_tokens,
             mode="stream" if self.chunk_mode(n_tokens) == _MODE_STREAM else "routed-only",
-            streamed=streamed, copied=copied, skipped=skipped, unrouted=unrouted,
+            streamed=streamed.copy(), copied=copied, skipped=skipped, unrouted=unrouted,
             bytes=copied * self.blob_bytes)
 
 

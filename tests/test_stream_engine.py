@@ -9,7 +9,6 @@ and the next prefill correct.
 from __future__ import annotations
 
 import os
-import warnings
 
 import numpy as np
 import pytest
