@@ -48,11 +48,8 @@ class CpuEngine final : public Engine {
   }
 
   void StartWalk() override {
-    WalkConfig cfg;
-    cfg.ring = opt_.ring;
-    cfg.depth = depth_;
-    cfg.routed = opt_.routed != 0;
-    cfg.poll = std::chrono::microseconds(200);  // landings notify; poll is a backstop
+    // Landings notify the walk; the poll is only a backstop.
+    const WalkConfig cfg = MakeWalkConfig(std::chrono::microseconds(200));
     issuer_ = std::thread([this, cfg] {
       try {
         walk_result_ = IssueWalk(stream_, cfg, gate_, state_, *link_);

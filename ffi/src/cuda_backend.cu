@@ -450,11 +450,8 @@ class CudaEngine final : public Engine {
   }
 
   void StartWalk() override {
-    WalkConfig cfg;
-    cfg.ring = opt_.ring;
-    cfg.depth = depth_;
-    cfg.routed = opt_.routed != 0;
-    cfg.poll = kIssuerPoll;  // events are polled: nothing notifies a landing
+    // Events are polled: nothing notifies a landing.
+    const WalkConfig cfg = MakeWalkConfig(kIssuerPoll);
     issuer_ = std::thread([this, cfg] {
       try {
         STRATA_CUDA_THROW("issuer thread, device " + std::to_string(opt_.device),

@@ -13,8 +13,6 @@ Engine::Engine(const EngineOptions& opt) : opt_(opt) {
   depth_ = ClampDepth(opt.depth);
   stores_.assign(static_cast<size_t>(opt.n_layers), nullptr);
   resident_.assign(static_cast<size_t>(opt.n_layers), {});
-  resident_row_.assign(static_cast<size_t>(opt.n_layers),
-                       std::vector<int32_t>(opt.n_experts, -1));
   gate_.Reset(opt.n_layers, opt.n_experts);
 }
 
@@ -49,17 +47,13 @@ Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
   std::vector<std::vector<int32_t>> seen(opt_.n_layers,
                                          std::vector<int32_t>(opt_.n_experts, 0));
   for (const StreamEntry& e : stream) ++seen[e.layer][e.expert];
-  std::vector<std::vector<int32_t>> rows(
-      opt_.n_layers, std::vector<int32_t>(opt_.n_experts, -1));
   for (int l = 0; l < opt_.n_layers; ++l) {
-    for (size_t r = 0; r < resident[l].size(); ++r) {
-      int32_t e = resident[l][r];
+    for (int32_t e : resident[l]) {
       if (e < 0 || e >= opt_.n_experts)
         return "resident expert " + std::to_string(e) + " of layer " +
                std::to_string(l) + " is outside the model's " +
                std::to_string(opt_.n_experts) + " experts";
       ++seen[l][e];
-      rows[l][e] = static_cast<int32_t>(r);
     }
   }
   for (int l = 0; l < opt_.n_layers; ++l)
@@ -71,7 +65,6 @@ Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
                "streamed twice)";
   stream_ = stream;
   resident_ = resident;
-  resident_row_ = rows;
   layer_begin_.assign(static_cast<size_t>(opt_.n_layers) + 1, 0);
   {
     size_t k = 0;

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -123,6 +124,16 @@ class Engine {
   const uint8_t* HostBlob(int layer, int expert) const {
     return stores_[layer] + static_cast<int64_t>(expert) * opt_.blob_bytes;
   }
+  // The walk's rules for this engine; `poll` is how often the backend's
+  // unnotified conditions (a CUDA event landing) are re-read.
+  WalkConfig MakeWalkConfig(std::chrono::microseconds poll) const {
+    WalkConfig cfg;
+    cfg.ring = opt_.ring;
+    cfg.depth = depth_;
+    cfg.routed = opt_.routed != 0;
+    cfg.poll = poll;
+    return cfg;
+  }
   void JoinIssuer();
   Status Fail(Status s);  // aborts the chunk and returns s
 
@@ -132,7 +143,6 @@ class Engine {
   std::vector<StreamEntry> stream_;            // the chunk's stream list
   std::vector<int64_t> layer_begin_;           // first entry of each layer
   std::vector<std::vector<int32_t>> resident_; // per layer: resident experts
-  std::vector<std::vector<int32_t>> resident_row_;  // [l][e] -> row or -1
   RouteGate gate_;
   WalkState state_;
   std::thread issuer_;
