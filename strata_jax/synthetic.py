@@ -17,6 +17,8 @@ top-10, seed-averaged): s = 0 leaves ~0% unrouted; s = SKEW_40_PERCENT_512_TOP10
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from strata_jax.config import ModelConfig
@@ -40,8 +42,8 @@ def _router(config: ModelConfig, skew: float, rng: np.random.Generator) -> np.nd
     return (w * router_scales(e, skew, rng)[None, :]).astype(np.float32)  # [H, E]
 
 
-def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0
-                   ) -> dict[str, np.ndarray]:
+def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0, *,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
     """Random weights for every parameter of `config`, including all routed experts.
 
     Uses NumPy's generator in float32 then casts to the parameter dtype, which is fast for scaled
@@ -52,6 +54,8 @@ def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0
         config: model config.
         seed: RNG seed; same seed, same weights.
         routing_skew: router skew strength s >= 0 (see the module docstring).
+        progress: called as progress(done_bytes, total_bytes) after each parameter (for a
+            progress bar; full-size presets take minutes). The weights do not depend on it.
 
     Returns:
         flat name -> NumPy array in the parameter dtype (names as in `model.param_shapes`; the
@@ -64,7 +68,10 @@ def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0
     rng = np.random.default_rng(seed)
     residual_scale = 1.0 / np.sqrt(2.0 * config.n_layers)
     out: dict[str, np.ndarray] = {}
-    for name, spec in param_shapes(config).items():
+    shapes = param_shapes(config)
+    total = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes.values())
+    done = 0
+    for name, spec in shapes.items():
         shape, leaf = tuple(spec.shape), name.rsplit(".", 1)[-1]
         if leaf == "router":
             value = _router(config, routing_skew, rng)
@@ -80,6 +87,9 @@ def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0
             if leaf in ("o_proj", "down"):
                 value *= residual_scale
         out[name] = value.astype(spec.dtype)
+        done += out[name].nbytes
+        if progress is not None:
+            progress(done, total)
     return out
 
 

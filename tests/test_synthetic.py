@@ -48,3 +48,17 @@ def test_skewed_model_routes_fewer_experts():
 def test_negative_skew_rejected():
     with pytest.raises(ValueError, match="routing_skew"):
         init_synthetic(get_preset("olmoe-1b-7b").scaled(), 0, -1.0)
+
+
+def test_progress_reports_every_byte_once_and_leaves_weights_unchanged():
+    c = get_preset("qwen3-30b-a3b").scaled(n_experts=8)
+    calls = []
+    with_progress = init_synthetic(c, 2, 0.5, progress=lambda done, total: calls.append((done, total)))
+    plain = init_synthetic(c, 2, 0.5)
+    total = sum(a.nbytes for a in plain.values())
+    assert len(calls) == len(plain)
+    assert [t for _, t in calls] == [total] * len(calls)
+    dones = [d for d, _ in calls]
+    assert dones == sorted(dones) and dones[-1] == total
+    for name in plain:
+        np.testing.assert_array_equal(with_progress[name], plain[name])
