@@ -261,12 +261,17 @@ class Routing(NamedTuple):
     counts: jax.Array
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: ModelConfig) -> Routing:
+def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: ModelConfig,
+          valid: jax.Array | None = None) -> Routing:
     """Chooses top-k experts per token and their weights.
 
     Softmax routers take softmax(logits) in float32, keep the top k and optionally renormalise.
     Sigmoid routers (DeepSeek-V3) choose by sigmoid(logits) + selection bias (group-limited when
     n_groups > 1), weight by the unbiased sigmoid scores, renormalise and scale by routed_scaling.
+
+    Padding: where `valid` (bool [T]) is False the token is padding. Its k choices become the
+    sentinel expert id E (sorted after every real expert by `permute`) with weight 0, and the
+    counts drop them, so padding never shows in the counts, the streamed fetch or the group sizes.
     """
     with jax.named_scope("routing"):
         c = config
@@ -293,7 +298,12 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: Model
             weights = weights / denom
         weights = weights * c.routed_scaling
         expert_ids = expert_ids.astype(jnp.int32)
-        counts = jnp.zeros((c.n_experts,), jnp.int32).at[expert_ids.reshape(-1)].add(1)  # [E]
+        if valid is not None:
+            expert_ids = jnp.where(valid[:, None], expert_ids, jnp.int32(c.n_experts))
+            weights = jnp.where(valid[:, None], weights, 0.0)
+        # mode="drop": the padding sentinel E is out of range and is not counted.
+        counts = jnp.zeros((c.n_experts,), jnp.int32).at[expert_ids.reshape(-1)].add(
+            1, mode="drop")  # [E]
         return Routing(expert_ids, weights, counts)
 
 
@@ -393,12 +403,26 @@ class MoE(nnx.Module):
             return None
         return ExpertWeights(self.gate[...], self.up[...], self.down[...])
 
-    def __call__(self, x: jax.Array, expert_source: ExpertSource | None = None):
-        """x [T, H] -> ([T, H], counts int32 [E])."""
+    def route_tokens(self, x: jax.Array, valid: jax.Array | None = None) -> Routing:
+        """Steps 1-2: the router's choices for x [T, H] (padding, where `valid` is False, routes
+        to the sentinel E and is not counted)."""
         bias = self.selection_bias[...] if self.selection_bias is not None else None
-        routing = route(x, self.router[...], bias, self.config)
+        return route(x, self.router[...], bias, self.config, valid)
+
+    def fetch_weights(self, counts: jax.Array,
+                      expert_source: ExpertSource | None = None) -> ExpertWeights:
+        """Step 3: the layer's expert weights from the source, for routing counts int32 [E]."""
         source = expert_source if expert_source is not None else ResidentExperts()
-        w = source.expert_weights(self.layer, routing.counts, self.resident_weights())
+        return source.expert_weights(self.layer, counts, self.resident_weights())
+
+    def apply_experts(self, x: jax.Array, routing: Routing, w: ExpertWeights,
+                      valid: jax.Array | None = None) -> jax.Array:
+        """Steps 4-7 for x [T, H] with its own `routing` and the fetched weights -> [T, H].
+
+        `routing.counts` are the group sizes; they may sum to less than T*k (padding sorts last,
+        as the sentinel E). Padded rows (where `valid` is False) come back as exact zeros, whatever
+        a grouped-matmul implementation leaves in rows past its groups.
+        """
         w = ExpertWeights(*(a.astype(x.dtype) for a in w))
         x_sorted, order = permute(x, routing.expert_ids)
         y_sorted = experts_swiglu(x_sorted, w, routing.counts)
@@ -411,7 +435,16 @@ class MoE(nnx.Module):
                         jnp.dot(x, self.shared_gate[...], preferred_element_type=jnp.float32))
                     shared = (gate * shared.astype(jnp.float32)).astype(x.dtype)
                 out = out + shared
-        return out, routing.counts
+        if valid is not None:
+            out = jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+        return out
+
+    def __call__(self, x: jax.Array, expert_source: ExpertSource | None = None,
+                 valid: jax.Array | None = None):
+        """x [T, H] -> ([T, H], counts int32 [E])."""
+        routing = self.route_tokens(x, valid)
+        w = self.fetch_weights(routing.counts, expert_source)
+        return self.apply_experts(x, routing, w, valid), routing.counts
 
 
 class DecoderLayer(nnx.Module):
@@ -430,13 +463,17 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(c.hidden_size, c.dense_intermediate, dt, rngs=rngs)
 
-    def __call__(self, x, cache_k, cache_v, start, positions, expert_source):
+    def attention_block(self, x, cache_k, cache_v, start, positions):
+        """x + attn(norm(x)), writing the block's keys/values into the cache at `start`."""
+        h, cache_k, cache_v = self.attn(self.input_norm(x), cache_k, cache_v, start, positions)
+        return x + h, cache_k, cache_v
+
+    def __call__(self, x, cache_k, cache_v, start, positions, expert_source, valid=None):
         with jax.named_scope(f"layer_{self.layer}"):
-            h, cache_k, cache_v = self.attn(self.input_norm(x), cache_k, cache_v, start, positions)
-            x = x + h
+            x, cache_k, cache_v = self.attention_block(x, cache_k, cache_v, start, positions)
             counts = None
             if self.is_moe:
-                h, counts = self.mlp(self.post_attn_norm(x), expert_source)
+                h, counts = self.mlp(self.post_attn_norm(x), expert_source, valid)
             else:
                 h = self.mlp(self.post_attn_norm(x))
             return x + h, cache_k, cache_v, counts
@@ -465,38 +502,129 @@ class MoETransformer(nnx.Module):
                         else nnx.Param(_normal(rngs, (c.hidden_size, c.vocab_size), dt)))  # [H, V]
 
     def __call__(self, tokens: jax.Array, cache: KVCache, start,
-                 expert_source: ExpertSource | None = None):
+                 expert_source: ExpertSource | None = None, n_valid=None,
+                 last_logits: bool = False):
         """Runs one chunk.
 
         Args:
             tokens: int32 [T], ids within the vocabulary (not checked here: see `forward`).
-            cache: KVCache with capacity >= start + T.
+            cache: KVCache with capacity >= start + T (padding included: a write past the end
+                would be clamped by `lax.dynamic_update_slice` onto earlier positions).
             start: position of tokens[0]; a Python int 0 marks the first chunk (no cache read),
                 anything else (int or int32 scalar) attends to cached positions 0..start-1.
             expert_source: supplies each MoE layer's expert weights; None = resident params.
+            n_valid: None, or an int32 scalar: only tokens[:n_valid] are real and the rest is
+                padding (see `route`). Padding is not counted, routes to no expert, and no real
+                token attends to it (it sits after them); its keys/values are written at
+                positions start+n_valid.. of the cache, which a later chunk overwrites.
+            last_logits: return only the logits of the last real position, float32 [V].
 
         Returns:
-            (logits float32 [T, V], updated KVCache, counts int32 [n_moe_layers, E]).
+            (logits float32 [T, V] or [V], updated KVCache, counts int32 [n_moe_layers, E]).
         """
-        c = self.config
         t = tokens.shape[0]
         x = jnp.take(self.embed[...], tokens, axis=0)  # [T, H]
-        positions = (jnp.arange(t, dtype=jnp.int32) + jnp.asarray(start, jnp.int32))  # [T]
-        if not isinstance(start, int):
-            start = jnp.asarray(start, jnp.int32)
+        positions, start, valid = self._positions(t, start, n_valid)
         keys, values, counts = [], [], []
         for i, layer in enumerate(self.layers):
             x, k, v, layer_counts = layer(x, cache.keys[i], cache.values[i], start, positions,
-                                          expert_source)
+                                          expert_source, valid)
             keys.append(k)
             values.append(v)
             if layer_counts is not None:
                 counts.append(layer_counts)
+        return self._finish(x, n_valid, last_logits), KVCache(tuple(keys), tuple(values)), \
+            self._stack_counts(counts)
+
+    def layer_major(self, tokens: jax.Array, cache: KVCache, start,
+                    expert_source: ExpertSource | None, sub_chunk: int, n_valid=None,
+                    last_logits: bool = False):
+        """Runs a whole prompt layer by layer: every layer reads all of it before the next layer.
+
+        The prompt is cut into sub-chunks of `sub_chunk` tokens. In each layer every sub-chunk in
+        turn runs the attention block (writing its keys/values, so later sub-chunks attend to
+        them) and the router; then the layer's expert weights are fetched once, for the counts
+        summed over the sub-chunks; then each sub-chunk's experts run with its own routing. So
+        an expert source sees one publish/fetch per layer per prompt, as if the prompt were one
+        chunk, and each streamed expert crosses the link at most once per prompt.
+
+        The per-sub-chunk math is `__call__`'s (the same attention, router, grouped matmuls and
+        combine); only the order differs, so with `sub_chunk` equal to the chunk size it matches
+        chunk-major within the model's numerics (tests/test_engine.py states the measured gap).
+
+        Args:
+            tokens: int32 [P] with P a multiple of `sub_chunk` (pad with any valid id).
+            cache, start, expert_source, n_valid, last_logits: as in `__call__`.
+            sub_chunk: tokens per compute sub-chunk (static).
+
+        Returns:
+            (logits float32 [P, V] or [V], updated KVCache, counts int32 [n_moe_layers, E]
+            summed over the sub-chunks).
+        """
+        p = tokens.shape[0]
+        if sub_chunk < 1 or p % sub_chunk:
+            raise ValueError(f"layer_major: {p} tokens are not a whole number of sub-chunks of "
+                             f"{sub_chunk}; pad the prompt to a multiple of sub_chunk")
+        n_sub = p // sub_chunk
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [P, H]
+        positions, start, valid = self._positions(p, start, n_valid)
+        cut = lambda a, j: None if a is None else a[j * sub_chunk:(j + 1) * sub_chunk]  # noqa: E731
+        xs = [cut(x, j) for j in range(n_sub)]  # n_sub x [S, H]
+        pos = [cut(positions, j) for j in range(n_sub)]
+        val = [cut(valid, j) for j in range(n_sub)]
+        # Sub-chunk j starts at start + j*S; the very first one of a fresh cache keeps the static
+        # 0 (causal self-attention, as chunk-major's first chunk).
+        starts = [start if j == 0 else start + j * sub_chunk for j in range(n_sub)]
+        keys, values, counts = [], [], []
+        for i, layer in enumerate(self.layers):
+            k, v = cache.keys[i], cache.values[i]
+            with jax.named_scope(f"layer_{layer.layer}"):
+                for j in range(n_sub):
+                    xs[j], k, v = layer.attention_block(xs[j], k, v, starts[j], pos[j])
+                normed = [layer.post_attn_norm(xj) for xj in xs]
+                if layer.is_moe:
+                    routings = [layer.mlp.route_tokens(h, val[j]) for j, h in enumerate(normed)]
+                    total = routings[0].counts
+                    for r in routings[1:]:
+                        total = total + r.counts
+                    w = layer.mlp.fetch_weights(total, expert_source)
+                    xs = [xj + layer.mlp.apply_experts(h, r, w, val[j])
+                          for j, (xj, h, r) in enumerate(zip(xs, normed, routings))]
+                    counts.append(total)
+                else:
+                    xs = [xj + layer.mlp(h) for xj, h in zip(xs, normed)]
+            keys.append(k)
+            values.append(v)
+        x = xs[0] if n_sub == 1 else jnp.concatenate(xs, axis=0)
+        return self._finish(x, n_valid, last_logits), KVCache(tuple(keys), tuple(values)), \
+            self._stack_counts(counts)
+
+    # -- shared pieces of both orders --
+
+    @staticmethod
+    def _positions(t: int, start, n_valid):
+        positions = jnp.arange(t, dtype=jnp.int32) + jnp.asarray(start, jnp.int32)  # [T]
+        if not isinstance(start, int):
+            start = jnp.asarray(start, jnp.int32)
+        valid = None
+        if n_valid is not None:
+            valid = jnp.arange(t, dtype=jnp.int32) < jnp.asarray(n_valid, jnp.int32)  # [T]
+        return positions, start, valid
+
+    def _finish(self, x, n_valid, last_logits: bool):
+        """Final norm and LM head: all positions [T, V], or the last real one [V]."""
+        if last_logits:
+            last = x.shape[0] - 1 if n_valid is None else jnp.asarray(n_valid, jnp.int32) - 1
+            x = lax.dynamic_slice_in_dim(x, last, 1, axis=0)  # [1, H]
         x = self.final_norm(x)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [H, V]
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)  # [T, V]
-        counts = jnp.stack(counts) if counts else jnp.zeros((0, c.n_experts), jnp.int32)
-        return logits, KVCache(tuple(keys), tuple(values)), counts
+        return logits[0] if last_logits else logits
+
+    def _stack_counts(self, counts):
+        if counts:
+            return jnp.stack(counts)
+        return jnp.zeros((0, self.config.n_experts), jnp.int32)
 
 
 # ---- construction from arrays ---------------------------------------------------------------------
