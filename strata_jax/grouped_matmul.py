@@ -7,7 +7,8 @@ were streamed).
 
 Implementations, chosen by `STRATA_GROUPED_MATMUL` (auto|mgpu|lax|tiled, default auto):
     mgpu   Pallas Mosaic GPU `ragged_dot` (Hopper only): only the tiles of each group are computed,
-           a zero-size group owns no rows and stores nothing.
+           a zero-size group owns no rows and stores nothing. Rows past the last group are never
+           stored by the kernel and are zeroed afterwards.
     lax    `lax.ragged_dot` (CPU, TPU). On CPU it lowers to a dense masked product that multiplies
            every group's weights by zeros, so NaN/Inf in an unrouted expert would leak (0 * NaN);
            the weights of zero-size groups are therefore replaced by zeros first. The routed rows
@@ -84,8 +85,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     Args:
         x: [M, K] rows sorted by group: rows 0..group_sizes[0]-1 belong to group 0, and so on.
         w: [G, K, N] one matrix per group, same dtype as `x`.
-        group_sizes: int32 [G]; sum(group_sizes) <= M. Rows past the sum come back as zeros (lax,
-            tiled) or are unspecified (mgpu) and must not be used.
+        group_sizes: int32 [G]; sum(group_sizes) <= M. Rows past the sum (padding, which the
+            model routes to no group) come back as zeros in every implementation; rows inside the
+            groups are the same whether or not such rows exist.
         impl: overrides `STRATA_GROUPED_MATMUL` (auto|mgpu|lax|tiled).
 
     Returns:
@@ -189,7 +191,11 @@ def _mgpu(x, w, group_sizes):
                       grid_block_n=grid_block_n)
         accepted = inspect.signature(module.ragged_dot).parameters
         out = module.ragged_dot(x, w, **{k: v for k, v in kwargs.items() if k in accepted})
-        return out[:m] if pad else out
+        out = out[:m] if pad else out
+        # The kernel never stores rows past the last group (their tiles own no rows), so those
+        # rows of its output buffer are uninitialised: zero them, as lax and tiled do.
+        rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+        return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
 
 
 def grouped_matmul_reference(x, w, group_sizes):
