@@ -72,6 +72,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_inject_fault": (c.c_int, [c.c_int64, c.c_int32, c.c_int32]),
         "strata_engine_depth": (c.c_int, [c.c_int64]),
         "strata_engine_last_stats": (c.c_int, [c.c_int64, p, c.c_int64]),
+        "strata_pinned_alloc": (p, [c.c_int64, c.c_char_p, c.c_int64]),
+        "strata_pinned_free": (None, [p]),
+        "strata_engine_timing": (c.c_int, [c.c_int64, p, c.c_char_p, c.c_int64]),
+        "strata_measure_h2d_ex": (
+            c.c_int,
+            [c.c_int, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int, c.POINTER(c.c_double),
+             c.c_char_p, c.c_int64],
+        ),
         "strata_measure_h2d": (
             c.c_int,
             [c.c_int, c.c_int64, c.c_int, c.c_int, c.POINTER(c.c_double), c.c_char_p, c.c_int64],
@@ -112,13 +120,38 @@ def has_cuda() -> bool:
     return bool(lib().strata_has_cuda())
 
 
+_HOST_MODES = {"pageable": 0, "alloc": 1, "register": 2}
+
+
 def measure_h2d(nbytes: int = 256 * 2**20, reps: int = 10, *, pinned: bool = True,
+                host: str | None = None, block: int | None = None, events: bool = False,
                 device: int = 0) -> float:
-    """Median host-to-device copy rate in GB/s (CUDA events), pinned or pageable."""
+    """Median host-to-device copy rate in GB/s over `reps` timed repetitions (CUDA events).
+
+    Args:
+        nbytes: Bytes per repetition.
+        reps: Timed repetitions (after one warm-up).
+        pinned: cudaHostAlloc memory (True) or pageable malloc memory (False);
+            ignored when `host` is given.
+        host: "alloc" (cudaHostAlloc), "register" (malloc + cudaHostRegister, how
+            the engine pins a store in place) or "pageable".
+        block: Split each repetition into back-to-back copies of this many bytes
+            (the ring's traffic: one copy per expert); None copies `nbytes` at once.
+        events: Record an event after every block, as the ring records `copied`.
+        device: CUDA device ordinal.
+
+    Raises:
+        RuntimeError: the library has no CUDA, or a CUDA call failed (named).
+        ValueError: an unknown `host` mode.
+    """
+    mode = host if host is not None else ("alloc" if pinned else "pageable")
+    if mode not in _HOST_MODES:
+        raise ValueError(f"host={mode!r}: expected one of {sorted(_HOST_MODES)}")
     out = ctypes.c_double(0.0)
     err = ctypes.create_string_buffer(512)
-    rc = lib().strata_measure_h2d(device, int(nbytes), int(reps), int(pinned), ctypes.byref(out),
-                                  err, len(err))
+    rc = lib().strata_measure_h2d_ex(device, int(nbytes), int(block or nbytes), int(reps),
+                                     _HOST_MODES[mode], int(bool(events)), ctypes.byref(out),
+                                     err, len(err))
     if rc != 0:
         raise RuntimeError(f"link probe failed: {err.value.decode(errors='replace')}")
     return out.value

@@ -155,4 +155,11 @@ int strata_engine_last_stats(int64_t id, int64_t* out, int64_t n_layers) {
   return 0;
 }
 
+// out: double[4] (see Engine::Timing); 0 on success.
+int strata_engine_timing(int64_t id, double* out, char* err, int64_t errlen) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return Report("no engine " + std::to_string(id), err, errlen);
+  return Report(e->Timing(out), err, errlen);
+}
+
 }  // extern "C"

@@ -408,6 +408,11 @@ class CudaEngine final : public Engine {
 
   // Link, on the issuer thread (see IssueWalk).
   void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
+    if (!copy_started_) {
+      STRATA_CUDA_THROW("copy window start", cudaEventRecord, t_copy0_,
+                        copy_stream_);
+      copy_started_ = true;
+    }
     // Never recorded means never read since the ring was made: waiting on an
     // unrecorded event would be a no-op anyway, but this keeps it explicit.
     if (used_recorded_[slot].load(std::memory_order_acquire))
@@ -439,13 +444,55 @@ class CudaEngine final : public Engine {
   }
 
  protected:
-  Status BackendBegin(ChunkMode, void*) override {
+  Status BackendBegin(ChunkMode, void* stream) override {
     if (!copy_stream_) return "cuda engine is not prepared";
     // A callback of the previous chunk landing after the gate reset would
     // publish a stale row into this chunk.
     if (!WaitCallbacks(kCallbackWait))
       return "publish callbacks of the previous chunk have not run after " +
              std::to_string(kCallbackWait.count()) + " s";
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    timed_ = false;
+    copy_started_ = false;
+    STRATA_CUDA_RETURN("chunk timing start", cudaEventRecord, t_begin_,
+                       static_cast<cudaStream_t>(stream));
+    return {};
+  }
+
+  Status BackendEnd(void* stream) override {
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    STRATA_CUDA_RETURN("chunk timing end", cudaEventRecord, t_end_,
+                       static_cast<cudaStream_t>(stream));
+    timed_ = true;
+    return {};
+  }
+
+  Status Timing(double* out) const override {
+    if (!timed_) return "no finished chunk to time";
+    DeviceScope dev(opt_.device);
+    Status s = dev.status();
+    if (!s.empty()) return s;
+    const cudaError_t q = cudaEventQuery(t_end_);
+    if (q == cudaErrorNotReady) return "the chunk's device work has not finished";
+    float ms = 0.f;
+    STRATA_CUDA_RETURN("chunk time", cudaEventElapsedTime, &ms, t_begin_, t_end_);
+    out[0] = ms;
+    out[1] = out[2] = out[3] = 0.0;
+    if (copy_started_) {
+      STRATA_CUDA_RETURN("copy window", cudaEventElapsedTime, &ms, t_copy0_,
+                         t_copy1_);
+      out[1] = ms;
+      STRATA_CUDA_RETURN("copy lead", cudaEventElapsedTime, &ms, t_begin_,
+                         t_copy0_);
+      out[2] = ms;
+      STRATA_CUDA_RETURN("copy tail", cudaEventElapsedTime, &ms, t_copy1_,
+                         t_end_);
+      out[3] = ms;
+    }
     return {};
   }
 
@@ -469,6 +516,9 @@ class CudaEngine final : public Engine {
               &state_, opt_.device);
         Link link{this};
         walk_result_ = IssueWalk(stream_, cfg, gate_, state_, link);
+        if (copy_started_)
+          STRATA_CUDA_THROW("copy window end", cudaEventRecord, t_copy1_,
+                            copy_stream_);
       } catch (const WalkStopped&) {
         walk_result_.stopped = true;
       } catch (const std::exception& e) {
@@ -719,6 +769,8 @@ class CudaEngine final : public Engine {
                          cudaEventCreateWithFlags, &used_[slot],
                          cudaEventDisableTiming);
     }
+    for (cudaEvent_t* ev : {&t_begin_, &t_end_, &t_copy0_, &t_copy1_})
+      STRATA_CUDA_RETURN("timing event", cudaEventCreate, ev);
     used_recorded_ = std::make_unique<std::atomic<bool>[]>(
         static_cast<size_t>(opt_.ring));
     for (int64_t slot = 0; slot < opt_.ring; ++slot)
@@ -771,6 +823,16 @@ class CudaEngine final : public Engine {
       }
       Unpin();
     } else if (opt_.pin_mode == 1) {
+      // Stores packed straight into pinned memory (the Python side allocates
+      // them with strata_pinned_alloc) are used in place: no second copy.
+      bool in_place = true;
+      for (int l = 0; l < opt_.n_layers && in_place; ++l)
+        if (stores_[l] && bytes > 0) in_place = AlreadyPinned(stores_[l], bytes);
+      if (in_place) {
+        pin_path_ = PinPath::kArena;
+        pin_note_ = "packed in place";
+        return {};
+      }
       int64_t layers = 0;
       for (int l = 0; l < opt_.n_layers; ++l) layers += stores_[l] ? 1 : 0;
       const int64_t total = layers * bytes;
@@ -831,6 +893,11 @@ class CudaEngine final : public Engine {
       if (e) cudaEventDestroy(e);
     copied_.clear();
     used_.clear();
+    for (cudaEvent_t* ev : {&t_begin_, &t_end_, &t_copy0_, &t_copy1_}) {
+      if (*ev) cudaEventDestroy(*ev);
+      *ev = nullptr;
+    }
+    timed_ = false;
     used_recorded_.reset();
     if (copy_stream_) cudaStreamDestroy(copy_stream_);
     copy_stream_ = nullptr;
@@ -862,6 +929,13 @@ class CudaEngine final : public Engine {
   // Written by fetch before it releases the slot (consumed, release); read by
   // the issuer after it saw that release.
   std::unique_ptr<std::atomic<bool>[]> used_recorded_;
+  // Timing of the last chunk: begin/end on XLA's stream, first copy start and
+  // last copy end on the copy stream. copy_started_ is written by the issuer
+  // and read after End joined it.
+  cudaEvent_t t_begin_ = nullptr, t_end_ = nullptr;
+  cudaEvent_t t_copy0_ = nullptr, t_copy1_ = nullptr;
+  bool timed_ = false;
+  bool copy_started_ = false;
 };
 
 }  // namespace

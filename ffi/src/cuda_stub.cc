@@ -12,7 +12,8 @@ std::unique_ptr<Engine> MakeCudaEngine(const EngineOptions&, Status* err) {
 }
 }  // namespace strata
 
-extern "C" int strata_measure_h2d(int, int64_t, int, int, double*, char* err, int64_t errlen) {
+namespace {
+int NoCuda(char* err, int64_t errlen) {
   if (err && errlen > 0) {
     const char msg[] = "strata_jax was built without CUDA support";
     for (int64_t i = 0; i < errlen; ++i) {
@@ -22,3 +23,20 @@ extern "C" int strata_measure_h2d(int, int64_t, int, int, double*, char* err, in
   }
   return 1;
 }
+}  // namespace
+
+extern "C" int strata_measure_h2d(int, int64_t, int, int, double*, char* err, int64_t errlen) {
+  return NoCuda(err, errlen);
+}
+
+extern "C" int strata_measure_h2d_ex(int, int64_t, int64_t, int, int, int, double*, char* err,
+                                     int64_t errlen) {
+  return NoCuda(err, errlen);
+}
+
+extern "C" void* strata_pinned_alloc(int64_t, char* err, int64_t errlen) {
+  NoCuda(err, errlen);
+  return nullptr;
+}
+
+extern "C" void strata_pinned_free(void*) {}

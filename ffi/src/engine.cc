@@ -222,6 +222,8 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   Status s = WriteStats(stats_host, stats_out,
                         static_cast<int64_t>(opt_.n_layers) * 2 * 4, stream);
   if (!s.empty()) return Fail("end_chunk: " + s);
+  s = BackendEnd(stream);
+  if (!s.empty()) return Fail("end_chunk: " + s);
   last_stats_ = stats_;
   ++chunks_;
   if (opt_.trace) {

@@ -95,6 +95,17 @@ class Engine {
   bool WalkActive() const { return issuer_.joinable(); }
   const std::vector<LayerStats>& last_stats() const { return last_stats_; }
   int64_t chunks() const { return chunks_; }
+  // Device timing of the last finished chunk, where the backend keeps it:
+  // out[0] = begin to end on the compute stream, out[1] = first copy start to
+  // last copy end on the copy stream, out[2] = begin to the first copy's
+  // start, out[3] = the last copy's end to end (1..3 are 0 when nothing was
+  // copied), in ms.
+  // Returns an error when unavailable (CPU backend, or the chunk's device
+  // work has not finished).
+  virtual Status Timing(double* out) const {
+    (void)out;
+    return "device timing is kept by the CUDA backend only";
+  }
   const EngineOptions& options() const { return opt_; }
   int depth() const { return depth_; }
 
@@ -116,6 +127,11 @@ class Engine {
   virtual Status ZeroRow(uint8_t* dst, void* stream) = 0;
   virtual Status WriteStats(const int32_t* host, void* out, int64_t bytes,
                             void* stream) = 0;
+  // The chunk's last device work is queued on `stream` (after WriteStats).
+  virtual Status BackendEnd(void* stream) {
+    (void)stream;
+    return {};
+  }
   // Waits until layer's routing is in the gate (routed-only fetch).
   virtual Status WaitPublished(int layer) = 0;
   virtual void BackendAbort() = 0;

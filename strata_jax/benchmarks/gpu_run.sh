@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|all]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|all]
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 STAGE=${1:-all}
@@ -27,5 +27,9 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \
     --lengths ${LENGTHS:-1024,2048,4096,8192} --skew 0 --publication --json "$OUT/stream_uniform.json" 2>&1 \
     | tee "$OUT/stream_uniform.log" | tail -30
+fi
+if [ "$STAGE" = diag ]; then
+  STRATA_GROUPED_MATMUL=${GMM:-tiled} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.link_diag \
+    ${DIAG_ARGS:-} --json "$OUT/link_diag.json" 2>&1 | tee "$OUT/link_diag.log" | tail -60
 fi
 exit $rc

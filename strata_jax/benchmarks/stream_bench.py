@@ -49,6 +49,16 @@ def fast_params(config, seed: int, skew: float) -> dict:
     return out
 
 
+def model_config(preset: str, layers: int, vocab: int, max_tokens: int):
+    """The preset cut to `layers` layers and a `vocab` vocabulary, full expert shapes."""
+    from strata_jax.config import get_preset
+
+    base = get_preset(preset)
+    return base.replace(name=f"{base.name}-{layers}L", n_layers=layers,
+                        n_dense_layers=min(base.n_dense_layers, layers - 1),
+                        vocab_size=vocab, max_seq_len=max(base.max_seq_len, max_tokens))
+
+
 def _time(engine, tokens) -> tuple[float, object]:
     t0 = time.perf_counter()
     r = engine.prefill(tokens, sync_chunks=False)
@@ -72,15 +82,11 @@ def main(argv=None) -> int:
     import jax
 
     from strata_jax import native
-    from strata_jax.config import get_preset
     from strata_jax.engine import Engine, sha256_of
     from strata_jax.stream import StreamConfig
 
     lengths = [int(x) for x in args.lengths.split(",")]
-    base = get_preset(args.preset)
-    cfg = base.replace(name=f"{base.name}-{args.layers}L", n_layers=args.layers,
-                       n_dense_layers=min(base.n_dense_layers, args.layers - 1),
-                       vocab_size=args.vocab, max_seq_len=max(base.max_seq_len, max(lengths)))
+    cfg = model_config(args.preset, args.layers, args.vocab, max(lengths))
     link = native.measure_h2d(256 * 2**20, 10, pinned=True)
     pageable = native.measure_h2d(256 * 2**20, 5, pinned=False)
     print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
