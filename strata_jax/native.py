@@ -74,6 +74,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_last_stats": (c.c_int, [c.c_int64, p, c.c_int64]),
         "strata_pinned_alloc": (p, [c.c_int64, c.c_char_p, c.c_int64]),
         "strata_pinned_free": (None, [p]),
+        "strata_engine_host_times": (c.c_int, [c.c_int64, p]),
         "strata_engine_timing": (c.c_int, [c.c_int64, p, c.c_char_p, c.c_int64]),
         "strata_measure_h2d_ex": (
             c.c_int,

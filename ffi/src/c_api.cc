@@ -155,6 +155,14 @@ int strata_engine_last_stats(int64_t id, int64_t* out, int64_t n_layers) {
   return 0;
 }
 
+// out: double[2], host seconds of the last chunk's begin and end handlers.
+int strata_engine_host_times(int64_t id, double* out) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return 1;
+  e->HostTimes(out);
+  return 0;
+}
+
 // out: double[4] (see Engine::Timing); 0 on success.
 int strata_engine_timing(int64_t id, double* out, char* err, int64_t errlen) {
   Engine* e = strata::FindEngine(id);

@@ -94,7 +94,16 @@ Status Engine::Fail(Status s) {
   return s;
 }
 
+namespace {
+double HostNow() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
 Status Engine::Begin(ChunkMode mode, void* stream) {
+  host_begin_ = HostNow();
   if (!prepared_)
     return "engine is not prepared: set every layer's host store and the "
            "stream plan, then call prepare()";
@@ -226,6 +235,7 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   if (!s.empty()) return Fail("end_chunk: " + s);
   last_stats_ = stats_;
   ++chunks_;
+  host_end_ = HostNow();
   if (opt_.trace) {
     int64_t n = 0, copied = 0, skipped = 0;
     for (const LayerStats& ls : stats_) {

@@ -106,6 +106,12 @@ class Engine {
     (void)out;
     return "device timing is kept by the CUDA backend only";
   }
+  // Host steady-clock seconds (CLOCK_MONOTONIC, Python's time.monotonic) at
+  // which the last chunk's begin_chunk and end_chunk handlers ran.
+  void HostTimes(double* out) const {
+    out[0] = host_begin_;
+    out[1] = host_end_;
+  }
   const EngineOptions& options() const { return opt_; }
   int depth() const { return depth_; }
 
@@ -172,6 +178,7 @@ class Engine {
   std::vector<LayerStats> stats_;
   std::vector<LayerStats> last_stats_;
   int64_t chunks_ = 0;
+  double host_begin_ = 0.0, host_end_ = 0.0;
   std::atomic<int32_t> fault_{0};
   int fault_layer_ = -1;
   static std::atomic<bool> depth_line_printed_;

@@ -71,15 +71,24 @@ def main(argv=None) -> int:
         jax.block_until_ready((piece, pos))
         t.append(time.perf_counter())
         mode = eng.streamer.chunk_mode(piece.size)
+        call = time.monotonic()
         res = eng._jit(eng._state, eng.streamer.resident_blobs, piece, cache, pos,
                        first=True, mode=mode)
         t.append(time.perf_counter())
         jax.block_until_ready(res)
+        ready = time.monotonic()
         t.append(time.perf_counter())
         np.asarray(res[3]), np.asarray(res[2])
         t.append(time.perf_counter())
         names = ("cache", "inputs", "dispatch", "ready", "stats")
-        return {f"{n}_ms": (b - a) * 1e3 for n, a, b in zip(names, t, t[1:])}
+        out = {f"{n}_ms": (b - a) * 1e3 for n, a, b in zip(names, t, t[1:])}
+        import ctypes
+
+        host = (ctypes.c_double * 2)()
+        native.lib().strata_engine_host_times(eng.streamer.id, host)
+        out["call_to_begin_ms"] = (host[0] - call) * 1e3
+        out["end_to_ready_ms"] = (ready - host[1]) * 1e3
+        return out
 
     rng = np.random.default_rng(7)
     for pin in args.pins.split(","):
