@@ -1,0 +1,1188 @@
+"""The `strata-jax` command (also `python -m strata_jax`).
+
+Subcommands:
+
+  demo     (the default when no subcommand is given) one prompt through a scaled-down preset
+           three ways, every expert resident, stream-all and the routed stream, with each arm's
+           summary and whether the logits and KV cache are the same bytes in every arm. Needs no
+           GPU and no files.
+  prefill  reads a prompt through a model (a preset, optionally scaled down, with synthetic
+           weights; or a safetensors checkpoint) and prints what was streamed, copied and
+           skipped, per layer; `--json` prints one JSON object instead.
+  profile  runs prefills of several prompts and saves the per-(layer, expert) routing counts
+           (an ExpertProfile) for `prefill --profile`.
+  info     devices, whether the native library has CUDA, the measured pinned link bandwidth, and
+           the memory plan of a model.
+
+Models: `--preset NAME` takes a preset's real shapes (`--scale full`, the default) or a
+scaled-down copy of it (`--scale small`: the demo's size; `--scale tiny`: the tests' size); the
+shape options (`--layers`, `--experts`, `--top-k`, `--hidden`, `--expert-width`, `--vocab`,
+`--dtype`) override single fields on top of either. `--checkpoint DIR` loads a Hugging Face
+safetensors directory instead (its shapes are fixed).
+
+Exit codes: 0 done; 1 a run that failed (the demo's arms differ, an error in the engine);
+2 bad input (one line on stderr naming the problem and the way out); 130 interrupted.
+Progress bars and log lines go to stderr, so `--json` leaves exactly one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["SCALES", "UsageError", "main", "memory_plan", "model_config", "read_prompt_file"]
+
+PROG = "strata-jax"
+
+# Scaled-down sizes, applied with ModelConfig.scaled(); fields given on the command line
+# (--layers, --experts, ...) win. `layers` counts MoE layers: a preset with dense layers
+# (DeepSeek) keeps one of them in front.
+SCALES: dict[str, dict] = {
+    "small": dict(layers=4, hidden=128, max_experts=256, expert_width=64, max_seq_len=16_384),
+    "tiny": dict(layers=2, hidden=64, max_experts=32, expert_width=32, max_seq_len=4096),
+}
+_SHAPE_OPTIONS = ("layers", "experts", "top_k", "hidden", "expert_width", "vocab", "dtype")
+_DEFAULT_SKEW = None  # None: synthetic.SKEW_40_PERCENT_512_TOP10
+
+
+class UsageError(Exception):
+    """Bad input: main() prints the message as one line on stderr and returns 2."""
+
+
+# ---- argument parsing ---------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (and the way to the help) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps description/epilog line breaks; appends "(default: X)" where a default says something."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" not in text and action.default not in (None, False, argparse.SUPPRESS)
+                and action.option_strings and action.nargs != 0):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _depth(text: str) -> int:
+    value = _positive_int(text)
+    if value > 256:
+        raise argparse.ArgumentTypeError(f"{value} is more than 256 copies")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not np.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _model_options(p: argparse.ArgumentParser, *, required: bool) -> None:
+    g = p.add_argument_group("model (a preset with synthetic weights, or a checkpoint)")
+    g.add_argument("--preset", metavar="NAME",
+                   help="model preset: qwen3-30b-a3b, qwen3-235b-a22b, qwen3-next-80b-a3b, "
+                        "mixtral-8x7b, olmoe-1b-7b, deepseek-v3"
+                        + ("" if required else " (no model: no memory plan)"))
+    g.add_argument("--checkpoint", metavar="DIR",
+                   help="Hugging Face safetensors directory (config.json + model.safetensors "
+                        "[.index.json]) of a Qwen3-MoE, Mixtral or OLMoE model; instead of --preset")
+    g.add_argument("--scale", choices=["full", "small", "tiny"], default=None,
+                   help="size of a preset: full = its published shapes; small = "
+                        f"{_scale_text('small')}; tiny = {_scale_text('tiny')} (default: full)")
+    g.add_argument("--layers", type=_positive_int, metavar="N",
+                   help="MoE layers (a preset's dense layers are kept in front: one when scaled)")
+    g.add_argument("--experts", type=_positive_int, metavar="N", help="routed experts per layer")
+    g.add_argument("--top-k", type=_positive_int, metavar="K",
+                   help="experts per token (default: the preset's, at most --experts)")
+    g.add_argument("--hidden", type=_positive_int, metavar="H", help="hidden size")
+    g.add_argument("--expert-width", type=_positive_int, metavar="I",
+                   help="per-expert SwiGLU width (intermediate size)")
+    g.add_argument("--vocab", type=_positive_int, metavar="V", help="vocabulary size")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="parameter dtype (default: the preset's or the checkpoint's)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic weights and of the random prompts")
+    g.add_argument("--skew", type=_float, default=_DEFAULT_SKEW, metavar="S",
+                   help="routing skew of synthetic weights, >= 0 (0: uniform routing; default "
+                        "0.52, which leaves ~40%% of a 512-expert top-10 layer unrouted at "
+                        "1,000 tokens)")
+
+
+def _scale_text(name: str) -> str:
+    s = SCALES[name]
+    return (f"{s['layers']} MoE layers, hidden {s['hidden']}, at most {s['max_experts']} experts "
+            f"of width {s['expert_width']}, vocab 512")
+
+
+def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: bool = True,
+                    many: bool = False, follow_up: bool = False) -> None:
+    g = p.add_argument_group("prompts" if many else "prompt")
+    if many:
+        g.add_argument("--prompts", type=_positive_int, default=8, metavar="K",
+                       help="random prompts to read, each a new session (ignored with "
+                            "--prompt-file)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--tokens", type=_positive_int, default=tokens_default, metavar="N",
+                     help="random prompt of N token ids (seeded by --seed)"
+                          + (" per prompt" if many else ""))
+    if files:
+        src.add_argument("--prompt-file", metavar="FILE", action="append" if many else "store",
+                         help="token ids: whitespace- or comma-separated integers, or a 1-D "
+                              "integer .npy array" + (" (repeat for several prompts)" if many else ""))
+    g.add_argument("--max-context", type=_positive_int, metavar="N",
+                   help="KV cache capacity in tokens (default: what "
+                        + ("the longest prompt needs" if many else
+                           "the prompt and --follow-up need" if follow_up else
+                           "the prompt needs") + "); scaled presets' "
+                        "max_seq_len grows to fit it")
+    if follow_up:
+        g.add_argument("--follow-up", type=_nonneg_int, default=0, metavar="N",
+                       help="then a second turn of N random tokens with the session "
+                            "(reports reused + read; 0: none)")
+
+
+def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
+                    bandwidth_default: float = 2.0) -> None:
+    g = p.add_argument_group("stream (how experts reach the device)")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream non-resident experts through the native engine; --no-stream "
+                        "keeps every expert resident on JAX's default device (the resident arm)")
+    g.add_argument("--routed", choices=["on", "off"], default="on",
+                   help="on: skip copies of experts no token of the chunk routes to (routed "
+                        "stream); off: copy every streamed expert of every chunk (stream-all; "
+                        "the routed-only floor is set to 1 unless --stream-floor is given)")
+    g.add_argument("--depth", type=_depth, default=depth_default, metavar="N",
+                   help="copies queued ahead of the link with --routed on (1..256)")
+    g.add_argument("--chunk", type=_positive_int, default=1024, metavar="N",
+                   help="tokens per prefill chunk")
+    g.add_argument("--stream-floor", type=_positive_int, metavar="N",
+                   help="chunks shorter than N tokens use routed-only fetch: wait for the "
+                        "routing, copy only routed experts (default: 1024 with --routed on)")
+    res = g.add_mutually_exclusive_group()
+    res.add_argument("--resident-gib", type=_float, metavar="GIB",
+                     help="device memory for resident experts; the hottest by --profile fill "
+                          "it (without a profile: the lowest ids, evenly per layer)")
+    res.add_argument("--resident-per-layer", type=_nonneg_int, metavar="N",
+                     help="experts kept resident per MoE layer (the hottest by --profile, else "
+                          "the lowest ids)")
+    g.add_argument("--ring-gib", type=_float, default=4.0, metavar="GIB",
+                   help="device memory the ring of streamed-expert slots may take (it is sized "
+                        "to two layers' streamed experts when that fits)")
+    g.add_argument("--profile", metavar="FILE",
+                   help="expert profile saved by `strata-jax profile`: orders each layer's "
+                        "stream hottest first and chooses the resident experts")
+    g.add_argument("--order", choices=["chunk-major", "layer-major"], default="chunk-major",
+                   help="chunk-major: each chunk runs through every layer; layer-major: each "
+                        "layer reads the whole prompt (in --sub-chunk pieces) before the next, "
+                        "so each expert crosses the link once per prompt")
+    g.add_argument("--sub-chunk", type=_positive_int, metavar="N",
+                   help="compute sub-chunk of --order layer-major (default: the engine's)")
+    g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when JAX has a GPU and the library was built with CUDA, "
+                        "else cpu; cpu: the simulated device (host-memory ring, a copy thread "
+                        "playing the link); cuda: the GPU. --no-stream runs on JAX's default "
+                        "device (JAX_PLATFORMS=cpu keeps it on the CPU)")
+    g.add_argument("--sim-bandwidth", type=_float, default=bandwidth_default, metavar="GBPS",
+                   help="simulated link bandwidth in GB/s (cpu backend; 0: unlimited)")
+    g.add_argument("--sim-latency", type=_float, default=20.0, metavar="US",
+                   help="simulated per-copy latency in microseconds (cpu backend)")
+    g.add_argument("--trace", action="store_true",
+                   help="per-chunk 'ring entries, copied, skipped' lines from the engine (stderr)")
+
+
+def _output_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help=json_help)
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bars or log lines on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[0],
+                 epilog=textwrap.dedent("""\
+                     examples:
+                       strata-jax                                   # the demo
+                       strata-jax prefill --preset qwen3-30b-a3b --scale tiny --tokens 2000
+                       strata-jax prefill --preset qwen3-next-80b-a3b --scale small --routed off --json
+                       strata-jax profile --preset olmoe-1b-7b --scale tiny --prompts 8 --out prof.npz
+                       strata-jax prefill --preset olmoe-1b-7b --scale tiny --profile prof.npz \\
+                           --resident-per-layer 8
+                       strata-jax info --preset qwen3-next-80b-a3b --resident-gib 20
+
+                     `strata-jax SUBCOMMAND --help` lists every option of a subcommand."""),
+                 formatter_class=_Formatter)
+    from . import __version__
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="{demo,prefill,profile,info}")
+
+    demo = sub.add_parser(
+        "demo", formatter_class=_Formatter,
+        help="(default) resident, stream-all and routed arms on a scaled-down preset",
+        description="One prompt through the same model three ways (every expert resident, "
+                    "stream-all, routed stream) on a scaled-down preset with synthetic weights: "
+                    "each arm's summary, and whether logits and KV cache are identical. Exit 1 "
+                    "if they are not.")
+    _model_options(demo, required=False)
+    demo.set_defaults(preset="qwen3-next-80b-a3b", scale="small")
+    _prompt_options(demo, tokens_default=1024, files=False)
+    g = demo.add_argument_group("stream")
+    g.add_argument("--chunk", type=_positive_int, default=1024, metavar="N", help="tokens per chunk")
+    g.add_argument("--depth", type=_depth, default=4, metavar="N",
+                   help="copies queued ahead of the link in the routed arm")
+    g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="stream backend (auto: CUDA when JAX has a GPU, else the simulated link)")
+    g.add_argument("--sim-bandwidth", type=_float, default=0.2, metavar="GBPS",
+                   help="simulated link bandwidth in GB/s (cpu backend)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bars on stderr")
+
+    pre = sub.add_parser(
+        "prefill", formatter_class=_Formatter, help="read a prompt and report what streamed",
+        description="Read a prompt through a model and report the prefill: the summary line "
+                    "('N tokens = R reused + K read ...'), a per-layer table of streamed, "
+                    "copied, skipped and unrouted experts, the arm and the backend. With "
+                    "--follow-up N a second turn of N tokens reuses the session's KV cache.",
+        epilog=textwrap.dedent("""\
+            --json prints one object on stdout with: tokens, reused, read, prompt_ms,
+            experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256, kv_sha256,
+            per_layer, order, chunks, mode, plus arm, backend, model, compilations, and
+            follow_up (the same keys for the second turn) with --follow-up."""))
+    _model_options(pre, required=True)
+    _prompt_options(pre, tokens_default=1024, follow_up=True)
+    _stream_options(pre)
+    _output_options(pre, json_help="print exactly one JSON object on stdout (keys below)")
+
+    prof = sub.add_parser(
+        "profile", formatter_class=_Formatter, help="record an expert profile from prefills",
+        description="Run prefills of several prompts, each a new session, and save the "
+                    "per-(layer, expert) routing counts (an ExpertProfile) to --out; print "
+                    "where it went and each layer's hottest experts.")
+    _model_options(prof, required=True)
+    _prompt_options(prof, tokens_default=1024, many=True)
+    _stream_options(prof)
+    _output_options(prof, json_help="print one JSON object on stdout: out, prompts, tokens, "
+                                    "model, hottest (per layer [expert, count] pairs), "
+                                    "never_routed (per layer)")
+    og = next(g for g in prof._action_groups if g.title == "output")
+    og.add_argument("--out", metavar="FILE", required=True,
+                    help="where to save the profile (ExpertProfile.save; required)")
+    og.add_argument("--top", type=_positive_int, default=5, metavar="N",
+                    help="hottest experts shown per layer")
+
+    info = sub.add_parser(
+        "info", formatter_class=_Formatter, help="devices, link bandwidth, a model's memory plan",
+        description="JAX devices (kind, memory where known), whether the native library has "
+                    "CUDA, the measured pinned host-to-device bandwidth (with a CUDA device), and "
+                    "with --preset/--checkpoint the memory plan of the model: expert bytes per "
+                    "layer and in all, dense bytes, KV cache, the ring for a resident budget, "
+                    "and what fits on the device.")
+    _model_options(info, required=False)
+    ig = info.add_argument_group("plan")
+    ig.add_argument("--max-context", type=_positive_int, metavar="N",
+                    help="KV cache capacity for the plan (default: the model's max_seq_len, at "
+                         "most 32768)")
+    res = ig.add_mutually_exclusive_group()
+    res.add_argument("--resident-gib", type=_float, metavar="GIB",
+                     help="device memory for resident experts (evenly per layer in the plan)")
+    res.add_argument("--resident-per-layer", type=_nonneg_int, metavar="N",
+                     help="experts resident per MoE layer")
+    ig.add_argument("--ring-gib", type=_float, default=4.0, metavar="GIB",
+                    help="device memory the ring may take")
+    ig.add_argument("--no-measure", action="store_true",
+                    help="skip the link bandwidth measurement")
+    _output_options(info, json_help="print one JSON object on stdout: jax, devices, native, "
+                                    "link, plan")
+    return ap
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+class _Log:
+    """Lines and progress bars on stderr, both silenced by --quiet."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    def bar(self, **kwargs):
+        from tqdm.auto import tqdm
+
+        return tqdm(file=sys.stderr, disable=self.quiet, dynamic_ncols=True, **kwargs)
+
+    def progress(self, bar) -> Callable[[int, int], None]:
+        """A progress(done, total) callback driving `bar`."""
+
+        def update(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+
+        return update
+
+
+def _host_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of host RAM from /proc/meminfo, or None where unknown."""
+    found = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    found[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return found.get("MemTotal"), found.get("MemAvailable")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _preset_names() -> str:
+    from .config import PRESETS
+
+    return ", ".join(PRESETS)
+
+
+def model_config(preset: str, scale: str | None = None, *, layers: int | None = None,
+                 experts: int | None = None, top_k: int | None = None, hidden: int | None = None,
+                 expert_width: int | None = None, vocab: int | None = None,
+                 dtype: str | None = None, max_seq_len: int | None = None):
+    """The ModelConfig the command line describes: a preset, scaled, with fields overridden.
+
+    Args:
+        preset: preset name (config.PRESETS).
+        scale: None or "full" keeps the preset's shapes; "small" / "tiny" scale it down
+            (SCALES) with ModelConfig.scaled().
+        layers: MoE layers; a preset's dense layers stay in front (one of them when scaled).
+        experts, top_k, hidden, expert_width, vocab, dtype: single fields to override.
+        max_seq_len: at least this many positions, for scaled presets (a full preset keeps its
+            published max_seq_len).
+
+    Raises:
+        UsageError: unknown preset or an inconsistent shape (the message says which).
+    """
+    from .config import PRESETS, get_preset
+
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; known presets: {_preset_names()}")
+    base = get_preset(preset)
+    try:
+        if scale in (None, "full"):
+            changes = {}
+            if layers is not None:
+                changes.update(n_layers=base.n_dense_layers + layers)
+            if experts is not None:
+                changes.update(n_experts=experts, top_k=top_k or min(base.top_k, experts))
+                if experts % base.n_groups:
+                    changes.update(n_groups=1, topk_groups=1)
+            if top_k is not None:
+                changes["top_k"] = top_k
+            for field, value in (("hidden_size", hidden), ("expert_intermediate", expert_width),
+                                 ("vocab_size", vocab), ("param_dtype", dtype)):
+                if value is not None:
+                    changes[field] = value
+            cfg = base.replace(**changes) if changes else base
+        else:
+            s = SCALES[scale]
+            dense = min(base.n_dense_layers, 1)
+            n_experts = experts or min(base.n_experts, s["max_experts"])
+            cfg = base.scaled(
+                n_layers=dense + (layers or s["layers"]),
+                hidden_size=hidden or s["hidden"],
+                n_experts=n_experts,
+                top_k=top_k or min(base.top_k, n_experts),
+                expert_intermediate=expert_width or s["expert_width"],
+                vocab_size=vocab or 512,
+                max_seq_len=max(min(base.max_seq_len, s["max_seq_len"]), max_seq_len or 0),
+                param_dtype=dtype,
+            )
+    except ValueError as e:
+        raise UsageError(f"preset {preset} with these shape options: {e}") from None
+    return cfg
+
+
+def read_prompt_file(path: str) -> np.ndarray:
+    """Token ids from a file: whitespace/comma-separated integers, or a 1-D integer .npy.
+
+    Raises:
+        UsageError: missing or unreadable file, not integers, empty.
+    """
+    if not os.path.isfile(path):
+        raise UsageError(f"prompt file {path!r} does not exist (give a text file of integer "
+                         "token ids or a .npy array)")
+    if path.endswith(".npy"):
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"prompt file {path!r} is not a readable .npy array: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise UsageError(f"prompt file {path!r} holds a {arr.dtype} array of shape "
+                             f"{arr.shape}; expected a 1-D integer array of token ids")
+        tokens = arr.astype(np.int64)
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"prompt file {path!r} cannot be read as text: {e}") from None
+        words = [w for w in re.split(r"[\s,]+", text.strip()) if w]
+        values = []
+        for i, w in enumerate(words):
+            try:
+                values.append(int(w))
+            except ValueError:
+                raise UsageError(
+                    f"prompt file {path!r}: {w[:20]!r} (item {i}) is not an integer token id; "
+                    "expected whitespace- or comma-separated integers, or a .npy file") from None
+        tokens = np.asarray(values, np.int64)
+    if tokens.size == 0:
+        raise UsageError(f"prompt file {path!r} holds no token ids")
+    return tokens
+
+
+def _check_vocab(tokens: np.ndarray, vocab: int, what: str) -> None:
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise UsageError(f"token id {int(tokens[i])} at position {i} of {what} is outside the "
+                         f"vocabulary [0, {vocab}) of the model; use ids below {vocab}")
+
+
+def random_prompt(vocab: int, n: int, seed: int, stream: int) -> np.ndarray:
+    """n random token ids; (seed, stream) picks the sequence (prompt 0, follow-up 1, ...)."""
+    return np.random.default_rng([seed, stream]).integers(0, vocab, n).astype(np.int64)
+
+
+class _Model:
+    """What the model options resolve to, before any weights exist."""
+
+    def __init__(self, args):
+        self.checkpoint = getattr(args, "checkpoint", None)
+        self.preset = getattr(args, "preset", None)
+        self.shape = {k: getattr(args, k, None) for k in _SHAPE_OPTIONS}
+        self.scale = getattr(args, "scale", None)
+        self.seed = args.seed
+        self.skew = args.skew
+        if self.checkpoint and self.preset:
+            raise UsageError("give either --preset or --checkpoint, not both")
+        if self.checkpoint:
+            given = [k for k in _SHAPE_OPTIONS if k != "dtype" and self.shape[k] is not None]
+            if self.scale is not None or given:
+                opts = ["--scale"] if self.scale is not None else []
+                opts += ["--" + k.replace("_", "-") for k in given]
+                raise UsageError(f"{', '.join(opts)} apply to --preset models; a checkpoint's "
+                                 "shapes are fixed (drop them or use --preset)")
+            self.config = self._checkpoint_config()
+        elif self.preset:
+            self.config = model_config(self.preset, self.scale, **self.shape)
+        else:
+            self.config = None
+        if self.skew is not None and self.skew < 0:
+            raise UsageError(f"--skew {self.skew}: the routing skew must be 0 or more")
+
+    def require(self) -> None:
+        if self.config is None:
+            raise UsageError(f"no model: give --preset NAME (one of {_preset_names()}; add "
+                             "--scale tiny|small for a scaled-down copy) or --checkpoint DIR")
+
+    def _checkpoint_config(self):
+        from .checkpoint import CheckpointError, config_from_hf
+
+        path = os.path.join(self.checkpoint, "config.json")
+        if not os.path.isdir(self.checkpoint):
+            raise UsageError(f"checkpoint {self.checkpoint!r} is not a directory (give a Hugging "
+                             "Face safetensors directory)")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+            return config_from_hf(hf, param_dtype=self.shape["dtype"])
+        except OSError as e:
+            raise UsageError(f"checkpoint {self.checkpoint!r}: cannot read config.json ({e})") from None
+        except KeyError as e:
+            raise UsageError(f"checkpoint {self.checkpoint!r}: config.json lacks {e}") from None
+        except (json.JSONDecodeError, CheckpointError, ValueError) as e:
+            raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
+
+    @property
+    def scaled(self) -> bool:
+        return self.preset is not None and self.scale in ("small", "tiny")
+
+    def fit_context(self, needed: int) -> None:
+        """Scaled presets grow max_seq_len to `needed`; real shapes keep theirs."""
+        if self.scaled and needed > self.config.max_seq_len:
+            self.config = self.config.replace(max_seq_len=needed)
+
+    def describe(self) -> str:
+        c = self.config
+        where = (f"checkpoint {self.checkpoint}" if self.checkpoint else
+                 f"preset {self.preset}, scale {self.scale or 'full'}")
+        dense = f" ({len(c.dense_layers)} dense)" if c.dense_layers else ""
+        return (f"model {c.name} ({where}): {c.n_layers} layers{dense}, {c.n_experts} experts "
+                f"top-{c.top_k}, hidden {c.hidden_size}, expert {_size(c.expert_bytes)}, "
+                f"{c.param_dtype}")
+
+    def summary(self) -> dict:
+        c = self.config
+        return {"name": c.name, "preset": self.preset, "scale": self.scale or (
+            None if self.checkpoint else "full"), "checkpoint": self.checkpoint,
+            "layers": c.n_layers, "moe_layers": len(c.moe_layers), "experts": c.n_experts,
+            "top_k": c.top_k, "hidden": c.hidden_size, "expert_width": c.expert_intermediate,
+            "vocab": c.vocab_size, "dtype": c.param_dtype, "expert_bytes": c.expert_bytes,
+            "max_seq_len": c.max_seq_len}
+
+    def weights(self, log: _Log):
+        """(config, params, experts mapping or None), loading or generating with a progress bar."""
+        if self.checkpoint:
+            from .checkpoint import CheckpointError, load_checkpoint
+
+            try:
+                ckpt = load_checkpoint(self.checkpoint, param_dtype=self.shape["dtype"],
+                                       progress=not log.quiet)
+            except CheckpointError as e:
+                raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
+            return ckpt.config, ckpt.params, ckpt.experts.as_mapping()
+        from .synthetic import SKEW_40_PERCENT_512_TOP10, init_synthetic
+
+        self.check_host_memory()
+        skew = SKEW_40_PERCENT_512_TOP10 if self.skew is None else self.skew
+        with log.bar(desc="synthetic weights", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+            params = init_synthetic(self.config, self.seed, skew, progress=log.progress(bar))
+        return self.config, params, None
+
+    def check_host_memory(self) -> None:
+        """UsageError when synthetic weights would not fit in the available host RAM."""
+        if self.checkpoint or getattr(self, "_memory_checked", False):
+            return
+        self._memory_checked = True
+        from .model import param_shapes
+
+        shapes = param_shapes(self.config).values()
+        need = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes)
+        peak = max(int(np.prod(s.shape)) * 4 for s in shapes)  # one float32 draw at a time
+        _, available = _host_memory()
+        if available is not None and need + peak > 0.9 * available:
+            raise UsageError(
+                f"synthetic weights of {self.config.name} need {_gib(need + peak)} of host "
+                f"memory and {_gib(available)} is available; use --scale small|tiny or fewer "
+                "--layers / --experts")
+
+
+def _device_memory(platform: str) -> tuple[int | None, str]:
+    """(bytes, what) of the device a stream backend or the resident arm uses."""
+    import jax
+
+    if platform == "gpu":
+        try:
+            stats = jax.devices("gpu")[0].memory_stats() or {}
+        except Exception:  # noqa: BLE001 - some runtimes have no memory_stats
+            stats = {}
+        limit = stats.get("bytes_limit")
+        return (int(limit) if limit else None), "GPU memory"
+    total, _ = _host_memory()
+    return total, "host RAM (the cpu backend's simulated device)"
+
+
+def _resolve_backend(requested: str) -> str:
+    """'cpu' or 'cuda' for a stream backend; UsageError when cuda cannot run."""
+    import jax
+
+    from . import native
+
+    try:
+        has_cuda = native.has_cuda()
+    except ImportError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    has_gpu = jax.default_backend() == "gpu"
+    if requested == "cuda":
+        if not has_cuda:
+            raise UsageError("--backend cuda: this strata_jax build has no CUDA backend (built "
+                             "without nvcc); use --backend cpu, or rebuild with the CUDA toolkit")
+        if not has_gpu:
+            raise UsageError(f"--backend cuda: JAX sees no GPU (its backend is "
+                             f"{jax.default_backend()!r}); use --backend cpu or auto, or install "
+                             "jax[cuda12]")
+        return "cuda"
+    if requested == "auto":
+        return "cuda" if has_gpu and has_cuda else "cpu"
+    return "cpu"
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+
+
+def _read_prompts(args, model: _Model, *, many: bool) -> list[tuple[np.ndarray, str]]:
+    vocab = model.config.vocab_size
+    out = []
+    files = args.prompt_file
+    if files:
+        for path in (files if many else [files]):
+            tokens = read_prompt_file(path)
+            _check_vocab(tokens, vocab, f"prompt file {path!r}")
+            out.append((tokens, f"{tokens.size} tokens from {path}"))
+    else:
+        count = args.prompts if many else 1
+        for i in range(count):
+            out.append((random_prompt(vocab, args.tokens, args.seed, 10 + i),
+                        f"{args.tokens} random tokens (seed {args.seed})"))
+    return out
+
+
+def _context(args, model: _Model, needed: int, what: str) -> int:
+    """The KV capacity: --max-context or what is needed; UsageError past the limits."""
+    cap = args.max_context or needed
+    model.fit_context(cap)
+    limit = model.config.max_seq_len
+    if cap > limit:
+        raise UsageError(f"--max-context {cap} passes the model's maximum context "
+                         f"({limit} positions, its max_seq_len); use at most {limit}"
+                         if args.max_context else
+                         f"{what} {needed} positions, past the model's maximum context "
+                         f"({limit}, its max_seq_len); shorten the prompt")
+    if needed > cap:
+        raise UsageError(f"{what} {needed} positions, past the maximum context of "
+                         f"{cap} (--max-context); raise --max-context to at least {needed} or "
+                         "shorten the prompt")
+    return cap
+
+
+def _check_budget(args, model: _Model, backend: str) -> None:
+    cfg = model.config
+    if not args.stream and (args.resident_gib is not None or args.resident_per_layer is not None
+                            or args.profile):
+        raise UsageError("--no-stream keeps every expert resident; --resident-gib, "
+                         "--resident-per-layer and --profile apply to a streamed run")
+    if args.ring_gib <= 0:
+        raise UsageError(f"--ring-gib {args.ring_gib}: the ring needs a positive budget")
+    if args.resident_per_layer is not None and args.resident_per_layer > cfg.n_experts:
+        raise UsageError(f"--resident-per-layer {args.resident_per_layer} exceeds the "
+                         f"{cfg.n_experts} experts of a layer; use 0..{cfg.n_experts}")
+    if args.resident_gib is not None:
+        if args.resident_gib < 0:
+            raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
+        limit, what = _device_memory("gpu" if backend == "cuda" else "cpu")
+        if limit is not None and args.resident_gib * 2**30 > limit:
+            raise UsageError(f"--resident-gib {args.resident_gib} is more than the device has "
+                             f"({_gib(limit)} of {what}); use a smaller budget")
+
+
+def _load_profile(path: str | None, config):
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise UsageError(f"profile {path!r} does not exist (record one with `strata-jax "
+                         "profile --out FILE`)")
+    from .profile import ExpertProfile
+
+    try:
+        return ExpertProfile.load(path, config=config)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"profile {path!r}: {str(e).splitlines()[0]}") from None
+
+
+def _stream_config(args, backend: str, profile):
+    from .stream import StreamConfig
+
+    if not args.stream:
+        return None
+    routed = args.routed == "on"
+    kw = {}
+    if args.stream_floor is not None:
+        kw["stream_floor"] = args.stream_floor
+    elif not routed:
+        kw["stream_floor"] = 1  # stream-all: no routed-only chunks either
+    if args.resident_gib is not None:
+        kw["resident_budget_gib"] = args.resident_gib
+    if args.resident_per_layer is not None:
+        kw["resident_per_layer"] = args.resident_per_layer
+    if profile is not None:
+        kw["profile"] = profile
+    return StreamConfig(routed=routed, depth=args.depth, backend=backend,
+                        ring_budget_gib=args.ring_gib, sim_bandwidth=args.sim_bandwidth * 1e9,
+                        sim_latency=args.sim_latency * 1e-6, trace=True if args.trace else None,
+                        **kw)
+
+
+def _arm(args) -> str:
+    if not args.stream:
+        return "resident"
+    return "routed" if args.routed == "on" else "stream-all"
+
+
+def _backend_text(args, backend: str) -> str:
+    if not args.stream:
+        import jax
+
+        d = jax.devices()[0]
+        return f"resident on {d.platform}:{d.id} ({d.device_kind})"
+    if backend == "cuda":
+        return "cuda (pinned host store, device ring)"
+    return (f"cpu (simulated link {args.sim_bandwidth:g} GB/s, {args.sim_latency:g} us per copy)")
+
+
+def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log):
+    from .engine import Engine
+
+    kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
+                  order=args.order)
+    if args.sub_chunk is not None:
+        kwargs["sub_chunk"] = args.sub_chunk
+    log("building the engine (packing experts, placing weights)")
+    try:
+        return Engine(cfg, params, stream, **kwargs)
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+
+
+def _prefill(engine, tokens, session, log: _Log, desc: str):
+    with log.bar(desc=desc, total=int(tokens.size), unit="tok") as bar:
+        try:
+            return engine.prefill(tokens, session, progress=log.progress(bar))
+        except ValueError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
+
+
+def _per_layer_rows(per_layer: dict) -> list[dict]:
+    """to_dict()'s per_layer ({"copied": [one int per model layer], ...}) as one dict per layer."""
+    keys = list(per_layer)
+    n = len(per_layer[keys[0]]) if keys else 0
+    return [{"layer": i, **{k: per_layer[k][i] for k in keys}} for i in range(n)]
+
+
+def _layer_table(d: dict, moe_layers: Sequence[int]) -> str:
+    rows = [r for r in _per_layer_rows(d["per_layer"]) if r["layer"] in set(moe_layers)]
+    if not d["experts_streamed"]:
+        return "  (nothing streamed: every expert is resident)"
+    head = f"  {'layer':>5} {'streamed':>9} {'copied':>8} {'skipped':>8} {'unrouted':>9} {'copied MiB':>11}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"  {r['layer']:>5} {r['streamed']:>9} {r['copied']:>8} {r['skipped']:>8} "
+                     f"{r['unrouted']:>9} {r['bytes'] / 2**20:>11.2f}")
+    lines.append(f"  {'all':>5} {d['experts_streamed']:>9} {d['copied']:>8} {d['skipped']:>8} "
+                 f"{d['unrouted']:>9} {d['bytes_copied'] / 2**20:>11.2f}")
+    return "\n".join(lines)
+
+
+def cmd_prefill(args, log: _Log) -> int:
+    model = _Model(args)
+    model.require()
+    (tokens, prompt_text), = _read_prompts(args, model, many=False)
+    needed = int(tokens.size) + args.follow_up
+    what = ("the prompt and the follow-up need" if args.follow_up else "the prompt needs")
+    max_context = _context(args, model, needed, what)
+    backend = _resolve_backend(args.backend)
+    _check_budget(args, model, backend)
+    profile = _load_profile(args.profile, model.config)
+    stream = _stream_config(args, backend, profile)
+    model.check_host_memory()
+
+    if not args.json:
+        print(model.describe())
+        print(f"arm {_arm(args)}" + (f" (depth {args.depth})" if _arm(args) == "routed" else "")
+              + f", backend {_backend_text(args, backend)}; chunk {args.chunk}, "
+              f"order {args.order}")
+        if args.profile:
+            print(f"profile {args.profile}: stream order hottest first"
+                  + (", residents chosen from it" if (args.resident_gib or args.resident_per_layer)
+                     else ""))
+        print(f"prompt: {prompt_text}", flush=True)
+    cfg, params, experts = model.weights(log)
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log)
+    with engine:
+        first = _prefill(engine, tokens, None, log, "prefill")
+        out = _jsonable(first.to_dict())
+        follow = None
+        if args.follow_up:
+            more = random_prompt(cfg.vocab_size, args.follow_up, args.seed, 1)
+            follow = _prefill(engine, more, first.session, log, "follow-up")
+            out["follow_up"] = _jsonable(follow.to_dict())
+        out.update(arm=_arm(args), backend=backend if args.stream else "resident",
+                   model=model.summary(), profile=args.profile,
+                   compilations=int(engine.compilations))
+
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print(first.summary())
+    if first.fallback:
+        print(f"note: {first.fallback}")
+    print(_layer_table(out, cfg.moe_layers))
+    print(f"logits sha256 {out['logits_sha256'][:16]}..., kv sha256 {out['kv_sha256'][:16]}...")
+    if follow is not None:
+        print(f"follow-up: {follow.summary()}")
+    return 0
+
+
+# ---- profile ------------------------------------------------------------------------------------
+
+
+def hottest(counts: np.ndarray, layers: Sequence[int], top: int) -> dict[int, list[list[int]]]:
+    """Per MoE layer, the `top` most routed experts as [expert, count] pairs, hottest first."""
+    out = {}
+    for l in layers:
+        order = np.argsort(-counts[l], kind="stable")[:top]
+        out[int(l)] = [[int(e), int(counts[l, e])] for e in order]
+    return out
+
+
+def cmd_profile(args, log: _Log) -> int:
+    from .profile import ExpertProfile
+
+    model = _Model(args)
+    model.require()
+    prompts = _read_prompts(args, model, many=True)
+    needed = max(int(t.size) for t, _ in prompts)
+    max_context = _context(args, model, needed, "the longest prompt needs")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--out {args.out!r}: the directory {out_dir!r} does not exist")
+    backend = _resolve_backend(args.backend)
+    _check_budget(args, model, backend)
+    base = _load_profile(args.profile, model.config)
+    stream = _stream_config(args, backend, base)
+    model.check_host_memory()
+
+    if not args.json:
+        print(model.describe(), flush=True)
+    cfg, params, experts = model.weights(log)
+    profile = ExpertProfile.empty(cfg)
+    total = 0
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log)
+    with engine, log.bar(desc="profile prompts", total=len(prompts), unit="prompt") as bar:
+        for tokens, _ in prompts:
+            try:
+                r = engine.prefill(tokens)
+            except ValueError as e:
+                raise UsageError(str(e).splitlines()[0]) from None
+            profile.record(r)
+            total += int(tokens.size)
+            bar.update(1)
+    try:
+        profile.save(args.out)
+    except OSError as e:
+        raise UsageError(f"--out {args.out!r}: cannot write the profile ({e})") from None
+    counts = np.asarray(profile.counts)
+    hot = hottest(counts, cfg.moe_layers, args.top)
+    if args.json:
+        print(json.dumps({"out": args.out, "prompts": len(prompts), "tokens": total,
+                          "model": model.summary(),
+                          "hottest": {str(l): v for l, v in hot.items()},
+                          "never_routed": {str(l): int((counts[l] == 0).sum())
+                                           for l in cfg.moe_layers}}, sort_keys=True))
+        return 0
+    print(f"profile of {len(prompts)} prompts ({total} tokens) on {cfg.name} saved to {args.out}")
+    print("hottest experts per layer (expert: share of the layer's routings):")
+    for l in cfg.moe_layers:
+        layer_total = max(int(counts[l].sum()), 1)
+        items = ", ".join(f"{e}: {100 * c / layer_total:.1f}%" for e, c in hot[l])
+        idle = int((counts[l] == 0).sum())
+        print(f"  layer {l}: {items}; never routed: {idle} of {cfg.n_experts}")
+    return 0
+
+
+# ---- info ---------------------------------------------------------------------------------------
+
+
+def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
+                resident_per_layer: int | None = None, ring_gib: float = 4.0,
+                device_bytes: int | None = None) -> dict:
+    """Bytes on the device and the host for a model streamed with a resident budget.
+
+    The host store (every expert, pinned host RAM) is `host_store_bytes`. Follows
+    StreamEngine's planning without a profile: a resident budget in GiB is spread
+    evenly over the MoE layers (lowest ids), the ring holds two layers' streamed experts when
+    `ring_gib` allows and at least one layer's. Activations and compiler workspace are not
+    counted.
+    """
+    from .model import cache_shapes, param_shapes
+
+    blob = config.expert_bytes
+    n_moe, E = len(config.moe_layers), config.n_experts
+    dense = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                for s in param_shapes(config, resident_experts=False).values())
+    kv = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+             for s in (*cache_shapes(config, max_context).keys,
+                       *cache_shapes(config, max_context).values))
+    if resident_gib is not None:
+        per = min(int(resident_gib * 2**30) // blob // max(n_moe, 1), E)
+    else:
+        per = min(resident_per_layer or 0, E)
+    need = E - per
+    budget_slots = int(ring_gib * 2**30) // blob
+    if need == 0:
+        ring, ring_ok = 1, True
+    else:
+        ring, ring_ok = max(need, min(2 * need, budget_slots)), budget_slots >= need
+    streamed_plan = dense + kv + per * n_moe * blob + ring * blob
+    resident_all = dense + kv + config.expert_bytes_total
+    ring_none = max(E, min(2 * E, budget_slots)) * blob
+    plan = {
+        "expert_bytes": blob,
+        "expert_bytes_per_layer": config.expert_bytes_per_layer,
+        "expert_bytes_total": config.expert_bytes_total,
+        "moe_layers": n_moe,
+        "dense_bytes": dense,
+        "kv_bytes": kv,
+        "max_context": max_context,
+        "resident_per_layer": per,
+        "resident_bytes": per * n_moe * blob,
+        "streamed_per_layer": need,
+        "ring_slots": ring,
+        "ring_bytes": ring * blob,
+        "ring_fits_budget": ring_ok,
+        "device_bytes_streamed": streamed_plan,
+        "device_bytes_all_resident": resident_all,
+        "device_memory": device_bytes,
+        "host_store_bytes": config.expert_bytes_total,
+    }
+    if device_bytes is not None:
+        plan["fits_streamed"] = bool(ring_ok and streamed_plan <= device_bytes)
+        plan["fits_all_resident"] = bool(resident_all <= device_bytes)
+        plan["max_resident_gib"] = max(0.0, (device_bytes - dense - kv - ring_none) / 2**30)
+    return plan
+
+
+def cmd_info(args, log: _Log) -> int:
+    import jax
+
+    from . import native
+
+    out: dict = {"jax": {"version": jax.__version__, "backend": jax.default_backend()}}
+    devices = []
+    for d in jax.devices():
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - not every runtime reports memory
+            stats = {}
+        devices.append({"id": d.id, "platform": d.platform, "kind": d.device_kind,
+                        "memory_bytes": stats.get("bytes_limit")})
+    out["devices"] = devices
+    try:
+        has_cuda = native.has_cuda()
+        out["native"] = {"built": True, "cuda": has_cuda}
+    except ImportError as e:
+        has_cuda = False
+        out["native"] = {"built": False, "cuda": False, "error": str(e).splitlines()[0]}
+    has_gpu = any(d["platform"] == "gpu" for d in devices)
+    link = {"pinned_gbps": None}
+    if args.no_measure:
+        link["note"] = "not measured: --no-measure"
+    elif not (has_gpu and has_cuda):
+        link["note"] = ("not measured: no CUDA device" if not has_gpu else
+                        "not measured: the native library has no CUDA backend")
+    else:
+        log("measuring pinned host-to-device bandwidth (256 MiB x 10)")
+        try:
+            link["pinned_gbps"] = native.measure_h2d(256 * 2**20, 10, pinned=True)
+            link["note"] = "pinned host to device, 256 MiB copies, median of 10"
+        except RuntimeError as e:
+            link["note"] = f"not measured: {str(e).splitlines()[0]}"
+    out["link"] = link
+    host_total, host_avail = _host_memory()
+    out["host"] = {"memory_bytes": host_total, "available_bytes": host_avail}
+
+    model = _Model(args)
+    if model.config is not None:
+        cfg = model.config
+        max_context = args.max_context or min(cfg.max_seq_len, 32_768)
+        model.fit_context(max_context)
+        cfg = model.config
+        if max_context > cfg.max_seq_len:
+            raise UsageError(f"--max-context {max_context} passes the model's maximum context "
+                             f"({cfg.max_seq_len}); use at most {cfg.max_seq_len}")
+        if args.ring_gib <= 0:
+            raise UsageError(f"--ring-gib {args.ring_gib}: the ring needs a positive budget")
+        if args.resident_gib is not None and args.resident_gib < 0:
+            raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
+        if args.resident_per_layer is not None and args.resident_per_layer > cfg.n_experts:
+            raise UsageError(f"--resident-per-layer {args.resident_per_layer} exceeds the "
+                             f"{cfg.n_experts} experts of a layer; use 0..{cfg.n_experts}")
+        platform = "gpu" if has_gpu else "cpu"
+        device_bytes, device_what = _device_memory(platform)
+        plan = memory_plan(cfg, max_context=max_context, resident_gib=args.resident_gib,
+                           resident_per_layer=args.resident_per_layer, ring_gib=args.ring_gib,
+                           device_bytes=device_bytes)
+        plan["device"] = device_what
+        plan["model"] = model.summary()
+        out["plan"] = plan
+
+    if args.json:
+        print(json.dumps(_jsonable(out), sort_keys=True))
+        return 0
+    print(f"jax {out['jax']['version']}, default backend {out['jax']['backend']}")
+    for d in devices:
+        mem = _gib(d["memory_bytes"]) if d["memory_bytes"] else "memory not reported"
+        print(f"  device {d['platform']}:{d['id']} {d['kind']}, {mem}")
+    if host_total:
+        print(f"  host RAM {_gib(host_total)} ({_gib(host_avail or 0)} available)")
+    nat = out["native"]
+    print("native library: " + ("not built: " + nat["error"] if not nat["built"] else
+                                "built with CUDA" if nat["cuda"] else "built without CUDA (cpu backend only)"))
+    print("link: " + (f"{link['pinned_gbps']:.1f} GB/s ({link['note']})"
+                      if link["pinned_gbps"] else link["note"]))
+    if "plan" in out:
+        p = out["plan"]
+        print(f"memory plan for {model.describe()[6:]}:")
+        print(f"  experts: {_size(p['expert_bytes'])} each, {_size(p['expert_bytes_per_layer'])} "
+              f"per layer, {_size(p['expert_bytes_total'])} in all ({p['moe_layers']} MoE layers)"
+              " — kept in host RAM")
+        print(f"  dense weights {_size(p['dense_bytes'])}; KV cache {_size(p['kv_bytes'])} for "
+              f"{p['max_context']} positions")
+        print(f"  resident {p['resident_per_layer']} experts per layer "
+              f"({_size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
+              f"through a ring of {p['ring_slots']} slots ({_size(p['ring_bytes'])})"
+              + ("" if p["ring_fits_budget"] else
+                 f" — MORE than --ring-gib {args.ring_gib}: raise it or keep more resident"))
+        dev = p["device_memory"]
+        print(f"  on the device: {_size(p['device_bytes_streamed'])} streamed, "
+              f"{_size(p['device_bytes_all_resident'])} with every expert resident "
+              "(activations not counted)")
+        if dev is not None:
+            print(f"  {p['device']}: {_size(dev)}: streamed plan "
+                  f"{'fits' if p['fits_streamed'] else 'does NOT fit'}; all resident "
+                  f"{'fits' if p['fits_all_resident'] else 'does not fit'}; up to about "
+                  f"{p['max_resident_gib']:.1f} GiB of resident experts fit beside the rest")
+        else:
+            print(f"  {p['device']}: size unknown")
+        if host_total:
+            fits = p["host_store_bytes"] <= host_total
+            print(f"  host store: {_size(p['host_store_bytes'])} of experts in {_gib(host_total)} "
+                  f"of host RAM: {'fits' if fits else 'does NOT fit'}")
+    return 0
+
+
+# ---- demo ---------------------------------------------------------------------------------------
+
+
+def cmd_demo(args, log: _Log) -> int:
+    from .engine import Engine, sha256_of
+    from .stream import StreamConfig
+    from .synthetic import SKEW_40_PERCENT_512_TOP10
+
+    args.checkpoint = None
+    model = _Model(args)
+    max_context = _context(args, model, args.tokens, "the prompt needs")
+    backend = _resolve_backend(args.backend)
+    model.check_host_memory()
+    cfg = model.config
+    skew = SKEW_40_PERCENT_512_TOP10 if args.skew is None else args.skew
+    tokens = random_prompt(cfg.vocab_size, args.tokens, args.seed, 10)
+    print(f"model {cfg.name}: {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, "
+          f"expert {cfg.expert_bytes / 2**10:.0f} KiB; prompt {args.tokens} tokens in chunks of "
+          f"{args.chunk}; routing skew {skew}; backend {backend}"
+          + (f" (simulated link {args.sim_bandwidth:g} GB/s)" if backend == "cpu" else ""),
+          flush=True)
+    _, params, _ = model.weights(log)
+    link = dict(backend=backend, sim_bandwidth=args.sim_bandwidth * 1e9)
+    arms = {
+        "resident": None,
+        "stream-all": StreamConfig(routed=False, stream_floor=1, **link),
+        "routed": StreamConfig(routed=True, depth=args.depth, **link),
+    }
+    hashes = {}
+    with log.bar(desc="arms", total=len(arms)) as bar:
+        for name, sc in arms.items():
+            with Engine(cfg, params, sc, max_context=max_context, chunk_size=args.chunk) as eng:
+                r = eng.prefill(tokens)
+                hashes[name] = (sha256_of(r.logits), sha256_of(r.session.cache))
+                bar.write(f"{name:>10}: {r.summary()}", file=sys.stdout)
+                bar.update(1)
+    same = len(set(hashes.values())) == 1
+    print(f"logits {hashes['resident'][0][:16]}..., kv {hashes['resident'][1][:16]}...: "
+          f"{'identical in every arm' if same else 'DIFFERENT across arms'}")
+    return 0 if same else 1
+
+
+# ---- entry point --------------------------------------------------------------------------------
+
+_COMMANDS = {"demo": cmd_demo, "prefill": cmd_prefill, "profile": cmd_profile, "info": cmd_info}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["demo", *argv]
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2)
+        return int(e.code or 0)
+    log = _Log(getattr(args, "quiet", False))
+    try:
+        return _COMMANDS[args.command](args, log)
+    except UsageError as e:
+        print(f"{PROG} {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:  # the engine or the device failed: not bad input, still one line
+        print(f"{PROG} {args.command}: failed: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
