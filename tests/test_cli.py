@@ -1,0 +1,314 @@
+"""The `strata-jax` command: prefill / profile / info / demo, in-process and once as a program.
+
+Tiny scaled presets (2 MoE layers, hidden 64, 32 experts top-2, skewed routing so chunks leave
+experts unrouted) keep the whole file well under two minutes on two CPU cores. What must hold:
+--json prints exactly one JSON object with the documented keys; copied + skipped equals the
+experts streamed; stream-all skips nothing; the resident, stream-all, routed and profile-resident
+arms give the same logits and KV bytes; a follow-up turn reuses the session; bad input is one
+line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from strata_jax import cli
+
+MODEL = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "32", "--top-k", "2",
+         "--skew", "2.0"]
+PROMPT = ["--tokens", "128", "--chunk", "64", "--max-context", "192"]  # one KV capacity: same kv bytes
+REQUIRED = ("tokens", "reused", "read", "prompt_ms", "experts_streamed", "copied", "skipped",
+            "unrouted", "bytes_copied", "logits_sha256", "kv_sha256", "per_layer")
+N_LAYERS, N_EXPERTS = 2, 32
+
+
+def run(argv) -> tuple[int, str, str]:
+    """main(argv) in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def run_json(argv) -> dict:
+    rc, out, err = run([*argv, "--json", "-q"])
+    assert rc == 0, err
+    return json.loads(out)  # the whole of stdout: exactly one object
+
+
+def layer_rows(d: dict) -> list[dict]:
+    return cli._per_layer_rows(d["per_layer"])
+
+
+@pytest.fixture(scope="module")
+def arms():
+    """The same prompt through the resident, stream-all and routed arms (routed with a follow-up)."""
+    return {
+        "resident": run_json(["prefill", *MODEL, *PROMPT, "--no-stream"]),
+        "stream-all": run_json(["prefill", *MODEL, *PROMPT, "--routed", "off"]),
+        "routed": run_json(["prefill", *MODEL, *PROMPT, "--follow-up", "32"]),
+    }
+
+
+def test_json_has_every_documented_key(arms):
+    for name, d in arms.items():
+        missing = [k for k in REQUIRED if k not in d]
+        assert not missing, f"{name} lacks {missing}"
+        assert (d["tokens"], d["reused"], d["read"]) == (128, 0, 128)
+        assert d["prompt_ms"] > 0
+        assert len(d["logits_sha256"]) == len(d["kv_sha256"]) == 64
+        assert d["arm"] == name
+
+
+def test_streamed_counts_add_up(arms):
+    for name in ("stream-all", "routed"):
+        d = arms[name]
+        # Two chunks of 64 tokens through 2 MoE layers of 32 streamed experts.
+        assert d["experts_streamed"] == 2 * N_LAYERS * N_EXPERTS
+        assert d["copied"] + d["skipped"] == d["experts_streamed"]
+        assert d["bytes_copied"] == d["copied"] * d["model"]["expert_bytes"]
+        rows = layer_rows(d)
+        assert len(rows) == N_LAYERS
+        for key, total in (("copied", "copied"), ("skipped", "skipped"),
+                           ("unrouted", "unrouted")):
+            assert sum(r[key] for r in rows) == d[total], (name, key)
+        assert d["unrouted"] > 0  # skewed top-2 routing leaves experts idle in every chunk
+
+
+def test_routed_off_skips_nothing_and_routed_on_skips(arms):
+    assert arms["stream-all"]["skipped"] == 0
+    assert arms["stream-all"]["copied"] == arms["stream-all"]["experts_streamed"]
+    assert arms["routed"]["skipped"] > 0
+    assert arms["routed"]["skipped"] <= arms["routed"]["unrouted"]
+
+
+def test_every_arm_gives_the_same_bytes(arms):
+    assert arms["resident"]["experts_streamed"] == 0
+    hashes = {(d["logits_sha256"], d["kv_sha256"]) for d in arms.values()}
+    assert len(hashes) == 1, {k: d["logits_sha256"][:12] for k, d in arms.items()}
+
+
+def test_follow_up_reuses_the_session(arms):
+    f = arms["routed"]["follow_up"]
+    assert (f["tokens"], f["reused"], f["read"]) == (160, 128, 32)
+    assert f["copied"] + f["skipped"] == f["experts_streamed"]
+    assert f["logits_sha256"] != arms["routed"]["logits_sha256"]
+
+
+def test_readable_output_with_progress_on_stderr():
+    rc, out, err = run(["prefill", *MODEL, *PROMPT, "--follow-up", "16"])
+    assert rc == 0, err
+    assert "128 tokens = 0 reused + 128 read" in out
+    assert "follow-up: 144 tokens = 128 reused + 16 read" in out
+    assert "arm routed" in out and "backend cpu" in out
+    table = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [row[0] for row in table] == ["0", "1"]  # one row per MoE layer
+    assert "synthetic weights" in err and "prefill" in err  # progress bars went to stderr
+    assert "{" not in out
+
+
+def test_profile_then_prefill_with_it(tmp_path, arms):
+    path = str(tmp_path / "experts.prof")
+    rc, out, err = run(["profile", *MODEL, "--prompts", "2", "--tokens", "64", "--chunk", "64",
+                        "--out", path, "-q"])
+    assert rc == 0, err
+    assert os.path.exists(path) and path in out
+    assert "layer 0:" in out and "layer 1:" in out
+
+    from strata_jax.config import get_preset  # noqa: F401 - the profile loads for this shape
+    from strata_jax.profile import ExpertProfile
+
+    counts = np.asarray(ExpertProfile.load(path).counts)
+    assert counts.shape == (N_LAYERS, N_EXPERTS)
+    assert counts.sum() == 2 * 64 * 2 * N_LAYERS  # prompts * tokens * top-k * layers
+
+    d = run_json(["prefill", *MODEL, *PROMPT, "--profile", path, "--resident-per-layer", "8"])
+    assert d["experts_streamed"] == 2 * N_LAYERS * (N_EXPERTS - 8)
+    assert d["copied"] + d["skipped"] == d["experts_streamed"]
+    assert (d["logits_sha256"], d["kv_sha256"]) == (arms["resident"]["logits_sha256"],
+                                                    arms["resident"]["kv_sha256"])
+
+    # The same profile for a model of another shape is refused before any work.
+    other = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "16", "--top-k", "2"]
+    rc, out, err = run(["prefill", *other, *PROMPT, "--profile", path])
+    assert rc == 2 and out == ""
+    assert "profile" in err and len(err.strip().splitlines()) == 1
+
+
+def test_profile_json(tmp_path):
+    path = str(tmp_path / "p.prof")
+    d = run_json(["profile", *MODEL, "--prompts", "1", "--tokens", "32", "--chunk", "32",
+                  "--no-stream", "--out", path, "--top", "3"])
+    assert d["out"] == path and d["prompts"] == 1 and d["tokens"] == 32
+    assert sorted(d["hottest"]) == ["0", "1"]
+    for pairs in d["hottest"].values():
+        counts = [c for _, c in pairs]
+        assert len(pairs) == 3 and counts == sorted(counts, reverse=True)
+
+
+def test_info_json_plan_matches_the_engine():
+    d = run_json(["info", *MODEL, "--resident-per-layer", "4", "--max-context", "512",
+                  "--no-measure"])
+    assert {"jax", "devices", "native", "link", "plan"} <= set(d)
+    assert d["devices"] and all("kind" in dev for dev in d["devices"])
+    p = d["plan"]
+    cfg = cli.model_config("qwen3-30b-a3b", "tiny", experts=32, top_k=2)
+    assert p["expert_bytes"] == cfg.expert_bytes
+    assert p["expert_bytes_per_layer"] == N_EXPERTS * cfg.expert_bytes
+    assert p["expert_bytes_total"] == N_LAYERS * N_EXPERTS * cfg.expert_bytes
+    assert p["streamed_per_layer"] == N_EXPERTS - 4
+
+    from strata_jax.stream import StreamConfig, StreamEngine
+    from strata_jax.synthetic import init_synthetic, split_experts
+
+    dense, experts = split_experts(cfg, init_synthetic(cfg, 0))
+    assert p["dense_bytes"] == sum(a.nbytes for a in dense.values())
+    with StreamEngine(cfg, [experts.get(l) for l in range(cfg.n_layers)],
+                      StreamConfig(resident_per_layer=4, backend="cpu")) as eng:
+        assert p["ring_slots"] == eng.ring
+    # A ring budget below one layer's streamed experts is flagged, as the engine refuses it.
+    small = run_json(["info", *MODEL, "--ring-gib", str(cfg.expert_bytes * 20 / 2**30),
+                      "--no-measure"])["plan"]
+    assert small["ring_fits_budget"] is False
+
+
+def test_info_says_why_the_link_was_not_measured():
+    d = run_json(["info"])
+    assert "plan" not in d
+    if not any(dev["platform"] == "gpu" for dev in d["devices"]):
+        assert d["link"] == {"pinned_gbps": None, "note": "not measured: no CUDA device"}
+    rc, out, _ = run(["info", "--no-measure"])
+    assert rc == 0 and "native library:" in out and "link: not measured" in out
+
+
+def test_demo_is_the_default_command():
+    rc, out, err = run(["--scale", "tiny", "--tokens", "64", "--chunk", "32", "-q"])
+    assert rc == 0, err
+    for arm in ("resident", "stream-all", "routed"):
+        assert f"{arm}: 64 tokens = 0 reused + 64 read" in out
+    assert "identical in every arm" in out
+
+
+def test_every_prefill_option_is_documented():
+    prefill = cli.build_parser()._subparsers._group_actions[0].choices["prefill"]
+    help_text = prefill.format_help()
+    for action in prefill._actions:
+        assert action.help and action.help.strip(), action.option_strings
+        for opt in action.option_strings:
+            assert opt in help_text
+
+
+def _bad_prompt_files(tmp_path):
+    text = tmp_path / "bad.txt"
+    text.write_text("1 2 three 4")
+    oov = tmp_path / "oov.txt"
+    oov.write_text("1, 2, 3, 600")
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    npy = tmp_path / "floats.npy"
+    np.save(npy, np.ones(4, np.float32))
+    return str(text), str(oov), str(empty), str(npy)
+
+
+BAD = {
+    # name: (argv after "prefill", words the one-line message must hold)
+    "unknown preset": (["--preset", "qwen9"], ["unknown preset", "qwen3-30b-a3b"]),
+    "no model": ([*PROMPT], ["--preset", "--checkpoint"]),
+    "missing prompt file": ([*MODEL, "--prompt-file", "/nonexistent/p.txt"], ["does not exist"]),
+    "not integers": ([*MODEL, "--prompt-file", "{text}"], ["'three'", "not an integer"]),
+    "outside the vocabulary": ([*MODEL, "--prompt-file", "{oov}"], ["600", "vocabulary"]),
+    "empty prompt file": ([*MODEL, "--prompt-file", "{empty}"], ["no token ids"]),
+    "float npy": ([*MODEL, "--prompt-file", "{npy}"], ["float32", "integer"]),
+    "past max context": ([*MODEL, "--tokens", "300", "--max-context", "256"],
+                         ["maximum context", "--max-context"]),
+    "past a full preset's context": (["--preset", "olmoe-1b-7b", "--tokens", "5000"],
+                                     ["max_seq_len", "4096"]),
+    "negative budget": ([*MODEL, "--resident-gib", "-1"], ["--resident-gib", "0 or more"]),
+    "budget past the device": ([*MODEL, "--resident-gib", "100000"], ["more than the device"]),
+    "too many residents": ([*MODEL, "--resident-per-layer", "33"], ["33", "32 experts"]),
+    "zero chunk": ([*MODEL, "--chunk", "0"], ["--chunk", "at least 1"]),
+    "bad routed value": ([*MODEL, "--routed", "maybe"], ["--routed", "invalid choice"]),
+    "preset and checkpoint": ([*MODEL, "--checkpoint", "/tmp"], ["either --preset or --checkpoint"]),
+    "checkpoint without config": (["--checkpoint", "/"], ["config.json"]),
+    "missing profile": ([*MODEL, "--profile", "/nonexistent/p.prof"], ["profile", "does not exist"]),
+    "scale with a checkpoint": (["--checkpoint", "/tmp", "--scale", "tiny"],
+                                ["--scale", "checkpoint's shapes are fixed"]),
+    "full preset past host memory": (["--preset", "deepseek-v3", "--tokens", "8"],
+                                     ["host memory", "--scale small|tiny"]),
+    "residents with --no-stream": ([*MODEL, "--no-stream", "--resident-per-layer", "4"],
+                                 ["--no-stream", "streamed run"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
+    text, oov, empty, npy = _bad_prompt_files(tmp_path)
+    argv, words = BAD[case]
+    argv = [a.format(text=text, oov=oov, empty=empty, npy=npy) for a in argv]
+    rc, out, err = run(["prefill", *argv])
+    assert rc == 2, (case, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "Traceback" not in err and "error" in lines[0]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_backend_cuda_without_cuda_is_refused():
+    import jax
+
+    from strata_jax import native
+
+    if jax.default_backend() == "gpu" and native.has_cuda():
+        pytest.skip("this machine can run --backend cuda")
+    rc, out, err = run(["prefill", *MODEL, *PROMPT, "--backend", "cuda"])
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "--backend cuda" in err
+
+
+def test_checkpoint_reads_like_the_preset_it_was_written_from(tmp_path):
+    """--checkpoint DIR (safetensors) gives the bytes of the same weights made from the preset."""
+    from test_checkpoint import hf_tensors, write_checkpoint
+
+    from strata_jax.synthetic import init_synthetic
+
+    shape = ["--experts", "8", "--top-k", "2", "--expert-width", "24", "--dtype", "float32"]
+    cfg = cli.model_config("qwen3-30b-a3b", "tiny", experts=8, top_k=2, expert_width=24,
+                           dtype="float32")
+    write_checkpoint(tmp_path, cfg, "qwen3-30b-a3b",
+                     hf_tensors(cfg, init_synthetic(cfg, 0, 0.0), "qwen3-30b-a3b"))
+    prompt = ["--tokens", "64", "--chunk", "64"]
+    from_ckpt = run_json(["prefill", "--checkpoint", str(tmp_path), *prompt])
+    from_preset = run_json(["prefill", "--preset", "qwen3-30b-a3b", "--scale", "tiny", *shape,
+                            "--skew", "0", "--seed", "0", *prompt])
+    assert from_ckpt["model"]["checkpoint"] == str(tmp_path)
+    assert from_ckpt["experts_streamed"] == 2 * 8
+    assert (from_ckpt["logits_sha256"], from_ckpt["kv_sha256"]) == (
+        from_preset["logits_sha256"], from_preset["kv_sha256"])
+
+
+def test_as_a_program():
+    """`python -m strata_jax`: one JSON object on stdout; bad input exits 2 with one line."""
+    def program(*argv):
+        return subprocess.run([sys.executable, "-m", "strata_jax", *argv], check=False,
+                              capture_output=True, text=True, timeout=300)
+
+    ok = program("prefill", *MODEL, *PROMPT, "--json")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    d = json.loads(ok.stdout)
+    assert all(k in d for k in REQUIRED)
+    assert d["copied"] + d["skipped"] == d["experts_streamed"]
+
+    bad = program("prefill", "--preset", "nope")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+    assert "unknown preset 'nope'" in bad.stderr
