@@ -1,15 +1,38 @@
-"""The prefill engine: jit-compiled chunked prefill, sessions and stats.
+"""The prefill engine: jit-compiled prefill, sessions, layer-major reads, stats and the profile.
 
-`Engine.prefill(tokens, session=None)` reads a prompt in chunks through the
-model, with experts resident or streamed (StreamConfig), and returns the last
-position's logits, a `Session` (KV cache and position) for the next turn and
-per-chunk stats. One compiled program per chunk length and first/follow-up
-kind: repeated calls of the same shapes never recompile (`compilations`).
+`Engine.prefill(tokens, session=None)` reads a prompt through the model, with experts resident or
+streamed (StreamConfig), and returns the last position's logits, a `Session` (KV cache and
+position) for the next turn, per-chunk and per-layer stats and the routing counts.
 
-Failure rule: bad input is refused before any device work; an error or
-Ctrl-C mid-prefill stops the chunk's walk, leaves the engine usable and the
-caller's session unchanged (sessions are immutable; a new one is returned
-only when the whole prompt was read).
+Two orders (`order=`):
+    "chunk-major"   the prompt is read in chunks of `chunk_size` tokens; each chunk runs every
+                    layer, so a streamed expert may cross the link once per chunk.
+    "layer-major"   every layer reads the whole prompt (in compute sub-chunks of `sub_chunk`
+                    tokens) before the next layer, so each needed expert crosses the link once per
+                    prompt. Its extra memory is checked before any device work; when it does not
+                    fit, the prefill falls back to chunk-major with a warning and
+                    `result.fallback` says why. "layer-major!" is the strict spelling: it raises
+                    `LayerMajorMemoryError` instead of falling back.
+
+Compile buckets: a chunk of n tokens is padded to the smallest bucket >= n, the buckets being the
+powers of two from 16 below `chunk_size` plus `chunk_size` itself (`Engine.buckets`). Chunk-major
+compiles at most one program per bucket and kind (first chunk of a cache, or a follow-up); repeated
+calls never recompile (`Engine.compilations` counts traces). A layer-major prompt is padded to a
+bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole number of sub-chunks:
+one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its *bucket* with
+`stream_floor` (so a bucket never needs two programs).
+
+Padding never shows: padded tokens route to the sentinel expert E (not counted, so not in the
+stats, the profile, or the routed stream's skip decisions), their expert outputs are zeros, they sit
+after every real token (no real token attends to them) and the KV cache has `max(chunk_size,
+sub_chunk)` positions of slack past `max_context`, so a padded write never lands on a real position
+(`lax.dynamic_update_slice` would clamp an overflowing start onto earlier ones). Sessions, hashes
+(`kv_sha256`) and the next turn only ever use the valid positions.
+
+Failure rule: bad input is refused before any device work; an error or Ctrl-C mid-prefill stops
+the chunk's walk, leaves the engine usable and the caller's session unchanged (sessions are
+immutable; a new one is returned only when the whole prompt was read), and the profile records
+only prefills that finished.
 """
 
 from __future__ import annotations
@@ -17,8 +40,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import os
 import time
-from typing import Mapping
+import warnings
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +52,22 @@ from flax import nnx
 
 from .config import ModelConfig
 from .experts import ExpertWeights
-from .model import KVCache, build_model, expert_param_names, init_cache, validate_inputs
+from .model import KVCache, build_model, expert_param_names, validate_inputs
+from .profile import ExpertProfile
 from .stream import ChunkStats, StreamConfig, StreamedExperts, StreamEngine
 
-__all__ = ["Engine", "Session", "PrefillResult", "sha256_of"]
+__all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", "LayerMajorMemoryError",
+           "ORDERS", "MIN_BUCKET", "compile_buckets", "sha256_of"]
+
+ORDERS = ("chunk-major", "layer-major", "layer-major!")
+MIN_BUCKET = 16
+_STAT_KEYS = ("streamed", "copied", "skipped", "unrouted", "bytes")
 
 _engine_ids = itertools.count(1)
+
+
+class LayerMajorMemoryError(MemoryError):
+    """A strict layer-major prefill ("layer-major!") whose memory estimate does not fit."""
 
 
 def sha256_of(*arrays) -> str:
@@ -44,14 +79,62 @@ def sha256_of(*arrays) -> str:
     return h.hexdigest()
 
 
+def compile_buckets(limit: int) -> tuple[int, ...]:
+    """Padded lengths for chunks of at most `limit` tokens: powers of two from 16 below `limit`,
+    then `limit` itself."""
+    out, b = [], MIN_BUCKET
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(int(limit))
+    return tuple(out)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
 @dataclasses.dataclass(frozen=True)
 class Session:
-    """What a follow-up turn needs: the KV cache and how many positions it holds."""
+    """What a follow-up turn needs: the KV cache and how many positions it holds.
+
+    `cache` has the engine's full capacity (max_context plus padding slack); only positions
+    0..position-1 are meaningful (`valid_cache`).
+    """
 
     cache: KVCache
     position: int
     engine_uid: int
     model_name: str
+
+    def valid_cache(self) -> KVCache:
+        """The cache's valid positions only: per layer [position, KVH, D]."""
+        p = self.position
+        return KVCache(tuple(k[:p] for k in self.cache.keys),
+                       tuple(v[:p] for v in self.cache.values))
+
+    def kv_sha256(self) -> str:
+        """SHA-256 of the valid positions' keys then values, layer by layer."""
+        return sha256_of(self.valid_cache())
+
+
+@dataclasses.dataclass
+class ChunkRecord:
+    """One compiled call: `length` real tokens from position `start`, padded to `bucket`."""
+
+    start: int
+    length: int
+    ms: float
+    stats: ChunkStats | None
+    bucket: int = 0
+
+    def to_dict(self) -> dict:
+        out = {"start": self.start, "tokens": self.length, "bucket": self.bucket,
+               "ms": round(self.ms, 3)}
+        if self.stats is not None:
+            out["stream_mode"] = self.stats.mode
+            out.update(self.stats.totals())
+        return out
 
 
 @dataclasses.dataclass
@@ -61,11 +144,17 @@ class PrefillResult:
     Attributes:
         logits: float32 [V], the last position's logits.
         session: Session for the next turn.
-        chunks: per-chunk stats (ChunkStats with `ms` added), in order.
+        chunks: per-call records (ChunkRecord: start, length, bucket, ms, ChunkStats), in order.
+            Layer-major reads the prompt as one record.
         tokens: positions in the session after this prefill.
         reused: positions taken from the session passed in.
         read: tokens read by this call.
-        ms: wall time of the whole prefill, device-synchronised.
+        ms: wall time of the whole prefill, device-synchronised (also `prompt_ms`).
+        counts: int64 [n_moe_layers, E], routing counts of the tokens read (padding excluded).
+        order: "chunk-major" or "layer-major": what actually ran.
+        fallback: None, or why a requested layer-major read fell back to chunk-major.
+        mode: "resident", "stream-all" or "routed".
+        n_layers: the model's layers (for per-layer lists).
     """
 
     logits: jax.Array
@@ -75,9 +164,18 @@ class PrefillResult:
     reused: int
     read: int
     ms: float
+    counts: np.ndarray | None = None
+    order: str = "chunk-major"
+    fallback: str | None = None
+    mode: str = "resident"
+    n_layers: int = 0
+
+    @property
+    def prompt_ms(self) -> float:
+        return self.ms
 
     def totals(self) -> dict:
-        out = {"streamed": 0, "copied": 0, "skipped": 0, "unrouted": 0, "bytes": 0}
+        out = dict.fromkeys(_STAT_KEYS, 0)
         for c in self.chunks:
             if c.stats is not None:
                 for k, v in c.stats.totals().items():
@@ -85,29 +183,53 @@ class PrefillResult:
         return out
 
     def per_layer(self) -> dict:
-        """Per model layer sums over chunks: streamed, copied, skipped, unrouted, bytes."""
-        keys = ("streamed", "copied", "skipped", "unrouted", "bytes")
+        """Per model layer sums over chunks: streamed, copied, skipped, unrouted, bytes.
+
+        All zeros for a resident engine (nothing streams); {} when the layer count is unknown.
+        """
         stats = [c.stats for c in self.chunks if c.stats is not None]
         if not stats:
-            return {}
-        return {k: [int(x) for x in sum(getattr(s, k) for s in stats)] for k in keys}
+            return {k: [0] * self.n_layers for k in _STAT_KEYS} if self.n_layers else {}
+        return {k: [int(x) for x in sum(getattr(s, k) for s in stats)] for k in _STAT_KEYS}
+
+    def logits_sha256(self) -> str:
+        return sha256_of(self.logits)
+
+    def kv_sha256(self) -> str:
+        """SHA-256 of the session's valid KV positions (never the padding slack)."""
+        return self.session.kv_sha256()
 
     def summary(self) -> str:
         t = self.totals()
+        how = f"{len(self.chunks)} chunks" + (", layer-major" if self.order == "layer-major" else "")
         line = (f"{self.tokens} tokens = {self.reused} reused + {self.read} read in "
-                f"{self.ms:.1f} ms ({len(self.chunks)} chunks)")
+                f"{self.ms:.1f} ms ({how})")
         if t["streamed"]:
             line += (f"; experts streamed {t['streamed']}, copied {t['copied']}, skipped "
                      f"{t['skipped']} of {t['unrouted']} unrouted, {t['bytes'] / 2**20:.1f} MiB")
         return line
 
-
-@dataclasses.dataclass
-class ChunkRecord:
-    start: int
-    length: int
-    ms: float
-    stats: ChunkStats | None
+    def to_dict(self) -> dict:
+        """A JSON-ready summary: counts, hashes, per-layer and per-chunk stats."""
+        t = self.totals()
+        return {
+            "tokens": self.tokens,
+            "reused": self.reused,
+            "read": self.read,
+            "prompt_ms": round(self.ms, 3),
+            "mode": self.mode,
+            "order": self.order,
+            "fallback": self.fallback,
+            "experts_streamed": t["streamed"],
+            "copied": t["copied"],
+            "skipped": t["skipped"],
+            "unrouted": t["unrouted"],
+            "bytes_copied": t["bytes"],
+            "logits_sha256": self.logits_sha256(),
+            "kv_sha256": self.kv_sha256(),
+            "per_layer": self.per_layer(),
+            "chunks": [c.to_dict() for c in self.chunks],
+        }
 
 
 class Engine:
@@ -120,24 +242,48 @@ class Engine:
             numpy arrays are fine: streamed experts stay in host memory.
         stream: None keeps every expert resident on the device; a StreamConfig
             streams the non-resident ones through the native engine.
-        max_context: KV cache capacity in tokens.
-        chunk_size: Tokens per chunk.
+        max_context: Positions a session may hold, in tokens.
+        chunk_size: Tokens per chunk (chunk-major), also the largest compile bucket.
         experts: Optional layer -> ExpertWeights when the routed experts are
             not in `params` (a checkpoint's host expert store).
+        order: Default read order of `prefill`: "chunk-major", "layer-major"
+            (falls back to chunk-major when its memory does not fit) or
+            "layer-major!" (strict: raises LayerMajorMemoryError instead).
+        sub_chunk: Layer-major compute sub-chunk in tokens; default chunk_size.
+        layer_major_limit_bytes: Memory layer-major may use for its activations.
+            None: the device's free memory where the backend reports it (GPU),
+            else the host's available RAM (CPU). On a GPU an explicit limit
+            caps the free memory further.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
                  stream: StreamConfig | None = None, *, max_context: int = 4096,
                  chunk_size: int = 1024,
-                 experts: Mapping[int, ExpertWeights] | None = None):
+                 experts: Mapping[int, ExpertWeights] | None = None,
+                 order: str = "chunk-major", sub_chunk: int | None = None,
+                 layer_major_limit_bytes: int | None = None):
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be at least 1")
         if max_context < 1 or max_context > config.max_seq_len:
             raise ValueError(f"max_context={max_context}: must be in 1..{config.max_seq_len} "
                              f"(the model's max_seq_len)")
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
+        if sub_chunk is not None and sub_chunk < 1:
+            raise ValueError(f"sub_chunk={sub_chunk}: must be at least 1 (or None: chunk_size)")
+        if layer_major_limit_bytes is not None and layer_major_limit_bytes < 0:
+            raise ValueError(f"layer_major_limit_bytes={layer_major_limit_bytes}: must be >= 0")
         self.config = config
         self.max_context = int(max_context)
         self.chunk_size = int(chunk_size)
+        self.sub_chunk = int(sub_chunk or chunk_size)
+        self.order = order
+        self.layer_major_limit_bytes = layer_major_limit_bytes
+        self.buckets = compile_buckets(self.chunk_size)
+        self.sub_buckets = compile_buckets(self.sub_chunk)
+        # Padding slack: a padded chunk (or layer-major prompt) ends at most this far past the
+        # last real position, so its writes never clamp onto real ones.
+        self.capacity = self.max_context + max(self.chunk_size, self.sub_chunk)
         self.uid = next(_engine_ids)
         host_experts = dict(experts or {})
         expert_names = set()
@@ -164,20 +310,29 @@ class Engine:
         self._graphdef, self._state = nnx.split(model)
         self._state = jax.device_put(self._state, self.device)
         self.compilations = 0
-        self._jit = jax.jit(self._chunk_fn, static_argnames=("first", "mode"))
+        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"))
+        self._profile = ExpertProfile.empty(config)
 
-    # -- the compiled chunk -------------------------------------------------------------------
+    # -- the compiled call ----------------------------------------------------------------------
 
-    def _chunk_fn(self, state, resident, tokens, cache, start, *, first: bool, mode: int):
+    def _prefill_fn(self, state, resident, tokens, cache, start, n_valid, *, first: bool,
+                    mode: int, sub: int):
+        """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens."""
         self.compilations += 1  # runs once per trace, i.e. per compilation
         model = nnx.merge(self._graphdef, state)
         source = None
         if self.streamer is not None:
             source = StreamedExperts(self.streamer.id, mode, self.config, resident,
                                      jnp.zeros((), jnp.int32))
-        logits, cache, counts = model(tokens, cache, 0 if first else start, source)
+        start = 0 if first else start
+        if sub:
+            logits, cache, counts = model.layer_major(tokens, cache, start, source, sub,
+                                                      n_valid=n_valid, last_logits=True)
+        else:
+            logits, cache, counts = model(tokens, cache, start, source, n_valid=n_valid,
+                                          last_logits=True)
         stats = source.finish() if source is not None else jnp.zeros((0, 2), jnp.int32)
-        return logits[-1], cache, counts, stats
+        return logits, cache, counts, stats
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -187,17 +342,80 @@ class Engine:
             return "resident"
         return "routed" if self.streamer.stream.routed else "stream-all"
 
-    def new_cache(self) -> KVCache:
-        with jax.default_device(self.device):
-            return init_cache(self.config, self.max_context)
+    @property
+    def profile(self) -> ExpertProfile:
+        """Routing counts of every prefill this engine finished (since `reset_profile`)."""
+        return self._profile
 
-    def prefill(self, tokens, session: Session | None = None, *, sync_chunks: bool = True
-                ) -> PrefillResult:
+    def reset_profile(self) -> None:
+        self._profile = ExpertProfile.empty(self.config)
+
+    def new_cache(self) -> KVCache:
+        """A zero KV cache of the engine's capacity (max_context plus the padding slack)."""
+        c = self.config
+        shape = (self.capacity, c.n_kv_heads, c.head_dim)
+        with jax.default_device(self.device):
+            return KVCache(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
+                           tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
+
+    def layer_major_shape(self, n_tokens: int) -> tuple[int, int]:
+        """(padded prompt length, sub-chunk) of a layer-major read of `n_tokens` tokens."""
+        if n_tokens <= self.sub_chunk:
+            b = _bucket(n_tokens, self.sub_buckets)
+            return b, b
+        return -(-n_tokens // self.sub_chunk) * self.sub_chunk, self.sub_chunk
+
+    def layer_major_bytes(self, n_tokens: int) -> int:
+        """Estimated activation bytes of a layer-major read of `n_tokens` tokens.
+
+        What layer-major holds beyond chunk-major's shared state (weights, KV cache, ring):
+          whole prompt, live across a layer's fetch: the hidden states before and after the
+            attention block and the normalised router input (3 x [P, H] in the parameter dtype),
+            the routing (ids and weights, [P, k] int32 + float32) and positions;
+          one sub-chunk's attention against the cache: scores and probabilities in float32 plus
+            the probabilities in the parameter dtype ([N, S, C] each) and the mask ([S, C]);
+          one sub-chunk's experts: sorted inputs and outputs ([S*k, H]) and the gate/up
+            activations ([S*k, I], float32 and parameter dtype).
+        P = padded prompt, S = sub-chunk, C = cache capacity, N = query heads.
+        """
+        c = self.config
+        it = np.dtype(c.dtype).itemsize
+        p, s = self.layer_major_shape(n_tokens)
+        prompt = p * (3 * c.hidden_size * it + c.top_k * 8 + 8)
+        attention = c.n_heads * s * self.capacity * (8 + it) + s * self.capacity
+        experts = s * c.top_k * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
+        return int(prompt + attention + experts)
+
+    def memory_available(self) -> tuple[int, str]:
+        """(bytes, what) layer-major may use: device free memory, host RAM, or the set limit."""
+        stats = None
+        try:
+            stats = self.device.memory_stats()
+        except Exception:  # noqa: BLE001 - backends without stats raise or return None
+            stats = None
+        limit = self.layer_major_limit_bytes
+        if stats and stats.get("bytes_limit"):
+            free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            what = f"free memory of {self.device.device_kind}"
+            if limit is not None and limit < free:
+                return int(limit), "layer_major_limit_bytes"
+            return free, what
+        if limit is not None:
+            return int(limit), "layer_major_limit_bytes"
+        return _host_available_bytes(), "available host RAM"
+
+    def prefill(self, tokens, session: Session | None = None, *, order: str | None = None,
+                progress: Callable[[int, int], object] | None = None,
+                sync_chunks: bool = True) -> PrefillResult:
         """Reads `tokens` (after the session's positions, if any).
 
         Args:
             tokens: int token ids [T] of the new text only.
             session: A Session from an earlier prefill of this engine, or None.
+            order: "chunk-major", "layer-major" or "layer-major!" (strict); None: the engine's
+                default (`Engine(order=...)`).
+            progress: Called as progress(done_tokens, total_tokens) after each chunk (once at
+                the end for layer-major), e.g. to drive a progress bar.
             sync_chunks: Wait for each chunk to finish so its time is measured
                 (per-chunk ms); False lets chunks overlap and reports only the total.
 
@@ -205,9 +423,15 @@ class Engine:
             PrefillResult.
 
         Raises:
-            ValueError: bad token ids, an empty prompt, a prompt past the
-                maximum context, or a session from another engine or model.
+            ValueError: bad token ids, an empty prompt, a prompt past the maximum context, a
+                session from another engine or model, or an unknown order.
+            LayerMajorMemoryError: order "layer-major!" and its memory estimate does not fit.
         """
+        order = self.order if order is None else order
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be callable(done, total), got {type(progress).__name__}")
         start = 0
         if session is not None:
             if not isinstance(session, Session):
@@ -218,32 +442,77 @@ class Engine:
                     f"{session.engine_uid}); this is engine {self.uid} of {self.config.name!r}. "
                     "Start a new session (session=None) or use the engine that made it.")
             start = session.position
+        n = int(np.size(tokens)) if np.ndim(tokens) == 1 else None
+        if n is not None and start + n > self.max_context:
+            fits = self.max_context - start
+            raise ValueError(
+                f"prompt past max context: {n} tokens after {start} in the session would end at "
+                f"position {start + n}, past max_context={self.max_context}; {fits} more tokens "
+                "fit. Shorten the prompt, start a new session, or make the Engine with a larger "
+                "max_context.")
         arr = validate_inputs(self.config, tokens, self.max_context, start)
         if self.streamer is not None and self.streamer.closed:
             raise RuntimeError("the engine's stream was closed; make a new Engine")
+
+        fallback = None
+        if order != "chunk-major":
+            need = self.layer_major_bytes(arr.size)
+            have, what = self.memory_available()
+            if need > have:
+                p, s = self.layer_major_shape(arr.size)
+                why = (f"layer-major needs about {need / 2**20:.1f} MiB of activations for "
+                       f"{arr.size} tokens (padded to {p}, sub-chunks of {s}) but {what} is "
+                       f"{have / 2**20:.1f} MiB")
+                if order == "layer-major!":
+                    raise LayerMajorMemoryError(
+                        why + "; use a smaller sub_chunk or a shorter prompt, or "
+                        "order='layer-major' to fall back to chunk-major")
+                fallback = why + "; read chunk-major instead"
+                warnings.warn(fallback, RuntimeWarning, stacklevel=2)
+                order = "chunk-major"
+            else:
+                order = "layer-major"
+
         cache = session.cache if session is not None else self.new_cache()
         resident = self.streamer.resident_blobs if self.streamer is not None else {}
         records: list[ChunkRecord] = []
+        counts_total = np.zeros((len(self.config.moe_layers), self.config.n_experts), np.int64)
+        counts_list = []
         logits = None
         t0 = time.perf_counter()
         try:
+            if order == "layer-major":
+                p, s = self.layer_major_shape(arr.size)
+                pieces = [(0, arr, p, s)]
+            else:
+                pieces = [(off, arr[off:off + self.chunk_size],
+                           _bucket(min(self.chunk_size, arr.size - off), self.buckets), 0)
+                          for off in range(0, arr.size, self.chunk_size)]
             pos = start
-            for off in range(0, arr.size, self.chunk_size):
-                piece = arr[off:off + self.chunk_size]
-                mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
+            for off, piece, bucket, sub in pieces:
+                padded = np.zeros(bucket, np.int32)
+                padded[:piece.size] = piece
+                mode = self.streamer.chunk_mode(bucket) if self.streamer is not None else 0
                 c0 = time.perf_counter()
                 logits, cache, counts, st = self._jit(
-                    self._state, resident, jax.device_put(piece, self.device), cache,
-                    jnp.int32(pos), first=(pos == 0), mode=mode)
+                    self._state, resident, jax.device_put(padded, self.device), cache,
+                    jnp.int32(pos), jnp.int32(piece.size), first=(pos == 0), mode=mode, sub=sub)
                 stats = None
                 if sync_chunks or self.streamer is not None:
                     jax.block_until_ready((logits, cache))
+                counts_list.append(counts)
                 if self.streamer is not None:
-                    stats = self.streamer.make_stats(piece.size, np.asarray(st), np.asarray(counts))
+                    # The mode follows the bucket (the compiled length), as the call did.
+                    stats = self.streamer.make_stats(bucket, np.asarray(st), np.asarray(counts))
+                    stats.tokens = int(piece.size)
                 records.append(ChunkRecord(pos, int(piece.size),
-                                           (time.perf_counter() - c0) * 1e3, stats))
+                                           (time.perf_counter() - c0) * 1e3, stats, bucket))
                 pos += piece.size
+                if progress is not None:
+                    progress(pos - start, int(arr.size))
             jax.block_until_ready((logits, cache))
+            for counts in counts_list:
+                counts_total += np.asarray(counts)
         except BaseException:
             # Stop the walk of the chunk in flight; the caller's session is untouched.
             if self.streamer is not None:
@@ -252,8 +521,12 @@ class Engine:
         ms = (time.perf_counter() - t0) * 1e3
         new = Session(cache=cache, position=start + int(arr.size), engine_uid=self.uid,
                       model_name=self.config.name)
-        return PrefillResult(logits=logits, session=new, chunks=records, tokens=new.position,
-                             reused=start, read=int(arr.size), ms=ms)
+        result = PrefillResult(logits=logits, session=new, chunks=records, tokens=new.position,
+                               reused=start, read=int(arr.size), ms=ms, counts=counts_total,
+                               order=order, fallback=fallback, mode=self.mode,
+                               n_layers=self.config.n_layers)
+        self._profile.record(counts_total, tokens=int(arr.size))
+        return result
 
     def close(self) -> None:
         if self.streamer is not None:
@@ -264,3 +537,18 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo, else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2**63 - 1

@@ -36,7 +36,7 @@ def routing(request):
     params = init_synthetic(CFG, seed=3, routing_skew=request.param)
     eng = Engine(CFG, params, None, max_context=256, chunk_size=CHUNK)
     r = eng.prefill(TOKENS)
-    return request.param, params, sha256_of(r.logits), sha256_of(r.session.cache)
+    return request.param, params, sha256_of(r.logits), r.session.kv_sha256()
 
 
 ARMS = {
@@ -59,7 +59,7 @@ def test_arms_are_byte_identical(routing, arm):
     with Engine(CFG, params, StreamConfig(**kwargs), max_context=256, chunk_size=chunk) as eng:
         r = eng.prefill(TOKENS)
         assert sha256_of(r.logits) == logits_hash
-        assert sha256_of(r.session.cache) == kv_hash
+        assert r.session.kv_sha256() == kv_hash
         assert not eng.streamer.walk_active()
         streamed_total = 0
         for rec in r.chunks:
@@ -137,7 +137,7 @@ def test_failure_mid_chunk_leaves_no_thread_and_engine_usable(routing, fault):
         assert _threads() == baseline
         again = eng.prefill(TOKENS)
         assert sha256_of(again.logits) == logits_hash
-        assert sha256_of(again.session.cache) == kv_hash
+        assert again.session.kv_sha256() == kv_hash
         assert _threads() == baseline
 
 

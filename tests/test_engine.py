@@ -1,0 +1,380 @@
+"""The prefill engine (issue #5): compile buckets, padding, sessions, layer-major reads, the
+profile, bad input and faults, on the CPU backend (simulated link).
+
+Outputs across expert sources are compared by exact equality (SHA-256); chunked against one-shot
+and layer-major against chunk-major within the tolerance table of strata_jax.testing. Measured on
+the CPU backend (jax 0.10.2): layer-major logits and KV equal chunk-major's bit for bit when
+sub_chunk == chunk_size (max |difference| 0.0, float32 and bfloat16); with sub_chunk != chunk_size
+the chunk boundaries differ and the gap is ~1e-6 (float32), as chunked vs one-shot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from strata_jax.config import get_preset
+from strata_jax.engine import (Engine, LayerMajorMemoryError, Session, compile_buckets,
+                               sha256_of)
+from strata_jax.model import build_model, forward, init_cache
+from strata_jax.profile import ExpertProfile
+from strata_jax.stream import StreamConfig, StreamEngine
+from strata_jax.synthetic import init_synthetic
+from strata_jax.testing import assert_close
+
+# float32 for the numerics tests (chunked vs one-shot, layer-major vs chunk-major), bfloat16 (the
+# streaming tests' model) for the byte-identity tests.
+F32 = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
+                                         expert_intermediate=32, param_dtype="float32")
+BF16 = F32.replace(param_dtype="bfloat16")
+SLOW = dict(sim_bandwidth=20e6, sim_latency=100e-6)
+
+
+def _tokens(n, seed=7, config=F32):
+    return np.random.default_rng(seed).integers(0, config.vocab_size, n)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture(scope="module")
+def f32_params():
+    return init_synthetic(F32, seed=3, routing_skew=1.0)
+
+
+@pytest.fixture(scope="module")
+def f32_engine(f32_params):
+    with Engine(F32, f32_params, None, max_context=256, chunk_size=32) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def bf16_params():
+    return init_synthetic(BF16, seed=3, routing_skew=2.0)
+
+
+# ---- compile buckets and padding ----------------------------------------------------------------
+
+
+def test_compile_buckets():
+    assert compile_buckets(64) == (16, 32, 64)
+    assert compile_buckets(48) == (16, 32, 48)
+    assert compile_buckets(1024)[-2:] == (512, 1024) and compile_buckets(1024)[0] == 16
+    assert compile_buckets(8) == (8,)
+
+
+def test_compilations_bounded_by_buckets_and_never_repeated(f32_params):
+    with Engine(F32, f32_params, None, max_context=512, chunk_size=64) as eng:
+        assert eng.buckets == (16, 32, 64)
+        lengths = [5, 17, 40, 64, 100, 130, 33, 9, 64]
+        used = set()  # (bucket, first?) actually run
+        for n in lengths:
+            r = eng.prefill(_tokens(n))
+            assert r.read == n and sum(c.length for c in r.chunks) == n
+            for c in r.chunks:
+                assert c.bucket == min(b for b in eng.buckets if b >= c.length)
+                used.add((c.bucket, c.start == 0))
+        buckets_used = {b for b, _ in used}
+        assert eng.compilations <= len(buckets_used) * 2  # kinds: first chunk, follow-up
+        assert eng.compilations == len(used)  # one program per (bucket, kind), no more
+        before = eng.compilations
+        for n in lengths + lengths[::-1]:
+            eng.prefill(_tokens(n, seed=n))
+        assert eng.compilations == before, "a repeated shape recompiled"
+
+
+def test_padding_is_invisible(f32_engine, f32_params):
+    # 37 tokens in chunks of 32: 32 + 5, the 5 padded to a bucket of 16. Against the model run
+    # on exactly the 37 tokens: logits and KV within float32 numerics, routing counts exact.
+    toks = _tokens(37)
+    r = f32_engine.prefill(toks)
+    assert [(c.length, c.bucket) for c in r.chunks] == [(32, 32), (5, 16)]
+    model = build_model(F32, f32_params)
+    logits, cache, counts = forward(model, toks, init_cache(F32, 64))
+    assert_close(r.logits, np.asarray(logits)[-1], np.float32)
+    np.testing.assert_array_equal(r.counts, np.asarray(counts))  # padding is never counted
+    assert r.counts.sum(axis=1).tolist() == [37 * F32.top_k] * len(F32.moe_layers)
+    valid = r.session.valid_cache()
+    assert valid.keys[0].shape[0] == 37
+    for a, b in zip(valid.keys + valid.values, cache.keys + cache.values):
+        assert_close(a, np.asarray(b)[:37], np.float32)
+    # Hashes cover the valid positions only, never the padding slack.
+    assert r.kv_sha256() == sha256_of(valid) != sha256_of(r.session.cache)
+
+
+def test_padding_never_counts_in_the_stream(bf16_params):
+    # A 20-token prompt padded to 32: the routed-only fetch copies exactly the routed experts,
+    # so a counted padding token would show up as an extra copy.
+    toks = _tokens(20, config=BF16)
+    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=4096, **SLOW),
+                max_context=128, chunk_size=32) as eng:
+        r = eng.prefill(toks)
+        (c,) = r.chunks
+        assert (c.length, c.bucket, c.stats.mode) == (20, 32, "routed-only")
+        routed = (r.counts > 0).sum(axis=1)
+        np.testing.assert_array_equal(c.stats.copied[list(BF16.moe_layers)], routed)
+        assert r.counts.sum() == 20 * BF16.top_k * len(BF16.moe_layers)
+
+
+# ---- sessions -----------------------------------------------------------------------------------
+
+
+def test_two_turns_equal_one_shot(f32_engine):
+    a, b = _tokens(45, seed=1), _tokens(30, seed=2)
+    first = f32_engine.prefill(a)
+    first_kv = first.kv_sha256()
+    second = f32_engine.prefill(b, first.session)
+    assert (second.tokens, second.reused, second.read) == (75, 45, 30)
+    assert second.summary().startswith("75 tokens = 45 reused + 30 read")
+    assert all(c.start >= 45 for c in second.chunks)
+    assert sum(c.length for c in second.chunks) == 30  # only B's tokens are read
+    one = f32_engine.prefill(np.concatenate([a, b]))
+    assert_close(second.logits, one.logits, np.float32)
+    for x, y in zip(second.session.valid_cache().keys + second.session.valid_cache().values,
+                    one.session.valid_cache().keys + one.session.valid_cache().values):
+        assert_close(x, y, np.float32)
+    np.testing.assert_array_equal(first.counts + second.counts, one.counts)
+    assert first.kv_sha256() == first_kv  # the first turn's session is unchanged
+
+
+def test_to_dict_is_json_and_complete(bf16_params):
+    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=32, **SLOW),
+                max_context=128, chunk_size=32) as eng:
+        r = eng.prefill(_tokens(70, config=BF16))
+    d = json.loads(json.dumps(r.to_dict()))
+    for key in ("tokens", "reused", "read", "prompt_ms", "experts_streamed", "copied", "skipped",
+                "unrouted", "bytes_copied", "logits_sha256", "kv_sha256", "per_layer", "order",
+                "chunks", "mode", "fallback"):
+        assert key in d, key
+    assert (d["tokens"], d["reused"], d["read"], d["order"], d["mode"]) == (
+        70, 0, 70, "chunk-major", "routed")
+    assert d["logits_sha256"] == sha256_of(r.logits) and d["kv_sha256"] == r.session.kv_sha256()
+    assert sorted(d["per_layer"]) == ["bytes", "copied", "skipped", "streamed", "unrouted"]
+    assert all(len(v) == BF16.n_layers for v in d["per_layer"].values())
+    assert sum(d["per_layer"]["copied"]) == d["copied"] == sum(c["copied"] for c in d["chunks"])
+    assert d["bytes_copied"] == d["copied"] * BF16.expert_bytes
+    assert d["copied"] + d["skipped"] == d["experts_streamed"] == 3 * len(BF16.moe_layers) * 16
+    assert [(c["start"], c["tokens"], c["bucket"]) for c in d["chunks"]] == [
+        (0, 32, 32), (32, 32, 32), (64, 6, 16)]
+
+
+def test_profile_accumulates_and_resets(f32_engine):
+    f32_engine.reset_profile()
+    r1 = f32_engine.prefill(_tokens(40, seed=4))
+    r2 = f32_engine.prefill(_tokens(20, seed=5), r1.session)
+    p = f32_engine.profile
+    assert isinstance(p, ExpertProfile) and p.tokens == 60
+    np.testing.assert_array_equal(p.counts[list(F32.moe_layers)], r1.counts + r2.counts)
+    f32_engine.reset_profile()
+    assert f32_engine.profile.tokens == 0 and not f32_engine.profile.counts.any()
+
+
+def test_progress_is_called_after_each_chunk(f32_engine):
+    calls = []
+    f32_engine.prefill(_tokens(70), progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(32, 70), (64, 70), (70, 70)]
+    calls.clear()
+    f32_engine.prefill(_tokens(70), order="layer-major",
+                       progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(70, 70)]
+
+
+# ---- layer-major --------------------------------------------------------------------------------
+
+
+def test_layer_major_matches_chunk_major(f32_engine, f32_params):
+    toks = _tokens(100, seed=9)
+    cm = f32_engine.prefill(toks)
+    lm = f32_engine.prefill(toks, order="layer-major")
+    assert (cm.order, lm.order, lm.fallback) == ("chunk-major", "layer-major", None)
+    assert len(cm.chunks) == 4 and len(lm.chunks) == 1 and lm.chunks[0].bucket == 128
+    np.testing.assert_array_equal(lm.counts, cm.counts)
+    # Same per-sub-chunk math in another order: within float32 numerics (measured: identical).
+    assert_close(lm.logits, cm.logits, np.float32)
+    for x, y in zip(lm.session.valid_cache().keys + lm.session.valid_cache().values,
+                    cm.session.valid_cache().keys + cm.session.valid_cache().values):
+        assert_close(x, y, np.float32)
+    # Other sub-chunks (boundaries differ from the chunks), and a layer-major follow-up turn.
+    with Engine(F32, f32_params, None, max_context=256, chunk_size=32, sub_chunk=48,
+                order="layer-major") as eng:
+        first = eng.prefill(toks[:60])
+        assert first.order == "layer-major" and first.chunks[0].bucket == 96
+        second = eng.prefill(toks[60:], first.session)
+        assert (second.order, second.reused, second.read) == ("layer-major", 60, 40)
+        assert second.chunks[0].bucket == 48  # 40 tokens: one sub-chunk's bucket
+    assert_close(second.logits, cm.logits, np.float32)
+    for x, y in zip(second.session.valid_cache().keys, cm.session.valid_cache().keys):
+        assert_close(x, y, np.float32)
+
+
+def test_layer_major_identical_across_arms_and_streams_each_expert_once(bf16_params):
+    toks = _tokens(80, config=BF16)
+    kw = dict(max_context=128, chunk_size=32, sub_chunk=32)
+    with Engine(BF16, bf16_params, None, **kw) as eng:
+        ref = eng.prefill(toks, order="layer-major")
+    ref_hashes = (ref.logits_sha256(), ref.kv_sha256())
+    arms = {"stream-all": StreamConfig(routed=False, stream_floor=16, **SLOW),
+            "routed": StreamConfig(routed=True, depth=2, stream_floor=16, **SLOW),
+            "resident-half": StreamConfig(routed=True, resident_per_layer=8, stream_floor=16)}
+    for name, sc in arms.items():
+        with Engine(BF16, bf16_params, sc, **kw) as eng:
+            lm = eng.prefill(toks, order="layer-major")
+            assert (lm.logits_sha256(), lm.kv_sha256()) == ref_hashes, name
+            per_layer = eng.streamer.streamed_per_layer
+            (rec,) = lm.chunks
+            s = rec.stats
+            np.testing.assert_array_equal(s.copied + s.skipped, s.streamed)
+            assert np.all(s.copied <= per_layer), "an expert crossed the link twice"
+            assert np.all(s.skipped <= s.unrouted)
+            if name == "stream-all":
+                np.testing.assert_array_equal(s.copied, per_layer)  # each exactly once
+                cm = eng.prefill(toks)  # 3 chunks, all at or above the floor
+                assert [c.stats.mode for c in cm.chunks] == ["stream"] * 3
+                copied = sum(c.stats.copied for c in cm.chunks)
+                np.testing.assert_array_equal(copied, 3 * per_layer)  # once per chunk
+                assert lm.totals()["bytes"] * 3 == cm.totals()["bytes"]
+            assert not eng.streamer.walk_active()
+
+
+def test_layer_major_falls_back_or_refuses_when_memory_does_not_fit(f32_engine):
+    toks = _tokens(50)
+    need = f32_engine.layer_major_bytes(50)
+    assert need > f32_engine.layer_major_bytes(10) > 0
+    have, what = f32_engine.memory_available()
+    assert have > need and what == "available host RAM"  # CPU: host RAM by default
+    try:
+        f32_engine.layer_major_limit_bytes = need - 1
+        assert f32_engine.memory_available() == (need - 1, "layer_major_limit_bytes")
+        compiled, tokens = f32_engine.compilations, f32_engine.profile.tokens
+        with pytest.raises(LayerMajorMemoryError, match=r"layer-major needs about .* MiB.*"
+                           r"order='layer-major' to fall back"):
+            f32_engine.prefill(toks, order="layer-major!")
+        assert f32_engine.compilations == compiled  # refused before any device work
+        assert f32_engine.profile.tokens == tokens
+        with pytest.warns(RuntimeWarning, match="read chunk-major instead"):
+            r = f32_engine.prefill(toks, order="layer-major")
+        assert r.order == "chunk-major" and len(r.chunks) == 2
+        assert "layer-major needs about" in r.fallback and "layer_major_limit_bytes" in r.fallback
+        assert r.to_dict()["fallback"] == r.fallback
+        f32_engine.layer_major_limit_bytes = need
+        r = f32_engine.prefill(toks, order="layer-major!")
+        assert r.order == "layer-major" and r.fallback is None
+    finally:
+        f32_engine.layer_major_limit_bytes = None
+
+
+# ---- bad input and faults -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens, pattern", [
+    ([1, 2, 512], "token id 512 outside the vocabulary"),
+    ([1, -3], "token id -3 outside"),
+    ([], "empty prompt"),
+    ([[1, 2]], "1-D"),
+    ([1.5, 2.0], "integer"),
+    (np.zeros(257, np.int64), r"257 tokens after 0 .* past max_context=256; 256 more tokens fit"),
+])
+def test_bad_tokens_are_refused_before_device_work(f32_engine, tokens, pattern):
+    compiled = f32_engine.compilations
+    with pytest.raises(ValueError, match=pattern):
+        f32_engine.prefill(tokens)
+    assert f32_engine.compilations == compiled
+
+
+def test_prompt_past_max_context_after_a_session(f32_engine):
+    r = f32_engine.prefill(_tokens(200))
+    with pytest.raises(ValueError, match=r"after 200 in the session .* 56 more tokens fit"):
+        f32_engine.prefill(_tokens(57), r.session)
+    assert f32_engine.prefill(_tokens(56), r.session).tokens == 256  # exactly full is fine
+
+
+def test_sessions_of_other_engines_or_models_are_refused(f32_engine, f32_params):
+    r = f32_engine.prefill(_tokens(10))
+    with Engine(F32, f32_params, None, max_context=256, chunk_size=32) as other:
+        with pytest.raises(ValueError, match="session belongs to another engine"):
+            other.prefill(_tokens(5), r.session)
+        assert other.compilations == 0
+    foreign = Session(cache=r.session.cache, position=10, engine_uid=f32_engine.uid,
+                      model_name="another-model")
+    with pytest.raises(ValueError, match="another-model"):
+        f32_engine.prefill(_tokens(5), foreign)
+    with pytest.raises(TypeError, match="Session"):
+        f32_engine.prefill(_tokens(5), r.session.cache)
+
+
+def test_bad_orders_and_options(f32_engine, f32_params):
+    with pytest.raises(ValueError, match="order='sideways'"):
+        f32_engine.prefill(_tokens(5), order="sideways")
+    with pytest.raises(TypeError, match="progress"):
+        f32_engine.prefill(_tokens(5), progress=3)
+    with pytest.raises(ValueError, match="order="):
+        Engine(F32, f32_params, None, order="row-major")
+    with pytest.raises(ValueError, match="sub_chunk=0"):
+        Engine(F32, f32_params, None, sub_chunk=0)
+
+
+def test_profile_of_another_model_is_refused(bf16_params):
+    other = ExpertProfile.empty(BF16.replace(name="other", n_experts=32))
+    with pytest.raises(ValueError, match=r"\(3, 32\).*needs \(3, 16\).*another model"):
+        Engine(BF16, bf16_params, StreamConfig(profile=other), max_context=64)
+    with pytest.raises(ValueError, match=r"profile has shape \(3, 8\)"):
+        Engine(BF16, bf16_params, StreamConfig(profile=np.zeros((3, 8), np.int64)),
+               max_context=64)
+
+
+def test_resident_budgets_are_checked(bf16_params, monkeypatch):
+    with pytest.raises(ValueError, match="resident_budget_gib=-1.*>= 0"):
+        Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=-1.0), max_context=64)
+    # The simulated device is host memory: no device-size check on the CPU backend.
+    with Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=1e6), max_context=64) as eng:
+        assert eng.streamer.stream_list == []  # every expert resident
+    # Where the device reports its size (CUDA), a budget beyond it is refused.
+    monkeypatch.setattr(StreamEngine, "_device_memory_bytes", lambda self: 8 * 2**30)
+    with pytest.raises(ValueError, match=r"resident_budget_gib=16 is larger than the device "
+                       r"\(8.0 GiB"):
+        Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=16.0), max_context=64)
+
+
+@pytest.mark.parametrize("order", ["chunk-major", "layer-major"])
+def test_fault_mid_prefill_leaves_session_and_engine_intact(bf16_params, order):
+    a, b = _tokens(40, seed=1, config=BF16), _tokens(50, seed=2, config=BF16)
+    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=16, **SLOW),
+                max_context=128, chunk_size=32) as eng:
+        first = eng.prefill(a)
+        kv, position = first.kv_sha256(), first.session.position
+        ok = eng.prefill(b, first.session, order=order)
+        baseline, tokens = _threads(), eng.profile.tokens
+        eng.streamer.inject_fault(2, "error")
+        with pytest.raises(Exception, match="injected fault"):
+            eng.prefill(b, first.session, order=order)
+        assert not eng.streamer.walk_active() and _threads() == baseline
+        assert first.session.position == position and first.kv_sha256() == kv
+        assert eng.profile.tokens == tokens  # a failed prefill is not recorded
+        again = eng.prefill(b, first.session, order=order)
+        assert (again.logits_sha256(), again.kv_sha256()) == (ok.logits_sha256(), ok.kv_sha256())
+        assert again.order == order
+
+
+def test_interrupt_mid_prefill_leaves_session_and_engine_intact(bf16_params):
+    # Ctrl-C between chunks (raised from the progress hook, as a KeyboardInterrupt would be).
+    a, b = _tokens(40, seed=1, config=BF16), _tokens(70, seed=2, config=BF16)
+    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=16, **SLOW),
+                max_context=128, chunk_size=32) as eng:
+        first = eng.prefill(a)
+        kv = first.kv_sha256()
+        ok = eng.prefill(b, first.session)
+
+        def interrupt(done, total):
+            if done == 32:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            eng.prefill(b, first.session, progress=interrupt)
+        assert not eng.streamer.walk_active()
+        assert first.kv_sha256() == kv
+        again = eng.prefill(b, first.session)
+        assert (again.logits_sha256(), again.kv_sha256()) == (ok.logits_sha256(), ok.kv_sha256())
