@@ -1,16 +1,27 @@
-"""Streaming benchmark (../shared/BENCHMARK.md): resident, stream-all and routed arms.
+"""Streaming benchmark (../shared/BENCHMARK.md): resident, stream-all, routed and pure-JAX arms.
 
-For each prompt length, reads a prompt of unique random tokens (a new nonce
-each repetition) as one chunk and reports, per arm: median time, bytes copied,
-effective link GB/s, the floor max(resident time, bytes / link ceiling) and
-time / floor, plus the routed arm's skipped and unrouted experts. The link
-ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run.
-Stream-all and routed are timed in the order OFF ON ON OFF per length; the
-pair ratios (OFF/ON) and their median are reported. Logits and KV hashes of
-every arm must equal the resident arm's.
+Three parts, each optional:
 
-    python -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \
-        --lengths 1024,2048,4096,8192 --skew 0 --json out.json
+  sweep       For each prompt length, one chunk per prompt: the all-resident arm (the compute
+              ceiling), the pure-JAX baseline (each MoE layer's experts moved from `pinned_host`
+              memory with `jax.device_put` inside the jitted prefill), and stream-all (routed
+              switch off) against routed, timed in the order OFF ON ON OFF ON OFF OFF ON with
+              pairs (2,1), (3,4), (5,6), (8,7). Every repetition reads a new random prompt (a
+              nonce). Rows: time, floor = max(resident time, bytes copied / link ceiling),
+              time / floor, effective link GB/s and its fraction of the ceiling, the device's own
+              copy-window rate, bytes, copied / skipped / unrouted experts; per length the OFF/ON
+              pair ratios, their median and a percentile-bootstrap 95% interval (20,000
+              resamples). Logits and KV SHA-256 of every streamed repetition must equal the
+              resident arm's for the same prompt.
+  two-turn    A conversation: --turn1 tokens, then a follow-up of --turn2 tokens reusing the
+              session (reported as reused + read), chunked by --chunk, routed against stream-all.
+  layer-major A --long-token prompt read layer-major (sub-chunks of --chunk) against chunk-major
+              (chunks of --chunk), routed: bytes copied and time for each.
+
+The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run.
+
+    python -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \\
+        --lengths 950,1024,2048,4096,6144 --parts sweep --json out.json
 """
 
 from __future__ import annotations
@@ -22,6 +33,10 @@ import sys
 import time
 
 import numpy as np
+
+ORDER = ("stream-all", "routed", "routed", "stream-all", "routed", "stream-all", "stream-all",
+         "routed")
+PAIRS = ((1, 0), (2, 3), (4, 5), (7, 6))  # (ON, OFF) positions, 0-based
 
 
 def fast_params(config, seed: int, skew: float) -> dict:
@@ -49,19 +64,304 @@ def fast_params(config, seed: int, skew: float) -> dict:
     return out
 
 
-def model_config(preset: str, layers: int, vocab: int, max_tokens: int):
-    """The preset cut to `layers` layers and a `vocab` vocabulary, full expert shapes."""
+def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bool = False):
+    """The preset cut to `layers` layers and a `vocab` vocabulary, full expert shapes (or tiny
+    widths with `tiny`, for a quick run of the script itself on a CPU)."""
     from strata_jax.config import get_preset
 
     base = get_preset(preset)
+    if tiny:
+        base = base.scaled(n_layers=layers, n_experts=min(base.n_experts, 32),
+                           top_k=min(base.top_k, 4), vocab_size=min(vocab, 512),
+                           max_seq_len=max(4096, max_tokens))
     return base.replace(name=f"{base.name}-{layers}L", n_layers=layers,
                         n_dense_layers=min(base.n_dense_layers, layers - 1),
-                        vocab_size=vocab, max_seq_len=max(base.max_seq_len, max_tokens))
+                        vocab_size=min(vocab, base.vocab_size) if tiny else vocab,
+                        max_seq_len=max(base.max_seq_len, max_tokens))
 
 
-def _time(engine, tokens) -> tuple[float, object]:
+def bootstrap_ci(ratios, n: int = 20000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap 95% interval of the mean of `ratios`."""
+    r = np.asarray(ratios, np.float64)
+    idx = np.random.default_rng(seed).integers(0, r.size, (n, r.size))
+    means = r[idx].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def _timed(engine, tokens, session=None):
     t0 = time.perf_counter()
-    r = engine.prefill(tokens, sync_chunks=False)
+    r = engine.prefill(tokens, session, sync_chunks=False)
+    return (time.perf_counter() - t0) * 1e3, r
+
+
+def _hashes(r):
+    from strata_jax.engine import sha256_of
+
+    return sha256_of(r.logits), r.session.kv_sha256()
+
+
+class PinnedHostBaseline:
+    """What a JAX user writes without this library: each MoE layer's experts live in
+    `pinned_host` memory and move to the device with `jax.device_put` inside the jitted prefill.
+    The same model and math; only where the expert bytes come from differs."""
+
+    def __init__(self, config, params, max_context: int):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from strata_jax.experts import ExpertWeights
+        from strata_jax.model import build_model, expert_param_names
+
+        self.config = config
+        dev = jax.devices()[0]
+        self.device = dev
+        host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        self.dev_sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+        names = {n for l in config.moe_layers for n in expert_param_names(config, l)}
+        self.host = {l: ExpertWeights(*(jax.device_put(params[n], host)
+                                        for n in expert_param_names(config, l)))
+                     for l in config.moe_layers}
+        model = build_model(config, {k: v for k, v in params.items() if k not in names},
+                            resident_experts=False)
+        self.graphdef, self.state = nnx.split(model)
+        self.state = jax.device_put(self.state, dev)
+        self.max_context = max_context
+        sharding = self.dev_sharding
+
+        class Source:
+            def __init__(self, host_w):
+                self.host_w = host_w
+
+            def expert_weights(self, layer, counts, resident):
+                return ExpertWeights(*(jax.device_put(a, sharding) for a in self.host_w[layer]))
+
+        def run(state, host_w, tokens, cache, n_valid):
+            model = nnx.merge(self.graphdef, state)
+            logits, cache, counts = model(tokens, cache, 0, Source(host_w), n_valid=n_valid,
+                                          last_logits=True)
+            return logits, cache
+
+        self._jit = jax.jit(run)
+        self._jnp = jnp
+
+    def prefill(self, tokens):
+        """One chunk padded as the Engine pads it (same bucket, same cache capacity), so its
+        bytes can be compared with the engine's."""
+        import jax
+
+        from strata_jax.engine import _bucket, compile_buckets
+        from strata_jax.model import KVCache
+
+        n = len(tokens)
+        bucket = _bucket(n, compile_buckets(self.max_context))
+        padded = np.zeros(bucket, np.int32)
+        padded[:n] = tokens
+        c = self.config
+        shape = (2 * self.max_context, c.n_kv_heads, c.head_dim)
+        cache = KVCache(tuple(self._jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
+                        tuple(self._jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        logits, cache = self._jit(self.state, self.host, jax.device_put(padded, self.device),
+                                  cache, self._jnp.int32(n))
+        jax.block_until_ready((logits, cache))
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, logits, KVCache(tuple(k[:n] for k in cache.keys),
+                                   tuple(v[:n] for v in cache.values))
+
+
+def sweep(args, cfg, params, link, result):
+    import jax
+
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ctx = max(lengths)
+    rng = np.random.default_rng(1234)
+    # A new prompt (nonce) for every measured repetition; the resident arm reads each one too,
+    # which gives its time and the hashes every streamed repetition must equal.
+    prompts = {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(len(ORDER) + 1)]
+               for n in lengths}
+    resident_ms, hashes = {}, {}
+    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
+        for n in lengths:
+            eng.prefill(prompts[n][-1])  # compile
+            times = []
+            for i in range(len(ORDER)):
+                ms, r = _timed(eng, prompts[n][i])
+                times.append(ms)
+                hashes[(n, i)] = _hashes(r)
+            resident_ms[n] = statistics.median(times)
+            result["rows"].append({"part": "sweep", "arm": "resident", "tokens": n,
+                                   "ms": resident_ms[n], "reps": len(times)})
+            print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {len(times)})", flush=True)
+
+    if "jax-pinned-host" in args.arms and jax.devices()[0].platform == "gpu":
+        base = PinnedHostBaseline(cfg, params, ctx)
+        nbytes = cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers)
+        for n in lengths:
+            base.prefill(prompts[n][-1])  # compile
+            times, same = [], True
+            for i in range(3):
+                ms, logits, cache = base.prefill(prompts[n][i])
+                times.append(ms)
+                same &= (sha256_of(logits), sha256_of(cache)) == hashes[(n, i)]
+            ms = statistics.median(times)
+            floor = max(resident_ms[n], nbytes / (link * 1e9) * 1e3)
+            row = {"part": "sweep", "arm": "jax-pinned-host", "tokens": n, "ms": ms,
+                   "bytes_copied": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9,
+                   "link_fraction": nbytes / (ms * 1e-3) / 1e9 / link, "floor_ms": floor,
+                   "time_over_floor": ms / floor, "identical_to_resident": bool(same)}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del base
+
+    engines = {}
+    for arm, routed in (("stream-all", False), ("routed", True)):
+        engines[arm] = Engine(cfg, params, StreamConfig(routed=routed, depth=args.depth,
+                                                        ring_budget_gib=args.ring_gib),
+                              max_context=ctx, chunk_size=ctx)
+        for n in lengths:
+            engines[arm].prefill(prompts[n][-1])  # compile
+    identical = True
+    for n in lengths:
+        meas = []
+        for i, arm in enumerate(ORDER):
+            ms, r = _timed(engines[arm], prompts[n][i])
+            same = _hashes(r) == hashes[(n, i)]
+            identical &= same
+            timing = engines[arm].streamer.device_timing() if len(r.chunks) == 1 else None
+            meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode))
+        for arm in ("stream-all", "routed"):
+            rows = [m for m in meas if m[0] == arm]
+            ms = statistics.median(m[1] for m in rows)
+            copied_bytes = statistics.median(m[2]["bytes"] for m in rows)
+            floor = max(resident_ms[n], copied_bytes / (link * 1e9) * 1e3)
+            row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms, "ms_each": [m[1] for m in rows],
+                   "mode": rows[0][5], "bytes_copied": copied_bytes,
+                   "gbps": copied_bytes / (ms * 1e-3) / 1e9,
+                   "link_fraction": copied_bytes / (ms * 1e-3) / 1e9 / link,
+                   "floor_ms": floor, "time_over_floor": ms / floor,
+                   "streamed": rows[0][2]["streamed"],
+                   "copied": statistics.median(m[2]["copied"] for m in rows),
+                   "skipped": statistics.median(m[2]["skipped"] for m in rows),
+                   "unrouted": statistics.median(m[2]["unrouted"] for m in rows),
+                   "identical_to_resident": all(m[4] for m in rows)}
+            timings = [(m[3], m[2]["bytes"]) for m in rows if m[3] is not None and m[3][1] > 0]
+            if timings:
+                row["device_chunk_ms"] = statistics.median(t[0][0] for t in timings)
+                row["device_copy_ms"] = statistics.median(t[0][1] for t in timings)
+                row["copy_window_link_fraction"] = statistics.median(
+                    b / (t[1] * 1e-3) / 1e9 / link for t, b in timings)
+                row["device_time_over_floor"] = row["device_chunk_ms"] / floor
+            if row["unrouted"]:
+                row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        ratios = [meas[off][1] / meas[on][1] for on, off in PAIRS]
+        lo, hi = bootstrap_ci(ratios)
+        spread = [abs(meas[a][1] / meas[b][1] - 1) for a, b in ((0, 3), (1, 2), (4, 7), (5, 6))]
+        pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
+                "median": statistics.median(ratios), "ci95": [lo, hi],
+                "same_arm_spread": statistics.median(spread)}
+        result["rows"].append(pair)
+        print(json.dumps(pair), flush=True)
+        if n == lengths[0]:
+            r = engines["routed"].prefill(prompts[n][0])
+            result["per_layer_example"] = {"tokens": n, "arm": "routed", **r.per_layer()}
+    for e in engines.values():
+        e.close()
+    result["identical"] = result.get("identical", True) and bool(identical)
+
+
+def two_turn(args, cfg, params, link, result):
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    rng = np.random.default_rng(99)
+    t1, t2 = args.turn1, args.turn2
+    ctx = t1 + t2
+    hashes = {}
+    first = [rng.integers(0, cfg.vocab_size, t1) for _ in range(args.turn_reps + 1)]
+    second = [rng.integers(0, cfg.vocab_size, t2) for _ in range(args.turn_reps + 1)]
+    for arm, sc in (("resident", None),
+                    ("stream-all", StreamConfig(routed=False, depth=args.depth,
+                                                ring_budget_gib=args.ring_gib)),
+                    ("routed", StreamConfig(routed=True, depth=args.depth,
+                                            ring_budget_gib=args.ring_gib))):
+        with Engine(cfg, params, sc, max_context=ctx, chunk_size=args.chunk) as eng:
+            r = eng.prefill(first[0])
+            eng.prefill(second[0], r.session)  # compile both kinds
+            rows = []
+            for i in range(args.turn_reps):
+                r1 = eng.prefill(first[0])
+                ms, r2 = _timed(eng, second[i + 1], r1.session)
+                rows.append((ms, r2))
+            ms = statistics.median(m for m, _ in rows)
+            r2 = rows[0][1]
+            tot = r2.totals()
+            row = {"part": "two-turn", "arm": arm, "turn1": t1, "turn2": t2, "ms": ms,
+                   "reused": r2.reused, "read": r2.read, "chunks": len(r2.chunks),
+                   "bytes_copied": tot["bytes"], "streamed": tot["streamed"],
+                   "copied": tot["copied"], "skipped": tot["skipped"],
+                   "unrouted": tot["unrouted"], "summary": r2.summary()}
+            hashes[arm] = _hashes(rows[0][1])
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    res_ms = next(r["ms"] for r in result["rows"] if r.get("part") == "two-turn"
+                  and r["arm"] == "resident")
+    for r in result["rows"]:
+        if r.get("part") == "two-turn" and r["arm"] != "resident":
+            r["floor_ms"] = max(res_ms, r["bytes_copied"] / (link * 1e9) * 1e3)
+            r["time_over_floor"] = r["ms"] / r["floor_ms"]
+    same = len(set(hashes.values())) == 1
+    result["two_turn_identical"] = same
+    result["identical"] = result.get("identical", True) and same
+
+
+def layer_major(args, cfg, params, link, result):
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    rng = np.random.default_rng(7)
+    n = args.long
+    prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(3)]
+    for routed in (True, False):
+        arm = "routed" if routed else "stream-all"
+        sc = StreamConfig(routed=routed, depth=args.depth, ring_budget_gib=args.ring_gib)
+        with Engine(cfg, params, sc, max_context=n, chunk_size=args.chunk,
+                    sub_chunk=args.chunk) as eng:
+            out = {}
+            for order in ("chunk-major", "layer-major"):
+                eng.prefill(prompts[0], order=order)  # compile
+                times, rs = [], []
+                for p in prompts[1:]:
+                    ms, r = _timed_order(eng, p, order)
+                    times.append(ms)
+                    rs.append(r)
+                tot = rs[0].totals()
+                row = {"part": "layer-major", "arm": arm, "order": rs[0].order,
+                       "fallback": rs[0].fallback, "tokens": n, "chunk": args.chunk,
+                       "ms": statistics.median(times), "bytes_copied": tot["bytes"],
+                       "copied": tot["copied"], "skipped": tot["skipped"],
+                       "streamed": tot["streamed"], "chunks": len(rs[0].chunks),
+                       "link_fraction": tot["bytes"] / (statistics.median(times) * 1e-3) / 1e9
+                       / link}
+                out[order] = rs[0]
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            a = np.asarray(out["chunk-major"].logits, np.float32)
+            b = np.asarray(out["layer-major"].logits, np.float32)
+            result.setdefault("layer_major_logit_diff", {})[arm] = {
+                "max_abs": float(np.max(np.abs(a - b))),
+                "max_abs_ref": float(np.max(np.abs(a)))}
+
+
+def _timed_order(engine, tokens, order):
+    t0 = time.perf_counter()
+    r = engine.prefill(tokens, order=order, sync_chunks=False)
     return (time.perf_counter() - t0) * 1e3, r
 
 
@@ -70,107 +370,56 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
+    ap.add_argument("--parts", default="sweep", help="comma list of sweep,two-turn,layer-major")
+    ap.add_argument("--arms", default="resident,stream-all,routed,jax-pinned-host")
+    ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3, help="resident repetitions")
+    ap.add_argument("--ring-gib", type=float, default=8.0)
+    ap.add_argument("--chunk", type=int, default=8192, help="chunk for two-turn and layer-major")
+    ap.add_argument("--turn1", type=int, default=18700)
+    ap.add_argument("--turn2", type=int, default=1800)
+    ap.add_argument("--turn-reps", type=int, default=3)
+    ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--publication", action="store_true",
-                    help="also measure the per-layer cost of publish+fetch with nothing streamed")
     args = ap.parse_args(argv)
 
     import jax
 
     from strata_jax import native
-    from strata_jax.engine import Engine, sha256_of
-    from strata_jax.stream import StreamConfig
 
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"sweep", "two-turn", "layer-major"}
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}")
     lengths = [int(x) for x in args.lengths.split(",")]
-    cfg = model_config(args.preset, args.layers, args.vocab, max(lengths))
-    link = native.measure_h2d(256 * 2**20, 10, pinned=True)
-    pageable = native.measure_h2d(256 * 2**20, 5, pinned=False)
+    longest = max(lengths + [args.turn1 + args.turn2, args.long])
+    cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny)
+    gpu = jax.devices()[0].platform == "gpu"
+    if gpu:
+        link = native.measure_h2d(256 * 2**20, 10)
+        pageable = native.measure_h2d(256 * 2**20, 5, pinned=False)
+    else:
+        link, pageable = 2.0, float("nan")  # the CPU backend's default simulated link, GB/s
     print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
     t0 = time.perf_counter()
     params = fast_params(cfg, 0, args.skew)
-    print(f"params in {time.perf_counter() - t0:.1f}s; experts {cfg.expert_bytes_per_layer * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
-    rng = np.random.default_rng(1234)
-    prompts = {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(6)] for n in lengths}
-    ctx = max(lengths)
-
+    print(f"params in {time.perf_counter() - t0:.1f}s; experts "
+          f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
     result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "preset": args.preset, "layers": args.layers, "skew": args.skew,
               "depth": args.depth, "link_pinned_gbps": link, "link_pageable_gbps": pageable,
-              "rows": []}
-    resident_ms, hashes = {}, {}
-    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
-        for n in lengths:
-            eng.prefill(prompts[n][5])  # compile
-            times = []
-            for i in range(args.reps):
-                ms, r = _time(eng, prompts[n][i % 4])
-                times.append(ms)
-                hashes[(n, i % 4)] = (sha256_of(r.logits), sha256_of(r.session.cache))
-            resident_ms[n] = statistics.median(times)
-            print(f"resident {n}: {resident_ms[n]:.1f} ms", flush=True)
-            result["rows"].append({"arm": "resident", "tokens": n, "ms": resident_ms[n]})
-
-    engines = {}
-    for arm, routed in (("stream-all", False), ("routed", True)):
-        engines[arm] = Engine(cfg, params, StreamConfig(routed=routed, depth=args.depth,
-                                                        ring_budget_gib=8.0),
-                              max_context=ctx, chunk_size=ctx)
-        for n in lengths:
-            engines[arm].prefill(prompts[n][5])  # compile
-    identical = True
-    for n in lengths:
-        order = ["stream-all", "routed", "routed", "stream-all",
-                 "routed", "stream-all", "stream-all", "routed"]
-        meas = {"stream-all": [], "routed": []}
-        for i, arm in enumerate(order):
-            p = i // 2 % 4  # prompt index shared by the two arms of a pair
-            ms, r = _time(engines[arm], prompts[n][p])
-            tot = r.totals()
-            same = (sha256_of(r.logits), sha256_of(r.session.cache)) == hashes.get((n, p), (None,))
-            if (n, p) in hashes:
-                identical &= same
-            meas[arm].append((ms, tot))
-        pairs = [meas["stream-all"][j][0] / meas["routed"][j][0] for j in range(4)]
-        for arm in ("stream-all", "routed"):
-            ms = statistics.median(m for m, _ in meas[arm])
-            tot = meas[arm][0][1]
-            copied = statistics.median(t["bytes"] for _, t in meas[arm])
-            floor = max(resident_ms[n], copied / (link * 1e9) * 1e3)
-            row = {"arm": arm, "tokens": n, "ms": ms, "bytes_copied": copied,
-                   "gbps": copied / (ms * 1e-3) / 1e9, "link_fraction": copied / (ms * 1e-3) / 1e9 / link,
-                   "floor_ms": floor, "time_over_floor": ms / floor,
-                   "streamed": tot["streamed"], "copied": tot["copied"], "skipped": tot["skipped"],
-                   "unrouted": tot["unrouted"]}
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        result["rows"].append({"arm": "pairs", "tokens": n, "off_over_on": pairs,
-                               "median": statistics.median(pairs)})
-        print(f"pairs {n}: {pairs}", flush=True)
-    result["identical"] = bool(identical)
-    for e in engines.values():
-        e.close()
-
-    if args.publication:
-        # Every expert resident, but through the stream: publish + fetch per layer, nothing copied
-        # over the link. The difference to the plain resident arm is the publication's cost.
-        with Engine(cfg, params, StreamConfig(resident_per_layer=cfg.n_experts),
-                    max_context=ctx, chunk_size=ctx) as eng:
-            n = lengths[0]
-            eng.prefill(prompts[n][5])
-            ms = statistics.median(_time(eng, prompts[n][i])[0] for i in range(args.reps))
-            per_layer = (ms - resident_ms[n]) / len(cfg.moe_layers) * 1e3
-            result["publication_us_per_layer"] = per_layer
-            print(f"publish+fetch, nothing streamed: {ms:.1f} ms vs resident {resident_ms[n]:.1f}: "
-                  f"{per_layer:.0f} us per layer", flush=True)
-    print(f"identity across arms: {identical}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0 if identical else 1
+              "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
+              "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
+    for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major)):
+        if part in parts:
+            fn(args, cfg, params, link, result)
+            if args.json:  # keep what finished if a later part runs out of time
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=1)
+    print(f"identity across arms: {result.get('identical', True)}")
+    return 0 if result.get("identical", True) else 1
 
 
 if __name__ == "__main__":
