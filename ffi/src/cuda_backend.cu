@@ -430,6 +430,30 @@ class CudaEngine final : public Engine {
     if (staging_) stager_.Release(k, copy_stream_);
   }
 
+  // Entries k..k+n-1: adjacent experts of one layer into adjacent slots, as
+  // one copy (the walk forms runs only of unstaged entries).
+  void IssueRun(int64_t k, int64_t n, int64_t slot0) {
+    const StreamEntry& e = stream_[k];
+    if (!copy_started_) {
+      STRATA_CUDA_THROW("copy window start", cudaEventRecord, t_copy0_,
+                        copy_stream_);
+      copy_started_ = true;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      if (used_recorded_[slot0 + j].load(std::memory_order_acquire))
+        STRATA_CUDA_THROW(Entry(slot0 + j, stream_[k + j]) +
+                              ", waiting for the slot's release",
+                          cudaStreamWaitEvent, copy_stream_, used_[slot0 + j], 0u);
+    STRATA_CUDA_THROW(Entry(slot0, e) + " and the next " + std::to_string(n - 1),
+                      cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes,
+                      SourceBlob(e.layer, e.expert),
+                      static_cast<size_t>(n * opt_.blob_bytes),
+                      cudaMemcpyHostToDevice, copy_stream_);
+    for (int64_t j = 0; j < n; ++j)
+      STRATA_CUDA_THROW(Entry(slot0 + j, stream_[k + j]), cudaEventRecord,
+                        copied_[slot0 + j], copy_stream_);
+  }
+
   // The slot's event may since carry a later entry's copy; the copy stream
   // is in order, so its landing implies entry k's.
   bool CopyLanded(int64_t k) {
@@ -498,7 +522,8 @@ class CudaEngine final : public Engine {
 
   void StartWalk() override {
     // Events are polled: nothing notifies a landing.
-    const WalkConfig cfg = MakeWalkConfig(kIssuerPoll);
+    WalkConfig cfg = MakeWalkConfig(kIssuerPoll);
+    cfg.max_run = kMaxRun;
     issuer_ = std::thread([this, cfg] {
       try {
         STRATA_CUDA_THROW("issuer thread, device " + std::to_string(opt_.device),
@@ -712,7 +737,14 @@ class CudaEngine final : public Engine {
       engine->IssueCopy(k, slot, e);
     }
     bool CopyLanded(int64_t k) { return engine->CopyLanded(k); }
+    void IssueRun(int64_t k, int64_t n, int64_t slot0) {
+      engine->IssueRun(k, n, slot0);
+    }
   };
+  // Longest run of adjacent experts queued as one copy: 8 experts of
+  // Qwen3-30B are 75 MB, where the per-copy cost (1.8% at one expert per copy,
+  // measured) is gone, and still small against a layer.
+  static constexpr int kMaxRun = 8;
 
   static constexpr std::chrono::microseconds kIssuerPoll{10};
 

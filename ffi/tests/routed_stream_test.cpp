@@ -31,6 +31,7 @@
 namespace {
 
 int g_failures = 0;
+int64_t g_runs = 0;
 int g_checks = 0;
 
 #define CHECK(cond, ...)                                               \
@@ -104,11 +105,27 @@ struct RecordingLink {
     link->IssueCopy(k, slot, e);
   }
   bool CopyLanded(int64_t k) { return link->CopyLanded(k); }
+  // A run of adjacent entries as one copy: checked, then forwarded entry by
+  // entry so the simulated link still checks every slot's ring rule.
+  const std::vector<StreamEntry>* entries = nullptr;
+  int64_t runs = 0, bad_run = 0;
+  void IssueRun(int64_t k, int64_t n, int64_t slot) {
+    ++runs;
+    const auto& es = *entries;
+    if (n < 2 || slot != k % ring || slot + n > ring) ++bad_run;
+    for (int64_t j = k; j < k + n; ++j) {
+      if (es[j].staged) ++bad_run;
+      if (j > k && (es[j].layer != es[k].layer || es[j].expert != es[j - 1].expert + 1))
+        ++bad_run;
+      IssueCopy(j, slot + (j - k), es[j]);
+    }
+  }
 };
 
 struct Outcome {
   WalkResult res;
   std::vector<int> copies;
+  int64_t runs = 0;
   int64_t max_queued = 0;
 };
 
@@ -125,6 +142,7 @@ Outcome RunChunk(const Chunk& c) {
   link.BeginChunk(&st);
   RecordingLink rec{&link, c.cfg.ring, std::vector<int>(n, 0),
                     std::vector<int64_t>(n, -1)};
+  rec.entries = &c.entries;
 
   if (c.publish_all_first)
     for (int l = 0; l < c.n_layers; ++l) gate.Publish(l, c.counts[l].data());
@@ -198,6 +216,12 @@ Outcome RunChunk(const Chunk& c) {
         c.name.c_str(), (long long)st.issued.load(), (long long)n);
   CHECK(rec.bad_slot == 0, "[%s] %lld copies into a slot other than k %% ring",
         c.name.c_str(), (long long)rec.bad_slot);
+  CHECK(rec.bad_run == 0, "[%s] %lld runs break the run rules", c.name.c_str(),
+        (long long)rec.bad_run);
+  if (c.cfg.max_run <= 1)
+    CHECK(rec.runs == 0, "[%s] %lld runs with max_run %d", c.name.c_str(),
+          (long long)rec.runs, c.cfg.max_run);
+  g_runs += rec.runs;
   CHECK(link.ring_violations() == 0, "[%s] %lld copies issued past the ring",
         c.name.c_str(), (long long)link.ring_violations());
   CHECK(link.slot_violations() == 0,
@@ -245,6 +269,7 @@ Outcome RunChunk(const Chunk& c) {
           c.name.c_str(), (long long)out.max_queued, depth);
   }
   out.copies = rec.copies;
+  out.runs = rec.runs;
   return out;
 }
 
@@ -259,6 +284,9 @@ Chunk RandomChunk(std::mt19937_64& rng, int index) {
   double p_stream = std::uniform_real_distribution<double>(0.2, 1.0)(rng);
   double p_unrouted = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
   double p_staged = uni(0, 2) == 0 ? 0.2 : 0.0;
+  // Half the chunks keep ids in order (no profile), where adjacent experts
+  // can go out as runs.
+  const int sorted_order = uni(0, 1);
   size_t max_layer = 0;
   c.counts.assign(c.n_layers, std::vector<int32_t>(c.n_experts, 0));
   for (int l = 0; l < c.n_layers; ++l) {
@@ -269,7 +297,8 @@ Chunk RandomChunk(std::mt19937_64& rng, int index) {
                            : uni(1, 100);
       if (std::bernoulli_distribution(p_stream)(rng)) experts.push_back(e);
     }
-    std::shuffle(experts.begin(), experts.end(), rng);  // profile order
+    if (sorted_order == 0)
+      std::shuffle(experts.begin(), experts.end(), rng);  // profile order
     for (int e : experts)
       c.entries.push_back(
           {l, e, std::bernoulli_distribution(p_staged)(rng)});
@@ -279,6 +308,7 @@ Chunk RandomChunk(std::mt19937_64& rng, int index) {
   c.cfg.depth = uni(0, 3) == 0 ? uni(-3, 300) : uni(1, 8);
   c.cfg.routed = uni(0, 3) != 0;
   c.cfg.poll = std::chrono::microseconds(uni(5, 50));
+  c.cfg.max_run = uni(0, 2) == 0 ? 1 : uni(2, 8);
   c.link.bandwidth = uni(0, 1) ? 0.0 : 2e6 * uni(1, 50);
   c.link.latency = uni(0, 1) ? 0.0 : 1e-6 * uni(1, 200);
   c.link.jitter = uni(0, 2) == 0 ? 1e-6 * uni(1, 300) : 0.0;
@@ -366,6 +396,27 @@ void TestFixed() {
     CHECK(o.res.copied == 10 && o.res.skipped == 10,
           "staged: copied %lld skipped %lld, want 10/10",
           (long long)o.res.copied, (long long)o.res.skipped);
+  }
+  // 6b. Runs: with the switch off and the ring free, adjacent experts go out
+  //     several to a copy, within max_run; with the switch on, never past the
+  //     depth and never over an unrouted expert whose routing is known.
+  {
+    Chunk c = FixedChunk("fixed-runs-off", 2, 16, 32, 16, false, 0);
+    c.cfg.max_run = 4;
+    c.consumer_start_delay_us = 2000;
+    Outcome o = RunChunk(c);
+    CHECK(o.runs >= 8, "switch off, free ring: %lld runs, want >= 8",
+          (long long)o.runs);
+    CHECK(o.res.copied == 32, "runs copied %lld of 32", (long long)o.res.copied);
+  }
+  {
+    Chunk c = FixedChunk("fixed-runs-routed", 3, 16, 48, 4, true, 3);
+    c.cfg.max_run = 8;
+    c.publish_all_first = true;
+    c.link.latency = 100e-6;
+    Outcome o = RunChunk(c);
+    CHECK(o.res.skipped == 16, "runs, routing known: skipped %lld of 16 unrouted",
+          (long long)o.res.skipped);
   }
   // 7. Depth outside 1..256 is clamped.
   {
@@ -506,8 +557,9 @@ int main(int argc, char** argv) {
   TestStop();
   std::mt19937_64 rng(seed);
   for (int i = 0; i < n_random; ++i) RunChunk(RandomChunk(rng, i));
-  std::printf("routed_stream_test: %d random chunks (seed %llu), %d checks, %d "
-              "failures\n",
-              n_random, (unsigned long long)seed, g_checks, g_failures);
+  std::printf("routed_stream_test: %d random chunks (seed %llu), %lld runs, %d "
+              "checks, %d failures\n",
+              n_random, (unsigned long long)seed, (long long)g_runs, g_checks,
+              g_failures);
   return g_failures == 0 ? 0 : 1;
 }

@@ -27,6 +27,8 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace strata {
@@ -207,7 +209,18 @@ struct WalkConfig {
   int depth = kDefaultDepth;  // clamped to [1, 256]; routed switch only
   bool routed = false;  // the routed switch
   std::chrono::microseconds poll{20};  // how often unnotified conditions are re-read
+  // Longest run of entries queued as one copy (links with IssueRun only).
+  int max_run = 1;
 };
+
+// Whether a link can queue a run of adjacent entries as one copy:
+//   void IssueRun(int64_t k, int64_t n, int64_t slot);
+// (entries k..k+n-1 into slots slot..slot+n-1, no wrap).
+template <class L, class = void>
+struct HasIssueRun : std::false_type {};
+template <class L>
+struct HasIssueRun<L, std::void_t<decltype(std::declval<L&>().IssueRun(
+                          int64_t{}, int64_t{}, int64_t{}))>> : std::true_type {};
 
 struct WalkResult {
   bool stopped = false;
@@ -272,12 +285,44 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
     if (skip) {
       st.state[k] = EntryState::kSkipped;
       ++res.skipped;
-    } else {
-      link.IssueCopy(k, k % cfg.ring, e);
-      if (cfg.routed) copy_entry[res.copied % depth] = k;
-      st.state[k] = EntryState::kCopied;
+      st.issued.store(k + 1, std::memory_order_release);
+      st.Notify();
+      continue;
+    }
+    // Entries that the walk would issue right after this one, with nothing
+    // to wait for, go out with it as one copy: fewer, larger copies keep the
+    // link busier. A run holds adjacent experts of one layer (adjacent in
+    // every host store) in adjacent slots, none staged, each copyable now by
+    // the same rules as above.
+    int64_t run = 1;
+    if constexpr (HasIssueRun<Link>::value) {
+      const int64_t slot0 = k % cfg.ring;
+      const int64_t limit = cfg.routed ? std::min<int64_t>(cfg.max_run, depth)
+                                       : static_cast<int64_t>(cfg.max_run);
+      while (run < limit && k + run < n && slot0 + run < cfg.ring && !e.staged) {
+        const int64_t j = k + run;
+        const StreamEntry& f = entries[j];
+        if (f.staged || f.layer != e.layer || f.expert != entries[j - 1].expert + 1)
+          break;
+        if (j >= st.consumed.load(std::memory_order_acquire) + cfg.ring) break;
+        if (cfg.routed) {
+          if (gate.Published(f.layer) && !gate.Routed(f.layer, f.expert)) break;
+          // Copy number c needs copy c - depth landed; run < depth keeps that
+          // copy out of this run, so copy_entry still names it.
+          const int64_t c = res.copied + run;
+          if (c >= depth && !link.CopyLanded(copy_entry[c % depth])) break;
+        }
+        ++run;
+      }
+      if (run > 1) link.IssueRun(k, run, slot0);
+    }
+    if (run == 1) link.IssueCopy(k, k % cfg.ring, e);
+    for (int64_t j = k; j < k + run; ++j) {
+      if (cfg.routed) copy_entry[res.copied % depth] = j;
+      st.state[j] = EntryState::kCopied;
       ++res.copied;
     }
+    k += run - 1;
     st.issued.store(k + 1, std::memory_order_release);
     st.Notify();
   }
