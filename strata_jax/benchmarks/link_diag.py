@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         mode = eng.streamer.chunk_mode(piece.size)
         call = time.monotonic()
         res = eng._jit(eng._state, eng.streamer.resident_blobs, piece, cache, pos,
-                       first=True, mode=mode)
+                       jnp.int32(piece.size), first=True, mode=mode, sub=0)
         t.append(time.perf_counter())
         jax.block_until_ready(res)
         ready = time.monotonic()
