@@ -201,7 +201,9 @@ class PrefillResult:
 
     def summary(self) -> str:
         t = self.totals()
-        how = f"{len(self.chunks)} chunks" + (", layer-major" if self.order == "layer-major" else "")
+        how = f"{len(self.chunks)} chunks"
+        if self.order == "layer-major":
+            how += ", layer-major"
         line = (f"{self.tokens} tokens = {self.reused} reused + {self.read} read in "
                 f"{self.ms:.1f} ms ({how})")
         if t["streamed"]:
@@ -431,7 +433,8 @@ class Engine:
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
         if progress is not None and not callable(progress):
-            raise TypeError(f"progress must be callable(done, total), got {type(progress).__name__}")
+            raise TypeError(
+                f"progress must be callable(done, total), got {type(progress).__name__}")
         start = 0
         if session is not None:
             if not isinstance(session, Session):

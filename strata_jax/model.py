@@ -568,7 +568,9 @@ class MoETransformer(nnx.Module):
         n_sub = p // sub_chunk
         x = jnp.take(self.embed[...], tokens, axis=0)  # [P, H]
         positions, start, valid = self._positions(p, start, n_valid)
-        cut = lambda a, j: None if a is None else a[j * sub_chunk:(j + 1) * sub_chunk]  # noqa: E731
+        def cut(a, j):
+            return None if a is None else a[j * sub_chunk:(j + 1) * sub_chunk]
+
         xs = [cut(x, j) for j in range(n_sub)]  # n_sub x [S, H]
         pos = [cut(positions, j) for j in range(n_sub)]
         val = [cut(valid, j) for j in range(n_sub)]

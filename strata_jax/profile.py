@@ -256,12 +256,13 @@ class ExpertProfile:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: 'meta' is not JSON ({e})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else meta!r}"
-                             f" is not {FORMAT!r}; not an expert profile")
+            found = meta.get("format") if isinstance(meta, dict) else meta
+            raise ValueError(f"{path}: format {found!r} is not {FORMAT!r}; not an expert profile")
         if meta.get("version") != VERSION:
             raise ValueError(f"{path}: expert profile version {meta.get('version')!r} is not "
                              f"supported (this strata_jax reads version {VERSION}); re-record it")
-        missing = [k for k in ("model", "n_layers", "n_experts", "top_k", "tokens") if k not in meta]
+        keys = ("model", "n_layers", "n_experts", "top_k", "tokens")
+        missing = [k for k in keys if k not in meta]
         if missing:
             raise ValueError(f"{path}: profile meta lacks {missing}")
         if counts.shape != (meta["n_layers"], meta["n_experts"]):

@@ -17,8 +17,13 @@ import numpy as np
 import pytest
 
 from strata_jax.config import get_preset
-from strata_jax.engine import (Engine, LayerMajorMemoryError, Session, compile_buckets,
-                               sha256_of)
+from strata_jax.engine import (
+    Engine,
+    LayerMajorMemoryError,
+    Session,
+    compile_buckets,
+    sha256_of,
+)
 from strata_jax.model import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile
 from strata_jax.stream import StreamConfig, StreamEngine
@@ -30,7 +35,10 @@ from strata_jax.testing import assert_close
 F32 = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
                                          expert_intermediate=32, param_dtype="float32")
 BF16 = F32.replace(param_dtype="bfloat16")
+# Streamed arms use backend "auto", as the resident arm uses JAX's default device: the simulated
+# link here, CUDA on a GPU machine (where the sim_* settings are ignored).
 SLOW = dict(sim_bandwidth=20e6, sim_latency=100e-6)
+CPU = dict(backend="cpu")
 
 
 def _tokens(n, seed=7, config=F32):
@@ -245,7 +253,11 @@ def test_layer_major_falls_back_or_refuses_when_memory_does_not_fit(f32_engine):
     need = f32_engine.layer_major_bytes(50)
     assert need > f32_engine.layer_major_bytes(10) > 0
     have, what = f32_engine.memory_available()
-    assert have > need and what == "available host RAM"  # CPU: host RAM by default
+    assert have > need
+    if f32_engine.device.memory_stats() is None:
+        assert what == "available host RAM"  # CPU: the host's available RAM by default
+    else:
+        assert what.startswith("free memory of")
     try:
         f32_engine.layer_major_limit_bytes = need - 1
         assert f32_engine.memory_available() == (need - 1, "layer_major_limit_bytes")
@@ -320,23 +332,24 @@ def test_bad_orders_and_options(f32_engine, f32_params):
 def test_profile_of_another_model_is_refused(bf16_params):
     other = ExpertProfile.empty(BF16.replace(name="other", n_experts=32))
     with pytest.raises(ValueError, match=r"\(3, 32\).*needs \(3, 16\).*another model"):
-        Engine(BF16, bf16_params, StreamConfig(profile=other), max_context=64)
+        Engine(BF16, bf16_params, StreamConfig(profile=other, **CPU), max_context=64)
     with pytest.raises(ValueError, match=r"profile has shape \(3, 8\)"):
-        Engine(BF16, bf16_params, StreamConfig(profile=np.zeros((3, 8), np.int64)),
+        Engine(BF16, bf16_params, StreamConfig(profile=np.zeros((3, 8), np.int64), **CPU),
                max_context=64)
 
 
 def test_resident_budgets_are_checked(bf16_params, monkeypatch):
     with pytest.raises(ValueError, match="resident_budget_gib=-1.*>= 0"):
-        Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=-1.0), max_context=64)
+        Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=-1.0, **CPU), max_context=64)
     # The simulated device is host memory: no device-size check on the CPU backend.
-    with Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=1e6), max_context=64) as eng:
+    with Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=1e6, **CPU),
+                max_context=64) as eng:
         assert eng.streamer.stream_list == []  # every expert resident
     # Where the device reports its size (CUDA), a budget beyond it is refused.
     monkeypatch.setattr(StreamEngine, "_device_memory_bytes", lambda self: 8 * 2**30)
     with pytest.raises(ValueError, match=r"resident_budget_gib=16 is larger than the device "
                        r"\(8.0 GiB"):
-        Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=16.0), max_context=64)
+        Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=16.0, **CPU), max_context=64)
 
 
 @pytest.mark.parametrize("order", ["chunk-major", "layer-major"])

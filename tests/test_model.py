@@ -299,7 +299,8 @@ def test_build_model_with_separate_experts_keeps_shared_expert_weights():
 # ---- padding (the engine's compile buckets) and layer-major order ------------------------------
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-next-80b-a3b"])  # dense layer; shared expert
+# DeepSeek: a dense layer and group-limited sigmoid routing; Qwen3-Next: a gated shared expert.
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-next-80b-a3b"])
 def test_padding_changes_no_real_output(name):
     # 13 real tokens padded to 16: whatever the padding holds, the real rows' logits, the real KV
     # positions and the routing counts are the same bits, and match the unpadded chunk within
