@@ -19,8 +19,9 @@ powers of two from 16 below `chunk_size` plus `chunk_size` itself (`Engine.bucke
 compiles at most one program per bucket and kind (first chunk of a cache, or a follow-up); repeated
 calls never recompile (`Engine.compilations` counts traces). A layer-major prompt is padded to a
 bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole number of sub-chunks:
-one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its *bucket* with
-`stream_floor` (so a bucket never needs two programs).
+one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
+with `stream_floor` (a chunk below the floor reads only its routed experts), so the one bucket the
+floor falls inside may compile a second program.
 
 Padding never shows: padded tokens route to the sentinel expert E (not counted, so not in the
 stats, the profile, or the routed stream's skip decisions), their expert outputs are zeros, they sit
@@ -309,18 +310,29 @@ class Engine:
             self.device = jax.devices(self.streamer.platform)[0]
             with jax.default_device(self.device):
                 model = build_model(config, dense, resident_experts=False)
-        self._graphdef, self._state = nnx.split(model)
-        self._state = jax.device_put(self._state, self.device)
+        self._graphdef, state = nnx.split(model)
+        state = jax.device_put(state, self.device)
+        # The compiled call takes the state as a flat list: flattening an nnx.State on every
+        # call is Python work (milliseconds for a real model) before the device starts.
+        self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
+        c = config
+        shape = (self.capacity, c.n_kv_heads, c.head_dim)
+        # One dispatch for a new session's cache instead of one per array.
+        self._zero_cache = jax.jit(
+            lambda: KVCache(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
+                            tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers))),
+            out_shardings=jax.sharding.SingleDeviceSharding(self.device))
         self.compilations = 0
         self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"))
         self._profile = ExpertProfile.empty(config)
 
     # -- the compiled call ----------------------------------------------------------------------
 
-    def _prefill_fn(self, state, resident, tokens, cache, start, n_valid, *, first: bool,
+    def _prefill_fn(self, state_leaves, resident, tokens, cache, start, n_valid, *, first: bool,
                     mode: int, sub: int):
         """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens."""
         self.compilations += 1  # runs once per trace, i.e. per compilation
+        state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
         model = nnx.merge(self._graphdef, state)
         source = None
         if self.streamer is not None:
@@ -354,11 +366,7 @@ class Engine:
 
     def new_cache(self) -> KVCache:
         """A zero KV cache of the engine's capacity (max_context plus the padding slack)."""
-        c = self.config
-        shape = (self.capacity, c.n_kv_heads, c.head_dim)
-        with jax.default_device(self.device):
-            return KVCache(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
-                           tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
+        return self._zero_cache()
 
     def layer_major_shape(self, n_tokens: int) -> tuple[int, int]:
         """(padded prompt length, sub-chunk) of a layer-major read of `n_tokens` tokens."""
@@ -495,19 +503,21 @@ class Engine:
             for off, piece, bucket, sub in pieces:
                 padded = np.zeros(bucket, np.int32)
                 padded[:piece.size] = piece
-                mode = self.streamer.chunk_mode(bucket) if self.streamer is not None else 0
+                # The floor compares the chunk's real tokens: a chunk below it reads only its
+                # routed experts even when its bucket reaches the floor (at most one more
+                # program, for the bucket the floor falls in).
+                mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
                 c0 = time.perf_counter()
                 logits, cache, counts, st = self._jit(
-                    self._state, resident, jax.device_put(padded, self.device), cache,
-                    jnp.int32(pos), jnp.int32(piece.size), first=(pos == 0), mode=mode, sub=sub)
+                    self._state_leaves, resident, jax.device_put(padded, self.device), cache,
+                    np.int32(pos), np.int32(piece.size), first=(pos == 0), mode=mode, sub=sub)
                 stats = None
                 if sync_chunks or self.streamer is not None:
                     jax.block_until_ready((logits, cache))
-                counts_list.append(counts)
                 if self.streamer is not None:
-                    # The mode follows the bucket (the compiled length), as the call did.
-                    stats = self.streamer.make_stats(bucket, np.asarray(st), np.asarray(counts))
-                    stats.tokens = int(piece.size)
+                    st, counts = jax.device_get((st, counts))  # one transfer for both
+                    stats = self.streamer.make_stats(piece.size, st, counts)
+                counts_list.append(counts)
                 records.append(ChunkRecord(pos, int(piece.size),
                                            (time.perf_counter() - c0) * 1e3, stats, bucket))
                 pos += piece.size

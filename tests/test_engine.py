@@ -128,6 +128,21 @@ def test_padding_never_counts_in_the_stream(bf16_params):
         assert r.counts.sum() == 20 * BF16.top_k * len(BF16.moe_layers)
 
 
+def test_floor_compares_real_tokens_not_the_bucket(bf16_params):
+    # Floor 24 inside the bucket of 32: 20 real tokens read routed-only, 32 stream. One extra
+    # program for that bucket, none for repeats.
+    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=24, **SLOW),
+                max_context=128, chunk_size=32) as eng:
+        below = eng.prefill(_tokens(20, config=BF16)).chunks[0]
+        at = eng.prefill(_tokens(32, config=BF16)).chunks[0]
+        assert (below.bucket, below.stats.mode) == (32, "routed-only")
+        assert (at.bucket, at.stats.mode) == (32, "stream")
+        assert eng.compilations == 2
+        eng.prefill(_tokens(23, seed=5, config=BF16))
+        eng.prefill(_tokens(25, seed=6, config=BF16))
+        assert eng.compilations == 2
+
+
 # ---- sessions -----------------------------------------------------------------------------------
 
 
