@@ -43,7 +43,7 @@ def _setup():
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, 3 * CHUNK + 8)
     with Engine(cfg, params, None, max_context=1024, chunk_size=CHUNK) as eng:
         r = eng.prefill(tokens)
-        ref = (sha256_of(r.logits), sha256_of(r.session.cache))
+        ref = (sha256_of(r.logits), r.session.kv_sha256())
     return cfg, params, tokens, ref
 
 
@@ -62,7 +62,7 @@ def test_cuda_arms_identical(setup, pin, routed):
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         for _ in range(2):
             r = eng.prefill(tokens)
-            assert (sha256_of(r.logits), sha256_of(r.session.cache)) == ref
+            assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
             for c in r.chunks:
                 s = c.stats
                 np.testing.assert_array_equal(s.copied + s.skipped, s.streamed)
@@ -88,7 +88,7 @@ def test_cuda_failure_mid_chunk(setup, fault):
             eng.prefill(tokens)
         assert not eng.streamer.walk_active()
         r = eng.prefill(tokens)
-        assert (sha256_of(r.logits), sha256_of(r.session.cache)) == ref
+        assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
         assert _threads() == baseline
 
 
@@ -115,3 +115,32 @@ def test_cuda_stress_200_chunks(setup):
         del r
         # Device memory returns to where it was (the session's cache was dropped).
         assert dev.memory_stats().get("bytes_in_use", 0) <= mem + 1 * 2**20
+
+
+def test_cuda_padded_turns_and_layer_major_identical(setup):
+    # Issue #5 on the GPU: padded chunks (a 37-token follow-up in a bucket of 64), a second turn
+    # on the session, and a layer-major read, each byte-identical across the resident,
+    # stream-all and routed arms; layer-major copies each streamed expert at most once.
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, _ = setup
+    follow = np.random.default_rng(9).integers(0, cfg.vocab_size, 37)
+    out = {}
+    for arm, sc in (("resident", None),
+                    ("stream-all", StreamConfig(routed=False, backend="cuda", stream_floor=16)),
+                    ("routed", StreamConfig(routed=True, depth=4, backend="cuda",
+                                            stream_floor=16))):
+        with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+            first = eng.prefill(tokens)
+            second = eng.prefill(follow, first.session)
+            assert (second.reused, second.read) == (tokens.size, 37)
+            lm = eng.prefill(tokens, order="layer-major!")
+            assert lm.order == "layer-major" and len(lm.chunks) == 1
+            if sc is not None:
+                copied = lm.chunks[0].stats.copied
+                assert (copied <= lm.chunks[0].stats.streamed).all()
+            out[arm] = (first.logits_sha256(), first.kv_sha256(), second.logits_sha256(),
+                        second.kv_sha256(), lm.logits_sha256(), lm.kv_sha256())
+    assert out["stream-all"] == out["resident"]
+    assert out["routed"] == out["resident"]

@@ -24,9 +24,10 @@ fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   [ -n "${SKIP_GMM:-}" ] || timeout 240 $PY -m strata_jax.benchmarks.grouped_matmul_bench --json "$OUT/grouped_matmul.json" 2>&1 \
     | tee "$OUT/grouped_matmul.log" | tail -20
-  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \
-    --lengths ${LENGTHS:-1024,2048,4096,8192} --skew 0 --publication --json "$OUT/stream_uniform.json" 2>&1 \
-    | tee "$OUT/stream_uniform.log" | tail -30
+  STRATA_GROUPED_MATMUL=${GMM:-tiled} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
+    --layers ${LAYERS:-8} --lengths ${LENGTHS:-950,1024,2048,4096,6144} --parts ${PARTS:-sweep} \
+    --skew ${SKEW:-0} ${BENCH_ARGS:-} --json "$OUT/stream_${NAME:-sweep}.json" 2>&1 \
+    | tee "$OUT/stream_${NAME:-sweep}.log" | tail -40
 fi
 if [ "$STAGE" = diag ]; then
   STRATA_GROUPED_MATMUL=${GMM:-tiled} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.link_diag \

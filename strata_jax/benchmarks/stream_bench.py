@@ -199,6 +199,19 @@ def sweep(args, cfg, params, link, result):
             print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {len(times)})", flush=True)
 
     if "jax-pinned-host" in args.arms and jax.devices()[0].platform == "gpu":
+        try:
+            _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result)
+        except Exception as e:  # the baseline is a comparison; its failure must not end the run
+            result["rows"].append({"part": "sweep", "arm": "jax-pinned-host",
+                                   "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"jax-pinned-host arm failed: {type(e).__name__}: {e}", flush=True)
+    _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result)
+
+
+def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
+    from strata_jax.engine import sha256_of
+
+    if True:
         base = PinnedHostBaseline(cfg, params, ctx)
         nbytes = cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers)
         for n in lengths:
@@ -217,6 +230,11 @@ def sweep(args, cfg, params, link, result):
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
         del base
+
+
+def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
 
     engines = {}
     for arm, routed in (("stream-all", False), ("routed", True)):
