@@ -235,7 +235,7 @@ def _output_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[0],
+    ap = _Parser(prog=PROG, description=__doc__,
                  epilog=textwrap.dedent("""\
                      examples:
                        strata-jax                                   # the demo
