@@ -24,8 +24,10 @@ import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import mlir
 
 from . import native
 from .config import ModelConfig
@@ -510,29 +512,69 @@ def _token() -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
 
+# The four calls are one primitive whose custom call carries has_side_effect in the HLO, so XLA
+# never removes, merges, duplicates or reorders them (they are also token-chained), but whose
+# jaxpr carries no JAX effect. `jax.ffi.ffi_call(has_side_effect=True)` would add an unordered
+# effect, and a jitted function with one never takes JAX's C++ dispatch path: every prefill
+# call would pay the Python dispatch path (milliseconds, measured) before the device starts.
+_stream_call_p = jex_core.Primitive("strata_stream_call")
+_stream_call_p.multiple_results = True
+
+
+try:
+    _ShapedArray = jax.core.ShapedArray
+except AttributeError:  # moved out of jax.core in some releases
+    from jax._src.core import ShapedArray as _ShapedArray
+
+
+def _stream_call_abstract(*operands, target, results, **attrs):
+    del operands, target, attrs
+    return [_ShapedArray(shape, dtype) for shape, dtype in results]
+
+
+def _stream_call_eager(*operands, target, **params):
+    raise RuntimeError(f"{target} runs only inside a jitted prefill (Engine.prefill), not eagerly")
+
+
+def _stream_call_lowering(ctx, *operands, target, results, **attrs):
+    del results
+    return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **attrs)
+
+
+_stream_call_p.def_abstract_eval(_stream_call_abstract)
+_stream_call_p.def_impl(_stream_call_eager)
+mlir.register_lowering(_stream_call_p, _stream_call_lowering)
+
+
+def _call(target: str, results, *operands, **attrs):
+    results = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in results)
+    return _stream_call_p.bind(*operands, target=native.TARGETS[target], results=results,
+                               **attrs)
+
+
 def begin(engine_id: int, mode: int, token: jax.Array) -> jax.Array:
-    return jax.ffi.ffi_call(native.TARGETS["begin"], jax.ShapeDtypeStruct((), jnp.int32),
-                            has_side_effect=True)(
-        token, engine=np.int64(engine_id), mode=np.int32(mode))
+    (tok,) = _call("begin", [((), jnp.int32)], token, engine=np.int64(engine_id),
+                   mode=np.int32(mode))
+    return tok
 
 
 def publish(engine_id: int, layer: int, token: jax.Array, counts: jax.Array) -> jax.Array:
-    return jax.ffi.ffi_call(native.TARGETS["publish"], jax.ShapeDtypeStruct((), jnp.int32),
-                            has_side_effect=True)(
-        token, counts.astype(jnp.int32), engine=np.int64(engine_id), layer=np.int32(layer))
+    (tok,) = _call("publish", [((), jnp.int32)], token, counts.astype(jnp.int32),
+                   engine=np.int64(engine_id), layer=np.int32(layer))
+    return tok
 
 
 def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array,
           n_experts: int) -> tuple[jax.Array, jax.Array]:
-    out = (jax.ShapeDtypeStruct((n_experts, resident.shape[1]), resident.dtype),
-           jax.ShapeDtypeStruct((), jnp.int32))
-    return jax.ffi.ffi_call(native.TARGETS["fetch"], out, has_side_effect=True)(
-        token, resident, engine=np.int64(engine_id), layer=np.int32(layer))
+    blobs, tok = _call("fetch", [((n_experts, resident.shape[1]), resident.dtype),
+                                 ((), jnp.int32)],
+                       token, resident, engine=np.int64(engine_id), layer=np.int32(layer))
+    return blobs, tok
 
 
 def end(engine_id: int, token: jax.Array, n_layers: int) -> jax.Array:
-    return jax.ffi.ffi_call(native.TARGETS["end"], jax.ShapeDtypeStruct((n_layers, 2), jnp.int32),
-                            has_side_effect=True)(token, engine=np.int64(engine_id))
+    (stats,) = _call("end", [((n_layers, 2), jnp.int32)], token, engine=np.int64(engine_id))
+    return stats
 
 
 class StreamedExperts:
