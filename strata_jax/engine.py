@@ -53,7 +53,8 @@ from flax import nnx
 
 from .config import ModelConfig
 from .experts import ExpertWeights
-from .model import KVCache, build_model, expert_param_names, validate_inputs
+from .model import (KVCache, attention_key_block, build_model, expert_param_names,
+                    uses_blocked_attention, validate_inputs)
 from .profile import ExpertProfile
 from .stream import ChunkStats, StreamConfig, StreamedExperts, StreamEngine
 
@@ -383,7 +384,9 @@ class Engine:
             attention block and the normalised router input (3 x [P, H] in the parameter dtype),
             the routing (ids and weights, [P, k] int32 + float32) and positions;
           one sub-chunk's attention against the cache: scores and probabilities in float32 plus
-            the probabilities in the parameter dtype ([N, S, C] each) and the mask ([S, C]);
+            the probabilities in the parameter dtype ([N, S, C] each) and the mask ([S, C]), or,
+            where the attention runs blocked (model.uses_blocked_attention), the same for one key
+            block plus the running output;
           one sub-chunk's experts: sorted inputs and outputs ([S*k, H]) and the gate/up
             activations ([S*k, I], float32 and parameter dtype).
         P = padded prompt, S = sub-chunk, C = cache capacity, N = query heads.
@@ -392,7 +395,12 @@ class Engine:
         it = np.dtype(c.dtype).itemsize
         p, s = self.layer_major_shape(n_tokens)
         prompt = p * (3 * c.hidden_size * it + c.top_k * 8 + 8)
-        attention = c.n_heads * s * self.capacity * (8 + it) + s * self.capacity
+        if uses_blocked_attention(c.dtype, c.n_heads, s, self.capacity):
+            # One key block's scores and probabilities, the running output, maxima and sums.
+            b = attention_key_block(c.n_heads, s, self.capacity)
+            attention = c.n_heads * s * (b * (8 + it) + c.head_dim * 4 + 8) + s * b
+        else:
+            attention = c.n_heads * s * self.capacity * (8 + it) + s * self.capacity
         experts = s * c.top_k * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
         return int(prompt + attention + experts)
 

@@ -24,7 +24,12 @@ from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul
 
-ATTENTION_ENV_VAR = "STRATA_ATTENTION"  # auto|xla|cudnn|einsum
+ATTENTION_ENV_VAR = "STRATA_ATTENTION"  # auto|xla|cudnn|einsum|blocked
+# A follow-up chunk's attention against the cache builds [heads, T, S] float32 scores on the XLA
+# path: 32 GiB for 8K queries against a 32K cache with 32 heads. Past this many score bytes,
+# "auto" attends block by block over the keys instead (online softmax), holding one block.
+BLOCKED_ATTENTION_BYTES = 1 << 31
+_BLOCK_SCORE_BYTES = 1 << 28  # score bytes of one key block in the blocked path
 _INIT_STD = 0.02
 
 
@@ -124,8 +129,8 @@ def _dot(x, w):
 
 def _attention_impl(dtype, head_dim: int) -> str:
     impl = (os.environ.get(ATTENTION_ENV_VAR) or "auto").lower()
-    if impl not in ("auto", "xla", "cudnn", "einsum"):
-        raise ValueError(f"{ATTENTION_ENV_VAR}={impl!r}; expected auto|xla|cudnn|einsum")
+    if impl not in ("auto", "xla", "cudnn", "einsum", "blocked"):
+        raise ValueError(f"{ATTENTION_ENV_VAR}={impl!r}; expected auto|xla|cudnn|einsum|blocked")
     if impl != "auto":
         return impl
     if jnp.dtype(dtype) == jnp.float64:
@@ -147,6 +152,70 @@ def _einsum_attention(q, k, v, mask):
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [KVH, G, T, S]
     out = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(t, n, d).astype(q.dtype)
+
+
+def attention_key_block(n_heads: int, n_queries: int, n_keys: int) -> int:
+    """Key block of the blocked path: the largest power of two in 128..4096 whose float32
+    scores for `n_queries` queries fit `_BLOCK_SCORE_BYTES`, shrunk to divide `n_keys`."""
+    block = 4096
+    while block > 128 and n_heads * n_queries * block * 4 > _BLOCK_SCORE_BYTES:
+        block //= 2
+    while block > 1 and n_keys % block:
+        block //= 2
+    return block
+
+
+def uses_blocked_attention(dtype, n_heads: int, n_queries: int, n_keys: int) -> bool:
+    """Whether a follow-up chunk's attention against `n_keys` cache positions runs blocked."""
+    impl = (os.environ.get(ATTENTION_ENV_VAR) or "auto").lower()
+    if impl == "blocked":
+        return True
+    return (impl == "auto" and jnp.dtype(dtype) != jnp.float64
+            and n_heads * n_queries * n_keys * 4 > BLOCKED_ATTENTION_BYTES)
+
+
+def blocked_attention(q, k, v, positions, block: int):
+    """Grouped-query attention of queries at `positions` over keys 0..positions[t], one key block
+    at a time with an online softmax: memory [N, T, block] instead of [N, T, S].
+
+    Args:
+        q: [T, N, D] queries; positions: int32 [T], each query's position (keys up to it count).
+        k, v: [S, KVH, D] the cache; positions past the last query are never read.
+        block: key block size, dividing S.
+
+    Returns:
+        [T, N, D] in q.dtype. Scores, running maxima and sums are float32 (float64 inputs: 64).
+    """
+    t, n, d = q.shape
+    s, kvh = k.shape[0], k.shape[1]
+    acc_t = jnp.promote_types(jnp.float32, q.dtype)
+    qg = q.reshape(t, kvh, n // kvh, d)  # [T, KVH, G, D]
+    scale = 1.0 / np.sqrt(d)
+    # Blocks holding any key a query may see: 0 .. max(position) // block.
+    n_blocks = jnp.minimum(jnp.max(positions) // block + 1, s // block)
+
+    def body(i, carry):
+        m, l, acc = carry  # [KVH, G, T], [KVH, G, T], [KVH, G, T, D]
+        kb = lax.dynamic_slice_in_dim(k, i * block, block, 0).astype(q.dtype)  # [B, KVH, D]
+        vb = lax.dynamic_slice_in_dim(v, i * block, block, 0).astype(q.dtype)
+        scores = jnp.einsum("tkgd,skd->kgts", qg, kb, preferred_element_type=acc_t) * scale
+        key_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [B]
+        visible = key_pos[None, :] <= positions[:, None]  # [T, B]
+        scores = jnp.where(visible[None, None], scores, -jnp.inf)
+        # Block 0 holds key 0, which every query sees, so m is finite from the first block on.
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(axis=-1)
+        pv = jnp.einsum("kgts,skd->kgtd", p.astype(q.dtype), vb, preferred_element_type=acc_t)
+        return m_new, l, acc * corr[..., None] + pv
+
+    g = n // kvh
+    init = (jnp.full((kvh, g, t), -jnp.inf, acc_t), jnp.zeros((kvh, g, t), acc_t),
+            jnp.zeros((kvh, g, t, d), acc_t))
+    _, l, acc = lax.fori_loop(0, n_blocks, body, init)
+    out = acc / l[..., None]  # [KVH, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(t, n, d).astype(q.dtype)
 
 
 def attend(q, k, v, mask=None, *, causal_self: bool = False):
@@ -221,6 +290,9 @@ class Attention(nnx.Module):
             # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
             # causally is the same math and lets cuDNN run it fused.
             out = attend(q, k.astype(q.dtype), v.astype(q.dtype), causal_self=True)
+        elif uses_blocked_attention(q.dtype, c.n_heads, t, cache_k.shape[0]):
+            block = attention_key_block(c.n_heads, t, cache_k.shape[0])
+            out = blocked_attention(q, cache_k, cache_v, positions, block)
         else:
             key_pos = jnp.arange(cache_k.shape[0], dtype=jnp.int32)  # [S]
             mask = key_pos[None, :] <= positions[:, None]  # [T, S]

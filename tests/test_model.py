@@ -200,6 +200,67 @@ def test_einsum_attention_matches_xla(monkeypatch):
     assert_close(second_e, second, np.float32)
 
 
+def _attention_reference(q, k, v, positions):
+    """float64 NumPy GQA attention of queries at `positions` over keys 0..position."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    t, n, d = q.shape
+    g = n // k.shape[1]
+    out = np.zeros((t, n, d))
+    for h in range(n):
+        scores = q[:, h] @ k[:, h // g].T / np.sqrt(d)  # [T, S]
+        scores[np.arange(k.shape[0])[None, :] > np.asarray(positions)[:, None]] = -np.inf
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("start,block", [(0, 16), (200, 64), (457, 512)])
+def test_blocked_attention_matches_reference(dtype, start, block):
+    # 50 queries at positions start..start+49 against a 512-position cache (keys past the last
+    # query hold garbage that must never count), 8 heads over 2 KV heads.
+    rng = np.random.default_rng(start + block)
+    t, n, kvh, d, s = 50, 8, 2, 16, 512
+    q = rng.standard_normal((t, n, d)).astype(dtype)
+    k = rng.standard_normal((s, kvh, d)).astype(dtype)
+    v = rng.standard_normal((s, kvh, d)).astype(dtype)
+    k[start + t:] = 1e4  # garbage past the last query: would dominate any softmax it entered
+    positions = np.arange(start, start + t, dtype=np.int32)
+    got = jax.jit(M.blocked_attention, static_argnums=4)(q, k, v, positions, block)
+    assert got.dtype == np.dtype(dtype)
+    assert_close(got, _attention_reference(q, k, v, positions), dtype)
+
+
+def test_blocked_attention_is_chosen_by_size_and_env(monkeypatch):
+    monkeypatch.delenv(M.ATTENTION_ENV_VAR, raising=False)
+    assert not M.uses_blocked_attention(jnp.bfloat16, 32, 1024, 8192)  # 1 GiB of scores
+    assert M.uses_blocked_attention(jnp.bfloat16, 32, 8192, 40960)  # 40 GiB
+    assert not M.uses_blocked_attention(jnp.float64, 32, 8192, 40960)  # reference dtype: einsum
+    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "blocked")
+    assert M.uses_blocked_attention(jnp.bfloat16, 2, 4, 16)
+    assert M.attention_key_block(32, 8192, 40960) == 256  # 256 MiB of scores per block
+    assert 40960 % M.attention_key_block(32, 8192, 40960) == 0
+    assert M.attention_key_block(4, 16, 96) == 32  # shrunk to divide the cache
+
+
+def test_blocked_attention_in_chunked_prefill(monkeypatch):
+    # Follow-up chunks attend blocked (forced): the same as the default path within float32.
+    c = small("qwen3-30b-a3b")
+    model, _ = built(c)
+    toks = tokens_for(c, 40)
+    cache = M.init_cache(c, 64)
+    outs = []
+    for impl in ("xla", "blocked"):
+        monkeypatch.setenv(M.ATTENTION_ENV_VAR, impl)
+        f = jax.jit(lambda t, k, s: model(t, k, s))  # fresh: the path is chosen at trace time
+        first, cache1, _ = jax.jit(lambda t, k: model(t, k, 0))(jnp.asarray(toks[:16]), cache)
+        second, cache2, _ = f(jnp.asarray(toks[16:]), cache1, jnp.int32(16))
+        outs.append((second, cache2))
+    assert_close(outs[1][0], outs[0][0], np.float32)
+    for a, b in zip(outs[1][1].keys, outs[0][1].keys):
+        assert_close(a, b, np.float32)
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_eval_shape_full_size(name):
     c = get_preset(name)
