@@ -67,23 +67,30 @@ class CpuEngine final : public Engine {
     return {};
   }
 
-  Status ReadSlot(int64_t k, int64_t slot, uint8_t* dst, void*) override {
-    if (!link_->WaitCopied(k, slot, state_))
-      return "the walk was stopped while entry " + std::to_string(k) +
-             " was in flight";
-    std::memcpy(dst, link_->Slot(slot), static_cast<size_t>(opt_.blob_bytes));
-    link_->ReleaseSlot(k, slot);
+  Status ReadSlots(int64_t k, int64_t n, int64_t slot, uint8_t* dst,
+                   void*) override {
+    const int64_t blob = opt_.blob_bytes;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!link_->WaitCopied(k + j, slot + j, state_))
+        return "the walk was stopped while entry " + std::to_string(k + j) +
+               " was in flight";
+      std::memcpy(dst + j * blob, link_->Slot(slot + j),
+                  static_cast<size_t>(blob));
+      link_->ReleaseSlot(k + j, slot + j);
+    }
     return {};
   }
 
-  Status CopyDirect(int layer, int expert, uint8_t* dst, void*) override {
+  Status CopyDirect(int layer, int expert, int64_t n, uint8_t* dst,
+                    void*) override {
     // Routed-only copies cross the same simulated link: charge its time.
     double seconds = opt_.sim_latency;
-    if (opt_.sim_bandwidth > 0) seconds += opt_.blob_bytes / opt_.sim_bandwidth;
+    if (opt_.sim_bandwidth > 0)
+      seconds += n * opt_.blob_bytes / opt_.sim_bandwidth;
     if (seconds > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
     std::memcpy(dst, HostBlob(layer, expert),
-                static_cast<size_t>(opt_.blob_bytes));
+                static_cast<size_t>(n * opt_.blob_bytes));
     return {};
   }
 
@@ -93,8 +100,8 @@ class CpuEngine final : public Engine {
     return {};
   }
 
-  Status ZeroRow(uint8_t* dst, void*) override {
-    std::memset(dst, 0, static_cast<size_t>(opt_.blob_bytes));
+  Status ZeroRows(uint8_t* dst, int64_t n, void*) override {
+    std::memset(dst, 0, static_cast<size_t>(n * opt_.blob_bytes));
     return {};
   }
 

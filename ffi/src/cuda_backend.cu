@@ -582,40 +582,46 @@ class CudaEngine final : public Engine {
     return {};
   }
 
-  Status ReadSlot(int64_t k, int64_t slot, uint8_t* dst,
-                  void* stream) override {
+  Status ReadSlots(int64_t k, int64_t n, int64_t slot, uint8_t* dst,
+                   void* stream) override {
     DeviceScope dev(opt_.device);
     Status s = dev.status();
     if (!s.empty()) return s;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     const StreamEntry& e = stream_[k];
     auto where = [&] {
-      return "layer " + std::to_string(e.layer) + " expert " +
-             std::to_string(e.expert) + " <- slot " + std::to_string(slot);
+      return "layer " + std::to_string(e.layer) + " experts " +
+             std::to_string(e.expert) + ".." + std::to_string(e.expert + n - 1) +
+             " <- slots " + std::to_string(slot) + ".." +
+             std::to_string(slot + n - 1);
     };
-    // Orders the device only; the host never waits for the copy.
-    STRATA_CUDA_RETURN(where(), cudaStreamWaitEvent, st, copied_[slot], 0u);
+    // Orders the device only; the host never waits for the copies.
+    for (int64_t j = 0; j < n; ++j)
+      STRATA_CUDA_RETURN(where(), cudaStreamWaitEvent, st, copied_[slot + j], 0u);
     STRATA_CUDA_RETURN(where(), cudaMemcpyAsync, dst,
                        ring_ + slot * opt_.blob_bytes,
-                       static_cast<size_t>(opt_.blob_bytes),
+                       static_cast<size_t>(n * opt_.blob_bytes),
                        cudaMemcpyDeviceToDevice, st);
-    STRATA_CUDA_RETURN(where(), cudaEventRecord, used_[slot], st);
-    used_recorded_[slot].store(true, std::memory_order_release);
+    for (int64_t j = 0; j < n; ++j) {
+      STRATA_CUDA_RETURN(where(), cudaEventRecord, used_[slot + j], st);
+      used_recorded_[slot + j].store(true, std::memory_order_release);
+    }
     return {};
   }
 
-  Status CopyDirect(int layer, int expert, uint8_t* dst,
+  Status CopyDirect(int layer, int expert, int64_t n, uint8_t* dst,
                     void* stream) override {
     DeviceScope dev(opt_.device);
     Status s = dev.status();
     if (!s.empty()) return s;
-    // From a pageable store the driver stages the blob before returning:
+    // From a pageable store the driver stages the blobs before returning:
     // synchronous on this thread, still ordered on the stream, and correct.
     // Routed-only chunks are small, so the slow path is acceptable here.
-    STRATA_CUDA_RETURN("layer " + std::to_string(layer) + " expert " +
-                           std::to_string(expert) + " from the host store",
+    STRATA_CUDA_RETURN("layer " + std::to_string(layer) + " experts " +
+                           std::to_string(expert) + ".." +
+                           std::to_string(expert + n - 1) + " from the host store",
                        cudaMemcpyAsync, dst, SourceBlob(layer, expert),
-                       static_cast<size_t>(opt_.blob_bytes),
+                       static_cast<size_t>(n * opt_.blob_bytes),
                        cudaMemcpyHostToDevice,
                        static_cast<cudaStream_t>(stream));
     return {};
@@ -626,19 +632,19 @@ class CudaEngine final : public Engine {
     DeviceScope dev(opt_.device);
     Status s = dev.status();
     if (!s.empty()) return s;
-    STRATA_CUDA_RETURN("resident expert, " + std::to_string(bytes) + " bytes",
+    STRATA_CUDA_RETURN("resident experts, " + std::to_string(bytes) + " bytes",
                        cudaMemcpyAsync, dst, src, static_cast<size_t>(bytes),
                        cudaMemcpyDeviceToDevice,
                        static_cast<cudaStream_t>(stream));
     return {};
   }
 
-  Status ZeroRow(uint8_t* dst, void* stream) override {
+  Status ZeroRows(uint8_t* dst, int64_t n, void* stream) override {
     DeviceScope dev(opt_.device);
     Status s = dev.status();
     if (!s.empty()) return s;
-    STRATA_CUDA_RETURN("row of a skipped expert", cudaMemsetAsync, dst, 0,
-                       static_cast<size_t>(opt_.blob_bytes),
+    STRATA_CUDA_RETURN("rows of skipped experts", cudaMemsetAsync, dst, 0,
+                       static_cast<size_t>(n * opt_.blob_bytes),
                        static_cast<cudaStream_t>(stream));
     return {};
   }

@@ -174,47 +174,71 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   uint8_t* dst = static_cast<uint8_t*>(out);
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
-  for (int64_t r = 0; r < n_res; ++r) {
-    s = CopyResident(res + r * blob, dst + resident_[layer][r] * blob, blob,
-                     stream);
+  // Rows are indexed by expert id and host blobs sit in expert order, so
+  // adjacent experts move as one copy (runs); fewer calls on XLA's stream.
+  const std::vector<int32_t>& res_ids = resident_[layer];
+  for (int64_t r = 0; r < n_res;) {
+    int64_t n = 1;
+    while (r + n < n_res && res_ids[r + n] == res_ids[r] + n) ++n;
+    s = CopyResident(res + r * blob, dst + res_ids[r] * blob, n * blob, stream);
     if (!s.empty()) return Fail(where + s);
+    r += n;
   }
   LayerStats& st = stats_[layer];
   const int64_t k0 = layer_begin_[layer], k1 = layer_begin_[layer + 1];
+  auto adjacent = [&](int64_t a, int64_t b) {
+    return stream_[b].expert == stream_[a].expert + (b - a);
+  };
   if (mode_ == ChunkMode::kStream) {
-    for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t k = k0; k < k1;) {
       if (!state_.WaitIssued(k))
         return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                           : std::string("the walk was stopped")));
+      const bool copied = state_.entry_state(k) == EntryState::kCopied;
+      // Extend only over entries issued already: waiting for a later entry
+      // while holding this one's slot could wait on the ring forever.
+      int64_t n = 1;
+      const int64_t issued = state_.issued.load(std::memory_order_acquire);
+      while (k + n < k1 && k + n < issued && adjacent(k, k + n) &&
+             (state_.entry_state(k + n) == EntryState::kCopied) == copied &&
+             (!copied || (k % opt_.ring) + n < opt_.ring))
+        ++n;
       uint8_t* row = dst + stream_[k].expert * blob;
-      if (state_.entry_state(k) == EntryState::kCopied) {
-        s = ReadSlot(k, k % opt_.ring, row, stream);
-        ++st.copied;
-        st.bytes += blob;
+      if (copied) {
+        s = ReadSlots(k, n, k % opt_.ring, row, stream);
+        st.copied += n;
+        st.bytes += n * blob;
       } else {
-        s = ZeroRow(row, stream);  // no token reads it
-        ++st.skipped;
+        s = ZeroRows(row, n, stream);  // no token reads them
+        st.skipped += n;
       }
       if (!s.empty()) return Fail(where + s);
-      state_.Consume(k);
+      state_.Consume(k + n - 1);
+      k += n;
     }
   } else {
     if (k1 > k0) {
       s = WaitPublished(layer);
       if (!s.empty()) return Fail(where + s);
     }
-    for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t k = k0; k < k1;) {
       const StreamEntry& e = stream_[k];
+      const bool routed = gate_.Routed(e.layer, e.expert);
+      int64_t n = 1;
+      while (k + n < k1 && adjacent(k, k + n) &&
+             gate_.Routed(e.layer, stream_[k + n].expert) == routed)
+        ++n;
       uint8_t* row = dst + e.expert * blob;
-      if (gate_.Routed(e.layer, e.expert)) {
-        s = CopyDirect(e.layer, e.expert, row, stream);
-        ++st.copied;
-        st.bytes += blob;
+      if (routed) {
+        s = CopyDirect(e.layer, e.expert, n, row, stream);
+        st.copied += n;
+        st.bytes += n * blob;
       } else {
-        s = ZeroRow(row, stream);
-        ++st.skipped;
+        s = ZeroRows(row, n, stream);
+        st.skipped += n;
       }
       if (!s.empty()) return Fail(where + s);
+      k += n;
     }
   }
   return {};

@@ -121,16 +121,19 @@ class Engine {
   virtual void StartWalk() = 0;  // runs IssueWalk on issuer_ (stream mode)
   virtual Status BackendPublish(int layer, const void* counts,
                                 void* stream) = 0;
-  // Copies entry k (copied by the walk) from its slot into `dst`, then
-  // releases the slot. Called in entry order.
-  virtual Status ReadSlot(int64_t k, int64_t slot, uint8_t* dst,
-                          void* stream) = 0;
-  // Copies a streamed expert straight from the host store (routed-only).
-  virtual Status CopyDirect(int layer, int expert, uint8_t* dst,
+  // Copies entries k..k+n-1 (copied by the walk, in slots slot..slot+n-1,
+  // adjacent experts) from their slots into the n rows at `dst`, then
+  // releases the slots. Called in entry order.
+  virtual Status ReadSlots(int64_t k, int64_t n, int64_t slot, uint8_t* dst,
+                           void* stream) = 0;
+  // Copies experts expert..expert+n-1 of `layer` straight from the host store
+  // into the n rows at `dst` (routed-only).
+  virtual Status CopyDirect(int layer, int expert, int64_t n, uint8_t* dst,
                             void* stream) = 0;
   virtual Status CopyResident(const uint8_t* src, uint8_t* dst, int64_t bytes,
                               void* stream) = 0;
-  virtual Status ZeroRow(uint8_t* dst, void* stream) = 0;
+  // Zero-fills n rows at `dst` (experts no token reads).
+  virtual Status ZeroRows(uint8_t* dst, int64_t n, void* stream) = 0;
   virtual Status WriteStats(const int32_t* host, void* out, int64_t bytes,
                             void* stream) = 0;
   // The chunk's last device work is queued on `stream` (after WriteStats).
