@@ -9,6 +9,10 @@ chunk. The four are XLA FFI custom calls threaded by a token so XLA keeps
 their order; the same names are registered for "cpu" (simulated link) and
 "CUDA".
 
+`plan_stream` is the plan an engine follows (which experts stay resident, the stream
+order, the ring); it is pure, so `strata-jax info` reports it without a device or the
+native library.
+
 The failure this guards against: an expert the chunk needs that is not where
 the math reads it. Every routed expert's bytes arrive unchanged, skipped
 experts have no token, so the outputs are the same bits in every mode.
@@ -38,6 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "StreamConfig",
+    "StreamPlan",
+    "plan_stream",
     "StreamEngine",
     "StreamedExperts",
     "ChunkStats",
@@ -76,7 +82,8 @@ class StreamConfig:
         profile: An ExpertProfile (strata_jax.profile) or its counts, int
             [n_layers, n_experts]: orders each layer's stream list hottest first
             (ties by the lower id) and chooses the residents. A profile of
-            another model's shape is refused when the engine is made.
+            another model's shape is refused when the engine (or its plan,
+            `plan_stream`) is made.
         backend: "auto" (CUDA when JAX runs on a GPU and the library has CUDA),
             "cpu" (simulated link) or "cuda".
         pin: CUDA host store: "arena" (packed straight into one cudaHostAlloc
@@ -171,6 +178,195 @@ class ChunkStats:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """Where each expert of a model lives, and the ring that carries the streamed ones.
+
+    Made by `plan_stream`; a StreamEngine follows it, and `strata-jax info` reports it.
+
+    Attributes:
+        resident: Per model layer, the sorted ids of the experts kept on the device (empty for
+            dense layers).
+        stream_list: The (layer, expert) entries of one chunk's stream, in layer order and
+            hottest first within a layer (by the profile; without one, the lowest ids).
+        streamed_mask: bool [n_layers, n_experts], read-only: which experts cross the link.
+        streamed_per_layer: int64 [n_layers], read-only: streamed experts per layer.
+        ring: Ring slots.
+        blob_bytes: Bytes of one expert (one ring slot).
+        ring_budget_slots: Slots `ring_budget_gib` holds, or None when the ring was given.
+        ring_fits_budget: False only for a plan made with `check_ring_budget=False` whose ring
+            budget cannot hold one layer's streamed experts (`ring` is then that one layer).
+    """
+
+    resident: tuple[tuple[int, ...], ...]
+    stream_list: tuple[tuple[int, int], ...]
+    streamed_mask: np.ndarray = dataclasses.field(compare=False, repr=False)
+    streamed_per_layer: np.ndarray = dataclasses.field(compare=False, repr=False)
+    ring: int
+    blob_bytes: int
+    ring_budget_slots: int | None = None
+    ring_fits_budget: bool = True
+
+    @property
+    def resident_count(self) -> int:
+        """Experts resident on the device, all layers."""
+        return sum(len(r) for r in self.resident)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Device bytes of the resident experts."""
+        return self.resident_count * self.blob_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        """Device bytes of the ring."""
+        return self.ring * self.blob_bytes
+
+    @property
+    def max_streamed_per_layer(self) -> int:
+        """The most experts one layer streams: what the ring must hold at least."""
+        return int(self.streamed_per_layer.max(initial=0))
+
+
+def _as_profile(config: ModelConfig, prof) -> "ExpertProfile | None":
+    """StreamConfig.profile as an ExpertProfile checked against `config`, or None."""
+    from .profile import ExpertProfile
+
+    if prof is None:
+        return None
+    if isinstance(prof, ExpertProfile):
+        return prof.check(config)
+    counts = np.asarray(prof)
+    L, E = config.n_layers, config.n_experts
+    if counts.shape != (L, E):
+        raise ValueError(
+            f"expert profile has shape {counts.shape}; this model {config.name!r} needs ({L}, {E}) "
+            "(a profile recorded on another model?)")
+    if counts.size and not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"expert profile counts must be integers, got dtype {counts.dtype}")
+    return ExpertProfile(counts, model=config.name, top_k=config.top_k).check(config)
+
+
+def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
+                blob_bytes: int | None = None, *, device_bytes: int | None = None,
+                check_ring_budget: bool = True) -> StreamPlan:
+    """The stream plan of a model: resident experts, the stream order and the ring.
+
+    Pure: reads neither the environment nor a device, and needs no native library. A
+    StreamEngine made with the same config follows exactly this plan.
+
+    Rules:
+      - Residents: `resident_budget_gib` (when given) is filled with the hottest experts of the
+        whole model by `profile`, or without a profile spread evenly over the MoE layers (the
+        lowest ids of each); else `resident_per_layer` experts per MoE layer (the hottest by
+        `profile`, else the lowest ids).
+      - The stream list: every other expert of each MoE layer, in layer order, hottest first
+        within a layer (ties by the lower id; without a profile, by id).
+      - The ring: `ring` slots when given (at least one layer's streamed experts); else two
+        layers' streamed experts (one layer plus a layer of read-ahead), capped by
+        `ring_budget_gib`, and never fewer than one layer's; one slot when nothing streams.
+
+    Args:
+        config: The model config.
+        stream: The StreamConfig whose ring, ring_budget_gib, resident_per_layer,
+            resident_budget_gib and profile are planned (default: StreamConfig()).
+        blob_bytes: Bytes of one expert; default: the config's (gate + up + down in its dtype).
+        device_bytes: Memory of the device the residents go to, where known: a
+            `resident_budget_gib` larger than it is refused.
+        check_ring_budget: False returns a plan whose ring budget cannot hold one layer's
+            streamed experts (with `ring_fits_budget=False` and a one-layer ring) instead of
+            raising, for reports such as `strata-jax info`.
+
+    Raises:
+        ValueError: a profile of another model (or not integer counts); a negative
+            resident_per_layer or one above the experts of a layer; a negative resident budget,
+            or one larger than `device_bytes`; a ring of fewer than one slot or than one layer's
+            streamed experts; a ring budget that cannot hold one layer's streamed experts.
+    """
+    sc = StreamConfig() if stream is None else stream
+    L, E = config.n_layers, config.n_experts
+    moe_layers = tuple(config.moe_layers)
+    if blob_bytes is None:
+        blob_bytes = blob_size(config.hidden_size, config.expert_intermediate) * \
+            np.dtype(config.dtype).itemsize
+    blob_bytes = int(blob_bytes)
+    if blob_bytes < 1:
+        raise ValueError(f"blob_bytes={blob_bytes}: an expert takes at least one byte")
+    if sc.resident_per_layer < 0:
+        raise ValueError(f"resident_per_layer={sc.resident_per_layer}: must be >= 0")
+
+    profile = _as_profile(config, sc.profile)
+    order = {l: (profile.order(l) if profile is not None else list(range(E)))
+             for l in moe_layers}  # hottest first; without a profile the lowest ids
+    resident: list[list[int]] = [[] for _ in range(L)]
+    if sc.resident_budget_gib is not None:
+        budget_gib = float(sc.resident_budget_gib)
+        if not budget_gib >= 0:
+            raise ValueError(f"resident_budget_gib={sc.resident_budget_gib}: must be >= 0 "
+                             "(GiB of device memory for resident experts)")
+        if device_bytes is not None and budget_gib * 2**30 > device_bytes:
+            raise ValueError(
+                f"resident_budget_gib={budget_gib:g} is larger than the device "
+                f"({device_bytes / 2**30:.1f} GiB in all); give at most what is left after "
+                "the dense weights, KV cache and ring")
+        if profile is not None:
+            resident = profile.resident_set(config, budget_gib, blob_bytes)
+        else:
+            budget = int(budget_gib * 2**30) // blob_bytes
+            per = budget // max(len(moe_layers), 1)
+            for l in moe_layers:
+                resident[l] = [int(e) for e in order[l][:min(per, E)]]
+    elif sc.resident_per_layer:
+        if sc.resident_per_layer > E:
+            raise ValueError(f"resident_per_layer={sc.resident_per_layer} exceeds the "
+                             f"{E} experts of a layer")
+        for l in moe_layers:
+            resident[l] = [int(e) for e in order[l][:sc.resident_per_layer]]
+    stream_list: list[tuple[int, int]] = []
+    for l in moe_layers:
+        res = set(resident[l])
+        stream_list += [(l, int(e)) for e in order[l] if e not in res]
+
+    # [L, E]: which experts cross the link; every chunk's stats are read against it.
+    mask = np.zeros((L, E), bool)
+    for l, e in stream_list:
+        mask[l, e] = True
+    per_layer = mask.sum(axis=1).astype(np.int64)
+    mask.flags.writeable = False
+    per_layer.flags.writeable = False
+
+    need = int(per_layer.max(initial=0))
+    budget_slots, fits = None, True
+    if sc.ring is not None:
+        ring = int(sc.ring)
+        if ring < 1:
+            raise ValueError(f"a ring of {ring} slots cannot work; it needs at least one slot")
+        if ring < need:
+            raise ValueError(
+                f"a ring of {ring} slots cannot hold one layer's {need} streamed experts; "
+                f"use ring >= {need} (one layer plus read-ahead: {2 * need})")
+    else:
+        if not float(sc.ring_budget_gib) >= 0:
+            raise ValueError(f"ring_budget_gib={sc.ring_budget_gib}: must be >= 0 (GiB of "
+                             "device memory for the ring)")
+        budget_slots = int(sc.ring_budget_gib * 2**30) // blob_bytes
+        if need == 0:
+            ring = 1
+        else:
+            fits = budget_slots >= need
+            if not fits and check_ring_budget:
+                raise ValueError(
+                    f"ring_budget_gib={sc.ring_budget_gib} holds {budget_slots} experts of "
+                    f"{blob_bytes / 2**20:.1f} MiB, fewer than one layer's {need} streamed "
+                    f"experts ({need * blob_bytes / 2**30:.2f} GiB); raise the budget or keep "
+                    "more experts resident")
+            ring = max(need, min(2 * need, budget_slots))
+    return StreamPlan(
+        resident=tuple(tuple(sorted(r)) for r in resident), stream_list=tuple(stream_list),
+        streamed_mask=mask, streamed_per_layer=per_layer, ring=ring, blob_bytes=blob_bytes,
+        ring_budget_slots=budget_slots, ring_fits_budget=fits)
+
+
 def _check(rc: int, err: ctypes.Array, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"strata engine: {what}: {err.value.decode(errors='replace')}")
@@ -201,6 +397,11 @@ class StreamEngine:
             ExpertWeights (host memory), or None for dense layers.
         stream: StreamConfig (environment overrides applied here, once).
 
+    The engine follows `plan_stream(config, stream)` (its `plan`; the residents, stream list
+    and ring are also its attributes `resident`, `stream_list`, `streamed_mask`,
+    `streamed_per_layer` and `ring`), refusing a resident budget larger than the device where
+    the backend reports the device's size.
+
     The host store keeps one contiguous blob per expert so one copy moves it.
     Close the engine (or use it as a context manager) to stop its threads and
     free its memory; it is also closed when garbage-collected.
@@ -221,6 +422,19 @@ class StreamEngine:
         self.blob_elems = blob_size(config.hidden_size, config.expert_intermediate)
         self.blob_bytes = self.blob_elems * self.dtype.itemsize
         self.moe_layers = tuple(config.moe_layers)
+        # The plan (plan_stream): residents, the stream order, the ring. The device check of a
+        # resident budget needs the device, so only the engine makes it. Planned before
+        # packing: a bad plan is refused before any host memory is pinned.
+        device_bytes = (self._device_memory_bytes()
+                        if self.stream.resident_budget_gib is not None else None)
+        self.plan = plan_stream(config, self.stream, self.blob_bytes, device_bytes=device_bytes)
+        self.resident = [list(r) for r in self.plan.resident]
+        self.stream_list = list(self.plan.stream_list)
+        # [L, E]: which experts cross the link. Static for the engine's life; every chunk's
+        # stats are read against it.
+        self.streamed_mask = self.plan.streamed_mask
+        self.streamed_per_layer = self.plan.streamed_per_layer
+        self.ring = self.plan.ring
         self._stores: list[np.ndarray | None] = [None] * L
         # Pin mode "arena" on CUDA: pack every layer straight into one pinned block, which the
         # engine then copies from in place (no cudaHostRegister, no second host copy).
@@ -228,31 +442,31 @@ class StreamEngine:
         arena = None
         if self.backend == "cuda" and self.stream.pin == "arena":
             arena = self._pinned_arena(len(self.moe_layers) * E * self.blob_bytes)
-        for layer in range(L):
-            w = experts[layer]
-            if layer not in self.moe_layers:
-                if w is not None:
-                    raise ValueError(f"layer {layer} is dense but experts were given for it")
-                continue
-            if w is None:
-                raise ValueError(f"MoE layer {layer} has no expert weights")
-            store = self._pack(layer, w)
-            if arena is not None:
-                i = self.moe_layers.index(layer)
-                dst = arena[i * E * self.blob_bytes:(i + 1) * E * self.blob_bytes]
-                dst = dst.reshape(E, self.blob_bytes)
-                dst[...] = store
-                store = dst
-            self._stores[layer] = store
-
-        self.resident, self.stream_list = self._plan()
-        # [L, E]: which experts cross the link. Static for the engine's life; every chunk's
-        # stats are read against it.
-        self.streamed_mask = np.zeros((L, E), bool)
-        for l, e in self.stream_list:
-            self.streamed_mask[l, e] = True
-        self.streamed_per_layer = self.streamed_mask.sum(axis=1).astype(np.int64)
-        self.ring = self._ring_size()
+        try:
+            for layer in range(L):
+                w = experts[layer]
+                if layer not in self.moe_layers:
+                    if w is not None:
+                        raise ValueError(f"layer {layer} is dense but experts were given for it")
+                    continue
+                if w is None:
+                    raise ValueError(f"MoE layer {layer} has no expert weights")
+                store = self._pack(layer, w)
+                if arena is not None:
+                    i = self.moe_layers.index(layer)
+                    dst = arena[i * E * self.blob_bytes:(i + 1) * E * self.blob_bytes]
+                    dst = dst.reshape(E, self.blob_bytes)
+                    dst[...] = store
+                    store = dst
+                self._stores[layer] = store
+        except BaseException:
+            # No engine owns the pinned block yet: free it here (bad expert shapes, Ctrl-C).
+            self._stores = [None] * L
+            arena = None
+            if self._pinned:
+                native.lib().strata_pinned_free(self._pinned)
+                self._pinned = None
+            raise
 
         opts = native.EngineOptions(
             backend=1 if self.backend == "cuda" else 0,
@@ -322,25 +536,6 @@ class StreamEngine:
         blobs = np.ascontiguousarray(blobs, dtype=self.dtype)
         return blobs.view(np.uint8).reshape(E, self.blob_bytes)
 
-    def _profile(self) -> "ExpertProfile | None":
-        """StreamConfig.profile as an ExpertProfile checked against this model, or None."""
-        from .profile import ExpertProfile
-
-        cfg, prof = self.config, self.stream.profile
-        if prof is None:
-            return None
-        if isinstance(prof, ExpertProfile):
-            return prof.check(cfg)
-        counts = np.asarray(prof)
-        L, E = cfg.n_layers, cfg.n_experts
-        if counts.shape != (L, E):
-            raise ValueError(
-                f"expert profile has shape {counts.shape}; this model {cfg.name!r} needs ({L}, {E}) "
-                "(a profile recorded on another model?)")
-        if counts.size and not np.issubdtype(counts.dtype, np.integer):
-            raise ValueError(f"expert profile counts must be integers, got dtype {counts.dtype}")
-        return ExpertProfile(counts, model=cfg.name, top_k=cfg.top_k).check(cfg)
-
     def _device_memory_bytes(self) -> int | None:
         """Total memory of the device the residents go to, where the backend reports it."""
         if self.backend != "cuda":
@@ -351,67 +546,6 @@ class StreamEngine:
             return None
         limit = stats.get("bytes_limit")
         return int(limit) if limit else None
-
-    def _plan(self):
-        cfg, sc = self.config, self.stream
-        L, E = cfg.n_layers, cfg.n_experts
-        profile = self._profile()
-        order = {l: (profile.order(l) if profile is not None else list(range(E)))
-                 for l in self.moe_layers}  # hottest first; without a profile the lowest ids
-        resident: list[list[int]] = [[] for _ in range(L)]
-        if sc.resident_budget_gib is not None:
-            budget_gib = float(sc.resident_budget_gib)
-            if not budget_gib >= 0:
-                raise ValueError(f"resident_budget_gib={sc.resident_budget_gib}: must be >= 0 "
-                                 "(GiB of device memory for resident experts)")
-            device_bytes = self._device_memory_bytes()
-            if device_bytes is not None and budget_gib * 2**30 > device_bytes:
-                raise ValueError(
-                    f"resident_budget_gib={budget_gib:g} is larger than the device "
-                    f"({device_bytes / 2**30:.1f} GiB in all); give at most what is left after "
-                    "the dense weights, KV cache and ring")
-            if profile is not None:
-                resident = profile.resident_set(cfg, budget_gib, self.blob_bytes)
-            else:
-                budget = int(budget_gib * 2**30) // self.blob_bytes
-                per = budget // max(len(self.moe_layers), 1)
-                for l in self.moe_layers:
-                    resident[l] = [int(e) for e in order[l][:min(per, E)]]
-        elif sc.resident_per_layer:
-            if sc.resident_per_layer > E:
-                raise ValueError(f"resident_per_layer={sc.resident_per_layer} exceeds the "
-                                 f"{E} experts of a layer")
-            for l in self.moe_layers:
-                resident[l] = [int(e) for e in order[l][:sc.resident_per_layer]]
-        for l in range(L):
-            resident[l].sort()
-        stream_list = []
-        for l in self.moe_layers:
-            res = set(resident[l])
-            stream_list += [(l, int(e)) for e in order[l] if e not in res]
-        return resident, stream_list
-
-    def _ring_size(self) -> int:
-        need = int(self.streamed_per_layer.max(initial=0))
-        if self.stream.ring is not None:
-            ring = int(self.stream.ring)
-            if ring < 1:
-                raise ValueError(f"a ring of {ring} slots cannot work; it needs at least one slot")
-            if ring < need:
-                raise ValueError(
-                    f"a ring of {ring} slots cannot hold one layer's {need} streamed experts; "
-                    f"use ring >= {need} (one layer plus read-ahead: {2 * need})")
-            return ring
-        if need == 0:
-            return 1
-        budget_slots = int(self.stream.ring_budget_gib * 2**30) // self.blob_bytes
-        if budget_slots < need:
-            raise ValueError(
-                f"ring_budget_gib={self.stream.ring_budget_gib} holds {budget_slots} experts of "
-                f"{self.blob_bytes / 2**20:.1f} MiB, fewer than one layer's {need} streamed experts "
-                f"({need * self.blob_bytes / 2**30:.2f} GiB); raise the budget or keep more "
-                "experts resident")
-        return max(need, min(2 * need, budget_slots))
 
     def _put_resident(self) -> dict[int, jax.Array]:
         device = jax.devices("gpu" if self.backend == "cuda" else "cpu")[0]

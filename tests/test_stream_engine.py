@@ -160,3 +160,152 @@ def test_trace_lines(capfd):
     err = capfd.readouterr().err
     assert "ring entries 48, copied" in err
     assert err.count("strata: chunk") == 2
+
+
+# ---- the plan: one pure function, the engine's own ----------------------------------------------
+
+PLANS = {
+    # name: StreamConfig kwargs
+    "default": dict(),
+    "resident-per-layer": dict(resident_per_layer=5),
+    "all-resident": dict(resident_per_layer=16),
+    "explicit-ring": dict(ring=20),
+    "ring-capped-by-budget": dict(ring_budget_gib=20 * CFG.expert_bytes / 2**30),
+    "resident-budget": dict(resident_budget_gib=7 * CFG.expert_bytes / 2**30),
+    "budget-with-profile": dict(
+        resident_budget_gib=7 * CFG.expert_bytes / 2**30,
+        profile=np.random.default_rng(1).integers(0, 50, (CFG.n_layers, CFG.n_experts))),
+    "profile-order": dict(
+        resident_per_layer=3,
+        profile=np.random.default_rng(2).integers(0, 5, (CFG.n_layers, CFG.n_experts))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_the_engine_follows_plan_stream(name):
+    from strata_jax.stream import StreamEngine, plan_stream
+    from strata_jax.synthetic import split_experts
+
+    sc = StreamConfig(backend="cpu", **PLANS[name])
+    plan = plan_stream(CFG, sc)
+    _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
+    with StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)], sc) as eng:
+        assert eng.plan == plan
+        assert eng.resident == [list(r) for r in plan.resident]
+        assert eng.stream_list == list(plan.stream_list)
+        assert eng.ring == plan.ring and eng.blob_bytes == plan.blob_bytes
+        np.testing.assert_array_equal(eng.streamed_mask, plan.streamed_mask)
+        np.testing.assert_array_equal(eng.streamed_per_layer, plan.streamed_per_layer)
+    # The figures hang together.
+    assert plan.resident_bytes == sum(map(len, plan.resident)) * CFG.expert_bytes
+    assert plan.ring_bytes == plan.ring * CFG.expert_bytes
+    assert plan.streamed_mask.sum() == len(plan.stream_list)
+    for l in CFG.moe_layers:
+        assert set(plan.resident[l]).isdisjoint(e for ll, e in plan.stream_list if ll == l)
+        assert len(plan.resident[l]) + int(plan.streamed_per_layer[l]) == CFG.n_experts
+
+
+def test_plan_stream_rules():
+    from strata_jax.stream import plan_stream
+
+    E = CFG.n_experts
+    p = plan_stream(CFG)  # nothing resident: two layers of read-ahead when the budget allows
+    assert p.resident == ((),) * CFG.n_layers and p.ring == 2 * E
+    assert p.stream_list == tuple((l, e) for l in CFG.moe_layers for e in range(E))
+    # A budget of 20 slots caps the ring between one layer (16) and two (32).
+    assert plan_stream(CFG, StreamConfig(ring_budget_gib=20 * CFG.expert_bytes / 2**30)).ring == 20
+    assert plan_stream(CFG, StreamConfig(resident_per_layer=E)).ring == 1  # nothing streams
+    # A budget of 7 experts without a profile: 7 // 3 layers = 2 per layer, the lowest ids.
+    p = plan_stream(CFG, StreamConfig(resident_budget_gib=7 * CFG.expert_bytes / 2**30))
+    assert p.resident == ((0, 1),) * 3 and p.resident_bytes == 6 * CFG.expert_bytes
+    # Hottest first within a layer, ties by the lower id.
+    counts = np.zeros((CFG.n_layers, E), np.int64)
+    counts[1, [9, 3, 12]] = [5, 7, 5]
+    p = plan_stream(CFG, StreamConfig(profile=counts, resident_per_layer=1))
+    assert p.resident[1] == (3,)
+    assert [e for l, e in p.stream_list if l == 1][:3] == [9, 12, 0]
+    # The plan is frozen, its arrays read-only.
+    with pytest.raises(AttributeError):
+        p.ring = 3
+    with pytest.raises(ValueError, match="read-only"):
+        p.streamed_mask[0, 0] = False
+
+
+@pytest.mark.parametrize("kwargs, extra, pattern", [
+    (dict(ring=0), {}, "ring of 0 slots cannot work"),
+    (dict(ring=8), {}, r"ring of 8 slots cannot hold one layer's 16 streamed experts; use ring >= 16"),
+    (dict(ring_budget_gib=1e-6), {}, r"ring_budget_gib=1e-06 holds 0 experts .* fewer than one "
+                                     "layer's 16 streamed experts"),
+    (dict(ring_budget_gib=-1.0), {}, r"ring_budget_gib=-1.0: must be >= 0"),
+    (dict(resident_per_layer=17), {}, "resident_per_layer=17 exceeds the 16 experts"),
+    (dict(resident_per_layer=-1), {}, "resident_per_layer=-1: must be >= 0"),
+    (dict(resident_budget_gib=-1.0), {}, r"resident_budget_gib=-1.0: must be >= 0"),
+    (dict(resident_budget_gib=float("nan")), {}, r"resident_budget_gib=nan: must be >= 0"),
+    (dict(resident_budget_gib=16.0), dict(device_bytes=8 * 2**30),
+     r"resident_budget_gib=16 is larger than the device \(8.0 GiB"),
+    (dict(profile=np.ones((2, 5), np.int64)), {}, r"profile has shape \(2, 5\).*needs \(3, 16\)"),
+    (dict(profile=np.ones((3, 16))), {}, "integers"),
+    (dict(), dict(blob_bytes=0), "blob_bytes=0"),
+])
+def test_plan_stream_refuses_what_cannot_work(kwargs, extra, pattern):
+    from strata_jax.stream import plan_stream
+
+    with pytest.raises(ValueError, match=pattern):
+        plan_stream(CFG, StreamConfig(**kwargs), **extra)
+
+
+def test_plan_stream_reports_an_over_budget_ring_when_asked():
+    from strata_jax.stream import plan_stream
+
+    sc = StreamConfig(ring_budget_gib=10 * CFG.expert_bytes / 2**30)  # 10 slots < 16
+    p = plan_stream(CFG, sc, check_ring_budget=False)
+    assert (p.ring, p.ring_budget_slots, p.ring_fits_budget) == (16, 10, False)
+    assert plan_stream(CFG, StreamConfig()).ring_fits_budget is True
+    with pytest.raises(ValueError, match="holds 10 experts"):
+        plan_stream(CFG, sc)
+    # An explicit ring too small for a layer is an error either way.
+    with pytest.raises(ValueError, match="ring of 8 slots"):
+        plan_stream(CFG, StreamConfig(ring=8), check_ring_budget=False)
+
+
+def test_plan_stream_needs_no_native_library_and_no_device(monkeypatch):
+    import jax
+
+    from strata_jax import native
+    from strata_jax.stream import plan_stream
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("plan_stream touched the native library or a device")
+
+    monkeypatch.setattr(native, "lib", refuse)
+    monkeypatch.setattr(native, "has_cuda", refuse)
+    monkeypatch.setattr(jax, "devices", refuse)
+    monkeypatch.setattr(jax, "default_backend", refuse)
+    counts = np.random.default_rng(0).integers(0, 9, (CFG.n_layers, CFG.n_experts))
+    p = plan_stream(CFG, StreamConfig(backend="cuda", profile=counts,
+                                      resident_budget_gib=5 * CFG.expert_bytes / 2**30))
+    assert p.resident_count == 5 and len(p.stream_list) == 3 * 16 - 5
+    with pytest.raises(ValueError, match="ring of 0 slots"):
+        plan_stream(CFG, StreamConfig(ring=0))
+
+
+def test_plan_stream_imports_without_the_native_library():
+    """A fresh interpreter where strata_jax._native cannot be imported still plans."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['strata_jax._native'] = None\n"  # import of it now fails
+        "from strata_jax import native\n"
+        "try:\n    native.lib()\nexcept ImportError:\n    pass\n"
+        "else:\n    raise SystemExit('the native library loaded')\n"
+        "from strata_jax.config import get_preset\n"
+        "from strata_jax.stream import StreamConfig, plan_stream\n"
+        "cfg = get_preset('qwen3-next-80b-a3b')\n"  # the full model: no weights needed
+        "p = plan_stream(cfg, StreamConfig(resident_budget_gib=20))\n"
+        "print(p.ring, p.resident_count)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    ring, resident = map(int, out.stdout.split())
+    assert ring >= 1 and resident > 0
