@@ -950,36 +950,38 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
                 device_bytes: int | None = None) -> dict:
     """Bytes on the device and the host for a model streamed with a resident budget.
 
-    The host store (every expert, pinned host RAM) is `host_store_bytes`. Follows
-    StreamEngine's planning without a profile: a resident budget in GiB is spread
-    evenly over the MoE layers (lowest ids), the ring holds two layers' streamed experts when
-    `ring_gib` allows and at least one layer's. Activations and compiler workspace are not
+    The host store (every expert, pinned host RAM) is `host_store_bytes`. The residents and the
+    ring are `stream.plan_stream`'s, the plan a StreamEngine follows, without a profile: a
+    resident budget in GiB is spread evenly over the MoE layers (lowest ids), the ring holds two
+    layers' streamed experts when `ring_gib` allows and at least one layer's. A ring budget
+    below one layer's streamed experts, which an engine refuses, is reported here as
+    `ring_fits_budget: False` with a one-layer ring. Activations and compiler workspace are not
     counted.
+
+    Raises:
+        ValueError: what plan_stream refuses (a negative budget, more residents per layer than
+            a layer has experts).
     """
     from .model import cache_shapes, param_shapes
+    from .stream import StreamConfig, plan_stream
 
-    blob = config.expert_bytes
-    n_moe, E = len(config.moe_layers), config.n_experts
+    n_moe = len(config.moe_layers)
     dense = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
                 for s in param_shapes(config, resident_experts=False).values())
     kv = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
              for s in (*cache_shapes(config, max_context).keys,
                        *cache_shapes(config, max_context).values))
-    if resident_gib is not None:
-        per = min(int(resident_gib * 2**30) // blob // max(n_moe, 1), E)
-    else:
-        per = min(resident_per_layer or 0, E)
-    need = E - per
-    budget_slots = int(ring_gib * 2**30) // blob
-    if need == 0:
-        ring, ring_ok = 1, True
-    else:
-        ring, ring_ok = max(need, min(2 * need, budget_slots)), budget_slots >= need
-    streamed_plan = dense + kv + per * n_moe * blob + ring * blob
+    stream = StreamConfig(ring_budget_gib=ring_gib, resident_budget_gib=resident_gib,
+                          resident_per_layer=resident_per_layer or 0)
+    plan = plan_stream(config, stream, check_ring_budget=False)
+    # Every expert streamed: the largest ring, what the resident experts must leave room for.
+    ring_none = plan_stream(config, StreamConfig(ring_budget_gib=ring_gib),
+                            check_ring_budget=False).ring_bytes
+    per = max((len(plan.resident[l]) for l in config.moe_layers), default=0)
+    streamed_plan = dense + kv + plan.resident_bytes + plan.ring_bytes
     resident_all = dense + kv + config.expert_bytes_total
-    ring_none = max(E, min(2 * E, budget_slots)) * blob
-    plan = {
-        "expert_bytes": blob,
+    out = {
+        "expert_bytes": plan.blob_bytes,
         "expert_bytes_per_layer": config.expert_bytes_per_layer,
         "expert_bytes_total": config.expert_bytes_total,
         "moe_layers": n_moe,
@@ -987,21 +989,21 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         "kv_bytes": kv,
         "max_context": max_context,
         "resident_per_layer": per,
-        "resident_bytes": per * n_moe * blob,
-        "streamed_per_layer": need,
-        "ring_slots": ring,
-        "ring_bytes": ring * blob,
-        "ring_fits_budget": ring_ok,
+        "resident_bytes": plan.resident_bytes,
+        "streamed_per_layer": plan.max_streamed_per_layer,
+        "ring_slots": plan.ring,
+        "ring_bytes": plan.ring_bytes,
+        "ring_fits_budget": plan.ring_fits_budget,
         "device_bytes_streamed": streamed_plan,
         "device_bytes_all_resident": resident_all,
         "device_memory": device_bytes,
         "host_store_bytes": config.expert_bytes_total,
     }
     if device_bytes is not None:
-        plan["fits_streamed"] = bool(ring_ok and streamed_plan <= device_bytes)
-        plan["fits_all_resident"] = bool(resident_all <= device_bytes)
-        plan["max_resident_gib"] = max(0.0, (device_bytes - dense - kv - ring_none) / 2**30)
-    return plan
+        out["fits_streamed"] = bool(plan.ring_fits_budget and streamed_plan <= device_bytes)
+        out["fits_all_resident"] = bool(resident_all <= device_bytes)
+        out["max_resident_gib"] = max(0.0, (device_bytes - dense - kv - ring_none) / 2**30)
+    return out
 
 
 def cmd_info(args, log: _Log) -> int:
@@ -1061,9 +1063,12 @@ def cmd_info(args, log: _Log) -> int:
                              f"{cfg.n_experts} experts of a layer; use 0..{cfg.n_experts}")
         platform = "gpu" if has_gpu else "cpu"
         device_bytes, device_what = _device_memory(platform)
-        plan = memory_plan(cfg, max_context=max_context, resident_gib=args.resident_gib,
-                           resident_per_layer=args.resident_per_layer, ring_gib=args.ring_gib,
-                           device_bytes=device_bytes)
+        try:
+            plan = memory_plan(cfg, max_context=max_context, resident_gib=args.resident_gib,
+                               resident_per_layer=args.resident_per_layer,
+                               ring_gib=args.ring_gib, device_bytes=device_bytes)
+        except ValueError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
         plan["device"] = device_what
         plan["model"] = model.summary()
         out["plan"] = plan

@@ -171,13 +171,44 @@ def test_info_json_plan_matches_the_engine():
 
     dense, experts = split_experts(cfg, init_synthetic(cfg, 0))
     assert p["dense_bytes"] == sum(a.nbytes for a in dense.values())
-    with StreamEngine(cfg, [experts.get(l) for l in range(cfg.n_layers)],
-                      StreamConfig(resident_per_layer=4, backend="cpu")) as eng:
-        assert p["ring_slots"] == eng.ring
+    blob = cfg.expert_bytes
+    # (resident GiB, resident per layer, ring GiB): the plan's figures are the engine's.
+    cases = [
+        (None, 4, 4.0),                   # the command above
+        (None, None, 4.0),                # everything streams: a ring of two layers
+        (None, N_EXPERTS, 4.0),           # nothing streams: one slot
+        (None, 8, 30 * blob / 2**30),     # the budget caps the ring between one and two layers
+        (13 * blob / 2**30, None, 4.0),   # 13 experts over 2 layers: 6 per layer
+        (1e6, None, 4.0),                 # a budget past the model: every expert resident
+    ]
+    seen_rings = set()
+    for resident_gib, per_layer, ring_gib in cases:
+        plan = cli.memory_plan(cfg, max_context=512, resident_gib=resident_gib,
+                               resident_per_layer=per_layer, ring_gib=ring_gib)
+        sc = StreamConfig(resident_budget_gib=resident_gib, resident_per_layer=per_layer or 0,
+                          ring_budget_gib=ring_gib, backend="cpu")
+        with StreamEngine(cfg, [experts.get(l) for l in range(cfg.n_layers)], sc) as eng:
+            case = (resident_gib, per_layer, ring_gib)
+            assert plan["ring_slots"] == eng.ring, case
+            assert plan["ring_bytes"] == eng.ring * eng.blob_bytes, case
+            assert plan["resident_bytes"] == sum(map(len, eng.resident)) * eng.blob_bytes, case
+            assert [plan["resident_per_layer"]] * N_LAYERS == [len(r) for r in eng.resident], case
+            assert plan["streamed_per_layer"] == int(eng.streamed_per_layer.max()), case
+            assert plan["ring_fits_budget"] is True
+        seen_rings.add(plan["ring_slots"])
+    assert seen_rings == {56, 64, 1, 30, 52}  # every branch of the ring rule was taken
     # A ring budget below one layer's streamed experts is flagged, as the engine refuses it.
     small = run_json(["info", *MODEL, "--ring-gib", str(cfg.expert_bytes * 20 / 2**30),
                       "--no-measure"])["plan"]
-    assert small["ring_fits_budget"] is False
+    assert small["ring_fits_budget"] is False and small["ring_slots"] == N_EXPERTS
+    with pytest.raises(ValueError, match="holds 20 experts"):
+        StreamEngine(cfg, [experts.get(l) for l in range(cfg.n_layers)],
+                     StreamConfig(ring_budget_gib=cfg.expert_bytes * 20 / 2**30, backend="cpu"))
+    # Bad figures are refused by the plan itself, not turned into nonsense.
+    with pytest.raises(ValueError, match="exceeds the 32 experts"):
+        cli.memory_plan(cfg, max_context=512, resident_per_layer=33)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cli.memory_plan(cfg, max_context=512, resident_gib=-1.0)
 
 
 def test_info_says_why_the_link_was_not_measured():
