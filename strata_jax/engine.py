@@ -56,7 +56,8 @@ from .experts import ExpertWeights
 from .model import (KVCache, attention_key_block, build_model, expert_param_names,
                     uses_blocked_attention, validate_inputs)
 from .profile import ExpertProfile
-from .stream import ChunkStats, StreamConfig, StreamedExperts, StreamEngine
+from .stream import (ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
+                     stream_platform)
 
 __all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", "LayerMajorMemoryError",
            "ORDERS", "MIN_BUCKET", "compile_buckets", "sha256_of"]
@@ -258,6 +259,10 @@ class Engine:
             None: the device's free memory where the backend reports it (GPU),
             else the host's available RAM (CPU). On a GPU an explicit limit
             caps the free memory further.
+        device: Where the model runs: a jax.Device or a platform name ("cpu", "gpu"; its
+            first device). None: JAX's default device with every expert resident, the
+            stream's device when streamed. A streamed engine runs where its stream backend
+            puts the ring ("cpu": the CPU, "cuda": the GPU), so another device is a ValueError.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -265,7 +270,8 @@ class Engine:
                  chunk_size: int = 1024,
                  experts: Mapping[int, ExpertWeights] | None = None,
                  order: str = "chunk-major", sub_chunk: int | None = None,
-                 layer_major_limit_bytes: int | None = None):
+                 layer_major_limit_bytes: int | None = None,
+                 device: "jax.Device | str | None" = None):
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be at least 1")
         if max_context < 1 or max_context > config.max_seq_len:
@@ -301,14 +307,26 @@ class Engine:
                 host_experts[layer] = ExpertWeights(*(np.asarray(params[n]) for n in names))
         dense = {k: v for k, v in params.items() if k not in expert_names}
 
+        wanted = _device(device)
         self.streamer: StreamEngine | None = None
         if stream is None:
-            self.device = jax.devices()[0]
-            model = build_model(config, dense, experts=host_experts, resident_experts=True)
+            self.device = wanted if wanted is not None else jax.devices()[0]
+            with jax.default_device(self.device):
+                model = build_model(config, dense, experts=host_experts, resident_experts=True)
         else:
+            if wanted is not None and stream.backend in ("cpu", "cuda", "auto"):
+                # Refused before the experts are packed: the stream's platform follows from its
+                # backend alone ("auto" asks JAX and the library, as the StreamEngine will).
+                _check_stream_device(wanted, stream_platform(stream.backend), stream.backend)
             self.streamer = StreamEngine(
                 config, [host_experts.get(l) for l in range(config.n_layers)], stream)
-            self.device = jax.devices(self.streamer.platform)[0]
+            self.device = self.streamer.jax_device
+            if wanted is not None and wanted != self.device:
+                self.streamer.close()
+                raise ValueError(
+                    f"device={_name(wanted)} but the stream's residents and ring are on "
+                    f"{_name(self.device)} (StreamConfig.device={self.streamer.stream.device}); "
+                    "pass device=None, or the stream's device")
             with jax.default_device(self.device):
                 model = build_model(config, dense, resident_experts=False)
         self._graphdef, state = nnx.split(model)
@@ -558,6 +576,36 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _name(device: jax.Device) -> str:
+    return f"{device.platform}:{device.id}"
+
+
+def _device(device) -> jax.Device | None:
+    """Engine(device=...) as a jax.Device (None stays None); clear errors for the rest."""
+    if device is None or isinstance(device, jax.Device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a jax.Device, a platform name ('cpu', 'gpu') or None, "
+                        f"got {type(device).__name__}")
+    try:
+        found = jax.devices(device)
+    except RuntimeError:  # an unknown platform, or one that did not initialise
+        have = sorted({d.platform for d in jax.devices()})
+        raise ValueError(
+            f"device={device!r}: JAX has no {device!r} device here (platforms present: "
+            f"{', '.join(map(repr, have))}); use one of those, a jax.Device, or None for JAX's "
+            "default device") from None
+    return found[0]
+
+
+def _check_stream_device(device: jax.Device, platform: str, backend: str) -> None:
+    if device.platform != platform:
+        raise ValueError(
+            f"device={_name(device)} but the stream backend {backend!r} runs on a {platform} "
+            f"device; pass device=None, a {platform} device, or StreamConfig(backend="
+            f"{'cuda' if device.platform == 'gpu' else 'cpu'!r}) for the {device.platform}")
 
 
 def _host_available_bytes() -> int:

@@ -97,7 +97,8 @@ class StreamConfig:
         sim_jitter: Up to this many extra seconds per copy, uniform (CPU backend).
         seed: Seed of the simulated link's jitter.
         trace: Print per-chunk copied/skipped lines; None reads STRATA_TRACE.
-        device: CUDA device ordinal.
+        device: CUDA device ordinal; the JAX GPU of this index is where the
+            residents, the ring and the model are (StreamEngine.jax_device).
     """
 
     routed: bool = True
@@ -388,6 +389,15 @@ def _choose_backend(requested: str) -> str:
     return requested
 
 
+def stream_platform(backend: str) -> str:
+    """The JAX platform ("cpu" or "gpu") a stream backend ("auto", "cpu", "cuda") runs on:
+    the simulated link's ring is host memory, the CUDA ring is on the GPU; "auto" is
+    decided as a StreamEngine decides it."""
+    if backend == "auto":
+        backend = _choose_backend(backend)
+    return "gpu" if backend == "cuda" else "cpu"
+
+
 class StreamEngine:
     """A native streaming engine for one model: host store, ring, issuer, gate.
 
@@ -414,7 +424,7 @@ class StreamEngine:
         self.config = config
         self.stream = (stream or StreamConfig()).resolved()
         self.backend = _choose_backend(self.stream.backend)
-        self.platform = "gpu" if self.backend == "cuda" else "cpu"
+        self.platform = stream_platform(self.backend)
         L, E = config.n_layers, config.n_experts
         if len(experts) != L:
             raise ValueError(f"experts has {len(experts)} layers; the model has {L}")
@@ -548,7 +558,7 @@ class StreamEngine:
         return int(limit) if limit else None
 
     def _put_resident(self) -> dict[int, jax.Array]:
-        device = jax.devices("gpu" if self.backend == "cuda" else "cpu")[0]
+        device = self.jax_device
         out = {}
         for l in self.moe_layers:
             rows = self._stores[l][self.resident[l]].view(self.dtype)  # [R, blob]
@@ -556,6 +566,14 @@ class StreamEngine:
         return out
 
     # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def jax_device(self) -> jax.Device:
+        """The JAX device the residents and the ring are on, where the model must run: the GPU
+        of ordinal `StreamConfig.device` on CUDA, the CPU device on the simulated link."""
+        if self.backend == "cuda":
+            return jax.devices("gpu")[self.stream.device]
+        return jax.devices("cpu")[0]
 
     @property
     def resident_blobs(self) -> dict[int, jax.Array]:

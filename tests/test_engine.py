@@ -206,6 +206,103 @@ def test_progress_is_called_after_each_chunk(f32_engine):
     assert calls == [(70, 70)]
 
 
+# ---- the device ---------------------------------------------------------------------------------
+
+
+def test_resident_engine_on_a_named_device(f32_engine, f32_params):
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    tokens = _tokens(40)
+    want = f32_engine.prefill(tokens)
+    for device in ("cpu", cpu):
+        with Engine(F32, f32_params, None, max_context=256, chunk_size=32,
+                    device=device) as eng:
+            assert eng.device == cpu
+            assert all(leaf.devices() == {cpu} for leaf in eng._state_leaves)
+            r = eng.prefill(tokens)
+            assert r.logits.devices() == {cpu}
+            assert (r.logits_sha256(), r.kv_sha256()) == (want.logits_sha256(), want.kv_sha256())
+
+
+def test_bad_devices_are_refused(f32_params, monkeypatch):
+    import jax
+
+    from strata_jax import engine as engine_mod
+
+    with pytest.raises(TypeError, match="device must be a jax.Device, a platform name"):
+        Engine(F32, f32_params, None, device=0)
+    with pytest.raises(ValueError, match=r"device='nowhere': JAX has no 'nowhere' device here "
+                       r"\(platforms present: 'cpu'.*or None"):
+        Engine(F32, f32_params, None, device="nowhere")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(ValueError, match="device='gpu': JAX has no 'gpu' device"):
+            Engine(F32, f32_params, None, device="gpu")
+
+    # A streamed engine runs where its backend puts the ring: a device of another platform is
+    # refused before the experts are packed. (Played here by a backend said to be on the GPU.)
+    def never(*args, **kwargs):
+        raise AssertionError("the stream was built before the device was checked")
+
+    monkeypatch.setattr(engine_mod, "stream_platform", lambda backend: "gpu")
+    monkeypatch.setattr(engine_mod, "StreamEngine", never)
+    with pytest.raises(ValueError, match=r"device=cpu:0 but the stream backend 'cpu' runs on a "
+                       r"gpu device; pass device=None, a gpu device, or StreamConfig\(backend="
+                       r"'cpu'\)"):
+        Engine(F32, f32_params, StreamConfig(**CPU), max_context=64, device="cpu")
+
+
+def test_streamed_engine_accepts_its_own_device(bf16_params):
+    import jax
+
+    with Engine(BF16, bf16_params, StreamConfig(**CPU), max_context=64, chunk_size=32,
+                device="cpu") as eng:
+        assert eng.device == eng.streamer.jax_device == jax.devices("cpu")[0]
+        assert eng.prefill(_tokens(20, config=BF16)).totals()["streamed"] > 0
+
+
+def test_devices_of_a_two_device_host():
+    """With two CPU devices: the resident arm runs on the second when asked, and a streamed
+    engine (its ring on the first) refuses the second."""
+    import subprocess
+    import sys
+
+    code = """
+import jax, numpy as np
+from strata_jax.config import get_preset
+from strata_jax.engine import Engine
+from strata_jax.stream import StreamConfig
+from strata_jax.synthetic import init_synthetic
+cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,
+                                         expert_intermediate=16, param_dtype="float32")
+params = init_synthetic(cfg, seed=1)
+tokens = np.arange(24) % cfg.vocab_size
+second = jax.devices("cpu")[1]
+hashes = []
+for device in (None, second):
+    with Engine(cfg, params, None, max_context=64, chunk_size=16, device=device) as eng:
+        r = eng.prefill(tokens)
+        assert r.logits.devices() == {device or jax.devices()[0]}, r.logits.devices()
+        assert all(l.devices() == {eng.device} for l in eng._state_leaves)
+        hashes.append((r.logits_sha256(), r.kv_sha256()))
+assert hashes[0] == hashes[1], hashes
+try:
+    Engine(cfg, params, StreamConfig(backend="cpu"), max_context=64, device=second)
+except ValueError as e:
+    print(e)
+else:
+    raise SystemExit("a streamed engine took another device than its ring's")
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                         + " --xla_force_host_platform_device_count=2").strip()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("device=cpu:1 but the stream's residents and ring are on cpu:0 "
+            "(StreamConfig.device=0)") in out.stdout
+
+
 # ---- layer-major --------------------------------------------------------------------------------
 
 
