@@ -183,7 +183,7 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
     g = p.add_argument_group("stream (how experts reach the device)")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="stream non-resident experts through the native engine; --no-stream "
-                        "keeps every expert resident on JAX's default device (the resident arm)")
+                        "keeps every expert resident on the --backend device (the resident arm)")
     g.add_argument("--routed", choices=["on", "off"], default="on",
                    help="on: skip copies of experts no token of the chunk routes to (routed "
                         "stream); off: copy every streamed expert of every chunk (stream-all; "
@@ -217,8 +217,8 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
     g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when JAX has a GPU and the library was built with CUDA, "
                         "else cpu; cpu: the simulated device (host-memory ring, a copy thread "
-                        "playing the link); cuda: the GPU. --no-stream runs on JAX's default "
-                        "device (JAX_PLATFORMS=cpu keeps it on the CPU)")
+                        "playing the link); cuda: the GPU. With --no-stream, where the resident "
+                        "arm runs: auto: JAX's default device; cpu: the CPU; cuda: the GPU")
     g.add_argument("--sim-bandwidth", type=_float, default=bandwidth_default, metavar="GBPS",
                    help="simulated link bandwidth in GB/s (cpu backend; 0: unlimited)")
     g.add_argument("--sim-latency", type=_float, default=20.0, metavar="US",
@@ -267,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--depth", type=_depth, default=4, metavar="N",
                    help="copies queued ahead of the link in the routed arm")
     g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="stream backend (auto: CUDA when JAX has a GPU, else the simulated link)")
+                   help="stream backend (auto: CUDA when JAX has a GPU and the library was built "
+                        "with CUDA, else the simulated link); the resident arm runs on its "
+                        "device (cuda: the GPU, cpu: the CPU)")
     g.add_argument("--sim-bandwidth", type=_float, default=0.2, metavar="GBPS",
                    help="simulated link bandwidth in GB/s (cpu backend)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars on stderr")
@@ -656,6 +658,31 @@ def _resolve_backend(requested: str) -> str:
     return "cpu"
 
 
+def _resident_device(requested: str):
+    """The jax.Device of a --no-stream run: auto = JAX's default device, cpu, or cuda = the
+    GPU (the native library is not used, so it needs no CUDA build); UsageError without one."""
+    import jax
+
+    if requested == "auto":
+        return jax.devices()[0]
+    platform = "gpu" if requested == "cuda" else "cpu"
+    try:
+        return jax.devices(platform)[0]
+    except RuntimeError:
+        raise UsageError(f"--backend {requested}: JAX sees no {platform.upper()} (its backend is "
+                         f"{jax.default_backend()!r}); use --backend auto or cpu, or install "
+                         "jax[cuda12]") from None
+
+
+def _backends(args) -> tuple[str, object]:
+    """(stream backend, resident device): the backend of a streamed run ('cpu' or 'cuda'), or
+    for --no-stream the device its resident arm runs on (the backend is then its platform's)."""
+    if args.stream:
+        return _resolve_backend(args.backend), None
+    device = _resident_device(args.backend)
+    return ("cuda" if device.platform == "gpu" else "cpu"), device
+
+
 # ---- prefill ------------------------------------------------------------------------------------
 
 
@@ -757,22 +784,19 @@ def _arm(args) -> str:
     return "routed" if args.routed == "on" else "stream-all"
 
 
-def _backend_text(args, backend: str) -> str:
+def _backend_text(args, backend: str, device=None) -> str:
     if not args.stream:
-        import jax
-
-        d = jax.devices()[0]
-        return f"resident on {d.platform}:{d.id} ({d.device_kind})"
+        return f"resident on {device.platform}:{device.id} ({device.device_kind})"
     if backend == "cuda":
         return "cuda (pinned host store, device ring)"
     return (f"cpu (simulated link {args.sim_bandwidth:g} GB/s, {args.sim_latency:g} us per copy)")
 
 
-def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log):
+def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None):
     from .engine import Engine
 
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
-                  order=args.order)
+                  order=args.order, device=device)
     if args.sub_chunk is not None:
         kwargs["sub_chunk"] = args.sub_chunk
     log("building the engine (packing experts, placing weights)")
@@ -832,7 +856,7 @@ def cmd_prefill(args, log: _Log) -> int:
     needed = int(tokens.size) + args.follow_up
     what = ("the prompt and the follow-up need" if args.follow_up else "the prompt needs")
     max_context = _context(args, model, needed, what)
-    backend = _resolve_backend(args.backend)
+    backend, device = _backends(args)
     _check_budget(args, model, backend)
     profile = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, profile)
@@ -841,7 +865,7 @@ def cmd_prefill(args, log: _Log) -> int:
     if not args.json:
         print(model.describe())
         print(f"arm {_arm(args)}" + (f" (depth {args.depth})" if _arm(args) == "routed" else "")
-              + f", backend {_backend_text(args, backend)}; chunk {args.chunk}, "
+              + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk}, "
               f"order {args.order}")
         if args.profile:
             print(f"profile {args.profile}: stream order hottest first"
@@ -849,7 +873,7 @@ def cmd_prefill(args, log: _Log) -> int:
                      else ""))
         print(f"prompt: {prompt_text}", flush=True)
     cfg, params, experts = model.weights(log)
-    engine = _make_engine(args, cfg, params, experts, stream, max_context, log)
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device)
     with engine:
         first = _prefill(engine, tokens, None, log, "prefill")
         out = _jsonable(first.to_dict())
@@ -898,7 +922,7 @@ def cmd_profile(args, log: _Log) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: the directory {out_dir!r} does not exist")
-    backend = _resolve_backend(args.backend)
+    backend, device = _backends(args)
     _check_budget(args, model, backend)
     base = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, base)
@@ -909,7 +933,7 @@ def cmd_profile(args, log: _Log) -> int:
     cfg, params, experts = model.weights(log)
     profile = ExpertProfile.empty(cfg)
     total = 0
-    engine = _make_engine(args, cfg, params, experts, stream, max_context, log)
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device)
     with engine, log.bar(desc="profile prompts", total=len(prompts), unit="prompt") as bar:
         for tokens, _ in prompts:
             try:
@@ -1141,6 +1165,7 @@ def cmd_demo(args, log: _Log) -> int:
           flush=True)
     _, params, _ = model.weights(log)
     link = dict(backend=backend, sim_bandwidth=args.sim_bandwidth * 1e9)
+    resident_device = "gpu" if backend == "cuda" else "cpu"  # the arms compare on one device
     arms = {
         "resident": None,
         "stream-all": StreamConfig(routed=False, stream_floor=1, **link),
@@ -1149,7 +1174,8 @@ def cmd_demo(args, log: _Log) -> int:
     hashes = {}
     with log.bar(desc="arms", total=len(arms)) as bar:
         for name, sc in arms.items():
-            with Engine(cfg, params, sc, max_context=max_context, chunk_size=args.chunk) as eng:
+            with Engine(cfg, params, sc, max_context=max_context, chunk_size=args.chunk,
+                        device=None if sc else resident_device) as eng:
                 r = eng.prefill(tokens)
                 hashes[name] = (sha256_of(r.logits), sha256_of(r.session.cache))
                 bar.write(f"{name:>10}: {r.summary()}", file=sys.stdout)

@@ -294,6 +294,27 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
         assert w in lines[0], (w, lines[0])
 
 
+def test_no_stream_runs_on_the_backend_device(arms):
+    """--no-stream --backend cpu|cuda picks the resident arm's device (no JAX_PLATFORMS)."""
+    import jax
+
+    d = run_json(["prefill", *MODEL, *PROMPT, "--no-stream", "--backend", "cpu"])
+    assert (d["arm"], d["backend"], d["experts_streamed"]) == ("resident", "resident", 0)
+    assert (d["logits_sha256"], d["kv_sha256"]) == (arms["routed"]["logits_sha256"],
+                                                    arms["routed"]["kv_sha256"])
+    rc, out, err = run(["prefill", *MODEL, *PROMPT, "--no-stream", "--backend", "cpu", "-q"])
+    assert rc == 0, err
+    cpu = jax.devices("cpu")[0]
+    assert f"arm resident, backend resident on cpu:{cpu.id} ({cpu.device_kind})" in out
+    if not any(dev.platform == "gpu" for dev in jax.devices()):
+        rc, out, err = run(["prefill", *MODEL, *PROMPT, "--no-stream", "--backend", "cuda"])
+        assert rc == 2 and out == ""
+        assert len(err.strip().splitlines()) == 1
+        assert "--backend cuda: JAX sees no GPU" in err and "--backend auto or cpu" in err
+    prefill = cli.build_parser()._subparsers._group_actions[0].choices["prefill"]
+    assert "JAX_PLATFORMS" not in prefill.format_help()
+
+
 def test_backend_cuda_without_cuda_is_refused():
     import jax
 
