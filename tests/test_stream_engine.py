@@ -8,6 +8,7 @@ and the next prefill correct.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -309,3 +310,27 @@ def test_plan_stream_imports_without_the_native_library():
     assert out.returncode == 0, out.stderr[-2000:]
     ring, resident = map(int, out.stdout.split())
     assert ring >= 1 and resident > 0
+
+
+def test_prefill_program_has_no_jax_effects():
+    # The stream calls carry their side effect in the HLO only. A JAX-level effect (what
+    # jax.ffi.ffi_call(has_side_effect=True) adds) sends every call of the jitted prefill down
+    # JAX's Python dispatch path, milliseconds per call before the device starts.
+    import jax
+    import jax.numpy as jnp
+
+    params = init_synthetic(CFG, seed=3)
+    with Engine(CFG, params, StreamConfig(routed=True, stream_floor=CHUNK, **SLOW),
+                max_context=256, chunk_size=CHUNK) as eng:
+        cache = eng.new_cache()
+        tokens = jnp.zeros(CHUNK, jnp.int32)
+        fn = functools.partial(eng._prefill_fn, first=True, mode=0, sub=0)
+        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, eng.streamer.resident_blobs, tokens, cache,
+                                   np.int32(0), np.int32(CHUNK))
+        calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "strata_stream_call"]
+        assert len(calls) == 2 + 2 * len(CFG.moe_layers)  # begin, publish+fetch per layer, end
+        assert not jaxpr.effects
+        hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub")).lower(
+            eng._state_leaves, eng.streamer.resident_blobs, tokens, cache, np.int32(0),
+            np.int32(CHUNK), first=True, mode=0, sub=0).as_text()
+        assert hlo.count("has_side_effect = true") == len(calls)
