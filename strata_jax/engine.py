@@ -127,13 +127,13 @@ class ChunkRecord:
 
     start: int
     length: int
-    ms: float
+    ms: float | None  # None when the prefill did not wait for each chunk (sync_chunks=False)
     stats: ChunkStats | None
     bucket: int = 0
 
     def to_dict(self) -> dict:
         out = {"start": self.start, "tokens": self.length, "bucket": self.bucket,
-               "ms": round(self.ms, 3)}
+               "ms": None if self.ms is None else round(self.ms, 3)}
         if self.stats is not None:
             out["stream_mode"] = self.stats.mode
             out.update(self.stats.totals())
@@ -453,7 +453,10 @@ class Engine:
             progress: Called as progress(done_tokens, total_tokens) after each chunk (once at
                 the end for layer-major), e.g. to drive a progress bar.
             sync_chunks: Wait for each chunk to finish so its time is measured
-                (per-chunk ms); False lets chunks overlap and reports only the total.
+                (per-chunk `ms`). False dispatches each chunk while the one before runs
+                (on the GPU the next chunk's copies start as soon as the ring allows), reports
+                only the total time (chunk `ms` is None) and calls `progress` as chunks are
+                dispatched.
 
         Returns:
             PrefillResult.
@@ -514,7 +517,7 @@ class Engine:
         resident = self.streamer.resident_blobs if self.streamer is not None else {}
         records: list[ChunkRecord] = []
         counts_total = np.zeros((len(self.config.moe_layers), self.config.n_experts), np.int64)
-        counts_list = []
+        pending = []  # (record index, real tokens, stats, counts) per chunk, read at the end
         logits = None
         t0 = time.perf_counter()
         try:
@@ -537,21 +540,25 @@ class Engine:
                 logits, cache, counts, st = self._jit(
                     self._state_leaves, resident, jax.device_put(padded, self.device), cache,
                     np.int32(pos), np.int32(piece.size), first=(pos == 0), mode=mode, sub=sub)
-                stats = None
-                if sync_chunks or self.streamer is not None:
+                chunk_ms = None
+                if sync_chunks:
                     jax.block_until_ready((logits, cache))
-                if self.streamer is not None:
-                    st, counts = jax.device_get((st, counts))  # one transfer for both
-                    stats = self.streamer.make_stats(piece.size, st, counts)
-                counts_list.append(counts)
-                records.append(ChunkRecord(pos, int(piece.size),
-                                           (time.perf_counter() - c0) * 1e3, stats, bucket))
+                    chunk_ms = (time.perf_counter() - c0) * 1e3
+                # Unsynced, the next chunk is dispatched while this one runs: its begin_chunk
+                # waits on the host for this chunk's publish callbacks and its copies wait on
+                # the device for this chunk's reads of the ring, so the link does not idle
+                # through this chunk's tail. Its stats are read after the last chunk.
+                pending.append((len(records), int(piece.size), st, counts))
+                records.append(ChunkRecord(pos, int(piece.size), chunk_ms, None, bucket))
                 pos += piece.size
                 if progress is not None:
                     progress(pos - start, int(arr.size))
             jax.block_until_ready((logits, cache))
-            for counts in counts_list:
+            fetched = jax.device_get([(st, counts) for _, _, st, counts in pending])
+            for (i, n, _, _), (st, counts) in zip(pending, fetched):
                 counts_total += np.asarray(counts)
+                if self.streamer is not None:
+                    records[i].stats = self.streamer.make_stats(n, st, counts)
         except BaseException:
             # Stop the walk of the chunk in flight; the caller's session is untouched.
             if self.streamer is not None:

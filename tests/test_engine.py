@@ -503,3 +503,27 @@ def test_interrupt_mid_prefill_leaves_session_and_engine_intact(bf16_params):
         assert first.kv_sha256() == kv
         again = eng.prefill(b, first.session)
         assert (again.logits_sha256(), again.kv_sha256()) == (ok.logits_sha256(), ok.kv_sha256())
+
+
+def test_unsynced_chunks_give_the_same_result(bf16_params):
+    # sync_chunks=False dispatches each chunk while the one before runs and reads every chunk's
+    # stats at the end: the same bits, stats and counts as waiting for each chunk.
+    toks = _tokens(150, seed=11, config=BF16)
+    with Engine(BF16, bf16_params, StreamConfig(routed=True, depth=2, stream_floor=16, **SLOW),
+                max_context=256, chunk_size=32) as eng:
+        synced = eng.prefill(toks)
+        overlapped = eng.prefill(toks, sync_chunks=False)
+        follow = eng.prefill(toks[:40], overlapped.session, sync_chunks=False)
+    assert len(overlapped.chunks) == 5
+    assert all(c.ms is None for c in overlapped.chunks)
+    assert all(c.ms is not None for c in synced.chunks)
+    assert overlapped.logits_sha256() == synced.logits_sha256()
+    assert overlapped.kv_sha256() == synced.kv_sha256()
+    np.testing.assert_array_equal(overlapped.counts, synced.counts)
+    for a, b in zip(overlapped.chunks, synced.chunks):
+        assert a.stats.mode == b.stats.mode
+        np.testing.assert_array_equal(a.stats.streamed, b.stats.streamed)
+        np.testing.assert_array_equal(a.stats.copied + a.stats.skipped, a.stats.streamed)
+        np.testing.assert_array_equal(a.stats.unrouted, b.stats.unrouted)
+    assert (follow.reused, follow.read) == (150, 40)
+    assert json.loads(json.dumps(overlapped.to_dict()))["chunks"][0]["ms"] is None
