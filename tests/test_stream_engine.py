@@ -334,3 +334,40 @@ def test_prefill_program_has_no_jax_effects():
             eng._state_leaves, eng.streamer.resident_blobs, tokens, cache, np.int32(0),
             np.int32(CHUNK), first=True, mode=0, sub=0).as_text()
         assert hlo.count("has_side_effect = true") == len(calls)
+
+
+def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers():
+    # The protocol driven by hand: begin, then publish + fetch for every MoE layer but the last,
+    # then end. end_chunk must refuse (what fetch read differs from what the walk issued) with a
+    # message, leave no thread running, and the next full chunk must succeed.
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax import stream as S
+    from strata_jax.synthetic import split_experts
+
+    params = init_synthetic(CFG, seed=3)
+    _, experts = split_experts(CFG, params)
+    eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
+                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0))
+    counts = jnp.ones((CFG.n_experts,), jnp.int32)
+    layers = list(CFG.moe_layers)
+
+    def chunk(n_fetched):
+        tok = S.begin(eng.id, 0, jnp.zeros((), jnp.int32))
+        outs = []
+        for l in layers[:n_fetched]:
+            tok = S.publish(eng.id, l, tok, counts)
+            blobs, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts)
+            outs.append(blobs.sum())
+        return S.end(eng.id, tok, CFG.n_layers), outs
+
+    try:
+        with pytest.raises(Exception, match="fetch read .* the walk"):
+            jax.block_until_ready(jax.jit(lambda: chunk(len(layers) - 1))())
+        assert not eng.walk_active()
+        stats, _ = jax.jit(lambda: chunk(len(layers)))()
+        stats = np.asarray(stats)
+        assert stats[layers, 0].sum() == len(eng.stream_list)  # every entry copied
+    finally:
+        eng.close()

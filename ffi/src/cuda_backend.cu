@@ -106,6 +106,12 @@ class DeviceScope {
   cudaError_t status_ = cudaSuccess;
 };
 
+// Makes the engine's device current for the rest of the scope (as `var`) and
+// returns its error from the enclosing Status function if that fails.
+#define STRATA_ENTER_DEVICE(var)            \
+  DeviceScope var(opt_.device);             \
+  if (Status strata_s_ = var.status(); !strata_s_.empty()) return strata_s_
+
 // Thrown out of the link when the walk is stopped while a staged entry waits
 // for its bounce buffer: a cancellation, which must not read as an issuer
 // failure.
@@ -359,9 +365,7 @@ class CudaEngine final : public Engine {
 
   // The CUDA half of construction, which can fail.
   Status Init() {
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     const int64_t n = std::max<int64_t>(
         1, static_cast<int64_t>(opt_.n_layers) * opt_.n_experts);
     STRATA_CUDA_RETURN("routing counts, " + std::to_string(n) + " int32",
@@ -381,16 +385,14 @@ class CudaEngine final : public Engine {
     if (opt_.pin_mode < 0 || opt_.pin_mode > 2)
       return "pin_mode " + std::to_string(opt_.pin_mode) +
              " is not 0 (cudaHostRegister), 1 (pinned arena) or 2 (staged)";
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     // The old pinned counts, ring and events may still be targeted by the
     // last chunk's device work.
     if (!WaitCallbacks(kCallbackWait))
       return "publish callbacks of the last chunk have not run after " +
              std::to_string(kCallbackWait.count()) + " s";
     ReleaseResources();
-    s = Allocate();
+    const Status s = Allocate();
     if (!s.empty()) {
       ReleaseResources();
       return s;
@@ -475,9 +477,7 @@ class CudaEngine final : public Engine {
     if (!WaitCallbacks(kCallbackWait))
       return "publish callbacks of the previous chunk have not run after " +
              std::to_string(kCallbackWait.count()) + " s";
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     timed_ = false;
     copy_started_ = false;
     STRATA_CUDA_RETURN("chunk timing start", cudaEventRecord, t_begin_,
@@ -486,9 +486,7 @@ class CudaEngine final : public Engine {
   }
 
   Status BackendEnd(void* stream) override {
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     STRATA_CUDA_RETURN("chunk timing end", cudaEventRecord, t_end_,
                        static_cast<cudaStream_t>(stream));
     timed_ = true;
@@ -497,9 +495,7 @@ class CudaEngine final : public Engine {
 
   Status Timing(double* out) const override {
     if (!timed_) return "no finished chunk to time";
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     const cudaError_t q = cudaEventQuery(t_end_);
     if (q == cudaErrorNotReady) return "the chunk's device work has not finished";
     float ms = 0.f;
@@ -555,9 +551,7 @@ class CudaEngine final : public Engine {
   }
 
   Status BackendPublish(int layer, const void* counts, void* stream) override {
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     const int64_t n = opt_.n_experts;
     STRATA_CUDA_RETURN("routing counts of layer " + std::to_string(layer),
@@ -584,9 +578,7 @@ class CudaEngine final : public Engine {
 
   Status ReadSlots(int64_t k, int64_t n, int64_t slot, uint8_t* dst,
                    void* stream) override {
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     const StreamEntry& e = stream_[k];
     auto where = [&] {
@@ -611,9 +603,7 @@ class CudaEngine final : public Engine {
 
   Status CopyDirect(int layer, int expert, int64_t n, uint8_t* dst,
                     void* stream) override {
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     // From a pageable store the driver stages the blobs before returning:
     // synchronous on this thread, still ordered on the stream, and correct.
     // Routed-only chunks are small, so the slow path is acceptable here.
@@ -629,9 +619,7 @@ class CudaEngine final : public Engine {
 
   Status CopyResident(const uint8_t* src, uint8_t* dst, int64_t bytes,
                       void* stream) override {
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     STRATA_CUDA_RETURN("resident experts, " + std::to_string(bytes) + " bytes",
                        cudaMemcpyAsync, dst, src, static_cast<size_t>(bytes),
                        cudaMemcpyDeviceToDevice,
@@ -640,9 +628,7 @@ class CudaEngine final : public Engine {
   }
 
   Status ZeroRows(uint8_t* dst, int64_t n, void* stream) override {
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     STRATA_CUDA_RETURN("rows of skipped experts", cudaMemsetAsync, dst, 0,
                        static_cast<size_t>(n * opt_.blob_bytes),
                        static_cast<cudaStream_t>(stream));
@@ -654,9 +640,7 @@ class CudaEngine final : public Engine {
     if (bytes % static_cast<int64_t>(sizeof(int32_t)) != 0)
       return "stats of " + std::to_string(bytes) +
              " bytes are not a whole number of int32";
-    DeviceScope dev(opt_.device);
-    Status s = dev.status();
-    if (!s.empty()) return s;
+    STRATA_ENTER_DEVICE(dev);
     const int64_t n = bytes / static_cast<int64_t>(sizeof(int32_t));
     constexpr int64_t kPer = 256;  // Ints256's capacity
     for (int64_t off = 0; off < n; off += kPer) {

@@ -248,6 +248,24 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   if (!in_chunk_) return "end_chunk outside a chunk (begin_chunk not run)";
   JoinIssuer();
   if (walk_failed_) return Fail("the issuer failed: " + walk_error_);
+  if (mode_ == ChunkMode::kStream && !stream_.empty()) {
+    // What fetch read must be what the walk decided, entry for entry in sum.
+    int64_t copied = 0, skipped = 0;
+    for (const LayerStats& ls : stats_) {
+      copied += ls.copied;
+      skipped += ls.skipped;
+    }
+    if (walk_result_.stopped || copied != walk_result_.copied ||
+        skipped != walk_result_.skipped)
+      return Fail("end_chunk: fetch read " + std::to_string(copied) +
+                  " copied and " + std::to_string(skipped) +
+                  " skipped entries, the walk " +
+                  (walk_result_.stopped
+                       ? std::string("stopped")
+                       : std::to_string(walk_result_.copied) + " and " +
+                             std::to_string(walk_result_.skipped)) +
+                  " (a fetch missing for a layer?)");
+  }
   for (int l = 0; l < opt_.n_layers; ++l) {
     stats_host[2 * l] = static_cast<int32_t>(stats_[l].copied);
     stats_host[2 * l + 1] = static_cast<int32_t>(stats_[l].skipped);

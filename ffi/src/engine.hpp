@@ -171,7 +171,7 @@ class Engine {
   RouteGate gate_;
   WalkState state_;
   std::thread issuer_;
-  WalkResult walk_result_;
+  WalkResult walk_result_;  // the issuer's, read after it is joined
   std::atomic<bool> walk_failed_{false};
   std::string walk_error_;
 
