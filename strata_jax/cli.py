@@ -801,7 +801,10 @@ def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, dev
         kwargs["sub_chunk"] = args.sub_chunk
     log("building the engine (packing experts, placing weights)")
     try:
-        return Engine(cfg, params, stream, **kwargs)
+        if stream is None:
+            return Engine(cfg, params, stream, **kwargs)
+        with log.bar(desc="packing experts", total=len(cfg.moe_layers), unit="layer") as bar:
+            return Engine(cfg, params, stream, progress=log.progress(bar), **kwargs)
     except ValueError as e:
         raise UsageError(str(e).splitlines()[0]) from None
 

@@ -263,6 +263,9 @@ class Engine:
             first device). None: JAX's default device with every expert resident, the
             stream's device when streamed. A streamed engine runs where its stream backend
             puts the ring ("cpu": the CPU, "cuda": the GPU), so another device is a ValueError.
+        progress: Called as progress(done_layers, total_layers) while a streamed engine packs
+            each MoE layer's experts into its host store (the long part of making an engine
+            for a full-size model).
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -271,7 +274,8 @@ class Engine:
                  experts: Mapping[int, ExpertWeights] | None = None,
                  order: str = "chunk-major", sub_chunk: int | None = None,
                  layer_major_limit_bytes: int | None = None,
-                 device: "jax.Device | str | None" = None):
+                 device: "jax.Device | str | None" = None,
+                 progress: Callable[[int, int], object] | None = None):
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be at least 1")
         if max_context < 1 or max_context > config.max_seq_len:
@@ -319,7 +323,8 @@ class Engine:
                 # backend alone ("auto" asks JAX and the library, as the StreamEngine will).
                 _check_stream_device(wanted, stream_platform(stream.backend), stream.backend)
             self.streamer = StreamEngine(
-                config, [host_experts.get(l) for l in range(config.n_layers)], stream)
+                config, [host_experts.get(l) for l in range(config.n_layers)], stream,
+                progress=progress)
             self.device = self.streamer.jax_device
             if wanted is not None and wanted != self.device:
                 self.streamer.close()

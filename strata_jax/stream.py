@@ -25,7 +25,7 @@ import dataclasses
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
 import jax.extend.core as jex_core
@@ -406,6 +406,8 @@ class StreamEngine:
         experts: Per model layer, that layer's routed experts as numpy
             ExpertWeights (host memory), or None for dense layers.
         stream: StreamConfig (environment overrides applied here, once).
+        progress: Called as progress(done_layers, total_layers) as each MoE layer's experts
+            are packed into the host store (long for a full-size model).
 
     The engine follows `plan_stream(config, stream)` (its `plan`; the residents, stream list
     and ring are also its attributes `resident`, `stream_list`, `streamed_mask`,
@@ -419,7 +421,8 @@ class StreamEngine:
 
     def __init__(self, config: ModelConfig,
                  experts: Sequence[ExpertWeights | np.ndarray | None],
-                 stream: StreamConfig | None = None):
+                 stream: StreamConfig | None = None, *,
+                 progress: Callable[[int, int], object] | None = None):
         native.register_targets()
         self.config = config
         self.stream = (stream or StreamConfig()).resolved()
@@ -469,6 +472,8 @@ class StreamEngine:
                     dst[...] = store
                     store = dst
                 self._stores[layer] = store
+                if progress is not None:
+                    progress(self.moe_layers.index(layer) + 1, len(self.moe_layers))
         except BaseException:
             # No engine owns the pinned block yet: free it here (bad expert shapes, Ctrl-C).
             self._stores = [None] * L

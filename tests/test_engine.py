@@ -527,3 +527,12 @@ def test_unsynced_chunks_give_the_same_result(bf16_params):
         np.testing.assert_array_equal(a.stats.unrouted, b.stats.unrouted)
     assert (follow.reused, follow.read) == (150, 40)
     assert json.loads(json.dumps(overlapped.to_dict()))["chunks"][0]["ms"] is None
+
+
+def test_packing_progress(bf16_params):
+    seen = []
+    with Engine(BF16, bf16_params, StreamConfig(**SLOW), max_context=64, chunk_size=32,
+                progress=lambda done, total: seen.append((done, total))) as eng:
+        assert eng.streamer is not None
+    n = len(BF16.moe_layers)
+    assert seen == [(i, n) for i in range(1, n + 1)]
