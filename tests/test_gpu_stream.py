@@ -144,3 +144,46 @@ def test_cuda_padded_turns_and_layer_major_identical(setup):
                         second.kv_sha256(), lm.logits_sha256(), lm.kv_sha256())
     assert out["stream-all"] == out["resident"]
     assert out["routed"] == out["resident"]
+
+
+def test_cuda_overlapped_chunks_identical(setup):
+    # sync_chunks=False on CUDA: each chunk is dispatched while the one before runs, so the
+    # next chunk's begin waits for the last one's publish callbacks and its copies wait on the
+    # last one's ring reads. Same bytes and stats as waiting for every chunk.
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+    with Engine(cfg, params, StreamConfig(routed=True, depth=4, backend="cuda", stream_floor=16),
+                max_context=1024, chunk_size=CHUNK) as eng:
+        synced = eng.prefill(tokens)
+        for _ in range(3):
+            over = eng.prefill(tokens, sync_chunks=False)
+            assert (over.logits_sha256(), over.kv_sha256()) == ref
+            assert (over.logits_sha256(), over.kv_sha256()) == (synced.logits_sha256(),
+                                                                synced.kv_sha256())
+            for a in over.chunks:
+                np.testing.assert_array_equal(a.stats.copied + a.stats.skipped, a.stats.streamed)
+        assert not eng.streamer.walk_active()
+
+
+def test_cuda_blocked_attention_matches_xla(monkeypatch):
+    # The blocked follow-up attention on the GPU against the XLA masked path, bf16 tolerance.
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from strata_jax import model as M
+    from strata_jax.testing import assert_close
+
+    rng = np.random.default_rng(0)
+    t, n, kvh, d, s, start = 256, 16, 4, 64, 2048, 700
+    q = jnp.asarray(rng.standard_normal((t, n, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((s, kvh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((s, kvh, d)), jnp.bfloat16)
+    positions = jnp.arange(start, start + t, dtype=jnp.int32)
+    mask = jnp.arange(s)[None, :] <= positions[:, None]
+    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "xla")
+    want = jax.jit(lambda q, k, v, m: M.attend(q, k, v, m))(q, k, v, mask)
+    got = jax.jit(M.blocked_attention, static_argnums=4)(q, k, v, positions, 256)
+    assert_close(got, want, ml_dtypes.bfloat16)
