@@ -362,6 +362,9 @@ class Engine:
         if self.streamer is not None:
             source = StreamedExperts(self.streamer.id, mode, self.config, resident,
                                      jnp.zeros((), jnp.int32))
+            # begin_chunk first: the chunk's token ids wait for it, so the issuer (and the
+            # link) start before any of the chunk's compute, wherever XLA would schedule it.
+            tokens, source.token = jax.lax.optimization_barrier((tokens, source.token))
         start = 0 if first else start
         if sub:
             logits, cache, counts = model.layer_major(tokens, cache, start, source, sub,
