@@ -13,7 +13,7 @@ from strata_jax.benchmarks import plot, stream_bench
 def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40,100", "--parts",
-                            "sweep,two-turn,layer-major", "--chunk", "64", "--turn1", "150",
+                            "sweep,two-turn,layer-major,publication", "--chunk", "64", "--turn1", "150",
                             "--turn2", "50", "--turn-reps", "1", "--long", "256",
                             "--json", str(out)])
     assert rc == 0
@@ -39,6 +39,8 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
         # Layer-major reads each streamed expert at most once; chunk-major up to once per chunk.
         assert lm[(arm, "layer-major")]["copied"] <= lm[(arm, "layer-major")]["streamed"]
         assert lm[(arm, "chunk-major")]["chunks"] == 4
+    (pub,) = [r for r in rows if r["part"] == "publication"]
+    assert pub["resident_ms"] > 0 and pub["through_stream_ms"] > 0 and pub["layer_copy_us"] > 0
     written = plot.main([str(out), "--out", str(tmp_path)])
     assert written == 0
     assert (tmp_path / "bench_time.png").stat().st_size > 0

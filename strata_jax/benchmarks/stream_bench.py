@@ -17,6 +17,9 @@ Three parts, each optional:
               session (reported as reused + read), chunked by --chunk, routed against stream-all.
   layer-major A --long-token prompt read layer-major (sub-chunks of --chunk) against chunk-major
               (chunks of --chunk), routed: bytes copied and time for each.
+  publication The stream's per-layer cost with nothing on the link (every expert resident, read
+              through the stream) against the resident engine, less fetch's device copy of the
+              layer timed alone: the publication's cost per layer (first of --lengths tokens).
 
 The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run.
 
@@ -377,6 +380,47 @@ def layer_major(args, cfg, params, link, result):
                 "max_abs_ref": float(np.max(np.abs(a)))}
 
 
+def publication(args, cfg, params, link, result):
+    """Per-layer cost of the stream's publish + fetch with nothing crossing the link: every
+    expert resident, read through the stream, against the plain resident engine. Fetch then
+    copies each layer's experts device-to-device (one copy per layer); that copy is timed on its
+    own, and what is left is the publication (counts to the host, the host callback)."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    n = int(args.lengths.split(",")[0])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.turn_reps + 1)]
+    times = {}
+    for arm, sc in (("resident", None),
+                    ("all-resident-through-stream",
+                     StreamConfig(resident_per_layer=cfg.n_experts))):
+        with Engine(cfg, params, sc, max_context=n, chunk_size=n) as eng:
+            eng.prefill(prompts[-1])
+            times[arm] = statistics.median(_timed(eng, p)[0] for p in prompts[:-1])
+    layer = jnp.zeros((cfg.n_experts, cfg.expert_bytes // 2), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.zeros((), a.dtype))  # a read and a write of the layer
+    jax.block_until_ready(copy(layer))
+    reps = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(copy(layer))
+        reps.append((time.perf_counter() - t0) * 1e3)
+    d2d_ms = statistics.median(reps)
+    n_moe = len(cfg.moe_layers)
+    per_layer_us = (times["all-resident-through-stream"] - times["resident"]) / n_moe * 1e3
+    row = {"part": "publication", "arm": "all-resident-through-stream", "tokens": n,
+           "resident_ms": times["resident"],
+           "through_stream_ms": times["all-resident-through-stream"],
+           "per_layer_us": per_layer_us, "layer_copy_us": d2d_ms * 1e3,
+           "publication_us_per_layer": per_layer_us - d2d_ms * 1e3}
+    result["rows"].append(row)
+    print(json.dumps(row), flush=True)
+
+
 def _timed_order(engine, tokens, order):
     t0 = time.perf_counter()
     r = engine.prefill(tokens, order=order, sync_chunks=False)
@@ -389,7 +433,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
-    ap.add_argument("--parts", default="sweep", help="comma list of sweep,two-turn,layer-major")
+    ap.add_argument("--parts", default="sweep",
+                    help="comma list of sweep,two-turn,layer-major,publication")
     ap.add_argument("--arms", default="resident,stream-all,routed,jax-pinned-host")
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
@@ -408,7 +453,7 @@ def main(argv=None) -> int:
     from strata_jax import native
 
     parts = args.parts.split(",")
-    unknown = set(parts) - {"sweep", "two-turn", "layer-major"}
+    unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -430,7 +475,8 @@ def main(argv=None) -> int:
               "depth": args.depth, "link_pinned_gbps": link, "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
-    for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major)):
+    for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
+                     ("publication", publication)):
         if part in parts:
             fn(args, cfg, params, link, result)
             if args.json:  # keep what finished if a later part runs out of time
