@@ -76,14 +76,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_pinned_free": (None, [p]),
         "strata_engine_host_times": (c.c_int, [c.c_int64, p]),
         "strata_engine_timing": (c.c_int, [c.c_int64, p, c.c_char_p, c.c_int64]),
-        "strata_measure_h2d_ex": (
+        "strata_measure_h2d": (
             c.c_int,
             [c.c_int, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int, c.POINTER(c.c_double),
              c.c_char_p, c.c_int64],
-        ),
-        "strata_measure_h2d": (
-            c.c_int,
-            [c.c_int, c.c_int64, c.c_int, c.c_int, c.POINTER(c.c_double), c.c_char_p, c.c_int64],
         ),
     }
     for name, (res, args) in sigs.items():
@@ -150,7 +146,7 @@ def measure_h2d(nbytes: int = 256 * 2**20, reps: int = 10, *, pinned: bool = Tru
         raise ValueError(f"host={mode!r}: expected one of {sorted(_HOST_MODES)}")
     out = ctypes.c_double(0.0)
     err = ctypes.create_string_buffer(512)
-    rc = lib().strata_measure_h2d_ex(device, int(nbytes), int(block or nbytes), int(reps),
+    rc = lib().strata_measure_h2d(device, int(nbytes), int(block or nbytes), int(reps),
                                      _HOST_MODES[mode], int(bool(events)), ctypes.byref(out),
                                      err, len(err))
     if rc != 0:

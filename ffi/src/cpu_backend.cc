@@ -22,11 +22,7 @@ class CpuEngine final : public Engine {
 
   Status Prepare() override {
     if (in_chunk_) return "cannot prepare during a chunk";
-    for (int l = 0; l < opt_.n_layers; ++l)
-      if (!stores_[l] && layer_begin_.size() > static_cast<size_t>(l) + 1 &&
-          layer_begin_[l + 1] > layer_begin_[l])
-        return "layer " + std::to_string(l) +
-               " streams experts but has no host store";
+    if (Status s = CheckStores(); !s.empty()) return s;
     if (link_) link_->Shutdown();
     ring_.assign(static_cast<size_t>(opt_.ring * opt_.blob_bytes), 0);
     SimLinkOptions lo;

@@ -377,11 +377,7 @@ class CudaEngine final : public Engine {
 
   Status Prepare() override {
     if (in_chunk_) return "cannot prepare during a chunk";
-    for (int l = 0; l < opt_.n_layers; ++l)
-      if (!stores_[l] && layer_begin_.size() > static_cast<size_t>(l) + 1 &&
-          layer_begin_[l + 1] > layer_begin_[l])
-        return "layer " + std::to_string(l) +
-               " streams experts but has no host store";
+    if (Status s = CheckStores(); !s.empty()) return s;
     if (opt_.pin_mode < 0 || opt_.pin_mode > 2)
       return "pin_mode " + std::to_string(opt_.pin_mode) +
              " is not 0 (cudaHostRegister), 1 (pinned arena) or 2 (staged)";
@@ -408,8 +404,11 @@ class CudaEngine final : public Engine {
     state_.Notify();
   }
 
-  // Link, on the issuer thread (see IssueWalk).
-  void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
+  // Link, on the issuer thread (see IssueWalk): entries k..k+n-1 into slots
+  // slot0..slot0+n-1 as one copy. n > 1 is a run of adjacent experts of one
+  // layer; the walk never forms runs of staged entries, so staging has n == 1.
+  void IssueEntries(int64_t k, int64_t n, int64_t slot0) {
+    const StreamEntry& e = stream_[k];
     if (!copy_started_) {
       STRATA_CUDA_THROW("copy window start", cudaEventRecord, t_copy0_,
                         copy_stream_);
@@ -417,43 +416,23 @@ class CudaEngine final : public Engine {
     }
     // Never recorded means never read since the ring was made: waiting on an
     // unrecorded event would be a no-op anyway, but this keeps it explicit.
-    if (used_recorded_[slot].load(std::memory_order_acquire))
-      STRATA_CUDA_THROW(Entry(slot, e) + ", waiting for the slot's release",
-                        cudaStreamWaitEvent, copy_stream_, used_[slot], 0u);
-    const uint8_t* src = staging_
-                             ? stager_.WaitFilled(k, kIssuerPoll)
-                             : SourceBlob(e.layer, e.expert);
-    STRATA_CUDA_THROW(Entry(slot, e), cudaMemcpyAsync,
-                      ring_ + slot * opt_.blob_bytes, src,
-                      static_cast<size_t>(opt_.blob_bytes),
-                      cudaMemcpyHostToDevice, copy_stream_);
-    STRATA_CUDA_THROW(Entry(slot, e), cudaEventRecord, copied_[slot],
-                      copy_stream_);
-    if (staging_) stager_.Release(k, copy_stream_);
-  }
-
-  // Entries k..k+n-1: adjacent experts of one layer into adjacent slots, as
-  // one copy (the walk forms runs only of unstaged entries).
-  void IssueRun(int64_t k, int64_t n, int64_t slot0) {
-    const StreamEntry& e = stream_[k];
-    if (!copy_started_) {
-      STRATA_CUDA_THROW("copy window start", cudaEventRecord, t_copy0_,
-                        copy_stream_);
-      copy_started_ = true;
-    }
     for (int64_t j = 0; j < n; ++j)
       if (used_recorded_[slot0 + j].load(std::memory_order_acquire))
         STRATA_CUDA_THROW(Entry(slot0 + j, stream_[k + j]) +
                               ", waiting for the slot's release",
                           cudaStreamWaitEvent, copy_stream_, used_[slot0 + j], 0u);
-    STRATA_CUDA_THROW(Entry(slot0, e) + " and the next " + std::to_string(n - 1),
-                      cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes,
-                      SourceBlob(e.layer, e.expert),
-                      static_cast<size_t>(n * opt_.blob_bytes),
-                      cudaMemcpyHostToDevice, copy_stream_);
+    const uint8_t* src = staging_
+                             ? stager_.WaitFilled(k, kIssuerPoll)
+                             : SourceBlob(e.layer, e.expert);
+    STRATA_CUDA_THROW(
+        Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : ""),
+        cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes, src,
+        static_cast<size_t>(n * opt_.blob_bytes), cudaMemcpyHostToDevice,
+        copy_stream_);
     for (int64_t j = 0; j < n; ++j)
       STRATA_CUDA_THROW(Entry(slot0 + j, stream_[k + j]), cudaEventRecord,
                         copied_[slot0 + j], copy_stream_);
+    if (staging_) stager_.Release(k, copy_stream_);
   }
 
   // The slot's event may since carry a later entry's copy; the copy stream
@@ -723,12 +702,12 @@ class CudaEngine final : public Engine {
 
   struct Link {
     CudaEngine* engine;
-    void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
-      engine->IssueCopy(k, slot, e);
+    void IssueCopy(int64_t k, int64_t slot, const StreamEntry&) {
+      engine->IssueEntries(k, 1, slot);
     }
     bool CopyLanded(int64_t k) { return engine->CopyLanded(k); }
     void IssueRun(int64_t k, int64_t n, int64_t slot0) {
-      engine->IssueRun(k, n, slot0);
+      engine->IssueEntries(k, n, slot0);
     }
   };
   // Longest run of adjacent experts queued as one copy: 8 experts of

@@ -25,11 +25,7 @@ int NoCuda(char* err, int64_t errlen) {
 }
 }  // namespace
 
-extern "C" int strata_measure_h2d(int, int64_t, int, int, double*, char* err, int64_t errlen) {
-  return NoCuda(err, errlen);
-}
-
-extern "C" int strata_measure_h2d_ex(int, int64_t, int64_t, int, int, int, double*, char* err,
+extern "C" int strata_measure_h2d(int, int64_t, int64_t, int, int, int, double*, char* err,
                                      int64_t errlen) {
   return NoCuda(err, errlen);
 }

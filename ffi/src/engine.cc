@@ -78,6 +78,15 @@ Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
   return {};
 }
 
+Status Engine::CheckStores() const {
+  for (int l = 0; l < opt_.n_layers; ++l)
+    if (!stores_[l] && layer_begin_.size() > static_cast<size_t>(l) + 1 &&
+        layer_begin_[l + 1] > layer_begin_[l])
+      return "layer " + std::to_string(l) +
+             " streams experts but has no host store";
+  return {};
+}
+
 void Engine::JoinIssuer() {
   if (issuer_.joinable()) issuer_.join();
 }

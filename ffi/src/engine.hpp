@@ -159,6 +159,8 @@ class Engine {
     cfg.poll = poll;
     return cfg;
   }
+  // Both backends' Prepare: every layer that streams experts has a store.
+  Status CheckStores() const;
   void JoinIssuer();
   Status Fail(Status s);  // aborts the chunk and returns s
 

@@ -21,7 +21,7 @@ enum HostMode { kPageable = 0, kHostAlloc = 1, kRegistered = 2 };
 
 }  // namespace
 
-extern "C" int strata_measure_h2d_ex(int device, int64_t bytes, int64_t block, int reps,
+extern "C" int strata_measure_h2d(int device, int64_t bytes, int64_t block, int reps,
                                      int host_mode, int events, double* gbps_out, char* err,
                                      int64_t errlen) {
   auto fail = [&](const char* what, cudaError_t e) {
@@ -107,12 +107,6 @@ extern "C" int strata_measure_h2d_ex(int device, int64_t bytes, int64_t block, i
   std::sort(rates.begin(), rates.end());
   *gbps_out = rates.empty() ? 0.0 : rates[rates.size() / 2];
   return 0;
-}
-
-extern "C" int strata_measure_h2d(int device, int64_t bytes, int reps, int pinned,
-                                  double* gbps_out, char* err, int64_t errlen) {
-  return strata_measure_h2d_ex(device, bytes, bytes, reps, pinned ? kHostAlloc : kPageable, 0,
-                               gbps_out, err, errlen);
 }
 
 // Pinned host memory for the expert store: Python packs the blobs straight
