@@ -77,11 +77,15 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def _positive_int(text: str) -> int:
+def _int(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
@@ -95,10 +99,7 @@ def _depth(text: str) -> int:
 
 
 def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
     return value

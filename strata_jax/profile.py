@@ -41,6 +41,14 @@ FORMAT = "strata-expert-profile"
 VERSION = 1
 
 
+def _check_count_values(counts: np.ndarray, what: str) -> None:
+    """Counts are integers and none is negative."""
+    if counts.size and not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"{what} must be integers, got dtype {counts.dtype}")
+    if counts.size and counts.min() < 0:
+        raise ValueError(f"{what} must be >= 0; found a negative count")
+
+
 class ExpertProfile:
     """Routing counts per (model layer, expert), with the model they were recorded on.
 
@@ -58,10 +66,7 @@ class ExpertProfile:
         if counts.ndim != 2:
             raise ValueError(f"profile counts must be 2-D [n_layers, n_experts], got shape "
                              f"{counts.shape}")
-        if counts.size and not np.issubdtype(counts.dtype, np.integer):
-            raise ValueError(f"profile counts must be integers, got dtype {counts.dtype}")
-        if counts.size and counts.min() < 0:
-            raise ValueError("profile counts must be >= 0; found a negative count")
+        _check_count_values(counts, "profile counts")
         if int(top_k) < 1 or int(tokens) < 0:
             raise ValueError(f"profile top_k={top_k} must be >= 1 and tokens={tokens} >= 0")
         self.counts = counts.astype(np.int64, copy=True)
@@ -130,10 +135,7 @@ class ExpertProfile:
         if c.ndim != 2 or c.shape[1] != self.n_experts:
             raise ValueError(f"routing counts of shape {c.shape} do not fit a profile of "
                              f"{self.shape} (model {self.model!r})")
-        if c.size and not np.issubdtype(c.dtype, np.integer):
-            raise ValueError(f"routing counts must be integers, got dtype {c.dtype}")
-        if c.size and c.min() < 0:
-            raise ValueError("routing counts must be >= 0")
+        _check_count_values(c, "routing counts")
         c = c.astype(np.int64)
         if c.shape[0] == self.n_layers:
             full = c

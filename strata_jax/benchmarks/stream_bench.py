@@ -91,9 +91,9 @@ def bootstrap_ci(ratios, n: int = 20000, seed: int = 0) -> tuple[float, float]:
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def _timed(engine, tokens, session=None):
+def _timed(engine, tokens, session=None, **prefill_args):
     t0 = time.perf_counter()
-    r = engine.prefill(tokens, session, sync_chunks=False)
+    r = engine.prefill(tokens, session, sync_chunks=False, **prefill_args)
     return (time.perf_counter() - t0) * 1e3, r
 
 
@@ -214,25 +214,24 @@ def sweep(args, cfg, params, link, result):
 def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
     from strata_jax.engine import sha256_of
 
-    if True:
-        base = PinnedHostBaseline(cfg, params, ctx)
-        nbytes = cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers)
-        for n in lengths:
-            base.prefill(prompts[n][-1])  # compile
-            times, same = [], True
-            for i in range(3):
-                ms, logits, cache = base.prefill(prompts[n][i])
-                times.append(ms)
-                same &= (sha256_of(logits), sha256_of(cache)) == hashes[(n, i)]
-            ms = statistics.median(times)
-            floor = max(resident_ms[n], nbytes / (link * 1e9) * 1e3)
-            row = {"part": "sweep", "arm": "jax-pinned-host", "tokens": n, "ms": ms,
-                   "bytes_copied": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9,
-                   "link_fraction": nbytes / (ms * 1e-3) / 1e9 / link, "floor_ms": floor,
-                   "time_over_floor": ms / floor, "identical_to_resident": bool(same)}
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        del base
+    base = PinnedHostBaseline(cfg, params, ctx)
+    nbytes = cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers)
+    for n in lengths:
+        base.prefill(prompts[n][-1])  # compile
+        times, same = [], True
+        for i in range(3):
+            ms, logits, cache = base.prefill(prompts[n][i])
+            times.append(ms)
+            same &= (sha256_of(logits), sha256_of(cache)) == hashes[(n, i)]
+        ms = statistics.median(times)
+        floor = max(resident_ms[n], nbytes / (link * 1e9) * 1e3)
+        row = {"part": "sweep", "arm": "jax-pinned-host", "tokens": n, "ms": ms,
+               "bytes_copied": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9,
+               "link_fraction": nbytes / (ms * 1e-3) / 1e9 / link, "floor_ms": floor,
+               "time_over_floor": ms / floor, "identical_to_resident": bool(same)}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    del base
 
 
 def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
@@ -359,7 +358,7 @@ def layer_major(args, cfg, params, link, result):
                 eng.prefill(prompts[0], order=order)  # compile
                 times, rs = [], []
                 for p in prompts[1:]:
-                    ms, r = _timed_order(eng, p, order)
+                    ms, r = _timed(eng, p, order=order)
                     times.append(ms)
                     rs.append(r)
                 tot = rs[0].totals()
@@ -419,12 +418,6 @@ def publication(args, cfg, params, link, result):
            "publication_us_per_layer": per_layer_us - d2d_ms * 1e3}
     result["rows"].append(row)
     print(json.dumps(row), flush=True)
-
-
-def _timed_order(engine, tokens, order):
-    t0 = time.perf_counter()
-    r = engine.prefill(tokens, order=order, sync_chunks=False)
-    return (time.perf_counter() - t0) * 1e3, r
 
 
 def main(argv=None) -> int:
