@@ -50,6 +50,7 @@ class EngineOptions(ctypes.Structure):
         ("seed", ctypes.c_uint64),
         ("pin_mode", ctypes.c_int32),
         ("device", ctypes.c_int32),
+        ("publish_mode", ctypes.c_int32),
     ]
 
 

@@ -35,7 +35,7 @@ from jax.interpreters import mlir
 
 from . import native
 from .config import ModelConfig
-from .experts import ExpertWeights, blob_size, pack_expert_blobs_np, unpack_expert_blobs
+from .experts import ExpertWeights, blob_size, pack_expert_blobs_np
 
 if TYPE_CHECKING:  # pragma: no cover
     from .profile import ExpertProfile
@@ -55,7 +55,9 @@ DEPTH_MIN, DEPTH_MAX = 1, 256
 _ENV_ROUTED = "STRATA_PREFILL_ROUTED_STREAM"
 _ENV_DEPTH = "STRATA_PREFILL_ROUTED_STREAM_DEPTH"
 _ENV_TRACE = "STRATA_TRACE"
+_ENV_PUBLISH = "STRATA_PUBLISH"
 _PIN_MODES = {"register": 0, "arena": 1, "none": 2}
+_PUBLISH_MODES = {"callback": 0, "event": 1}
 _MODE_STREAM, _MODE_ROUTED_ONLY = 0, 1
 
 
@@ -92,6 +94,12 @@ class StreamConfig:
             (stage through pinned bounce buffers; such entries are never
             skipped). A store that cannot be pinned falls back to staging and
             the trace says so.
+        publish: How a layer's routing reaches the issuer on CUDA: "callback" (the design's:
+            after the counts' device-to-host copy, a host callback on XLA's stream fills the
+            gate row; the stream waits until a driver thread has run it) or "event" (an event
+            recorded after the copy, which the issuer polls before it fills the row itself;
+            nothing waits). Overridden by STRATA_PUBLISH=callback|event. The CPU backend
+            publishes in the handler either way.
         sim_bandwidth: Simulated link bandwidth in bytes/s (CPU backend); 0 is unlimited.
         sim_latency: Simulated per-copy latency in seconds (CPU backend).
         sim_jitter: Up to this many extra seconds per copy, uniform (CPU backend).
@@ -112,6 +120,7 @@ class StreamConfig:
         default=None, compare=False, hash=False)
     backend: str = "auto"
     pin: str = "arena"
+    publish: str = "callback"
     sim_bandwidth: float = 2e9
     sim_latency: float = 20e-6
     sim_jitter: float = 0.0
@@ -142,6 +151,15 @@ class StreamConfig:
                 stacklevel=3)
         if trace is None:
             trace = os.environ.get(_ENV_TRACE, "0").strip() not in ("", "0")
+        publish = self.publish
+        env = os.environ.get(_ENV_PUBLISH)
+        if env is not None and env.strip() != "":
+            publish = env.strip()
+            if publish not in _PUBLISH_MODES:
+                raise ValueError(f"{_ENV_PUBLISH}={env!r}: expected one of "
+                                 f"{sorted(_PUBLISH_MODES)}")
+        if publish not in _PUBLISH_MODES:
+            raise ValueError(f"publish={publish!r}: expected one of {sorted(_PUBLISH_MODES)}")
         if self.pin not in _PIN_MODES:
             raise ValueError(f"pin={self.pin!r}: expected one of {sorted(_PIN_MODES)}")
         if self.backend not in ("auto", "cpu", "cuda"):
@@ -150,7 +168,8 @@ class StreamConfig:
             raise ValueError(f"stream_floor={self.stream_floor}: must be at least 1")
         if self.resident_per_layer < 0:
             raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
-        return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace))
+        return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace),
+                                   publish=publish)
 
 
 @dataclasses.dataclass
@@ -490,6 +509,7 @@ class StreamEngine:
             trace=int(self.stream.trace), sim_bandwidth=self.stream.sim_bandwidth,
             sim_latency=self.stream.sim_latency, sim_jitter=self.stream.sim_jitter,
             seed=self.stream.seed, pin_mode=_PIN_MODES[self.stream.pin],
+            publish_mode=_PUBLISH_MODES[self.stream.publish],
             device=self.stream.device)
         lib = native.lib()
         err = ctypes.create_string_buffer(1024)
@@ -721,12 +741,17 @@ def publish(engine_id: int, layer: int, token: jax.Array, counts: jax.Array) -> 
     return tok
 
 
-def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array,
-          n_experts: int) -> tuple[jax.Array, jax.Array]:
-    blobs, tok = _call("fetch", [((n_experts, resident.shape[1]), resident.dtype),
-                                 ((), jnp.int32)],
-                       token, resident, engine=np.int64(engine_id), layer=np.int32(layer))
-    return blobs, tok
+def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array, n_experts: int,
+          hidden: int, intermediate: int) -> tuple[ExpertWeights, jax.Array]:
+    """The layer's expert weights, gate/up [E, H, I] and down [E, I, H] in the resident blobs'
+    dtype: fetch splits each packed blob into the three matrices as it copies it, so the model
+    reads them with no further copy."""
+    h, i, dt = hidden, intermediate, resident.dtype
+    gate, up, down, tok = _call(
+        "fetch", [((n_experts, h, i), dt), ((n_experts, h, i), dt), ((n_experts, i, h), dt),
+                  ((), jnp.int32)],
+        token, resident, engine=np.int64(engine_id), layer=np.int32(layer))
+    return ExpertWeights(gate, up, down), tok
 
 
 def end(engine_id: int, token: jax.Array, n_layers: int) -> jax.Array:
@@ -755,10 +780,10 @@ class StreamedExperts:
         with jax.named_scope(f"stream_publish_{layer}"):
             self.token = publish(self.engine_id, layer, self.token, counts)
         with jax.named_scope(f"stream_fetch_{layer}"):
-            blobs, self.token = fetch(self.engine_id, layer, self.token,
-                                      self.resident_blobs[layer], self.config.n_experts)
-        return unpack_expert_blobs(blobs, self.config.hidden_size,
-                                   self.config.expert_intermediate)
+            w, self.token = fetch(self.engine_id, layer, self.token,
+                                  self.resident_blobs[layer], self.config.n_experts,
+                                  self.config.hidden_size, self.config.expert_intermediate)
+        return w
 
     def finish(self) -> jax.Array:
         return end(self.engine_id, self.token, self.config.n_layers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from strata_jax.benchmarks import plot, stream_bench
@@ -39,8 +40,15 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
         # Layer-major reads each streamed expert at most once; chunk-major up to once per chunk.
         assert lm[(arm, "layer-major")]["copied"] <= lm[(arm, "layer-major")]["streamed"]
         assert lm[(arm, "chunk-major")]["chunks"] == 4
-    (pub,) = [r for r in rows if r["part"] == "publication"]
-    assert pub["resident_ms"] > 0 and pub["through_stream_ms"] > 0 and pub["layer_copy_us"] > 0
+    pubs = {r["arm"]: r for r in rows if r["part"] == "publication"}
+    assert set(pubs) == {"all-resident-through-stream/callback",
+                         "all-resident-through-stream/event", "callback-stall"}
+    for mode in ("callback", "event"):
+        pub = pubs[f"all-resident-through-stream/{mode}"]
+        assert pub["publish"] == mode
+        assert pub["resident_ms"] > 0 and pub["through_stream_ms"] > 0
+        assert pub["layer_copy_us"] > 0
+    assert np.isfinite(pubs["callback-stall"]["stall_us_per_layer"])
     written = plot.main([str(out), "--out", str(tmp_path)])
     assert written == 0
     assert (tmp_path / "bench_time.png").stat().st_size > 0

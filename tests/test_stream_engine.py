@@ -106,6 +106,19 @@ def test_depth_environment_is_clamped_with_warning(monkeypatch):
         StreamConfig().resolved()
 
 
+def test_publish_mode_from_config_and_environment(monkeypatch):
+    assert StreamConfig().resolved().publish == "callback"
+    assert StreamConfig(publish="event").resolved().publish == "event"
+    monkeypatch.setenv("STRATA_PUBLISH", "event")
+    assert StreamConfig().resolved().publish == "event"
+    monkeypatch.setenv("STRATA_PUBLISH", "polling")
+    with pytest.raises(ValueError, match=r"STRATA_PUBLISH='polling': expected one of \['callback', 'event'\]"):
+        StreamConfig().resolved()
+    monkeypatch.delenv("STRATA_PUBLISH")
+    with pytest.raises(ValueError, match=r"publish='host': expected one of"):
+        StreamConfig(publish="host").resolved()
+
+
 def test_bad_stream_configs():
     params = init_synthetic(CFG, seed=3)
     with pytest.raises(ValueError, match="ring of 0 slots"):
@@ -358,8 +371,9 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
         outs = []
         for l in layers[:n_fetched]:
             tok = S.publish(eng.id, l, tok, counts)
-            blobs, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts)
-            outs.append(blobs.sum())
+            w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
+                             CFG.hidden_size, CFG.expert_intermediate)
+            outs.append(w.gate.sum())
         return S.end(eng.id, tok, CFG.n_layers), outs
 
     try:

@@ -56,6 +56,13 @@ int64_t strata_engine_create(const EngineOptions* opt, char* err,
           " slots cannot work; it needs at least one slot";
     else if (opt->blob_bytes < 1)
       s = "expert blob of " + std::to_string(opt->blob_bytes) + " bytes";
+    else if (opt->publish_mode != 0 && opt->publish_mode != 1)
+      s = "publish_mode " + std::to_string(opt->publish_mode) +
+          " is not 0 (host callback) or 1 (polled event)";
+    else if (opt->blob_bytes % strata::kParts != 0)
+      s = "expert blob of " + std::to_string(opt->blob_bytes) +
+          " bytes is not " + std::to_string(strata::kParts) +
+          " equal parts (gate, up, down)";
     if (!s.empty()) return Report(s, err, errlen), 0;
     std::unique_ptr<Engine> e =
         opt->backend == 1 ? strata::MakeCudaEngine(*opt, &s)

@@ -8,6 +8,7 @@
 
 #include "engine.hpp"
 #include "strata/sim_link.hpp"
+#include "strata/thread_name.hpp"
 
 namespace strata {
 namespace {
@@ -47,6 +48,7 @@ class CpuEngine final : public Engine {
     // Landings notify the walk; the poll is only a backstop.
     const WalkConfig cfg = MakeWalkConfig(std::chrono::microseconds(200));
     issuer_ = std::thread([this, cfg] {
+      NameThisThread("strata-issuer");
       try {
         walk_result_ = IssueWalk(stream_, cfg, gate_, state_, *link_);
       } catch (const std::exception& e) {
@@ -63,21 +65,19 @@ class CpuEngine final : public Engine {
     return {};
   }
 
-  Status ReadSlots(int64_t k, int64_t n, int64_t slot, uint8_t* dst,
+  Status ReadSlots(int64_t k, int64_t n, int64_t slot, const Rows& dst,
                    void*) override {
-    const int64_t blob = opt_.blob_bytes;
     for (int64_t j = 0; j < n; ++j) {
       if (!link_->WaitCopied(k + j, slot + j, state_))
         return "the walk was stopped while entry " + std::to_string(k + j) +
                " was in flight";
-      std::memcpy(dst + j * blob, link_->Slot(slot + j),
-                  static_cast<size_t>(blob));
+      Split(link_->Slot(slot + j), 1, At(dst, j));
       link_->ReleaseSlot(k + j, slot + j);
     }
     return {};
   }
 
-  Status CopyDirect(int layer, int expert, int64_t n, uint8_t* dst,
+  Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
                     void*) override {
     // Routed-only copies cross the same simulated link: charge its time.
     double seconds = opt_.sim_latency;
@@ -85,19 +85,19 @@ class CpuEngine final : public Engine {
       seconds += n * opt_.blob_bytes / opt_.sim_bandwidth;
     if (seconds > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-    std::memcpy(dst, HostBlob(layer, expert),
-                static_cast<size_t>(n * opt_.blob_bytes));
+    Split(HostBlob(layer, expert), n, dst);
     return {};
   }
 
-  Status CopyResident(const uint8_t* src, uint8_t* dst, int64_t bytes,
+  Status CopyResident(const uint8_t* src, int64_t n, const Rows& dst,
                       void*) override {
-    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    Split(src, n, dst);
     return {};
   }
 
-  Status ZeroRows(uint8_t* dst, int64_t n, void*) override {
-    std::memset(dst, 0, static_cast<size_t>(n * opt_.blob_bytes));
+  Status ZeroRows(const Rows& dst, int64_t n, void*) override {
+    for (uint8_t* p : dst.part)
+      std::memset(p, 0, static_cast<size_t>(n * part_bytes()));
     return {};
   }
 
@@ -122,6 +122,15 @@ class CpuEngine final : public Engine {
   std::string Describe() const override { return "cpu simulated link"; }
 
  private:
+  // n packed blobs at `src` into n rows of each plane.
+  void Split(const uint8_t* src, int64_t n, const Rows& dst) const {
+    const int64_t part = part_bytes();
+    for (int64_t j = 0; j < n; ++j)
+      for (int p = 0; p < kParts; ++p)
+        std::memcpy(dst.part[p] + j * part, src + j * opt_.blob_bytes + p * part,
+                    static_cast<size_t>(part));
+  }
+
   std::vector<uint8_t> ring_;
   std::unique_ptr<SimLink> link_;
 };

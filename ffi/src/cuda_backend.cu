@@ -2,12 +2,19 @@
 // buffers), a ring of device slots, one copy stream with a `copied` and a
 // `used` event per slot, and the issuer thread running the shared walk.
 //
+// Publication: publish copies the layer's routing counts to pinned host memory
+// on XLA's stream, then either (publish_mode 0, the design's host callback)
+// queues a cudaLaunchHostFunc whose callback fills the gate row, or
+// (publish_mode 1) records the layer's `published` event, which the issuer
+// polls and then fills the gate row itself. The callback holds XLA's stream
+// until a driver thread has run it; the event holds nothing.
+//
 // The failures it guards against: a copy landing in a slot that fetch is
-// still reading (every overwrite waits on the slot's `used` event), a late
-// publish callback of one chunk writing the next chunk's gate (Begin waits for
-// every callback), a copy still in flight after a chunk was abandoned (Abort
-// drains the copy stream), and a CUDA error escaping as a crash instead of a
-// message naming the call and what it was doing.
+// still reading (every overwrite waits on the slot's `used` event), a gate row
+// from an earlier chunk's publish (Begin waits for every callback; an event
+// counts only once this chunk's publish recorded it), a copy still in flight after a chunk was abandoned
+// (Abort drains the copy stream), and a CUDA error escaping as a crash instead
+// of a message naming the call and what it was doing.
 #include <cuda_runtime.h>
 #include <cuda_runtime_api.h>
 
@@ -27,6 +34,7 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "strata/thread_name.hpp"
 
 namespace strata {
 namespace {
@@ -44,6 +52,7 @@ constexpr int kStagerThreads = 2;
 // XLA enqueued them; this bounds how long the host waits for the stragglers.
 constexpr std::chrono::seconds kCallbackWait{60};
 constexpr std::chrono::seconds kAbortCallbackWait{10};
+// How long a routed-only fetch waits for its layer's routing counts to land.
 constexpr std::chrono::seconds kPublishWait{60};
 
 std::string CudaError(const char* call, const std::string& context,
@@ -203,7 +212,10 @@ class Stager {
     error_.clear();
     for (int b = 0; b < n_; ++b) filled_[b].store(-1);
     for (int t = 0; t < kStagerThreads; ++t)
-      threads_.emplace_back([this] { Work(); });
+      threads_.emplace_back([this] {
+        NameThisThread("strata-stager");
+        Work();
+      });
   }
 
   void Stop() {
@@ -316,10 +328,10 @@ class Stager {
 
 class CudaEngine;
 
-// Shared by the engine and the publish callbacks. Callbacks run on a CUDA
-// driver thread whenever the device reaches them, so they reach the engine
-// only through this block, under its mutex; an engine destroyed with
-// callbacks still queued detaches itself and leaks the block instead of
+// Shared by the engine and the publish callbacks (publish_mode 0). Callbacks
+// run on a CUDA driver thread whenever the device reaches them, so they reach
+// the engine only through this block, under its mutex; an engine destroyed
+// with callbacks still queued detaches itself and leaks the block instead of
 // leaving them a dangling pointer.
 struct PublishHub {
   struct Ctx {
@@ -333,9 +345,12 @@ struct PublishHub {
   std::vector<Ctx> ctx;          // per layer; stable addresses
 };
 
+enum class PublishMode : int32_t { kCallback = 0, kEvent = 1 };
+
 class CudaEngine final : public Engine {
  public:
-  explicit CudaEngine(const EngineOptions& opt) : Engine(opt) {
+  explicit CudaEngine(const EngineOptions& opt)
+      : Engine(opt), publish_(static_cast<PublishMode>(opt.publish_mode)) {
     hub_ = new PublishHub;
     hub_->engine = this;
     hub_->ctx.resize(static_cast<size_t>(std::max(opt.n_layers, 0)));
@@ -350,9 +365,14 @@ class CudaEngine final : public Engine {
       std::lock_guard<std::mutex> lock(hub_->mu);
       hub_->engine = nullptr;
     }
+    // Synchronizes the device when it holds resources: publish copies may
+    // still target pinned_counts_.
     ReleaseResources();
     if (drained) {
-      if (pinned_counts_) cudaFreeHost(pinned_counts_);
+      if (pinned_counts_) {
+        cudaDeviceSynchronize();
+        cudaFreeHost(pinned_counts_);
+      }
       delete hub_;
     } else {
       // Their D2H copies may still target pinned_counts_: leak it with the hub.
@@ -361,6 +381,7 @@ class CudaEngine final : public Engine {
                    "still queued after %llds; leaking their buffers\n",
                    static_cast<long long>(kCallbackWait.count()));
     }
+    cudaGetLastError();
   }
 
   // The CUDA half of construction, which can fail.
@@ -382,8 +403,9 @@ class CudaEngine final : public Engine {
       return "pin_mode " + std::to_string(opt_.pin_mode) +
              " is not 0 (cudaHostRegister), 1 (pinned arena) or 2 (staged)";
     STRATA_ENTER_DEVICE(dev);
-    // The old pinned counts, ring and events may still be targeted by the
-    // last chunk's device work.
+    // The pinned counts, ring and events may still be targeted by the last
+    // chunk's device work: its callbacks have run, and ReleaseResources
+    // synchronizes the device first.
     if (!WaitCallbacks(kCallbackWait))
       return "publish callbacks of the last chunk have not run after " +
              std::to_string(kCallbackWait.count()) + " s";
@@ -397,11 +419,33 @@ class CudaEngine final : public Engine {
     return {};
   }
 
-  // Called by the publish callback with hub_->mu held; must not call CUDA.
+  // publish_mode 0: called by the publish callback with hub_->mu held; must
+  // not call CUDA.
   void OnPublished(int layer) {
     gate_.Publish(layer, pinned_counts_ +
                              static_cast<int64_t>(layer) * opt_.n_experts);
     state_.Notify();
+  }
+
+  // publish_mode 1: publishes `layer`'s gate row once its counts have landed
+  // in pinned memory: its publish of this chunk has run on the host (recorded) and the
+  // device has passed the event recorded after the counts' copy. Returns
+  // whether the row is published. The issuer (stream mode) and fetch
+  // (routed-only, no issuer) call it, never both in one chunk: the gate keeps
+  // one writer.
+  bool PollPublished(int layer) {
+    if (gate_.Published(layer)) return true;
+    if (publish_ != PublishMode::kEvent) return false;
+    if (!pub_recorded_[layer].load(std::memory_order_acquire)) return false;
+    const cudaError_t err = cudaEventQuery(published_[layer]);
+    if (err == cudaErrorNotReady) return false;
+    if (err != cudaSuccess)
+      throw std::runtime_error(CudaError(
+          "cudaEventQuery", "routing counts of layer " + std::to_string(layer),
+          err));
+    gate_.Publish(layer, pinned_counts_ +
+                             static_cast<int64_t>(layer) * opt_.n_experts);
+    return true;
   }
 
   // Link, on the issuer thread (see IssueWalk): entries k..k+n-1 into slots
@@ -456,6 +500,10 @@ class CudaEngine final : public Engine {
     if (!WaitCallbacks(kCallbackWait))
       return "publish callbacks of the previous chunk have not run after " +
              std::to_string(kCallbackWait.count()) + " s";
+    // The last chunk's issuer is joined: nothing reads these now. A layer's
+    // event counts again only after this chunk's publish recorded it.
+    for (int l = 0; l < opt_.n_layers; ++l)
+      pub_recorded_[l].store(false, std::memory_order_relaxed);
     STRATA_ENTER_DEVICE(dev);
     timed_ = false;
     copy_started_ = false;
@@ -500,6 +548,7 @@ class CudaEngine final : public Engine {
     WalkConfig cfg = MakeWalkConfig(kIssuerPoll);
     cfg.max_run = kMaxRun;
     issuer_ = std::thread([this, cfg] {
+      NameThisThread("strata-issuer");
       try {
         STRATA_CUDA_THROW("issuer thread, device " + std::to_string(opt_.device),
                           cudaSetDevice, opt_.device);
@@ -533,10 +582,16 @@ class CudaEngine final : public Engine {
     STRATA_ENTER_DEVICE(dev);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     const int64_t n = opt_.n_experts;
-    STRATA_CUDA_RETURN("routing counts of layer " + std::to_string(layer),
-                       cudaMemcpyAsync, pinned_counts_ + layer * n, counts,
+    const std::string what = "routing counts of layer " + std::to_string(layer);
+    STRATA_CUDA_RETURN(what, cudaMemcpyAsync,
+                       pinned_counts_ + layer * n, counts,
                        static_cast<size_t>(n) * sizeof(int32_t),
                        cudaMemcpyDeviceToHost, st);
+    if (publish_ == PublishMode::kEvent) {
+      STRATA_CUDA_RETURN(what, cudaEventRecord, published_[layer], st);
+      pub_recorded_[layer].store(true, std::memory_order_release);
+      return {};
+    }
     {
       std::lock_guard<std::mutex> lock(hub_->mu);
       ++hub_->pending;
@@ -549,13 +604,12 @@ class CudaEngine final : public Engine {
         --hub_->pending;
       }
       hub_->cv.notify_all();
-      return CudaError("cudaLaunchHostFunc",
-                       "gate row of layer " + std::to_string(layer), err);
+      return CudaError("cudaLaunchHostFunc", what, err);
     }
     return {};
   }
 
-  Status ReadSlots(int64_t k, int64_t n, int64_t slot, uint8_t* dst,
+  Status ReadSlots(int64_t k, int64_t n, int64_t slot, const Rows& dst,
                    void* stream) override {
     STRATA_ENTER_DEVICE(dev);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -569,10 +623,10 @@ class CudaEngine final : public Engine {
     // Orders the device only; the host never waits for the copies.
     for (int64_t j = 0; j < n; ++j)
       STRATA_CUDA_RETURN(where(), cudaStreamWaitEvent, st, copied_[slot + j], 0u);
-    STRATA_CUDA_RETURN(where(), cudaMemcpyAsync, dst,
-                       ring_ + slot * opt_.blob_bytes,
-                       static_cast<size_t>(n * opt_.blob_bytes),
-                       cudaMemcpyDeviceToDevice, st);
+    if (Status s = Split(ring_ + slot * opt_.blob_bytes, n, dst,
+                         cudaMemcpyDeviceToDevice, st);
+        !s.empty())
+      return where() + ": " + s;
     for (int64_t j = 0; j < n; ++j) {
       STRATA_CUDA_RETURN(where(), cudaEventRecord, used_[slot + j], st);
       used_recorded_[slot + j].store(true, std::memory_order_release);
@@ -580,37 +634,38 @@ class CudaEngine final : public Engine {
     return {};
   }
 
-  Status CopyDirect(int layer, int expert, int64_t n, uint8_t* dst,
+  Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
                     void* stream) override {
     STRATA_ENTER_DEVICE(dev);
     // From a pageable store the driver stages the blobs before returning:
     // synchronous on this thread, still ordered on the stream, and correct.
     // Routed-only chunks are small, so the slow path is acceptable here.
-    STRATA_CUDA_RETURN("layer " + std::to_string(layer) + " experts " +
-                           std::to_string(expert) + ".." +
-                           std::to_string(expert + n - 1) + " from the host store",
-                       cudaMemcpyAsync, dst, SourceBlob(layer, expert),
-                       static_cast<size_t>(n * opt_.blob_bytes),
-                       cudaMemcpyHostToDevice,
-                       static_cast<cudaStream_t>(stream));
+    if (Status s = Split(SourceBlob(layer, expert), n, dst,
+                         cudaMemcpyHostToDevice,
+                         static_cast<cudaStream_t>(stream));
+        !s.empty())
+      return "layer " + std::to_string(layer) + " experts " +
+             std::to_string(expert) + ".." + std::to_string(expert + n - 1) +
+             " from the host store: " + s;
     return {};
   }
 
-  Status CopyResident(const uint8_t* src, uint8_t* dst, int64_t bytes,
+  Status CopyResident(const uint8_t* src, int64_t n, const Rows& dst,
                       void* stream) override {
     STRATA_ENTER_DEVICE(dev);
-    STRATA_CUDA_RETURN("resident experts, " + std::to_string(bytes) + " bytes",
-                       cudaMemcpyAsync, dst, src, static_cast<size_t>(bytes),
-                       cudaMemcpyDeviceToDevice,
-                       static_cast<cudaStream_t>(stream));
+    if (Status s = Split(src, n, dst, cudaMemcpyDeviceToDevice,
+                         static_cast<cudaStream_t>(stream));
+        !s.empty())
+      return std::to_string(n) + " resident experts: " + s;
     return {};
   }
 
-  Status ZeroRows(uint8_t* dst, int64_t n, void* stream) override {
+  Status ZeroRows(const Rows& dst, int64_t n, void* stream) override {
     STRATA_ENTER_DEVICE(dev);
-    STRATA_CUDA_RETURN("rows of skipped experts", cudaMemsetAsync, dst, 0,
-                       static_cast<size_t>(n * opt_.blob_bytes),
-                       static_cast<cudaStream_t>(stream));
+    for (uint8_t* p : dst.part)
+      STRATA_CUDA_RETURN("rows of skipped experts", cudaMemsetAsync, p, 0,
+                         static_cast<size_t>(n * part_bytes()),
+                         static_cast<cudaStream_t>(stream));
     return {};
   }
 
@@ -640,15 +695,23 @@ class CudaEngine final : public Engine {
   // Blocks XLA's enqueue thread until the device has run this layer's
   // publish: acceptable for the small routed-only chunks that use it.
   Status WaitPublished(int layer) override {
+    STRATA_ENTER_DEVICE(dev);
     const Clock::time_point deadline = Clock::now() + kPublishWait;
     bool late = false;
+    std::string error;
     const bool ok = state_.WaitUntil(
         [&] {
-          if (gate_.Published(layer)) return true;
+          try {
+            if (PollPublished(layer)) return true;
+          } catch (const std::exception& e) {
+            error = e.what();
+            return true;
+          }
           late = Clock::now() > deadline;
           return late;
         },
-        std::chrono::microseconds(20));
+        std::chrono::microseconds(5));
+    if (!error.empty()) return error;
     if (!ok)
       return "the chunk was stopped while waiting for the routing of layer " +
              std::to_string(layer);
@@ -694,6 +757,8 @@ class CudaEngine final : public Engine {
         break;
     }
     if (!pin_note_.empty()) s += "; " + pin_note_;
+    s += publish_ == PublishMode::kEvent ? "; publish by polled event"
+                                         : "; publish by host callback";
     return s;
   }
 
@@ -706,6 +771,7 @@ class CudaEngine final : public Engine {
       engine->IssueEntries(k, 1, slot);
     }
     bool CopyLanded(int64_t k) { return engine->CopyLanded(k); }
+    void PollGate(int32_t layer) { engine->PollPublished(layer); }
     void IssueRun(int64_t k, int64_t n, int64_t slot0) {
       engine->IssueEntries(k, n, slot0);
     }
@@ -733,6 +799,20 @@ class CudaEngine final : public Engine {
     std::unique_lock<std::mutex> lock(hub_->mu);
     return hub_->cv.wait_for(lock, timeout,
                              [&] { return hub_->pending == 0; });
+  }
+
+  // n packed blobs at `src` (blob bytes apart) into n rows of each plane:
+  // one strided copy per plane.
+  Status Split(const uint8_t* src, int64_t n, const Rows& dst,
+               cudaMemcpyKind kind, cudaStream_t st) const {
+    const size_t part = static_cast<size_t>(part_bytes());
+    for (int p = 0; p < kParts; ++p)
+      STRATA_CUDA_RETURN("plane " + std::to_string(p) + ", " + std::to_string(n) +
+                             " rows",
+                         cudaMemcpy2DAsync, dst.part[p], part, src + p * part,
+                         static_cast<size_t>(opt_.blob_bytes), part,
+                         static_cast<size_t>(n), kind, st);
+    return {};
   }
 
   const uint8_t* SourceBlob(int layer, int expert) const {
@@ -772,6 +852,14 @@ class CudaEngine final : public Engine {
     }
     for (cudaEvent_t* ev : {&t_begin_, &t_end_, &t_copy0_, &t_copy1_})
       STRATA_CUDA_RETURN("timing event", cudaEventCreate, ev);
+    published_.assign(static_cast<size_t>(opt_.n_layers), nullptr);
+    for (int l = 0; l < opt_.n_layers; ++l)
+      STRATA_CUDA_RETURN("published event of layer " + std::to_string(l),
+                         cudaEventCreateWithFlags, &published_[l],
+                         cudaEventDisableTiming);
+    pub_recorded_ = std::make_unique<std::atomic<bool>[]>(
+        static_cast<size_t>(std::max(opt_.n_layers, 1)));
+    for (int l = 0; l < opt_.n_layers; ++l) pub_recorded_[l].store(false);
     used_recorded_ = std::make_unique<std::atomic<bool>[]>(
         static_cast<size_t>(opt_.ring));
     for (int64_t slot = 0; slot < opt_.ring; ++slot)
@@ -892,8 +980,11 @@ class CudaEngine final : public Engine {
       if (e) cudaEventDestroy(e);
     for (cudaEvent_t e : used_)
       if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : published_)
+      if (e) cudaEventDestroy(e);
     copied_.clear();
     used_.clear();
+    published_.clear();
     for (cudaEvent_t* ev : {&t_begin_, &t_end_, &t_copy0_, &t_copy1_}) {
       if (*ev) cudaEventDestroy(*ev);
       *ev = nullptr;
@@ -912,8 +1003,13 @@ class CudaEngine final : public Engine {
     cudaGetLastError();
   }
 
+  const PublishMode publish_;
   PublishHub* hub_ = nullptr;
-  int32_t* pinned_counts_ = nullptr;  // [L, E], written by D2H, read by callbacks
+  int32_t* pinned_counts_ = nullptr;  // [L, E], written by D2H, read by the gate's writer
+  // Per layer: recorded on XLA's stream after the counts' copy, and whether
+  // this chunk's publish has recorded it (release, after the record).
+  std::vector<cudaEvent_t> published_;
+  std::unique_ptr<std::atomic<bool>[]> pub_recorded_;
 
   PinPath pin_path_ = PinPath::kNone;
   std::string pin_note_;

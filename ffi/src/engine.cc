@@ -154,16 +154,24 @@ Status Engine::Publish(int layer, const void* counts, void* stream) {
 }
 
 Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
-                     void* out, int64_t out_bytes, void* stream) {
+                     void* const* out, const int64_t* out_bytes, void* stream) {
   const std::string where = "fetch, layer " + std::to_string(layer) + ": ";
   if (!in_chunk_) return where + "outside a chunk (begin_chunk not run)";
   if (layer < 0 || layer >= opt_.n_layers)
     return Fail(where + "outside the model's " + std::to_string(opt_.n_layers) +
                 " layers");
   const int64_t blob = opt_.blob_bytes;
-  if (out_bytes != blob * opt_.n_experts)
-    return Fail(where + "output of " + std::to_string(out_bytes) +
-                " bytes; expected " + std::to_string(blob * opt_.n_experts));
+  static const char* const kPartNames[kParts] = {"gate", "up", "down"};
+  Rows base{};
+  for (int p = 0; p < kParts; ++p) {
+    if (out_bytes[p] != part_bytes() * opt_.n_experts)
+      return Fail(where + kPartNames[p] + " output of " +
+                  std::to_string(out_bytes[p]) + " bytes; expected " +
+                  std::to_string(part_bytes() * opt_.n_experts) + " (" +
+                  std::to_string(opt_.n_experts) + " experts x " +
+                  std::to_string(part_bytes()) + " bytes)");
+    base.part[p] = static_cast<uint8_t*>(out[p]);
+  }
   const int64_t n_res = static_cast<int64_t>(resident_[layer].size());
   if (resident_bytes != blob * n_res)
     return Fail(where + "resident operand of " +
@@ -180,7 +188,6 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   if (state_.Stopped())
     return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                       : std::string("the walk was stopped")));
-  uint8_t* dst = static_cast<uint8_t*>(out);
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
   // Rows are indexed by expert id and host blobs sit in expert order, so
@@ -189,7 +196,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   for (int64_t r = 0; r < n_res;) {
     int64_t n = 1;
     while (r + n < n_res && res_ids[r + n] == res_ids[r] + n) ++n;
-    s = CopyResident(res + r * blob, dst + res_ids[r] * blob, n * blob, stream);
+    s = CopyResident(res + r * blob, n, At(base, res_ids[r]), stream);
     if (!s.empty()) return Fail(where + s);
     r += n;
   }
@@ -212,7 +219,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
              (state_.entry_state(k + n) == EntryState::kCopied) == copied &&
              (!copied || (k % opt_.ring) + n < opt_.ring))
         ++n;
-      uint8_t* row = dst + stream_[k].expert * blob;
+      const Rows row = At(base, stream_[k].expert);
       if (copied) {
         s = ReadSlots(k, n, k % opt_.ring, row, stream);
         st.copied += n;
@@ -237,7 +244,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       while (k + n < k1 && adjacent(k, k + n) &&
              gate_.Routed(e.layer, stream_[k + n].expert) == routed)
         ++n;
-      uint8_t* row = dst + e.expert * blob;
+      const Rows row = At(base, e.expert);
       if (routed) {
         s = CopyDirect(e.layer, e.expert, n, row, stream);
         st.copied += n;

@@ -50,6 +50,21 @@ struct EngineOptions {
   // through pinned bounce buffers.
   int32_t pin_mode = 0;
   int32_t device = 0;
+  // CUDA backend: how a layer's routing reaches the gate. 0 = a host callback
+  // (cudaLaunchHostFunc) on XLA's stream fills the row; 1 = an event recorded
+  // after the counts' copy, polled by the issuer, which fills the row.
+  int32_t publish_mode = 0;
+};
+
+// An expert's host blob is its gate, up and down matrices back to back, each
+// blob / kParts bytes. Fetch writes them to three planes, [E, part] each, so
+// the model reads every matrix as one contiguous array: no copy to split a
+// packed [E, blob] output into matrices.
+inline constexpr int kParts = 3;
+
+// Where rows go: each plane's row of one expert. Advance with Engine::At.
+struct Rows {
+  uint8_t* part[kParts];
 };
 
 // Per layer and chunk, as returned to Python.
@@ -81,8 +96,9 @@ class Engine {
   // stream (cudaStream_t) or null on the CPU.
   Status Begin(ChunkMode mode, void* stream);
   Status Publish(int layer, const void* counts, void* stream);
+  // `out` and `out_bytes`: the three planes (gate, up, down), [E, part] each.
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
-               void* out, int64_t out_bytes, void* stream);
+               void* const* out, const int64_t* out_bytes, void* stream);
   Status End(int32_t* stats_host, void* stats_out, void* stream);
 
   // Stops and joins everything of the current chunk; the engine stays usable.
@@ -121,19 +137,22 @@ class Engine {
   virtual void StartWalk() = 0;  // runs IssueWalk on issuer_ (stream mode)
   virtual Status BackendPublish(int layer, const void* counts,
                                 void* stream) = 0;
+  // Every copy into fetch's output splits n packed blobs (blob bytes apart)
+  // into the n rows at `dst` of each plane.
   // Copies entries k..k+n-1 (copied by the walk, in slots slot..slot+n-1,
-  // adjacent experts) from their slots into the n rows at `dst`, then
-  // releases the slots. Called in entry order.
-  virtual Status ReadSlots(int64_t k, int64_t n, int64_t slot, uint8_t* dst,
+  // adjacent experts) from their slots into `dst`, then releases the slots.
+  // Called in entry order.
+  virtual Status ReadSlots(int64_t k, int64_t n, int64_t slot, const Rows& dst,
                            void* stream) = 0;
   // Copies experts expert..expert+n-1 of `layer` straight from the host store
-  // into the n rows at `dst` (routed-only).
-  virtual Status CopyDirect(int layer, int expert, int64_t n, uint8_t* dst,
+  // into `dst` (routed-only).
+  virtual Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
                             void* stream) = 0;
-  virtual Status CopyResident(const uint8_t* src, uint8_t* dst, int64_t bytes,
+  // Copies n packed blobs of the device's resident cache at `src` into `dst`.
+  virtual Status CopyResident(const uint8_t* src, int64_t n, const Rows& dst,
                               void* stream) = 0;
-  // Zero-fills n rows at `dst` (experts no token reads).
-  virtual Status ZeroRows(uint8_t* dst, int64_t n, void* stream) = 0;
+  // Zero-fills n rows of each plane at `dst` (experts no token reads).
+  virtual Status ZeroRows(const Rows& dst, int64_t n, void* stream) = 0;
   virtual Status WriteStats(const int32_t* host, void* out, int64_t bytes,
                             void* stream) = 0;
   // The chunk's last device work is queued on `stream` (after WriteStats).
@@ -146,6 +165,13 @@ class Engine {
   virtual void BackendAbort() = 0;
   virtual std::string Describe() const = 0;
 
+  int64_t part_bytes() const { return opt_.blob_bytes / kParts; }
+  // `base` advanced by `expert` rows.
+  Rows At(const Rows& base, int64_t expert) const {
+    Rows r = base;
+    for (uint8_t*& p : r.part) p += expert * part_bytes();
+    return r;
+  }
   const uint8_t* HostBlob(int layer, int expert) const {
     return stores_[layer] + static_cast<int64_t>(expert) * opt_.blob_bytes;
   }

@@ -70,16 +70,22 @@ inline ffi::Error Publish(void* stream, ffi::AnyBuffer, ffi::AnyBuffer counts,
 }
 
 inline ffi::Error Fetch(void* stream, ffi::AnyBuffer, ffi::AnyBuffer resident,
-                        ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> gate,
+                        ffi::Result<ffi::AnyBuffer> up,
+                        ffi::Result<ffi::AnyBuffer> down,
                         ffi::Result<ffi::AnyBuffer>, int64_t engine,
                         int32_t layer) {
   return Guard("fetch", [&]() -> Status {
     Status err;
     Engine* e = Lookup(engine, &err);
     if (!e) return err;
+    void* const out[kParts] = {gate->untyped_data(), up->untyped_data(),
+                               down->untyped_data()};
+    const int64_t bytes[kParts] = {static_cast<int64_t>(gate->size_bytes()),
+                                   static_cast<int64_t>(up->size_bytes()),
+                                   static_cast<int64_t>(down->size_bytes())};
     return e->Fetch(layer, resident.untyped_data(),
-                    static_cast<int64_t>(resident.size_bytes()),
-                    out->untyped_data(), static_cast<int64_t>(out->size_bytes()),
+                    static_cast<int64_t>(resident.size_bytes()), out, bytes,
                     stream);
   });
 }
@@ -123,7 +129,9 @@ auto FetchBinding(B b) {
   return std::move(b)
       .template Arg<ffi::AnyBuffer>()   // token
       .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
-      .template Ret<ffi::AnyBuffer>()   // weights: [E, blob]
+      .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
+      .template Ret<ffi::AnyBuffer>()   // up: [E, H, I]
+      .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
       .template Ret<ffi::AnyBuffer>()   // token
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("layer");

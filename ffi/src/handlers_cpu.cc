@@ -15,9 +15,10 @@ ffi::Error PublishCpu(ffi::AnyBuffer t, ffi::AnyBuffer c,
   return h::Publish(nullptr, t, c, o, engine, layer);
 }
 ffi::Error FetchCpu(ffi::AnyBuffer t, ffi::AnyBuffer r,
-                    ffi::Result<ffi::AnyBuffer> w, ffi::Result<ffi::AnyBuffer> o,
+                    ffi::Result<ffi::AnyBuffer> g, ffi::Result<ffi::AnyBuffer> u,
+                    ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> o,
                     int64_t engine, int32_t layer) {
-  return h::Fetch(nullptr, t, r, w, o, engine, layer);
+  return h::Fetch(nullptr, t, r, g, u, d, o, engine, layer);
 }
 ffi::Error EndCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> s,
                   int64_t engine) {

@@ -20,10 +20,12 @@ ffi::Error PublishCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer c,
   return h::Publish(static_cast<void*>(stream), t, c, o, engine, layer);
 }
 ffi::Error FetchCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer r,
-                     ffi::Result<ffi::AnyBuffer> w,
+                     ffi::Result<ffi::AnyBuffer> g,
+                     ffi::Result<ffi::AnyBuffer> u,
+                     ffi::Result<ffi::AnyBuffer> d,
                      ffi::Result<ffi::AnyBuffer> o, int64_t engine,
                      int32_t layer) {
-  return h::Fetch(static_cast<void*>(stream), t, r, w, o, engine, layer);
+  return h::Fetch(static_cast<void*>(stream), t, r, g, u, d, o, engine, layer);
 }
 ffi::Error EndCuda(cudaStream_t stream, ffi::AnyBuffer t,
                    ffi::Result<ffi::AnyBuffer> s, int64_t engine) {

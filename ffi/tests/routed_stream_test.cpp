@@ -547,6 +547,71 @@ void TestStop() {
   RunChunk(c);
 }
 
+// A link that publishes the gate itself (the CUDA link polls an event): the
+// walk must poll it for the layer it is at, before deciding, and skip what
+// the published row leaves unrouted; with the switch off it must not poll.
+void TestPollGate() {
+  const int L = 3, E = 8;
+  std::vector<std::vector<int32_t>> counts(L, std::vector<int32_t>(E, 0));
+  for (int l = 0; l < L; ++l)
+    for (int e = 0; e < E; ++e) counts[l][e] = (e + l) % 3 == 0 ? 2 : 0;
+  std::vector<StreamEntry> entries;
+  for (int l = 0; l < L; ++l)
+    for (int e = 0; e < E; ++e) entries.push_back({l, e, false});
+  struct PollLink {
+    RouteGate* gate;
+    const std::vector<std::vector<int32_t>>* counts;
+    std::vector<int> polls_of_layer = std::vector<int>(3, 0);
+    int64_t copies = 0;
+    int32_t last_layer_polled = -1;
+    int bad_order = 0;
+    void IssueCopy(int64_t, int64_t, const StreamEntry&) { ++copies; }
+    bool CopyLanded(int64_t) { return true; }
+    void PollGate(int32_t layer) {
+      if (layer < last_layer_polled) ++bad_order;
+      last_layer_polled = layer;
+      ++polls_of_layer[layer];
+      // Lands on the second poll of a layer: the walk must poll again.
+      if (polls_of_layer[layer] >= 2 && !gate->Published(layer))
+        gate->Publish(layer, (*counts)[layer].data());
+    }
+  };
+  for (bool routed : {true, false}) {
+    RouteGate gate(L, E);
+    WalkState st;
+    st.Reset(static_cast<int64_t>(entries.size()));
+    WalkConfig cfg;
+    cfg.ring = 64;
+    cfg.depth = 4;
+    cfg.routed = routed;
+    PollLink link{&gate, &counts};
+    const WalkResult res = strata::IssueWalk(entries, cfg, gate, st, link);
+    int64_t want_copied = 0;
+    int polls = 0;
+    for (int l = 0; l < L; ++l) {
+      polls += link.polls_of_layer[l];
+      for (int e = 0; e < E; ++e) {
+        // The row lands on a layer's second poll; the walk polls again
+        // while it waits, so even the layer's first entry sees it.
+        const bool copied = !routed || counts[l][e] > 0;
+        want_copied += copied;
+        const EntryState s = st.entry_state(l * E + e);
+        CHECK(s == (copied ? EntryState::kCopied : EntryState::kSkipped),
+              "poll gate, routed=%d: layer %d expert %d state %d", routed, l, e,
+              int(s));
+      }
+    }
+    CHECK(res.copied == want_copied && res.copied == link.copies,
+          "poll gate, routed=%d: copied %lld, want %lld (link saw %lld)", routed,
+          (long long)res.copied, (long long)want_copied, (long long)link.copies);
+    CHECK(res.copied + res.skipped == static_cast<int64_t>(entries.size()),
+          "poll gate: copied + skipped != entries");
+    CHECK(routed ? polls > 0 : polls == 0,
+          "poll gate, routed=%d: %d polls", routed, polls);
+    CHECK(link.bad_order == 0, "poll gate: a layer polled after a later one");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -555,6 +620,7 @@ int main(int argc, char** argv) {
   TestBadInput();
   TestFixed();
   TestStop();
+  TestPollGate();
   std::mt19937_64 rng(seed);
   for (int i = 0; i < n_random; ++i) RunChunk(RandomChunk(rng, i));
   std::printf("routed_stream_test: %d random chunks (seed %llu), %lld runs, %d "

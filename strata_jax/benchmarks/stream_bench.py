@@ -241,6 +241,7 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
     engines = {}
     for arm, routed in (("stream-all", False), ("routed", True)):
         engines[arm] = Engine(cfg, params, StreamConfig(routed=routed, depth=args.depth,
+                                                        publish=args.publish,
                                                         ring_budget_gib=args.ring_gib),
                               max_context=ctx, chunk_size=ctx)
         for n in lengths:
@@ -308,8 +309,9 @@ def two_turn(args, cfg, params, link, result):
     second = [rng.integers(0, cfg.vocab_size, t2) for _ in range(args.turn_reps + 1)]
     for arm, sc in (("resident", None),
                     ("stream-all", StreamConfig(routed=False, depth=args.depth,
+                                                publish=args.publish,
                                                 ring_budget_gib=args.ring_gib)),
-                    ("routed", StreamConfig(routed=True, depth=args.depth,
+                    ("routed", StreamConfig(routed=True, depth=args.depth, publish=args.publish,
                                             ring_budget_gib=args.ring_gib))):
         with Engine(cfg, params, sc, max_context=ctx, chunk_size=args.chunk) as eng:
             r = eng.prefill(first[0])
@@ -350,7 +352,8 @@ def layer_major(args, cfg, params, link, result):
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(3)]
     for routed in (True, False):
         arm = "routed" if routed else "stream-all"
-        sc = StreamConfig(routed=routed, depth=args.depth, ring_budget_gib=args.ring_gib)
+        sc = StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
+                          ring_budget_gib=args.ring_gib)
         with Engine(cfg, params, sc, max_context=n, chunk_size=args.chunk,
                     sub_chunk=args.chunk) as eng:
             out = {}
@@ -381,9 +384,11 @@ def layer_major(args, cfg, params, link, result):
 
 def publication(args, cfg, params, link, result):
     """Per-layer cost of the stream's publish + fetch with nothing crossing the link: every
-    expert resident, read through the stream, against the plain resident engine. Fetch then
-    copies each layer's experts device-to-device (one copy per layer); that copy is timed on its
-    own, and what is left is the publication (counts to the host, the host callback)."""
+    expert resident, read through the stream, against the plain resident engine, once per
+    publish mode. Fetch then copies each layer's experts device-to-device (split into the gate,
+    up and down planes); that copy is timed on its own, and what is left is the publication
+    (counts to the host, then the host callback or the event) and the calls' own cost. The
+    callback's stall of the device is the difference between the two modes."""
     import jax
     import jax.numpy as jnp
 
@@ -393,29 +398,50 @@ def publication(args, cfg, params, link, result):
     n = int(args.lengths.split(",")[0])
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.turn_reps + 1)]
+    arms = [("resident", None)] + [
+        (f"all-resident-through-stream/{mode}",
+         StreamConfig(resident_per_layer=cfg.n_experts, publish=mode))
+        for mode in ("callback", "event")]
     times = {}
-    for arm, sc in (("resident", None),
-                    ("all-resident-through-stream",
-                     StreamConfig(resident_per_layer=cfg.n_experts))):
-        with Engine(cfg, params, sc, max_context=n, chunk_size=n) as eng:
+    # Interleaved, so a drift of the machine's clocks lands on every arm alike.
+    engines = {arm: Engine(cfg, params, sc, max_context=n, chunk_size=n) for arm, sc in arms}
+    try:
+        for eng in engines.values():
             eng.prefill(prompts[-1])
-            times[arm] = statistics.median(_timed(eng, p)[0] for p in prompts[:-1])
-    layer = jnp.zeros((cfg.n_experts, cfg.expert_bytes // 2), jnp.bfloat16)
-    copy = jax.jit(lambda a: a + jnp.zeros((), a.dtype))  # a read and a write of the layer
-    jax.block_until_ready(copy(layer))
-    reps = []
+        reps = {arm: [] for arm in engines}
+        for p in prompts[:-1]:
+            for arm, eng in engines.items():
+                reps[arm].append(_timed(eng, p)[0])
+        times = {arm: statistics.median(r) for arm, r in reps.items()}
+    finally:
+        for eng in engines.values():
+            eng.close()
+    h, i = cfg.hidden_size, cfg.expert_intermediate
+    packed = jnp.zeros((cfg.n_experts, 3, h * i), jnp.bfloat16)
+    # What fetch does on the device: read every packed blob, write three planes.
+    split = jax.jit(lambda a: tuple(a[:, j].reshape(cfg.n_experts, h, i) + jnp.zeros((), a.dtype)
+                                    for j in range(3)))
+    jax.block_until_ready(split(packed))
+    copy_reps = []
     for _ in range(5):
         t0 = time.perf_counter()
-        jax.block_until_ready(copy(layer))
-        reps.append((time.perf_counter() - t0) * 1e3)
-    d2d_ms = statistics.median(reps)
+        jax.block_until_ready(split(packed))
+        copy_reps.append((time.perf_counter() - t0) * 1e3)
+    d2d_ms = statistics.median(copy_reps)
     n_moe = len(cfg.moe_layers)
-    per_layer_us = (times["all-resident-through-stream"] - times["resident"]) / n_moe * 1e3
-    row = {"part": "publication", "arm": "all-resident-through-stream", "tokens": n,
-           "resident_ms": times["resident"],
-           "through_stream_ms": times["all-resident-through-stream"],
-           "per_layer_us": per_layer_us, "layer_copy_us": d2d_ms * 1e3,
-           "publication_us_per_layer": per_layer_us - d2d_ms * 1e3}
+    per_mode = {}
+    for arm, _ in arms[1:]:
+        mode = arm.split("/")[1]
+        per_layer_us = (times[arm] - times["resident"]) / n_moe * 1e3
+        row = {"part": "publication", "arm": arm, "publish": mode, "tokens": n,
+               "resident_ms": times["resident"], "through_stream_ms": times[arm],
+               "per_layer_us": per_layer_us, "layer_copy_us": d2d_ms * 1e3,
+               "publication_us_per_layer": per_layer_us - d2d_ms * 1e3}
+        per_mode[mode] = row["publication_us_per_layer"]
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    row = {"part": "publication", "arm": "callback-stall", "tokens": n,
+           "stall_us_per_layer": per_mode["callback"] - per_mode["event"]}
     result["rows"].append(row)
     print(json.dumps(row), flush=True)
 
@@ -432,6 +458,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--publish", default="callback", choices=["callback", "event"],
+                    help="the stream arms' publish mode (StreamConfig.publish)")
     ap.add_argument("--ring-gib", type=float, default=8.0)
     ap.add_argument("--chunk", type=int, default=8192, help="chunk for two-turn and layer-major")
     ap.add_argument("--turn1", type=int, default=18700)
@@ -465,7 +493,8 @@ def main(argv=None) -> int:
           f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
     result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "preset": args.preset, "layers": args.layers, "skew": args.skew,
-              "depth": args.depth, "link_pinned_gbps": link, "link_pageable_gbps": pageable,
+              "depth": args.depth, "publish": args.publish, "link_pinned_gbps": link,
+              "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
     for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),

@@ -222,6 +222,17 @@ template <class L>
 struct HasIssueRun<L, std::void_t<decltype(std::declval<L&>().IssueRun(
                           int64_t{}, int64_t{}, int64_t{}))>> : std::true_type {};
 
+// Whether a link publishes gate rows itself, polled by the walk:
+//   void PollGate(int32_t layer);
+// (the CUDA link: the layer's routing counts landed when an event recorded
+// after their device-to-host copy has completed). Links without it are
+// published to from outside (the CPU link's publish runs on XLA's thread).
+template <class L, class = void>
+struct HasPollGate : std::false_type {};
+template <class L>
+struct HasPollGate<L, std::void_t<decltype(std::declval<L&>().PollGate(
+                          int32_t{}))>> : std::true_type {};
+
 struct WalkResult {
   bool stopped = false;
   int64_t copied = 0;
@@ -255,8 +266,9 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
   for (int64_t k = 0; k < n; ++k) {
     const StreamEntry& e = entries[k];
     auto skippable = [&] {
-      return cfg.routed && !e.staged && gate.Published(e.layer) &&
-             !gate.Routed(e.layer, e.expert);
+      if (!cfg.routed || e.staged) return false;
+      if constexpr (HasPollGate<Link>::value) link.PollGate(e.layer);
+      return gate.Published(e.layer) && !gate.Routed(e.layer, e.expert);
     };
     auto ring_ok = [&] {
       return k < st.consumed.load(std::memory_order_acquire) + cfg.ring;

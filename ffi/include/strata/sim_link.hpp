@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "strata/routed_stream.hpp"
+#include "strata/thread_name.hpp"
 
 namespace strata {
 
@@ -78,7 +79,10 @@ class SimLink {
     abort_.store(false);
     if (!worker_.joinable()) {
       quit_ = false;
-      worker_ = std::thread([this] { Run(); });
+      worker_ = std::thread([this] {
+        NameThisThread("strata-simlink");
+        Run();
+      });
     }
   }
 
