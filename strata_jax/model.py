@@ -156,13 +156,16 @@ def _einsum_attention(q, k, v, mask):
 
 def attention_key_block(n_heads: int, n_queries: int, n_keys: int) -> int:
     """Key block of the blocked path: the largest power of two in 128..4096 whose float32
-    scores for `n_queries` queries fit `_BLOCK_SCORE_BYTES`, shrunk to divide `n_keys`."""
+    scores for `n_queries` queries fit `_BLOCK_SCORE_BYTES`, at most `n_keys`. It need not
+    divide `n_keys`: the last block is read overlapping the one before (blocked_attention).
+
+    (An earlier version shrank the block until it divided the cache; a 20,500-position cache
+    then ran blocks of 4 keys, 5,000 loop steps per layer, and a 1,800-token follow-up turn took
+    3 s on the H200.)"""
     block = 4096
     while block > 128 and n_heads * n_queries * block * 4 > _BLOCK_SCORE_BYTES:
         block //= 2
-    while block > 1 and n_keys % block:
-        block //= 2
-    return block
+    return max(1, min(block, n_keys))
 
 
 def uses_blocked_attention(dtype, n_heads: int, n_queries: int, n_keys: int) -> bool:
@@ -181,7 +184,8 @@ def blocked_attention(q, k, v, positions, block: int):
     Args:
         q: [T, N, D] queries; positions: int32 [T], each query's position (keys up to it count).
         k, v: [S, KVH, D] the cache; positions past the last query are never read.
-        block: key block size, dividing S.
+        block: key block size, 1..S. When it does not divide S, the last block is read from
+            S - block (overlapping the block before it) and counts only the keys past it.
 
     Returns:
         [T, N, D] in q.dtype. Scores, running maxima and sums are float32 (float64 inputs: 64).
@@ -191,16 +195,21 @@ def blocked_attention(q, k, v, positions, block: int):
     acc_t = jnp.promote_types(jnp.float32, q.dtype)
     qg = q.reshape(t, kvh, n // kvh, d)  # [T, KVH, G, D]
     scale = 1.0 / np.sqrt(d)
+    if not 1 <= block <= s:
+        raise ValueError(f"key block {block} outside 1..{s} (the cache's positions)")
     # Blocks holding any key a query may see: 0 .. max(position) // block.
-    n_blocks = jnp.minimum(jnp.max(positions) // block + 1, s // block)
+    n_blocks = jnp.minimum(jnp.max(positions) // block + 1, -(-s // block))
 
     def body(i, carry):
         m, l, acc = carry  # [KVH, G, T], [KVH, G, T], [KVH, G, T, D]
-        kb = lax.dynamic_slice_in_dim(k, i * block, block, 0).astype(q.dtype)  # [B, KVH, D]
-        vb = lax.dynamic_slice_in_dim(v, i * block, block, 0).astype(q.dtype)
+        first = i * block  # the block's first key; a last partial block is read from s - block
+        start = jnp.minimum(first, s - block)
+        kb = lax.dynamic_slice_in_dim(k, start, block, 0).astype(q.dtype)  # [B, KVH, D]
+        vb = lax.dynamic_slice_in_dim(v, start, block, 0).astype(q.dtype)
         scores = jnp.einsum("tkgd,skd->kgts", qg, kb, preferred_element_type=acc_t) * scale
-        key_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [B]
-        visible = key_pos[None, :] <= positions[:, None]  # [T, B]
+        key_pos = start + jnp.arange(block, dtype=jnp.int32)  # [B]
+        # Keys before `first` were counted by the block before.
+        visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] >= first)
         scores = jnp.where(visible[None, None], scores, -jnp.inf)
         # Block 0 holds key 0, which every query sees, so m is finite from the first block on.
         m_new = jnp.maximum(m, scores.max(axis=-1))

@@ -94,12 +94,14 @@ class StreamConfig:
             (stage through pinned bounce buffers; such entries are never
             skipped). A store that cannot be pinned falls back to staging and
             the trace says so.
-        publish: How a layer's routing reaches the issuer on CUDA: "callback" (the design's:
-            after the counts' device-to-host copy, a host callback on XLA's stream fills the
-            gate row; the stream waits until a driver thread has run it) or "event" (an event
-            recorded after the copy, which the issuer polls before it fills the row itself;
-            nothing waits). Overridden by STRATA_PUBLISH=callback|event. The CPU backend
-            publishes in the handler either way.
+        publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded
+            on XLA's stream after the counts' device-to-host copy, which the issuer polls before
+            it fills the gate row itself; nothing waits) or "callback" (DESIGN.md's first
+            design: a host callback, cudaLaunchHostFunc, fills the row; XLA's stream waits until
+            a driver thread has run it). On the H200 the callback stalled the device 116 us per
+            layer more than the event, and its threads grew without bound over a 210-chunk
+            stress (docs/BENCHMARKS.md), hence the default. Overridden by
+            STRATA_PUBLISH=callback|event. The CPU backend publishes in the handler either way.
         sim_bandwidth: Simulated link bandwidth in bytes/s (CPU backend); 0 is unlimited.
         sim_latency: Simulated per-copy latency in seconds (CPU backend).
         sim_jitter: Up to this many extra seconds per copy, uniform (CPU backend).
@@ -120,7 +122,7 @@ class StreamConfig:
         default=None, compare=False, hash=False)
     backend: str = "auto"
     pin: str = "arena"
-    publish: str = "callback"
+    publish: str = "event"
     sim_bandwidth: float = 2e9
     sim_latency: float = 20e-6
     sim_jitter: float = 0.0

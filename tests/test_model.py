@@ -215,8 +215,9 @@ def _attention_reference(q, k, v, positions):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("start,block", [(0, 16), (200, 64), (457, 512)])
+@pytest.mark.parametrize("start,block", [(0, 16), (200, 64), (457, 512), (440, 96), (300, 500)])
 def test_blocked_attention_matches_reference(dtype, start, block):
+    # Blocks of 96 and 500 do not divide the 512 keys: the last block overlaps the one before.
     # 50 queries at positions start..start+49 against a 512-position cache (keys past the last
     # query hold garbage that must never count), 8 heads over 2 KV heads.
     rng = np.random.default_rng(start + block)
@@ -239,8 +240,9 @@ def test_blocked_attention_is_chosen_by_size_and_env(monkeypatch):
     monkeypatch.setenv(M.ATTENTION_ENV_VAR, "blocked")
     assert M.uses_blocked_attention(jnp.bfloat16, 2, 4, 16)
     assert M.attention_key_block(32, 8192, 40960) == 256  # 256 MiB of scores per block
-    assert 40960 % M.attention_key_block(32, 8192, 40960) == 0
-    assert M.attention_key_block(4, 16, 96) == 32  # shrunk to divide the cache
+    # A cache that no power of two divides keeps its block (it used to shrink to 4 keys here).
+    assert M.attention_key_block(32, 2048, 20500) == 1024
+    assert M.attention_key_block(4, 16, 96) == 96  # never more than the cache
 
 
 def test_blocked_attention_in_chunked_prefill(monkeypatch):

@@ -107,10 +107,10 @@ def test_depth_environment_is_clamped_with_warning(monkeypatch):
 
 
 def test_publish_mode_from_config_and_environment(monkeypatch):
-    assert StreamConfig().resolved().publish == "callback"
-    assert StreamConfig(publish="event").resolved().publish == "event"
-    monkeypatch.setenv("STRATA_PUBLISH", "event")
     assert StreamConfig().resolved().publish == "event"
+    assert StreamConfig(publish="callback").resolved().publish == "callback"
+    monkeypatch.setenv("STRATA_PUBLISH", "callback")
+    assert StreamConfig().resolved().publish == "callback"
     monkeypatch.setenv("STRATA_PUBLISH", "polling")
     with pytest.raises(ValueError, match=r"STRATA_PUBLISH='polling': expected one of \['callback', 'event'\]"):
         StreamConfig().resolved()

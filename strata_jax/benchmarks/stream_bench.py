@@ -458,7 +458,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--publish", default="callback", choices=["callback", "event"],
+    ap.add_argument("--publish", default="event", choices=["callback", "event"],
                     help="the stream arms' publish mode (StreamConfig.publish)")
     ap.add_argument("--ring-gib", type=float, default=8.0)
     ap.add_argument("--chunk", type=int, default=8192, help="chunk for two-turn and layer-major")
