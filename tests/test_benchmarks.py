@@ -66,3 +66,14 @@ def test_bootstrap_interval():
 def test_stream_bench_refuses_unknown_parts(parts):
     with pytest.raises(SystemExit):
         stream_bench.main(["--tiny", "--parts", parts])
+
+
+def test_order_numerics_yardstick(capsys):
+    # The layer-major yardstick runs end to end: with sub-chunks equal to the chunk, layer-major
+    # equals chunk-major bit for bit on the CPU, and bf16 sits measurably off float32.
+    from strata_jax.benchmarks import order_numerics
+
+    assert order_numerics.main(["--tokens", "128", "--chunk", "64", "--layers", "2"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["layer_vs_chunk_major"] == 0.0
+    assert 0.0 < row["bf16_vs_float32"] < row["max_abs_logit"]
