@@ -644,6 +644,14 @@ class StreamEngine:
             return None
         return tuple(float(x) for x in out)
 
+    def host_times(self) -> tuple[float, float]:
+        """Host clock (time.monotonic seconds) at which the last chunk's begin_chunk and
+        end_chunk handlers ran; with the call's own monotonic times they split a prefill's wall
+        time into host time before the device chunk, the chunk, and host time after it."""
+        out = (ctypes.c_double * 2)()
+        native.lib().strata_engine_host_times(self.id, out)
+        return float(out[0]), float(out[1])
+
     def close(self) -> None:
         """Stops the threads and frees the engine. Idempotent."""
         self._stores = [None] * len(self._stores)  # may view the pinned block freed next

@@ -14,7 +14,8 @@ from strata_jax.benchmarks import plot, stream_bench
 def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40,100", "--parts",
-                            "sweep,two-turn,layer-major,publication", "--chunk", "64", "--turn1", "150",
+                            "sweep,two-turn,layer-major,publication,floor", "--chunk", "64",
+                            "--turn1", "150",
                             "--turn2", "50", "--turn-reps", "1", "--long", "256",
                             "--json", str(out)])
     assert rc == 0
@@ -29,6 +30,8 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
             assert r["identical_to_resident"]
             assert r["copied"] + r["skipped"] == r["streamed"]
             assert r["time_over_floor"] > 0
+            assert 0 <= r["host_call_to_begin_ms"] <= max(r["ms_each"])
+            assert 0 <= r["host_end_to_return_ms"] <= max(r["ms_each"])
         if r["part"] == "sweep" and r["arm"] == "pairs":
             lo, hi = r["ci95"]
             assert lo <= hi and len(r["off_over_on"]) == 4
@@ -40,6 +43,13 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
         # Layer-major reads each streamed expert at most once; chunk-major up to once per chunk.
         assert lm[(arm, "layer-major")]["copied"] <= lm[(arm, "layer-major")]["streamed"]
         assert lm[(arm, "chunk-major")]["chunks"] == 4
+    assert res["floor_identical"]
+    floor = {(r["arm"], r["tokens"]): r for r in rows if r["part"] == "floor"}
+    for n in (40, 100):
+        # The tiny run's lengths sit below the default floor of 1,024 tokens.
+        assert floor[("default-floor", n)]["mode"] == "routed-only"
+        assert floor[("forced-stream", n)]["mode"] == "stream"
+        assert len(floor[("pairs", n)]["default_over_forced"]) == 4
     pubs = {r["arm"]: r for r in rows if r["part"] == "publication"}
     assert set(pubs) == {"all-resident-through-stream/callback",
                          "all-resident-through-stream/event", "callback-stall"}

@@ -82,12 +82,9 @@ def main(argv=None) -> int:
         t.append(time.perf_counter())
         names = ("cache", "inputs", "dispatch", "ready", "stats")
         out = {f"{n}_ms": (b - a) * 1e3 for n, a, b in zip(names, t, t[1:])}
-        import ctypes
-
-        host = (ctypes.c_double * 2)()
-        native.lib().strata_engine_host_times(eng.streamer.id, host)
-        out["call_to_begin_ms"] = (host[0] - call) * 1e3
-        out["end_to_ready_ms"] = (ready - host[1]) * 1e3
+        begin, end = eng.streamer.host_times()
+        out["call_to_begin_ms"] = (begin - call) * 1e3
+        out["end_to_ready_ms"] = (ready - end) * 1e3
         return out
 
     rng = np.random.default_rng(7)

@@ -1,6 +1,6 @@
 """Streaming benchmark (../shared/BENCHMARK.md): resident, stream-all, routed and pure-JAX arms.
 
-Three parts, each optional:
+Five parts, each optional:
 
   sweep       For each prompt length, one chunk per prompt: the all-resident arm (the compute
               ceiling), the pure-JAX baseline (each MoE layer's experts moved from `pinned_host`
@@ -19,7 +19,12 @@ Three parts, each optional:
               (chunks of --chunk), routed: bytes copied and time for each.
   publication The stream's per-layer cost with nothing on the link (every expert resident, read
               through the stream) against the resident engine, less fetch's device copy of the
-              layer timed alone: the publication's cost per layer (first of --lengths tokens).
+              layer timed alone, once per publish mode: the publication's cost per layer and the
+              host callback's stall (first of --lengths tokens).
+  floor       Where the stream floor should be: for each of --lengths, the routed switch with
+              the default floor (below it, routed-only: wait for each layer's routing, copy only
+              its routed experts) against the routed stream forced (stream_floor=1), in the
+              sweep's paired order, with time / floor for each.
 
 The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run.
 
@@ -250,11 +255,16 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
     for n in lengths:
         meas = []
         for i, arm in enumerate(ORDER):
+            call = time.monotonic()
             ms, r = _timed(engines[arm], prompts[n][i])
+            back = time.monotonic()
             same = _hashes(r) == hashes[(n, i)]
             identical &= same
             timing = engines[arm].streamer.device_timing() if len(r.chunks) == 1 else None
-            meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode))
+            # Host time before begin_chunk's handler ran and after end_chunk's, in ms.
+            begin, end = engines[arm].streamer.host_times()
+            host = ((begin - call) * 1e3, (back - end) * 1e3)
+            meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host))
         for arm in ("stream-all", "routed"):
             rows = [m for m in meas if m[0] == arm]
             ms = statistics.median(m[1] for m in rows)
@@ -269,7 +279,9 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                    "copied": statistics.median(m[2]["copied"] for m in rows),
                    "skipped": statistics.median(m[2]["skipped"] for m in rows),
                    "unrouted": statistics.median(m[2]["unrouted"] for m in rows),
-                   "identical_to_resident": all(m[4] for m in rows)}
+                   "identical_to_resident": all(m[4] for m in rows),
+                   "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows),
+                   "host_end_to_return_ms": statistics.median(m[6][1] for m in rows)}
             timings = [(m[3], m[2]["bytes"]) for m in rows if m[3] is not None and m[3][1] > 0]
             if timings:
                 row["device_chunk_ms"] = statistics.median(t[0][0] for t in timings)
@@ -382,6 +394,71 @@ def layer_major(args, cfg, params, link, result):
                 "max_abs_ref": float(np.max(np.abs(a)))}
 
 
+def floor_part(args, cfg, params, link, result):
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ctx = max(lengths)
+    rng = np.random.default_rng(4321)
+    prompts = {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(len(ORDER) + 1)]
+               for n in lengths}
+    resident_ms, hashes = {}, {}
+    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
+        for n in lengths:
+            eng.prefill(prompts[n][-1])
+            times = []
+            for i in range(len(ORDER)):
+                ms, r = _timed(eng, prompts[n][i])
+                times.append(ms)
+                hashes[(n, i)] = _hashes(r)
+            resident_ms[n] = statistics.median(times)
+    # ORDER's "stream-all" slots run the default floor, its "routed" slots the forced stream.
+    arms = {"stream-all": "default-floor", "routed": "forced-stream"}
+    engines = {
+        "default-floor": Engine(cfg, params, StreamConfig(routed=True, depth=args.depth,
+                                                          publish=args.publish,
+                                                          ring_budget_gib=args.ring_gib),
+                                max_context=ctx, chunk_size=ctx),
+        "forced-stream": Engine(cfg, params, StreamConfig(routed=True, depth=args.depth,
+                                                          publish=args.publish, stream_floor=1,
+                                                          ring_budget_gib=args.ring_gib),
+                                max_context=ctx, chunk_size=ctx)}
+    identical = True
+    try:
+        for n in lengths:
+            for eng in engines.values():
+                eng.prefill(prompts[n][-1])
+            meas = []
+            for i, slot in enumerate(ORDER):
+                arm = arms[slot]
+                ms, r = _timed(engines[arm], prompts[n][i])
+                identical &= _hashes(r) == hashes[(n, i)]
+                meas.append((arm, ms, r.totals(), r.chunks[0].stats.mode))
+            for arm in engines:
+                rows = [m for m in meas if m[0] == arm]
+                ms = statistics.median(m[1] for m in rows)
+                copied = statistics.median(m[2]["bytes"] for m in rows)
+                floor = max(resident_ms[n], copied / (link * 1e9) * 1e3)
+                row = {"part": "floor", "arm": arm, "tokens": n, "mode": rows[0][3], "ms": ms,
+                       "resident_ms": resident_ms[n], "bytes_copied": copied, "floor_ms": floor,
+                       "time_over_floor": ms / floor}
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            ratios = [meas[off][1] / meas[on][1] for on, off in PAIRS]
+            lo, hi = bootstrap_ci(ratios)
+            row = {"part": "floor", "arm": "pairs", "tokens": n,
+                   "default_over_forced": ratios, "median": statistics.median(ratios),
+                   "ci95": [lo, hi]}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for eng in engines.values():
+            eng.close()
+    result["floor_identical"] = bool(identical)
+    result["identical"] = result.get("identical", True) and bool(identical)
+
+
 def publication(args, cfg, params, link, result):
     """Per-layer cost of the stream's publish + fetch with nothing crossing the link: every
     expert resident, read through the stream, against the plain resident engine, once per
@@ -453,7 +530,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--parts", default="sweep",
-                    help="comma list of sweep,two-turn,layer-major,publication")
+                    help="comma list of sweep,two-turn,layer-major,publication,floor")
     ap.add_argument("--arms", default="resident,stream-all,routed,jax-pinned-host")
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
@@ -474,7 +551,7 @@ def main(argv=None) -> int:
     from strata_jax import native
 
     parts = args.parts.split(",")
-    unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication"}
+    unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -498,7 +575,7 @@ def main(argv=None) -> int:
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
     for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
-                     ("publication", publication)):
+                     ("publication", publication), ("floor", floor_part)):
         if part in parts:
             fn(args, cfg, params, link, result)
             if args.json:  # keep what finished if a later part runs out of time
