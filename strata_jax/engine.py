@@ -552,10 +552,11 @@ class Engine:
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))
                     chunk_ms = (time.perf_counter() - c0) * 1e3
-                # Unsynced, the next chunk is dispatched while this one runs: its begin_chunk
-                # waits on the host for this chunk's publish callbacks and its copies wait on
-                # the device for this chunk's reads of the ring, so the link does not idle
-                # through this chunk's tail. Its stats are read after the last chunk.
+                # Unsynced, the next chunk is dispatched while this one runs: its copies wait on
+                # the device for this chunk's reads of the ring (and with publish="callback" its
+                # begin_chunk waits on the host for this chunk's publish callbacks), so the link
+                # does not idle through this chunk's tail. Its stats are read after the last
+                # chunk.
                 pending.append((len(records), int(piece.size), st, counts))
                 records.append(ChunkRecord(pos, int(piece.size), chunk_ms, None, bucket))
                 pos += piece.size

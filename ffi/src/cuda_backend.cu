@@ -392,14 +392,11 @@ class CudaEngine final : public Engine {
       std::lock_guard<std::mutex> lock(hub_->mu);
       hub_->engine = nullptr;
     }
-    // Synchronizes the device when it holds resources: publish copies may
-    // still target pinned_counts_.
+    // Synchronizes the device when the engine was prepared, so no publish
+    // copy still targets pinned_counts_ (an engine never prepared ran none).
     ReleaseResources();
     if (drained) {
-      if (pinned_counts_) {
-        cudaDeviceSynchronize();
-        cudaFreeHost(pinned_counts_);
-      }
+      if (pinned_counts_) cudaFreeHost(pinned_counts_);
       delete hub_;
     } else {
       // Their D2H copies may still target pinned_counts_: leak it with the hub.
@@ -528,7 +525,11 @@ class CudaEngine final : public Engine {
       return "publish callbacks of the previous chunk have not run after " +
              std::to_string(kCallbackWait.count()) + " s";
     // The last chunk's issuer is joined: nothing reads these now. A layer's
-    // event counts again only after this chunk's publish recorded it.
+    // event counts again only after this chunk's publish recorded it. The
+    // last chunk's counts copy into the same pinned row may still be pending,
+    // but it was queued on XLA's stream before this chunk's copy and event
+    // (XLA runs a device's programs on one in-order compute stream), so when
+    // this chunk's event completes the row holds this chunk's counts.
     for (int l = 0; l < opt_.n_layers; ++l)
       pub_recorded_[l].store(false, std::memory_order_relaxed);
     STRATA_ENTER_DEVICE(dev);
