@@ -108,6 +108,45 @@ def _hashes(r):
     return sha256_of(r.logits), r.session.kv_sha256()
 
 
+def _stream_config(args, routed: bool, **overrides):
+    """The streamed arms' StreamConfig from the command line (depth, publish mode, ring)."""
+    from strata_jax.stream import StreamConfig
+
+    return StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
+                        ring_budget_gib=args.ring_gib, **overrides)
+
+
+def _nonce_prompts(cfg, lengths, seed: int) -> dict:
+    """Per length, a new random prompt for each of ORDER's repetitions, plus one to compile."""
+    rng = np.random.default_rng(seed)
+    return {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(len(ORDER) + 1)]
+            for n in lengths}
+
+
+def _resident_reference(cfg, params, ctx: int, lengths, prompts) -> tuple[dict, dict]:
+    """The all-resident arm reads every prompt: its median time per length, and the hashes
+    every streamed repetition of the same prompt must equal, keyed (length, repetition)."""
+    from strata_jax.engine import Engine
+
+    resident_ms, hashes = {}, {}
+    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
+        for n in lengths:
+            eng.prefill(prompts[n][-1])  # compile
+            times = []
+            for i in range(len(ORDER)):
+                ms, r = _timed(eng, prompts[n][i])
+                times.append(ms)
+                hashes[(n, i)] = _hashes(r)
+            resident_ms[n] = statistics.median(times)
+    return resident_ms, hashes
+
+
+def _pair_ratios(times) -> tuple[list, float, list]:
+    """OFF/ON time ratio of each of PAIRS over ORDER's times: (ratios, median, 95% interval)."""
+    ratios = [times[off] / times[on] for on, off in PAIRS]
+    return ratios, statistics.median(ratios), list(bootstrap_ci(ratios))
+
+
 class PinnedHostBaseline:
     """What a JAX user writes without this library: each MoE layer's experts live in
     `pinned_host` memory and move to the device with `jax.device_put` inside the jitted prefill.
@@ -182,29 +221,16 @@ class PinnedHostBaseline:
 def sweep(args, cfg, params, link, result):
     import jax
 
-    from strata_jax.engine import Engine, sha256_of
-    from strata_jax.stream import StreamConfig
-
     lengths = [int(x) for x in args.lengths.split(",")]
     ctx = max(lengths)
-    rng = np.random.default_rng(1234)
     # A new prompt (nonce) for every measured repetition; the resident arm reads each one too,
     # which gives its time and the hashes every streamed repetition must equal.
-    prompts = {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(len(ORDER) + 1)]
-               for n in lengths}
-    resident_ms, hashes = {}, {}
-    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
-        for n in lengths:
-            eng.prefill(prompts[n][-1])  # compile
-            times = []
-            for i in range(len(ORDER)):
-                ms, r = _timed(eng, prompts[n][i])
-                times.append(ms)
-                hashes[(n, i)] = _hashes(r)
-            resident_ms[n] = statistics.median(times)
-            result["rows"].append({"part": "sweep", "arm": "resident", "tokens": n,
-                                   "ms": resident_ms[n], "reps": len(times)})
-            print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {len(times)})", flush=True)
+    prompts = _nonce_prompts(cfg, lengths, 1234)
+    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts)
+    for n in lengths:
+        result["rows"].append({"part": "sweep", "arm": "resident", "tokens": n,
+                               "ms": resident_ms[n], "reps": len(ORDER)})
+        print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {len(ORDER)})", flush=True)
 
     if "jax-pinned-host" in args.arms and jax.devices()[0].platform == "gpu":
         try:
@@ -241,13 +267,10 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
 
 def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
     from strata_jax.engine import Engine
-    from strata_jax.stream import StreamConfig
 
     engines = {}
     for arm, routed in (("stream-all", False), ("routed", True)):
-        engines[arm] = Engine(cfg, params, StreamConfig(routed=routed, depth=args.depth,
-                                                        publish=args.publish,
-                                                        ring_budget_gib=args.ring_gib),
+        engines[arm] = Engine(cfg, params, _stream_config(args, routed),
                               max_context=ctx, chunk_size=ctx)
         for n in lengths:
             engines[arm].prefill(prompts[n][-1])  # compile
@@ -293,11 +316,10 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                 row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-        ratios = [meas[off][1] / meas[on][1] for on, off in PAIRS]
-        lo, hi = bootstrap_ci(ratios)
+        ratios, median, ci = _pair_ratios([m[1] for m in meas])
         spread = [abs(meas[a][1] / meas[b][1] - 1) for a, b in ((0, 3), (1, 2), (4, 7), (5, 6))]
         pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
-                "median": statistics.median(ratios), "ci95": [lo, hi],
+                "median": median, "ci95": ci,
                 "same_arm_spread": statistics.median(spread)}
         result["rows"].append(pair)
         print(json.dumps(pair), flush=True)
@@ -311,7 +333,6 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
 
 def two_turn(args, cfg, params, link, result):
     from strata_jax.engine import Engine
-    from strata_jax.stream import StreamConfig
 
     rng = np.random.default_rng(99)
     t1, t2 = args.turn1, args.turn2
@@ -320,11 +341,8 @@ def two_turn(args, cfg, params, link, result):
     first = [rng.integers(0, cfg.vocab_size, t1) for _ in range(args.turn_reps + 1)]
     second = [rng.integers(0, cfg.vocab_size, t2) for _ in range(args.turn_reps + 1)]
     for arm, sc in (("resident", None),
-                    ("stream-all", StreamConfig(routed=False, depth=args.depth,
-                                                publish=args.publish,
-                                                ring_budget_gib=args.ring_gib)),
-                    ("routed", StreamConfig(routed=True, depth=args.depth, publish=args.publish,
-                                            ring_budget_gib=args.ring_gib))):
+                    ("stream-all", _stream_config(args, False)),
+                    ("routed", _stream_config(args, True))):
         with Engine(cfg, params, sc, max_context=ctx, chunk_size=args.chunk) as eng:
             r = eng.prefill(first[0])
             eng.prefill(second[0], r.session)  # compile both kinds
@@ -357,15 +375,13 @@ def two_turn(args, cfg, params, link, result):
 
 def layer_major(args, cfg, params, link, result):
     from strata_jax.engine import Engine
-    from strata_jax.stream import StreamConfig
 
     rng = np.random.default_rng(7)
     n = args.long
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(3)]
     for routed in (True, False):
         arm = "routed" if routed else "stream-all"
-        sc = StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
-                          ring_budget_gib=args.ring_gib)
+        sc = _stream_config(args, routed)
         with Engine(cfg, params, sc, max_context=n, chunk_size=args.chunk,
                     sub_chunk=args.chunk) as eng:
             out = {}
@@ -396,33 +412,17 @@ def layer_major(args, cfg, params, link, result):
 
 def floor_part(args, cfg, params, link, result):
     from strata_jax.engine import Engine
-    from strata_jax.stream import StreamConfig
 
     lengths = [int(x) for x in args.lengths.split(",")]
     ctx = max(lengths)
-    rng = np.random.default_rng(4321)
-    prompts = {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(len(ORDER) + 1)]
-               for n in lengths}
-    resident_ms, hashes = {}, {}
-    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
-        for n in lengths:
-            eng.prefill(prompts[n][-1])
-            times = []
-            for i in range(len(ORDER)):
-                ms, r = _timed(eng, prompts[n][i])
-                times.append(ms)
-                hashes[(n, i)] = _hashes(r)
-            resident_ms[n] = statistics.median(times)
+    prompts = _nonce_prompts(cfg, lengths, 4321)
+    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts)
     # ORDER's "stream-all" slots run the default floor, its "routed" slots the forced stream.
     arms = {"stream-all": "default-floor", "routed": "forced-stream"}
     engines = {
-        "default-floor": Engine(cfg, params, StreamConfig(routed=True, depth=args.depth,
-                                                          publish=args.publish,
-                                                          ring_budget_gib=args.ring_gib),
+        "default-floor": Engine(cfg, params, _stream_config(args, True),
                                 max_context=ctx, chunk_size=ctx),
-        "forced-stream": Engine(cfg, params, StreamConfig(routed=True, depth=args.depth,
-                                                          publish=args.publish, stream_floor=1,
-                                                          ring_budget_gib=args.ring_gib),
+        "forced-stream": Engine(cfg, params, _stream_config(args, True, stream_floor=1),
                                 max_context=ctx, chunk_size=ctx)}
     identical = True
     try:
@@ -445,11 +445,9 @@ def floor_part(args, cfg, params, link, result):
                        "time_over_floor": ms / floor}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-            ratios = [meas[off][1] / meas[on][1] for on, off in PAIRS]
-            lo, hi = bootstrap_ci(ratios)
+            ratios, median, ci = _pair_ratios([m[1] for m in meas])
             row = {"part": "floor", "arm": "pairs", "tokens": n,
-                   "default_over_forced": ratios, "median": statistics.median(ratios),
-                   "ci95": [lo, hi]}
+                   "default_over_forced": ratios, "median": median, "ci95": ci}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     finally:
