@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|all]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|timeline|all]
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 STAGE=${1:-all}
@@ -28,6 +28,11 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
     --layers ${LAYERS:-8} --lengths ${LENGTHS:-950,1024,2048,4096,6144} --parts ${PARTS:-sweep} \
     --skew ${SKEW:-0} ${BENCH_ARGS:-} --json "$OUT/stream_${NAME:-sweep}.json" 2>&1 \
     | tee "$OUT/stream_${NAME:-sweep}.log" | tail -40
+fi
+if [ "$STAGE" = timeline ]; then
+  STRATA_GROUPED_MATMUL=${GMM:-tiled} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.timeline \
+    --tokens ${TOKENS:-1024} ${TL_ARGS:-} --out "$OUT/timeline_${NAME:-${GMM:-tiled}}" 2>&1 \
+    | tee "$OUT/timeline_${NAME:-${GMM:-tiled}}.log" | tail -20
 fi
 if [ "$STAGE" = diag ]; then
   STRATA_GROUPED_MATMUL=${GMM:-tiled} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.link_diag \
