@@ -339,23 +339,38 @@ class Engine:
         # The compiled call takes the state as a flat list: flattening an nnx.State on every
         # call is Python work (milliseconds for a real model) before the device starts.
         self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
-        c = config
-        shape = (self.capacity, c.n_kv_heads, c.head_dim)
-        # One dispatch for a new session's cache instead of one per array.
-        self._zero_cache = jax.jit(
-            lambda: KVCache(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
-                            tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers))),
-            out_shardings=jax.sharding.SingleDeviceSharding(self.device))
+        # One dispatch for a new session's cache instead of one per array (new_cache); a
+        # prefill's first chunk makes its zeros inside its own program instead.
+        self._zero_cache = jax.jit(self._zeros,
+                                   out_shardings=jax.sharding.SingleDeviceSharding(self.device))
         self.compilations = 0
         self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"))
         self._profile = ExpertProfile.empty(config)
 
     # -- the compiled call ----------------------------------------------------------------------
 
-    def _prefill_fn(self, state_leaves, resident, tokens, cache, start, n_valid, *, first: bool,
-                    mode: int, sub: int):
-        """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens."""
+    def _zeros(self) -> KVCache:
+        c = self.config
+        shape = (self.capacity, c.n_kv_heads, c.head_dim)
+        return KVCache(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
+                       tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
+
+    def _prefill_fn(self, state_leaves, resident, ids, cache, *, first: bool, mode: int,
+                    sub: int):
+        """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens.
+
+        ids: int32 [bucket + 2], the padded token ids, then the chunk's start position and its
+            number of real tokens (one host-to-device copy per chunk, not three).
+        cache: the session's KVCache, or None with `first` (zeros made here, not by a dispatch
+            of their own before the chunk).
+
+        Returns (logits, cache, info): info is int32, end_chunk's stats [L, 2] (none without a
+        stream) then the router counts [n_moe, E], flat, so the host reads both in one copy.
+        """
         self.compilations += 1  # runs once per trace, i.e. per compilation
+        tokens, start, n_valid = ids[:-2], ids[-2], ids[-1]
+        if first:
+            cache = self._zeros()
         state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
         model = nnx.merge(self._graphdef, state)
         source = None
@@ -373,7 +388,30 @@ class Engine:
             logits, cache, counts = model(tokens, cache, start, source, n_valid=n_valid,
                                           last_logits=True)
         stats = source.finish() if source is not None else jnp.zeros((0, 2), jnp.int32)
-        return logits, cache, counts, stats
+        info = jnp.concatenate([stats.reshape(-1), counts.astype(jnp.int32).reshape(-1)])
+        return logits, cache, info
+
+    def _dispatch(self, padded: np.ndarray, n_real: int, cache: KVCache | None, start: int, *,
+                  mode: int, sub: int):
+        """Queues one compiled call (returns at once) and starts the copy of its `info` to the
+        host, so reading it after the device finishes costs no transfer of its own."""
+        ids = np.empty(padded.size + 2, np.int32)
+        ids[:-2] = padded
+        ids[-2], ids[-1] = start, n_real
+        resident = self.streamer.resident_blobs if self.streamer is not None else {}
+        logits, cache, info = self._jit(self._state_leaves, resident,
+                                        jax.device_put(ids, self.device), cache,
+                                        first=cache is None, mode=mode, sub=sub)
+        info.copy_to_host_async()
+        return logits, cache, info
+
+    def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(end_chunk stats [L, 2] or [0, 2], counts [n_moe, E]) from a call's info."""
+        c = self.config
+        n_stats = 2 * c.n_layers if self.streamer is not None else 0
+        info = np.asarray(info)
+        return (info[:n_stats].reshape(-1, 2),
+                info[n_stats:].reshape(len(c.moe_layers), c.n_experts))
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -521,11 +559,10 @@ class Engine:
             else:
                 order = "layer-major"
 
-        cache = session.cache if session is not None else self.new_cache()
-        resident = self.streamer.resident_blobs if self.streamer is not None else {}
+        cache = session.cache if session is not None else None  # None: zeros in the call
         records: list[ChunkRecord] = []
         counts_total = np.zeros((len(self.config.moe_layers), self.config.n_experts), np.int64)
-        pending = []  # (record index, real tokens, stats, counts) per chunk, read at the end
+        pending = []  # (record index, real tokens, info) per chunk, read at the end
         logits = None
         t0 = time.perf_counter()
         try:
@@ -545,9 +582,8 @@ class Engine:
                 # program, for the bucket the floor falls in).
                 mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
                 c0 = time.perf_counter()
-                logits, cache, counts, st = self._jit(
-                    self._state_leaves, resident, jax.device_put(padded, self.device), cache,
-                    np.int32(pos), np.int32(piece.size), first=(pos == 0), mode=mode, sub=sub)
+                logits, cache, info = self._dispatch(padded, int(piece.size), cache, pos,
+                                                     mode=mode, sub=sub)
                 chunk_ms = None
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))
@@ -557,15 +593,17 @@ class Engine:
                 # begin_chunk waits on the host for this chunk's publish callbacks), so the link
                 # does not idle through this chunk's tail. Its stats are read after the last
                 # chunk.
-                pending.append((len(records), int(piece.size), st, counts))
+                pending.append((len(records), int(piece.size), info))
                 records.append(ChunkRecord(pos, int(piece.size), chunk_ms, None, bucket))
                 pos += piece.size
                 if progress is not None:
                     progress(pos - start, int(arr.size))
+            # The infos' copies were started at dispatch: the last one lands with the device's
+            # last work, and reading them is the wait.
+            infos = [self._split_info(info) for _, _, info in pending]
             jax.block_until_ready((logits, cache))
-            fetched = jax.device_get([(st, counts) for _, _, st, counts in pending])
-            for (i, n, _, _), (st, counts) in zip(pending, fetched):
-                counts_total += np.asarray(counts)
+            for (i, n, _), (st, counts) in zip(pending, infos):
+                counts_total += counts
                 if self.streamer is not None:
                     records[i].stats = self.streamer.make_stats(n, st, counts)
         except BaseException:

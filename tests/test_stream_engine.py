@@ -155,6 +155,35 @@ def test_failure_mid_chunk_leaves_no_thread_and_engine_usable(routing, fault):
         assert _threads() == baseline
 
 
+def _issuer_tids() -> list[str]:
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "strata-issuer":
+                    out.append(tid)
+        except OSError:  # the thread ended while we looked
+            pass
+    return out
+
+
+def test_one_issuer_thread_serves_every_chunk():
+    # The walk runs on a thread the engine keeps: no thread is made per chunk (its creation
+    # was on the critical path between begin_chunk and the first copy).
+    params = init_synthetic(CFG, seed=3)
+    before = _issuer_tids()
+    with Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
+                chunk_size=CHUNK) as eng:
+        eng.prefill(TOKENS)  # two streamed chunks and one routed-only
+        first = sorted(set(_issuer_tids()) - set(before))
+        assert len(first) == 1
+        for _ in range(3):
+            eng.prefill(TOKENS)
+            assert sorted(set(_issuer_tids()) - set(before)) == first
+        assert not eng.streamer.walk_active()
+    assert sorted(_issuer_tids()) == sorted(before)  # closing the engine ends it
+
+
 def test_closing_the_engine_stops_its_threads():
     params = init_synthetic(CFG, seed=3)
     before = _threads()
@@ -336,16 +365,15 @@ def test_prefill_program_has_no_jax_effects():
     with Engine(CFG, params, StreamConfig(routed=True, stream_floor=CHUNK, **SLOW),
                 max_context=256, chunk_size=CHUNK) as eng:
         cache = eng.new_cache()
-        tokens = jnp.zeros(CHUNK, jnp.int32)
-        fn = functools.partial(eng._prefill_fn, first=True, mode=0, sub=0)
-        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, eng.streamer.resident_blobs, tokens, cache,
-                                   np.int32(0), np.int32(CHUNK))
+        ids = jnp.zeros(CHUNK + 2, jnp.int32)
+        fn = functools.partial(eng._prefill_fn, first=False, mode=0, sub=0)
+        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, eng.streamer.resident_blobs, ids, cache)
         calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "strata_stream_call"]
         assert len(calls) == 2 + 2 * len(CFG.moe_layers)  # begin, publish+fetch per layer, end
         assert not jaxpr.effects
         hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub")).lower(
-            eng._state_leaves, eng.streamer.resident_blobs, tokens, cache, np.int32(0),
-            np.int32(CHUNK), first=True, mode=0, sub=0).as_text()
+            eng._state_leaves, eng.streamer.resident_blobs, ids, None, first=True, mode=0,
+            sub=0).as_text()
         assert hlo.count("has_side_effect = true") == len(calls)
 
 

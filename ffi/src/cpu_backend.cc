@@ -47,8 +47,7 @@ class CpuEngine final : public Engine {
   void StartWalk() override {
     // Landings notify the walk; the poll is only a backstop.
     const WalkConfig cfg = MakeWalkConfig(std::chrono::microseconds(200));
-    issuer_ = std::thread([this, cfg] {
-      NameThisThread("strata-issuer");
+    issuer_.Run([this, cfg] {
       try {
         walk_result_ = IssueWalk(stream_, cfg, gate_, state_, *link_);
       } catch (const std::exception& e) {

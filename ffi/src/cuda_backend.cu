@@ -575,8 +575,7 @@ class CudaEngine final : public Engine {
     // Events are polled: nothing notifies a landing.
     WalkConfig cfg = MakeWalkConfig(kIssuerPoll);
     cfg.max_run = kMaxRun;
-    issuer_ = std::thread([this, cfg] {
-      NameThisThread("strata-issuer");
+    issuer_.Run([this, cfg] {
       try {
         STRATA_CUDA_THROW("issuer thread, device " + std::to_string(opt_.device),
                           cudaSetDevice, opt_.device);
@@ -661,6 +660,10 @@ class CudaEngine final : public Engine {
     }
     return {};
   }
+
+  // A run of the copy's length: the split of each run starts as soon as it
+  // lands, and after the chunk's last copy only one run is left to split.
+  int64_t MaxReadRun() const override { return kMaxRun; }
 
   Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
                     void* stream) override {

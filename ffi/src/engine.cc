@@ -87,9 +87,7 @@ Status Engine::CheckStores() const {
   return {};
 }
 
-void Engine::JoinIssuer() {
-  if (issuer_.joinable()) issuer_.join();
-}
+void Engine::JoinIssuer() { issuer_.Wait(); }
 
 void Engine::Abort() {
   state_.RequestStop();
@@ -118,7 +116,7 @@ Status Engine::Begin(ChunkMode mode, void* stream) {
            "stream plan, then call prepare()";
   // A chunk that failed before its end leaves its walk behind: stop it here
   // so a new chunk always starts clean.
-  if (in_chunk_ || issuer_.joinable()) Abort();
+  if (in_chunk_ || issuer_.busy()) Abort();
   Status s = BackendBegin(mode, stream);
   if (!s.empty()) return Fail(s);
   mode_ = mode;
@@ -137,7 +135,11 @@ Status Engine::Begin(ChunkMode mode, void* stream) {
                    "strata: routed stream on: depth %d (requested %d), ring "
                    "%lld slots\n",
                    depth_, opt_.depth, static_cast<long long>(opt_.ring));
-    StartWalk();
+    try {
+      StartWalk();
+    } catch (const std::exception& e) {  // the worker thread could not be made
+      return Fail(std::string("begin_chunk: cannot start the issuer: ") + e.what());
+    }
   }
   return {};
 }
@@ -215,7 +217,8 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       // while holding this one's slot could wait on the ring forever.
       int64_t n = 1;
       const int64_t issued = state_.issued.load(std::memory_order_acquire);
-      while (k + n < k1 && k + n < issued && adjacent(k, k + n) &&
+      const int64_t max_n = copied ? MaxReadRun() : k1 - k;
+      while (n < max_n && k + n < k1 && k + n < issued && adjacent(k, k + n) &&
              (state_.entry_state(k + n) == EntryState::kCopied) == copied &&
              (!copied || (k % opt_.ring) + n < opt_.ring))
         ++n;

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "strata/routed_stream.hpp"
+#include "strata/worker.hpp"
 
 namespace strata {
 
@@ -108,7 +110,7 @@ class Engine {
     fault_layer_ = layer;
     fault_.store(static_cast<int32_t>(fault));
   }
-  bool WalkActive() const { return issuer_.joinable(); }
+  bool WalkActive() const { return issuer_.busy(); }
   const std::vector<LayerStats>& last_stats() const { return last_stats_; }
   int64_t chunks() const { return chunks_; }
   // Device timing of the last finished chunk, where the backend keeps it:
@@ -144,6 +146,12 @@ class Engine {
   // Called in entry order.
   virtual Status ReadSlots(int64_t k, int64_t n, int64_t slot, const Rows& dst,
                            void* stream) = 0;
+  // The most entries one ReadSlots call takes. A call waits for all its
+  // copies, so a layer read in one call would leave the whole layer's split
+  // for after its last copy lands; shorter runs follow the copies in.
+  virtual int64_t MaxReadRun() const {
+    return std::numeric_limits<int64_t>::max();
+  }
   // Copies experts expert..expert+n-1 of `layer` straight from the host store
   // into `dst` (routed-only).
   virtual Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
@@ -198,7 +206,7 @@ class Engine {
   std::vector<std::vector<int32_t>> resident_; // per layer: resident experts
   RouteGate gate_;
   WalkState state_;
-  std::thread issuer_;
+  Worker issuer_{"strata-issuer"};  // runs each chunk's walk
   WalkResult walk_result_;  // the issuer's, read after it is joined
   std::atomic<bool> walk_failed_{false};
   std::string walk_error_;

@@ -20,12 +20,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "strata/routed_stream.hpp"
+#include "strata/worker.hpp"
 #include "strata/sim_link.hpp"
 
 namespace {
@@ -614,6 +616,46 @@ void TestPollGate() {
 
 }  // namespace
 
+// The issuer's thread: one thread for every job, jobs in turn, Wait() returns
+// only after the job (and its captures) are done, busy() follows the job, and
+// the destructor waits for a running job.
+void TestWorker() {
+  std::atomic<int> ran{0};
+  std::thread::id first{}, other{};
+  {
+    strata::Worker w("strata-test");
+    CHECK(!w.busy(), "worker: busy before any job");
+    w.Wait();  // nothing to wait for
+    w.Run([&] { first = std::this_thread::get_id(); ++ran; });
+    w.Wait();
+    CHECK(!w.busy() && ran.load() == 1, "worker: first job not done after Wait");
+    std::atomic<bool> release{false};
+    w.Run([&] {
+      while (!release.load()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      other = std::this_thread::get_id();
+      ++ran;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    CHECK(w.busy(), "worker: not busy while its job waits");
+    CHECK(ran.load() == 1, "worker: Wait-less job finished early");
+    release = true;
+    w.Wait();
+    CHECK(ran.load() == 2 && other == first, "worker: second job on another thread");
+    CHECK(first != std::this_thread::get_id(), "worker: job ran on the caller");
+    auto token = std::make_shared<int>(7);
+    std::weak_ptr<int> seen = token;
+    w.Run([token, &ran] { ran += *token - 6; });
+    token.reset();
+    w.Wait();
+    CHECK(seen.expired(), "worker: a job's captures outlive Wait");
+    w.Run([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      ++ran;
+    });
+  }  // the destructor waits for the last job
+  CHECK(ran.load() == 4, "worker: destructor did not wait for the job (ran %d)", ran.load());
+}
+
 int main(int argc, char** argv) {
   int n_random = argc > 1 ? std::atoi(argv[1]) : 60;
   uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261130;
@@ -621,6 +663,7 @@ int main(int argc, char** argv) {
   TestFixed();
   TestStop();
   TestPollGate();
+  TestWorker();
   std::mt19937_64 rng(seed);
   for (int i = 0; i < n_random; ++i) RunChunk(RandomChunk(rng, i));
   std::printf("routed_stream_test: %d random chunks (seed %llu), %lld runs, %d "
