@@ -26,7 +26,8 @@ Five parts, each optional:
               its routed experts) against the routed stream forced (stream_floor=1), in the
               sweep's paired order, with time / floor for each.
 
-The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run.
+The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run, before the
+parts (the rows' ceiling) and again after them (`link_pinned_gbps_end`, to show its drift).
 
     python -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \\
         --lengths 950,1024,2048,4096,6144 --parts sweep --json out.json
@@ -579,6 +580,12 @@ def main(argv=None) -> int:
             if args.json:  # keep what finished if a later part runs out of time
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=1)
+    if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
+        result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
+        print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     print(f"identity across arms: {result.get('identical', True)}")
     return 0 if result.get("identical", True) else 1
 
