@@ -87,3 +87,51 @@ def test_order_numerics_yardstick(capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["layer_vs_chunk_major"] == 0.0
     assert 0.0 < row["bf16_vs_float32"] < row["max_abs_logit"]
+
+
+def test_timeline_tiny_reads_back_the_trace(tmp_path, capsys):
+    # On the CPU the profiler still records the Python thread and XLA's host threads: the
+    # reduction must find the marked call, attribute its Python frames and write the raw events.
+    import gzip
+
+    from strata_jax.benchmarks import timeline
+
+    out = tmp_path / "tl"
+    assert timeline.main(["--tiny", "--layers", "2", "--tokens", "64", "--arms",
+                          "resident,routed", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["arms"]) == {"resident", "routed"}
+    for arm, res in summary["arms"].items():
+        assert res["first_prefill_s"] > 0
+        for kind in ("python_traced", "plain"):
+            s = res[kind]
+            # The marked span is the call itself: within the host clock's wall time of it.
+            assert 0 < s["call_ms"] <= s["wall_ms"] * 1.05 + 0.5, (arm, kind, s)
+        frames = dict(res["python_traced"]["python_frames_ms"])
+        assert any("prefill" in name for name in frames), list(frames)[:10]
+        with gzip.open(out / f"events_{arm}.json.gz", "rt") as f:
+            events = json.load(f)
+        assert any(e[2] == timeline.MARK for e in events)
+    assert "routed: wall" in capsys.readouterr().out
+
+
+def test_timeline_summarize_splits_host_and_device():
+    # A hand-made trace: the call 0..10 ms, device work 2..9 ms on two streams, copies end at
+    # 7 ms; the compute stream idles 3..5 ms.
+    from strata_jax.benchmarks import timeline
+
+    ms = 1_000_000
+    ev = [("/host:CPU", "python", timeline.MARK, 0, 10 * ms),
+          ("/device:GPU:0", "Stream #1(Compute)", "k1", 2 * ms, 1 * ms),
+          ("/device:GPU:0", "Stream #1(Compute)", "k2", 5 * ms, 4 * ms),
+          ("/device:GPU:0", "Stream #2(MemcpyH2D)", "MemcpyH2D", 2 * ms, 2 * ms),
+          ("/device:GPU:0", "Stream #2(MemcpyH2D)", "MemcpyH2D", 4 * ms, 3 * ms)]
+    s = timeline.summarize(ev, gap_us=100)
+    assert s["call_ms"] == 10
+    assert (s["host_before_device_ms"], s["device_span_ms"], s["host_after_device_ms"]) == (2, 7, 1)
+    assert s["last_copy_end_ms"] == 7
+    assert [t["name"] for t in s["tail"]] == ["k2"]
+    compute = s["streams"]["/device:GPU:0 Stream #1(Compute)"]
+    assert compute["busy_ms"] == 5 and compute["gaps"][0]["gap_us"] == 2000
+    copy = s["streams"]["/device:GPU:0 Stream #2(MemcpyH2D)"]
+    assert copy["busy_ms"] == 5 and copy["gaps"] == []
