@@ -39,11 +39,17 @@ def main(argv=None) -> int:
         floor = sorted((r["tokens"], r["floor_ms"]) for r in rows if r["arm"] == "routed")
         if floor:
             ax.plot(*zip(*floor), ls="--", color="grey", label="routed floor")
+        tokens = [r["tokens"] for r in rows]
+        if max(tokens) > 8 * min(tokens):
+            ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens (one chunk)")
         ax.set_ylabel("prefill time (ms)")
+        links = [r["link_pinned_gbps"] for r in res.get("runs", [])] or [
+            res.get("link_pinned_gbps", 0)]
+        link = (f"{links[0]:.1f}" if len(links) == 1
+                else f"{min(links):.1f}-{max(links):.1f} ({len(links)} runs)")
         ax.set_title(f"{res.get('preset')} x {res.get('layers')} layers, {res.get('machine')}\n"
-                     f"link {res.get('link_pinned_gbps', 0):.1f} GB/s pinned, skew {res.get('skew')}",
-                     fontsize=9)
+                     f"link {link} GB/s pinned, skew {res.get('skew')}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend()
         path = os.path.join(args.out, f"{stem}_time.png")
