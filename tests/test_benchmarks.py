@@ -121,7 +121,9 @@ def test_timeline_summarize_splits_host_and_device():
     from strata_jax.benchmarks import timeline
 
     ms = 1_000_000
-    ev = [("/host:CPU", "python", timeline.MARK, 0, 10 * ms),
+    ev = [("/host:CPU", "python3", timeline.MARK, 0, 10 * ms),  # the line is the process's name
+          ("/host:CPU", "python3", "$engine.py:1 prefill", ms // 2, 9 * ms),
+          ("/host:CPU", "worker", "Execute", ms, ms),
           ("/device:GPU:0", "Stream #1(Compute)", "k1", 2 * ms, 1 * ms),
           ("/device:GPU:0", "Stream #1(Compute)", "k2", 5 * ms, 4 * ms),
           ("/device:GPU:0", "Stream #2(MemcpyH2D)", "MemcpyH2D", 2 * ms, 2 * ms),
@@ -131,6 +133,8 @@ def test_timeline_summarize_splits_host_and_device():
     assert (s["host_before_device_ms"], s["device_span_ms"], s["host_after_device_ms"]) == (2, 7, 1)
     assert s["last_copy_end_ms"] == 7
     assert [t["name"] for t in s["tail"]] == ["k2"]
+    assert dict(s["python_frames_ms"])["$engine.py:1 prefill"] == 9
+    assert set(s["host_threads"]) == {"worker"}
     compute = s["streams"]["/device:GPU:0 Stream #1(Compute)"]
     assert compute["busy_ms"] == 5 and compute["gaps"][0]["gap_us"] == 2000
     copy = s["streams"]["/device:GPU:0 Stream #2(MemcpyH2D)"]

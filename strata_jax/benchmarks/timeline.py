@@ -72,8 +72,10 @@ def _trace_one(fn, python: bool) -> tuple[float, list]:
 
 def summarize(events, gap_us: float = 100.0, tail_ms: float = 8.0) -> dict:
     """The reduction described in the module docstring, from (plane, line, name, start, dur)."""
-    py = [e for e in events if e[0] == "/host:CPU" and e[1] == "python"]
     mark = [e for e in events if e[0] == "/host:CPU" and e[2] == MARK]
+    # The calling thread's line carries the mark; its name is the process's ("python3", ...).
+    caller = mark[0][1] if mark else "python"
+    py = [e for e in events if e[0] == "/host:CPU" and e[1] == caller]
     if mark:
         c0, c1 = mark[0][3], mark[0][3] + mark[0][4]
     else:
@@ -124,7 +126,7 @@ def summarize(events, gap_us: float = 100.0, tail_ms: float = 8.0) -> dict:
                                      key=lambda kv: -kv[1])[:40]
     host_lines: dict = {}
     for e in events:
-        if e[0] == "/host:CPU" and c0 <= e[3] <= c1 and e[1] != "python":
+        if e[0] == "/host:CPU" and c0 <= e[3] <= c1 and e[1] != caller:
             host_lines.setdefault(e[1], []).append(e)
     out["host_threads"] = {
         name: {"events": len(evs),
