@@ -559,6 +559,8 @@ class Engine:
             else:
                 order = "layer-major"
 
+        if self.streamer is not None:
+            self.streamer.cancel(False)  # a failed prefill before this one cancelled the stream
         cache = session.cache if session is not None else None  # None: zeros in the call
         records: list[ChunkRecord] = []
         counts_total = np.zeros((len(self.config.moe_layers), self.config.n_experts), np.int64)
@@ -607,9 +609,16 @@ class Engine:
                 if self.streamer is not None:
                     records[i].stats = self.streamer.make_stats(n, st, counts)
         except BaseException:
-            # Stop the walk of the chunk in flight; the caller's session is untouched.
+            # The caller's session is untouched. Chunks already queued may still be running on
+            # XLA's threads: cancel makes each end at its next stream call (in error), they are
+            # waited for, then what is left of the walk is stopped. Aborting under a running
+            # chunk could hang: a later queued chunk's begin_chunk reset the walk under it.
             if self.streamer is not None:
-                self.streamer.abort()
+                try:
+                    self.streamer.cancel()
+                    _settle([info for _, _, info in pending] + [logits, cache])
+                finally:
+                    self.streamer.abort()
             raise
         ms = (time.perf_counter() - t0) * 1e3
         new = Session(cache=cache, position=start + int(arr.size), engine_uid=self.uid,
@@ -630,6 +639,17 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _settle(arrays) -> None:
+    """Waits until each array's computation has ended, whether it succeeded or failed."""
+    for a in arrays:
+        if a is None:
+            continue
+        try:
+            jax.block_until_ready(a)
+        except Exception:  # noqa: BLE001 - a cancelled chunk ends in error; that is the point
+            pass
 
 
 def _name(device: jax.Device) -> str:

@@ -613,8 +613,14 @@ class StreamEngine:
         return int(native.lib().strata_engine_depth(self.id))
 
     def abort(self) -> None:
-        """Stops the current chunk's walk, if any; the engine stays usable."""
+        """Stops the current chunk's walk, if any; the engine stays usable. Call it only when
+        no chunk of this engine is queued or running (else `cancel` first, then wait)."""
         native.lib().strata_engine_abort(self.id)
+
+    def cancel(self, on: bool = True) -> None:
+        """Safe while chunks are queued: stops the running chunk's walk and fails every later
+        begin_chunk until `cancel(False)`, so queued chunks end at once, in error."""
+        native.lib().strata_engine_cancel(self.id, int(bool(on)))
 
     def inject_fault(self, layer: int, kind: str) -> None:
         """Test hook: fail ("error") or stop ("stop") the next fetch of `layer`."""

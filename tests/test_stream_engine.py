@@ -184,6 +184,56 @@ def test_one_issuer_thread_serves_every_chunk():
     assert sorted(_issuer_tids()) == sorted(before)  # closing the engine ends it
 
 
+_INTERRUPT_SCRIPT = r"""
+import sys
+import numpy as np
+from strata_jax.config import get_preset
+from strata_jax.engine import Engine, sha256_of
+from strata_jax.stream import StreamConfig
+from strata_jax.synthetic import init_synthetic
+
+CFG = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
+                                         expert_intermediate=32, param_dtype="bfloat16")
+TOKENS = np.random.default_rng(7).integers(0, CFG.vocab_size, 80)
+params = init_synthetic(CFG, seed=3, routing_skew=2.0)
+with Engine(CFG, params, None, max_context=256, chunk_size=32) as ref_eng:
+    ref = sha256_of(ref_eng.prefill(TOKENS).logits)
+sc = StreamConfig(routed=True, stream_floor=32, sim_bandwidth=20e6, sim_latency=100e-6)
+with Engine(CFG, params, sc, max_context=256, chunk_size=32) as eng:
+    eng.prefill(TOKENS)
+
+    def stop_after_first(done, total):
+        if done >= 32:
+            raise KeyboardInterrupt
+
+    for i in range(int(sys.argv[1])):
+        try:
+            eng.prefill(TOKENS, progress=stop_after_first, sync_chunks=False)
+            raise SystemExit("the interrupt did not propagate")
+        except KeyboardInterrupt:
+            pass
+        assert not eng.streamer.walk_active(), i
+    assert sha256_of(eng.prefill(TOKENS).logits) == ref
+print("ok")
+"""
+
+
+def test_interrupt_with_chunks_queued_never_hangs():
+    # The caller raises (here from `progress`, as Ctrl-C would) after the first chunk is queued
+    # and while later ones are queued behind it (sync_chunks=False). The engine used to abort
+    # under the running chunks: a queued chunk's begin_chunk reset the walk under the abort,
+    # and within 15 to 55 rounds the process hung. Run in a child so a hang fails, not stalls.
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, "80"],
+                             capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung: 80 interrupted prefills did not finish in 300 s ({e.stdout!r})")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_closing_the_engine_stops_its_threads():
     params = init_synthetic(CFG, seed=3)
     before = _threads()

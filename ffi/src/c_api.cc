@@ -129,6 +129,16 @@ int strata_engine_abort(int64_t id) {
   return 0;
 }
 
+int strata_engine_cancel(int64_t id, int32_t on) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return 1;
+  if (on)
+    e->Cancel();
+  else
+    e->Uncancel();
+  return 0;
+}
+
 int strata_engine_walk_active(int64_t id) {
   Engine* e = strata::FindEngine(id);
   return e && e->WalkActive() ? 1 : 0;

@@ -111,6 +111,9 @@ double HostNow() {
 
 Status Engine::Begin(ChunkMode mode, void* stream) {
   host_begin_ = HostNow();
+  if (cancelled_.load(std::memory_order_acquire))
+    return "begin_chunk: the prefill was cancelled (it raised in the caller); this "
+           "queued chunk does not run";
   if (!prepared_)
     return "engine is not prepared: set every layer's host store and the "
            "stream plan, then call prepare()";

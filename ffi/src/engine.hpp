@@ -104,7 +104,19 @@ class Engine {
   Status End(int32_t* stats_host, void* stats_out, void* stream);
 
   // Stops and joins everything of the current chunk; the engine stays usable.
+  // Not safe while a handler runs on another thread: see Cancel.
   void Abort();
+
+  // Safe from any thread while handlers run: stops the current chunk's walk
+  // (its next fetch fails) and makes every later begin_chunk fail until
+  // Uncancel. The caller then waits for the chunks it queued to end (in
+  // error) before Abort. Without it, a chunk queued behind the one being
+  // aborted would reset the walk state under the abort.
+  void Cancel() {
+    cancelled_.store(true, std::memory_order_release);
+    state_.RequestStop();
+  }
+  void Uncancel() { cancelled_.store(false, std::memory_order_release); }
 
   void InjectFault(int layer, Fault fault) {
     fault_layer_ = layer;
@@ -219,6 +231,7 @@ class Engine {
   int64_t chunks_ = 0;
   double host_begin_ = 0.0, host_end_ = 0.0;
   std::atomic<int32_t> fault_{0};
+  std::atomic<bool> cancelled_{false};
   int fault_layer_ = -1;
   static std::atomic<bool> depth_line_printed_;
 };

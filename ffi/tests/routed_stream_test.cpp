@@ -22,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -648,10 +649,19 @@ void TestWorker() {
     token.reset();
     w.Wait();
     CHECK(seen.expired(), "worker: a job's captures outlive Wait");
+    w.Run([] { throw std::runtime_error("planted"); });  // reported, not fatal
+    w.Wait();
     w.Run([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       ++ran;
     });
+    bool refused = false;
+    try {
+      w.Run([&] { ran += 100; });  // the last job still runs
+    } catch (const std::logic_error&) {
+      refused = true;
+    }
+    CHECK(refused, "worker: a second job was taken while one ran");
   }  // the destructor waits for the last job
   CHECK(ran.load() == 4, "worker: destructor did not wait for the job (ran %d)", ran.load());
 }

@@ -8,8 +8,12 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdio>
+#include <exception>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -36,11 +40,14 @@ class Worker {
   }
 
   // Runs `job` on the worker's thread, made on first use (std::system_error
-  // if it cannot be). The previous job must have been waited for. A job must
-  // not let an exception escape: like a std::thread's function, that ends
-  // the process.
+  // if it cannot be). std::logic_error if the previous job has not returned.
+  // A job should handle its own errors: one that lets an exception escape is
+  // reported on stderr and dropped, so the process and the worker live on.
   void Run(std::function<void()> job) {
     std::unique_lock<std::mutex> lock(mu_);
+    if (busy_)
+      throw std::logic_error(std::string("strata::Worker ") + name_ +
+                             ": a job was given while the last one still runs");
     if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
     job_ = std::move(job);
     busy_ = true;
@@ -70,7 +77,14 @@ class Worker {
       std::function<void()> job = std::move(job_);
       job_ = nullptr;
       lock.unlock();
-      job();
+      try {
+        job();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "strata: a job on thread %s raised: %s\n", name_, e.what());
+      } catch (...) {
+        std::fprintf(stderr, "strata: a job on thread %s raised an unknown exception\n",
+                     name_);
+      }
       job = nullptr;  // the job's captures go before the waiter returns
       lock.lock();
       busy_ = false;
