@@ -125,6 +125,32 @@ def test_cuda_failure_mid_chunk(setup, fault):
         _assert_same_threads(baseline, _threads())
 
 
+def test_cuda_interrupt_with_chunks_queued(setup):
+    # The caller raises (from `progress`, as Ctrl-C would) after the first chunk is queued, with
+    # the others queued behind it. The engine cancels, waits for them, then aborts: no walk left,
+    # no thread added, the next prefill identical (the CPU lane hung here before the cancel).
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+
+    def stop_after_first(done, total):
+        if done >= CHUNK:
+            raise KeyboardInterrupt
+
+    with Engine(cfg, params, StreamConfig(routed=True, stream_floor=CHUNK, backend="cuda"),
+                max_context=1024, chunk_size=CHUNK) as eng:
+        eng.prefill(tokens)
+        baseline = _threads()
+        for i in range(30):
+            with pytest.raises(KeyboardInterrupt):
+                eng.prefill(tokens, progress=stop_after_first, sync_chunks=False)
+            assert not eng.streamer.walk_active(), i
+        r = eng.prefill(tokens)
+        assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
+        _assert_same_threads(baseline, _threads())
+
+
 @pytest.mark.parametrize("publish", [
     pytest.param("callback", marks=pytest.mark.xfail(
         reason="a known defect of publish='callback' (not the default): on the H200 (driver "
