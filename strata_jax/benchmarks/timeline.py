@@ -12,7 +12,9 @@ ProfileData and reduced to:
   * wall time split into host time before the first device event, device span, and host time
     after the last device event.
 
-Raw events of the untraced-Python run are written (events_<arm>.json.gz: [plane, line, name,
+`--between hash-hold` reproduces what stream_bench's sweep did between calls (a result hashed
+and held through the next call), to compare with back-to-back calls. Raw events of the
+untraced-Python run are written (events_<arm>.json.gz: [plane, line, name,
 start ns, duration ns] each) for later reading.
 
     python -m strata_jax.benchmarks.timeline --tokens 1024 --out out/timeline
@@ -147,11 +149,15 @@ def main(argv=None) -> int:
     ap.add_argument("--publish", default="event", choices=["callback", "event"])
     ap.add_argument("--ring-gib", type=float, default=8.0)
     ap.add_argument("--gap-us", type=float, default=100.0)
+    ap.add_argument("--between", default="none", choices=["none", "hash", "hash-hold"],
+                    help="before each traced call, as stream_bench's sweep does: prefill and "
+                         "hash a result (hash), and keep it alive through the call (hash-hold)")
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--out", required=True, help="folder for summary.json and raw events")
     args = ap.parse_args(argv)
 
-    from strata_jax.benchmarks.stream_bench import _stream_config, fast_params, model_config
+    from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, fast_params,
+                                                    model_config)
     from strata_jax.engine import Engine
 
     arms = args.arms.split(",")
@@ -163,6 +169,7 @@ def main(argv=None) -> int:
     params = fast_params(cfg, 0, 0.0)
     rng = np.random.default_rng(1)
     summary = {"tokens": args.tokens, "preset": args.preset, "layers": args.layers,
+               "between": args.between,
                "grouped_matmul": os.environ.get("STRATA_GROUPED_MATMUL", "auto"), "arms": {}}
     for arm in arms:
         stream = None if arm == "resident" else _stream_config(args, arm == "routed")
@@ -176,7 +183,15 @@ def main(argv=None) -> int:
             res = {"first_prefill_s": first_s}
             for python in (True, False):
                 prompt = rng.integers(0, cfg.vocab_size, args.tokens)
+                held = None
+                if args.between != "none":
+                    prev = eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens),
+                                       sync_chunks=False)
+                    _hashes(prev)
+                    held = prev if args.between == "hash-hold" else None
+                    del prev
                 ms, events = _trace_one(lambda: eng.prefill(prompt, sync_chunks=False), python)
+                del held
                 s = summarize(events, args.gap_us)
                 s["wall_ms"] = ms
                 if eng.streamer is not None:
