@@ -391,13 +391,14 @@ class Engine:
         info = jnp.concatenate([stats.reshape(-1), counts.astype(jnp.int32).reshape(-1)])
         return logits, cache, info
 
-    def _dispatch(self, padded: np.ndarray, n_real: int, cache: KVCache | None, start: int, *,
+    def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
                   mode: int, sub: int):
-        """Queues one compiled call (returns at once) and starts the copy of its `info` to the
-        host, so reading it after the device finishes costs no transfer of its own."""
-        ids = np.empty(padded.size + 2, np.int32)
-        ids[:-2] = padded
-        ids[-2], ids[-1] = start, n_real
+        """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once) and
+        starts the copy of its `info` to the host, so reading it after the device finishes
+        costs no transfer of its own."""
+        ids = np.zeros(bucket + 2, np.int32)
+        ids[:piece.size] = piece
+        ids[-2], ids[-1] = start, piece.size
         resident = self.streamer.resident_blobs if self.streamer is not None else {}
         logits, cache, info = self._jit(self._state_leaves, resident,
                                         jax.device_put(ids, self.device), cache,
@@ -577,15 +578,13 @@ class Engine:
                           for off in range(0, arr.size, self.chunk_size)]
             pos = start
             for off, piece, bucket, sub in pieces:
-                padded = np.zeros(bucket, np.int32)
-                padded[:piece.size] = piece
                 # The floor compares the chunk's real tokens: a chunk below it reads only its
                 # routed experts even when its bucket reaches the floor (at most one more
                 # program, for the bucket the floor falls in).
                 mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
                 c0 = time.perf_counter()
-                logits, cache, info = self._dispatch(padded, int(piece.size), cache, pos,
-                                                     mode=mode, sub=sub)
+                logits, cache, info = self._dispatch(piece, bucket, cache, pos, mode=mode,
+                                                     sub=sub)
                 chunk_ms = None
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))

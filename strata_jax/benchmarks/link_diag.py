@@ -21,10 +21,10 @@ import numpy as np
 
 
 def main(argv=None) -> int:
+    from strata_jax.benchmarks.stream_bench import add_model_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
+    add_model_args(ap)
     ap.add_argument("--tokens", default="1024")
     ap.add_argument("--pins", default="register,arena")
     ap.add_argument("--arms", default="stream-all,routed")
@@ -62,10 +62,10 @@ def main(argv=None) -> int:
         import jax
 
         t = [time.perf_counter()]
-        padded = np.asarray(tokens, np.int32)
-        mode = eng.streamer.chunk_mode(padded.size)
+        piece = np.asarray(tokens, np.int32)
+        mode = eng.streamer.chunk_mode(piece.size)
         call = time.monotonic()
-        res = eng._dispatch(padded, padded.size, None, 0, mode=mode, sub=0)
+        res = eng._dispatch(piece, piece.size, None, 0, mode=mode, sub=0)
         t.append(time.perf_counter())
         jax.block_until_ready(res)
         ready = time.monotonic()

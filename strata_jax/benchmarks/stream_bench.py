@@ -115,6 +115,21 @@ def _hashes(r):
     return sha256_of(r.logits), r.session.kv_sha256()
 
 
+def add_model_args(ap) -> None:
+    """The model options of the streaming benchmarks (model_config's preset, layers, vocab)."""
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32768)
+
+
+def add_stream_args(ap) -> None:
+    """The streamed arms' options that _stream_config reads."""
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--publish", default="event", choices=["callback", "event"],
+                    help="the stream arms' publish mode (StreamConfig.publish)")
+    ap.add_argument("--ring-gib", type=float, default=8.0)
+
+
 def _stream_config(args, routed: bool, **overrides):
     """The streamed arms' StreamConfig from the command line (depth, publish mode, ring)."""
     from strata_jax.stream import StreamConfig
@@ -533,19 +548,14 @@ def publication(args, cfg, params, link, result):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
+    add_model_args(ap)
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--parts", default="sweep",
                     help="comma list of sweep,two-turn,layer-major,publication,floor")
     ap.add_argument("--arms", default="resident,stream-all,routed,jax-pinned-host")
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--publish", default="event", choices=["callback", "event"],
-                    help="the stream arms' publish mode (StreamConfig.publish)")
-    ap.add_argument("--ring-gib", type=float, default=8.0)
+    add_stream_args(ap)
     ap.add_argument("--chunk", type=int, default=8192, help="chunk for two-turn and layer-major")
     ap.add_argument("--turn1", type=int, default=18700)
     ap.add_argument("--turn2", type=int, default=1800)
@@ -582,19 +592,20 @@ def main(argv=None) -> int:
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
+    def save():  # after each part: keep what finished if a later part runs out of time
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
     for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
                      ("publication", publication), ("floor", floor_part)):
         if part in parts:
             fn(args, cfg, params, link, result)
-            if args.json:  # keep what finished if a later part runs out of time
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=1)
+            save()
     if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
         result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
         print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        save()
     print(f"identity across arms: {result.get('identical', True)}")
     return 0 if result.get("identical", True) else 1
 

@@ -139,15 +139,13 @@ def summarize(events, gap_us: float = 100.0, tail_ms: float = 8.0) -> dict:
 
 
 def main(argv=None) -> int:
+    from strata_jax.benchmarks.stream_bench import add_model_args, add_stream_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--arms", default="resident,stream-all,routed")
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--publish", default="event", choices=["callback", "event"])
-    ap.add_argument("--ring-gib", type=float, default=8.0)
+    add_stream_args(ap)
     ap.add_argument("--gap-us", type=float, default=100.0)
     ap.add_argument("--between", default="none", choices=["none", "hash", "hash-hold"],
                     help="before each traced call, as stream_bench's sweep does: prefill and "
