@@ -576,6 +576,10 @@ class Engine:
                 pieces = [(off, arr[off:off + self.chunk_size],
                            _bucket(min(self.chunk_size, arr.size - off), self.buckets), 0)
                           for off in range(0, arr.size, self.chunk_size)]
+            if self.streamer is not None:
+                # The first chunk's walk starts now, not when its program's begin_chunk runs
+                # after the host has launched what comes before it.
+                self.streamer.prestart(pieces[0][1].size)
             pos = start
             for off, piece, bucket, sub in pieces:
                 # The floor compares the chunk's real tokens: a chunk below it reads only its

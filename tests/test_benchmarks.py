@@ -98,9 +98,9 @@ def test_timeline_tiny_reads_back_the_trace(tmp_path, capsys):
 
     out = tmp_path / "tl"
     assert timeline.main(["--tiny", "--layers", "2", "--tokens", "64", "--arms",
-                          "resident,routed", "--between", "hash-hold", "--out", str(out)]) == 0
+                          "resident,routed", "--between", "hash-hold-gc", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["between"] == "hash-hold"
+    assert summary["between"] == "hash-hold-gc"
     assert set(summary["arms"]) == {"resident", "routed"}
     for arm, res in summary["arms"].items():
         assert res["first_prefill_s"] > 0

@@ -36,6 +36,7 @@ parts (the rows' ceiling) and again after them (`link_pinned_gbps_end`, to show 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -97,7 +98,9 @@ def bootstrap_ci(ratios, n: int = 20000, seed: int = 0) -> tuple[float, float]:
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def _timed(engine, tokens, session=None, **prefill_args):
+def _timed(engine, tokens, session=None, *, collect=True, **prefill_args):
+    if collect:
+        gc.collect()  # see _gc_note
     t0 = time.perf_counter()
     r = engine.prefill(tokens, session, sync_chunks=False, **prefill_args)
     return (time.perf_counter() - t0) * 1e3, r
@@ -107,6 +110,12 @@ def _timed(engine, tokens, session=None, **prefill_args):
 # read it would. Held, the last result (its KV cache is 1 GB at 32K) stayed alive through the
 # next call: the H200 sweep of the fourth session took 7 ms (6K) to 18 ms (32K, resident arm
 # too) longer per call than the same prefill back to back in `timeline`, cause not isolated.
+#
+# _gc_note: found in the fifth session (`timeline --between hash-hold`, 32K, resident): hashing a
+# result leaves its host copies (the KV cache, 0.5 GB at 32K) for jaxlib to free later, and the
+# next JAX call frees them first (PythonRefManager::CollectGarbage, 29.5 ms inside that call's
+# device_put), before its program launches. That is the caller's garbage, not the prefill's:
+# each timed call starts after gc.collect(), whose callback makes jaxlib free it then.
 
 
 def _hashes(r):
@@ -301,8 +310,9 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
     for n in lengths:
         meas = []
         for i, arm in enumerate(ORDER):
+            gc.collect()  # see _gc_note; before `call`, which host_call_to_begin counts from
             call = time.monotonic()
-            ms, r = _timed(engines[arm], prompts[n][i])
+            ms, r = _timed(engines[arm], prompts[n][i], collect=False)
             back = time.monotonic()
             same = _hashes(r) == hashes[(n, i)]
             identical &= same

@@ -13,7 +13,8 @@ ProfileData and reduced to:
     after the last device event.
 
 `--between hash-hold` reproduces what stream_bench's sweep did between calls (a result hashed
-and held through the next call), to compare with back-to-back calls. Raw events of the
+and held through the next call), to compare with back-to-back calls; `hash-hold-gc` adds the
+gc.collect() the sweep now makes before each timed call (stream_bench's _gc_note). Raw events of the
 untraced-Python run are written (events_<arm>.json.gz: [plane, line, name,
 start ns, duration ns] each) for later reading.
 
@@ -23,6 +24,7 @@ start ns, duration ns] each) for later reading.
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import gzip
 import json
@@ -147,9 +149,11 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="resident,stream-all,routed")
     add_stream_args(ap)
     ap.add_argument("--gap-us", type=float, default=100.0)
-    ap.add_argument("--between", default="none", choices=["none", "hash", "hash-hold"],
-                    help="before each traced call, as stream_bench's sweep does: prefill and "
-                         "hash a result (hash), and keep it alive through the call (hash-hold)")
+    ap.add_argument("--between", default="none",
+                    choices=["none", "hash", "hash-hold", "hash-hold-gc"],
+                    help="before each traced call: prefill and hash a result (hash), keep it "
+                         "alive through the call (hash-hold), then gc.collect() before the "
+                         "call, as stream_bench's timed calls do (hash-hold-gc)")
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--out", required=True, help="folder for summary.json and raw events")
     args = ap.parse_args(argv)
@@ -186,8 +190,10 @@ def main(argv=None) -> int:
                     prev = eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens),
                                        sync_chunks=False)
                     _hashes(prev)
-                    held = prev if args.between == "hash-hold" else None
+                    held = prev if args.between.startswith("hash-hold") else None
                     del prev
+                    if args.between == "hash-hold-gc":
+                        gc.collect()  # jaxlib frees the hash's host copies here (_gc_note)
                 ms, events = _trace_one(lambda: eng.prefill(prompt, sync_chunks=False), python)
                 del held
                 s = summarize(events, args.gap_us)
