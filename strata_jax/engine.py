@@ -392,26 +392,16 @@ class Engine:
         return logits, cache, info
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
-                  mode: int, sub: int, prestart: bool = False):
+                  mode: int, sub: int):
         """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once) and
         starts the copy of its `info` to the host, so reading it after the device finishes
-        costs no transfer of its own.
-
-        prestart: with a stream and no chunk of it queued (a prefill's first chunk), begin the
-        chunk from the host before the program is launched (StreamEngine.prestart).
-        """
+        costs no transfer of its own."""
         ids = np.zeros(bucket + 2, np.int32)
         ids[:piece.size] = piece
         ids[-2], ids[-1] = start, piece.size
-        ids = jax.device_put(ids, self.device)
-        if prestart and self.streamer is not None:
-            # The ids' copy lands first: queued behind the walk's first copies, it waited 44 ms
-            # on the H200 (the chunk's compute with it). Then the walk starts while the host is
-            # still launching the program, ~1 ms before its begin_chunk would run.
-            ids.block_until_ready()
-            self.streamer.prestart(piece.size)
         resident = self.streamer.resident_blobs if self.streamer is not None else {}
-        logits, cache, info = self._jit(self._state_leaves, resident, ids, cache,
+        logits, cache, info = self._jit(self._state_leaves, resident,
+                                        jax.device_put(ids, self.device), cache,
                                         first=cache is None, mode=mode, sub=sub)
         info.copy_to_host_async()
         return logits, cache, info
@@ -594,7 +584,7 @@ class Engine:
                 mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
                 c0 = time.perf_counter()
                 logits, cache, info = self._dispatch(piece, bucket, cache, pos, mode=mode,
-                                                     sub=sub, prestart=not records)
+                                                     sub=sub)
                 chunk_ms = None
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))

@@ -617,16 +617,6 @@ class StreamEngine:
         no chunk of this engine is queued or running (else `cancel` first, then wait)."""
         native.lib().strata_engine_abort(self.id)
 
-    def prestart(self, n_tokens: int) -> None:
-        """Begins the chunk of `n_tokens` tokens the caller is about to dispatch, from the host:
-        its issuer (and the link) start while the program is still being launched, and the
-        program's begin_chunk adopts the walk. Only with no chunk of this engine queued (a
-        prefill's first chunk); an abort, or a begin_chunk of another mode, drops it."""
-        err = ctypes.create_string_buffer(1024)
-        rc = native.lib().strata_engine_prestart(self.id, self.chunk_mode(n_tokens), err,
-                                                 len(err))
-        _check(rc, err, "prestart")
-
     def cancel(self, on: bool = True) -> None:
         """Safe while chunks are queued: stops the running chunk's walk and fails every later
         begin_chunk until `cancel(False)`, so queued chunks end at once, in error."""

@@ -110,9 +110,12 @@ def test_timeline_tiny_reads_back_the_trace(tmp_path, capsys):
             assert 0 < s["call_ms"] <= s["wall_ms"] * 1.05 + 0.5, (arm, kind, s)
         frames = dict(res["python_traced"]["python_frames_ms"])
         assert any("prefill" in name for name in frames), list(frames)[:10]
-        with gzip.open(out / f"events_{arm}.json.gz", "rt") as f:
-            events = json.load(f)
-        assert any(e[2] == timeline.MARK for e in events)
+        for name in (f"events_{arm}.json.gz", f"events_{arm}_python.json.gz"):
+            with gzip.open(out / name, "rt") as f:
+                events = json.load(f)
+            assert any(e[2] == timeline.MARK for e in events), name
+        with gzip.open(out / f"events_{arm}_python.json.gz", "rt") as f:
+            assert any("prefill" in e[2] for e in json.load(f))  # the Python frames, in time
     assert "routed: wall" in capsys.readouterr().out
 
 

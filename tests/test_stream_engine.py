@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import numpy as np
 import pytest
@@ -183,75 +182,6 @@ def test_one_issuer_thread_serves_every_chunk():
             assert sorted(set(_issuer_tids()) - set(before)) == first
         assert not eng.streamer.walk_active()
     assert sorted(_issuer_tids()) == sorted(before)  # closing the engine ends it
-
-
-def test_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(routing):
-    # The first chunk's walk starts from the host before its program is dispatched; the
-    # program's begin_chunk adopts it instead of starting another. A delay put between the two
-    # shows which begin the chunk kept: the adopted one is timed from before the delay.
-    skew, params, logits_hash, kv_hash = routing
-    sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
-    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
-        eng.prefill(TOKENS[:CHUNK])  # compiles the program (the walk waits through it)
-        real = eng.streamer.prestart
-        seen = []
-
-        def slow_prestart(n):
-            seen.append(n)
-            real(n)
-            time.sleep(0.3)
-
-        eng.streamer.prestart = slow_prestart
-        t0 = time.monotonic()
-        r = eng.prefill(TOKENS[:CHUNK])
-        begin, _ = eng.streamer.host_times()
-        assert seen == [CHUNK]
-        assert t0 <= begin < t0 + 0.3, "the program began its own chunk: prestart not adopted"
-        with Engine(CFG, params, None, max_context=256, chunk_size=CHUNK) as ref:
-            want = ref.prefill(TOKENS[:CHUNK])
-        assert sha256_of(r.logits) == sha256_of(want.logits)
-        assert r.kv_sha256() == want.kv_sha256()
-        st = r.chunks[0].stats
-        assert (st.copied + st.skipped == st.streamed).all()
-        assert not eng.streamer.walk_active()
-
-
-def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
-    skew, params, logits_hash, kv_hash = routing
-    sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
-    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
-        eng.streamer.prestart(CHUNK)  # a streamed chunk: the walk fills the one-layer ring
-        assert eng.streamer.walk_active()
-        eng.streamer.abort()
-        assert not eng.streamer.walk_active()
-        eng.streamer.prestart(CHUNK)
-        eng.streamer.prestart(CHUNK)  # replaces the first
-        assert eng.streamer.walk_active()
-        # A routed-only prestart, then the program of a streamed chunk: its begin_chunk
-        # stops the prestarted walk and begins its own.
-        eng.streamer.prestart(CHUNK // 2)
-        logits, cache, info = eng._dispatch(TOKENS[:CHUNK], CHUNK, None, 0,
-                                            mode=eng.streamer.chunk_mode(CHUNK), sub=0)
-        st, counts = eng._split_info(info)
-        stats = eng.streamer.make_stats(CHUNK, st, counts)
-        assert stats.mode == "stream"
-        assert (stats.copied + stats.skipped == stats.streamed).all()
-        assert not eng.streamer.walk_active()
-        r = eng.prefill(TOKENS)
-    assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
-
-
-def test_prestart_refuses_a_bad_engine_state():
-    params = init_synthetic(CFG, seed=3)
-    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
-                 chunk_size=CHUNK)
-    eng.streamer.cancel()
-    with pytest.raises(RuntimeError, match="prestart: begin_chunk: the prefill was cancelled"):
-        eng.streamer.prestart(CHUNK)
-    eng.streamer.cancel(False)
-    eng.close()
-    with pytest.raises(RuntimeError, match="prestart: no engine"):
-        eng.streamer.prestart(CHUNK)
 
 
 _INTERRUPT_SCRIPT = r"""

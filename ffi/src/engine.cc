@@ -90,7 +90,6 @@ Status Engine::CheckStores() const {
 void Engine::JoinIssuer() { issuer_.Wait(); }
 
 void Engine::Abort() {
-  prestarted_.store(false, std::memory_order_release);
   state_.RequestStop();
   BackendAbort();
   JoinIssuer();
@@ -110,22 +109,11 @@ double HostNow() {
 }
 }  // namespace
 
-Status Engine::Prestart(ChunkMode mode) {
-  prestarted_.store(false, std::memory_order_release);  // a new one replaces it
-  Status s = Begin(mode, nullptr);
-  if (!s.empty()) return "prestart: " + s;
-  prestarted_.store(true, std::memory_order_release);
-  return {};
-}
-
 Status Engine::Begin(ChunkMode mode, void* stream) {
-  const bool adopt = prestarted_.exchange(false, std::memory_order_acq_rel);
+  host_begin_ = HostNow();
   if (cancelled_.load(std::memory_order_acquire))
     return "begin_chunk: the prefill was cancelled (it raised in the caller); this "
            "queued chunk does not run";
-  // The chunk the host began for this program (Prestart): its walk runs.
-  if (adopt && in_chunk_ && mode == mode_) return {};
-  host_begin_ = HostNow();
   if (!prepared_)
     return "engine is not prepared: set every layer's host store and the "
            "stream plan, then call prepare()";

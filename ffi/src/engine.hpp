@@ -97,12 +97,6 @@ class Engine {
   // The chunk protocol, from the FFI handlers. `stream` is the platform
   // stream (cudaStream_t) or null on the CPU.
   Status Begin(ChunkMode mode, void* stream);
-  // From the host, before a prefill dispatches its first chunk and with none
-  // of this engine's chunks queued: runs that chunk's begin_chunk now (the
-  // issuer and the link start while the host is still launching the program,
-  // about 1.5 ms on the H200). The program's own begin_chunk then adopts it
-  // when its mode matches; any other begin_chunk, and Abort, drop it.
-  Status Prestart(ChunkMode mode);
   Status Publish(int layer, const void* counts, void* stream);
   // `out` and `out_bytes`: the three planes (gate, up, down), [E, part] each.
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
@@ -238,7 +232,6 @@ class Engine {
   double host_begin_ = 0.0, host_end_ = 0.0;
   std::atomic<int32_t> fault_{0};
   std::atomic<bool> cancelled_{false};
-  std::atomic<bool> prestarted_{false};  // a Prestart not yet adopted
   int fault_layer_ = -1;
   static std::atomic<bool> depth_line_printed_;
 };

@@ -15,8 +15,9 @@ ProfileData and reduced to:
 `--between hash-hold` reproduces what stream_bench's sweep did between calls (a result hashed
 and held through the next call), to compare with back-to-back calls; `hash-hold-gc` adds the
 gc.collect() the sweep now makes before each timed call (stream_bench's _gc_note). Raw events of the
-untraced-Python run are written (events_<arm>.json.gz: [plane, line, name,
-start ns, duration ns] each) for later reading.
+untraced-Python run (events_<arm>.json.gz: [plane, line, name, start ns, duration ns]
+each) and of the Python-traced one (events_<arm>_python.json.gz) are written for later
+reading.
 
     python -m strata_jax.benchmarks.timeline --tokens 1024 --out out/timeline
 """
@@ -202,9 +203,10 @@ def main(argv=None) -> int:
                     timing = eng.streamer.device_timing()  # None where the backend has none
                     s["engine_device_timing"] = list(timing) if timing else None
                 res["python_traced" if python else "plain"] = s
-                if not python:
-                    with gzip.open(os.path.join(args.out, f"events_{arm}.json.gz"), "wt") as f:
-                        json.dump([e for e in events if e[0] != "/host:metadata"], f)
+                # Both runs' raw events: the traced one has the Python frames in time order.
+                name = f"events_{arm}.json.gz" if not python else f"events_{arm}_python.json.gz"
+                with gzip.open(os.path.join(args.out, name), "wt") as f:
+                    json.dump([e for e in events if e[0] != "/host:metadata"], f)
             summary["arms"][arm] = res
             p = res["plain"]
             with open(os.path.join(args.out, "summary.json"), "w") as f:
