@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="chunk size (default --tokens: one chunk); smaller traces a prompt of "
+                         "several chunks, each dispatched while the one before runs")
     ap.add_argument("--arms", default="resident,stream-all,routed")
     add_stream_args(ap)
     ap.add_argument("--gap-us", type=float, default=100.0)
@@ -171,13 +174,16 @@ def main(argv=None) -> int:
     cfg = model_config(args.preset, args.layers, args.vocab, args.tokens, tiny=args.tiny)
     params = fast_params(cfg, 0, 0.0)
     rng = np.random.default_rng(1)
-    summary = {"tokens": args.tokens, "preset": args.preset, "layers": args.layers,
+    if args.chunk is not None and not 0 < args.chunk <= args.tokens:
+        ap.error(f"--chunk {args.chunk}: must be in 1..--tokens ({args.tokens})")
+    summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,
+               "preset": args.preset, "layers": args.layers,
                "between": args.between,
                "grouped_matmul": os.environ.get("STRATA_GROUPED_MATMUL", "auto"), "arms": {}}
     for arm in arms:
         stream = None if arm == "resident" else _stream_config(args, arm == "routed")
         with Engine(cfg, params, stream, max_context=args.tokens,
-                    chunk_size=args.tokens) as eng:
+                    chunk_size=args.chunk or args.tokens) as eng:
             t0 = time.perf_counter()
             eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens))
             first_s = time.perf_counter() - t0  # compile and first run
@@ -200,7 +206,8 @@ def main(argv=None) -> int:
                 s = summarize(events, args.gap_us)
                 s["wall_ms"] = ms
                 if eng.streamer is not None:
-                    timing = eng.streamer.device_timing()  # None where the backend has none
+                    # The last chunk's; None where the backend has none.
+                    timing = eng.streamer.device_timing()
                     s["engine_device_timing"] = list(timing) if timing else None
                 res["python_traced" if python else "plain"] = s
                 # Both runs' raw events: the traced one has the Python frames in time order.
