@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -162,6 +163,19 @@ def test_two_turns_equal_one_shot(f32_engine):
         assert_close(x, y, np.float32)
     np.testing.assert_array_equal(first.counts + second.counts, one.counts)
     assert first.kv_sha256() == first_kv  # the first turn's session is unchanged
+
+
+def test_prefill_under_a_callers_host_to_device_transfer_guard(f32_engine):
+    # The chunk's ids are the engine's own copy to the device: a caller that forbids implicit
+    # host-to-device transfers (to catch its own) can still prefill, with the same result.
+    toks = _tokens(45, seed=3)
+    want = f32_engine.prefill(toks)
+    with jax.transfer_guard_host_to_device("disallow"):
+        got = f32_engine.prefill(toks)
+        second = f32_engine.prefill(toks[:10], got.session)
+    assert sha256_of(got.logits) == sha256_of(want.logits)
+    assert got.kv_sha256() == want.kv_sha256()
+    assert second.tokens == 55
 
 
 def test_to_dict_is_json_and_complete(bf16_params):

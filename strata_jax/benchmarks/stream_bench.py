@@ -18,9 +18,9 @@ Five parts, each optional:
   layer-major A --long-token prompt read layer-major (sub-chunks of --chunk) against chunk-major
               (chunks of --chunk), routed: bytes copied and time for each.
   publication The stream's per-layer cost with nothing on the link (every expert resident, read
-              through the stream) against the resident engine, less fetch's device copy of the
-              layer timed alone, once per publish mode: the publication's cost per layer and the
-              host callback's stall (first of --lengths tokens).
+              through the stream: fetch's device copy, the publication and the calls) against
+              the resident engine, once per publish mode, and the host callback's stall (the
+              difference between the modes), at the first of --lengths tokens.
   floor       Where the stream floor should be: for each of --lengths, the routed switch with
               the default floor (below it, routed-only: wait for each layer's routing, copy only
               its routed experts) against the routed stream forced (stream_floor=1), in the
@@ -109,7 +109,8 @@ def _timed(engine, tokens, session=None, *, collect=True, **prefill_args):
 # _drop_note: each timed result is dropped before the next timed call, as a caller that has
 # read it would. Held, the last result (its KV cache is 1 GB at 32K) stayed alive through the
 # next call: the H200 sweep of the fourth session took 7 ms (6K) to 18 ms (32K, resident arm
-# too) longer per call than the same prefill back to back in `timeline`, cause not isolated.
+# too) longer per call than the same prefill back to back in `timeline`; the fifth session
+# found the cause (_gc_note).
 #
 # _gc_note: found in the fifth session (`timeline --between hash-hold`, 32K, resident): hashing a
 # result leaves its host copies (the KV cache, 0.5 GB at 32K) for jaxlib to free later, and the
@@ -241,6 +242,7 @@ class PinnedHostBaseline:
         cache = KVCache(tuple(self._jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
                         tuple(self._jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
         jax.block_until_ready(cache)
+        gc.collect()  # as before every engine arm's timed call (_gc_note)
         t0 = time.perf_counter()
         logits, cache = self._jit(self.state, self.host, jax.device_put(padded, self.device),
                                   cache, self._jnp.int32(n))
@@ -350,7 +352,7 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                 # Host time before and after the device chunk, and device work outside its
                 # begin/end events (the last layer's math after end_chunk, the logits).
                 row["outside_device_chunk_ms"] = statistics.median(
-                    m[1] - m[3][0] for m in rows if m[3] is not None)
+                    m[1] - m[3][0] for m in rows if m[3] is not None and m[3][1] > 0)
             if row["unrouted"]:
                 row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
             result["rows"].append(row)

@@ -161,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--out", required=True, help="folder for summary.json and raw events")
     args = ap.parse_args(argv)
+    if args.chunk is not None and not 0 < args.chunk <= args.tokens:
+        ap.error(f"--chunk {args.chunk}: must be in 1..--tokens ({args.tokens})")
 
     from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, fast_params,
                                                     model_config)
@@ -174,8 +176,6 @@ def main(argv=None) -> int:
     cfg = model_config(args.preset, args.layers, args.vocab, args.tokens, tiny=args.tiny)
     params = fast_params(cfg, 0, 0.0)
     rng = np.random.default_rng(1)
-    if args.chunk is not None and not 0 < args.chunk <= args.tokens:
-        ap.error(f"--chunk {args.chunk}: must be in 1..--tokens ({args.tokens})")
     summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,
                "preset": args.preset, "layers": args.layers,
                "between": args.between,
