@@ -543,6 +543,8 @@ class Engine:
         arr = validate_inputs(self.config, tokens, self.max_context, start)
         if self.streamer is not None and self.streamer.closed:
             raise RuntimeError("the engine's stream was closed; make a new Engine")
+        if self.streamer is not None:
+            self.streamer.check_process()
 
         fallback = None
         if order != "chunk-major":

@@ -522,7 +522,8 @@ class StreamEngine:
                 self._pinned = None
             raise RuntimeError(f"strata engine: {err.value.decode(errors='replace')}")
         # The engine goes first: its copies read the pinned block.
-        self._finalizer = weakref.finalize(self, _destroy, self.id, self._pinned)
+        self.pid = os.getpid()  # the process whose threads serve this engine
+        self._finalizer = weakref.finalize(self, _destroy, self.id, self._pinned, self.pid)
         for layer, store in enumerate(self._stores):
             if store is not None:
                 _check(lib.strata_engine_set_store(self.id, layer, store.ctypes.data,
@@ -663,6 +664,15 @@ class StreamEngine:
         self._stores = [None] * len(self._stores)  # may view the pinned block freed next
         self._finalizer()
 
+    def check_process(self) -> None:
+        """Raises RuntimeError in a process forked after the engine was made: its issuer (and
+        the simulated link's worker) stayed in the parent, so a chunk here would wait forever."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                f"this engine's stream was made in process {self.pid}; this is process "
+                f"{os.getpid()}, forked from it, and the stream's threads did not come along. "
+                "Make a new Engine in this process (or start workers with the 'spawn' method).")
+
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
@@ -694,7 +704,9 @@ class StreamEngine:
 # -- the JAX ops -----------------------------------------------------------------------------
 
 
-def _destroy(engine_id: int, pinned: int | None) -> None:
+def _destroy(engine_id: int, pinned: int | None, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a fork's copy (at the child's exit): the engine and its memory are the parent's
     lib = native.lib()
     lib.strata_engine_destroy(engine_id)
     if pinned:

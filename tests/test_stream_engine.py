@@ -234,6 +234,60 @@ def test_interrupt_with_chunks_queued_never_hangs():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+_FORK_SCRIPT = r"""
+import os, sys, warnings
+import numpy as np
+warnings.simplefilter("ignore")  # JAX warns that fork() and its threads do not mix
+from strata_jax import native
+from strata_jax.config import get_preset
+from strata_jax.engine import Engine, sha256_of
+from strata_jax.stream import StreamConfig
+from strata_jax.synthetic import init_synthetic
+
+CFG = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
+                                         expert_intermediate=32, param_dtype="bfloat16")
+TOKENS = np.random.default_rng(7).integers(0, CFG.vocab_size, 80)
+eng = Engine(CFG, init_synthetic(CFG, seed=3), StreamConfig(stream_floor=32), max_context=256,
+             chunk_size=32)
+want = sha256_of(eng.prefill(TOKENS).logits)
+pid = os.fork()
+if pid == 0:
+    code = 0
+    try:
+        eng.prefill(TOKENS)
+        code |= 1
+    except RuntimeError as e:
+        code |= 0 if "forked" in str(e) and "new Engine" in str(e) else 2
+    lib = native.lib()
+    if lib.strata_engine_walk_active(eng.streamer.id):  # the parent's engine is not found here
+        code |= 4
+    lib.strata_engine_destroy(eng.streamer.id)  # drops the copy; joined the parent's threads
+    eng.close()  # the finalizer touches nothing in a child
+    os._exit(code)  # not sys.exit: a forked JAX process crashes in JAX's own exit
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+assert sha256_of(eng.prefill(TOKENS).logits) == want  # the parent's engine is untouched
+eng.close()
+print("ok")
+"""
+
+
+def test_a_forked_child_gets_a_clear_error_and_never_hangs():
+    # After os.fork() the child has a copy of the engine but not its threads (issuer, simulated
+    # link). A prefill there used to wait forever, and destroying the copy (the finalizer at the
+    # child's exit) hung joining the parent's threads.
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True,
+                             text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung after fork ({e.stdout!r})")
+    assert out.returncode == 0 and out.stdout.split() == ["child", "0", "ok"], (
+        out.stdout, out.stderr[-3000:])
+
+
 def test_closing_the_engine_stops_its_threads():
     params = init_synthetic(CFG, seed=3)
     before = _threads()

@@ -4,6 +4,10 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
+
+#include <pthread.h>
+#include <unistd.h>
 
 namespace strata {
 
@@ -323,25 +327,46 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
 }
 
 namespace {
+// An engine belongs to the process that made it: after fork() the child has a
+// copy of the registry but none of the engines' threads (the issuer, the
+// simulated link's worker, ...). Joining or waiting on those there would hang
+// or end the process, so a child finds no engine of its parent's, and
+// destroying one only drops the copy, touching nothing of it.
+struct Registered {
+  std::unique_ptr<Engine> engine;
+  pid_t pid;  // the process that made it
+};
 std::mutex g_registry_mu;
-std::map<int64_t, std::unique_ptr<Engine>>& Registry() {
-  static auto* r = new std::map<int64_t, std::unique_ptr<Engine>>();
+std::map<int64_t, Registered>& Registry() {
+  static auto* r = new std::map<int64_t, Registered>();
   return *r;
 }
 int64_t g_next_id = 1;
+
+// The registry's mutex, held by another thread at the fork, would stay locked
+// in the child: hold it across fork() so both sides resume with it unlocked.
+void GuardRegistryAcrossFork() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork([] { g_registry_mu.lock(); }, [] { g_registry_mu.unlock(); },
+                   [] { g_registry_mu.unlock(); });
+  });
+}
 }  // namespace
 
 int64_t RegisterEngine(std::unique_ptr<Engine> engine) {
+  GuardRegistryAcrossFork();
   std::lock_guard<std::mutex> lock(g_registry_mu);
   int64_t id = g_next_id++;
-  Registry()[id] = std::move(engine);
+  Registry()[id] = Registered{std::move(engine), getpid()};
   return id;
 }
 
 Engine* FindEngine(int64_t id) {
   std::lock_guard<std::mutex> lock(g_registry_mu);
   auto it = Registry().find(id);
-  return it == Registry().end() ? nullptr : it->second.get();
+  if (it == Registry().end() || it->second.pid != getpid()) return nullptr;
+  return it->second.engine.get();
 }
 
 bool DestroyEngine(int64_t id) {
@@ -350,7 +375,12 @@ bool DestroyEngine(int64_t id) {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     auto it = Registry().find(id);
     if (it == Registry().end()) return false;
-    doomed = std::move(it->second);
+    if (it->second.pid != getpid()) {
+      (void)it->second.engine.release();  // the parent's: left as it is
+      Registry().erase(it);
+      return true;
+    }
+    doomed = std::move(it->second.engine);
     Registry().erase(it);
   }
   doomed->Abort();
