@@ -4,6 +4,7 @@ sessions: every part of stream_bench, its identity lane, and the plots made from
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -66,6 +67,24 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     assert written == 0
     assert (tmp_path / "bench_time.png").stat().st_size > 0
     assert (tmp_path / "bench_layers.png").stat().st_size > 0
+
+
+def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
+    # The CPU backend keeps no device timing; a stand-in one (chunk 2 ms, copies 1.5 ms) checks
+    # the rows built from it: the time outside the device chunk is each call's time less 2 ms.
+    from strata_jax.stream import StreamEngine
+
+    monkeypatch.setattr(StreamEngine, "device_timing", lambda self: (2.0, 1.5, 0.1, 0.4))
+    out = tmp_path / "bench.json"
+    assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "100", "--parts", "sweep",
+                              "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"]
+            if r["part"] == "sweep" and r["arm"] in ("stream-all", "routed")]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["device_chunk_ms"] == 2.0 and r["device_copy_ms"] == 1.5
+        assert r["outside_device_chunk_ms"] == pytest.approx(statistics.median(r["ms_each"]) - 2.0)
+        assert r["device_time_over_floor"] == pytest.approx(2.0 / r["floor_ms"])
 
 
 def test_bootstrap_interval():
