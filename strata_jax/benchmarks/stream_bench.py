@@ -342,17 +342,16 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                    "unrouted": statistics.median(m[2]["unrouted"] for m in rows),
                    "identical_to_resident": all(m[4] for m in rows),
                    "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows)}
-            timings = [(m[3], m[2]["bytes"]) for m in rows if m[3] is not None and m[3][1] > 0]
-            if timings:
-                row["device_chunk_ms"] = statistics.median(t[0][0] for t in timings)
-                row["device_copy_ms"] = statistics.median(t[0][1] for t in timings)
+            timed = [m for m in rows if m[3] is not None and m[3][1] > 0]
+            if timed:
+                row["device_chunk_ms"] = statistics.median(m[3][0] for m in timed)
+                row["device_copy_ms"] = statistics.median(m[3][1] for m in timed)
                 row["copy_window_link_fraction"] = statistics.median(
-                    b / (t[1] * 1e-3) / 1e9 / link for t, b in timings)
+                    m[2]["bytes"] / (m[3][1] * 1e-3) / 1e9 / link for m in timed)
                 row["device_time_over_floor"] = row["device_chunk_ms"] / floor
                 # Host time before and after the device chunk, and device work outside its
                 # begin/end events (the last layer's math after end_chunk, the logits).
-                row["outside_device_chunk_ms"] = statistics.median(
-                    m[1] - m[3][0] for m in rows if m[3] is not None and m[3][1] > 0)
+                row["outside_device_chunk_ms"] = statistics.median(m[1] - m[3][0] for m in timed)
             if row["unrouted"]:
                 row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
             result["rows"].append(row)

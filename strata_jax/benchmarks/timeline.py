@@ -14,8 +14,8 @@ ProfileData and reduced to:
 
 `--between hash-hold` reproduces what stream_bench's sweep did between calls (a result hashed
 and held through the next call), to compare with back-to-back calls; `hash-hold-gc` adds the
-gc.collect() the sweep now makes before each timed call (stream_bench's _gc_note). Raw events of the
-untraced-Python run (events_<arm>.json.gz: [plane, line, name, start ns, duration ns]
+gc.collect() the sweep now makes before each timed call (stream_bench's _gc_note). Raw events
+of the untraced-Python run (events_<arm>.json.gz: [plane, line, name, start ns, duration ns]
 each) and of the Python-traced one (events_<arm>_python.json.gz) are written for later
 reading.
 
