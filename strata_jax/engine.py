@@ -268,6 +268,13 @@ class Engine:
             for a full-size model).
     """
 
+    # Where each compiled call's `info` (end_chunk's stats and the router counts, a few KiB)
+    # lands: "pinned_host", written by the program's own last copy, so it is in host memory when
+    # the call ends; or "device", copied out by PjRt after it notices the end (a D2H dispatch,
+    # the copy and a host callback between the device's end and the caller's return). Read when
+    # an engine is made; a device without pinned host memory keeps it in device memory.
+    info_memory = "pinned_host"
+
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
                  stream: StreamConfig | None = None, *, max_context: int = 4096,
                  chunk_size: int = 1024,
@@ -344,7 +351,10 @@ class Engine:
         self._zero_cache = jax.jit(self._zeros,
                                    out_shardings=jax.sharding.SingleDeviceSharding(self.device))
         self.compilations = 0
-        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"))
+        on_device = jax.sharding.SingleDeviceSharding(self.device)
+        self._info_sharding = _info_sharding(self.device, self.info_memory)
+        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"),
+                            out_shardings=(on_device, on_device, self._info_sharding))
         self._profile = ExpertProfile.empty(config)
 
     # -- the compiled call ----------------------------------------------------------------------
@@ -393,9 +403,11 @@ class Engine:
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
                   mode: int, sub: int):
-        """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once) and
-        starts the copy of its `info` to the host, so reading it after the device finishes
-        costs no transfer of its own."""
+        """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once).
+
+        Its `info` lands in the device's pinned host memory, written by the program itself
+        (`info_memory`); where it stays in device memory, the copy to the host is started here.
+        """
         ids = np.zeros(bucket + 2, np.int32)
         ids[:piece.size] = piece
         ids[-2], ids[-1] = start, piece.size
@@ -406,7 +418,8 @@ class Engine:
         with jax.transfer_guard_host_to_device("allow"):
             logits, cache, info = self._jit(self._state_leaves, resident, ids, cache,
                                             first=cache is None, mode=mode, sub=sub)
-        info.copy_to_host_async()
+        if self._info_sharding.memory_kind != "pinned_host":
+            info.copy_to_host_async()
         return logits, cache, info
 
     def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -654,6 +667,21 @@ def _settle(arrays) -> None:
             jax.block_until_ready(a)
         except Exception:  # noqa: BLE001 - a cancelled chunk ends in error; that is the point
             pass
+
+
+def _info_sharding(device: jax.Device, kind: str) -> jax.sharding.Sharding:
+    """The compiled call's `info` placement: `kind` ("pinned_host" or "device") where the
+    device has it, else the device's default memory."""
+    if kind not in ("pinned_host", "device"):
+        raise ValueError(f"Engine.info_memory={kind!r}: expected 'pinned_host' or 'device'")
+    if kind == "pinned_host":
+        try:
+            kinds = {m.kind for m in device.addressable_memories()}
+        except Exception:  # noqa: BLE001 - a backend without memory spaces
+            kinds = set()
+        if kind in kinds:
+            return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    return jax.sharding.SingleDeviceSharding(device)
 
 
 def _name(device: jax.Device) -> str:

@@ -178,6 +178,36 @@ def test_prefill_under_a_callers_host_to_device_transfer_guard(f32_engine):
     assert second.tokens == 55
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_info_memory_places_the_stats_not_the_result(bf16_params, monkeypatch, stream):
+    # Each call's info (end_chunk's stats and the router counts) lands in pinned host memory by
+    # default; kept in device memory (the path before) every stat, count and hash is the same.
+    # Switch off: the copies do not depend on the link's timing, so two engines' stats agree.
+    sc = StreamConfig(routed=False, stream_floor=32, **SLOW) if stream else None
+    toks = _tokens(100, config=BF16)
+    got = {}
+    for kind in ("pinned_host", "device"):
+        monkeypatch.setattr(Engine, "info_memory", kind)
+        with Engine(BF16, bf16_params, sc, max_context=128, chunk_size=32) as eng:
+            assert eng._info_sharding.memory_kind == (
+                "pinned_host" if kind == "pinned_host" else eng.device.default_memory().kind)
+            r = eng.prefill(toks, sync_chunks=False)
+            d = r.to_dict()
+            for c in d["chunks"]:
+                del c["ms"]
+            del d["prompt_ms"]
+            got[kind] = (d, r.counts.tolist())
+    assert got["pinned_host"] == got["device"]
+    assert got["device"][1] and sum(map(sum, got["device"][1])) == 100 * BF16.top_k * len(
+        BF16.moe_layers)
+    if stream:
+        assert got["device"][0]["copied"] > 0
+
+    monkeypatch.setattr(Engine, "info_memory", "host")
+    with pytest.raises(ValueError, match="Engine.info_memory='host'.*'pinned_host' or 'device'"):
+        Engine(BF16, bf16_params, None, max_context=128, chunk_size=32)
+
+
 def test_to_dict_is_json_and_complete(bf16_params):
     with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=32, **SLOW),
                 max_context=128, chunk_size=32) as eng:

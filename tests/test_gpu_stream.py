@@ -106,6 +106,27 @@ def test_cuda_arms_identical(setup, pin, routed, publish):
         assert not eng.streamer.walk_active()
 
 
+def test_cuda_info_in_pinned_host_memory(setup, monkeypatch):
+    # The stats and counts come back through the program's own copy to pinned host memory (no
+    # PjRt copy after the end); the same stats, counts and hashes as with info in device memory.
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda")  # timing-free stats
+    got = {}
+    for kind in ("pinned_host", "device"):
+        monkeypatch.setattr(Engine, "info_memory", kind)
+        with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+            want = "pinned_host" if kind == "pinned_host" else "device"
+            assert eng._info_sharding.memory_kind == want
+            r = eng.prefill(tokens, sync_chunks=False)
+            assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
+            got[kind] = (r.counts.tolist(), [c.stats.totals() for c in r.chunks],
+                         r.per_layer())
+    assert got["pinned_host"] == got["device"]
+
+
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_cuda_failure_mid_chunk(setup, fault):
     from strata_jax.engine import Engine, sha256_of

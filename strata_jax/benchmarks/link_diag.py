@@ -21,7 +21,7 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    from strata_jax.benchmarks.stream_bench import add_model_args
+    from strata_jax.benchmarks.stream_bench import add_model_args, apply_model_args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    apply_model_args(args)
 
     from strata_jax import native
     from strata_jax.benchmarks.stream_bench import fast_params, model_config

@@ -130,6 +130,16 @@ def add_model_args(ap) -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--info-memory", default="pinned_host", choices=["pinned_host", "device"],
+                    help="where each call's stats and counts land (Engine.info_memory); "
+                         "'device' is the path before pinned_host, for comparison")
+
+
+def apply_model_args(args) -> None:
+    """Sets what add_model_args' options change beyond the model (Engine.info_memory)."""
+    from strata_jax.engine import Engine
+
+    Engine.info_memory = args.info_memory
 
 
 def add_stream_args(ap) -> None:
@@ -565,6 +575,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    apply_model_args(args)
 
     import jax
 
@@ -590,7 +601,8 @@ def main(argv=None) -> int:
           f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
     result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "preset": args.preset, "layers": args.layers, "skew": args.skew,
-              "depth": args.depth, "publish": args.publish, "link_pinned_gbps": link,
+              "depth": args.depth, "publish": args.publish, "info_memory": args.info_memory,
+              "link_pinned_gbps": link,
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}

@@ -164,10 +164,11 @@ def main(argv=None) -> int:
     if args.chunk is not None and not 0 < args.chunk <= args.tokens:
         ap.error(f"--chunk {args.chunk}: must be in 1..--tokens ({args.tokens})")
 
-    from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, fast_params,
-                                                    model_config)
+    from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, apply_model_args,
+                                                    fast_params, model_config)
     from strata_jax.engine import Engine
 
+    apply_model_args(args)
     arms = args.arms.split(",")
     unknown = set(arms) - {"resident", "stream-all", "routed"}
     if unknown:
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(1)
     summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,
                "preset": args.preset, "layers": args.layers,
-               "between": args.between,
+               "between": args.between, "info_memory": args.info_memory,
                "grouped_matmul": os.environ.get("STRATA_GROUPED_MATMUL", "auto"), "arms": {}}
     for arm in arms:
         stream = None if arm == "resident" else _stream_config(args, arm == "routed")
