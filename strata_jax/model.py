@@ -436,7 +436,13 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.
     """
     with jax.named_scope("unpermute"):
         t, k = weights.shape
-        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # [T*k, H], token-major
+        n = order.shape[0]
+        # Rows come back by a gather through the inverse permutation (a scatter of T*k int32s).
+        # Scattering the [T*k, H] rows themselves was the layer's slowest step after the grouped
+        # matmuls on the H200 (0.77 ms of a 6,144-token layer's 2.9 ms); the values are the same.
+        inv = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32),
+                                                      unique_indices=True)
+        y = y_sorted[inv]  # [T*k, H], token-major: y[i] = y_sorted[j] where order[j] == i
         y = y.reshape(t, k, -1).astype(jnp.float32)  # [T, k, H]
         return jnp.einsum("tkh,tk->th", y, weights).astype(y_sorted.dtype)
 
@@ -452,7 +458,7 @@ class MoE(nnx.Module):
       4. Permute: copy each token k times and sort the copies by expert id (stable) -> [T*k, H].
       5. Experts: grouped matmuls gate and up [T*k, I], silu(gate) * up, grouped matmul down
          [T*k, H]; zero-size groups compute nothing.
-      6. Unpermute: scatter back to token order [T, k, H], weighted sum over k in float32 -> [T, H].
+      6. Unpermute: gather back to token order [T, k, H], weighted sum over k in float32 -> [T, H].
       7. Shared expert (if any): dense SwiGLU of x, times sigmoid(x @ shared_gate) when gated,
          added to the routed output.
     The op sequence never depends on the source, so resident and streamed arms give the same bits.
@@ -610,6 +616,11 @@ class MoETransformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             x, k, v, layer_counts = layer(x, cache.keys[i], cache.values[i], start, positions,
                                           expert_source, valid)
+            if i + 1 < len(self.layers):
+                # The layer's cache write happens before the next layer, not wherever XLA puts
+                # it (it put all of them after the last layer, where a streamed chunk's tail
+                # waits for them: 0.15 ms at 6,144 tokens on the H200). Same values.
+                x, k, v = jax.lax.optimization_barrier((x, k, v))
             keys.append(k)
             values.append(v)
             if layer_counts is not None:

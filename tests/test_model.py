@@ -164,6 +164,31 @@ def test_model_without_resident_experts_uses_source():
                  resident, streamed)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unpermute_inverts_permute_and_weights_in_float32(dtype):
+    # Token copies sorted by expert (padding's sentinel id E among them) come back in token order
+    # through the inverse permutation, and the weighted sum over k runs in float32: the exact
+    # float32 NumPy value, rounded once to the output dtype.
+    t, k, h, e = 37, 4, 24, 6
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, e + 1, (t, k)).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((t, h)), dtype)
+    w = rng.random((t, k)).astype(np.float32)
+    x_sorted, order = M.permute(x, jnp.asarray(ids))
+    order = np.asarray(order)
+    np.testing.assert_array_equal(np.sort(order), np.arange(t * k))  # a permutation
+    np.testing.assert_array_equal(ids.reshape(-1)[order], np.sort(ids.reshape(-1), kind="stable"))
+    np.testing.assert_array_equal(np.asarray(x_sorted), np.asarray(x)[order // k])
+    y_sorted = x_sorted * jnp.asarray(np.arange(1, t * k + 1)[:, None], dtype)  # rows differ
+    got = np.asarray(M.unpermute(y_sorted, jnp.asarray(order), jnp.asarray(w)))
+    assert np.all(np.isfinite(got.astype(np.float32)))
+    y = np.zeros((t * k, h), np.float32)
+    y[order] = np.asarray(y_sorted).astype(np.float32)
+    want = np.einsum("tkh,tk->th", y.reshape(t, k, h).astype(np.float64), w.astype(np.float64))
+    assert got.dtype == np.dtype(dtype)
+    assert_close(got, want, dtype)
+
+
 def test_blob_roundtrip():
     rng = np.random.default_rng(0)
     e, h, i = 3, 4, 5
