@@ -17,7 +17,7 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
                             "sweep,two-turn,layer-major,publication,floor", "--chunk", "64",
                             "--turn1", "150",
                             "--turn2", "50", "--turn-reps", "1", "--long", "256",
-                            "--json", str(out)])
+                            "--blocks", "1", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["identical"] and res["two_turn_identical"]
@@ -77,14 +77,40 @@ def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
     monkeypatch.setattr(StreamEngine, "device_timing", lambda self: (2.0, 1.5, 0.1, 0.4))
     out = tmp_path / "bench.json"
     assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "100", "--parts", "sweep",
-                              "--json", str(out)]) == 0
-    rows = [r for r in json.loads(out.read_text())["rows"]
-            if r["part"] == "sweep" and r["arm"] in ("stream-all", "routed")]
+                              "--json", str(out)]) == 0  # the default: ORDER twice over
+    res = json.loads(out.read_text())
+    assert res["blocks"] == 2
+    rows = [r for r in res["rows"] if r["part"] == "sweep" and r["arm"] in ("stream-all", "routed")]
     assert len(rows) == 2
+    (pairs,) = [r for r in res["rows"] if r["part"] == "sweep" and r["arm"] == "pairs"]
+    assert len(pairs["off_over_on"]) == 8
+    resident = [r for r in res["rows"] if r["part"] == "sweep" and r["arm"] == "resident"]
+    assert resident[0]["reps"] == 16
     for r in rows:
+        assert len(r["ms_each"]) == len(r["host_call_to_begin_each"]) == 8
+        assert r["device_chunk_each"] == [2.0] * 8
         assert r["device_chunk_ms"] == 2.0 and r["device_copy_ms"] == 1.5
         assert r["outside_device_chunk_ms"] == pytest.approx(statistics.median(r["ms_each"]) - 2.0)
         assert r["device_time_over_floor"] == pytest.approx(2.0 / r["floor_ms"])
+
+
+def test_schedule_repeats_order_and_pairs_stay_in_their_block():
+    assert stream_bench.schedule(1) == stream_bench.ORDER
+    two = stream_bench.schedule(2)
+    assert two == stream_bench.ORDER * 2
+    pairs = stream_bench._pairs(len(two))
+    assert len(pairs) == 8
+    for on, off in pairs:
+        assert (two[on], two[off]) == ("routed", "stream-all")
+        assert on // 8 == off // 8  # a pair never straddles two blocks
+    # Times 1..16: each pair's OFF/ON ratio, from positions (1,0), (2,3), (4,5), (7,6) per block.
+    ratios, _, _ = stream_bench._pair_ratios(list(range(1, 17)))
+    assert ratios[:4] == [1 / 2, 4 / 3, 6 / 5, 7 / 8]
+    assert ratios[4:] == [9 / 10, 12 / 11, 14 / 13, 15 / 16]
+    with pytest.raises(ValueError, match="blocks=0"):
+        stream_bench.schedule(0)
+    with pytest.raises(SystemExit):
+        stream_bench.main(["--tiny", "--blocks", "0"])
 
 
 def test_bootstrap_interval():

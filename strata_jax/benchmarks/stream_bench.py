@@ -49,6 +49,18 @@ ORDER = ("stream-all", "routed", "routed", "stream-all", "routed", "stream-all",
 PAIRS = ((1, 0), (2, 3), (4, 5), (7, 6))  # (ON, OFF) positions, 0-based
 
 
+def schedule(blocks: int) -> tuple[str, ...]:
+    """ORDER run `blocks` times over: the arms' slots of one length, each with its own prompt."""
+    if blocks < 1:
+        raise ValueError(f"blocks={blocks}: must be at least 1")
+    return ORDER * blocks
+
+
+def _pairs(n_slots: int) -> list[tuple[int, int]]:
+    """PAIRS in every block of ORDER among `n_slots` slots."""
+    return [(b + on, b + off) for b in range(0, n_slots, len(ORDER)) for on, off in PAIRS]
+
+
 def fast_params(config, seed: int, skew: float) -> dict:
     """Synthetic weights quickly at full expert shapes: experts tile a few random blocks."""
     from strata_jax.model import param_shapes
@@ -158,14 +170,15 @@ def _stream_config(args, routed: bool, **overrides):
                         ring_budget_gib=args.ring_gib, **overrides)
 
 
-def _nonce_prompts(cfg, lengths, seed: int) -> dict:
-    """Per length, a new random prompt for each of ORDER's repetitions, plus one to compile."""
+def _nonce_prompts(cfg, lengths, seed: int, slots: int = len(ORDER)) -> dict:
+    """Per length, a new random prompt for each of `slots` repetitions, plus one to compile."""
     rng = np.random.default_rng(seed)
-    return {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(len(ORDER) + 1)]
+    return {n: [rng.integers(0, cfg.vocab_size, n) for _ in range(slots + 1)]
             for n in lengths}
 
 
-def _resident_reference(cfg, params, ctx: int, lengths, prompts) -> tuple[dict, dict]:
+def _resident_reference(cfg, params, ctx: int, lengths, prompts,
+                        slots: int = len(ORDER)) -> tuple[dict, dict]:
     """The all-resident arm reads every prompt: its median time per length, and the hashes
     every streamed repetition of the same prompt must equal, keyed (length, repetition)."""
     from strata_jax.engine import Engine
@@ -175,7 +188,7 @@ def _resident_reference(cfg, params, ctx: int, lengths, prompts) -> tuple[dict, 
         for n in lengths:
             eng.prefill(prompts[n][-1])  # compile
             times = []
-            for i in range(len(ORDER)):
+            for i in range(slots):
                 ms, r = _timed(eng, prompts[n][i])
                 times.append(ms)
                 hashes[(n, i)] = _hashes(r)
@@ -185,8 +198,9 @@ def _resident_reference(cfg, params, ctx: int, lengths, prompts) -> tuple[dict, 
 
 
 def _pair_ratios(times) -> tuple[list, float, list]:
-    """OFF/ON time ratio of each of PAIRS over ORDER's times: (ratios, median, 95% interval)."""
-    ratios = [times[off] / times[on] for on, off in PAIRS]
+    """OFF/ON time ratio of each of PAIRS, in each block of ORDER, over the slots' times:
+    (ratios, median, 95% interval)."""
+    ratios = [times[off] / times[on] for on, off in _pairs(len(times))]
     return ratios, statistics.median(ratios), list(bootstrap_ci(ratios))
 
 
@@ -269,12 +283,13 @@ def sweep(args, cfg, params, link, result):
     ctx = max(lengths)
     # A new prompt (nonce) for every measured repetition; the resident arm reads each one too,
     # which gives its time and the hashes every streamed repetition must equal.
-    prompts = _nonce_prompts(cfg, lengths, 1234)
-    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts)
+    slots = len(schedule(args.blocks))
+    prompts = _nonce_prompts(cfg, lengths, 1234, slots)
+    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts, slots)
     for n in lengths:
         result["rows"].append({"part": "sweep", "arm": "resident", "tokens": n,
-                               "ms": resident_ms[n], "reps": len(ORDER)})
-        print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {len(ORDER)})", flush=True)
+                               "ms": resident_ms[n], "reps": slots})
+        print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {slots})", flush=True)
 
     if "jax-pinned-host" in args.arms and jax.devices()[0].platform == "gpu":
         try:
@@ -294,7 +309,7 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
     for n in lengths:
         base.prefill(prompts[n][-1])  # compile
         times, same = [], True
-        for i in range(3):
+        for i in range(len(prompts[n]) // 2):  # as many as each engine arm's repetitions
             ms, logits, cache = base.prefill(prompts[n][i])
             times.append(ms)
             same &= (sha256_of(logits), sha256_of(cache)) == hashes[(n, i)]
@@ -321,7 +336,7 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
     identical = True
     for n in lengths:
         meas = []
-        for i, arm in enumerate(ORDER):
+        for i, arm in enumerate(schedule(args.blocks)):
             gc.collect()  # see _gc_note; before `call`, which host_call_to_begin counts from
             call = time.monotonic()
             ms, r = _timed(engines[arm], prompts[n][i], collect=False)
@@ -351,7 +366,8 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                    "skipped": statistics.median(m[2]["skipped"] for m in rows),
                    "unrouted": statistics.median(m[2]["unrouted"] for m in rows),
                    "identical_to_resident": all(m[4] for m in rows),
-                   "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows)}
+                   "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows),
+                   "host_call_to_begin_each": [round(m[6][0], 3) for m in rows]}
             timed = [m for m in rows if m[3] is not None and m[3][1] > 0]
             if timed:
                 row["device_chunk_ms"] = statistics.median(m[3][0] for m in timed)
@@ -362,12 +378,16 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                 # Host time before and after the device chunk, and device work outside its
                 # begin/end events (the last layer's math after end_chunk, the logits).
                 row["outside_device_chunk_ms"] = statistics.median(m[1] - m[3][0] for m in timed)
+                row["device_chunk_each"] = [round(m[3][0], 3) for m in timed]
             if row["unrouted"]:
                 row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
         ratios, median, ci = _pair_ratios([m[1] for m in meas])
-        spread = [abs(meas[a][1] / meas[b][1] - 1) for a, b in ((0, 3), (1, 2), (4, 7), (5, 6))]
+        # Two slots of the same arm side by side in each block: how far one arm moves alone.
+        spread = [abs(meas[b + x][1] / meas[b + y][1] - 1)
+                  for b in range(0, len(meas), len(ORDER))
+                  for x, y in ((0, 3), (1, 2), (4, 7), (5, 6))]
         pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
                 "median": median, "ci95": ci,
                 "same_arm_spread": statistics.median(spread)}
@@ -465,8 +485,9 @@ def floor_part(args, cfg, params, link, result):
 
     lengths = [int(x) for x in args.lengths.split(",")]
     ctx = max(lengths)
-    prompts = _nonce_prompts(cfg, lengths, 4321)
-    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts)
+    slots = len(schedule(args.blocks))
+    prompts = _nonce_prompts(cfg, lengths, 4321, slots)
+    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts, slots)
     # ORDER's "stream-all" slots run the default floor, its "routed" slots the forced stream.
     arms = {"stream-all": "default-floor", "routed": "forced-stream"}
     engines = {
@@ -480,7 +501,7 @@ def floor_part(args, cfg, params, link, result):
             for eng in engines.values():
                 eng.prefill(prompts[n][-1])
             meas = []
-            for i, slot in enumerate(ORDER):
+            for i, slot in enumerate(schedule(args.blocks)):
                 arm = arms[slot]
                 ms, r = _timed(engines[arm], prompts[n][i])
                 identical &= _hashes(r) == hashes[(n, i)]
@@ -567,6 +588,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="resident,stream-all,routed,jax-pinned-host")
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
+    ap.add_argument("--blocks", type=int, default=2,
+                    help="the sweep's and floor's ORDER of 8 slots run this many times over "
+                         "(4 repetitions per arm and 4 pairs per block)")
     add_stream_args(ap)
     ap.add_argument("--chunk", type=int, default=8192, help="chunk for two-turn and layer-major")
     ap.add_argument("--turn1", type=int, default=18700)
@@ -575,6 +599,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.blocks < 1:
+        ap.error(f"--blocks {args.blocks}: must be at least 1")
     apply_model_args(args)
 
     import jax
@@ -600,7 +626,7 @@ def main(argv=None) -> int:
     print(f"params in {time.perf_counter() - t0:.1f}s; experts "
           f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
     result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-              "preset": args.preset, "layers": args.layers, "skew": args.skew,
+              "preset": args.preset, "layers": args.layers, "skew": args.skew, "blocks": args.blocks,
               "depth": args.depth, "publish": args.publish, "info_memory": args.info_memory,
               "link_pinned_gbps": link,
               "link_pageable_gbps": pageable,
