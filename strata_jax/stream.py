@@ -613,10 +613,28 @@ class StreamEngine:
     def depth(self) -> int:
         return int(native.lib().strata_engine_depth(self.id))
 
+    def hold(self) -> int:
+        """Entries a prestarted walk may run ahead of its landed copies until the program
+        adopts it (`prestart`); 0 when the walk is not held."""
+        return int(native.lib().strata_engine_hold(self.id))
+
     def abort(self) -> None:
         """Stops the current chunk's walk, if any; the engine stays usable. Call it only when
         no chunk of this engine is queued or running (else `cancel` first, then wait)."""
         native.lib().strata_engine_abort(self.id)
+
+    def prestart(self, n_tokens: int) -> None:
+        """Begins the chunk of `n_tokens` tokens the caller is about to dispatch, from the host,
+        so its walk and the link start while the program is still being launched; the program's
+        begin_chunk adopts the walk. Until then the walk stays a few copies (the native
+        kPrestartHold, 16 entries) ahead of those landed, so a copy another stream queues
+        meanwhile (the chunk's token ids) is not stuck behind a ring of them. Only with no chunk
+        of this engine queued (a prefill's first chunk); an abort, or a begin_chunk of another
+        mode, drops it."""
+        err = ctypes.create_string_buffer(1024)
+        rc = native.lib().strata_engine_prestart(self.id, self.chunk_mode(n_tokens), err,
+                                                 len(err))
+        _check(rc, err, "prestart")
 
     def cancel(self, on: bool = True) -> None:
         """Safe while chunks are queued: stops the running chunk's walk and fails every later

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import numpy as np
 import pytest
@@ -216,6 +217,109 @@ with Engine(CFG, params, sc, max_context=256, chunk_size=32) as eng:
     assert sha256_of(eng.prefill(TOKENS).logits) == ref
 print("ok")
 """
+
+
+def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(routing):
+    # A prefill whose first chunk's program has run before begins that chunk from the host; the
+    # program's begin_chunk adopts the walk (and lifts its hold) instead of starting another. A
+    # delay put between the two shows which begin the chunk kept: the adopted one is timed from
+    # before the delay. Never before a program's first run (the walk would wait through the
+    # compile), never for a later chunk (one is queued) or a chunk below the floor (no walk).
+    skew, params, logits_hash, kv_hash = routing
+    sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
+    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
+        real = eng.streamer.prestart
+        seen, holds = [], []
+
+        def slow_prestart(n):
+            seen.append(n)
+            real(n)
+            holds.append(eng.streamer.hold())
+            time.sleep(0.3)
+
+        eng.streamer.prestart = slow_prestart
+        eng.prefill(TOKENS)  # compiles: no prestart
+        assert seen == []
+        eng.prefill(TOKENS[:16])  # a first chunk below the floor: no walk to start early
+        assert seen == []
+        t0 = time.monotonic()
+        r = eng.prefill(TOKENS[:CHUNK])
+        begin, _ = eng.streamer.host_times()
+        assert seen == [CHUNK] and holds == [16]
+        assert t0 <= begin < t0 + 0.3, "the program began its own chunk: prestart not adopted"
+        assert eng.streamer.hold() == 0, "adoption did not lift the hold"
+        assert not eng.streamer.walk_active()
+        st = r.chunks[0].stats
+        assert (st.copied + st.skipped == st.streamed).all()
+        seen.clear()
+        r = eng.prefill(TOKENS, sync_chunks=False)  # three chunks: only the first prestarts
+        assert seen == [CHUNK]
+        assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
+        for c in r.chunks:
+            assert (c.stats.copied + c.stats.skipped == c.stats.streamed).all()
+
+
+def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
+    skew, params, logits_hash, kv_hash = routing
+    sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
+    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
+        eng.streamer.prestart(CHUNK)  # a streamed chunk: the walk starts, held
+        assert eng.streamer.walk_active() and eng.streamer.hold() == 16
+        eng.streamer.abort()
+        assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
+        eng.streamer.prestart(CHUNK)
+        eng.streamer.prestart(CHUNK)  # replaces the first
+        assert eng.streamer.walk_active() and eng.streamer.hold() == 16
+        # A routed-only prestart, then the program of a streamed chunk: its begin_chunk drops
+        # the prestart and begins its own chunk, unheld.
+        eng.streamer.prestart(CHUNK // 2)
+        logits, cache, info = eng._dispatch(TOKENS[:CHUNK], CHUNK, None, 0,
+                                            mode=eng.streamer.chunk_mode(CHUNK), sub=0)
+        st, counts = eng._split_info(info)
+        stats = eng.streamer.make_stats(CHUNK, st, counts)
+        assert stats.mode == "stream" and eng.streamer.hold() == 0
+        assert (stats.copied + stats.skipped == stats.streamed).all()
+        assert not eng.streamer.walk_active()
+        r = eng.prefill(TOKENS)
+    assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
+
+
+def test_a_prefill_that_fails_after_its_prestart_leaves_no_walk(routing, monkeypatch):
+    # The prestarted walk is running (held) when the dispatch raises: the prefill's failure path
+    # stops it, and the engine's next prefill is right.
+    skew, params, logits_hash, kv_hash = routing
+    sc = StreamConfig(routed=False, ring=16, stream_floor=CHUNK, **SLOW)
+    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
+        eng.prefill(TOKENS)
+        threads = _threads()
+        real_jit = eng._jit
+
+        def failing_jit(*a, **k):
+            assert eng.streamer.walk_active() and eng.streamer.hold() == 16
+            raise RuntimeError("dispatch failed")
+
+        eng._jit = failing_jit
+        with pytest.raises(RuntimeError, match="dispatch failed"):
+            eng.prefill(TOKENS)
+        assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
+        eng._jit = real_jit
+        r = eng.prefill(TOKENS)
+        assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
+        assert _threads() == threads
+
+
+def test_prestart_refuses_a_bad_engine_state():
+    params = init_synthetic(CFG, seed=3)
+    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
+                 chunk_size=CHUNK)
+    eng.streamer.cancel()
+    with pytest.raises(RuntimeError, match="prestart: begin_chunk: the prefill was cancelled"):
+        eng.streamer.prestart(CHUNK)
+    assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
+    eng.streamer.cancel(False)
+    eng.close()
+    with pytest.raises(RuntimeError, match="prestart: no engine"):
+        eng.streamer.prestart(CHUNK)
 
 
 def test_interrupt_with_chunks_queued_never_hangs():

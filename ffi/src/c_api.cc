@@ -129,6 +129,18 @@ int strata_engine_abort(int64_t id) {
   return 0;
 }
 
+int strata_engine_prestart(int64_t id, int32_t mode, char* err, int64_t errlen) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return Report("no engine " + std::to_string(id), err, errlen);
+  if (mode != 0 && mode != 1)
+    return Report("prestart: mode " + std::to_string(mode) + " is not 0 or 1", err, errlen);
+  try {
+    return Report(e->Prestart(static_cast<strata::ChunkMode>(mode)), err, errlen);
+  } catch (const std::exception& ex) {
+    return Report(ex.what(), err, errlen);
+  }
+}
+
 int strata_engine_cancel(int64_t id, int32_t on) {
   Engine* e = strata::FindEngine(id);
   if (!e) return 1;
@@ -142,6 +154,11 @@ int strata_engine_cancel(int64_t id, int32_t on) {
 int strata_engine_walk_active(int64_t id) {
   Engine* e = strata::FindEngine(id);
   return e && e->WalkActive() ? 1 : 0;
+}
+
+int64_t strata_engine_hold(int64_t id) {
+  Engine* e = strata::FindEngine(id);
+  return e ? e->hold() : -1;
 }
 
 int strata_engine_inject_fault(int64_t id, int32_t layer, int32_t kind) {

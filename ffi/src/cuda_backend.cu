@@ -535,8 +535,10 @@ class CudaEngine final : public Engine {
     STRATA_ENTER_DEVICE(dev);
     timed_ = false;
     copy_started_ = false;
+    // A Prestart has no XLA stream yet: its chunk is timed from the copy
+    // stream, before the first copy.
     STRATA_CUDA_RETURN("chunk timing start", cudaEventRecord, t_begin_,
-                       static_cast<cudaStream_t>(stream));
+                       stream ? static_cast<cudaStream_t>(stream) : copy_stream_);
     return {};
   }
 

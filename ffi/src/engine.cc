@@ -94,9 +94,11 @@ Status Engine::CheckStores() const {
 void Engine::JoinIssuer() { issuer_.Wait(); }
 
 void Engine::Abort() {
+  prestarted_.store(false, std::memory_order_release);
   state_.RequestStop();
   BackendAbort();
   JoinIssuer();
+  hold_.store(0, std::memory_order_release);
   in_chunk_ = false;
 }
 
@@ -113,7 +115,28 @@ double HostNow() {
 }
 }  // namespace
 
+Status Engine::Prestart(ChunkMode mode) {
+  prestarted_.store(false, std::memory_order_release);  // a new one replaces it
+  Status s = BeginChunk(mode, nullptr, /*prestart=*/true);
+  if (!s.empty()) return "prestart: " + s;
+  prestarted_.store(true, std::memory_order_release);
+  return {};
+}
+
 Status Engine::Begin(ChunkMode mode, void* stream) {
+  // The program of the chunk the host began (Prestart) adopts its walk, which
+  // runs on without the hold; any other begin starts the chunk afresh.
+  const bool adopt = prestarted_.exchange(false, std::memory_order_acq_rel);
+  if (adopt && in_chunk_ && mode == mode_ && !state_.Stopped() &&
+      !cancelled_.load(std::memory_order_acquire)) {
+    hold_.store(0, std::memory_order_release);
+    state_.Notify();
+    return {};
+  }
+  return BeginChunk(mode, stream, /*prestart=*/false);
+}
+
+Status Engine::BeginChunk(ChunkMode mode, void* stream, bool prestart) {
   host_begin_ = HostNow();
   if (cancelled_.load(std::memory_order_acquire))
     return "begin_chunk: the prefill was cancelled (it raised in the caller); this "
@@ -136,6 +159,7 @@ Status Engine::Begin(ChunkMode mode, void* stream) {
   for (int l = 0; l < opt_.n_layers; ++l)
     stats_[l].streamed = layer_begin_[l + 1] - layer_begin_[l];
   in_chunk_ = true;
+  hold_.store(prestart ? kPrestartHold : 0, std::memory_order_release);
   if (mode == ChunkMode::kStream && !stream_.empty()) {
     if (opt_.routed && opt_.trace && !depth_line_printed_.exchange(true))
       std::fprintf(stderr,

@@ -97,6 +97,16 @@ class Engine {
   // The chunk protocol, from the FFI handlers. `stream` is the platform
   // stream (cudaStream_t) or null on the CPU.
   Status Begin(ChunkMode mode, void* stream);
+  // From the host, just before a prefill dispatches its first chunk, with no
+  // chunk of this engine queued: runs that chunk's begin now, so the issuer
+  // and the link start while the host is still launching the program (about
+  // 1.5 ms before its begin_chunk on the H200). Until the program's own
+  // begin_chunk adopts the walk (same mode), the walk holds itself to
+  // kPrestartHold entries ahead of the copies landed: a copy that another
+  // stream queues meanwhile (the chunk's token ids, by PjRt) waits behind a
+  // few copies, not a ring of them (44 ms on the H200 without the hold). A
+  // begin_chunk of another mode, and Abort, drop it.
+  Status Prestart(ChunkMode mode);
   Status Publish(int layer, const void* counts, void* stream);
   // `out` and `out_bytes`: the three planes (gate, up, down), [E, part] each.
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
@@ -123,6 +133,9 @@ class Engine {
     fault_.store(static_cast<int32_t>(fault));
   }
   bool WalkActive() const { return issuer_.busy(); }
+  // The walk's hold: kPrestartHold from a Prestart until its program adopts
+  // it, else 0.
+  int64_t hold() const { return hold_.load(std::memory_order_acquire); }
   const std::vector<LayerStats>& last_stats() const { return last_stats_; }
   int64_t chunks() const { return chunks_; }
   // Device timing of the last finished chunk, where the backend keeps it:
@@ -203,8 +216,17 @@ class Engine {
     cfg.depth = depth_;
     cfg.routed = opt_.routed != 0;
     cfg.poll = poll;
+    cfg.hold = &hold_;
     return cfg;
   }
+  // Entries a prestarted walk may run ahead of its landed copies before the
+  // program adopts it: two of the CUDA link's longest runs, so the link stays
+  // busy (one run lands while the next is queued) and another stream's copy
+  // waits behind at most about 150 MB (2.7 ms at 55 GB/s) for Qwen3-30B.
+  static constexpr int64_t kPrestartHold = 16;
+  // Begin's work for a program (`prestart` false) or for Prestart (true: the
+  // walk starts held, and `stream` is null).
+  Status BeginChunk(ChunkMode mode, void* stream, bool prestart);
   // Both backends' Prepare: every layer that streams experts has a store.
   Status CheckStores() const;
   void JoinIssuer();
@@ -232,6 +254,8 @@ class Engine {
   double host_begin_ = 0.0, host_end_ = 0.0;
   std::atomic<int32_t> fault_{0};
   std::atomic<bool> cancelled_{false};
+  std::atomic<bool> prestarted_{false};  // a Prestart not yet adopted
+  std::atomic<int64_t> hold_{0};         // the walk's hold (WalkConfig::hold)
   int fault_layer_ = -1;
   static std::atomic<bool> depth_line_printed_;
 };

@@ -14,6 +14,8 @@
 //   - no copy is issued past the ring nor writes a slot still being read;
 //   - issued covers every entry;
 //   - with the switch off nothing is skipped.
+// Besides: bad input, a stop mid-walk, a link that publishes the gate itself,
+// the hold of a chunk begun from the host, and the issuer's worker thread.
 // Exit status 0 when every check held; the first failures are printed.
 #include <atomic>
 #include <chrono>
@@ -615,6 +617,110 @@ void TestPollGate() {
   }
 }
 
+// The hold of a chunk begun from the host (WalkConfig::hold): while it is set
+// the walk runs at most `hold` entries ahead of the copies that landed, runs
+// included, in both switch positions; a skipped entry counts as landed;
+// lifting it (0, then a notify) lets the walk run to the end; a stop ends a
+// held walk at once.
+void TestHold() {
+  const int L = 3, E = 16, H = 5;
+  std::vector<StreamEntry> entries;
+  for (int l = 0; l < L; ++l)
+    for (int e = 0; e < E; ++e) entries.push_back({l, e, false});
+  const int64_t n = static_cast<int64_t>(entries.size());
+  struct HoldLink {
+    std::atomic<int64_t> landed{0};  // entries < landed have landed
+    std::atomic<int64_t> issued_copies{0};
+    std::atomic<int64_t> worst_ahead{0};  // max over issues of (last entry + 1 - landed)
+    void Note(int64_t last) {
+      const int64_t ahead = last + 1 - landed.load();
+      int64_t w = worst_ahead.load();
+      while (ahead > w && !worst_ahead.compare_exchange_weak(w, ahead)) {}
+    }
+    void IssueCopy(int64_t k, int64_t, const StreamEntry&) {
+      ++issued_copies;
+      Note(k);
+    }
+    void IssueRun(int64_t k, int64_t run, int64_t) {
+      ++issued_copies;
+      Note(k + run - 1);
+    }
+    bool CopyLanded(int64_t k) { return k < landed.load(); }
+  };
+  auto wait_issued = [](WalkState& st, int64_t want) {
+    for (int i = 0; i < 2000 && st.issued.load() < want; ++i)
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    // Long enough for a walk that would run past `want` to have done so.
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return st.issued.load();
+  };
+  for (bool routed : {false, true}) {
+    RouteGate gate(L, E);
+    WalkState st;
+    st.Reset(n);
+    std::atomic<int64_t> hold{H};
+    WalkConfig cfg;
+    cfg.ring = n;
+    cfg.depth = 64;
+    cfg.routed = routed;
+    cfg.max_run = 4;
+    cfg.poll = std::chrono::microseconds(50);
+    cfg.hold = &hold;
+    HoldLink link;
+    WalkResult res;
+    std::thread walk([&] { res = strata::IssueWalk(entries, cfg, gate, st, link); });
+    CHECK(wait_issued(st, H) == H, "hold, routed=%d: %lld issued, want %d",
+          routed, (long long)st.issued.load(), H);
+    link.landed = 3;  // entries 0..2 landed: the walk may reach entry 7
+    CHECK(wait_issued(st, 3 + H) == 3 + H, "hold, routed=%d: %lld issued after "
+          "3 landed, want %d", routed, (long long)st.issued.load(), 3 + H);
+    CHECK(link.worst_ahead.load() <= H, "hold, routed=%d: %lld entries ahead of "
+          "the landed ones, hold %d", routed, (long long)link.worst_ahead.load(), H);
+    if (routed) {
+      // Layer 0 published with only expert 0 routed: what is left of it is
+      // skipped and counts as landed for the hold.
+      std::vector<int32_t> counts(E, 0);
+      counts[0] = 1;
+      gate.Publish(0, counts.data());
+      st.Notify();
+      // Entries 8..15 skipped: the walk reaches entry E + H - 1, whose entry
+      // H back is layer 1's first copy, not landed.
+      CHECK(wait_issued(st, E + H) == E + H, "hold, routed: %lld issued after "
+            "the skips, want %d", (long long)st.issued.load(), E + H);
+    }
+    hold.store(0);  // adopted
+    st.Notify();
+    link.landed = n;
+    walk.join();
+    CHECK(!res.stopped && res.copied + res.skipped == n,
+          "hold, routed=%d: walk ended at %lld of %lld (stopped %d)", routed,
+          (long long)(res.copied + res.skipped), (long long)n, res.stopped);
+    // Routed: layer 0's experts past the first 3 + H issued before its row.
+    CHECK(routed ? res.skipped == E - (3 + H) : res.skipped == 0,
+          "hold, routed=%d: %lld skipped", routed, (long long)res.skipped);
+  }
+  // A stop ends a held walk.
+  RouteGate gate(L, E);
+  WalkState st;
+  st.Reset(n);
+  std::atomic<int64_t> hold{H};
+  WalkConfig cfg;
+  cfg.ring = n;
+  cfg.hold = &hold;
+  cfg.poll = std::chrono::microseconds(50);
+  HoldLink link;
+  WalkResult res;
+  std::thread walk([&] { res = strata::IssueWalk(entries, cfg, gate, st, link); });
+  wait_issued(st, H);
+  const auto t0 = std::chrono::steady_clock::now();
+  st.RequestStop();
+  walk.join();
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - t0).count();
+  CHECK(res.stopped && ms < 100, "hold: a stop took %.1f ms (stopped %d)", ms,
+        res.stopped);
+}
+
 }  // namespace
 
 // The issuer's thread: one thread for every job, jobs in turn, Wait() returns
@@ -673,6 +779,7 @@ int main(int argc, char** argv) {
   TestFixed();
   TestStop();
   TestPollGate();
+  TestHold();
   TestWorker();
   std::mt19937_64 rng(seed);
   for (int i = 0; i < n_random; ++i) RunChunk(RandomChunk(rng, i));

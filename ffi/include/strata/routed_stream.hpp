@@ -15,7 +15,11 @@
 //      Re-checked while waiting in 1 and 2.
 //   4. Otherwise copy it into slot k % ring.
 //   5. issued = k + 1 (release) whether copied or skipped; wake waiters.
-// Every wait honours the stop flag.
+// Every wait honours the stop flag. One more wait, outside the rules and in
+// both switch positions, only while the engine sets a hold (a chunk begun from
+// the host before its program runs, DESIGN.md "Prestart"): at most `hold`
+// entries ahead of the copies that have landed, so another stream's small
+// copy queued meanwhile waits behind a few copies, not a ring of them.
 #pragma once
 
 #include <algorithm>
@@ -211,6 +215,10 @@ struct WalkConfig {
   std::chrono::microseconds poll{20};  // how often unnotified conditions are re-read
   // Longest run of entries queued as one copy (links with IssueRun only).
   int max_run = 1;
+  // While *hold > 0: entry k waits until k < hold or entry k - hold's copy
+  // landed (a skipped entry counts as landed). The engine stores 0 and
+  // notifies the walk state to lift it. Null: never held.
+  const std::atomic<int64_t>* hold = nullptr;
 };
 
 // Whether a link can queue a run of adjacent entries as one copy:
@@ -277,6 +285,12 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
       if (!cfg.routed || res.copied < depth) return true;
       return link.CopyLanded(copy_entry[res.copied % depth]);
     };
+    auto hold_ok = [&](int64_t j) {
+      if (!cfg.hold) return true;
+      const int64_t h = cfg.hold->load(std::memory_order_acquire);
+      if (h <= 0 || j < h) return true;
+      return st.state[j - h] != EntryState::kCopied || link.CopyLanded(j - h);
+    };
 
     bool skip = skippable();
     if (!skip) {
@@ -286,7 +300,7 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
               skip = true;
               return true;
             }
-            return ring_ok() && depth_ok();
+            return ring_ok() && depth_ok() && hold_ok(k);
           },
           cfg.poll);
       if (!ok) {
@@ -317,6 +331,7 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
         if (f.staged || f.layer != e.layer || f.expert != entries[j - 1].expert + 1)
           break;
         if (j >= st.consumed.load(std::memory_order_acquire) + cfg.ring) break;
+        if (!hold_ok(j)) break;
         if (cfg.routed) {
           if (gate.Published(f.layer) && !gate.Routed(f.layer, f.expert)) break;
           // Copy number c needs copy c - depth landed; run < depth keeps that
