@@ -225,7 +225,7 @@ def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(
     # delay put between the two shows which begin the chunk kept: the adopted one is timed from
     # before the delay. Never before a program's first run (the walk would wait through the
     # compile), never for a later chunk (one is queued) or a chunk below the floor (no walk).
-    skew, params, logits_hash, kv_hash = routing
+    _, params, logits_hash, kv_hash = routing
     sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         real = eng.streamer.prestart
@@ -260,7 +260,7 @@ def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(
 
 
 def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
-    skew, params, logits_hash, kv_hash = routing
+    _, params, logits_hash, kv_hash = routing
     sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         eng.streamer.prestart(CHUNK)  # a streamed chunk: the walk starts, held
@@ -273,8 +273,8 @@ def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
         # A routed-only prestart, then the program of a streamed chunk: its begin_chunk drops
         # the prestart and begins its own chunk, unheld.
         eng.streamer.prestart(CHUNK // 2)
-        logits, cache, info = eng._dispatch(TOKENS[:CHUNK], CHUNK, None, 0,
-                                            mode=eng.streamer.chunk_mode(CHUNK), sub=0)
+        _, _, info = eng._dispatch(TOKENS[:CHUNK], CHUNK, None, 0,
+                                   mode=eng.streamer.chunk_mode(CHUNK), sub=0)
         st, counts = eng._split_info(info)
         stats = eng.streamer.make_stats(CHUNK, st, counts)
         assert stats.mode == "stream" and eng.streamer.hold() == 0
@@ -287,22 +287,23 @@ def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
 def test_a_prefill_that_fails_after_its_prestart_leaves_no_walk(routing, monkeypatch):
     # The prestarted walk is running (held) when the dispatch raises: the prefill's failure path
     # stops it, and the engine's next prefill is right.
-    skew, params, logits_hash, kv_hash = routing
+    _, params, logits_hash, kv_hash = routing
     sc = StreamConfig(routed=False, ring=16, stream_floor=CHUNK, **SLOW)
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         eng.prefill(TOKENS)
         threads = _threads()
-        real_jit = eng._jit
+        held = []
 
         def failing_jit(*a, **k):
-            assert eng.streamer.walk_active() and eng.streamer.hold() == 16
+            held.append((eng.streamer.walk_active(), eng.streamer.hold()))
             raise RuntimeError("dispatch failed")
 
-        eng._jit = failing_jit
+        monkeypatch.setattr(eng, "_jit", failing_jit)
         with pytest.raises(RuntimeError, match="dispatch failed"):
             eng.prefill(TOKENS)
+        assert held == [(True, 16)]  # the prestarted walk ran, held, when the dispatch failed
         assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
-        eng._jit = real_jit
+        monkeypatch.undo()
         r = eng.prefill(TOKENS)
         assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
         assert _threads() == threads
