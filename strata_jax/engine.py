@@ -42,6 +42,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import threading
 import time
 import warnings
 from typing import Callable, Mapping
@@ -294,6 +295,9 @@ class Engine:
             raise ValueError(f"sub_chunk={sub_chunk}: must be at least 1 (or None: chunk_size)")
         if layer_major_limit_bytes is not None and layer_major_limit_bytes < 0:
             raise ValueError(f"layer_major_limit_bytes={layer_major_limit_bytes}: must be >= 0")
+        if self.info_memory not in ("pinned_host", "device"):
+            raise ValueError(f"Engine.info_memory={self.info_memory!r}: expected 'pinned_host' "
+                             "or 'device'")
         self.config = config
         self.max_context = int(max_context)
         self.chunk_size = int(chunk_size)
@@ -355,7 +359,12 @@ class Engine:
         self._info_sharding = _info_sharding(self.device, self.info_memory)
         self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"),
                             out_shardings=(on_device, on_device, self._info_sharding))
-        self._launched: set = set()  # (bucket, first, mode, sub) of programs run once
+        # (bucket, first, mode, sub) of the programs run once: with the engine's fixed state,
+        # resident blobs and shardings they are what jit keys its compiled programs on. A
+        # prestart before an uncompiled program would only hold its walk through the compile.
+        self._launched: set = set()
+        self._prefill_lock = threading.Lock()
+        self._prefill_thread: int | None = None
         self._profile = ExpertProfile.empty(config)
 
     # -- the compiled call ----------------------------------------------------------------------
@@ -411,7 +420,7 @@ class Engine:
 
         prestart: no chunk of the stream is queued (a prefill's first chunk). A streamed chunk
         whose program has run before then begins from the host (StreamEngine.prestart): its walk
-        and the link start about 1.5 ms before the program's begin_chunk would start them on
+        and the link start about 1.4 ms before the program's begin_chunk would start them on
         the H200. Not before a program's first run: the walk would wait through its compile.
         """
         ids = np.zeros(bucket + 2, np.int32)
@@ -539,7 +548,25 @@ class Engine:
             ValueError: bad token ids, an empty prompt, a prompt past the maximum context, a
                 session from another engine or model, or an unknown order.
             LayerMajorMemoryError: order "layer-major!" and its memory estimate does not fit.
+            RuntimeError: called from inside this engine's own prefill (its `progress`).
+
+        An engine reads one prompt at a time: a prefill called from another thread meanwhile
+        waits for this one to end (the stream's chunk protocol runs in one order, and a
+        prefill's first chunk is begun from the host).
         """
+        if self._prefill_thread == threading.get_ident():
+            raise RuntimeError(
+                "Engine.prefill called from inside a prefill of the same engine (from its "
+                "progress callback?); the engine reads one prompt at a time. Prefill after "
+                "this call returns, or with another Engine.")
+        with self._prefill_lock:
+            self._prefill_thread = threading.get_ident()
+            try:
+                return self._prefill(tokens, session, order, progress, sync_chunks)
+            finally:
+                self._prefill_thread = None
+
+    def _prefill(self, tokens, session, order, progress, sync_chunks) -> PrefillResult:
         order = self.order if order is None else order
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
@@ -681,10 +708,8 @@ def _settle(arrays) -> None:
 
 
 def _info_sharding(device: jax.Device, kind: str) -> jax.sharding.Sharding:
-    """The compiled call's `info` placement: `kind` ("pinned_host" or "device") where the
-    device has it, else the device's default memory."""
-    if kind not in ("pinned_host", "device"):
-        raise ValueError(f"Engine.info_memory={kind!r}: expected 'pinned_host' or 'device'")
+    """The compiled call's `info` placement: `kind` ("pinned_host" or "device", checked by the
+    Engine) where the device has it, else the device's default memory."""
     if kind == "pinned_host":
         try:
             kinds = {m.kind for m in device.addressable_memories()}

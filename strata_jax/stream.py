@@ -630,7 +630,8 @@ class StreamEngine:
         kPrestartHold, 16 entries) ahead of those landed, so a copy another stream queues
         meanwhile (the chunk's token ids) is not stuck behind a ring of them. Only with no chunk
         of this engine queued (a prefill's first chunk); an abort, or a begin_chunk of another
-        mode, drops it."""
+        mode, drops it. A prestart no program adopts keeps its walk (and the engine's chunk)
+        open until `abort`; `Engine.prefill` always ends one."""
         err = ctypes.create_string_buffer(1024)
         rc = native.lib().strata_engine_prestart(self.id, self.chunk_mode(n_tokens), err,
                                                  len(err))
@@ -660,8 +661,10 @@ class StreamEngine:
         Returns (chunk, copy, lead, tail): begin_chunk to end_chunk on XLA's stream; the
         start of the chunk's first ring copy to the end of its last on the copy stream;
         begin to the first copy's start; the last copy's end to end_chunk (the last three
-        are 0 when nothing was copied). None on the CPU backend or before the chunk's
-        device work has finished.
+        are 0 when nothing was copied). A prestarted chunk (`prestart`) begins on the copy
+        stream when the host began it, before its first copy: its chunk time covers the
+        host's launch of the program too, and its lead is next to nothing. None on the CPU
+        backend or before the chunk's device work has finished.
         """
         out = (ctypes.c_double * 4)()
         err = ctypes.create_string_buffer(256)
@@ -670,8 +673,9 @@ class StreamEngine:
         return tuple(float(x) for x in out)
 
     def host_times(self) -> tuple[float, float]:
-        """Host clock (time.monotonic seconds) at which the last chunk's begin_chunk and
-        end_chunk handlers ran; with the call's own monotonic times they split a prefill's wall
+        """Host clock (time.monotonic seconds) at which the last chunk began (its begin_chunk
+        handler ran, or the host prestarted the chunk its program adopted) and at which its
+        end_chunk handler ran; with the call's own monotonic times they split a prefill's wall
         time into host time before the device chunk, the chunk, and host time after it."""
         out = (ctypes.c_double * 2)()
         native.lib().strata_engine_host_times(self.id, out)

@@ -113,6 +113,20 @@ def test_schedule_repeats_order_and_pairs_stay_in_their_block():
         stream_bench.main(["--tiny", "--blocks", "0"])
 
 
+def test_dispatch_probe_runs_and_checks_its_results(tmp_path):
+    from strata_jax.benchmarks import dispatch_probe
+
+    out = tmp_path / "probe.json"
+    assert dispatch_probe.main(["--args", "4", "--ids", "64", "--reps", "3",
+                                "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (res["args"], res["ids"], res["reps"]) == (4, 64, 3)
+    assert {"numpy", "device_put"} <= set(res["ways"])  # pinned_host where the device has it
+    for way in res["ways"].values():
+        assert 0 < way["dispatch_ms"] <= way["ready_ms"] + 1e-9
+        assert way["ready_p10_ms"] <= way["ready_p90_ms"]
+
+
 def test_bootstrap_interval():
     lo, hi = stream_bench.bootstrap_ci([1.0, 1.0, 1.0, 1.0])
     assert lo == hi == 1.0

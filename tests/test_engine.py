@@ -250,6 +250,43 @@ def test_progress_is_called_after_each_chunk(f32_engine):
     assert calls == [(70, 70)]
 
 
+def test_one_prompt_at_a_time(bf16_params):
+    # Prefills of one engine from several threads run one after another, each right; a prefill
+    # from inside the engine's own prefill (its progress callback) is refused, not deadlocked,
+    # and leaves the engine usable.
+    import threading
+
+    sc = StreamConfig(routed=True, stream_floor=32, **SLOW)
+    prompts = [_tokens(70, seed=s, config=BF16) for s in range(4)]
+    with Engine(BF16, bf16_params, sc, max_context=128, chunk_size=32) as eng:
+        want = [(sha256_of(r.logits), r.kv_sha256()) for r in map(eng.prefill, prompts)]
+        got, errors = [None] * 4, []
+
+        def read(i):
+            try:
+                r = eng.prefill(prompts[i], sync_chunks=False)
+                got[i] = (sha256_of(r.logits), r.kv_sha256())
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert got == want
+
+        def reenter(done, total):
+            eng.prefill(prompts[0])
+
+        with pytest.raises(RuntimeError, match="inside a prefill of the same engine"):
+            eng.prefill(prompts[1], progress=reenter)
+        r = eng.prefill(prompts[2])
+        assert (sha256_of(r.logits), r.kv_sha256()) == want[2]
+        assert not eng.streamer.walk_active()
+
+
 # ---- the device ---------------------------------------------------------------------------------
 
 

@@ -133,6 +133,9 @@ Status Engine::Begin(ChunkMode mode, void* stream) {
     state_.Notify();
     return {};
   }
+  if (adopt && walk_failed_ && opt_.trace)
+    std::fprintf(stderr, "strata: the prestarted walk failed (%s); the chunk begins afresh\n",
+                 walk_error_.c_str());
   return BeginChunk(mode, stream, /*prestart=*/false);
 }
 
@@ -159,8 +162,9 @@ Status Engine::BeginChunk(ChunkMode mode, void* stream, bool prestart) {
   for (int l = 0; l < opt_.n_layers; ++l)
     stats_[l].streamed = layer_begin_[l + 1] - layer_begin_[l];
   in_chunk_ = true;
-  hold_.store(prestart ? kPrestartHold : 0, std::memory_order_release);
-  if (mode == ChunkMode::kStream && !stream_.empty()) {
+  const bool walk = mode == ChunkMode::kStream && !stream_.empty();
+  hold_.store(prestart && walk ? kPrestartHold : 0, std::memory_order_release);
+  if (walk) {
     if (opt_.routed && opt_.trace && !depth_line_printed_.exchange(true))
       std::fprintf(stderr,
                    "strata: routed stream on: depth %d (requested %d), ring "

@@ -100,7 +100,7 @@ class Engine {
   // From the host, just before a prefill dispatches its first chunk, with no
   // chunk of this engine queued: runs that chunk's begin now, so the issuer
   // and the link start while the host is still launching the program (about
-  // 1.5 ms before its begin_chunk on the H200). Until the program's own
+  // 1.4 ms before its begin_chunk on the H200). Until the program's own
   // begin_chunk adopts the walk (same mode), the walk holds itself to
   // kPrestartHold entries ahead of the copies landed: a copy that another
   // stream queues meanwhile (the chunk's token ids, by PjRt) waits behind a
@@ -139,10 +139,11 @@ class Engine {
   const std::vector<LayerStats>& last_stats() const { return last_stats_; }
   int64_t chunks() const { return chunks_; }
   // Device timing of the last finished chunk, where the backend keeps it:
-  // out[0] = begin to end on the compute stream, out[1] = first copy start to
-  // last copy end on the copy stream, out[2] = begin to the first copy's
-  // start, out[3] = the last copy's end to end (1..3 are 0 when nothing was
-  // copied), in ms.
+  // out[0] = begin to end on the compute stream (a prestarted chunk's begin
+  // is recorded on the copy stream, at the Prestart), out[1] = first copy
+  // start to last copy end on the copy stream, out[2] = begin to the first
+  // copy's start, out[3] = the last copy's end to end (1..3 are 0 when
+  // nothing was copied), in ms.
   // Returns an error when unavailable (CPU backend, or the chunk's device
   // work has not finished).
   virtual Status Timing(double* out) const {
@@ -150,7 +151,8 @@ class Engine {
     return "device timing is kept by the CUDA backend only";
   }
   // Host steady-clock seconds (CLOCK_MONOTONIC, Python's time.monotonic) at
-  // which the last chunk's begin_chunk and end_chunk handlers ran.
+  // which the last chunk began (its begin_chunk handler, or the Prestart its
+  // program adopted) and its end_chunk handler ran.
   void HostTimes(double* out) const {
     out[0] = host_begin_;
     out[1] = host_end_;

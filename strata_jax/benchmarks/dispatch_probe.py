@@ -60,14 +60,12 @@ def main(argv=None) -> int:
         ways["pinned_host"] = lambda ids: host(state, jax.device_put(ids, pinned))
     out = {"machine": str(dev.device_kind), "jax": jax.__version__, "args": args.args,
            "ids": args.ids, "reps": args.reps, "ways": {}}
-    want = None
     for name, fn in ways.items():
         ids = rng.integers(0, 1000, args.ids).astype(np.int32)
         got = float(fn(ids))  # compile, and check the result
         ref = float(sum(range(args.args)) + ids.astype(np.float64).sum())
         if abs(got - ref) > 1e-3 * abs(ref):
             raise SystemExit(f"{name}: result {got} != {ref}")
-        want = want or ref
         disp, ready = [], []
         for _ in range(args.reps):
             ids = rng.integers(0, 1000, args.ids).astype(np.int32)

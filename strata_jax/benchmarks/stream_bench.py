@@ -36,6 +36,7 @@ parts (the rows' ceiling) and again after them (`link_pinned_gbps_end`, to show 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -147,11 +148,18 @@ def add_model_args(ap) -> None:
                          "'device' is the path before pinned_host, for comparison")
 
 
-def apply_model_args(args) -> None:
-    """Sets what add_model_args' options change beyond the model (Engine.info_memory)."""
+@contextlib.contextmanager
+def applied_model_args(args):
+    """Within: what add_model_args' options change beyond the model (Engine.info_memory), put
+    back as it was on the way out."""
     from strata_jax.engine import Engine
 
+    before = Engine.info_memory
     Engine.info_memory = args.info_memory
+    try:
+        yield
+    finally:
+        Engine.info_memory = before
 
 
 def add_stream_args(ap) -> None:
@@ -308,17 +316,18 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
     nbytes = cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers)
     for n in lengths:
         base.prefill(prompts[n][-1])  # compile
-        times, same = [], True
+        times, same = [], []
         for i in range(len(prompts[n]) // 2):  # as many as each engine arm's repetitions
             ms, logits, cache = base.prefill(prompts[n][i])
             times.append(ms)
-            same &= (sha256_of(logits), sha256_of(cache)) == hashes[(n, i)]
+            same.append((sha256_of(logits), sha256_of(cache)) == hashes[(n, i)])
         ms = statistics.median(times)
         floor = max(resident_ms[n], nbytes / (link * 1e9) * 1e3)
         row = {"part": "sweep", "arm": "jax-pinned-host", "tokens": n, "ms": ms,
                "bytes_copied": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9,
                "link_fraction": nbytes / (ms * 1e-3) / 1e9 / link, "floor_ms": floor,
-               "time_over_floor": ms / floor, "identical_to_resident": bool(same)}
+               "time_over_floor": ms / floor, "identical_to_resident": all(same),
+               "identical_each": same}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     del base
@@ -601,53 +610,53 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.blocks < 1:
         ap.error(f"--blocks {args.blocks}: must be at least 1")
-    apply_model_args(args)
+    with applied_model_args(args):
 
-    import jax
+        import jax
 
-    from strata_jax import native
+        from strata_jax import native
 
-    parts = args.parts.split(",")
-    unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor"}
-    if unknown:
-        ap.error(f"unknown parts {sorted(unknown)}")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    longest = max(lengths + [args.turn1 + args.turn2, args.long])
-    cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny)
-    gpu = jax.devices()[0].platform == "gpu"
-    if gpu:
-        link = native.measure_h2d(256 * 2**20, 10)
-        pageable = native.measure_h2d(256 * 2**20, 5, pinned=False)
-    else:
-        link, pageable = 2.0, float("nan")  # the CPU backend's default simulated link, GB/s
-    print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
-    t0 = time.perf_counter()
-    params = fast_params(cfg, 0, args.skew)
-    print(f"params in {time.perf_counter() - t0:.1f}s; experts "
-          f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
-    result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-              "preset": args.preset, "layers": args.layers, "skew": args.skew, "blocks": args.blocks,
-              "depth": args.depth, "publish": args.publish, "info_memory": args.info_memory,
-              "link_pinned_gbps": link,
-              "link_pageable_gbps": pageable,
-              "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
-              "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
-    def save():  # after each part: keep what finished if a later part runs out of time
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        parts = args.parts.split(",")
+        unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor"}
+        if unknown:
+            ap.error(f"unknown parts {sorted(unknown)}")
+        lengths = [int(x) for x in args.lengths.split(",")]
+        longest = max(lengths + [args.turn1 + args.turn2, args.long])
+        cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny)
+        gpu = jax.devices()[0].platform == "gpu"
+        if gpu:
+            link = native.measure_h2d(256 * 2**20, 10)
+            pageable = native.measure_h2d(256 * 2**20, 5, pinned=False)
+        else:
+            link, pageable = 2.0, float("nan")  # the CPU backend's default simulated link, GB/s
+        print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
+        t0 = time.perf_counter()
+        params = fast_params(cfg, 0, args.skew)
+        print(f"params in {time.perf_counter() - t0:.1f}s; experts "
+              f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
+        result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                  "preset": args.preset, "layers": args.layers, "skew": args.skew,
+                  "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
+                  "info_memory": args.info_memory, "link_pinned_gbps": link,
+                  "link_pageable_gbps": pageable,
+                  "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
+                  "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
+        def save():  # after each part: keep what finished if a later part runs out of time
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=1)
 
-    for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
-                     ("publication", publication), ("floor", floor_part)):
-        if part in parts:
-            fn(args, cfg, params, link, result)
+        for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
+                         ("publication", publication), ("floor", floor_part)):
+            if part in parts:
+                fn(args, cfg, params, link, result)
+                save()
+        if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
+            result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
+            print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
             save()
-    if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
-        result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
-        print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
-        save()
-    print(f"identity across arms: {result.get('identical', True)}")
-    return 0 if result.get("identical", True) else 1
+        print(f"identity across arms: {result.get('identical', True)}")
+        return 0 if result.get("identical", True) else 1
 
 
 if __name__ == "__main__":
