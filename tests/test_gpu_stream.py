@@ -127,6 +127,42 @@ def test_cuda_info_in_pinned_host_memory(setup, monkeypatch):
     assert got["pinned_host"] == got["device"]
 
 
+@pytest.mark.parametrize("routed", [False, True])
+def test_cuda_prestart_is_adopted(setup, routed):
+    # A compiled prefill's first streamed chunk begins from the host, held, and its program
+    # adopts the walk (the chunk is timed from the prestart, before the delay put after it) and
+    # lifts the hold; the bits stay the resident arm's.
+    import time
+
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+    sc = StreamConfig(routed=routed, stream_floor=CHUNK, backend="cuda")
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        eng.prefill(tokens)  # compiles every program the next prefill runs
+        real = eng.streamer.prestart
+        done, holds = [], []
+
+        def slow_prestart(n):
+            real(n)
+            done.append(time.monotonic())
+            holds.append(eng.streamer.hold())
+            time.sleep(0.2)
+
+        eng.streamer.prestart = slow_prestart
+        t0 = time.monotonic()
+        r = eng.prefill(tokens[:CHUNK])
+        begin, _ = eng.streamer.host_times()
+        assert holds == [16] and t0 <= begin <= done[0], "prestart not adopted"
+        assert eng.streamer.hold() == 0 and not eng.streamer.walk_active()
+        timing = eng.streamer.device_timing()
+        assert timing is not None and timing[0] >= 200.0  # begun before the 0.2 s delay
+        r = eng.prefill(tokens, sync_chunks=False)
+        assert len(done) == 2  # only the first of its chunks
+        assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
+
+
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_cuda_failure_mid_chunk(setup, fault):
     from strata_jax.engine import Engine, sha256_of
