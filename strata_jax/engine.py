@@ -352,10 +352,9 @@ class Engine:
         self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
         # One dispatch for a new session's cache instead of one per array (new_cache); a
         # prefill's first chunk makes its zeros inside its own program instead.
-        self._zero_cache = jax.jit(self._zeros,
-                                   out_shardings=jax.sharding.SingleDeviceSharding(self.device))
-        self.compilations = 0
         on_device = jax.sharding.SingleDeviceSharding(self.device)
+        self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
+        self.compilations = 0
         self._info_sharding = _info_sharding(self.device, self.info_memory)
         self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"),
                             out_shardings=(on_device, on_device, self._info_sharding))

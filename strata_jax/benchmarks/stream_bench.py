@@ -48,6 +48,7 @@ import numpy as np
 ORDER = ("stream-all", "routed", "routed", "stream-all", "routed", "stream-all", "stream-all",
          "routed")
 PAIRS = ((1, 0), (2, 3), (4, 5), (7, 6))  # (ON, OFF) positions, 0-based
+SAME_ARM = ((0, 3), (1, 2), (4, 7), (5, 6))  # two slots of one arm side by side
 
 
 def schedule(blocks: int) -> tuple[str, ...]:
@@ -57,9 +58,9 @@ def schedule(blocks: int) -> tuple[str, ...]:
     return ORDER * blocks
 
 
-def _pairs(n_slots: int) -> list[tuple[int, int]]:
-    """PAIRS in every block of ORDER among `n_slots` slots."""
-    return [(b + on, b + off) for b in range(0, n_slots, len(ORDER)) for on, off in PAIRS]
+def _pairs(n_slots: int, within=PAIRS) -> list[tuple[int, int]]:
+    """`within` (PAIRS, or SAME_ARM) in every block of ORDER among `n_slots` slots."""
+    return [(b + x, b + y) for b in range(0, n_slots, len(ORDER)) for x, y in within]
 
 
 def fast_params(config, seed: int, skew: float) -> dict:
@@ -394,9 +395,7 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
             print(json.dumps(row), flush=True)
         ratios, median, ci = _pair_ratios([m[1] for m in meas])
         # Two slots of the same arm side by side in each block: how far one arm moves alone.
-        spread = [abs(meas[b + x][1] / meas[b + y][1] - 1)
-                  for b in range(0, len(meas), len(ORDER))
-                  for x, y in ((0, 3), (1, 2), (4, 7), (5, 6))]
+        spread = [abs(meas[x][1] / meas[y][1] - 1) for x, y in _pairs(len(meas), SAME_ARM)]
         pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
                 "median": median, "ci95": ci,
                 "same_arm_spread": statistics.median(spread)}
