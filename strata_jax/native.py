@@ -85,6 +85,10 @@ def _declare(lib: ctypes.CDLL) -> None:
             [c.c_int, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int, c.POINTER(c.c_double),
              c.c_char_p, c.c_int64],
         ),
+        "strata_measure_h2d_from": (
+            c.c_int,
+            [c.c_int, p, c.c_int64, c.c_int, c.POINTER(c.c_double), c.c_char_p, c.c_int64],
+        ),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -153,6 +157,27 @@ def measure_h2d(nbytes: int = 256 * 2**20, reps: int = 10, *, pinned: bool = Tru
     rc = lib().strata_measure_h2d(device, int(nbytes), int(block or nbytes), int(reps),
                                      _HOST_MODES[mode], int(bool(events)), ctypes.byref(out),
                                      err, len(err))
+    if rc != 0:
+        raise RuntimeError(f"link probe failed: {err.value.decode(errors='replace')}")
+    return out.value
+
+
+def measure_h2d_from(address: int, nbytes: int, reps: int = 10, *, device: int = 0) -> float:
+    """`measure_h2d` out of pinned host memory the caller owns (an expert store's arena):
+    the median rate in GB/s of `reps` timed copies (after one warm-up) of `nbytes` from
+    `address`, which must stay valid until this returns.
+
+    Raises:
+        RuntimeError: the library has no CUDA, or a CUDA call failed (named).
+        ValueError: a null address, or a non-positive size or count.
+    """
+    if not address or nbytes <= 0 or reps < 1:
+        raise ValueError(f"link probe of {nbytes} bytes at {address:#x}, {reps} repetitions: "
+                         "needs a host address, a positive size and at least one repetition")
+    out = ctypes.c_double(0.0)
+    err = ctypes.create_string_buffer(512)
+    rc = lib().strata_measure_h2d_from(device, address, int(nbytes), int(reps),
+                                       ctypes.byref(out), err, len(err))
     if rc != 0:
         raise RuntimeError(f"link probe failed: {err.value.decode(errors='replace')}")
     return out.value

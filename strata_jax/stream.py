@@ -672,6 +672,30 @@ class StreamEngine:
             return None
         return tuple(float(x) for x in out)
 
+    def measure_link(self, nbytes: int = 256 * 2**20, reps: int = 10) -> float:
+        """The link ceiling out of this engine's own store: the median GB/s of `reps` copies
+        of `nbytes` (the benchmark's 256 MB) from the front of the pinned arena the ring reads,
+        to a scratch device buffer, on a stream of their own (`native.measure_h2d_from`). A
+        fresh probe buffer is other host memory and can read a different peak than these
+        pages give; the benchmarks take the higher of the two.
+
+        Raises:
+            RuntimeError: the store is not in a pinned arena (the simulated link, or pin
+                modes "register" / "none", or an arena that could not be allocated); a walk
+                is running (it would share the link); or a CUDA call failed.
+        """
+        if self._pinned is None:
+            raise RuntimeError(
+                "measure_link reads the store's pinned arena, and this engine has none "
+                f"(backend {self.backend!r}, pin {self.stream.pin!r}); use "
+                "native.measure_h2d for a probe buffer of its own")
+        if self.walk_active():
+            raise RuntimeError("measure_link while a chunk's walk runs: it would share the "
+                               "link with it; call it between prefills")
+        size = len(self.moe_layers) * self.config.n_experts * self.blob_bytes
+        return native.measure_h2d_from(self._pinned, min(int(nbytes), size), reps,
+                                       device=self.stream.device)
+
     def host_times(self) -> tuple[float, float]:
         """Host clock (time.monotonic seconds) at which the last chunk began (its begin_chunk
         handler ran, or the host prestarted the chunk its program adopted) and at which its

@@ -163,6 +163,30 @@ def test_cuda_prestart_is_adopted(setup, routed):
         assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
 
 
+def test_cuda_link_probe_of_the_store(setup):
+    # The ceiling out of the engine's own pinned arena: a real rate near the fresh buffer's (the
+    # same link; the two drift by a few percent), and refused while a walk shares the link.
+    from strata_jax import native
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda")
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        arena = len(cfg.moe_layers) * cfg.n_experts * eng.streamer.blob_bytes
+        fresh = native.measure_h2d(arena, 10)
+        store = eng.streamer.measure_link(64 * 2**30, 10)  # clamped to the arena
+        assert 0.5 * fresh < store < 1.5 * fresh, (store, fresh)
+        eng.streamer.prestart(CHUNK)
+        try:
+            with pytest.raises(RuntimeError, match="while a chunk's walk runs"):
+                eng.streamer.measure_link()
+        finally:
+            eng.streamer.abort()
+        assert not eng.streamer.walk_active()
+        assert eng.streamer.measure_link(2**20, 3) > 0
+
+
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_cuda_failure_mid_chunk(setup, fault):
     from strata_jax.engine import Engine, sha256_of

@@ -333,6 +333,20 @@ def test_prestart_refuses_a_bad_engine_state():
         eng.streamer.prestart(CHUNK)
 
 
+def test_measure_link_refuses_a_store_without_a_pinned_arena():
+    from strata_jax import native
+
+    params = init_synthetic(CFG, seed=3)
+    with Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
+                chunk_size=CHUNK) as eng:
+        with pytest.raises(RuntimeError, match="has none \\(backend 'cpu'.*native.measure_h2d"):
+            eng.streamer.measure_link()
+    with pytest.raises(ValueError, match="needs a host address"):
+        native.measure_h2d_from(0, 2**20)
+    with pytest.raises(ValueError, match="needs a host address"):
+        native.measure_h2d_from(4096, 2**20, reps=0)
+
+
 def test_interrupt_with_chunks_queued_never_hangs():
     # The caller raises (here from `progress`, as Ctrl-C would) after the first chunk is queued
     # and while later ones are queued behind it (sync_chunks=False). The engine used to abort

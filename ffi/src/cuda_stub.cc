@@ -30,6 +30,11 @@ extern "C" int strata_measure_h2d(int, int64_t, int64_t, int, int, int, double*,
   return NoCuda(err, errlen);
 }
 
+extern "C" int strata_measure_h2d_from(int, const void*, int64_t, int, double*, char* err,
+                                          int64_t errlen) {
+  return NoCuda(err, errlen);
+}
+
 extern "C" void* strata_pinned_alloc(int64_t, char* err, int64_t errlen) {
   NoCuda(err, errlen);
   return nullptr;
