@@ -410,8 +410,30 @@ class Engine:
         info = jnp.concatenate([stats.reshape(-1), counts.astype(jnp.int32).reshape(-1)])
         return logits, cache, info
 
+    @staticmethod
+    def _chunk_ids(piece: np.ndarray, bucket: int, start: int) -> np.ndarray:
+        """A chunk's program input: its ids padded to `bucket`, then its start and its length."""
+        ids = np.zeros(bucket + 2, np.int32)
+        ids[:piece.size] = piece
+        ids[-2], ids[-1] = start, piece.size
+        return ids
+
+    def _place_ids(self, ids: list[np.ndarray]) -> list:
+        """Every chunk's ids on the device, landed, before the prompt's first walk begins.
+
+        A host-to-device copy that another stream queues while the walk's copies stream (PjRt's
+        copy of a chunk's ids, made when the call is dispatched) can wait behind them on the
+        H200: at 32K tokens the first chunk's ids landed 44 ms after the call, and the whole
+        program waited for them. Copied here, first, they never meet the walk. The resident
+        engine has no walk: its ids go into the call as numpy."""
+        if self.streamer is None:
+            return ids
+        with jax.transfer_guard_host_to_device("allow"):  # the engine's own copy
+            placed = jax.device_put(ids, self.device)
+        return jax.block_until_ready(placed)
+
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
-                  mode: int, sub: int, prestart: bool = False):
+                  mode: int, sub: int, prestart: bool = False, ids=None):
         """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once).
 
         Its `info` lands in the device's pinned host memory, written by the program itself
@@ -421,18 +443,18 @@ class Engine:
         whose program has run before then begins from the host (StreamEngine.prestart): its walk
         and the link start about 1.4 ms before the program's begin_chunk would start them on
         the H200. Not before a program's first run: the walk would wait through its compile.
+        ids: the chunk's `_chunk_ids`, already placed (`_place_ids`); made here when None.
         """
-        ids = np.zeros(bucket + 2, np.int32)
-        ids[:piece.size] = piece
-        ids[-2], ids[-1] = start, piece.size
+        if ids is None:
+            ids = self._chunk_ids(piece, bucket, start)
         key = (bucket, cache is None, mode, sub)
         if prestart and self.streamer is not None and mode == _MODE_STREAM \
                 and key in self._launched:
             self.streamer.prestart(piece.size)
         resident = self.streamer.resident_blobs if self.streamer is not None else {}
-        # The ids go in as numpy: the compiled call copies them to the state's device on its C++
-        # path (a separate jax.device_put cost 0.4 ms of host time before the launch on the H200).
-        # That copy is the engine's own, so a caller's transfer guard does not forbid it.
+        # Numpy ids (the resident engine's) are copied by the compiled call on its C++ path (a
+        # separate jax.device_put cost 0.4 ms of host time before the launch on the H200). That
+        # copy is the engine's own, so a caller's transfer guard does not forbid it.
         with jax.transfer_guard_host_to_device("allow"):
             logits, cache, info = self._jit(self._state_leaves, resident, ids, cache,
                                             first=cache is None, mode=mode, sub=sub)
@@ -631,15 +653,17 @@ class Engine:
                 pieces = [(off, arr[off:off + self.chunk_size],
                            _bucket(min(self.chunk_size, arr.size - off), self.buckets), 0)
                           for off in range(0, arr.size, self.chunk_size)]
+            placed = self._place_ids([self._chunk_ids(piece, bucket, start + off)
+                                      for off, piece, bucket, _ in pieces])
             pos = start
-            for off, piece, bucket, sub in pieces:
+            for (off, piece, bucket, sub), ids in zip(pieces, placed):
                 # The floor compares the chunk's real tokens: a chunk below it reads only its
                 # routed experts even when its bucket reaches the floor (at most one more
                 # program, for the bucket the floor falls in).
                 mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
                 c0 = time.perf_counter()
                 logits, cache, info = self._dispatch(piece, bucket, cache, pos, mode=mode,
-                                                     sub=sub, prestart=not records)
+                                                     sub=sub, prestart=not records, ids=ids)
                 chunk_ms = None
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))
