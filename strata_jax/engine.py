@@ -362,6 +362,7 @@ class Engine:
         # resident blobs and shardings they are what jit keys its compiled programs on. A
         # prestart before an uncompiled program would only hold its walk through the compile.
         self._launched: set = set()
+        self._splitters: dict = {}  # chunk sizes -> the program that splits placed ids
         self._prefill_lock = threading.Lock()
         self._prefill_thread: int | None = None
         self._profile = ExpertProfile.empty(config)
@@ -423,14 +424,26 @@ class Engine:
 
         A host-to-device copy that another stream queues while the walk's copies stream (PjRt's
         copy of a chunk's ids, made when the call is dispatched) can wait behind them on the
-        H200: at 32K tokens the first chunk's ids landed 44 ms after the call, and the whole
-        program waited for them. Copied here, first, they never meet the walk. The resident
-        engine has no walk: its ids go into the call as numpy."""
+        H200: at 32K tokens the first chunk's ids landed 44 ms after the call (the ring's worth
+        of copies), and the whole program waited for them. Copied here, first, they never meet
+        the walk. One transfer for the whole prompt (PjRt runs each transfer as a task of its
+        own, and 210 of them at once grew its worker pool), split on the device by a program
+        compiled once per chunk layout. The resident engine has no walk: numpy goes in."""
         if self.streamer is None:
             return ids
+        flat = ids[0] if len(ids) == 1 else np.concatenate(ids)
         with jax.transfer_guard_host_to_device("allow"):  # the engine's own copy
-            placed = jax.device_put(ids, self.device)
-        return jax.block_until_ready(placed)
+            placed = jax.block_until_ready(jax.device_put(flat, self.device))
+        if len(ids) == 1:
+            return [placed]
+        sizes = tuple(int(a.size) for a in ids)
+        split = self._splitters.get(sizes)
+        if split is None:
+            bounds = np.cumsum((0,) + sizes)
+            split = jax.jit(lambda x: tuple(jax.lax.slice(x, (int(a),), (int(b),))
+                                            for a, b in zip(bounds[:-1], bounds[1:])))
+            self._splitters[sizes] = split
+        return list(split(placed))
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
                   mode: int, sub: int, prestart: bool = False, ids=None):

@@ -265,10 +265,10 @@ def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(
             assert (c.stats.copied + c.stats.skipped == c.stats.streamed).all()
 
 
-def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing):
-    # Every chunk's ids are on the device, landed, before the first chunk's walk begins: a copy
-    # PjRt queued behind the walk's copies waited 44 ms on the H200 (32K tokens). The resident
-    # engine, with no walk, passes numpy.
+def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing, monkeypatch):
+    # Every chunk's ids are on the device (one transfer, waited for) before the first chunk's
+    # walk begins: a copy PjRt queued behind the walk's copies waited 44 ms on the H200 (32K
+    # tokens). The resident engine, with no walk, passes numpy.
     import jax
 
     _, params, logits_hash, kv_hash = routing
@@ -281,8 +281,7 @@ def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing):
 
             def place(ids, real_place=real_place):
                 out = real_place(ids)
-                events.append(("placed", len(out), [isinstance(a, jax.Array) and a.is_ready()
-                                                    for a in out]))
+                events.append(("placed", len(out), [isinstance(a, jax.Array) for a in out]))
                 return out
 
             eng._place_ids = place
@@ -290,8 +289,14 @@ def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing):
                 real_pre = eng.streamer.prestart
                 eng.streamer.prestart = lambda n, real_pre=real_pre: (
                     events.append(("prestart", n)), real_pre(n))
+            puts = []
+            real_put = jax.device_put
+            monkeypatch.setattr(jax, "device_put", lambda *a, **k: (puts.append(1),
+                                                                    real_put(*a, **k))[1])
             r = eng.prefill(TOKENS, sync_chunks=False)
+            monkeypatch.setattr(jax, "device_put", real_put)
             assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
+            assert len(puts) == (stream is not None)  # one transfer for the three chunks
             if stream is None:
                 assert events == [("placed", 3, [False] * 3)]
             else:
