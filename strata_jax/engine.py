@@ -39,6 +39,7 @@ only prefills that finished.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import os
@@ -362,7 +363,6 @@ class Engine:
         # resident blobs and shardings they are what jit keys its compiled programs on. A
         # prestart before an uncompiled program would only hold its walk through the compile.
         self._launched: set = set()
-        self._splitters: dict = {}  # chunk sizes -> the program that splits placed ids
         self._prefill_lock = threading.Lock()
         self._prefill_thread: int | None = None
         self._profile = ExpertProfile.empty(config)
@@ -428,7 +428,8 @@ class Engine:
         of copies), and the whole program waited for them. Copied here, first, they never meet
         the walk. One transfer for the whole prompt (PjRt runs each transfer as a task of its
         own, and 210 of them at once grew its worker pool), split on the device by a program
-        compiled once per chunk layout. The resident engine has no walk: numpy goes in."""
+        compiled once per chunk layout (`_splitter`; a prompt of one chunk needs none). The
+        resident engine has no walk: numpy goes in."""
         if self.streamer is None:
             return ids
         flat = ids[0] if len(ids) == 1 else np.concatenate(ids)
@@ -436,14 +437,7 @@ class Engine:
             placed = jax.block_until_ready(jax.device_put(flat, self.device))
         if len(ids) == 1:
             return [placed]
-        sizes = tuple(int(a.size) for a in ids)
-        split = self._splitters.get(sizes)
-        if split is None:
-            bounds = np.cumsum((0,) + sizes)
-            split = jax.jit(lambda x: tuple(jax.lax.slice(x, (int(a),), (int(b),))
-                                            for a, b in zip(bounds[:-1], bounds[1:])))
-            self._splitters[sizes] = split
-        return list(split(placed))
+        return list(_splitter(tuple(int(a.size) for a in ids))(placed))
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
                   mode: int, sub: int, prestart: bool = False, ids=None):
@@ -730,6 +724,16 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@functools.lru_cache(maxsize=256)
+def _splitter(sizes: tuple[int, ...]):
+    """The program that cuts one placed array into consecutive pieces of `sizes` elements,
+    shared by every engine: compiled once per chunk layout (about 0.1 s on the CPU backend for
+    four chunks), then a single launch of copies on the device."""
+    bounds = [int(b) for b in np.cumsum((0,) + sizes)]
+    return jax.jit(lambda x: tuple(jax.lax.slice(x, (a,), (b,))
+                                   for a, b in itertools.pairwise(bounds)))
 
 
 def _settle(arrays) -> None:

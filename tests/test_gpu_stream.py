@@ -170,7 +170,7 @@ def test_cuda_link_probe_of_the_store(setup):
     from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig
 
-    cfg, params, tokens, ref = setup
+    cfg, params, _, _ = setup
     sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda")
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         arena = len(cfg.moe_layers) * cfg.n_experts * eng.streamer.blob_bytes

@@ -273,34 +273,36 @@ def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing, mon
 
     _, params, logits_hash, kv_hash = routing
     sc = StreamConfig(routed=True, stream_floor=CHUNK, **SLOW)
+    real_put = jax.device_put
     for stream in (sc, None):
+        events, puts = [], []
         with Engine(CFG, params, stream, max_context=256, chunk_size=CHUNK) as eng:
             eng.prefill(TOKENS)  # compiles
-            events = []
             real_place = eng._place_ids
 
-            def place(ids, real_place=real_place):
+            def place(ids, real_place=real_place, events=events):
                 out = real_place(ids)
                 events.append(("placed", len(out), [isinstance(a, jax.Array) for a in out]))
                 return out
 
+            def put(*args, puts=puts, **kwargs):
+                puts.append(1)
+                return real_put(*args, **kwargs)
+
             eng._place_ids = place
             if eng.streamer is not None:
                 real_pre = eng.streamer.prestart
-                eng.streamer.prestart = lambda n, real_pre=real_pre: (
+                eng.streamer.prestart = lambda n, real_pre=real_pre, events=events: (
                     events.append(("prestart", n)), real_pre(n))
-            puts = []
-            real_put = jax.device_put
-            monkeypatch.setattr(jax, "device_put", lambda *a, **k: (puts.append(1),
-                                                                    real_put(*a, **k))[1])
+            monkeypatch.setattr(jax, "device_put", put)
             r = eng.prefill(TOKENS, sync_chunks=False)
             monkeypatch.setattr(jax, "device_put", real_put)
             assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
-            assert len(puts) == (stream is not None)  # one transfer for the three chunks
-            if stream is None:
-                assert events == [("placed", 3, [False] * 3)]
-            else:
-                assert events == [("placed", 3, [True] * 3), ("prestart", CHUNK)]
+        assert len(puts) == (stream is not None)  # one transfer for the three chunks
+        if stream is None:
+            assert events == [("placed", 3, [False] * 3)]
+        else:
+            assert events == [("placed", 3, [True] * 3), ("prestart", CHUNK)]
 
 
 def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
@@ -375,10 +377,13 @@ def test_measure_link_refuses_a_store_without_a_pinned_arena():
     from strata_jax import native
 
     params = init_synthetic(CFG, seed=3)
-    with Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
-                chunk_size=CHUNK) as eng:
+    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
+                 chunk_size=CHUNK)
+    try:
         with pytest.raises(RuntimeError, match="has none \\(backend 'cpu'.*native.measure_h2d"):
             eng.streamer.measure_link()
+    finally:
+        eng.close()
     with pytest.raises(ValueError, match="needs a host address"):
         native.measure_h2d_from(0, 2**20)
     with pytest.raises(ValueError, match="needs a host address"):
