@@ -17,7 +17,9 @@ Two orders (`order=`):
 Compile buckets: a chunk of n tokens is padded to the smallest bucket >= n, the buckets being the
 powers of two from 16 below `chunk_size` plus `chunk_size` itself (`Engine.buckets`). Chunk-major
 compiles at most one program per bucket and kind (first chunk of a cache, or a follow-up); repeated
-calls never recompile (`Engine.compilations` counts traces). A layer-major prompt is padded to a
+calls never recompile (`Engine.compilations` counts traces). A streamed prompt of several chunks
+also compiles, once per power of two of its full chunks and last bucket, the small program that
+cuts its placed ids into chunks (`_splitter`, shared by every engine; not counted). A layer-major prompt is padded to a
 bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole number of sub-chunks:
 one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
 with `stream_floor` (a chunk below the floor reads only its routed experts), so the one bucket the
@@ -38,6 +40,7 @@ only prefills that finished.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -428,16 +431,24 @@ class Engine:
         of copies), and the whole program waited for them. Copied here, first, they never meet
         the walk. One transfer for the whole prompt (PjRt runs each transfer as a task of its
         own, and 210 of them at once grew its worker pool), split on the device by a program
-        compiled once per chunk layout (`_splitter`; a prompt of one chunk needs none). The
-        resident engine has no walk: numpy goes in."""
+        compiled once per power of two of full chunks and last bucket (`_splitter`; a prompt of
+        one chunk needs none). The resident engine has no walk: numpy goes in."""
         if self.streamer is None:
             return ids
-        flat = ids[0] if len(ids) == 1 else np.concatenate(ids)
+        if len(ids) == 1:
+            flat = ids[0]
+        else:  # every chunk but the last has the chunk_size bucket: rows of one width
+            if len({a.size for a in ids[:-1]}) != 1:
+                raise AssertionError(f"chunk ids of widths {[a.size for a in ids]}")
+            rows = _pow2(len(ids) - 1)
+            pad = np.zeros((rows - len(ids) + 1) * ids[0].size, np.int32)
+            flat = np.concatenate(ids[:-1] + [pad, ids[-1]])
         with jax.transfer_guard_host_to_device("allow"):  # the engine's own copy
             placed = jax.block_until_ready(jax.device_put(flat, self.device))
         if len(ids) == 1:
             return [placed]
-        return list(_splitter(tuple(int(a.size) for a in ids))(placed))
+        pieces = _splitter(rows, int(ids[0].size), int(ids[-1].size))(placed)
+        return list(pieces[:len(ids) - 1]) + [pieces[-1]]
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
                   mode: int, sub: int, prestart: bool = False, ids=None):
@@ -461,8 +472,11 @@ class Engine:
         resident = self.streamer.resident_blobs if self.streamer is not None else {}
         # Numpy ids (the resident engine's) are copied by the compiled call on its C++ path (a
         # separate jax.device_put cost 0.4 ms of host time before the launch on the H200). That
-        # copy is the engine's own, so a caller's transfer guard does not forbid it.
-        with jax.transfer_guard_host_to_device("allow"):
+        # copy is the engine's own, so a caller's transfer guard does not forbid it. Placed ids
+        # need no copy, and the guard stays the caller's.
+        guard = (jax.transfer_guard_host_to_device("allow") if isinstance(ids, np.ndarray)
+                 else contextlib.nullcontext())
+        with guard:
             logits, cache, info = self._jit(self._state_leaves, resident, ids, cache,
                                             first=cache is None, mode=mode, sub=sub)
         if self._info_sharding.memory_kind != "pinned_host":
@@ -726,14 +740,20 @@ class Engine:
         self.close()
 
 
-@functools.lru_cache(maxsize=256)
-def _splitter(sizes: tuple[int, ...]):
-    """The program that cuts one placed array into consecutive pieces of `sizes` elements,
-    shared by every engine: compiled once per chunk layout (about 0.1 s on the CPU backend for
-    four chunks), then a single launch of copies on the device."""
-    bounds = [int(b) for b in np.cumsum((0,) + sizes)]
-    return jax.jit(lambda x: tuple(jax.lax.slice(x, (a,), (b,))
-                                   for a, b in itertools.pairwise(bounds)))
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _splitter(rows: int, width: int, last: int):
+    """The program that cuts one placed array into `rows` pieces of `width` elements and a last
+    one of `last`, shared by every engine. `rows` is a power of two (`_place_ids` pads the full
+    chunks up to one), so a bucket pair compiles at most log2(max chunks) + 1 of these (about
+    0.1 s each on the CPU backend for a few rows), then each is a single launch of copies."""
+    def split(x):
+        full = [jax.lax.slice(x, (i * width,), ((i + 1) * width,)) for i in range(rows)]
+        return (*full, jax.lax.slice(x, (rows * width,), (rows * width + last,)))
+    return jax.jit(split)
 
 
 def _settle(arrays) -> None:

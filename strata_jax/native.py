@@ -172,7 +172,7 @@ def measure_h2d_from(address: int, nbytes: int, reps: int = 10, *, device: int =
         ValueError: a null address, or a non-positive size or count.
     """
     if not address or nbytes <= 0 or reps < 1:
-        raise ValueError(f"link probe of {nbytes} bytes at {address:#x}, {reps} repetitions: "
+        raise ValueError(f"link probe of {nbytes} bytes at {address!r}, {reps} repetitions: "
                          "needs a host address, a positive size and at least one repetition")
     out = ctypes.c_double(0.0)
     err = ctypes.create_string_buffer(512)

@@ -628,7 +628,8 @@ class StreamEngine:
         so its walk and the link start while the program is still being launched; the program's
         begin_chunk adopts the walk. Until then the walk stays a few copies (the native
         kPrestartHold, 16 entries) ahead of those landed, so a copy another stream queues
-        meanwhile (the chunk's token ids) is not stuck behind a ring of them. Only with no chunk
+        meanwhile (the prefill's own ids are placed before it; a caller's copy) meets a shallow
+        queue. Only with no chunk
         of this engine queued (a prefill's first chunk); an abort, or a begin_chunk of another
         mode, drops it. A prestart no program adopts keeps its walk (and the engine's chunk)
         open until `abort`; `Engine.prefill` always ends one."""
@@ -684,6 +685,10 @@ class StreamEngine:
                 modes "register" / "none", or an arena that could not be allocated); a walk
                 is running (it would share the link); or a CUDA call failed.
         """
+        if self.closed:
+            raise RuntimeError("measure_link: the engine was closed (its arena is freed); "
+                               "make a new one")
+        self.check_process()
         if self._pinned is None:
             raise RuntimeError(
                 "measure_link reads the store's pinned arena, and this engine has none "
@@ -709,6 +714,7 @@ class StreamEngine:
         """Stops the threads and frees the engine. Idempotent."""
         self._stores = [None] * len(self._stores)  # may view the pinned block freed next
         self._finalizer()
+        self._pinned = None  # freed by the finalizer
 
     def check_process(self) -> None:
         """Raises RuntimeError in a process forked after the engine was made: its issuer (and

@@ -185,6 +185,8 @@ def test_cuda_link_probe_of_the_store(setup):
             eng.streamer.abort()
         assert not eng.streamer.walk_active()
         assert eng.streamer.measure_link(2**20, 3) > 0
+    with pytest.raises(RuntimeError, match="engine was closed"):  # its arena is freed
+        eng.streamer.measure_link()
 
 
 @pytest.mark.parametrize("fault", ["error", "stop"])

@@ -295,7 +295,10 @@ def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing, mon
                 eng.streamer.prestart = lambda n, real_pre=real_pre, events=events: (
                     events.append(("prestart", n)), real_pre(n))
             monkeypatch.setattr(jax, "device_put", put)
-            r = eng.prefill(TOKENS, sync_chunks=False)
+            # The streamed calls copy nothing from the host: their ids are placed already.
+            guard = "disallow" if stream is not None else "allow"
+            with jax.transfer_guard_host_to_device(guard):
+                r = eng.prefill(TOKENS, sync_chunks=False)
             monkeypatch.setattr(jax, "device_put", real_put)
             assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
         assert len(puts) == (stream is not None)  # one transfer for the three chunks
@@ -303,6 +306,31 @@ def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing, mon
             assert events == [("placed", 3, [False] * 3)]
         else:
             assert events == [("placed", 3, [True] * 3), ("prestart", CHUNK)]
+
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 3, 5, 6, 9])
+def test_placed_ids_come_back_chunk_by_chunk(routing, n_chunks):
+    # One transfer, the full chunks padded to a power of two of rows, cut on the device: every
+    # chunk's ids come back as they went in, and a placed chunk is not a host copy.
+    import jax
+
+    from strata_jax.engine import _splitter
+
+    _, params, _, _ = routing
+    rng = np.random.default_rng(n_chunks)
+    ids = [rng.integers(0, 99, CHUNK + 2, dtype=np.int32) for _ in range(n_chunks - 1)]
+    ids.append(rng.integers(0, 99, 16 + 2, dtype=np.int32))
+    with Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=512,
+                chunk_size=CHUNK) as eng:
+        before = _splitter.cache_info().currsize
+        out = eng._place_ids(ids)
+        assert len(out) == n_chunks
+        for a, b in zip(out, ids):
+            assert isinstance(a, jax.Array) and np.array_equal(np.asarray(a), b)
+        with pytest.raises(AssertionError, match="widths"):
+            eng._place_ids([ids[-1], ids[-1][:5], ids[-1]])
+    grew = _splitter.cache_info().currsize - before
+    assert grew <= (n_chunks > 1)
 
 
 def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
@@ -377,13 +405,15 @@ def test_measure_link_refuses_a_store_without_a_pinned_arena():
     from strata_jax import native
 
     params = init_synthetic(CFG, seed=3)
-    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
+    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK, backend="cpu"), max_context=256,
                  chunk_size=CHUNK)
     try:
         with pytest.raises(RuntimeError, match="has none \\(backend 'cpu'.*native.measure_h2d"):
             eng.streamer.measure_link()
     finally:
         eng.close()
+    with pytest.raises(RuntimeError, match="engine was closed"):
+        eng.streamer.measure_link()
     with pytest.raises(ValueError, match="needs a host address"):
         native.measure_h2d_from(0, 2**20)
     with pytest.raises(ValueError, match="needs a host address"):

@@ -23,10 +23,30 @@ enum HostMode { kPageable = 0, kHostAlloc = 1, kRegistered = 2 };
 
 namespace {
 
+// Sets `device` for this thread and puts the caller's device back on exit, as
+// the engine's own DeviceScope does: a probe must not move a caller's thread
+// (CuPy, torch) to another GPU.
+class ProbeDevice {
+ public:
+  explicit ProbeDevice(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    err_ = cudaSetDevice(device);
+  }
+  ~ProbeDevice() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  cudaError_t error() const { return err_; }
+
+ private:
+  int prev_ = -1;
+  cudaError_t err_ = cudaSuccess;
+};
+
 // Times `reps` repetitions (after one warm-up) of `bytes` copied from `host`
-// to a fresh device buffer in `block`-byte copies on one stream, optionally
+// to a fresh device buffer on the current device, in `block`-byte copies on
+// one stream, optionally
 // recording an event after each; writes the median rate in GB/s.
-int TimeCopies(int device, const void* host, int64_t bytes, int64_t block, int reps,
+int TimeCopies(const void* host, int64_t bytes, int64_t block, int reps,
                int events, double* gbps_out, char* err, int64_t errlen) {
   auto fail = [&](const char* what, cudaError_t e) {
     std::snprintf(err, static_cast<size_t>(errlen), "%s: %s", what, cudaGetErrorString(e));
@@ -34,7 +54,6 @@ int TimeCopies(int device, const void* host, int64_t bytes, int64_t block, int r
     return 1;
   };
   cudaError_t e;
-  if ((e = cudaSetDevice(device)) != cudaSuccess) return fail("cudaSetDevice", e);
   if (block <= 0 || block > bytes) block = bytes;
   void* dev = nullptr;
   if ((e = cudaMalloc(&dev, bytes)) != cudaSuccess) return fail("cudaMalloc", e);
@@ -87,7 +106,14 @@ extern "C" int strata_measure_h2d(int device, int64_t bytes, int64_t block, int 
                   static_cast<long long>(bytes), reps, host_mode);
     return 1;
   }
-  cudaError_t e;
+  ProbeDevice scope(device);  // before the host allocation: its context is this device's
+  cudaError_t e = scope.error();
+  if (e != cudaSuccess) {
+    std::snprintf(err, static_cast<size_t>(errlen), "cudaSetDevice(%d): %s", device,
+                  cudaGetErrorString(e));
+    cudaGetLastError();
+    return 1;
+  }
   void* host = nullptr;
   if (host_mode == kHostAlloc) {
     if ((e = cudaHostAlloc(&host, bytes, cudaHostAllocDefault)) != cudaSuccess) {
@@ -122,7 +148,7 @@ extern "C" int strata_measure_h2d(int device, int64_t bytes, int64_t block, int 
     cudaGetLastError();
     return 1;
   }
-  const int rc = TimeCopies(device, host, bytes, block, reps, events, gbps_out, err, errlen);
+  const int rc = TimeCopies(host, bytes, block, reps, events, gbps_out, err, errlen);
   free_host();
   return rc;
 }
@@ -139,7 +165,14 @@ extern "C" int strata_measure_h2d_from(int device, const void* host, int64_t byt
                   static_cast<long long>(bytes), reps);
     return 1;
   }
-  return TimeCopies(device, host, bytes, bytes, reps, 0, gbps_out, err, errlen);
+  ProbeDevice scope(device);
+  if (const cudaError_t e = scope.error(); e != cudaSuccess) {
+    std::snprintf(err, static_cast<size_t>(errlen), "cudaSetDevice(%d): %s", device,
+                  cudaGetErrorString(e));
+    cudaGetLastError();
+    return 1;
+  }
+  return TimeCopies(host, bytes, bytes, reps, 0, gbps_out, err, errlen);
 }
 
 // Pinned host memory for the expert store: Python packs the blobs straight

@@ -350,9 +350,11 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
     for n in lengths:
         ceiling = link
         if engines["stream-all"].streamer.backend == "cuda":
-            probes = _ceiling_probes(engines)
+            probes, errors = _ceiling_probes(engines)
             ceiling = max(link, *probes.values())
             result.setdefault("link_probes", {})[str(n)] = probes
+            if errors:
+                result.setdefault("link_probe_errors", {})[str(n)] = errors
             print(f"{n}: link probes {json.dumps(probes)}; ceiling {ceiling:.2f} GB/s", flush=True)
             _rebase_rows(result, n, ceiling, resident_ms[n])
         meas = []
@@ -427,10 +429,13 @@ def _ceiling_probes(engines) -> dict:
     walk's copies have read above a fresh buffer's probe in the same call (sixth session)."""
     from strata_jax import native
 
-    probes = {"fresh": native.measure_h2d(256 * 2**20, 10)}
+    probes, errors = {"fresh": native.measure_h2d(256 * 2**20, 10)}, {}
     for arm, eng in engines.items():
-        probes[f"store_{arm}"] = eng.streamer.measure_link(256 * 2**20, 10)
-    return probes
+        try:  # an engine whose arena fell back to registering or staging has no store probe
+            probes[f"store_{arm}"] = eng.streamer.measure_link(256 * 2**20, 10)
+        except RuntimeError as e:
+            errors[f"store_{arm}"] = str(e)
+    return probes, errors
 
 
 def _rebase_rows(result, n: int, ceiling: float, resident: float) -> None:
