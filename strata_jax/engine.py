@@ -19,9 +19,9 @@ powers of two from 16 below `chunk_size` plus `chunk_size` itself (`Engine.bucke
 compiles at most one program per bucket and kind (first chunk of a cache, or a follow-up); repeated
 calls never recompile (`Engine.compilations` counts traces). A streamed prompt of several chunks
 also compiles, once per power of two of its full chunks and last bucket, the small program that
-cuts its placed ids into chunks (`_splitter`, shared by every engine; not counted). A layer-major prompt is padded to a
-bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole number of sub-chunks:
-one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
+cuts its placed ids into chunks (`_splitter`, shared by every engine; not counted). A layer-major
+prompt is padded to a bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole
+number of sub-chunks: one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
 with `stream_floor` (a chunk below the floor reads only its routed experts), so the one bucket the
 floor falls inside may compile a second program.
 
@@ -435,18 +435,19 @@ class Engine:
         one chunk needs none). The resident engine has no walk: numpy goes in."""
         if self.streamer is None:
             return ids
+
+        def put(flat):
+            with jax.transfer_guard_host_to_device("allow"):  # the engine's own copy
+                return jax.block_until_ready(jax.device_put(flat, self.device))
+
         if len(ids) == 1:
-            flat = ids[0]
-        else:  # every chunk but the last has the chunk_size bucket: rows of one width
-            if len({a.size for a in ids[:-1]}) != 1:
-                raise AssertionError(f"chunk ids of widths {[a.size for a in ids]}")
-            rows = _pow2(len(ids) - 1)
-            pad = np.zeros((rows - len(ids) + 1) * ids[0].size, np.int32)
-            flat = np.concatenate(ids[:-1] + [pad, ids[-1]])
-        with jax.transfer_guard_host_to_device("allow"):  # the engine's own copy
-            placed = jax.block_until_ready(jax.device_put(flat, self.device))
-        if len(ids) == 1:
-            return [placed]
+            return [put(ids[0])]
+        # Every chunk but the last has the chunk_size bucket: rows of one width.
+        if len({a.size for a in ids[:-1]}) != 1:
+            raise AssertionError(f"chunk ids of widths {[a.size for a in ids]}")
+        rows = _pow2(len(ids) - 1)
+        pad = np.zeros((rows - len(ids) + 1) * ids[0].size, np.int32)
+        placed = put(np.concatenate(ids[:-1] + [pad, ids[-1]]))
         pieces = _splitter(rows, int(ids[0].size), int(ids[-1].size))(placed)
         return list(pieces[:len(ids) - 1]) + [pieces[-1]]
 

@@ -19,9 +19,13 @@ namespace {
 
 enum HostMode { kPageable = 0, kHostAlloc = 1, kRegistered = 2 };
 
-}  // namespace
-
-namespace {
+// Writes "what: CUDA's reason" to `err`, clears CUDA's sticky last error and
+// returns 1: every failure of the probe comes back this way.
+int Fail(char* err, int64_t errlen, const char* what, cudaError_t e) {
+  std::snprintf(err, static_cast<size_t>(errlen), "%s: %s", what, cudaGetErrorString(e));
+  cudaGetLastError();
+  return 1;
+}
 
 // Sets `device` for this thread and puts the caller's device back on exit, as
 // the engine's own DeviceScope does: a probe must not move a caller's thread
@@ -44,15 +48,11 @@ class ProbeDevice {
 
 // Times `reps` repetitions (after one warm-up) of `bytes` copied from `host`
 // to a fresh device buffer on the current device, in `block`-byte copies on
-// one stream, optionally
-// recording an event after each; writes the median rate in GB/s.
+// one stream, optionally recording an event after each; writes the median
+// rate in GB/s.
 int TimeCopies(const void* host, int64_t bytes, int64_t block, int reps,
                int events, double* gbps_out, char* err, int64_t errlen) {
-  auto fail = [&](const char* what, cudaError_t e) {
-    std::snprintf(err, static_cast<size_t>(errlen), "%s: %s", what, cudaGetErrorString(e));
-    cudaGetLastError();
-    return 1;
-  };
+  auto fail = [&](const char* what, cudaError_t e) { return Fail(err, errlen, what, e); };
   cudaError_t e;
   if (block <= 0 || block > bytes) block = bytes;
   void* dev = nullptr;
@@ -108,20 +108,11 @@ extern "C" int strata_measure_h2d(int device, int64_t bytes, int64_t block, int 
   }
   ProbeDevice scope(device);  // before the host allocation: its context is this device's
   cudaError_t e = scope.error();
-  if (e != cudaSuccess) {
-    std::snprintf(err, static_cast<size_t>(errlen), "cudaSetDevice(%d): %s", device,
-                  cudaGetErrorString(e));
-    cudaGetLastError();
-    return 1;
-  }
+  if (e != cudaSuccess) return Fail(err, errlen, "cudaSetDevice", e);
   void* host = nullptr;
   if (host_mode == kHostAlloc) {
-    if ((e = cudaHostAlloc(&host, bytes, cudaHostAllocDefault)) != cudaSuccess) {
-      std::snprintf(err, static_cast<size_t>(errlen), "cudaHostAlloc: %s",
-                    cudaGetErrorString(e));
-      cudaGetLastError();
-      return 1;
-    }
+    if ((e = cudaHostAlloc(&host, bytes, cudaHostAllocDefault)) != cudaSuccess)
+      return Fail(err, errlen, "cudaHostAlloc", e);
   } else {
     host = std::malloc(static_cast<size_t>(bytes));
     if (!host) {
@@ -143,10 +134,7 @@ extern "C" int strata_measure_h2d(int device, int64_t bytes, int64_t block, int 
       (e = cudaHostRegister(host, static_cast<size_t>(bytes), cudaHostRegisterDefault)) !=
           cudaSuccess) {
     std::free(host);
-    std::snprintf(err, static_cast<size_t>(errlen), "cudaHostRegister: %s",
-                  cudaGetErrorString(e));
-    cudaGetLastError();
-    return 1;
+    return Fail(err, errlen, "cudaHostRegister", e);
   }
   const int rc = TimeCopies(host, bytes, block, reps, events, gbps_out, err, errlen);
   free_host();
@@ -166,12 +154,8 @@ extern "C" int strata_measure_h2d_from(int device, const void* host, int64_t byt
     return 1;
   }
   ProbeDevice scope(device);
-  if (const cudaError_t e = scope.error(); e != cudaSuccess) {
-    std::snprintf(err, static_cast<size_t>(errlen), "cudaSetDevice(%d): %s", device,
-                  cudaGetErrorString(e));
-    cudaGetLastError();
-    return 1;
-  }
+  if (const cudaError_t e = scope.error(); e != cudaSuccess)
+    return Fail(err, errlen, "cudaSetDevice", e);
   return TimeCopies(host, bytes, bytes, reps, 0, gbps_out, err, errlen);
 }
 

@@ -326,12 +326,9 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
             times.append(ms)
             same.append((sha256_of(logits), sha256_of(cache)) == hashes[(n, i)])
         ms = statistics.median(times)
-        floor = max(resident_ms[n], nbytes / (link * 1e9) * 1e3)
         row = {"part": "sweep", "arm": "jax-pinned-host", "tokens": n, "ms": ms,
-               "bytes_copied": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9,
-               "link_fraction": nbytes / (ms * 1e-3) / 1e9 / link, "floor_ms": floor,
-               "time_over_floor": ms / floor, "identical_to_resident": all(same),
-               "identical_each": same}
+               "bytes_copied": nbytes, **_against(ms, nbytes, link, resident_ms[n]),
+               "identical_to_resident": all(same), "identical_each": same}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     del base
@@ -377,13 +374,9 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
             rows = [m for m in meas if m[0] == arm]
             ms = statistics.median(m[1] for m in rows)
             copied_bytes = statistics.median(m[2]["bytes"] for m in rows)
-            floor = max(resident_ms[n], copied_bytes / (ceiling * 1e9) * 1e3)
             row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms, "ms_each": [m[1] for m in rows],
                    "mode": rows[0][5], "bytes_copied": copied_bytes,
-                   "link_ceiling_gbps": ceiling,
-                   "gbps": copied_bytes / (ms * 1e-3) / 1e9,
-                   "link_fraction": copied_bytes / (ms * 1e-3) / 1e9 / ceiling,
-                   "floor_ms": floor, "time_over_floor": ms / floor,
+                   **_against(ms, copied_bytes, ceiling, resident_ms[n]),
                    "streamed": rows[0][2]["streamed"],
                    "copied": statistics.median(m[2]["copied"] for m in rows),
                    "skipped": statistics.median(m[2]["skipped"] for m in rows),
@@ -397,7 +390,7 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                 row["device_copy_ms"] = statistics.median(m[3][1] for m in timed)
                 row["copy_window_link_fraction"] = statistics.median(
                     m[2]["bytes"] / (m[3][1] * 1e-3) / 1e9 / ceiling for m in timed)
-                row["device_time_over_floor"] = row["device_chunk_ms"] / floor
+                row["device_time_over_floor"] = row["device_chunk_ms"] / row["floor_ms"]
                 # Host time before and after the device chunk, and device work outside its
                 # begin/end events (the last layer's math after end_chunk, the logits).
                 row["outside_device_chunk_ms"] = statistics.median(m[1] - m[3][0] for m in timed)
@@ -444,9 +437,16 @@ def _rebase_rows(result, n: int, ceiling: float, resident: float) -> None:
     for row in result["rows"]:
         if row.get("part") != "sweep" or row.get("tokens") != n or "bytes_copied" not in row:
             continue
-        floor = max(resident, row["bytes_copied"] / (ceiling * 1e9) * 1e3)
-        row.update(link_ceiling_gbps=ceiling, link_fraction=row["gbps"] / ceiling,
-                   floor_ms=floor, time_over_floor=row["ms"] / floor)
+        row.update(_against(row["ms"], row["bytes_copied"], ceiling, resident))
+
+
+def _against(ms: float, nbytes: float, ceiling: float, resident: float) -> dict:
+    """A sweep row's figures against a link ceiling (GB/s): the effective rate and its fraction
+    of the ceiling, the floor max(resident time, bytes / ceiling) and time / floor."""
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    floor = max(resident, nbytes / (ceiling * 1e9) * 1e3)
+    return {"link_ceiling_gbps": ceiling, "gbps": gbps, "link_fraction": gbps / ceiling,
+            "floor_ms": floor, "time_over_floor": ms / floor}
 
 
 def two_turn(args, cfg, params, link, result):
