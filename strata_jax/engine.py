@@ -17,9 +17,7 @@ Two orders (`order=`):
 Compile buckets: a chunk of n tokens is padded to the smallest bucket >= n, the buckets being the
 powers of two from 16 below `chunk_size` plus `chunk_size` itself (`Engine.buckets`). Chunk-major
 compiles at most one program per bucket and kind (first chunk of a cache, or a follow-up); repeated
-calls never recompile (`Engine.compilations` counts traces). A streamed prompt of several chunks
-also compiles, once per power of two of its full chunks and last bucket, the small program that
-cuts its placed ids into chunks (`_splitter`, shared by every engine; not counted). A layer-major
+calls never recompile (`Engine.compilations` counts traces). A layer-major
 prompt is padded to a bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole
 number of sub-chunks: one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
 with `stream_floor` (a chunk below the floor reads only its routed experts), so the one bucket the
@@ -42,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import itertools
 import os
@@ -360,7 +357,7 @@ class Engine:
         self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
         self.compilations = 0
         self._info_sharding = _info_sharding(self.device, self.info_memory)
-        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub"),
+        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub", "width"),
                             out_shardings=(on_device, on_device, self._info_sharding))
         # (bucket, first, mode, sub) of the programs run once: with the engine's fixed state,
         # resident blobs and shardings they are what jit keys its compiled programs on. A
@@ -379,11 +376,12 @@ class Engine:
                        tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
 
     def _prefill_fn(self, state_leaves, resident, ids, cache, *, first: bool, mode: int,
-                    sub: int):
+                    sub: int, width: int):
         """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens.
 
-        ids: int32 [bucket + 2], the padded token ids, then the chunk's start position and its
-            number of real tokens (one host-to-device copy per chunk, not three).
+        ids: int32 [width] = [bucket + 2], the padded token ids, then the chunk's start position
+            and its number of real tokens (`_chunk_ids`); None with a stream, whose begin_chunk
+            hands the chunk its staged ids (`_stage_ids`).
         cache: the session's KVCache, or None with `first` (zeros made here, not by a dispatch
             of their own before the chunk).
 
@@ -391,18 +389,18 @@ class Engine:
         stream) then the router counts [n_moe, E], flat, so the host reads both in one copy.
         """
         self.compilations += 1  # runs once per trace, i.e. per compilation
-        tokens, start, n_valid = ids[:-2], ids[-2], ids[-1]
         if first:
             cache = self._zeros()
         state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
         model = nnx.merge(self._graphdef, state)
         source = None
         if self.streamer is not None:
+            # begin_chunk first, and the chunk's ids come out of it: nothing of the chunk runs
+            # before the issuer and the link are started, wherever XLA would schedule it.
             source = StreamedExperts(self.streamer.id, mode, self.config, resident,
-                                     jnp.zeros((), jnp.int32))
-            # begin_chunk first: the chunk's token ids wait for it, so the issuer (and the
-            # link) start before any of the chunk's compute, wherever XLA would schedule it.
-            tokens, source.token = jax.lax.optimization_barrier((tokens, source.token))
+                                     jnp.zeros((), jnp.int32), n_ids=width)
+            ids = source.ids
+        tokens, start, n_valid = ids[:-2], ids[-2], ids[-1]
         start = 0 if first else start
         if sub:
             logits, cache, counts = model.layer_major(tokens, cache, start, source, sub,
@@ -422,37 +420,18 @@ class Engine:
         ids[-2], ids[-1] = start, piece.size
         return ids
 
-    def _place_ids(self, ids: list[np.ndarray]) -> list:
-        """Every chunk's ids on the device, landed, before the prompt's first walk begins.
-
-        A host-to-device copy that another stream queues while the walk's copies stream (PjRt's
-        copy of a chunk's ids, made when the call is dispatched) can wait behind them on the
-        H200: at 32K tokens the first chunk's ids landed 44 ms after the call (the ring's worth
-        of copies), and the whole program waited for them. Copied here, first, they never meet
-        the walk. One transfer for the whole prompt (PjRt runs each transfer as a task of its
-        own, and 210 of them at once grew its worker pool), split on the device by a program
-        compiled once per power of two of full chunks and last bucket (`_splitter`; a prompt of
-        one chunk needs none). The resident engine has no walk: numpy goes in."""
-        if self.streamer is None:
-            return ids
-
-        def put(flat):
-            with jax.transfer_guard_host_to_device("allow"):  # the engine's own copy
-                return jax.block_until_ready(jax.device_put(flat, self.device))
-
-        if len(ids) == 1:
-            return [put(ids[0])]
-        # Every chunk but the last has the chunk_size bucket: rows of one width.
-        if len({a.size for a in ids[:-1]}) != 1:
-            raise AssertionError(f"chunk ids of widths {[a.size for a in ids]}")
-        rows = _pow2(len(ids) - 1)
-        pad = np.zeros((rows - len(ids) + 1) * ids[0].size, np.int32)
-        placed = put(np.concatenate(ids[:-1] + [pad, ids[-1]]))
-        pieces = _splitter(rows, int(ids[0].size), int(ids[-1].size))(placed)
-        return list(pieces[:len(ids) - 1]) + [pieces[-1]]
+    def _stage_ids(self, ids: list[np.ndarray]) -> None:
+        """Hands a streamed prompt's chunk ids (`_chunk_ids`, in order) to the engine before its
+        first chunk is dispatched; each chunk's begin_chunk takes its own and writes them on
+        the device as kernel arguments (`StreamEngine.stage_ids`). No host-to-device copy of
+        the prefill's then meets the walk: on the H200 PjRt's copy of a chunk's ids, queued on
+        its own stream behind the walk's copies, landed 44 ms after the call at 32K tokens
+        and held the whole program; put on the device and waited for before the walk, they
+        cost about 1 ms per prefill. The resident engine has no walk: its calls take numpy."""
+        self.streamer.stage_ids(np.concatenate(ids))
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
-                  mode: int, sub: int, prestart: bool = False, ids=None):
+                  mode: int, sub: int, prestart: bool = False, staged: bool = False):
         """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once).
 
         Its `info` lands in the device's pinned host memory, written by the program itself
@@ -462,10 +441,15 @@ class Engine:
         whose program has run before then begins from the host (StreamEngine.prestart): its walk
         and the link start about 1.4 ms before the program's begin_chunk would start them on
         the H200. Not before a program's first run: the walk would wait through its compile.
-        ids: the chunk's `_chunk_ids`, already placed (`_place_ids`); made here when None.
+        staged: the chunk's ids are staged with the stream already (`_stage_ids`, a prefill's
+        chunks all at once); else a streamed chunk stages its own here.
         """
-        if ids is None:
+        width = bucket + 2
+        ids = None
+        if self.streamer is None:
             ids = self._chunk_ids(piece, bucket, start)
+        elif not staged:
+            self._stage_ids([self._chunk_ids(piece, bucket, start)])
         key = (bucket, cache is None, mode, sub)
         if prestart and self.streamer is not None and mode == _MODE_STREAM \
                 and key in self._launched:
@@ -473,13 +457,14 @@ class Engine:
         resident = self.streamer.resident_blobs if self.streamer is not None else {}
         # Numpy ids (the resident engine's) are copied by the compiled call on its C++ path (a
         # separate jax.device_put cost 0.4 ms of host time before the launch on the H200). That
-        # copy is the engine's own, so a caller's transfer guard does not forbid it. Placed ids
-        # need no copy, and the guard stays the caller's.
-        guard = (jax.transfer_guard_host_to_device("allow") if isinstance(ids, np.ndarray)
+        # copy is the engine's own, so a caller's transfer guard does not forbid it. A streamed
+        # call copies nothing from the host.
+        guard = (jax.transfer_guard_host_to_device("allow") if ids is not None
                  else contextlib.nullcontext())
         with guard:
             logits, cache, info = self._jit(self._state_leaves, resident, ids, cache,
-                                            first=cache is None, mode=mode, sub=sub)
+                                            first=cache is None, mode=mode, sub=sub,
+                                            width=width)
         if self._info_sharding.memory_kind != "pinned_host":
             info.copy_to_host_async()
         self._launched.add(key)
@@ -675,17 +660,18 @@ class Engine:
                 pieces = [(off, arr[off:off + self.chunk_size],
                            _bucket(min(self.chunk_size, arr.size - off), self.buckets), 0)
                           for off in range(0, arr.size, self.chunk_size)]
-            placed = self._place_ids([self._chunk_ids(piece, bucket, start + off)
-                                      for off, piece, bucket, _ in pieces])
+            if self.streamer is not None:
+                self._stage_ids([self._chunk_ids(piece, bucket, start + off)
+                                 for off, piece, bucket, _ in pieces])
             pos = start
-            for (off, piece, bucket, sub), ids in zip(pieces, placed):
+            for off, piece, bucket, sub in pieces:
                 # The floor compares the chunk's real tokens: a chunk below it reads only its
                 # routed experts even when its bucket reaches the floor (at most one more
                 # program, for the bucket the floor falls in).
                 mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
                 c0 = time.perf_counter()
                 logits, cache, info = self._dispatch(piece, bucket, cache, pos, mode=mode,
-                                                     sub=sub, prestart=not records, ids=ids)
+                                                     sub=sub, prestart=not records, staged=True)
                 chunk_ms = None
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))
@@ -739,22 +725,6 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@functools.cache
-def _splitter(rows: int, width: int, last: int):
-    """The program that cuts one placed array into `rows` pieces of `width` elements and a last
-    one of `last`, shared by every engine. `rows` is a power of two (`_place_ids` pads the full
-    chunks up to one), so a bucket pair compiles at most log2(max chunks) + 1 of these (about
-    0.1 s each on the CPU backend for a few rows), then each is a single launch of copies."""
-    def split(x):
-        full = [jax.lax.slice(x, (i * width,), ((i + 1) * width,)) for i in range(rows)]
-        return (*full, jax.lax.slice(x, (rows * width,), (rows * width + last,)))
-    return jax.jit(split)
 
 
 def _settle(arrays) -> None:

@@ -71,6 +71,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_abort": (c.c_int, [c.c_int64]),
         "strata_engine_cancel": (c.c_int, [c.c_int64, c.c_int32]),
         "strata_engine_prestart": (c.c_int, [c.c_int64, c.c_int32, c.c_char_p, c.c_int64]),
+        "strata_engine_stage_ids": (c.c_int, [c.c_int64, c.c_void_p, c.c_int64, c.c_char_p,
+                                             c.c_int64]),
         "strata_engine_walk_active": (c.c_int, [c.c_int64]),
         "strata_engine_hold": (c.c_int64, [c.c_int64]),
         "strata_engine_inject_fault": (c.c_int, [c.c_int64, c.c_int32, c.c_int32]),

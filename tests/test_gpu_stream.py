@@ -189,6 +189,40 @@ def test_cuda_link_probe_of_the_store(setup):
         eng.streamer.measure_link()
 
 
+def test_cuda_begin_chunk_writes_the_staged_ids(setup):
+    # begin_chunk writes each chunk's staged ids on XLA's stream as kernel arguments: 256 ints
+    # a launch up to 256, then 8,184 a launch (the 32 KB argument limit), several launches
+    # past that. A streamed prefill then copies nothing from the host (transfer guard).
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax import stream as S
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+    sc = StreamConfig(routed=True, stream_floor=CHUNK, backend="cuda")
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        eid = eng.streamer.id
+
+        def chunk(n):
+            def run():
+                tok, ids = S.begin(eid, 1, jnp.zeros((), jnp.int32), n)  # routed-only
+                return S.end(eid, tok, cfg.n_layers), ids
+            return jax.jit(run)
+
+        widths = (3, 256, 257, 8184, 8185, 20000)
+        ids = np.random.default_rng(1).integers(-2**31, 2**31 - 1, sum(widths), dtype=np.int64)
+        eng.streamer.stage_ids(ids)
+        got = [np.asarray(chunk(n)()[1]) for n in widths]
+        assert np.array_equal(np.concatenate(got), ids)
+        with pytest.raises(Exception, match="staged are left"):
+            jax.block_until_ready(chunk(1)())
+        with jax.transfer_guard_host_to_device("disallow"):
+            r = eng.prefill(tokens, sync_chunks=False)
+        assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
+
+
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_cuda_failure_mid_chunk(setup, fault):
     from strata_jax.engine import Engine, sha256_of

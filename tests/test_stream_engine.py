@@ -265,10 +265,11 @@ def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(
             assert (c.stats.copied + c.stats.skipped == c.stats.streamed).all()
 
 
-def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing, monkeypatch):
-    # Every chunk's ids are on the device (one transfer, waited for) before the first chunk's
-    # walk begins: a copy PjRt queued behind the walk's copies waited 44 ms on the H200 (32K
-    # tokens). The resident engine, with no walk, passes numpy.
+def test_a_streamed_prefill_stages_every_chunks_ids_before_its_walk(routing, monkeypatch):
+    # Every chunk's ids go to the engine (host memory) in one call before the first chunk's
+    # walk begins, and each begin_chunk hands its chunk its own: a streamed prefill makes no
+    # host-to-device copy (PjRt's copy of the ids, queued behind the walk's copies, waited
+    # 44 ms on the H200 at 32K tokens). The resident engine, with no walk, passes numpy.
     import jax
 
     _, params, logits_hash, kv_hash = routing
@@ -278,59 +279,78 @@ def test_a_streamed_prefill_places_every_chunks_ids_before_its_walk(routing, mon
         events, puts = [], []
         with Engine(CFG, params, stream, max_context=256, chunk_size=CHUNK) as eng:
             eng.prefill(TOKENS)  # compiles
-            real_place = eng._place_ids
-
-            def place(ids, real_place=real_place, events=events):
-                out = real_place(ids)
-                events.append(("placed", len(out), [isinstance(a, jax.Array) for a in out]))
-                return out
 
             def put(*args, puts=puts, **kwargs):
                 puts.append(1)
                 return real_put(*args, **kwargs)
 
-            eng._place_ids = place
             if eng.streamer is not None:
-                real_pre = eng.streamer.prestart
+                real_stage, real_pre = eng.streamer.stage_ids, eng.streamer.prestart
+                eng.streamer.stage_ids = lambda ids, real_stage=real_stage, events=events: (
+                    events.append(("staged", np.array(ids))), real_stage(ids))
                 eng.streamer.prestart = lambda n, real_pre=real_pre, events=events: (
                     events.append(("prestart", n)), real_pre(n))
             monkeypatch.setattr(jax, "device_put", put)
-            # The streamed calls copy nothing from the host: their ids are placed already.
             guard = "disallow" if stream is not None else "allow"
             with jax.transfer_guard_host_to_device(guard):
                 r = eng.prefill(TOKENS, sync_chunks=False)
             monkeypatch.setattr(jax, "device_put", real_put)
             assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
-        assert len(puts) == (stream is not None)  # one transfer for the three chunks
-        if stream is None:
-            assert events == [("placed", 3, [False] * 3)]
-        else:
-            assert events == [("placed", 3, [True] * 3), ("prestart", CHUNK)]
+        assert puts == []
+        if stream is not None:
+            want = np.concatenate([Engine._chunk_ids(TOKENS[o:o + CHUNK], b, o)
+                                   for o, b in ((0, CHUNK), (CHUNK, CHUNK), (2 * CHUNK, 16))])
+            assert [e[0] for e in events] == ["staged", "prestart"] and events[1][1] == CHUNK
+            assert np.array_equal(events[0][1], want)
 
 
-@pytest.mark.parametrize("n_chunks", [1, 2, 3, 5, 6, 9])
-def test_placed_ids_come_back_chunk_by_chunk(routing, n_chunks):
-    # One transfer, the full chunks padded to a power of two of rows, cut on the device: every
-    # chunk's ids come back as they went in, and a placed chunk is not a host copy.
+def test_begin_chunk_hands_out_the_staged_ids_in_order():
+    # Each begin_chunk takes the next n staged ids; past the last it fails with a message that
+    # names the fix, and staging again (a new prompt) starts over.
     import jax
+    import jax.numpy as jnp
 
-    from strata_jax.engine import _splitter
+    from strata_jax import stream as S
+    from strata_jax.synthetic import split_experts
 
-    _, params, _, _ = routing
-    rng = np.random.default_rng(n_chunks)
-    ids = [rng.integers(0, 99, CHUNK + 2, dtype=np.int32) for _ in range(n_chunks - 1)]
-    ids.append(rng.integers(0, 99, 16 + 2, dtype=np.int32))
-    with Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=512,
-                chunk_size=CHUNK) as eng:
-        before = _splitter.cache_info().currsize
-        out = eng._place_ids(ids)
-        assert len(out) == n_chunks
-        for a, b in zip(out, ids):
-            assert isinstance(a, jax.Array) and np.array_equal(np.asarray(a), b)
-        with pytest.raises(AssertionError, match="widths"):
-            eng._place_ids([ids[-1], ids[-1][:5], ids[-1]])
-    grew = _splitter.cache_info().currsize - before
-    assert grew <= (n_chunks > 1)
+    params = init_synthetic(CFG, seed=3)
+    _, experts = split_experts(CFG, params)
+    eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
+                         StreamConfig(routed=True, sim_bandwidth=0, sim_latency=0))
+
+    @functools.cache
+    def chunk(n):
+        def run():
+            tok, ids = S.begin(eng.id, 1, jnp.zeros((), jnp.int32), n)  # routed-only: no walk
+            return S.end(eng.id, tok, CFG.n_layers), ids
+        return jax.jit(run)
+
+    try:
+        ids = np.random.default_rng(0).integers(-2**31, 2**31 - 1, 306, dtype=np.int64)
+        eng.stage_ids(ids)
+        got = [np.asarray(chunk(n)()[1]) for n in (5, 0, 300, 1)]
+        assert [g.dtype for g in got] == [np.int32] * 4
+        assert np.array_equal(np.concatenate(got), ids)
+        with pytest.raises(Exception, match="takes 1 token ids but 0 of the 306 staged are left"):
+            jax.block_until_ready(chunk(1)())
+        assert not eng.walk_active()
+        eng.stage_ids(ids[:2])
+        assert np.array_equal(np.asarray(chunk(2)()[1]), ids[:2])
+        with pytest.raises(ValueError, match="1-D integer"):
+            eng.stage_ids(ids.reshape(2, -1))
+        with pytest.raises(ValueError, match="1-D integer"):
+            eng.stage_ids(ids.astype(np.float32))
+        with pytest.raises(ValueError, match="outside int32"):
+            eng.stage_ids(np.array([2**31]))
+        eng.prestart(10**6)  # a streamed chunk's walk, held: staging now would race its chunks
+        with pytest.raises(RuntimeError, match="while a chunk's walk runs"):
+            eng.stage_ids(ids)
+        eng.abort()
+        eng.stage_ids(ids)
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.stage_ids(ids)
 
 
 def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
@@ -671,15 +691,16 @@ def test_prefill_program_has_no_jax_effects():
     with Engine(CFG, params, StreamConfig(routed=True, stream_floor=CHUNK, **SLOW),
                 max_context=256, chunk_size=CHUNK) as eng:
         cache = eng.new_cache()
-        ids = jnp.zeros(CHUNK + 2, jnp.int32)
-        fn = functools.partial(eng._prefill_fn, first=False, mode=0, sub=0)
-        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, eng.streamer.resident_blobs, ids, cache)
+        fn = functools.partial(eng._prefill_fn, first=False, mode=0, sub=0, width=CHUNK + 2)
+        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, eng.streamer.resident_blobs, None, cache)
         calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "strata_stream_call"]
         assert len(calls) == 2 + 2 * len(CFG.moe_layers)  # begin, publish+fetch per layer, end
         assert not jaxpr.effects
-        hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub")).lower(
-            eng._state_leaves, eng.streamer.resident_blobs, ids, None, first=True, mode=0,
-            sub=0).as_text()
+        # The chunk's ids come out of begin_chunk: the program takes none from the host.
+        assert calls[0].outvars[1].aval.shape == (CHUNK + 2,)
+        hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub", "width")).lower(
+            eng._state_leaves, eng.streamer.resident_blobs, None, None, first=True, mode=0,
+            sub=0, width=CHUNK + 2).as_text()
         assert hlo.count("has_side_effect = true") == len(calls)
 
 
@@ -701,7 +722,7 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
     layers = list(CFG.moe_layers)
 
     def chunk(n_fetched):
-        tok = S.begin(eng.id, 0, jnp.zeros((), jnp.int32))
+        tok, _ = S.begin(eng.id, 0, jnp.zeros((), jnp.int32))
         outs = []
         for l in layers[:n_fetched]:
             tok = S.publish(eng.id, l, tok, counts)

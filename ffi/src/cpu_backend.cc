@@ -100,8 +100,8 @@ class CpuEngine final : public Engine {
     return {};
   }
 
-  Status WriteStats(const int32_t* host, void* out, int64_t bytes,
-                    void*) override {
+  Status WriteInts(const int32_t* host, void* out, int64_t bytes,
+                   void*) override {
     std::memcpy(out, host, static_cast<size_t>(bytes));
     return {};
   }

@@ -141,16 +141,28 @@ bool AlreadyPinned(const void* p, int64_t bytes) {
   return true;
 }
 
-// By value so the stats reach the device as kernel arguments: a copy from
-// pageable host memory may synchronize, and End's host buffer dies on return.
-struct Ints256 {
-  int32_t v[256];
+// By value, so the ints reach the device as kernel arguments, with the launch:
+// no copy from pageable host memory (which may synchronize; End's host buffer
+// dies on return), and nothing for the copy engines, where a chunk's token ids
+// copied on another stream waited behind the walk's copies on the H200. N = 256
+// for the stats; 8,184 for the ids (32,736 bytes: with the pointer and the
+// count, under the 32,764 bytes of kernel arguments CUDA 12.1+ allows on sm_70+).
+template <int N>
+struct IntArgs {
+  int32_t v[N];
 };
 
-__global__ void WriteInts(Ints256 v, int32_t* out, int n) {
-  const int i = static_cast<int>(threadIdx.x);
-  if (i < n) out[i] = v.v[i];
+template <int N>
+__global__ void WriteIntArgs(IntArgs<N> v, int32_t* out, int n) {
+  for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < n;
+       i += static_cast<int>(gridDim.x * blockDim.x))
+    out[i] = v.v[i];
 }
+
+constexpr int kSmallInts = 256;
+constexpr int kLargeInts = 8184;
+static_assert(sizeof(IntArgs<kLargeInts>) + sizeof(int32_t*) + sizeof(int) <= 32764,
+              "kernel arguments over CUDA's 32,764-byte limit");
 
 // Device-to-device split of n packed blobs into the three planes: one launch
 // instead of a strided cudaMemcpy2DAsync per plane, which looked slow on the
@@ -702,25 +714,32 @@ class CudaEngine final : public Engine {
     return {};
   }
 
-  Status WriteStats(const int32_t* host, void* out, int64_t bytes,
-                    void* stream) override {
+  Status WriteInts(const int32_t* host, void* out, int64_t bytes,
+                   void* stream) override {
     if (bytes % static_cast<int64_t>(sizeof(int32_t)) != 0)
-      return "stats of " + std::to_string(bytes) +
-             " bytes are not a whole number of int32";
+      return std::to_string(bytes) + " bytes are not a whole number of int32";
     STRATA_ENTER_DEVICE(dev);
     const int64_t n = bytes / static_cast<int64_t>(sizeof(int32_t));
-    constexpr int64_t kPer = 256;  // Ints256's capacity
-    for (int64_t off = 0; off < n; off += kPer) {
-      Ints256 v{};
-      int count = static_cast<int>(std::min(kPer, n - off));
-      std::memcpy(v.v, host + off, static_cast<size_t>(count) * sizeof(int32_t));
+    return n <= kSmallInts ? LaunchWrites<kSmallInts>(host, out, n, stream)
+                           : LaunchWrites<kLargeInts>(host, out, n, stream);
+  }
+
+  // One launch per N ints, each carrying them as its arguments.
+  template <int N>
+  Status LaunchWrites(const int32_t* host, void* out, int64_t n, void* stream) {
+    auto v = std::make_unique<IntArgs<N>>();  // 32 KB: not on the stack
+    for (int64_t off = 0; off < n; off += N) {
+      int count = static_cast<int>(std::min<int64_t>(N, n - off));
+      std::memcpy(v->v, host + off, static_cast<size_t>(count) * sizeof(int32_t));
       int32_t* dst = static_cast<int32_t*>(out) + off;
-      void* args[] = {&v, &dst, &count};
-      STRATA_CUDA_RETURN("stats, ints " + std::to_string(off) + ".." +
-                             std::to_string(off + count),
-                         cudaLaunchKernel, reinterpret_cast<const void*>(&WriteInts),
-                         dim3(1), dim3(static_cast<unsigned>(kPer)), args,
-                         size_t{0}, static_cast<cudaStream_t>(stream));
+      void* args[] = {v.get(), &dst, &count};
+      const unsigned blocks = static_cast<unsigned>((count + 255) / 256);
+      STRATA_CUDA_RETURN("ints " + std::to_string(off) + ".." +
+                             std::to_string(off + count) + " as kernel arguments",
+                         cudaLaunchKernel,
+                         reinterpret_cast<const void*>(&WriteIntArgs<N>),
+                         dim3(blocks), dim3(256u), args, size_t{0},
+                         static_cast<cudaStream_t>(stream));
     }
     return {};
   }

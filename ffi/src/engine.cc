@@ -123,7 +123,46 @@ Status Engine::Prestart(ChunkMode mode) {
   return {};
 }
 
-Status Engine::Begin(ChunkMode mode, void* stream) {
+Status Engine::StageIds(const int32_t* ids, int64_t n) {
+  if (n < 0) return "stage_ids: " + std::to_string(n) + " ids";
+  if (n > 0 && !ids) return "stage_ids: null ids";
+  if (issuer_.busy())
+    return "stage_ids while a chunk's walk runs: stage a prompt's ids before "
+           "its first chunk is dispatched, with no chunk of this engine queued";
+  std::lock_guard<std::mutex> lock(ids_mu_);
+  ids_.assign(ids, ids + n);
+  ids_next_ = 0;
+  return {};
+}
+
+Status Engine::HandOutIds(void* out, int64_t bytes, void* stream) {
+  if (bytes % static_cast<int64_t>(sizeof(int32_t)) != 0)
+    return "begin_chunk: ids output of " + std::to_string(bytes) +
+           " bytes is not a whole number of int32";
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(int32_t));
+  std::lock_guard<std::mutex> lock(ids_mu_);
+  const int64_t left = static_cast<int64_t>(ids_.size()) - ids_next_;
+  if (n > left)
+    return "begin_chunk: the chunk takes " + std::to_string(n) +
+           " token ids but " + std::to_string(left) + " of the " +
+           std::to_string(ids_.size()) +
+           " staged are left (StreamEngine.stage_ids stages every chunk's ids "
+           "of a prompt before its first chunk is dispatched)";
+  Status s = WriteInts(ids_.data() + ids_next_, out, bytes, stream);
+  if (!s.empty()) return "begin_chunk: token ids: " + s;
+  ids_next_ += n;
+  return {};
+}
+
+Status Engine::Begin(ChunkMode mode, void* stream, void* ids_out,
+                     int64_t ids_bytes) {
+  Status s = BeginOrAdopt(mode, stream);
+  if (!s.empty() || ids_bytes == 0) return s;
+  s = HandOutIds(ids_out, ids_bytes, stream);
+  return s.empty() ? s : Fail(s);
+}
+
+Status Engine::BeginOrAdopt(ChunkMode mode, void* stream) {
   // The program of the chunk the host began (Prestart) adopts its walk, which
   // runs on without the hold; any other begin starts the chunk afresh.
   const bool adopt = prestarted_.exchange(false, std::memory_order_acq_rel);
@@ -324,7 +363,7 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
     stats_host[2 * l] = static_cast<int32_t>(stats_[l].copied);
     stats_host[2 * l + 1] = static_cast<int32_t>(stats_[l].skipped);
   }
-  Status s = WriteStats(stats_host, stats_out,
+  Status s = WriteInts(stats_host, stats_out,
                         static_cast<int64_t>(opt_.n_layers) * 2 * 4, stream);
   if (!s.empty()) return Fail("end_chunk: " + s);
   s = BackendEnd(stream);

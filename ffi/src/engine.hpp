@@ -95,8 +95,19 @@ class Engine {
   virtual Status Prepare() = 0;  // after the stores and plan are set
 
   // The chunk protocol, from the FFI handlers. `stream` is the platform
-  // stream (cudaStream_t) or null on the CPU.
-  Status Begin(ChunkMode mode, void* stream);
+  // stream (cudaStream_t) or null on the CPU. Begin also hands the chunk its
+  // token ids: the next `ids_bytes / 4` of those staged (StageIds) go to
+  // `ids_out` on `stream` (none when ids_bytes is 0).
+  Status Begin(ChunkMode mode, void* stream, void* ids_out = nullptr,
+               int64_t ids_bytes = 0);
+  // From the host, before a prompt's first chunk is dispatched: the int32 ids
+  // of all its chunks, in order (each chunk's padded ids, start and length).
+  // Each begin_chunk that asks for ids takes the next ones. They reach the
+  // device as kernel arguments on XLA's stream, not as a copy: a
+  // host-to-device copy queued on another stream while the walk's copies
+  // stream waited for the copy stream's queue to drain on the H200 (44 ms at
+  // 32K tokens). Only with no chunk of this engine queued.
+  Status StageIds(const int32_t* ids, int64_t n);
   // From the host, just before a prefill dispatches its first chunk, with no
   // chunk of this engine queued: runs that chunk's begin now, so the issuer
   // and the link start while the host is still launching the program (about
@@ -188,9 +199,11 @@ class Engine {
                               void* stream) = 0;
   // Zero-fills n rows of each plane at `dst` (experts no token reads).
   virtual Status ZeroRows(const Rows& dst, int64_t n, void* stream) = 0;
-  virtual Status WriteStats(const int32_t* host, void* out, int64_t bytes,
-                            void* stream) = 0;
-  // The chunk's last device work is queued on `stream` (after WriteStats).
+  // Writes `bytes` of int32 from host memory (which may die on return) into
+  // `out`, on `stream`: the chunk's stats (End) and its token ids (Begin).
+  virtual Status WriteInts(const int32_t* host, void* out, int64_t bytes,
+                           void* stream) = 0;
+  // The chunk's last device work is queued on `stream` (after WriteInts).
   virtual Status BackendEnd(void* stream) {
     (void)stream;
     return {};
@@ -229,6 +242,10 @@ class Engine {
   // Begin's work for a program (`prestart` false) or for Prestart (true: the
   // walk starts held, and `stream` is null).
   Status BeginChunk(ChunkMode mode, void* stream, bool prestart);
+  // Begin without the ids: adopts a prestarted walk or begins the chunk.
+  Status BeginOrAdopt(ChunkMode mode, void* stream);
+  // Begin's ids: the next staged ones into `out`.
+  Status HandOutIds(void* out, int64_t bytes, void* stream);
   // Both backends' Prepare: every layer that streams experts has a store.
   Status CheckStores() const;
   void JoinIssuer();
@@ -259,6 +276,9 @@ class Engine {
   std::atomic<bool> prestarted_{false};  // a Prestart not yet adopted
   std::atomic<int64_t> hold_{0};         // the walk's hold (WalkConfig::hold)
   int fault_layer_ = -1;
+  std::mutex ids_mu_;           // StageIds (host thread) vs Begin (XLA's)
+  std::vector<int32_t> ids_;    // the prompt's staged ids, under ids_mu_
+  int64_t ids_next_ = 0;        // the next chunk's first, under ids_mu_
   static std::atomic<bool> depth_line_printed_;
 };
 

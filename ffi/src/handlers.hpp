@@ -42,14 +42,18 @@ ffi::Error Guard(const char* call, Fn fn) {
 }
 
 inline ffi::Error Begin(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>,
-                        int64_t engine, int32_t mode) {
+                        ffi::Result<ffi::AnyBuffer> ids, int64_t engine,
+                        int32_t mode) {
   return Guard("begin_chunk", [&]() -> Status {
     Status err;
     Engine* e = Lookup(engine, &err);
     if (!e) return err;
     if (mode != 0 && mode != 1)
       return "begin_chunk: mode " + std::to_string(mode) + " is not 0 or 1";
-    return e->Begin(static_cast<ChunkMode>(mode), stream);
+    if (ids->element_type() != ffi::DataType::S32)
+      return "begin_chunk: the ids output must be int32";
+    return e->Begin(static_cast<ChunkMode>(mode), stream, ids->untyped_data(),
+                    static_cast<int64_t>(ids->size_bytes()));
   });
 }
 
@@ -112,6 +116,7 @@ auto BeginBinding(B b) {
   return std::move(b)
       .template Arg<ffi::AnyBuffer>()   // token
       .template Ret<ffi::AnyBuffer>()   // token
+      .template Ret<ffi::AnyBuffer>()   // ids: int32[n], the next n staged
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("mode");
 }

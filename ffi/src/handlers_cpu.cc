@@ -6,8 +6,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 ffi::Error BeginCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o,
-                    int64_t engine, int32_t mode) {
-  return h::Begin(nullptr, t, o, engine, mode);
+                    ffi::Result<ffi::AnyBuffer> ids, int64_t engine, int32_t mode) {
+  return h::Begin(nullptr, t, o, ids, engine, mode);
 }
 ffi::Error PublishCpu(ffi::AnyBuffer t, ffi::AnyBuffer c,
                       ffi::Result<ffi::AnyBuffer> o, int64_t engine,

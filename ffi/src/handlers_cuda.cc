@@ -10,9 +10,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 ffi::Error BeginCuda(cudaStream_t stream, ffi::AnyBuffer t,
-                     ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                     ffi::Result<ffi::AnyBuffer> o,
+                     ffi::Result<ffi::AnyBuffer> ids, int64_t engine,
                      int32_t mode) {
-  return h::Begin(static_cast<void*>(stream), t, o, engine, mode);
+  return h::Begin(static_cast<void*>(stream), t, o, ids, engine, mode);
 }
 ffi::Error PublishCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer c,
                        ffi::Result<ffi::AnyBuffer> o, int64_t engine,
