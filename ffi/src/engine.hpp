@@ -113,10 +113,10 @@ class Engine {
   // and the link start while the host is still launching the program (about
   // 1.4 ms before its begin_chunk on the H200). Until the program's own
   // begin_chunk adopts the walk (same mode), the walk holds itself to
-  // kPrestartHold entries ahead of the copies landed: a copy that another
-  // stream queues meanwhile (the chunk's token ids, by PjRt) waits behind a
-  // few copies, not a ring of them (44 ms on the H200 without the hold). A
-  // begin_chunk of another mode, and Abort, drop it.
+  // kPrestartHold entries ahead of the copies landed, so that a copy another
+  // stream queues meanwhile (a caller's; the prefill's own ids need none, see
+  // StageIds) meets a shallow queue. A begin_chunk of another mode, and
+  // Abort, drop it.
   Status Prestart(ChunkMode mode);
   Status Publish(int layer, const void* counts, void* stream);
   // `out` and `out_bytes`: the three planes (gate, up, down), [E, part] each.
