@@ -420,15 +420,16 @@ class Engine:
         ids[-2], ids[-1] = start, piece.size
         return ids
 
-    def _stage_ids(self, ids: list[np.ndarray]) -> None:
-        """Hands a streamed prompt's chunk ids (`_chunk_ids`, in order) to the engine before its
-        first chunk is dispatched; each chunk's begin_chunk takes its own and writes them on
-        the device as kernel arguments (`StreamEngine.stage_ids`). No host-to-device copy of
-        the prefill's then meets the walk: on the H200 PjRt's copy of a chunk's ids, queued on
-        its own stream behind the walk's copies, landed 44 ms after the call at 32K tokens
-        and held the whole program; put on the device and waited for before the walk, they
-        cost about 1 ms per prefill. The resident engine has no walk: its calls take numpy."""
-        self.streamer.stage_ids(np.concatenate(ids))
+    def _stage_ids(self, ids: list[np.ndarray], *, reset: bool = False) -> None:
+        """Hands streamed chunks' ids (`_chunk_ids`, in dispatch order) to the engine before
+        they are dispatched; each chunk's begin_chunk takes its own and writes them on the
+        device as kernel arguments (`StreamEngine.stage_ids`; `reset` drops ids left over).
+        No host-to-device copy of the prefill's then meets the walk: on the H200 PjRt's copy
+        of a chunk's ids, queued on its own stream behind the walk's copies, landed 44 ms
+        after the call at 32K tokens and held the whole program; put on the device and waited
+        for before the walk, they cost about 1 ms per prefill. The resident engine has no
+        walk: its calls take numpy."""
+        self.streamer.stage_ids(np.concatenate(ids), reset=reset)
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
                   mode: int, sub: int, prestart: bool = False, staged: bool = False):
@@ -442,7 +443,8 @@ class Engine:
         and the link start about 1.4 ms before the program's begin_chunk would start them on
         the H200. Not before a program's first run: the walk would wait through its compile.
         staged: the chunk's ids are staged with the stream already (`_stage_ids`, a prefill's
-        chunks all at once); else a streamed chunk stages its own here.
+        chunks all at once); else a streamed chunk stages (queues) its own here, so calls
+        dispatched back to back each get theirs.
         """
         width = bucket + 2
         ids = None
@@ -660,9 +662,9 @@ class Engine:
                 pieces = [(off, arr[off:off + self.chunk_size],
                            _bucket(min(self.chunk_size, arr.size - off), self.buckets), 0)
                           for off in range(0, arr.size, self.chunk_size)]
-            if self.streamer is not None:
+            if self.streamer is not None:  # nothing of this engine is queued: reset
                 self._stage_ids([self._chunk_ids(piece, bucket, start + off)
-                                 for off, piece, bucket, _ in pieces])
+                                 for off, piece, bucket, _ in pieces], reset=True)
             pos = start
             for off, piece, bucket, sub in pieces:
                 # The floor compares the chunk's real tokens: a chunk below it reads only its
@@ -705,6 +707,7 @@ class Engine:
                     _settle([info for _, _, info in pending] + [logits, cache])
                 finally:
                     self.streamer.abort()
+                    self.streamer.clear_ids()  # the cancelled chunks' are left
             raise
         ms = (time.perf_counter() - t0) * 1e3
         new = Session(cache=cache, position=start + int(arr.size), engine_uid=self.uid,

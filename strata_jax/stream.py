@@ -637,32 +637,42 @@ class StreamEngine:
                                                  len(err))
         _check(rc, err, "prestart")
 
-    def stage_ids(self, ids: np.ndarray) -> None:
-        """Hands the engine a prompt's token ids before its first chunk is dispatched: every
-        chunk's program inputs, in order, as one int32 array (`Engine` stages each chunk's
-        padded ids, start and length). Each begin_chunk then takes the next ones (`begin`'s
-        `n_ids`), written on the device by kernels whose arguments carry them, on XLA's own
-        stream. So the prefill makes no host-to-device copy of its own: on the H200 one
-        queued on another stream waited for the walk's copies to drain (44 ms at 32K tokens),
-        and placing the ids before the walk instead cost about 1 ms per prefill.
+    def stage_ids(self, ids: np.ndarray, *, reset: bool = False) -> None:
+        """Hands the engine chunks' token ids before the chunks are dispatched: their program
+        inputs, in dispatch order, as one int32 array (`Engine` stages each chunk's padded ids,
+        start and length). They join a queue; each begin_chunk takes the next ones (`begin`'s
+        `n_ids`), in the order the chunks were dispatched, and writes them on the device by
+        kernels whose arguments carry them, on XLA's own stream. A begin_chunk that fails
+        uses its ids up all the same, so the chunks queued after it keep theirs.
+
+        So a streamed prefill makes no host-to-device copy of its own: on the H200 one queued
+        on another stream waited for the walk's copies to drain (44 ms at 32K tokens), and
+        placing the ids before the walk instead cost about 1 ms per prefill.
+
+        reset: drop the ids left in the queue first (`clear_ids`); only with no chunk of this
+            engine queued, else a queued chunk would take another's ids.
 
         Raises:
             ValueError: `ids` is not a one-dimensional integer array within int32.
-            RuntimeError: a chunk's walk is running (stage before dispatching, with no chunk
-                of this engine queued), or the engine is closed.
+            RuntimeError: the engine is closed.
         """
         if self.closed:
             raise RuntimeError("stage_ids: the engine was closed; make a new one")
         a = np.asarray(ids)
-        if a.ndim != 1 or a.dtype.kind not in "iu":
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise ValueError(f"stage_ids takes a 1-D integer array, not {a.dtype} {a.shape}")
         if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
             raise ValueError("stage_ids: ids outside int32")
         a = np.ascontiguousarray(a, np.int32)
         err = ctypes.create_string_buffer(1024)
-        rc = native.lib().strata_engine_stage_ids(self.id, a.ctypes.data, a.size, err,
-                                                  len(err))
+        rc = native.lib().strata_engine_stage_ids(self.id, a.ctypes.data, a.size, int(reset),
+                                                  err, len(err))
         _check(rc, err, "stage_ids")
+
+    def clear_ids(self) -> None:
+        """Drops the staged ids no begin_chunk has taken (a prefill that failed leaves its
+        cancelled chunks' behind); only with no chunk of this engine queued."""
+        self.stage_ids(np.zeros(0, np.int32), reset=True)
 
     def cancel(self, on: bool = True) -> None:
         """Safe while chunks are queued: stops the running chunk's walk and fails every later

@@ -216,7 +216,7 @@ def test_cuda_begin_chunk_writes_the_staged_ids(setup):
         eng.streamer.stage_ids(ids)
         got = [np.asarray(chunk(n)()[1]) for n in widths]
         assert np.array_equal(np.concatenate(got), ids)
-        with pytest.raises(Exception, match="staged are left"):
+        with pytest.raises(Exception, match="takes 1 token ids but 0 are staged"):
             jax.block_until_ready(chunk(1)())
         with jax.transfer_guard_host_to_device("disallow"):
             r = eng.prefill(tokens, sync_chunks=False)

@@ -286,8 +286,8 @@ def test_a_streamed_prefill_stages_every_chunks_ids_before_its_walk(routing, mon
 
             if eng.streamer is not None:
                 real_stage, real_pre = eng.streamer.stage_ids, eng.streamer.prestart
-                eng.streamer.stage_ids = lambda ids, real_stage=real_stage, events=events: (
-                    events.append(("staged", np.array(ids))), real_stage(ids))
+                eng.streamer.stage_ids = lambda ids, real_stage=real_stage, events=events, **kw: (
+                    events.append(("staged", np.array(ids), kw)), real_stage(ids, **kw))
                 eng.streamer.prestart = lambda n, real_pre=real_pre, events=events: (
                     events.append(("prestart", n)), real_pre(n))
             monkeypatch.setattr(jax, "device_put", put)
@@ -302,11 +302,12 @@ def test_a_streamed_prefill_stages_every_chunks_ids_before_its_walk(routing, mon
                                    for o, b in ((0, CHUNK), (CHUNK, CHUNK), (2 * CHUNK, 16))])
             assert [e[0] for e in events] == ["staged", "prestart"] and events[1][1] == CHUNK
             assert np.array_equal(events[0][1], want)
+            assert events[0][2] == {"reset": True}  # a prefill drops any ids left over
 
 
 def test_begin_chunk_hands_out_the_staged_ids_in_order():
-    # Each begin_chunk takes the next n staged ids; past the last it fails with a message that
-    # names the fix, and staging again (a new prompt) starts over.
+    # Staged ids form a queue: each begin_chunk takes the next n; past the last it fails with a
+    # message that names the fix; one that fails uses its ids up; reset drops what is left.
     import jax
     import jax.numpy as jnp
 
@@ -325,32 +326,76 @@ def test_begin_chunk_hands_out_the_staged_ids_in_order():
             return S.end(eng.id, tok, CFG.n_layers), ids
         return jax.jit(run)
 
+    def take(n):
+        return np.asarray(chunk(n)()[1])
+
     try:
         ids = np.random.default_rng(0).integers(-2**31, 2**31 - 1, 306, dtype=np.int64)
-        eng.stage_ids(ids)
-        got = [np.asarray(chunk(n)()[1]) for n in (5, 0, 300, 1)]
+        eng.stage_ids(ids[:5])
+        eng.stage_ids(ids[5:])  # appended
+        got = [take(n) for n in (5, 0, 300, 1)]
         assert [g.dtype for g in got] == [np.int32] * 4
         assert np.array_equal(np.concatenate(got), ids)
-        with pytest.raises(Exception, match="takes 1 token ids but 0 of the 306 staged are left"):
+        with pytest.raises(Exception, match="takes 1 token ids but 0 are staged"):
             jax.block_until_ready(chunk(1)())
         assert not eng.walk_active()
-        eng.stage_ids(ids[:2])
-        assert np.array_equal(np.asarray(chunk(2)()[1]), ids[:2])
+        # A begin that fails (here: cancelled) uses its ids up; the next chunk gets its own.
+        eng.stage_ids(ids[:6])
+        eng.cancel()
+        with pytest.raises(Exception, match="cancelled"):
+            jax.block_until_ready(chunk(2)())
+        eng.cancel(False)
+        assert np.array_equal(take(4), ids[2:6])
+        # reset drops the ids no chunk took.
+        eng.stage_ids(ids[:3])
+        eng.stage_ids(ids[10:12], reset=True)
+        assert np.array_equal(take(2), ids[10:12])
+        eng.stage_ids(ids[:3])
+        eng.clear_ids()
+        with pytest.raises(Exception, match="but 0 are staged"):
+            jax.block_until_ready(chunk(1)())
         with pytest.raises(ValueError, match="1-D integer"):
             eng.stage_ids(ids.reshape(2, -1))
         with pytest.raises(ValueError, match="1-D integer"):
             eng.stage_ids(ids.astype(np.float32))
         with pytest.raises(ValueError, match="outside int32"):
             eng.stage_ids(np.array([2**31]))
-        eng.prestart(10**6)  # a streamed chunk's walk, held: staging now would race its chunks
-        with pytest.raises(RuntimeError, match="while a chunk's walk runs"):
-            eng.stage_ids(ids)
-        eng.abort()
-        eng.stage_ids(ids)
     finally:
         eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         eng.stage_ids(ids)
+
+
+def test_chunks_dispatched_back_to_back_each_get_their_ids(routing):
+    # Two calls queued without waiting (routed-only chunks: no walk to serialise them): each
+    # stages its ids when dispatched and its begin_chunk takes them, in dispatch order.
+    import jax
+
+    _, params, _, _ = routing
+    a, b = TOKENS[:CHUNK], TOKENS[CHUNK:2 * CHUNK]
+    with Engine(CFG, params, None, max_context=256, chunk_size=CHUNK) as res:
+        want = [sha256_of(res._dispatch(t, CHUNK, None, 0, mode=0, sub=0)[0]) for t in (a, b)]
+    sc = StreamConfig(routed=True, stream_floor=4096, **SLOW)
+    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
+        jax.block_until_ready(eng._dispatch(a, CHUNK, None, 0, mode=1, sub=0))  # compiles
+        for _ in range(10):
+            ra = eng._dispatch(a, CHUNK, None, 0, mode=1, sub=0)
+            rb = eng._dispatch(b, CHUNK, None, 0, mode=1, sub=0)
+            assert [sha256_of(ra[0]), sha256_of(rb[0])] == want
+
+
+def test_a_prefill_after_a_prestart_nobody_adopted(routing):
+    # A caller's prestart left open does not stop the next prefill: it stages its ids and its
+    # own first chunk replaces the stale walk.
+    _, params, logits_hash, kv_hash = routing
+    sc = StreamConfig(routed=True, stream_floor=CHUNK, **SLOW)
+    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
+        eng.prefill(TOKENS)
+        eng.streamer.prestart(CHUNK)
+        assert eng.streamer.walk_active()
+        r = eng.prefill(TOKENS)
+        assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
+        assert not eng.streamer.walk_active()
 
 
 def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):

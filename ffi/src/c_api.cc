@@ -141,12 +141,12 @@ int strata_engine_prestart(int64_t id, int32_t mode, char* err, int64_t errlen) 
   }
 }
 
-int strata_engine_stage_ids(int64_t id, const int32_t* ids, int64_t n, char* err,
-                            int64_t errlen) {
+int strata_engine_stage_ids(int64_t id, const int32_t* ids, int64_t n, int32_t reset,
+                            char* err, int64_t errlen) {
   Engine* e = strata::FindEngine(id);
   if (!e) return Report("no engine " + std::to_string(id), err, errlen);
   try {
-    return Report(e->StageIds(ids, n), err, errlen);
+    return Report(e->StageIds(ids, n, reset != 0), err, errlen);
   } catch (const std::exception& ex) {  // the copy's allocation
     return Report(std::string("stage_ids: ") + ex.what(), err, errlen);
   }

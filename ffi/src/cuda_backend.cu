@@ -146,7 +146,8 @@ bool AlreadyPinned(const void* p, int64_t bytes) {
 // dies on return), and nothing for the copy engines, where a chunk's token ids
 // copied on another stream waited behind the walk's copies on the H200. N = 256
 // for the stats; 8,184 for the ids (32,736 bytes: with the pointer and the
-// count, under the 32,764 bytes of kernel arguments CUDA 12.1+ allows on sm_70+).
+// count, under the 32,764 bytes of kernel arguments CUDA 12.1+ allows on sm_70+),
+// or 1,020 (the 4 KB every driver takes) under a driver older than 12.1.
 template <int N>
 struct IntArgs {
   int32_t v[N];
@@ -160,7 +161,10 @@ __global__ void WriteIntArgs(IntArgs<N> v, int32_t* out, int n) {
 }
 
 constexpr int kSmallInts = 256;
+constexpr int kMidInts = 1020;
 constexpr int kLargeInts = 8184;
+static_assert(sizeof(IntArgs<kMidInts>) + sizeof(int32_t*) + sizeof(int) <= 4096,
+              "kernel arguments over the 4,096 bytes of drivers before 12.1");
 static_assert(sizeof(IntArgs<kLargeInts>) + sizeof(int32_t*) + sizeof(int) <= 32764,
               "kernel arguments over CUDA's 32,764-byte limit");
 
@@ -429,6 +433,9 @@ class CudaEngine final : public Engine {
                        cudaHostAlloc, reinterpret_cast<void**>(&pinned_counts_),
                        static_cast<size_t>(n) * sizeof(int32_t),
                        cudaHostAllocDefault);
+    int driver = 0;
+    STRATA_CUDA_RETURN("driver version", cudaDriverGetVersion, &driver);
+    large_args_ = driver >= 12010;  // kernel arguments past 4 KB
     return {};
   }
 
@@ -720,8 +727,9 @@ class CudaEngine final : public Engine {
       return std::to_string(bytes) + " bytes are not a whole number of int32";
     STRATA_ENTER_DEVICE(dev);
     const int64_t n = bytes / static_cast<int64_t>(sizeof(int32_t));
-    return n <= kSmallInts ? LaunchWrites<kSmallInts>(host, out, n, stream)
-                           : LaunchWrites<kLargeInts>(host, out, n, stream);
+    if (n <= kSmallInts) return LaunchWrites<kSmallInts>(host, out, n, stream);
+    return large_args_ ? LaunchWrites<kLargeInts>(host, out, n, stream)
+                       : LaunchWrites<kMidInts>(host, out, n, stream);
   }
 
   // One launch per N ints, each carrying them as its arguments.
@@ -1110,6 +1118,7 @@ class CudaEngine final : public Engine {
   cudaEvent_t t_copy0_ = nullptr, t_copy1_ = nullptr;
   bool timed_ = false;
   bool copy_started_ = false;
+  bool large_args_ = false;  // the driver takes 32 KB of kernel arguments
 };
 
 }  // namespace

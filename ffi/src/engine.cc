@@ -1,6 +1,7 @@
 // The backend-independent half of the streaming engine (see engine.hpp).
 #include "engine.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -123,41 +124,49 @@ Status Engine::Prestart(ChunkMode mode) {
   return {};
 }
 
-Status Engine::StageIds(const int32_t* ids, int64_t n) {
+Status Engine::StageIds(const int32_t* ids, int64_t n, bool reset) {
   if (n < 0) return "stage_ids: " + std::to_string(n) + " ids";
   if (n > 0 && !ids) return "stage_ids: null ids";
-  if (issuer_.busy())
-    return "stage_ids while a chunk's walk runs: stage a prompt's ids before "
-           "its first chunk is dispatched, with no chunk of this engine queued";
   std::lock_guard<std::mutex> lock(ids_mu_);
-  ids_.assign(ids, ids + n);
+  if (reset) ids_.clear();
+  else ids_.erase(ids_.begin(), ids_.begin() + ids_next_);  // those taken
   ids_next_ = 0;
+  ids_.insert(ids_.end(), ids, ids + n);
   return {};
 }
 
+void Engine::SkipIds(int64_t n) {
+  std::lock_guard<std::mutex> lock(ids_mu_);
+  ids_next_ += std::min(n, static_cast<int64_t>(ids_.size()) - ids_next_);
+}
+
 Status Engine::HandOutIds(void* out, int64_t bytes, void* stream) {
-  if (bytes % static_cast<int64_t>(sizeof(int32_t)) != 0)
-    return "begin_chunk: ids output of " + std::to_string(bytes) +
-           " bytes is not a whole number of int32";
   const int64_t n = bytes / static_cast<int64_t>(sizeof(int32_t));
   std::lock_guard<std::mutex> lock(ids_mu_);
   const int64_t left = static_cast<int64_t>(ids_.size()) - ids_next_;
+  const int64_t first = ids_next_;
+  ids_next_ += std::min(n, left);  // used up whatever happens next
   if (n > left)
     return "begin_chunk: the chunk takes " + std::to_string(n) +
-           " token ids but " + std::to_string(left) + " of the " +
-           std::to_string(ids_.size()) +
-           " staged are left (StreamEngine.stage_ids stages every chunk's ids "
-           "of a prompt before its first chunk is dispatched)";
-  Status s = WriteInts(ids_.data() + ids_next_, out, bytes, stream);
-  if (!s.empty()) return "begin_chunk: token ids: " + s;
-  ids_next_ += n;
-  return {};
+           " token ids but " + std::to_string(left) +
+           " are staged (StreamEngine.stage_ids stages each chunk's ids "
+           "before the chunk is dispatched)";
+  try {
+    Status s = WriteInts(ids_.data() + first, out, bytes, stream);
+    return s.empty() ? s : "begin_chunk: token ids: " + s;
+  } catch (const std::exception& e) {
+    return std::string("begin_chunk: token ids: ") + e.what();
+  }
 }
 
 Status Engine::Begin(ChunkMode mode, void* stream, void* ids_out,
                      int64_t ids_bytes) {
   Status s = BeginOrAdopt(mode, stream);
-  if (!s.empty() || ids_bytes == 0) return s;
+  if (ids_bytes == 0) return s;
+  if (!s.empty()) {
+    SkipIds(ids_bytes / static_cast<int64_t>(sizeof(int32_t)));
+    return s;
+  }
   s = HandOutIds(ids_out, ids_bytes, stream);
   return s.empty() ? s : Fail(s);
 }

@@ -100,14 +100,18 @@ class Engine {
   // `ids_out` on `stream` (none when ids_bytes is 0).
   Status Begin(ChunkMode mode, void* stream, void* ids_out = nullptr,
                int64_t ids_bytes = 0);
-  // From the host, before a prompt's first chunk is dispatched: the int32 ids
-  // of all its chunks, in order (each chunk's padded ids, start and length).
-  // Each begin_chunk that asks for ids takes the next ones. They reach the
-  // device as kernel arguments on XLA's stream, not as a copy: a
+  // From the host, before the chunks are dispatched: appends their int32 ids
+  // (each chunk's padded ids, start and length, in dispatch order) to the
+  // staged queue; `reset` drops what is left in it first (only with no chunk
+  // of this engine queued: a prefill's start, or after a failed one). Each
+  // begin_chunk that asks for ids takes the next ones, in the order the
+  // handlers run, which is the order the chunks were dispatched; one that
+  // fails still uses its ids up, so the chunks after it keep theirs. They
+  // reach the device as kernel arguments on XLA's stream, not as a copy: a
   // host-to-device copy queued on another stream while the walk's copies
   // stream waited for the copy stream's queue to drain on the H200 (44 ms at
-  // 32K tokens). Only with no chunk of this engine queued.
-  Status StageIds(const int32_t* ids, int64_t n);
+  // 32K tokens).
+  Status StageIds(const int32_t* ids, int64_t n, bool reset);
   // From the host, just before a prefill dispatches its first chunk, with no
   // chunk of this engine queued: runs that chunk's begin now, so the issuer
   // and the link start while the host is still launching the program (about
@@ -244,8 +248,11 @@ class Engine {
   Status BeginChunk(ChunkMode mode, void* stream, bool prestart);
   // Begin without the ids: adopts a prestarted walk or begins the chunk.
   Status BeginOrAdopt(ChunkMode mode, void* stream);
-  // Begin's ids: the next staged ones into `out`.
+  // Begin's ids: the next staged ones into `out`; on any failure the ids are
+  // used up all the same.
   Status HandOutIds(void* out, int64_t bytes, void* stream);
+  // The next n staged ids are used up unread (a begin_chunk that failed).
+  void SkipIds(int64_t n);
   // Both backends' Prepare: every layer that streams experts has a store.
   Status CheckStores() const;
   void JoinIssuer();
@@ -277,8 +284,8 @@ class Engine {
   std::atomic<int64_t> hold_{0};         // the walk's hold (WalkConfig::hold)
   int fault_layer_ = -1;
   std::mutex ids_mu_;           // StageIds (host thread) vs Begin (XLA's)
-  std::vector<int32_t> ids_;    // the prompt's staged ids, under ids_mu_
-  int64_t ids_next_ = 0;        // the next chunk's first, under ids_mu_
+  std::vector<int32_t> ids_;    // staged ids, under ids_mu_
+  int64_t ids_next_ = 0;        // the next one to take, under ids_mu_
   static std::atomic<bool> depth_line_printed_;
 };
 
