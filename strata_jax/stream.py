@@ -671,8 +671,10 @@ class StreamEngine:
 
     def clear_ids(self) -> None:
         """Drops the staged ids no begin_chunk has taken (a prefill that failed leaves its
-        cancelled chunks' behind); only with no chunk of this engine queued."""
-        self.stage_ids(np.zeros(0, np.int32), reset=True)
+        cancelled chunks' behind); only with no chunk of this engine queued. Nothing to do on
+        a closed engine."""
+        if not self.closed:
+            self.stage_ids(np.zeros(0, np.int32), reset=True)
 
     def cancel(self, on: bool = True) -> None:
         """Safe while chunks are queued: stops the running chunk's walk and fails every later
