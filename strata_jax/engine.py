@@ -17,11 +17,12 @@ Two orders (`order=`):
 Compile buckets: a chunk of n tokens is padded to the smallest bucket >= n, the buckets being the
 powers of two from 16 below `chunk_size` plus `chunk_size` itself (`Engine.buckets`). Chunk-major
 compiles at most one program per bucket and kind (first chunk of a cache, or a follow-up); repeated
-calls never recompile (`Engine.compilations` counts traces). A layer-major
-prompt is padded to a bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole
-number of sub-chunks: one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
+calls never recompile (`Engine.compilations` counts traces). A layer-major prompt is padded to a
+bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole number of sub-chunks:
+one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
 with `stream_floor` (a chunk below the floor reads only its routed experts), so the one bucket the
-floor falls inside may compile a second program.
+floor falls inside may compile a second program. A streamed chunk's program takes its token ids
+from its begin_chunk (`StreamEngine.stage_ids`): the prefill makes no host-to-device copy.
 
 Padding never shows: padded tokens route to the sentinel expert E (not counted, so not in the
 stats, the profile, or the routed stream's skip decisions), their expert outputs are zeros, they sit

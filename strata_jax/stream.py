@@ -628,10 +628,11 @@ class StreamEngine:
         so its walk and the link start while the program is still being launched; the program's
         begin_chunk adopts the walk. Until then the walk stays a few copies (the native
         kPrestartHold, 16 entries) ahead of those landed, so a copy another stream queues
-        meanwhile (a caller's; the prefill makes none of its own, see `stage_ids`) meets a shallow
-        queue. Only with no chunk of this engine queued (a prefill's first chunk); an abort, or
-        a begin_chunk of another mode, drops it. A prestart no program adopts keeps its walk (and the engine's chunk)
-        open until `abort`; `Engine.prefill` always ends one."""
+        meanwhile (a caller's; the prefill makes none of its own, see `stage_ids`) meets a
+        shallow queue. Only with no chunk of this engine queued (a prefill's first chunk); an
+        abort, or a begin_chunk of another mode, drops it. A prestart no program adopts keeps
+        its walk (and the engine's chunk) open until `abort` or the next begin_chunk;
+        `Engine.prefill` always ends one."""
         err = ctypes.create_string_buffer(1024)
         rc = native.lib().strata_engine_prestart(self.id, self.chunk_mode(n_tokens), err,
                                                  len(err))
