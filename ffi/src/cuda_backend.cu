@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_scope.hpp"
 #include "engine.hpp"
 #include "strata/thread_name.hpp"
 
@@ -89,37 +90,18 @@ std::string Entry(int64_t slot, const StreamEntry& e) {
          std::to_string(e.layer) + " expert " + std::to_string(e.expert);
 }
 
-// Makes `device` current for the scope and puts the caller's device back:
-// handlers run on XLA's threads, whose current device is XLA's business.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) : device_(device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device_) status_ = cudaSetDevice(device_);
-  }
-  ~DeviceScope() {
-    if (prev_ >= 0 && prev_ != device_) cudaSetDevice(prev_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
-  Status status() const {
-    if (status_ == cudaSuccess) return {};
-    return CudaError("cudaSetDevice", "device " + std::to_string(device_),
-                     status_);
-  }
-
- private:
-  int device_;
-  int prev_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
+// cudaSetDevice's failure in `scope`, as a Status.
+Status DeviceStatus(const DeviceScope& scope) {
+  if (scope.error() == cudaSuccess) return {};
+  return CudaError("cudaSetDevice", "device " + std::to_string(scope.device()),
+                   scope.error());
+}
 
 // Makes the engine's device current for the rest of the scope (as `var`) and
 // returns its error from the enclosing Status function if that fails.
 #define STRATA_ENTER_DEVICE(var)            \
   DeviceScope var(opt_.device);             \
-  if (Status strata_s_ = var.status(); !strata_s_.empty()) return strata_s_
+  if (Status strata_s_ = DeviceStatus(var); !strata_s_.empty()) return strata_s_
 
 // Thrown out of the link when the walk is stopped while a staged entry waits
 // for its bounce buffer: a cancellation, which must not read as an issuer

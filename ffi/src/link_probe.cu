@@ -15,6 +15,8 @@
 #include <cstring>
 #include <vector>
 
+#include "device_scope.hpp"
+
 namespace {
 
 enum HostMode { kPageable = 0, kHostAlloc = 1, kRegistered = 2 };
@@ -26,25 +28,6 @@ int Fail(char* err, int64_t errlen, const char* what, cudaError_t e) {
   cudaGetLastError();
   return 1;
 }
-
-// Sets `device` for this thread and puts the caller's device back on exit, as
-// the engine's own DeviceScope does: a probe must not move a caller's thread
-// (CuPy, torch) to another GPU.
-class ProbeDevice {
- public:
-  explicit ProbeDevice(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    err_ = cudaSetDevice(device);
-  }
-  ~ProbeDevice() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
-  }
-  cudaError_t error() const { return err_; }
-
- private:
-  int prev_ = -1;
-  cudaError_t err_ = cudaSuccess;
-};
 
 // Times `reps` repetitions (after one warm-up) of `bytes` copied from `host`
 // to a fresh device buffer on the current device, in `block`-byte copies on
@@ -106,7 +89,7 @@ extern "C" int strata_measure_h2d(int device, int64_t bytes, int64_t block, int 
                   static_cast<long long>(bytes), reps, host_mode);
     return 1;
   }
-  ProbeDevice scope(device);  // before the host allocation: its context is this device's
+  strata::DeviceScope scope(device);  // before the host allocation: its context is this device's
   cudaError_t e = scope.error();
   if (e != cudaSuccess) return Fail(err, errlen, "cudaSetDevice", e);
   void* host = nullptr;
@@ -153,7 +136,7 @@ extern "C" int strata_measure_h2d_from(int device, const void* host, int64_t byt
                   static_cast<long long>(bytes), reps);
     return 1;
   }
-  ProbeDevice scope(device);
+  strata::DeviceScope scope(device);
   if (const cudaError_t e = scope.error(); e != cudaSuccess)
     return Fail(err, errlen, "cudaSetDevice", e);
   return TimeCopies(host, bytes, bytes, reps, 0, gbps_out, err, errlen);
