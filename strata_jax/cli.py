@@ -204,8 +204,8 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                      help="experts kept resident per MoE layer (the hottest by --profile, else "
                           "the lowest ids)")
     g.add_argument("--ring-gib", type=_float, default=4.0, metavar="GIB",
-                   help="device memory the ring of streamed-expert slots may take (it is sized "
-                        "to two layers' streamed experts when that fits)")
+                   help="device memory the ring may take: whole layer frames, where each "
+                        "layer's experts land and are read (two frames when that fits)")
     g.add_argument("--profile", metavar="FILE",
                    help="expert profile saved by `strata-jax profile`: orders each layer's "
                         "stream hottest first and chooses the resident experts")
@@ -981,9 +981,9 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     The host store (every expert, pinned host RAM) is `host_store_bytes`. The residents and the
     ring are `stream.plan_stream`'s, the plan a StreamEngine follows, without a profile: a
     resident budget in GiB is spread evenly over the MoE layers (lowest ids), the ring holds two
-    layers' streamed experts when `ring_gib` allows and at least one layer's. A ring budget
-    below one layer's streamed experts, which an engine refuses, is reported here as
-    `ring_fits_budget: False` with a one-layer ring. Activations and compiler workspace are not
+    layer frames (a layer's experts each) when `ring_gib` allows and at least one. A ring budget
+    below one frame, which an engine refuses, is reported here as `ring_fits_budget: False`
+    with a one-frame ring. Activations and compiler workspace are not
     counted.
 
     Raises:

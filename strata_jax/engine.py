@@ -398,8 +398,10 @@ class Engine:
         if self.streamer is not None:
             # begin_chunk first, and the chunk's ids come out of it: nothing of the chunk runs
             # before the issuer and the link are started, wherever XLA would schedule it.
-            source = StreamedExperts(self.streamer.id, mode, self.config, resident,
-                                     jnp.zeros((), jnp.int32), n_ids=width)
+            blobs, frames = resident
+            source = StreamedExperts(self.streamer.id, mode, self.config, blobs,
+                                     jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
+                                     frame_of=self.streamer.frame_of)
             ids = source.ids
         tokens, start, n_valid = ids[:-2], ids[-2], ids[-1]
         start = 0 if first else start
@@ -457,7 +459,8 @@ class Engine:
         if prestart and self.streamer is not None and mode == _MODE_STREAM \
                 and key in self._launched:
             self.streamer.prestart(piece.size)
-        resident = self.streamer.resident_blobs if self.streamer is not None else {}
+        resident = ((self.streamer.resident_blobs, self.streamer.frames)
+                    if self.streamer is not None else {})
         # Numpy ids (the resident engine's) are copied by the compiled call on its C++ path (a
         # separate jax.device_put cost 0.4 ms of host time before the launch on the H200). That
         # copy is the engine's own, so a caller's transfer guard does not forbid it. A streamed

@@ -51,6 +51,10 @@ class ExpertSource(Protocol):
 
         Returns:
             ExpertWeights with shapes gate/up [E, H, I], down [E, I, H] in the parameter dtype.
+
+        A source may also have `release(layer, outs) -> outs`, called with the layer's expert
+        outputs once its expert math is traced: the weights it returned are then no longer read
+        (the stream reuses the memory they are in). The model returns `outs` as given back.
         """
         ...
 

@@ -388,6 +388,14 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: Model
         return Routing(expert_ids, weights, counts)
 
 
+def release_experts(expert_source, layer: int, outs):
+    """After a layer's expert math: tells a source that has a `release` (the stream, whose
+    fetched weights are a ring frame it reuses) that the layer's weights are done with, once
+    every one of `outs` is computed; returns `outs`."""
+    release = getattr(expert_source, "release", None)
+    return outs if release is None else release(layer, outs)
+
+
 def _layer_boundary(x, k, v):
     """Ends a layer, in both read orders: its output and its cache writes are done before the
     next layer starts. Left to itself XLA put every layer's cache write after the last layer,
@@ -539,7 +547,9 @@ class MoE(nnx.Module):
         """x [T, H] -> ([T, H], counts int32 [E])."""
         routing = self.route_tokens(x, valid)
         w = self.fetch_weights(routing.counts, expert_source)
-        return self.apply_experts(x, routing, w, valid), routing.counts
+        out = release_experts(expert_source, self.layer,
+                              self.apply_experts(x, routing, w, valid))
+        return out, routing.counts
 
 
 class DecoderLayer(nnx.Module):
@@ -687,8 +697,10 @@ class MoETransformer(nnx.Module):
                     for r in routings[1:]:
                         total = total + r.counts
                     w = layer.mlp.fetch_weights(total, expert_source)
-                    xs = [xj + layer.mlp.apply_experts(h, r, w, val[j])
-                          for j, (xj, h, r) in enumerate(zip(xs, normed, routings))]
+                    ys = [layer.mlp.apply_experts(h, r, w, val[j])
+                          for j, (h, r) in enumerate(zip(normed, routings))]
+                    ys = release_experts(expert_source, layer.layer, ys)
+                    xs = [xj + y for xj, y in zip(xs, ys)]
                     counts.append(total)
                 else:
                     xs = [xj + layer.mlp(h) for xj, h in zip(xs, normed)]

@@ -22,12 +22,16 @@ TARGETS = {
     "begin": "strata_begin_chunk",
     "publish": "strata_publish",
     "fetch": "strata_fetch",
+    "fetch_frame": "strata_fetch_frame",
+    "release": "strata_release",
     "end": "strata_end_chunk",
 }
 _SYMBOLS = {
     "begin": "StrataBegin",
     "publish": "StrataPublish",
     "fetch": "StrataFetch",
+    "fetch_frame": "StrataFetchFrame",
+    "release": "StrataRelease",
     "end": "StrataEnd",
 }
 
@@ -77,6 +81,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_hold": (c.c_int64, [c.c_int64]),
         "strata_engine_inject_fault": (c.c_int, [c.c_int64, c.c_int32, c.c_int32]),
         "strata_engine_depth": (c.c_int, [c.c_int64]),
+        "strata_engine_frames": (c.c_int, [c.c_int64, p, p]),
         "strata_engine_last_stats": (c.c_int, [c.c_int64, p, c.c_int64]),
         "strata_pinned_alloc": (p, [c.c_int64, c.c_char_p, c.c_int64]),
         "strata_pinned_free": (None, [p]),

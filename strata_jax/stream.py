@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from . import native
+from . import _dlpack, native
 from .config import ModelConfig
 from .experts import ExpertWeights, blob_size, pack_expert_blobs_np
 
@@ -72,9 +72,16 @@ class StreamConfig:
             STRATA_PREFILL_ROUTED_STREAM=0/1.
         depth: Copies queued ahead of the link with the switch on; clamped to
             1..256 with a warning. Overridden by STRATA_PREFILL_ROUTED_STREAM_DEPTH.
-        ring: Ring slots; None sizes it to two layers' streamed experts (one
-            layer plus a layer of read-ahead), capped by `ring_budget_gib`.
+        ring: Ring slots, in whole layer frames of `n_experts` slots (rounded down, at least
+            one): each MoE layer's experts land in row e of the frame it takes (layers take
+            frames in turn), and the model reads the frame where they landed. None: two
+            frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`.
         ring_budget_gib: Device memory the ring may take when `ring` is None.
+        read_in_place: CUDA: the model reads each layer's experts in its ring frame, with no
+            copy (the frames are JAX arrays over the ring's memory, by DLPack). False, and
+            always on the CPU backend (whose XLA may run independent ops concurrently, so only
+            a data dependency orders a read after fetch), fetch copies the frame into outputs
+            of its own.
         stream_floor: Chunks shorter than this many tokens use routed-only
             fetch (wait for the routing, copy only the routed experts).
         resident_per_layer: Experts kept resident on the device per MoE layer
@@ -115,6 +122,7 @@ class StreamConfig:
     depth: int = 16
     ring: int | None = None
     ring_budget_gib: float = 4.0
+    read_in_place: bool = True
     stream_floor: int = 1024
     resident_per_layer: int = 0
     resident_budget_gib: float | None = None
@@ -213,11 +221,11 @@ class StreamPlan:
             hottest first within a layer (by the profile; without one, the lowest ids).
         streamed_mask: bool [n_layers, n_experts], read-only: which experts cross the link.
         streamed_per_layer: int64 [n_layers], read-only: streamed experts per layer.
-        ring: Ring slots.
+        ring: Ring slots, `frames` layer frames of n_experts slots each.
         blob_bytes: Bytes of one expert (one ring slot).
         ring_budget_slots: Slots `ring_budget_gib` holds, or None when the ring was given.
         ring_fits_budget: False only for a plan made with `check_ring_budget=False` whose ring
-            budget cannot hold one layer's streamed experts (`ring` is then that one layer).
+            budget cannot hold one layer frame (`ring` is then one frame).
     """
 
     resident: tuple[tuple[int, ...], ...]
@@ -243,6 +251,12 @@ class StreamPlan:
     def ring_bytes(self) -> int:
         """Device bytes of the ring."""
         return self.ring * self.blob_bytes
+
+    @property
+    def frames(self) -> int:
+        """Layer frames in the ring: MoE layer number i (in order) uses frame i % frames."""
+        n_experts = self.streamed_mask.shape[1]
+        return self.ring // n_experts if n_experts else 0
 
     @property
     def max_streamed_per_layer(self) -> int:
@@ -284,9 +298,11 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
         `profile`, else the lowest ids).
       - The stream list: every other expert of each MoE layer, in layer order, hottest first
         within a layer (ties by the lower id; without a profile, by id).
-      - The ring: `ring` slots when given (at least one layer's streamed experts); else two
-        layers' streamed experts (one layer plus a layer of read-ahead), capped by
-        `ring_budget_gib`, and never fewer than one layer's; one slot when nothing streams.
+      - The ring: whole layer frames of n_experts slots (a layer's experts are read where they
+        land, resident ones copied in, so a frame holds a whole layer). `ring` slots when given
+        (at least one layer's streamed experts), rounded down to whole frames, at least one;
+        else two frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`,
+        and never fewer than one; one frame when nothing streams.
 
     Args:
         config: The model config.
@@ -303,7 +319,7 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
         ValueError: a profile of another model (or not integer counts); a negative
             resident_per_layer or one above the experts of a layer; a negative resident budget,
             or one larger than `device_bytes`; a ring of fewer than one slot or than one layer's
-            streamed experts; a ring budget that cannot hold one layer's streamed experts.
+            streamed experts; a ring budget that cannot hold one layer frame.
     """
     sc = StreamConfig() if stream is None else stream
     L, E = config.n_layers, config.n_experts
@@ -366,23 +382,26 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
         if ring < need:
             raise ValueError(
                 f"a ring of {ring} slots cannot hold one layer's {need} streamed experts; "
-                f"use ring >= {need} (one layer plus read-ahead: {2 * need})")
+                f"use ring >= {need} (one layer plus read-ahead: {2 * E})")
+        frames = max(1, ring // E) if E else 1
     else:
         if not float(sc.ring_budget_gib) >= 0:
             raise ValueError(f"ring_budget_gib={sc.ring_budget_gib}: must be >= 0 (GiB of "
                              "device memory for the ring)")
         budget_slots = int(sc.ring_budget_gib * 2**30) // blob_bytes
+        budget_frames = budget_slots // E if E else 1
         if need == 0:
-            ring = 1
+            frames = 1
         else:
-            fits = budget_slots >= need
+            fits = budget_frames >= 1
             if not fits and check_ring_budget:
                 raise ValueError(
                     f"ring_budget_gib={sc.ring_budget_gib} holds {budget_slots} experts of "
-                    f"{blob_bytes / 2**20:.1f} MiB, fewer than one layer's {need} streamed "
-                    f"experts ({need * blob_bytes / 2**30:.2f} GiB); raise the budget or keep "
-                    "more experts resident")
-            ring = max(need, min(2 * need, budget_slots))
+                    f"{blob_bytes / 2**20:.1f} MiB, fewer than one layer frame of {E} experts "
+                    f"({E * blob_bytes / 2**30:.2f} GiB: a layer is read where it lands, its "
+                    "resident experts copied in); raise the budget")
+            frames = max(1, min(2, budget_frames))
+    ring = frames * max(E, 1)
     return StreamPlan(
         resident=tuple(tuple(sorted(r)) for r in resident), stream_list=tuple(stream_list),
         streamed_mask=mask, streamed_per_layer=per_layer, ring=ring, blob_bytes=blob_bytes,
@@ -539,6 +558,53 @@ class StreamEngine:
             rl.ctypes.data, re_.ctypes.data, len(rl), err, len(err)), err, "stream plan")
         _check(lib.strata_engine_prepare(self.id, err, len(err)), err, "prepare")
         self._resident_blobs = self._put_resident()
+        # MoE layer number i (in order) takes ring frame i % frames, as the native engine.
+        self.frame_of = {l: i % self.plan.frames for i, l in enumerate(self.moe_layers)}
+        self.frames_note = ""
+        self._frames = self._frame_views()
+
+    def _frame_views(self) -> tuple[ExpertWeights, ...] | None:
+        """The ring's layer frames as JAX arrays over the ring's memory, frame f's gate/up
+        [E, H, I] and down [E, I, H]: what the model reads a streamed layer's experts from
+        (StreamConfig.read_in_place, CUDA). None where fetch copies the frame out instead, with
+        the reason in `frames_note` when a view was wanted but JAX would not take one."""
+        if self.backend != "cuda" or not self.stream.read_in_place:
+            self.frames_note = ("fetch copies each frame out (read_in_place=False)"
+                                if self.backend == "cuda" else "")
+            return None
+        c, E = self.config, self.config.n_experts
+        h, i = c.hidden_size, c.expert_intermediate
+        planes = (ctypes.c_void_p * 3)()
+        n = ctypes.c_int64()
+        if native.lib().strata_engine_frames(self.id, planes, ctypes.byref(n)) != 0:
+            raise RuntimeError(f"strata engine {self.id}: no ring frames (engine closed?)")
+        part = h * i * self.dtype.itemsize
+        shapes = ((E, h, i), (E, h, i), (E, i, h))
+        frames = []
+        try:
+            for f in range(int(n.value)):
+                frames.append(ExpertWeights(*(
+                    _dlpack.view(int(planes[p]) + f * E * part, shapes[p], self.dtype,
+                                 self.jax_device) for p in range(3))))
+        except (RuntimeError, TypeError) as e:
+            for w in frames:
+                for a in w:
+                    a.delete()
+            self.frames_note = f"fetch copies each frame out: {e}"
+            warnings.warn(f"strata: the model cannot read the ring in place, so fetch copies "
+                          f"each layer out of it (slower): {e}", RuntimeWarning, stacklevel=3)
+            return None
+        self.frames_note = "the model reads each layer's experts in its ring frame"
+        return tuple(frames)
+
+    @property
+    def frames(self) -> tuple[ExpertWeights, ...] | None:
+        """The ring's frames as JAX arrays read in place (`_frame_views`), or None."""
+        return self._frames
+
+    @property
+    def read_in_place(self) -> bool:
+        return self._frames is not None
 
     def _pinned_arena(self, nbytes: int) -> np.ndarray | None:
         """One pinned host block of `nbytes` as a uint8 array, or None (the engine then pins
@@ -752,6 +818,13 @@ class StreamEngine:
     def close(self) -> None:
         """Stops the threads and frees the engine. Idempotent."""
         self._stores = [None] * len(self._stores)  # may view the pinned block freed next
+        # The frame views go before the ring they view (the engine's teardown synchronizes
+        # the device first, so no program still reads them).
+        for w in getattr(self, "_frames", None) or ():
+            for a in w:
+                if not a.is_deleted():
+                    a.delete()
+        self._frames = None
         self._finalizer()
         self._pinned = None  # freed by the finalizer
 
@@ -876,6 +949,22 @@ def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array, n_e
     return ExpertWeights(gate, up, down), tok
 
 
+def fetch_frame(engine_id: int, layer: int, token: jax.Array, resident: jax.Array) -> jax.Array:
+    """fetch_frame: readies the layer's ring frame (residents copied in, skipped rows zeroed,
+    its copies waited for on XLA's stream); the model then reads the frame in place."""
+    (tok,) = _call("fetch_frame", [((), jnp.int32)], token, resident,
+                   engine=np.int64(engine_id), layer=np.int32(layer))
+    return tok
+
+
+def release(engine_id: int, layer: int, token: jax.Array, after: jax.Array) -> jax.Array:
+    """release: the layer's expert math (`after`, one of its outputs) is done with its frame,
+    which the walk may then fill with a later layer."""
+    (tok,) = _call("release", [((), jnp.int32)], token, after,
+                   engine=np.int64(engine_id), layer=np.int32(layer))
+    return tok
+
+
 def end(engine_id: int, token: jax.Array, n_layers: int) -> jax.Array:
     (stats,) = _call("end", [((n_layers, 2), jnp.int32)], token, engine=np.int64(engine_id))
     return stats
@@ -885,15 +974,23 @@ class StreamedExperts:
     """The model's expert source inside one traced chunk.
 
     Made inside the jitted function: `begin` on construction (`ids`: the chunk's next `n_ids`
-    staged token ids), then for each MoE layer `publish` (the router's counts) and `fetch` (the
-    layer's weights), and `finish` returns end_chunk's per-layer (copied, skipped).
+    staged token ids), then for each MoE layer `publish` (the router's counts), `fetch` (the
+    layer's weights: its ring frame, read in place where `frames` are given, else a copy of
+    it) and, after the layer's expert math, `release` (its frame may take a later layer);
+    `finish` returns end_chunk's per-layer (copied, skipped).
     """
 
     def __init__(self, engine_id: int, mode: int, config: ModelConfig,
-                 resident_blobs: dict[int, jax.Array], token: jax.Array, n_ids: int = 0):
+                 resident_blobs: dict[int, jax.Array], token: jax.Array, n_ids: int = 0,
+                 frames: tuple[ExpertWeights, ...] | None = None,
+                 frame_of: dict[int, int] | None = None):
+        if frames is not None and frame_of is None:
+            raise ValueError("frames need frame_of (StreamEngine.frame_of)")
         self.engine_id = engine_id
         self.config = config
         self.resident_blobs = resident_blobs
+        self.frames = frames
+        self.frame_of = frame_of
         self.token, self.ids = begin(engine_id, mode, token, n_ids)
 
     def expert_weights(self, layer: int, counts: jax.Array,
@@ -902,10 +999,25 @@ class StreamedExperts:
         with jax.named_scope(f"stream_publish_{layer}"):
             self.token = publish(self.engine_id, layer, self.token, counts)
         with jax.named_scope(f"stream_fetch_{layer}"):
-            w, self.token = fetch(self.engine_id, layer, self.token,
-                                  self.resident_blobs[layer], self.config.n_experts,
-                                  self.config.hidden_size, self.config.expert_intermediate)
-        return w
+            if self.frames is None:
+                w, self.token = fetch(self.engine_id, layer, self.token,
+                                      self.resident_blobs[layer], self.config.n_experts,
+                                      self.config.hidden_size, self.config.expert_intermediate)
+                return w
+            tok = fetch_frame(self.engine_id, layer, self.token, self.resident_blobs[layer])
+            # The frame is a program input: the barrier makes every read of it wait for fetch.
+            w, self.token = jax.lax.optimization_barrier(
+                (tuple(self.frames[self.frame_of[layer]]), tok))
+            return ExpertWeights(*w)
+
+    def release(self, layer: int, outs):
+        """After the layer's expert math: `outs` (its outputs, any pytree of arrays) come back
+        once all are computed and the layer's frame is released."""
+        with jax.named_scope(f"stream_release_{layer}"):
+            outs = jax.lax.optimization_barrier(outs)  # every output, before the release
+            tok = release(self.engine_id, layer, self.token, jax.tree_util.tree_leaves(outs)[0])
+            outs, self.token = jax.lax.optimization_barrier((outs, tok))
+        return outs
 
     def finish(self) -> jax.Array:
         return end(self.engine_id, self.token, self.config.n_layers)

@@ -82,17 +82,21 @@ def _assert_same_threads(before: Counter, after: Counter) -> None:
         f"{grown}")
 
 
-@pytest.mark.parametrize("pin,routed,publish", [
-    ("register", False, "callback"), ("register", True, "callback"), ("arena", True, "callback"),
-    ("none", True, "callback"), ("arena", True, "event"), ("none", True, "event")])
-def test_cuda_arms_identical(setup, pin, routed, publish):
+@pytest.mark.parametrize("pin,routed,publish,in_place", [
+    ("register", False, "callback", True), ("register", True, "callback", True),
+    ("arena", True, "callback", True), ("none", True, "callback", True),
+    ("arena", True, "event", True), ("none", True, "event", True),
+    ("arena", True, "event", False), ("arena", False, "event", False)])
+def test_cuda_arms_identical(setup, pin, routed, publish, in_place):
     from strata_jax.engine import Engine, sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
     sc = StreamConfig(routed=routed, depth=2, pin=pin, stream_floor=CHUNK, backend="cuda",
-                      publish=publish)
+                      publish=publish, read_in_place=in_place)
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        # Read in place: the model's fetched weights are JAX arrays over the ring itself.
+        assert eng.streamer.read_in_place is in_place, eng.streamer.frames_note
         for _ in range(2):
             r = eng.prefill(tokens)
             assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
@@ -104,6 +108,31 @@ def test_cuda_arms_identical(setup, pin, routed, publish):
                     assert s.skipped.sum() == 0  # switch off, or staged: never skipped
         assert [c.stats.mode for c in r.chunks] == ["stream"] * 3 + ["routed-only"]
         assert not eng.streamer.walk_active()
+
+
+@pytest.mark.parametrize("resident_per_layer", [0, 5])
+def test_cuda_frames_hold_each_layer_where_the_model_reads_it(setup, resident_per_layer):
+    # After a stream-all chunk each ring frame holds, row e, expert e of the last MoE layer that
+    # took it: the streamed ones as their copies landed (split into the three planes on the
+    # way), the resident ones copied in from the cache. The frame views are the ring's memory.
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, _ = setup
+    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda",
+                      resident_per_layer=resident_per_layer)
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        st = eng.streamer
+        assert st.read_in_place and len(st.frames) == st.plan.frames >= 1
+        eng.prefill(tokens[:CHUNK])
+        last = {}
+        for l in cfg.moe_layers:
+            last[st.frame_of[l]] = l
+        for f, l in last.items():
+            for name, got in zip(("gate", "up", "down"), st.frames[f]):
+                want = np.asarray(params[f"layers.{l}.mlp.{name}"])
+                np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                              want.view(np.uint16), err_msg=f"{name} {l}")
 
 
 def test_cuda_info_in_pinned_host_memory(setup, monkeypatch):

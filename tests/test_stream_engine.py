@@ -627,9 +627,15 @@ def test_plan_stream_rules():
     p = plan_stream(CFG)  # nothing resident: two layers of read-ahead when the budget allows
     assert p.resident == ((),) * CFG.n_layers and p.ring == 2 * E
     assert p.stream_list == tuple((l, e) for l in CFG.moe_layers for e in range(E))
-    # A budget of 20 slots caps the ring between one layer (16) and two (32).
-    assert plan_stream(CFG, StreamConfig(ring_budget_gib=20 * CFG.expert_bytes / 2**30)).ring == 20
-    assert plan_stream(CFG, StreamConfig(resident_per_layer=E)).ring == 1  # nothing streams
+    assert p.frames == 2
+    # The ring is whole layer frames: a budget of 20 slots holds one frame of 16, not two.
+    p20 = plan_stream(CFG, StreamConfig(ring_budget_gib=20 * CFG.expert_bytes / 2**30))
+    assert (p20.ring, p20.frames) == (16, 1)
+    # An explicit ring rounds down to whole frames, at least one, whatever is resident.
+    assert plan_stream(CFG, StreamConfig(ring=47)).ring == 32
+    assert plan_stream(CFG, StreamConfig(ring=5, resident_per_layer=11)).ring == 16
+    # Nothing streams: one frame, which fetch fills from the resident cache.
+    assert plan_stream(CFG, StreamConfig(resident_per_layer=E)).ring == E
     # A budget of 7 experts without a profile: 7 // 3 layers = 2 per layer, the lowest ids.
     p = plan_stream(CFG, StreamConfig(resident_budget_gib=7 * CFG.expert_bytes / 2**30))
     assert p.resident == ((0, 1),) * 3 and p.resident_bytes == 6 * CFG.expert_bytes
@@ -650,7 +656,7 @@ def test_plan_stream_rules():
     (dict(ring=0), {}, "ring of 0 slots cannot work"),
     (dict(ring=8), {}, r"ring of 8 slots cannot hold one layer's 16 streamed experts; use ring >= 16"),
     (dict(ring_budget_gib=1e-6), {}, r"ring_budget_gib=1e-06 holds 0 experts .* fewer than one "
-                                     "layer's 16 streamed experts"),
+                                     "layer frame of 16 experts"),
     (dict(ring_budget_gib=-1.0), {}, r"ring_budget_gib=-1.0: must be >= 0"),
     (dict(resident_per_layer=17), {}, "resident_per_layer=17 exceeds the 16 experts"),
     (dict(resident_per_layer=-1), {}, "resident_per_layer=-1: must be >= 0"),
@@ -738,16 +744,71 @@ def test_prefill_program_has_no_jax_effects():
                 max_context=256, chunk_size=CHUNK) as eng:
         cache = eng.new_cache()
         fn = functools.partial(eng._prefill_fn, first=False, mode=0, sub=0, width=CHUNK + 2)
-        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, eng.streamer.resident_blobs, None, cache)
+        resident = (eng.streamer.resident_blobs, eng.streamer.frames)
+        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, resident, None, cache)
         calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "strata_stream_call"]
-        assert len(calls) == 2 + 2 * len(CFG.moe_layers)  # begin, publish+fetch per layer, end
+        # begin, publish + fetch + release per layer, end
+        assert len(calls) == 2 + 3 * len(CFG.moe_layers)
         assert not jaxpr.effects
         # The chunk's ids come out of begin_chunk: the program takes none from the host.
         assert calls[0].outvars[1].aval.shape == (CHUNK + 2,)
         hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub", "width")).lower(
-            eng._state_leaves, eng.streamer.resident_blobs, None, None, first=True, mode=0,
-            sub=0, width=CHUNK + 2).as_text()
+            eng._state_leaves, resident, None, None, first=True, mode=0, sub=0,
+            width=CHUNK + 2).as_text()
         assert hlo.count("has_side_effect = true") == len(calls)
+
+
+@pytest.mark.parametrize("steps, pattern", [
+    # (layer index into moe_layers, call) in order; the chunk must fail with the pattern.
+    ([(1, "fetch")], r"fetch, layer \d+: out of order: layer \d+ fetches next"),
+    ([(0, "fetch"), (1, "fetch")], r"layer \d+ has not released its frame"),
+    ([(0, "release")], "release, layer \\d+: no fetched layer to release"),
+    ([(0, "fetch"), (1, "release")], r"release, layer \d+: layer \d+ is the one fetched"),
+    ([(0, "fetch"), (0, "release"), (1, "fetch"), ("end", None)],
+     r"end_chunk: layer \d+ was fetched but never released"),
+])
+def test_frames_are_fetched_and_released_in_layer_order(steps, pattern):
+    # A layer's fetch readies its ring frame; its release (after its expert math) lets the walk
+    # fill the frame with a later layer. Out of order, either would let the walk overwrite a
+    # frame still read (or deadlock it): each is refused with a message, no thread is left, and
+    # the next chunk is whole.
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax import stream as S
+    from strata_jax.synthetic import split_experts
+
+    _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
+    eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
+                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0))
+    counts = jnp.ones((CFG.n_experts,), jnp.int32)
+    layers = list(CFG.moe_layers)
+
+    def chunk(steps):
+        tok, _ = S.begin(eng.id, 0, jnp.zeros((), jnp.int32))
+        outs = []
+        for i, call in steps:
+            if i == "end":
+                break
+            l = layers[i]
+            if call == "fetch":
+                tok = S.publish(eng.id, l, tok, counts)
+                w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
+                                 CFG.hidden_size, CFG.expert_intermediate)
+                outs.append(w.gate.sum())
+            else:
+                tok = S.release(eng.id, l, tok, outs[-1] if outs else tok)
+        return S.end(eng.id, tok, CFG.n_layers), outs
+
+    whole = [(i, c) for i in range(len(layers)) for c in ("fetch", "release")]
+    try:
+        with pytest.raises(Exception, match=pattern):
+            jax.block_until_ready(jax.jit(lambda: chunk(steps))())
+        assert not eng.walk_active()
+        stats, _ = jax.jit(lambda: chunk(whole))()
+        assert np.asarray(stats)[layers, 0].sum() == len(eng.stream_list)
+    finally:
+        eng.close()
 
 
 def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers():
@@ -775,6 +836,7 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
             w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
                              CFG.hidden_size, CFG.expert_intermediate)
             outs.append(w.gate.sum())
+            tok = S.release(eng.id, l, tok, outs[-1])
         return S.end(eng.id, tok, CFG.n_layers), outs
 
     try:

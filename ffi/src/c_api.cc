@@ -59,6 +59,9 @@ int64_t strata_engine_create(const EngineOptions* opt, char* err,
     else if (opt->publish_mode != 0 && opt->publish_mode != 1)
       s = "publish_mode " + std::to_string(opt->publish_mode) +
           " is not 0 (host callback) or 1 (polled event)";
+    else if (opt->n_experts > 0 && opt->ring % opt->n_experts != 0)
+      s = "a ring of " + std::to_string(opt->ring) + " slots is not a whole number of "
+          "layer frames of " + std::to_string(opt->n_experts) + " experts";
     else if (opt->blob_bytes % strata::kParts != 0)
       s = "expert blob of " + std::to_string(opt->blob_bytes) +
           " bytes is not " + std::to_string(strata::kParts) +
@@ -176,6 +179,17 @@ int strata_engine_inject_fault(int64_t id, int32_t layer, int32_t kind) {
   Engine* e = strata::FindEngine(id);
   if (!e) return 1;
   e->InjectFault(layer, static_cast<strata::Fault>(kind));
+  return 0;
+}
+
+// planes: void*[3], the ring's gate, up and down planes ([ring, part] each,
+// frame f at row f * n_experts); frames: how many frames. 0 on success.
+int strata_engine_frames(int64_t id, void** planes, int64_t* frames) {
+  Engine* e = strata::FindEngine(id);
+  if (!e) return 1;
+  const strata::Rows r = e->FramePlanes();
+  for (int p = 0; p < strata::kParts; ++p) planes[p] = r.part[p];
+  *frames = e->frames();
   return 0;
 }
 

@@ -1,4 +1,5 @@
-// The CPU backend ("simulated device"): the ring is host memory, the link is
+// The CPU backend ("simulated device"): the ring (three planes of layer
+// frames, as on the GPU) is host memory, the link is
 // SimLink's copy worker (in order, with a configurable bandwidth, latency and
 // jitter) and events are per-slot sequence numbers. It runs the real walk with
 // real threads and atomics, so CI exercises the whole engine without a GPU.
@@ -33,7 +34,8 @@ class CpuEngine final : public Engine {
     lo.seed = opt_.seed;
     link_ = std::make_unique<SimLink>(
         [this](const StreamEntry& e) { return HostBlob(e.layer, e.expert); },
-        opt_.blob_bytes, ring_.data(), opt_.ring, lo);
+        opt_.blob_bytes, ring_.data(), opt_.ring, lo, kParts);
+    link_->SetNeed(&need_);
     prepared_ = true;
     return {};
   }
@@ -64,16 +66,35 @@ class CpuEngine final : public Engine {
     return {};
   }
 
-  Status ReadSlots(int64_t k, int64_t n, int64_t slot, const Rows& dst,
-                   void*) override {
-    for (int64_t j = 0; j < n; ++j) {
-      if (!link_->WaitCopied(k + j, slot + j, state_))
-        return "the walk was stopped while entry " + std::to_string(k + j) +
-               " was in flight";
-      Split(link_->Slot(slot + j), 1, At(dst, j));
-      link_->ReleaseSlot(k + j, slot + j);
-    }
+  Status WaitCopied(int64_t k, int64_t slot, void*) override {
+    // The link lands copies in order: entry k's landing implies the earlier.
+    if (!link_->WaitCopied(k, slot, state_))
+      return "the walk was stopped while entry " + std::to_string(k) +
+             " was in flight";
     return {};
+  }
+
+  Status ReleaseFrame(int, int64_t, int64_t k0, int64_t k1, void*) override {
+    // On the CPU the expert math that read the frame has run: release now.
+    for (int64_t k = k0; k < k1; ++k)
+      if (state_.entry_state(k) == EntryState::kCopied)
+        link_->ReleaseSlot(k, slot_of_[k]);
+    return {};
+  }
+
+  Status CopyFrame(const Rows& src, void* const* out, void*) override {
+    for (int p = 0; p < kParts; ++p)
+      std::memcpy(out[p], src.part[p],
+                  static_cast<size_t>(opt_.n_experts * part_bytes()));
+    return {};
+  }
+
+  Rows SlotRows(int64_t slot) const override {
+    Rows r{};
+    uint8_t* base = const_cast<uint8_t*>(ring_.data());
+    for (int p = 0; p < kParts; ++p)
+      r.part[p] = base + (p * opt_.ring + slot) * part_bytes();
+    return r;
   }
 
   Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,

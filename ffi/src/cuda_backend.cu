@@ -483,21 +483,28 @@ class CudaEngine final : public Engine {
                         copy_stream_);
       copy_started_ = true;
     }
-    // Never recorded means never read since the ring was made: waiting on an
-    // unrecorded event would be a no-op anyway, but this keeps it explicit.
-    for (int64_t j = 0; j < n; ++j)
-      if (used_recorded_[slot0 + j].load(std::memory_order_acquire))
-        STRATA_CUDA_THROW(Entry(slot0 + j, stream_[k + j]) +
-                              ", waiting for the slot's release",
-                          cudaStreamWaitEvent, copy_stream_, used_[slot0 + j], 0u);
+    // The frame's last reader released it on XLA's stream (the walk saw that
+    // release on the host). Never recorded means never read since the ring
+    // was made: waiting on an unrecorded event would be a no-op anyway.
+    const int64_t frame = slot0 / opt_.n_experts;
+    if (used_recorded_[frame].load(std::memory_order_acquire))
+      STRATA_CUDA_THROW(Entry(slot0, e) + ", waiting for frame " +
+                            std::to_string(frame) + "'s release",
+                        cudaStreamWaitEvent, copy_stream_, used_[frame], 0u);
     const uint8_t* src = staging_
                              ? stager_.WaitFilled(k, kIssuerPoll)
                              : SourceBlob(e.layer, e.expert);
-    STRATA_CUDA_THROW(
-        Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : ""),
-        cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes, src,
-        static_cast<size_t>(n * opt_.blob_bytes), cudaMemcpyHostToDevice,
-        copy_stream_);
+    // Split into the three planes as it crosses the link: one strided copy
+    // per plane, rows of a third of a blob.
+    const size_t part = static_cast<size_t>(part_bytes());
+    const Rows dst = SlotRows(slot0);
+    for (int p = 0; p < kParts; ++p)
+      STRATA_CUDA_THROW(
+          Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : "") +
+              ", plane " + std::to_string(p),
+          cudaMemcpy2DAsync, dst.part[p], part, src + p * part,
+          static_cast<size_t>(opt_.blob_bytes), part, static_cast<size_t>(n),
+          cudaMemcpyHostToDevice, copy_stream_);
     for (int64_t j = 0; j < n; ++j)
       STRATA_CUDA_THROW(Entry(slot0 + j, stream_[k + j]), cudaEventRecord,
                         copied_[slot0 + j], copy_stream_);
@@ -507,7 +514,7 @@ class CudaEngine final : public Engine {
   // The slot's event may since carry a later entry's copy; the copy stream
   // is in order, so its landing implies entry k's.
   bool CopyLanded(int64_t k) {
-    const int64_t slot = k % opt_.ring;
+    const int64_t slot = slot_of_[k];
     const cudaError_t err = cudaEventQuery(copied_[slot]);
     if (err == cudaSuccess) return true;
     if (err == cudaErrorNotReady) return false;
@@ -639,34 +646,44 @@ class CudaEngine final : public Engine {
     return {};
   }
 
-  Status ReadSlots(int64_t k, int64_t n, int64_t slot, const Rows& dst,
-                   void* stream) override {
+  Status WaitCopied(int64_t k, int64_t slot, void* stream) override {
     STRATA_ENTER_DEVICE(dev);
-    cudaStream_t st = static_cast<cudaStream_t>(stream);
-    const StreamEntry& e = stream_[k];
-    auto where = [&] {
-      return "layer " + std::to_string(e.layer) + " experts " +
-             std::to_string(e.expert) + ".." + std::to_string(e.expert + n - 1) +
-             " <- slots " + std::to_string(slot) + ".." +
-             std::to_string(slot + n - 1);
-    };
     // Orders the device only; the host never waits for the copies.
-    for (int64_t j = 0; j < n; ++j)
-      STRATA_CUDA_RETURN(where(), cudaStreamWaitEvent, st, copied_[slot + j], 0u);
-    if (Status s = Split(ring_ + slot * opt_.blob_bytes, n, dst,
-                         cudaMemcpyDeviceToDevice, st);
-        !s.empty())
-      return where() + ": " + s;
-    for (int64_t j = 0; j < n; ++j) {
-      STRATA_CUDA_RETURN(where(), cudaEventRecord, used_[slot + j], st);
-      used_recorded_[slot + j].store(true, std::memory_order_release);
-    }
+    STRATA_CUDA_RETURN("waiting for entry " + std::to_string(k) + " (" +
+                           Entry(slot, stream_[k]) + ") and the copies before it",
+                       cudaStreamWaitEvent, static_cast<cudaStream_t>(stream),
+                       copied_[slot], 0u);
     return {};
   }
 
-  // A run of the copy's length: the split of each run starts as soon as it
-  // lands, and after the chunk's last copy only one run is left to split.
-  int64_t MaxReadRun() const override { return kMaxRun; }
+  Status ReleaseFrame(int layer, int64_t frame, int64_t, int64_t,
+                      void* stream) override {
+    STRATA_ENTER_DEVICE(dev);
+    STRATA_CUDA_RETURN("frame " + std::to_string(frame) + " of layer " +
+                           std::to_string(layer),
+                       cudaEventRecord, used_[frame],
+                       static_cast<cudaStream_t>(stream));
+    used_recorded_[frame].store(true, std::memory_order_release);
+    return {};
+  }
+
+  Status CopyFrame(const Rows& src, void* const* out, void* stream) override {
+    STRATA_ENTER_DEVICE(dev);
+    for (int p = 0; p < kParts; ++p)
+      STRATA_CUDA_RETURN("plane " + std::to_string(p), cudaMemcpyAsync, out[p],
+                         src.part[p],
+                         static_cast<size_t>(opt_.n_experts * part_bytes()),
+                         cudaMemcpyDeviceToDevice,
+                         static_cast<cudaStream_t>(stream));
+    return {};
+  }
+
+  Rows SlotRows(int64_t slot) const override {
+    Rows r{};
+    for (int p = 0; p < kParts; ++p)
+      r.part[p] = ring_ ? ring_ + (p * opt_.ring + slot) * part_bytes() : nullptr;
+    return r;
+  }
 
   Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
                     void* stream) override {
@@ -907,16 +924,20 @@ class CudaEngine final : public Engine {
                        static_cast<size_t>(ring_bytes));
     STRATA_CUDA_RETURN("copy stream", cudaStreamCreateWithFlags, &copy_stream_,
                        cudaStreamNonBlocking);
+    // A ring never written holds zeros, not garbage, wherever it is read.
+    STRATA_CUDA_RETURN("zeroing the ring", cudaMemset, ring_, 0,
+                       static_cast<size_t>(ring_bytes));
     copied_.assign(static_cast<size_t>(opt_.ring), nullptr);
-    used_.assign(static_cast<size_t>(opt_.ring), nullptr);
-    for (int64_t slot = 0; slot < opt_.ring; ++slot) {
+    for (int64_t slot = 0; slot < opt_.ring; ++slot)
       STRATA_CUDA_RETURN("copied event of slot " + std::to_string(slot),
                          cudaEventCreateWithFlags, &copied_[slot],
                          cudaEventDisableTiming);
-      STRATA_CUDA_RETURN("used event of slot " + std::to_string(slot),
-                         cudaEventCreateWithFlags, &used_[slot],
+    const int64_t n_frames = frames();
+    used_.assign(static_cast<size_t>(n_frames), nullptr);
+    for (int64_t f = 0; f < n_frames; ++f)
+      STRATA_CUDA_RETURN("used event of frame " + std::to_string(f),
+                         cudaEventCreateWithFlags, &used_[f],
                          cudaEventDisableTiming);
-    }
     for (cudaEvent_t* ev : {&t_begin_, &t_end_, &t_copy0_, &t_copy1_})
       STRATA_CUDA_RETURN("timing event", cudaEventCreate, ev);
     published_.assign(static_cast<size_t>(opt_.n_layers), nullptr);
@@ -928,9 +949,8 @@ class CudaEngine final : public Engine {
         static_cast<size_t>(std::max(opt_.n_layers, 1)));
     for (int l = 0; l < opt_.n_layers; ++l) pub_recorded_[l].store(false);
     used_recorded_ = std::make_unique<std::atomic<bool>[]>(
-        static_cast<size_t>(opt_.ring));
-    for (int64_t slot = 0; slot < opt_.ring; ++slot)
-      used_recorded_[slot].store(false);
+        static_cast<size_t>(std::max<int64_t>(n_frames, 1)));
+    for (int64_t f = 0; f < n_frames; ++f) used_recorded_[f].store(false);
 
     Status s = PinStore();
     if (!s.empty()) return s;
@@ -1089,9 +1109,9 @@ class CudaEngine final : public Engine {
   uint8_t* ring_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;
   std::vector<cudaEvent_t> copied_;  // per slot, recorded on copy_stream_
-  std::vector<cudaEvent_t> used_;    // per slot, recorded on XLA's stream
-  // Written by fetch before it releases the slot (consumed, release); read by
-  // the issuer after it saw that release.
+  std::vector<cudaEvent_t> used_;    // per frame, recorded on XLA's stream
+  // Written by Release before it releases the frame (consumed, release); read
+  // by the issuer after it saw that release.
   std::unique_ptr<std::atomic<bool>[]> used_recorded_;
   // Timing of the last chunk: begin/end on XLA's stream, first copy start and
   // last copy end on the copy stream. copy_started_ is written by the issuer

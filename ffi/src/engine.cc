@@ -79,6 +79,21 @@ Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
     }
     layer_begin_[opt_.n_layers] = static_cast<int64_t>(k);
   }
+  // Layer frames: the layers that fetch (any expert streamed or resident),
+  // in order, take frames round robin.
+  const int64_t F = frames();
+  ord_.assign(static_cast<size_t>(opt_.n_layers), -1);
+  int64_t o = 0;
+  for (int l = 0; l < opt_.n_layers; ++l)
+    if (layer_begin_[l + 1] > layer_begin_[l] || !resident_[l].empty())
+      ord_[l] = o++;
+  slot_of_.assign(stream_.size(), 0);
+  need_.assign(stream_.size(), 0);
+  for (size_t k = 0; k < stream_.size(); ++k) {
+    const int64_t lo = ord_[stream_[k].layer];
+    slot_of_[k] = F > 0 ? (lo % F) * opt_.n_experts + stream_[k].expert : 0;
+    need_[k] = std::max<int64_t>(0, lo - F + 1);
+  }
   prepared_ = false;
   return {};
 }
@@ -203,6 +218,7 @@ Status Engine::BeginChunk(ChunkMode mode, void* stream, bool prestart) {
   mode_ = mode;
   gate_.Reset(opt_.n_layers, opt_.n_experts);
   state_.Reset(static_cast<int64_t>(stream_.size()));
+  fetched_ = released_ = 0;
   walk_failed_ = false;
   walk_error_.clear();
   walk_result_ = WalkResult{};
@@ -216,8 +232,9 @@ Status Engine::BeginChunk(ChunkMode mode, void* stream, bool prestart) {
     if (opt_.routed && opt_.trace && !depth_line_printed_.exchange(true))
       std::fprintf(stderr,
                    "strata: routed stream on: depth %d (requested %d), ring "
-                   "%lld slots\n",
-                   depth_, opt_.depth, static_cast<long long>(opt_.ring));
+                   "%lld slots (%lld layer frames)\n",
+                   depth_, opt_.depth, static_cast<long long>(opt_.ring),
+                   static_cast<long long>(frames()));
     try {
       StartWalk();
     } catch (const std::exception& e) {  // the worker thread could not be made
@@ -238,6 +255,15 @@ Status Engine::Publish(int layer, const void* counts, void* stream) {
   return {};
 }
 
+namespace {
+// The layer `ord` names among those that fetch, for messages.
+int LayerOfOrd(const std::vector<int64_t>& ord, int64_t o) {
+  for (size_t l = 0; l < ord.size(); ++l)
+    if (ord[l] == o) return static_cast<int>(l);
+  return -1;
+}
+}  // namespace
+
 Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
                      void* const* out, const int64_t* out_bytes, void* stream) {
   const std::string where = "fetch, layer " + std::to_string(layer) + ": ";
@@ -247,15 +273,25 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
                 " layers");
   const int64_t blob = opt_.blob_bytes;
   static const char* const kPartNames[kParts] = {"gate", "up", "down"};
-  Rows base{};
-  for (int p = 0; p < kParts; ++p) {
+  for (int p = 0; out && p < kParts; ++p)
     if (out_bytes[p] != part_bytes() * opt_.n_experts)
       return Fail(where + kPartNames[p] + " output of " +
                   std::to_string(out_bytes[p]) + " bytes; expected " +
                   std::to_string(part_bytes() * opt_.n_experts) + " (" +
                   std::to_string(opt_.n_experts) + " experts x " +
                   std::to_string(part_bytes()) + " bytes)");
-    base.part[p] = static_cast<uint8_t*>(out[p]);
+  const int64_t o = ord_[layer];
+  if (o < 0)
+    return Fail(where + "the stream plan has no experts for this layer (a "
+                        "dense layer?)");
+  if (o != fetched_ || fetched_ != released_) {
+    if (fetched_ != released_)
+      return Fail(where + "layer " + std::to_string(LayerOfOrd(ord_, released_)) +
+                  " has not released its frame (release after a layer's expert "
+                  "math, before the next layer's fetch)");
+    return Fail(where + "out of order: layer " +
+                std::to_string(LayerOfOrd(ord_, fetched_)) +
+                " fetches next (each layer once per chunk, in order)");
   }
   const int64_t n_res = static_cast<int64_t>(resident_[layer].size());
   if (resident_bytes != blob * n_res)
@@ -273,6 +309,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   if (state_.Stopped())
     return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                       : std::string("the walk was stopped")));
+  const Rows base = SlotRows((o % frames()) * opt_.n_experts);
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
   // Rows are indexed by expert id and host blobs sit in expert order, so
@@ -291,32 +328,32 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
     return stream_[b].expert == stream_[a].expert + (b - a);
   };
   if (mode_ == ChunkMode::kStream) {
+    // The copies land where the model reads them: nothing to copy out, only
+    // the skipped rows to zero and one wait, on the layer's last copy.
+    if (k1 > k0 && !state_.WaitIssued(k1 - 1))
+      return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
+                                        : std::string("the walk was stopped")));
+    int64_t last = -1;
     for (int64_t k = k0; k < k1;) {
-      if (!state_.WaitIssued(k))
-        return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
-                                          : std::string("the walk was stopped")));
       const bool copied = state_.entry_state(k) == EntryState::kCopied;
-      // Extend only over entries issued already: waiting for a later entry
-      // while holding this one's slot could wait on the ring forever.
       int64_t n = 1;
-      const int64_t issued = state_.issued.load(std::memory_order_acquire);
-      const int64_t max_n = copied ? MaxReadRun() : k1 - k;
-      while (n < max_n && k + n < k1 && k + n < issued && adjacent(k, k + n) &&
-             (state_.entry_state(k + n) == EntryState::kCopied) == copied &&
-             (!copied || (k % opt_.ring) + n < opt_.ring))
+      while (k + n < k1 && adjacent(k, k + n) &&
+             (state_.entry_state(k + n) == EntryState::kCopied) == copied)
         ++n;
-      const Rows row = At(base, stream_[k].expert);
       if (copied) {
-        s = ReadSlots(k, n, k % opt_.ring, row, stream);
         st.copied += n;
         st.bytes += n * blob;
+        last = k + n - 1;
       } else {
-        s = ZeroRows(row, n, stream);  // no token reads them
+        s = ZeroRows(At(base, stream_[k].expert), n, stream);  // no token reads them
+        if (!s.empty()) return Fail(where + s);
         st.skipped += n;
       }
-      if (!s.empty()) return Fail(where + s);
-      state_.Consume(k + n - 1);
       k += n;
+    }
+    if (last >= 0) {
+      s = WaitCopied(last, slot_of_[last], stream);
+      if (!s.empty()) return Fail(where + s);
     }
   } else {
     if (k1 > k0) {
@@ -343,11 +380,40 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       k += n;
     }
   }
+  if (out) {
+    s = CopyFrame(base, out, stream);
+    if (!s.empty()) return Fail(where + "copy out of the frame: " + s);
+  }
+  ++fetched_;
+  return {};
+}
+
+Status Engine::Release(int layer, void* stream) {
+  const std::string where = "release, layer " + std::to_string(layer) + ": ";
+  if (!in_chunk_) return where + "outside a chunk (begin_chunk not run)";
+  if (layer < 0 || layer >= opt_.n_layers)
+    return Fail(where + "outside the model's " + std::to_string(opt_.n_layers) +
+                " layers");
+  const int64_t o = ord_[layer];
+  if (o < 0 || o != released_ || fetched_ != released_ + 1)
+    return Fail(where + (fetched_ == released_
+                             ? std::string("no fetched layer to release")
+                             : "layer " +
+                                   std::to_string(LayerOfOrd(ord_, released_)) +
+                                   " is the one fetched"));
+  Status s = ReleaseFrame(layer, o % frames(), layer_begin_[layer],
+                          layer_begin_[layer + 1], stream);
+  if (!s.empty()) return Fail(where + s);
+  ++released_;
+  state_.ReleaseLayers(released_);
   return {};
 }
 
 Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   if (!in_chunk_) return "end_chunk outside a chunk (begin_chunk not run)";
+  if (fetched_ != released_)
+    return Fail("end_chunk: layer " + std::to_string(LayerOfOrd(ord_, released_)) +
+                " was fetched but never released");
   JoinIssuer();
   if (walk_failed_) return Fail("the issuer failed: " + walk_error_);
   if (mode_ == ChunkMode::kStream && !stream_.empty()) {

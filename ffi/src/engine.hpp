@@ -39,7 +39,7 @@ struct EngineOptions {
   int32_t n_experts = 0;
   int32_t routed = 0;
   int64_t blob_bytes = 0;
-  int64_t ring = 0;
+  int64_t ring = 0;  // slots: a whole number of layer frames of n_experts
   int32_t depth = kDefaultDepth;
   int32_t trace = 0;
   // Simulated link (CPU backend).
@@ -59,9 +59,10 @@ struct EngineOptions {
 };
 
 // An expert's host blob is its gate, up and down matrices back to back, each
-// blob / kParts bytes. Fetch writes them to three planes, [E, part] each, so
-// the model reads every matrix as one contiguous array: no copy to split a
-// packed [E, blob] output into matrices.
+// blob / kParts bytes. The ring holds them as three planes, [ring, part] each,
+// split as they are copied in: `ring` slots are `ring / E` layer frames of E
+// rows, a layer's expert e in row e of its frame, so each plane of a frame is
+// one [E, ...] matrix of the layer, read where it landed.
 inline constexpr int kParts = 3;
 
 // Where rows go: each plane's row of one expert. Advance with Engine::At.
@@ -123,9 +124,16 @@ class Engine {
   // Abort, drop it.
   Status Prestart(ChunkMode mode);
   Status Publish(int layer, const void* counts, void* stream);
-  // `out` and `out_bytes`: the three planes (gate, up, down), [E, part] each.
+  // Readies `layer`'s frame on `stream`: its resident experts copied in from
+  // the cache, its skipped rows zeroed, its copies waited for. `out` and
+  // `out_bytes`: null (the model reads the frame itself, FramePlanes), or the
+  // three planes (gate, up, down), [E, part] each, to copy the frame into.
+  // Layers fetch in order, each after the one before released its frame.
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
                void* const* out, const int64_t* out_bytes, void* stream);
+  // After `layer`'s expert math on `stream`: its frame may take the layer
+  // `frames()` later.
+  Status Release(int layer, void* stream);
   Status End(int32_t* stats_host, void* stats_out, void* stream);
 
   // Stops and joins everything of the current chunk; the engine stays usable.
@@ -174,6 +182,19 @@ class Engine {
   }
   const EngineOptions& options() const { return opt_; }
   int depth() const { return depth_; }
+  // Layer frames in the ring, and the frame `layer` uses (-1: it fetches
+  // nothing, a layer with no experts in the plan).
+  int64_t frames() const {
+    return opt_.n_experts > 0 ? opt_.ring / opt_.n_experts : 0;
+  }
+  int64_t frame_of(int layer) const {
+    return layer >= 0 && layer < opt_.n_layers && ord_[layer] >= 0
+               ? ord_[layer] % frames()
+               : -1;
+  }
+  // The ring's three planes (gate, up, down) after Prepare, each
+  // [ring, part]: frame f's rows start at row f * n_experts.
+  Rows FramePlanes() const { return SlotRows(0); }
 
  protected:
   // Backend hooks.
@@ -181,19 +202,19 @@ class Engine {
   virtual void StartWalk() = 0;  // runs IssueWalk on issuer_ (stream mode)
   virtual Status BackendPublish(int layer, const void* counts,
                                 void* stream) = 0;
-  // Every copy into fetch's output splits n packed blobs (blob bytes apart)
-  // into the n rows at `dst` of each plane.
-  // Copies entries k..k+n-1 (copied by the walk, in slots slot..slot+n-1,
-  // adjacent experts) from their slots into `dst`, then releases the slots.
-  // Called in entry order.
-  virtual Status ReadSlots(int64_t k, int64_t n, int64_t slot, const Rows& dst,
-                           void* stream) = 0;
-  // The most entries one ReadSlots call takes. A call waits for all its
-  // copies, so a layer read in one call would leave the whole layer's split
-  // for after its last copy lands; shorter runs follow the copies in.
-  virtual int64_t MaxReadRun() const {
-    return std::numeric_limits<int64_t>::max();
-  }
+  // Every copy into a frame splits n packed blobs (blob bytes apart) into the
+  // n rows at `dst` of each plane.
+  // Orders `stream` after entry k's copy into `slot` and every copy issued
+  // before it (the link copies in order).
+  virtual Status WaitCopied(int64_t k, int64_t slot, void* stream) = 0;
+  // `layer` (entries k0..k1-1) is done with `frame` once `stream` has run
+  // what is queued on it: the link may write the frame after that.
+  virtual Status ReleaseFrame(int layer, int64_t frame, int64_t k0,
+                              int64_t k1, void* stream) = 0;
+  // Copies a frame's E rows of each plane, from `src`, into `out`.
+  virtual Status CopyFrame(const Rows& src, void* const* out, void* stream) = 0;
+  // The rows of ring slot `slot` in each plane.
+  virtual Rows SlotRows(int64_t slot) const = 0;
   // Copies experts expert..expert+n-1 of `layer` straight from the host store
   // into `dst` (routed-only).
   virtual Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
@@ -236,6 +257,8 @@ class Engine {
     cfg.routed = opt_.routed != 0;
     cfg.poll = poll;
     cfg.hold = &hold_;
+    cfg.slot_of = &slot_of_;
+    cfg.need = &need_;
     return cfg;
   }
   // Entries a prestarted walk may run ahead of its landed copies before the
@@ -264,6 +287,13 @@ class Engine {
   std::vector<StreamEntry> stream_;            // the chunk's stream list
   std::vector<int64_t> layer_begin_;           // first entry of each layer
   std::vector<std::vector<int32_t>> resident_; // per layer: resident experts
+  // Layer frames (SetPlan): per layer, its place among the layers that fetch
+  // (-1: none); per entry, its slot and how many layers must have released
+  // their frames before it is copied (WalkConfig::need).
+  std::vector<int64_t> ord_;
+  std::vector<int64_t> slot_of_;
+  std::vector<int64_t> need_;
+  int64_t fetched_ = 0, released_ = 0;  // layers, this chunk
   RouteGate gate_;
   WalkState state_;
   Worker issuer_{"strata-issuer"};  // runs each chunk's walk

@@ -1,5 +1,6 @@
-// XLA FFI handlers of the streaming engine: begin_chunk, publish, fetch and
-// end_chunk. One templated implementation; the CPU and CUDA registrations
+// XLA FFI handlers of the streaming engine: begin_chunk, publish, fetch (into
+// outputs of its own, or fetch_frame: the model reads the ring's frame),
+// release and end_chunk. One templated implementation; the CPU and CUDA registrations
 // (handlers_cpu.cc, handlers_cuda.cc) differ only in how the platform stream
 // is bound. Every engine error comes back as an ffi::Error naming the call
 // and the layer; nothing throws across the FFI boundary.
@@ -94,6 +95,32 @@ inline ffi::Error Fetch(void* stream, ffi::AnyBuffer, ffi::AnyBuffer resident,
   });
 }
 
+inline ffi::Error FetchFrame(void* stream, ffi::AnyBuffer,
+                             ffi::AnyBuffer resident, ffi::Result<ffi::AnyBuffer>,
+                             int64_t engine, int32_t layer) {
+  return Guard("fetch", [&]() -> Status {
+    Status err;
+    Engine* e = Lookup(engine, &err);
+    if (!e) return err;
+    return e->Fetch(layer, resident.untyped_data(),
+                    static_cast<int64_t>(resident.size_bytes()), nullptr,
+                    nullptr, stream);
+  });
+}
+
+// `after`: any output of the layer's expert math, so this runs after it.
+inline ffi::Error Release(void* stream, ffi::AnyBuffer, ffi::AnyBuffer after,
+                          ffi::Result<ffi::AnyBuffer>, int64_t engine,
+                          int32_t layer) {
+  (void)after;
+  return Guard("release", [&]() -> Status {
+    Status err;
+    Engine* e = Lookup(engine, &err);
+    if (!e) return err;
+    return e->Release(layer, stream);
+  });
+}
+
 inline ffi::Error End(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> stats,
                       int64_t engine) {
   return Guard("end_chunk", [&]() -> Status {
@@ -137,6 +164,24 @@ auto FetchBinding(B b) {
       .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
       .template Ret<ffi::AnyBuffer>()   // up: [E, H, I]
       .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
+      .template Ret<ffi::AnyBuffer>()   // token
+      .template Attr<int64_t>("engine")
+      .template Attr<int32_t>("layer");
+}
+template <class B>
+auto FetchFrameBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
+      .template Ret<ffi::AnyBuffer>()   // token
+      .template Attr<int64_t>("engine")
+      .template Attr<int32_t>("layer");
+}
+template <class B>
+auto ReleaseBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Arg<ffi::AnyBuffer>()   // after: the layer's expert output
       .template Ret<ffi::AnyBuffer>()   // token
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("layer");

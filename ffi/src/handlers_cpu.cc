@@ -20,6 +20,16 @@ ffi::Error FetchCpu(ffi::AnyBuffer t, ffi::AnyBuffer r,
                     int64_t engine, int32_t layer) {
   return h::Fetch(nullptr, t, r, g, u, d, o, engine, layer);
 }
+ffi::Error FetchFrameCpu(ffi::AnyBuffer t, ffi::AnyBuffer r,
+                         ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                         int32_t layer) {
+  return h::FetchFrame(nullptr, t, r, o, engine, layer);
+}
+ffi::Error ReleaseCpu(ffi::AnyBuffer t, ffi::AnyBuffer a,
+                      ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                      int32_t layer) {
+  return h::Release(nullptr, t, a, o, engine, layer);
+}
 ffi::Error EndCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> s,
                   int64_t engine) {
   return h::End(nullptr, t, s, engine);
@@ -32,5 +42,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPublishCpu, PublishCpu,
                               h::PublishBinding(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFetchCpu, FetchCpu,
                               h::FetchBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFetchFrameCpu, FetchFrameCpu,
+                              h::FetchFrameBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataReleaseCpu, ReleaseCpu,
+                              h::ReleaseBinding(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataEndCpu, EndCpu,
                               h::EndBinding(ffi::Ffi::Bind()));

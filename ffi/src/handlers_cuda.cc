@@ -28,6 +28,16 @@ ffi::Error FetchCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer r,
                      int32_t layer) {
   return h::Fetch(static_cast<void*>(stream), t, r, g, u, d, o, engine, layer);
 }
+ffi::Error FetchFrameCuda(cudaStream_t stream, ffi::AnyBuffer t,
+                          ffi::AnyBuffer r, ffi::Result<ffi::AnyBuffer> o,
+                          int64_t engine, int32_t layer) {
+  return h::FetchFrame(static_cast<void*>(stream), t, r, o, engine, layer);
+}
+ffi::Error ReleaseCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer a,
+                       ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                       int32_t layer) {
+  return h::Release(static_cast<void*>(stream), t, a, o, engine, layer);
+}
 ffi::Error EndCuda(cudaStream_t stream, ffi::AnyBuffer t,
                    ffi::Result<ffi::AnyBuffer> s, int64_t engine) {
   return h::End(static_cast<void*>(stream), t, s, engine);
@@ -44,6 +54,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     StrataFetchCuda, FetchCuda,
     h::FetchBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    StrataFetchFrameCuda, FetchFrameCuda,
+    h::FetchFrameBinding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    StrataReleaseCuda, ReleaseCuda,
+    h::ReleaseBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     StrataEndCuda, EndCuda,
     h::EndBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -94,19 +94,24 @@ struct Chunk {
   bool publish_none = false;
   // Consumer: wait this long before starting (lets the issuer run ahead).
   int consumer_start_delay_us = 0;
+  // > 0: layer frames (WalkConfig::slot_of / need), the engine's ring: layer
+  // l's expert e in slot (l % frames) * n_experts + e, released per layer.
+  int frames = 0;
 };
 
 // Records what the walk asked of the link, then forwards to the SimLink.
 struct RecordingLink {
   SimLink* link;
   int64_t ring;
+  const std::vector<int64_t>* slot_of = nullptr;  // frames: the expected slots
+  int64_t want(int64_t k) const { return slot_of ? (*slot_of)[k] : k % ring; }
   std::vector<int> copies;  // per entry
   std::vector<int64_t> slots;
   int64_t bad_slot = 0;
   void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
     ++copies[k];
     slots[k] = slot;
-    if (slot != k % ring) ++bad_slot;
+    if (slot != want(k)) ++bad_slot;
     link->IssueCopy(k, slot, e);
   }
   bool CopyLanded(int64_t k) { return link->CopyLanded(k); }
@@ -117,7 +122,9 @@ struct RecordingLink {
   void IssueRun(int64_t k, int64_t n, int64_t slot) {
     ++runs;
     const auto& es = *entries;
-    if (n < 2 || slot != k % ring || slot + n > ring) ++bad_run;
+    if (n < 2 || slot != want(k) || slot + n > ring ||
+        want(k + n - 1) != slot + n - 1)
+      ++bad_run;
     for (int64_t j = k; j < k + n; ++j) {
       if (es[j].staged) ++bad_run;
       if (j > k && (es[j].layer != es[k].layer || es[j].expert != es[j - 1].expert + 1))
@@ -137,16 +144,29 @@ struct Outcome {
 Outcome RunChunk(const Chunk& c) {
   Store store(c.n_layers, c.n_experts, 64 + (c.n_experts % 5) * 8);
   const int64_t n = static_cast<int64_t>(c.entries.size());
-  std::vector<uint8_t> ring(static_cast<size_t>(c.cfg.ring * store.blob_bytes));
+  WalkConfig cfg = c.cfg;
+  std::vector<int64_t> slot_of, need;
+  if (c.frames > 0) {
+    cfg.ring = static_cast<int64_t>(c.frames) * c.n_experts;
+    for (const StreamEntry& e : c.entries) {
+      slot_of.push_back(static_cast<int64_t>(e.layer % c.frames) * c.n_experts +
+                        e.expert);
+      need.push_back(std::max<int64_t>(0, e.layer - c.frames + 1));
+    }
+    cfg.slot_of = &slot_of;
+    cfg.need = &need;
+  }
+  std::vector<uint8_t> ring(static_cast<size_t>(cfg.ring * store.blob_bytes));
   SimLink link(
       [&](const StreamEntry& e) { return store.blob(e.layer, e.expert); },
-      store.blob_bytes, ring.data(), c.cfg.ring, c.link);
+      store.blob_bytes, ring.data(), cfg.ring, c.link);
+  if (c.frames > 0) link.SetNeed(&need);
   RouteGate gate(c.n_layers, c.n_experts);
   WalkState st;
   st.Reset(n);
   link.BeginChunk(&st);
-  RecordingLink rec{&link, c.cfg.ring, std::vector<int>(n, 0),
-                    std::vector<int64_t>(n, -1)};
+  RecordingLink rec{&link, cfg.ring, c.frames > 0 ? &slot_of : nullptr,
+                    std::vector<int>(n, 0), std::vector<int64_t>(n, -1)};
   rec.entries = &c.entries;
 
   if (c.publish_all_first)
@@ -157,7 +177,7 @@ Outcome RunChunk(const Chunk& c) {
   Outcome out;
 
   std::thread issuer([&] {
-    out.res = strata::IssueWalk(c.entries, c.cfg, gate, st, rec);
+    out.res = strata::IssueWalk(c.entries, cfg, gate, st, rec);
   });
   std::thread publisher([&] {
     if (c.publish_all_first || c.publish_none) return;
@@ -181,6 +201,7 @@ Outcome RunChunk(const Chunk& c) {
     int64_t k = 0;
     for (int l = 0; l < c.n_layers; ++l) {
       reached.store(l, std::memory_order_release);
+      const int64_t layer_k0 = k;
       for (; k < n && c.entries[k].layer == l; ++k) {
         const StreamEntry& e = c.entries[k];
         bool ok = st.WaitIssued(k);
@@ -197,16 +218,31 @@ Outcome RunChunk(const Chunk& c) {
                 "[%s] routed entry %lld (layer %d expert %d) not copied",
                 c.name.c_str(), (long long)k, e.layer, e.expert);
         if (s == EntryState::kCopied) {
-          int64_t slot = k % c.cfg.ring;
+          int64_t slot = rec.want(k);
           CHECK(link.WaitCopied(k, slot, st), "[%s] copy %lld never landed",
                 c.name.c_str(), (long long)k);
           CHECK(std::memcmp(link.Slot(slot), store.blob(e.layer, e.expert),
                             store.blob_bytes) == 0,
                 "[%s] entry %lld read foreign bytes from slot %lld",
                 c.name.c_str(), (long long)k, (long long)slot);
-          link.ReleaseSlot(k, slot);
+          if (c.frames == 0) link.ReleaseSlot(k, slot);
         }
-        st.Consume(k);
+        if (c.frames == 0) st.Consume(k);
+      }
+      if (c.frames > 0) {
+        // The layer's expert math is done: its frame is free, the whole
+        // layer's slots at once. Re-read them first: nothing may have
+        // landed in the frame while the layer was being read.
+        for (int64_t j = layer_k0; j < k; ++j) {
+          const StreamEntry& e = c.entries[j];
+          if (st.entry_state(j) != EntryState::kCopied) continue;
+          CHECK(std::memcmp(link.Slot(rec.want(j)), store.blob(e.layer, e.expert),
+                            store.blob_bytes) == 0,
+                "[%s] entry %lld overwritten before its layer released it",
+                c.name.c_str(), (long long)j);
+          link.ReleaseSlot(j, rec.want(j));
+        }
+        st.ReleaseLayers(l + 1);
       }
     }
     consumer_done = true;
@@ -310,6 +346,7 @@ Chunk RandomChunk(std::mt19937_64& rng, int index) {
     max_layer = std::max(max_layer, experts.size());
   }
   c.cfg.ring = uni(1, static_cast<int>(max_layer) * 2 + 2);
+  c.frames = uni(0, 1) ? 0 : uni(1, 3);
   c.cfg.depth = uni(0, 3) == 0 ? uni(-3, 300) : uni(1, 8);
   c.cfg.routed = uni(0, 3) != 0;
   c.cfg.poll = std::chrono::microseconds(uni(5, 50));

@@ -7,19 +7,28 @@
 // a token does need (wrong output), or deadlocks against its consumer.
 //
 // Rules (DESIGN.md, "The issuer walk"). For entry k of the chunk's stream list:
-//   1. Ring rule: wait until k < consumed + ring.
+//   1. Ring rule: wait until k < consumed + ring. With layer frames (below),
+//      wait until consumed >= need[k] instead.
 //   2. Routed switch only. Depth rule: at most `depth` copies queued ahead of
 //      the link; wait until the copy issued `depth` copies earlier has landed.
 //   3. Routed switch only. Skip rule: if k's layer is published, its expert's
 //      gate byte is 0 and the entry is not staged, skip it (touch nothing).
 //      Re-checked while waiting in 1 and 2.
-//   4. Otherwise copy it into slot k % ring.
+//   4. Otherwise copy it into slot k % ring (with frames, slot_of[k]).
 //   5. issued = k + 1 (release) whether copied or skipped; wake waiters.
 // Every wait honours the stop flag. One more wait, outside the rules and in
 // both switch positions, only while the engine sets a hold (a chunk begun from
 // the host before its program runs, DESIGN.md "Prestart"): at most `hold`
 // entries ahead of the copies that have landed, so another stream's small
 // copy queued meanwhile waits behind a few copies, not a ring of them.
+//
+// Layer frames (WalkConfig::slot_of and ::need, what the engine uses): the
+// ring is F frames of one layer's experts each; layer o (in order among the
+// layers that fetch) owns frame o % F, and expert e of it lands in that
+// frame's row e, so the frame is the layer's weights as they are read, with
+// no copy out. A frame is released when its layer's expert math is done, so
+// `consumed` then counts released layers and need[k] is how many must be
+// released before entry k's frame is free (o - F + 1).
 #pragma once
 
 #include <algorithm>
@@ -195,6 +204,12 @@ class WalkState {
     Notify();
   }
 
+  // Consumer side, layer frames: `layers` layers are done with their frames.
+  void ReleaseLayers(int64_t layers) {
+    consumed.store(layers, std::memory_order_release);
+    Notify();
+  }
+
   // Valid after issued > k was observed with acquire.
   EntryState entry_state(int64_t k) const { return state[k]; }
 
@@ -215,6 +230,10 @@ struct WalkConfig {
   std::chrono::microseconds poll{20};  // how often unnotified conditions are re-read
   // Longest run of entries queued as one copy (links with IssueRun only).
   int max_run = 1;
+  // Layer frames: both set (one value per entry) or both null (the ring,
+  // slot k % ring, need k - ring + 1 in entries consumed).
+  const std::vector<int64_t>* slot_of = nullptr;
+  const std::vector<int64_t>* need = nullptr;
   // While *hold > 0: entry k waits until k < hold or entry k - hold's copy
   // landed (a skipped entry counts as landed). The engine stores 0 and
   // notifies the walk state to lift it. Null: never held.
@@ -250,9 +269,10 @@ struct WalkResult {
 // The issuer walk, as a template over a link policy with:
 //   void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e);
 //       Queues entry k's copy into `slot`. The link must not write the slot
-//       before entry k - ring's consumer released it (its `used` event); the
-//       walk guarantees that release was requested on the host (k < consumed
-//       + ring), the link orders the device side (cudaStreamWaitEvent).
+//       before its previous occupant's consumer released it (its `used`
+//       event); the walk guarantees that release was requested on the host
+//       (k < consumed + ring, or consumed >= need[k] with frames), the link
+//       orders the device side (cudaStreamWaitEvent).
 //   bool CopyLanded(int64_t k);
 //       Whether entry k's copy has landed (cudaEventQuery on copied[slot]).
 // Returns how many entries were copied and skipped, or stopped = true.
@@ -266,6 +286,19 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
                                 " slots; it needs at least one");
   const int depth = ClampDepth(cfg.depth);
   const int64_t n = static_cast<int64_t>(entries.size());
+  const bool frames = cfg.slot_of != nullptr;
+  if (frames != (cfg.need != nullptr) ||
+      (frames && (static_cast<int64_t>(cfg.slot_of->size()) != n ||
+                  static_cast<int64_t>(cfg.need->size()) != n)))
+    throw std::invalid_argument(
+        "IssueWalk: slot_of and need must both be given, one per entry");
+  auto slot_of = [&](int64_t k) {
+    return frames ? (*cfg.slot_of)[k] : k % cfg.ring;
+  };
+  auto free_now = [&](int64_t k) {  // the ring rule for entry k
+    const int64_t c = st.consumed.load(std::memory_order_acquire);
+    return frames ? c >= (*cfg.need)[k] : k < c + cfg.ring;
+  };
   WalkResult res;
   // Entry index of every copy issued, so the depth rule can query the copy
   // issued `depth` copies earlier. A ring of depth entries suffices.
@@ -278,9 +311,7 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
       if constexpr (HasPollGate<Link>::value) link.PollGate(e.layer);
       return gate.Published(e.layer) && !gate.Routed(e.layer, e.expert);
     };
-    auto ring_ok = [&] {
-      return k < st.consumed.load(std::memory_order_acquire) + cfg.ring;
-    };
+    auto ring_ok = [&] { return free_now(k); };
     auto depth_ok = [&] {
       if (!cfg.routed || res.copied < depth) return true;
       return link.CopyLanded(copy_entry[res.copied % depth]);
@@ -322,15 +353,16 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
     // the same rules as above.
     int64_t run = 1;
     if constexpr (HasIssueRun<Link>::value) {
-      const int64_t slot0 = k % cfg.ring;
+      const int64_t slot0 = slot_of(k);
       const int64_t limit = cfg.routed ? std::min<int64_t>(cfg.max_run, depth)
                                        : static_cast<int64_t>(cfg.max_run);
-      while (run < limit && k + run < n && slot0 + run < cfg.ring && !e.staged) {
+      while (run < limit && k + run < n && !e.staged &&
+             (frames ? slot_of(k + run) == slot0 + run : slot0 + run < cfg.ring)) {
         const int64_t j = k + run;
         const StreamEntry& f = entries[j];
         if (f.staged || f.layer != e.layer || f.expert != entries[j - 1].expert + 1)
           break;
-        if (j >= st.consumed.load(std::memory_order_acquire) + cfg.ring) break;
+        if (!free_now(j)) break;
         if (!hold_ok(j)) break;
         if (cfg.routed) {
           if (gate.Published(f.layer) && !gate.Routed(f.layer, f.expert)) break;
@@ -343,7 +375,7 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
       }
       if (run > 1) link.IssueRun(k, run, slot0);
     }
-    if (run == 1) link.IssueCopy(k, k % cfg.ring, e);
+    if (run == 1) link.IssueCopy(k, slot_of(k), e);
     for (int64_t j = k; j < k + run; ++j) {
       if (cfg.routed) copy_entry[res.copied % depth] = j;
       st.state[j] = EntryState::kCopied;

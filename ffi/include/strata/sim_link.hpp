@@ -44,12 +44,16 @@ class SimLink {
   // `source(entry)` returns the host blob of an entry (blob_bytes long).
   using Source = std::function<const uint8_t*(const StreamEntry&)>;
 
+  // `parts` > 1: the ring is that many planes, plane-major (plane p of slot s
+  // at ring + (p * ring_slots + s) * blob_bytes / parts), and each copy
+  // splits its blob into them, as the engine's layer frames are laid out.
   SimLink(Source source, int64_t blob_bytes, uint8_t* ring, int64_t ring_slots,
-          SimLinkOptions options)
+          SimLinkOptions options, int parts = 1)
       : source_(std::move(source)),
         blob_bytes_(blob_bytes),
         ring_(ring),
         ring_slots_(ring_slots),
+        parts_(parts < 1 ? 1 : parts),
         opt_(options),
         rng_(options.seed),
         copied_(static_cast<size_t>(ring_slots)),
@@ -86,12 +90,20 @@ class SimLink {
     }
   }
 
+  // Layer frames: the walk's need table (WalkConfig::need), against which a
+  // copy issued too early is counted as a ring violation. Null: the ring.
+  void SetNeed(const std::vector<int64_t>* need) {
+    std::lock_guard<std::mutex> lock(mu_);
+    need_ = need;
+  }
+
   // Policy interface used by IssueWalk.
   void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (state_ && k >= state_->consumed.load(std::memory_order_acquire) +
-                           ring_slots_)
-      ++ring_violations_;
+    if (state_) {
+      const int64_t c = state_->consumed.load(std::memory_order_acquire);
+      if (need_ ? c < (*need_)[k] : k >= c + ring_slots_) ++ring_violations_;
+    }
     Job job{k, slot, occupant_[slot], source_(e)};
     occupant_[slot] = k;
     jobs_.push_back(job);
@@ -205,8 +217,15 @@ class SimLink {
       if (used_[job.slot].load(std::memory_order_acquire) <= job.previous &&
           job.previous >= 0)
         ++slot_violations_;
-      std::memcpy(ring_ + job.slot * blob_bytes_, job.src,
-                  static_cast<size_t>(blob_bytes_));
+      if (parts_ == 1) {
+        std::memcpy(ring_ + job.slot * blob_bytes_, job.src,
+                    static_cast<size_t>(blob_bytes_));
+      } else {
+        const int64_t part = blob_bytes_ / parts_;
+        for (int p = 0; p < parts_; ++p)
+          std::memcpy(ring_ + (p * ring_slots_ + job.slot) * part,
+                      job.src + p * part, static_cast<size_t>(part));
+      }
       // Count the landing before publishing it: the walk may issue the next
       // copy as soon as it sees landed_upto_, and the queue-depth check must
       // not count this copy as still queued then.
@@ -228,6 +247,8 @@ class SimLink {
   int64_t blob_bytes_;
   uint8_t* ring_;
   int64_t ring_slots_;
+  int parts_;
+  const std::vector<int64_t>* need_ = nullptr;
   SimLinkOptions opt_;
   std::mt19937_64 rng_;
 

@@ -1,0 +1,138 @@
+"""JAX arrays over memory the native engine owns, with no copy (DLPack).
+
+The ring's layer frames live in device memory the engine allocated (planned beside XLA's
+preallocation). The model reads a layer's experts there, where their copies landed, so each frame
+plane is handed to JAX as an array over that memory: a DLPack tensor whose deleter does nothing
+(the engine frees the memory, after the arrays are deleted; `StreamEngine.close`).
+
+The failure this guards against is a silent copy: JAX may copy what it imports (an alignment or
+layout it does not take as is), and a copy would be a snapshot of the ring, read stale. `view`
+checks that the array's buffer is the memory given and raises otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import numpy as np
+
+__all__ = ["view"]
+
+_KDL_CPU, _KDL_CUDA = 1, 2
+_KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT = 0, 1, 2, 4
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", _DELETER),
+]
+
+
+@_DELETER
+def _no_op_deleter(_):
+    """The memory is the engine's; nothing to free when JAX drops the array."""
+
+
+# The structures JAX was handed: it reads the deleter when an array dies, so they are kept for
+# the life of the process (about 100 bytes per array; engines make a few dozen).
+_KEEP: list = []
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+def _dl_dtype(dtype: np.dtype) -> _DLDataType:
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return _DLDataType(_KDL_BFLOAT, 16, 1)
+    kinds = {"f": _KDL_FLOAT, "i": _KDL_INT, "u": _KDL_UINT}
+    if dtype.kind not in kinds:
+        raise TypeError(f"no DLPack view of dtype {dtype}")
+    return _DLDataType(kinds[dtype.kind], dtype.itemsize * 8, 1)
+
+
+class _Exporter:
+    """The minimal DLPack producer `jax.dlpack.from_dlpack` takes."""
+
+    def __init__(self, capsule, device: tuple[int, int]):
+        self._capsule = capsule
+        self._device = device
+
+    def __dlpack__(self, *args, **kwargs):
+        del args, kwargs  # the memory is ready: there is no producer stream to wait on
+        capsule, self._capsule = self._capsule, None
+        if capsule is None:
+            raise RuntimeError("this DLPack view was consumed already")
+        return capsule
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def view(ptr: int, shape: tuple[int, ...], dtype, device: jax.Device) -> jax.Array:
+    """A JAX array over `ptr` (row-major `shape` of `dtype` on `device`), never a copy.
+
+    Raises RuntimeError when JAX would have copied it (the caller then falls back to reading a
+    copy of its own) and TypeError for a dtype DLPack cannot name.
+    """
+    if device.platform == "gpu":
+        dl_device = (_KDL_CUDA, int(device.local_hardware_id or device.id))
+    elif device.platform == "cpu":
+        dl_device = (_KDL_CPU, 0)
+    else:
+        raise RuntimeError(f"no DLPack view on platform {device.platform!r}")
+    shape_arr = (ctypes.c_int64 * len(shape))(*shape)
+    mt = _DLManagedTensor()
+    mt.dl_tensor = _DLTensor(ctypes.c_void_p(ptr), _DLDevice(*dl_device), len(shape),
+                             _dl_dtype(dtype), shape_arr, None, 0)
+    mt.manager_ctx = None
+    mt.deleter = _no_op_deleter
+    _KEEP.append((mt, shape_arr))
+    capsule = _PyCapsule_New(ctypes.addressof(mt), b"dltensor", None)
+    try:
+        try:
+            arr = jax.dlpack.from_dlpack(_Exporter(capsule, dl_device), copy=False)
+        except TypeError:  # a jax without the copy argument
+            _KEEP.append(capsule)
+            capsule = _PyCapsule_New(ctypes.addressof(mt), b"dltensor", None)
+            arr = jax.dlpack.from_dlpack(_Exporter(capsule, dl_device))
+    except (ValueError, RuntimeError) as e:  # JaxRuntimeError is a RuntimeError
+        raise RuntimeError(f"no view of the memory at {ptr:#x} (shape {shape}, "
+                           f"{np.dtype(dtype)}): {e}") from e
+    if arr.unsafe_buffer_pointer() != ptr:
+        arr.delete()
+        raise RuntimeError(
+            f"JAX copied the memory at {ptr:#x} instead of viewing it (shape {shape}, "
+            f"{np.dtype(dtype)})")
+    if arr.shape != tuple(shape) or arr.dtype != np.dtype(dtype):
+        raise RuntimeError(f"DLPack view came back as {arr.shape} {arr.dtype}, not "
+                           f"{tuple(shape)} {np.dtype(dtype)}")
+    return arr
