@@ -64,9 +64,10 @@ def _no_op_deleter(_):
 # the life of the process (about 100 bytes per array; engines make a few dozen).
 _KEEP: list = []
 
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# A prototype of our own: `ctypes.pythonapi.PyCapsule_New` is one object shared with everyone
+# (jax.ffi.pycapsule sets its argtypes), so its signature is not ours to rely on.
+_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                                   ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
 
 
 def _dl_dtype(dtype: np.dtype) -> _DLDataType:
