@@ -2,8 +2,8 @@
 
 The ring's layer frames live in device memory the engine allocated (planned beside XLA's
 preallocation). The model reads a layer's experts there, where their copies landed, so each frame
-plane is handed to JAX as an array over that memory: a DLPack tensor whose deleter does nothing
-(the engine frees the memory, after the arrays are deleted; `StreamEngine.close`).
+plane is handed to JAX as an array over that memory: a DLPack tensor whose deleter frees only its
+own structure (the engine frees the memory, after the arrays are deleted; `StreamEngine.close`).
 
 The failure this guards against is a silent copy: JAX may copy what it imports (an alignment or
 layout it does not take as is), and a copy would be a snapshot of the ring, read stale. `view`
@@ -17,52 +17,12 @@ import ctypes
 import jax
 import numpy as np
 
+from . import native
+
 __all__ = ["view"]
 
 _KDL_CPU, _KDL_CUDA = 1, 2
 _KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT = 0, 1, 2, 4
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [
-    ("dl_tensor", _DLTensor),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", _DELETER),
-]
-
-
-@_DELETER
-def _no_op_deleter(_):
-    """The memory is the engine's; nothing to free when JAX drops the array."""
-
-
-# The structures JAX was handed: it reads the deleter when an array dies, so they are kept for
-# the life of the process (about 100 bytes per array; engines make a few dozen).
-_KEEP: list = []
 
 # A prototype of our own: `ctypes.pythonapi.PyCapsule_New` is one object shared with everyone
 # (jax.ffi.pycapsule sets its argtypes), so its signature is not ours to rely on.
@@ -70,14 +30,14 @@ _PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_c
                                    ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
 
 
-def _dl_dtype(dtype: np.dtype) -> _DLDataType:
+def _dl_dtype(dtype: np.dtype) -> tuple[int, int]:
     dtype = np.dtype(dtype)
     if dtype.name == "bfloat16":
-        return _DLDataType(_KDL_BFLOAT, 16, 1)
+        return _KDL_BFLOAT, 16
     kinds = {"f": _KDL_FLOAT, "i": _KDL_INT, "u": _KDL_UINT}
     if dtype.kind not in kinds:
         raise TypeError(f"no DLPack view of dtype {dtype}")
-    return _DLDataType(kinds[dtype.kind], dtype.itemsize * 8, 1)
+    return kinds[dtype.kind], dtype.itemsize * 8
 
 
 class _Exporter:
@@ -110,20 +70,18 @@ def view(ptr: int, shape: tuple[int, ...], dtype, device: jax.Device) -> jax.Arr
         dl_device = (_KDL_CPU, 0)
     else:
         raise RuntimeError(f"no DLPack view on platform {device.platform!r}")
+    code, bits = _dl_dtype(dtype)
     shape_arr = (ctypes.c_int64 * len(shape))(*shape)
-    mt = _DLManagedTensor()
-    mt.dl_tensor = _DLTensor(ctypes.c_void_p(ptr), _DLDevice(*dl_device), len(shape),
-                             _dl_dtype(dtype), shape_arr, None, 0)
-    mt.manager_ctx = None
-    mt.deleter = _no_op_deleter
-    _KEEP.append((mt, shape_arr))
-    capsule = _PyCapsule_New(ctypes.addressof(mt), b"dltensor", None)
+    # The structure is the native library's, freed by its own (C) deleter when JAX drops the
+    # array: no Python runs then, which may be at interpreter exit.
+    mt = native.lib().strata_dlpack_tensor(ptr, len(shape), shape_arr, code, bits, *dl_device)
+    if not mt:
+        raise RuntimeError(f"no DLPack view of rank {len(shape)}")
+    capsule = _PyCapsule_New(mt, b"dltensor", None)
     try:
         try:
             arr = jax.dlpack.from_dlpack(_Exporter(capsule, dl_device), copy=False)
-        except TypeError:  # a jax without the copy argument
-            _KEEP.append(capsule)
-            capsule = _PyCapsule_New(ctypes.addressof(mt), b"dltensor", None)
+        except TypeError:  # a jax without the copy argument (the capsule is still unused)
             arr = jax.dlpack.from_dlpack(_Exporter(capsule, dl_device))
     except (ValueError, RuntimeError) as e:  # JaxRuntimeError is a RuntimeError
         raise RuntimeError(f"no view of the memory at {ptr:#x} (shape {shape}, "

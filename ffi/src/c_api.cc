@@ -182,6 +182,50 @@ int strata_engine_inject_fault(int64_t id, int32_t layer, int32_t kind) {
   return 0;
 }
 
+// A DLPack (v0.8 ABI) tensor over memory the engine owns, for a JAX array
+// that views it: row-major, no strides. Its deleter frees only the structure
+// (C, never Python: JAX may drop the array at interpreter exit). Null on a
+// bad rank.
+namespace {
+struct DLDevice { int32_t device_type; int32_t device_id; };
+struct DLDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+constexpr int kMaxDims = 8;
+struct OwnedTensor {
+  DLManagedTensor mt;  // first: the pointer JAX holds is this object's
+  int64_t shape[kMaxDims];
+};
+void DeleteOwned(DLManagedTensor* t) { delete reinterpret_cast<OwnedTensor*>(t); }
+}  // namespace
+
+void* strata_dlpack_tensor(void* data, int32_t ndim, const int64_t* shape,
+                           int32_t code, int32_t bits, int32_t device_type,
+                           int32_t device_id) {
+  if (ndim < 0 || ndim > kMaxDims) return nullptr;
+  auto* t = new OwnedTensor{};
+  for (int i = 0; i < ndim; ++i) t->shape[i] = shape[i];
+  t->mt.dl_tensor = DLTensor{data, DLDevice{device_type, device_id}, ndim,
+                             DLDataType{static_cast<uint8_t>(code),
+                                        static_cast<uint8_t>(bits), 1},
+                             t->shape, nullptr, 0};
+  t->mt.manager_ctx = nullptr;
+  t->mt.deleter = &DeleteOwned;
+  return &t->mt;
+}
+
 // planes: void*[3], the ring's gate, up and down planes ([ring, part] each,
 // frame f at row f * n_experts); frames: how many frames. 0 on success.
 int strata_engine_frames(int64_t id, void** planes, int64_t* frames) {
