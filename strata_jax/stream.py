@@ -693,7 +693,7 @@ class StreamEngine:
         """Begins the chunk of `n_tokens` tokens the caller is about to dispatch, from the host,
         so its walk and the link start while the program is still being launched; the program's
         begin_chunk adopts the walk. Until then the walk stays a few copies (the native
-        kPrestartHold, 16 entries) ahead of those landed, so a copy another stream queues
+        kPrestartHold, 32 entries) ahead of those landed, so a copy another stream queues
         meanwhile (a caller's; the prefill makes none of its own, see `stage_ids`) meets a
         shallow queue. Only with no chunk of this engine queued (a prefill's first chunk); an
         abort, or a begin_chunk of another mode, drops it. A prestart no program adopts keeps

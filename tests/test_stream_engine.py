@@ -406,12 +406,12 @@ def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
         eng.streamer.prestart(CHUNK // 2)  # routed-only: no walk, nothing held
         assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
         eng.streamer.prestart(CHUNK)  # a streamed chunk: the walk starts, held
-        assert eng.streamer.walk_active() and eng.streamer.hold() == 16
+        assert eng.streamer.walk_active() and eng.streamer.hold() == 32
         eng.streamer.abort()
         assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
         eng.streamer.prestart(CHUNK)
         eng.streamer.prestart(CHUNK)  # replaces the first
-        assert eng.streamer.walk_active() and eng.streamer.hold() == 16
+        assert eng.streamer.walk_active() and eng.streamer.hold() == 32
         # A routed-only prestart, then the program of a streamed chunk: its begin_chunk drops
         # the prestart and begins its own chunk (timed after the prestart), unheld.
         eng.streamer.prestart(CHUNK // 2)

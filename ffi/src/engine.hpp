@@ -264,8 +264,8 @@ class Engine {
   // Entries a prestarted walk may run ahead of its landed copies before the
   // program adopts it: two of the CUDA link's longest runs, so the link stays
   // busy (one run lands while the next is queued) and another stream's copy
-  // waits behind at most about 150 MB (2.7 ms at 55 GB/s) for Qwen3-30B.
-  static constexpr int64_t kPrestartHold = 16;
+  // waits behind at most about 300 MB (5.4 ms at 55 GB/s) for Qwen3-30B.
+  static constexpr int64_t kPrestartHold = 32;
   // Begin's work for a program (`prestart` false) or for Prestart (true: the
   // walk starts held, and `stream` is null).
   Status BeginChunk(ChunkMode mode, void* stream, bool prestart);
