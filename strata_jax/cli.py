@@ -1020,6 +1020,7 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         "resident_bytes": plan.resident_bytes,
         "streamed_per_layer": plan.max_streamed_per_layer,
         "ring_slots": plan.ring,
+        "ring_frames": plan.frames,
         "ring_bytes": plan.ring_bytes,
         "ring_fits_budget": plan.ring_fits_budget,
         "device_bytes_streamed": streamed_plan,
@@ -1125,7 +1126,8 @@ def cmd_info(args, log: _Log) -> int:
               f"{p['max_context']} positions")
         print(f"  resident {p['resident_per_layer']} experts per layer "
               f"({_size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
-              f"through a ring of {p['ring_slots']} slots ({_size(p['ring_bytes'])})"
+              f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} layer frames, "
+              f"{_size(p['ring_bytes'])})"
               + ("" if p["ring_fits_budget"] else
                  f" — MORE than --ring-gib {args.ring_gib}: raise it or keep more resident"))
         dev = p["device_memory"]

@@ -82,6 +82,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_inject_fault": (c.c_int, [c.c_int64, c.c_int32, c.c_int32]),
         "strata_engine_depth": (c.c_int, [c.c_int64]),
         "strata_engine_frames": (c.c_int, [c.c_int64, p, p]),
+        "strata_engine_frame_of": (c.c_int64, [c.c_int64, c.c_int32]),
         "strata_dlpack_tensor": (p, [p, c.c_int32, p, c.c_int32, c.c_int32, c.c_int32,
                                      c.c_int32]),
         "strata_engine_last_stats": (c.c_int, [c.c_int64, p, c.c_int64]),

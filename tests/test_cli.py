@@ -190,6 +190,7 @@ def test_info_json_plan_matches_the_engine():
         with StreamEngine(cfg, [experts.get(l) for l in range(cfg.n_layers)], sc) as eng:
             case = (resident_gib, per_layer, ring_gib)
             assert plan["ring_slots"] == eng.ring, case
+            assert plan["ring_frames"] == eng.plan.frames == eng.ring // N_EXPERTS, case
             assert plan["ring_bytes"] == eng.ring * eng.blob_bytes, case
             assert plan["resident_bytes"] == sum(map(len, eng.resident)) * eng.blob_bytes, case
             assert [plan["resident_per_layer"]] * N_LAYERS == [len(r) for r in eng.resident], case

@@ -598,6 +598,7 @@ PLANS = {
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_the_engine_follows_plan_stream(name):
+    from strata_jax import native
     from strata_jax.stream import StreamEngine, plan_stream
     from strata_jax.synthetic import split_experts
 
@@ -609,6 +610,13 @@ def test_the_engine_follows_plan_stream(name):
         assert eng.resident == [list(r) for r in plan.resident]
         assert eng.stream_list == list(plan.stream_list)
         assert eng.ring == plan.ring and eng.blob_bytes == plan.blob_bytes
+        # The frame each layer's weights are read from: Python's (which view the model reads
+        # on the GPU) is the native engine's (where the walk copies them).
+        lib = native.lib()
+        assert eng.frame_of == {l: lib.strata_engine_frame_of(eng.id, l) for l in CFG.moe_layers}
+        assert all(lib.strata_engine_frame_of(eng.id, l) == -1
+                   for l in range(CFG.n_layers) if l not in CFG.moe_layers)
+        assert set(eng.frame_of.values()) <= set(range(plan.frames))
         np.testing.assert_array_equal(eng.streamed_mask, plan.streamed_mask)
         np.testing.assert_array_equal(eng.streamed_per_layer, plan.streamed_per_layer)
     # The figures hang together.

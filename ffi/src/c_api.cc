@@ -237,6 +237,12 @@ int strata_engine_frames(int64_t id, void** planes, int64_t* frames) {
   return 0;
 }
 
+// The ring frame `layer` reads its experts from (-1: none, or no engine).
+int64_t strata_engine_frame_of(int64_t id, int32_t layer) {
+  Engine* e = strata::FindEngine(id);
+  return e ? e->frame_of(layer) : -1;
+}
+
 int strata_engine_depth(int64_t id) {
   Engine* e = strata::FindEngine(id);
   return e ? e->depth() : -1;
