@@ -1,6 +1,7 @@
 // The CUDA backend: the host store pinned (or staged through pinned bounce
-// buffers), a ring of device slots, one copy stream with a `copied` and a
-// `used` event per slot, and the issuer thread running the shared walk.
+// buffers), a ring of layer frames in three planes (the model reads a layer's
+// experts in its frame), one copy stream with a `copied` event per slot and a
+// `used` event per frame, and the issuer thread running the shared walk.
 //
 // Publication: publish copies the layer's routing counts to pinned host memory
 // on XLA's stream, then either (publish_mode 0, the design's host callback)
@@ -9,8 +10,9 @@
 // polls and then fills the gate row itself. The callback holds XLA's stream
 // until a driver thread has run it; the event holds nothing.
 //
-// The failures it guards against: a copy landing in a slot that fetch is
-// still reading (every overwrite waits on the slot's `used` event), a gate row
+// The failures it guards against: a copy landing in a frame a layer's expert
+// math is still reading (every copy into a frame waits on its `used` event,
+// recorded by release after that math), a gate row
 // from an earlier chunk's publish (Begin waits for every callback; an event
 // counts only once this chunk's publish recorded it), a copy still in flight after a chunk was abandoned
 // (Abort drains the copy stream), and a CUDA error escaping as a crash instead
