@@ -183,7 +183,7 @@ def test_cuda_prestart_is_adopted(setup, routed):
         t0 = time.monotonic()
         r = eng.prefill(tokens[:CHUNK])
         begin, _ = eng.streamer.host_times()
-        assert holds == [16] and t0 <= begin <= done[0], "prestart not adopted"
+        assert holds == [32] and t0 <= begin <= done[0], "prestart not adopted"
         assert eng.streamer.hold() == 0 and not eng.streamer.walk_active()
         timing = eng.streamer.device_timing()
         assert timing is not None and timing[0] >= 200.0  # begun before the 0.2 s delay

@@ -251,7 +251,7 @@ def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(
         t0 = time.monotonic()
         r = eng.prefill(TOKENS[:CHUNK])
         begin, _ = eng.streamer.host_times()
-        assert seen == [CHUNK] and holds == [16]
+        assert seen == [CHUNK] and holds == [32]
         assert t0 <= begin <= done[0], "the program began its own chunk: prestart not adopted"
         assert eng.streamer.hold() == 0, "adoption did not lift the hold"
         assert not eng.streamer.walk_active()
@@ -445,7 +445,7 @@ def test_a_prefill_that_fails_after_its_prestart_leaves_no_walk(routing, monkeyp
         monkeypatch.setattr(eng, "_jit", failing_jit)
         with pytest.raises(RuntimeError, match="dispatch failed"):
             eng.prefill(TOKENS)
-        assert held == [(True, 16)]  # the prestarted walk ran, held, when the dispatch failed
+        assert held == [(True, 32)]  # the prestarted walk ran, held, when the dispatch failed
         assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
         monkeypatch.undo()
         r = eng.prefill(TOKENS)
@@ -766,16 +766,19 @@ def test_prefill_program_has_no_jax_effects():
         assert hlo.count("has_side_effect = true") == len(calls)
 
 
-@pytest.mark.parametrize("steps, pattern", [
+@pytest.mark.parametrize("steps, pattern, ring", [
     # (layer index into moe_layers, call) in order; the chunk must fail with the pattern.
-    ([(1, "fetch")], r"fetch, layer \d+: out of order: layer \d+ fetches next"),
-    ([(0, "fetch"), (1, "fetch")], r"layer \d+ has not released its frame"),
-    ([(0, "release")], "release, layer \\d+: no fetched layer to release"),
-    ([(0, "fetch"), (1, "release")], r"release, layer \d+: layer \d+ is the one fetched"),
+    ([(1, "fetch")], r"fetch, layer \d+: out of order: layer \d+ fetches next", None),
+    ([(0, "fetch"), (1, "fetch")], r"layer \d+ has not released its frame", None),
+    ([(0, "release")], "release, layer \\d+: no fetched layer to release", None),
+    ([(0, "fetch"), (1, "release")], r"release, layer \d+: layer \d+ is the one fetched", None),
     ([(0, "fetch"), (0, "release"), (1, "fetch"), ("end", None)],
-     r"end_chunk: layer \d+ was fetched but never released"),
+     r"end_chunk: layer \d+ was fetched but never released", None),
+    # One frame: the last layer's copies wait for a release that never comes; end_chunk must
+    # stop the walk, not wait for it.
+    ([(0, "fetch"), (0, "release"), ("end", None)], "fetch read .* the walk stopped", 16),
 ])
-def test_frames_are_fetched_and_released_in_layer_order(steps, pattern):
+def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
     # A layer's fetch readies its ring frame; its release (after its expert math) lets the walk
     # fill the frame with a later layer. Out of order, either would let the walk overwrite a
     # frame still read (or deadlock it): each is refused with a message, no thread is left, and
@@ -788,7 +791,8 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern):
 
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
-                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0))
+                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0, ring=ring))
+    assert eng.plan.frames == (1 if ring else 2)
     counts = jnp.ones((CFG.n_experts,), jnp.int32)
     layers = list(CFG.moe_layers)
 

@@ -87,6 +87,7 @@ Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
   for (int l = 0; l < opt_.n_layers; ++l)
     if (layer_begin_[l + 1] > layer_begin_[l] || !resident_[l].empty())
       ord_[l] = o++;
+  n_fetch_layers_ = o;
   slot_of_.assign(stream_.size(), 0);
   need_.assign(stream_.size(), 0);
   for (size_t k = 0; k < stream_.size(); ++k) {
@@ -414,6 +415,12 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   if (fetched_ != released_)
     return Fail("end_chunk: layer " + std::to_string(LayerOfOrd(ord_, released_)) +
                 " was fetched but never released");
+  // A chunk that fetched fewer layers than the plan has may leave the walk
+  // waiting for frames nobody will release: stop it, so the join cannot wait
+  // forever (the check below then fails the chunk).
+  if (mode_ == ChunkMode::kStream &&
+      released_ < n_fetch_layers_)
+    state_.RequestStop();
   JoinIssuer();
   if (walk_failed_) return Fail("the issuer failed: " + walk_error_);
   if (mode_ == ChunkMode::kStream && !stream_.empty()) {

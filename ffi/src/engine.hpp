@@ -293,6 +293,7 @@ class Engine {
   std::vector<int64_t> ord_;
   std::vector<int64_t> slot_of_;
   std::vector<int64_t> need_;
+  int64_t n_fetch_layers_ = 0;          // layers with an ord_
   int64_t fetched_ = 0, released_ = 0;  // layers, this chunk
   RouteGate gate_;
   WalkState state_;
