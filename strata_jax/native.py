@@ -55,6 +55,7 @@ class EngineOptions(ctypes.Structure):
         ("pin_mode", ctypes.c_int32),
         ("device", ctypes.c_int32),
         ("publish_mode", ctypes.c_int32),
+        ("packed", ctypes.c_int32),
     ]
 
 

@@ -77,11 +77,16 @@ class StreamConfig:
             frames in turn), and the model reads the frame where they landed. None: two
             frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`.
         ring_budget_gib: Device memory the ring may take when `ring` is None.
-        read_in_place: CUDA: the model reads each layer's experts in its ring frame, with no
-            copy (the frames are JAX arrays over the ring's memory, by DLPack). False, and
-            always on the CPU backend (whose XLA may run independent ops concurrently, so only
-            a data dependency orders a read after fetch), fetch copies the frame into outputs
-            of its own.
+        read_in_place: True: the ring is layer frames in three planes, each expert split into
+            them as it crosses the link, and on CUDA the model reads each layer's experts in its
+            frame, with no copy (JAX arrays over the ring's memory, by DLPack; the CPU backend,
+            whose XLA may run independent ops concurrently so that only a data dependency
+            orders a read after fetch, reads a copy of the frame). Best where compute sets the
+            pace (32K tokens: 1.03-1.04 of the floor on the H200, against 1.05 for False).
+            False: the eighth session's packed ring, one copy per run of adjacent experts over
+            the link, and fetch splits the blobs into outputs of its own on the device; fewer
+            copies on the link (routed 1K-6K: 1.03-1.04 of the floor, against up to 1.06 for
+            True; docs/BENCHMARKS.md, ninth session).
         stream_floor: Chunks shorter than this many tokens use routed-only
             fetch (wait for the routing, copy only the routed experts).
         resident_per_layer: Experts kept resident on the device per MoE layer
@@ -531,7 +536,7 @@ class StreamEngine:
             sim_latency=self.stream.sim_latency, sim_jitter=self.stream.sim_jitter,
             seed=self.stream.seed, pin_mode=_PIN_MODES[self.stream.pin],
             publish_mode=_PUBLISH_MODES[self.stream.publish],
-            device=self.stream.device)
+            device=self.stream.device, packed=int(not self.stream.read_in_place))
         lib = native.lib()
         err = ctypes.create_string_buffer(1024)
         self.id = int(lib.strata_engine_create(ctypes.byref(opts), err, len(err)))
@@ -568,9 +573,11 @@ class StreamEngine:
         [E, H, I] and down [E, I, H]: what the model reads a streamed layer's experts from
         (StreamConfig.read_in_place, CUDA). None where fetch copies the frame out instead, with
         the reason in `frames_note` when a view was wanted but JAX would not take one."""
-        if self.backend != "cuda" or not self.stream.read_in_place:
-            self.frames_note = ("fetch copies each frame out (read_in_place=False)"
-                                if self.backend == "cuda" else "")
+        if not self.stream.read_in_place:
+            self.frames_note = "packed ring: fetch splits the copied blobs into its outputs"
+            return None
+        if self.backend != "cuda":
+            self.frames_note = "layer frames, read through a copy (CPU backend)"
             return None
         c, E = self.config, self.config.n_experts
         h, i = c.hidden_size, c.expert_intermediate

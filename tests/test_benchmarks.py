@@ -69,6 +69,19 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     assert (tmp_path / "bench_layers.png").stat().st_size > 0
 
 
+def test_stream_bench_packed_ring_arms_are_identical(tmp_path):
+    # --packed: the streamed arms use the packed ring and fetch's copy out
+    # (StreamConfig.read_in_place=False), which the result records.
+    out = tmp_path / "packed.json"
+    rc = stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",
+                            "--chunk", "64", "--blocks", "1", "--packed", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["read_in_place"] is False and res["identical"]
+    assert all(r["identical_to_resident"] for r in res["rows"]
+               if r["arm"] in ("stream-all", "routed"))
+
+
 def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
     # The CPU backend keeps no device timing; a stand-in one (chunk 2 ms, copies 1.5 ms) checks
     # the rows built from it: the time outside the device chunk is each call's time less 2 ms.

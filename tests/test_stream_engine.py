@@ -51,6 +51,16 @@ ARMS = {
     "routed-d2-above-floor": (dict(routed=True, depth=2, stream_floor=24, **SLOW), 48),
     "routed-only-below-floor": (dict(routed=True, stream_floor=4096, **SLOW), CHUNK),
     "resident-half": (dict(routed=True, resident_per_layer=8, stream_floor=CHUNK, **SLOW), CHUNK),
+    # The packed ring (read_in_place=False): blobs copied whole, split into fetch's outputs.
+    "packed-stream-all": (dict(routed=False, read_in_place=False, stream_floor=CHUNK, **SLOW),
+                          CHUNK),
+    "packed-routed-d2-ring3layers-jittery": (
+        dict(routed=True, depth=2, ring=48, read_in_place=False, stream_floor=CHUNK, **JITTERY),
+        CHUNK),
+    "packed-resident-half": (dict(routed=True, resident_per_layer=8, read_in_place=False,
+                                  stream_floor=CHUNK, **SLOW), CHUNK),
+    "packed-routed-only-below-floor": (dict(routed=True, read_in_place=False, stream_floor=4096,
+                                            **SLOW), CHUNK),
 }
 
 
@@ -777,6 +787,7 @@ def test_prefill_program_has_no_jax_effects():
     # One frame: the last layer's copies wait for a release that never comes; end_chunk must
     # stop the walk, not wait for it.
     ([(0, "fetch"), (0, "release"), ("end", None)], "fetch read .* the walk stopped", 16),
+    ([(0, "fetch"), (1, "fetch")], r"layer \d+ has not released its frame", "packed"),
 ])
 def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
     # A layer's fetch readies its ring frame; its release (after its expert math) lets the walk
@@ -791,8 +802,10 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
 
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
-                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0, ring=ring))
-    assert eng.plan.frames == (1 if ring else 2)
+                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0,
+                                      ring=ring if ring != "packed" else None,
+                                      read_in_place=ring != "packed"))
+    assert eng.plan.frames == (1 if ring == 16 else 2)
     counts = jnp.ones((CFG.n_experts,), jnp.int32)
     layers = list(CFG.moe_layers)
 

@@ -34,7 +34,7 @@ class CpuEngine final : public Engine {
     lo.seed = opt_.seed;
     link_ = std::make_unique<SimLink>(
         [this](const StreamEntry& e) { return HostBlob(e.layer, e.expert); },
-        opt_.blob_bytes, ring_.data(), opt_.ring, lo, kParts);
+        opt_.blob_bytes, ring_.data(), opt_.ring, lo, opt_.packed ? 1 : kParts);
     link_->SetNeed(&need_);
     prepared_ = true;
     return {};

@@ -504,7 +504,13 @@ class CudaEngine final : public Engine {
     // is one strided copy per plane, rows of a third of a blob.
     const size_t part = static_cast<size_t>(part_bytes());
     const Rows dst = SlotRows(slot0);
-    if (n == 1) {
+    if (opt_.packed) {  // packed blobs: one copy per run, split by fetch
+      STRATA_CUDA_THROW(
+          Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : ""),
+          cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes, src,
+          static_cast<size_t>(n * opt_.blob_bytes), cudaMemcpyHostToDevice,
+          copy_stream_);
+    } else if (n == 1) {
       STRATA_CUDA_THROW(Entry(slot0, e), cudaMemcpy2DAsync, dst.part[0],
                         static_cast<size_t>(opt_.ring) * part, src, part, part,
                         static_cast<size_t>(kParts), cudaMemcpyHostToDevice,

@@ -310,7 +310,13 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   if (state_.Stopped())
     return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                       : std::string("the walk was stopped")));
-  const Rows base = SlotRows((o % frames()) * opt_.n_experts);
+  if (opt_.packed && !out)
+    return Fail(where + "a packed ring is read through fetch's outputs, not in place");
+  // Packed: every row goes straight to the outputs; the ring only holds the
+  // copied blobs, slot s at s * blob.
+  Rows base = SlotRows((o % frames()) * opt_.n_experts);
+  if (opt_.packed)
+    for (int p = 0; p < kParts; ++p) base.part[p] = static_cast<uint8_t*>(out[p]);
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
   // Rows are indexed by expert id and host blobs sit in expert order, so
@@ -335,6 +341,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                         : std::string("the walk was stopped")));
     int64_t last = -1;
+    const uint8_t* packed = SlotRows(0).part[0];  // the ring's start
     for (int64_t k = k0; k < k1;) {
       const bool copied = state_.entry_state(k) == EntryState::kCopied;
       int64_t n = 1;
@@ -345,6 +352,15 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
         st.copied += n;
         st.bytes += n * blob;
         last = k + n - 1;
+        if (opt_.packed) {
+          // Each run split out as soon as it lands (adjacent experts sit in
+          // adjacent slots of the layer's frame).
+          s = WaitCopied(last, slot_of_[last], stream);
+          if (!s.empty()) return Fail(where + s);
+          s = CopyResident(packed + slot_of_[k] * blob, n,
+                           At(base, stream_[k].expert), stream);
+          if (!s.empty()) return Fail(where + "split of the ring's blobs: " + s);
+        }
       } else {
         s = ZeroRows(At(base, stream_[k].expert), n, stream);  // no token reads them
         if (!s.empty()) return Fail(where + s);
@@ -352,7 +368,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       }
       k += n;
     }
-    if (last >= 0) {
+    if (last >= 0 && !opt_.packed) {
       s = WaitCopied(last, slot_of_[last], stream);
       if (!s.empty()) return Fail(where + s);
     }
@@ -381,7 +397,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       k += n;
     }
   }
-  if (out) {
+  if (out && !opt_.packed) {
     s = CopyFrame(base, out, stream);
     if (!s.empty()) return Fail(where + "copy out of the frame: " + s);
   }

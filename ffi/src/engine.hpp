@@ -56,6 +56,11 @@ struct EngineOptions {
   // (cudaLaunchHostFunc) on XLA's stream fills the row; 1 = an event recorded
   // after the counts' copy, polled by the issuer, which fills the row.
   int32_t publish_mode = 0;
+  // 1: the ring holds packed blobs, slot s at s * blob_bytes (one copy per
+  // run of adjacent experts crosses the link), and fetch splits them into
+  // outputs of its own on the device; the model never reads the ring. 0:
+  // the three planes of layer frames (see kParts).
+  int32_t packed = 0;
 };
 
 // An expert's host blob is its gate, up and down matrices back to back, each
@@ -127,7 +132,9 @@ class Engine {
   // Readies `layer`'s frame on `stream`: its resident experts copied in from
   // the cache, its skipped rows zeroed, its copies waited for. `out` and
   // `out_bytes`: null (the model reads the frame itself, FramePlanes), or the
-  // three planes (gate, up, down), [E, part] each, to copy the frame into.
+  // three planes (gate, up, down), [E, part] each, to copy the frame into
+  // (with a packed ring, required: residents, zeros and the split of each
+  // copied run go straight there).
   // Layers fetch in order, each after the one before released its frame.
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
                void* const* out, const int64_t* out_bytes, void* stream);

@@ -172,12 +172,17 @@ def add_stream_args(ap) -> None:
     ap.add_argument("--publish", default="event", choices=["callback", "event"],
                     help="the stream arms' publish mode (StreamConfig.publish)")
     ap.add_argument("--ring-gib", type=float, default=8.0)
+    ap.add_argument("--packed", action="store_true",
+                    help="the packed ring and fetch's copy out (StreamConfig.read_in_place=False) "
+                         "instead of layer frames read in place")
 
 
 def _stream_config(args, routed: bool, **overrides):
-    """The streamed arms' StreamConfig from the command line (depth, publish mode, ring)."""
+    """The streamed arms' StreamConfig from the command line (depth, publish mode, ring,
+    packed)."""
     from strata_jax.stream import StreamConfig
 
+    overrides.setdefault("read_in_place", not getattr(args, "packed", False))
     return StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
                         ring_budget_gib=args.ring_gib, **overrides)
 
@@ -676,6 +681,7 @@ def main(argv=None) -> int:
         result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                   "preset": args.preset, "layers": args.layers, "skew": args.skew,
                   "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
+                  "read_in_place": not getattr(args, "packed", False),
                   "info_memory": args.info_memory, "link_pinned_gbps": link,
                   "link_pageable_gbps": pageable,
                   "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
