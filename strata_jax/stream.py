@@ -563,8 +563,9 @@ class StreamEngine:
             rl.ctypes.data, re_.ctypes.data, len(rl), err, len(err)), err, "stream plan")
         _check(lib.strata_engine_prepare(self.id, err, len(err)), err, "prepare")
         self._resident_blobs = self._put_resident()
-        # MoE layer number i (in order) takes ring frame i % frames, as the native engine.
-        self.frame_of = {l: i % self.plan.frames for i, l in enumerate(self.moe_layers)}
+        # The frame each MoE layer's experts land in, as the native engine assigns them (the
+        # views the model reads must be those frames).
+        self.frame_of = {l: int(lib.strata_engine_frame_of(self.id, l)) for l in self.moe_layers}
         self.frames_note = ""
         self._frames = self._frame_views()
 

@@ -496,15 +496,16 @@ class CudaEngine final : public Engine {
     const uint8_t* src = staging_
                              ? stager_.WaitFilled(k, kIssuerPoll)
                              : SourceBlob(e.layer, e.expert);
-    // Split into the three planes as it crosses the link, in as few copies
-    // as the layout allows: each copy costs the link a few microseconds (the
-    // H200 lost 2.3% of a routed chunk's link time to three copies per
-    // expert). One expert is one strided copy whose rows are its three parts
-    // (plane to plane: the ring's plane stride); a run of n adjacent experts
-    // is one strided copy per plane, rows of a third of a blob.
+    // Packed blobs: one copy per run, split by fetch. Frames: split into the
+    // three planes as it crosses the link, in as few copies as the layout
+    // allows: each copy costs the link a few microseconds (the H200 lost 2.3%
+    // of a routed chunk's link time to three copies per expert). One expert is
+    // one strided copy whose rows are its three parts (plane to plane: the
+    // ring's plane stride); a run of n adjacent experts is one strided copy
+    // per plane, rows of a third of a blob.
     const size_t part = static_cast<size_t>(part_bytes());
     const Rows dst = SlotRows(slot0);
-    if (opt_.packed) {  // packed blobs: one copy per run, split by fetch
+    if (opt_.packed) {
       STRATA_CUDA_THROW(
           Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : ""),
           cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes, src,

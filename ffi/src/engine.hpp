@@ -209,8 +209,6 @@ class Engine {
   virtual void StartWalk() = 0;  // runs IssueWalk on issuer_ (stream mode)
   virtual Status BackendPublish(int layer, const void* counts,
                                 void* stream) = 0;
-  // Every copy into a frame splits n packed blobs (blob bytes apart) into the
-  // n rows at `dst` of each plane.
   // Orders `stream` after entry k's copy into `slot` and every copy issued
   // before it (the link copies in order).
   virtual Status WaitCopied(int64_t k, int64_t slot, void* stream) = 0;
@@ -222,6 +220,8 @@ class Engine {
   virtual Status CopyFrame(const Rows& src, void* const* out, void* stream) = 0;
   // The rows of ring slot `slot` in each plane.
   virtual Rows SlotRows(int64_t slot) const = 0;
+  // The copies below split n packed blobs (blob bytes apart) into the n rows
+  // at `dst` of each plane.
   // Copies experts expert..expert+n-1 of `layer` straight from the host store
   // into `dst` (routed-only).
   virtual Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,

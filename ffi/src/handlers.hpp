@@ -147,11 +147,16 @@ auto BeginBinding(B b) {
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("mode");
 }
+// publish (counts: int32[E]), fetch_frame (resident: [R, blob] of the layer)
+// and release (after: an output of the layer's expert math) take the same
+// operands: (token, one array) -> token, on a layer.
+using LayerCall = ffi::Error (*)(void*, ffi::AnyBuffer, ffi::AnyBuffer,
+                                 ffi::Result<ffi::AnyBuffer>, int64_t, int32_t);
 template <class B>
-auto PublishBinding(B b) {
+auto LayerCallBinding(B b) {
   return std::move(b)
       .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()   // counts: int32[E]
+      .template Arg<ffi::AnyBuffer>()   // the call's array
       .template Ret<ffi::AnyBuffer>()   // token
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("layer");
@@ -164,24 +169,6 @@ auto FetchBinding(B b) {
       .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
       .template Ret<ffi::AnyBuffer>()   // up: [E, H, I]
       .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
-      .template Ret<ffi::AnyBuffer>()   // token
-      .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("layer");
-}
-template <class B>
-auto FetchFrameBinding(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
-      .template Ret<ffi::AnyBuffer>()   // token
-      .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("layer");
-}
-template <class B>
-auto ReleaseBinding(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()   // after: the layer's expert output
       .template Ret<ffi::AnyBuffer>()   // token
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("layer");

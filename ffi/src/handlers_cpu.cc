@@ -9,26 +9,18 @@ ffi::Error BeginCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o,
                     ffi::Result<ffi::AnyBuffer> ids, int64_t engine, int32_t mode) {
   return h::Begin(nullptr, t, o, ids, engine, mode);
 }
-ffi::Error PublishCpu(ffi::AnyBuffer t, ffi::AnyBuffer c,
-                      ffi::Result<ffi::AnyBuffer> o, int64_t engine,
-                      int32_t layer) {
-  return h::Publish(nullptr, t, c, o, engine, layer);
+// publish, fetch_frame and release (h::LayerCall).
+template <h::LayerCall H>
+ffi::Error LayerCallCpu(ffi::AnyBuffer t, ffi::AnyBuffer a,
+                        ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                        int32_t layer) {
+  return H(nullptr, t, a, o, engine, layer);
 }
 ffi::Error FetchCpu(ffi::AnyBuffer t, ffi::AnyBuffer r,
                     ffi::Result<ffi::AnyBuffer> g, ffi::Result<ffi::AnyBuffer> u,
                     ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> o,
                     int64_t engine, int32_t layer) {
   return h::Fetch(nullptr, t, r, g, u, d, o, engine, layer);
-}
-ffi::Error FetchFrameCpu(ffi::AnyBuffer t, ffi::AnyBuffer r,
-                         ffi::Result<ffi::AnyBuffer> o, int64_t engine,
-                         int32_t layer) {
-  return h::FetchFrame(nullptr, t, r, o, engine, layer);
-}
-ffi::Error ReleaseCpu(ffi::AnyBuffer t, ffi::AnyBuffer a,
-                      ffi::Result<ffi::AnyBuffer> o, int64_t engine,
-                      int32_t layer) {
-  return h::Release(nullptr, t, a, o, engine, layer);
 }
 ffi::Error EndCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> s,
                   int64_t engine) {
@@ -38,13 +30,13 @@ ffi::Error EndCpu(ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> s,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataBeginCpu, BeginCpu,
                               h::BeginBinding(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPublishCpu, PublishCpu,
-                              h::PublishBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPublishCpu, LayerCallCpu<h::Publish>,
+                              h::LayerCallBinding(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFetchCpu, FetchCpu,
                               h::FetchBinding(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFetchFrameCpu, FetchFrameCpu,
-                              h::FetchFrameBinding(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataReleaseCpu, ReleaseCpu,
-                              h::ReleaseBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFetchFrameCpu, LayerCallCpu<h::FetchFrame>,
+                              h::LayerCallBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataReleaseCpu, LayerCallCpu<h::Release>,
+                              h::LayerCallBinding(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataEndCpu, EndCpu,
                               h::EndBinding(ffi::Ffi::Bind()));

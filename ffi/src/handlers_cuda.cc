@@ -15,10 +15,12 @@ ffi::Error BeginCuda(cudaStream_t stream, ffi::AnyBuffer t,
                      int32_t mode) {
   return h::Begin(static_cast<void*>(stream), t, o, ids, engine, mode);
 }
-ffi::Error PublishCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer c,
-                       ffi::Result<ffi::AnyBuffer> o, int64_t engine,
-                       int32_t layer) {
-  return h::Publish(static_cast<void*>(stream), t, c, o, engine, layer);
+// publish, fetch_frame and release (h::LayerCall).
+template <h::LayerCall H>
+ffi::Error LayerCallCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer a,
+                         ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                         int32_t layer) {
+  return H(static_cast<void*>(stream), t, a, o, engine, layer);
 }
 ffi::Error FetchCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer r,
                      ffi::Result<ffi::AnyBuffer> g,
@@ -27,16 +29,6 @@ ffi::Error FetchCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer r,
                      ffi::Result<ffi::AnyBuffer> o, int64_t engine,
                      int32_t layer) {
   return h::Fetch(static_cast<void*>(stream), t, r, g, u, d, o, engine, layer);
-}
-ffi::Error FetchFrameCuda(cudaStream_t stream, ffi::AnyBuffer t,
-                          ffi::AnyBuffer r, ffi::Result<ffi::AnyBuffer> o,
-                          int64_t engine, int32_t layer) {
-  return h::FetchFrame(static_cast<void*>(stream), t, r, o, engine, layer);
-}
-ffi::Error ReleaseCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer a,
-                       ffi::Result<ffi::AnyBuffer> o, int64_t engine,
-                       int32_t layer) {
-  return h::Release(static_cast<void*>(stream), t, a, o, engine, layer);
 }
 ffi::Error EndCuda(cudaStream_t stream, ffi::AnyBuffer t,
                    ffi::Result<ffi::AnyBuffer> s, int64_t engine) {
@@ -48,19 +40,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     StrataBeginCuda, BeginCuda,
     h::BeginBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    StrataPublishCuda, PublishCuda,
-    h::PublishBinding(
+    StrataPublishCuda, LayerCallCuda<h::Publish>,
+    h::LayerCallBinding(
         ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     StrataFetchCuda, FetchCuda,
     h::FetchBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    StrataFetchFrameCuda, FetchFrameCuda,
-    h::FetchFrameBinding(
+    StrataFetchFrameCuda, LayerCallCuda<h::FetchFrame>,
+    h::LayerCallBinding(
         ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    StrataReleaseCuda, ReleaseCuda,
-    h::ReleaseBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+    StrataReleaseCuda, LayerCallCuda<h::Release>,
+    h::LayerCallBinding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     StrataEndCuda, EndCuda,
     h::EndBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
