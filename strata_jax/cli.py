@@ -206,6 +206,13 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
     g.add_argument("--ring-gib", type=_float, default=4.0, metavar="GIB",
                    help="device memory the ring may take: whole layer frames, where each "
                         "layer's experts land and are read (two frames when that fits)")
+    g.add_argument("--layout", choices=["auto", "frames", "packed"], default="auto",
+                   help="how a streamed chunk lays the ring out: frames (the model reads each "
+                        "layer where it landed; best where compute sets the pace), packed "
+                        "(fewest copies on the link; best where the link does) or auto "
+                        "(packed below --frames-from tokens, frames from there on)")
+    g.add_argument("--frames-from", type=_positive_int, default=16384, metavar="N",
+                   help="--layout auto's crossover, in tokens per chunk (default 16384)")
     g.add_argument("--profile", metavar="FILE",
                    help="expert profile saved by `strata-jax profile`: orders each layer's "
                         "stream hottest first and chooses the resident experts")
@@ -774,6 +781,7 @@ def _stream_config(args, backend: str, profile):
     if profile is not None:
         kw["profile"] = profile
     return StreamConfig(routed=routed, depth=args.depth, backend=backend,
+                        layout=args.layout, frames_from=args.frames_from,
                         ring_budget_gib=args.ring_gib, sim_bandwidth=args.sim_bandwidth * 1e9,
                         sim_latency=args.sim_latency * 1e-6, trace=True if args.trace else None,
                         **kw)

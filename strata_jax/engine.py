@@ -59,7 +59,7 @@ from .experts import ExpertWeights
 from .model import (KVCache, attention_key_block, build_model, expert_param_names,
                     uses_blocked_attention, validate_inputs)
 from .profile import ExpertProfile
-from .stream import (_MODE_STREAM, ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
+from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
                      stream_platform)
 
 __all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", "LayerMajorMemoryError",
@@ -139,6 +139,7 @@ class ChunkRecord:
                "ms": None if self.ms is None else round(self.ms, 3)}
         if self.stats is not None:
             out["stream_mode"] = self.stats.mode
+            out["ring_layout"] = self.stats.layout
             out.update(self.stats.totals())
         return out
 
@@ -456,7 +457,7 @@ class Engine:
         elif not staged:
             self._stage_ids([self._chunk_ids(piece, bucket, start)])
         key = (bucket, cache is None, mode, sub)
-        if prestart and self.streamer is not None and mode == _MODE_STREAM \
+        if prestart and self.streamer is not None and mode in _STREAM_MODES \
                 and key in self._launched:
             self.streamer.prestart(piece.size)
         resident = ((self.streamer.resident_blobs, self.streamer.frames)

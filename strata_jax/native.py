@@ -55,7 +55,6 @@ class EngineOptions(ctypes.Structure):
         ("pin_mode", ctypes.c_int32),
         ("device", ctypes.c_int32),
         ("publish_mode", ctypes.c_int32),
-        ("packed", ctypes.c_int32),
     ]
 
 

@@ -58,7 +58,11 @@ _ENV_TRACE = "STRATA_TRACE"
 _ENV_PUBLISH = "STRATA_PUBLISH"
 _PIN_MODES = {"register": 0, "arena": 1, "none": 2}
 _PUBLISH_MODES = {"callback": 0, "event": 1}
-_MODE_STREAM, _MODE_ROUTED_ONLY = 0, 1
+# begin_chunk's modes (ffi/src/engine.hpp ChunkMode): a streamed chunk in layer frames, a
+# routed-only chunk (frames too), a streamed chunk in the packed ring.
+_MODE_STREAM, _MODE_ROUTED_ONLY, _MODE_STREAM_PACKED = 0, 1, 2
+_STREAM_MODES = (_MODE_STREAM, _MODE_STREAM_PACKED)
+_LAYOUTS = ("auto", "frames", "packed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +81,27 @@ class StreamConfig:
             frames in turn), and the model reads the frame where they landed. None: two
             frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`.
         ring_budget_gib: Device memory the ring may take when `ring` is None.
-        read_in_place: True: the ring is layer frames in three planes, each expert split into
-            them as it crosses the link, and on CUDA the model reads each layer's experts in its
-            frame, with no copy (JAX arrays over the ring's memory, by DLPack; the CPU backend,
-            whose XLA may run independent ops concurrently so that only a data dependency
-            orders a read after fetch, reads a copy of the frame). Best where compute sets the
-            pace (32K tokens: 1.03-1.04 of the floor on the H200, against 1.05 for False).
-            False: the eighth session's packed ring, one copy per run of adjacent experts over
-            the link, and fetch splits the blobs into outputs of its own on the device; fewer
-            copies on the link (routed 1K-6K: 1.03-1.04 of the floor, against up to 1.06 for
-            True; docs/BENCHMARKS.md, ninth session).
+        layout: How a streamed chunk lays its copies out in the ring (the same memory either
+            way; each chunk chooses, and end_chunk's trace and `ChunkStats.layout` say which):
+            "frames": each expert split into the frame's three planes (gate, up, down) as it
+            crosses the link, and on CUDA the model reads a layer's experts where they landed
+            (JAX arrays over the ring's memory, by DLPack): nothing is copied on XLA's stream,
+            but the link makes up to three copies per run of adjacent experts. Best where
+            compute sets the pace (32K tokens on the H200: 1.03-1.04 of the floor, against
+            1.05 packed). The CPU backend, whose XLA may run independent ops concurrently so
+            that only a data dependency orders a read after fetch, reads a copy of the frame.
+            "packed": whole blobs, one copy per run of adjacent experts on the link, and fetch
+            splits each run into outputs of its own on the device as it lands. Best where the
+            link sets the pace (routed 1K-6K: 1.03-1.04 of the floor, against up to 1.06 with
+            frames). "auto": packed for chunks shorter than `frames_from` tokens, frames
+            from there on. Routed-only chunks (below `stream_floor`) copy into frames either
+            way. docs/BENCHMARKS.md, tenth session.
+        frames_from: "auto"'s crossover in tokens. Frames pay off once the chunk's compute
+            outlasts its copies: on the H200 with Qwen3-30B-A3B shapes that is near 29K tokens
+            (resident compute against the whole stream at the link's 55 GB/s). The default sits
+            below it because a wrong choice costs frames less (under 1% of a link-bound chunk's
+            time) than packed (its split, about 2% of a compute-bound chunk's); measure a
+            model's own crossover with `stream_bench --layout`.
         stream_floor: Chunks shorter than this many tokens use routed-only
             fetch (wait for the routing, copy only the routed experts).
         resident_per_layer: Experts kept resident on the device per MoE layer
@@ -127,7 +142,8 @@ class StreamConfig:
     depth: int = 16
     ring: int | None = None
     ring_budget_gib: float = 4.0
-    read_in_place: bool = True
+    layout: str = "auto"
+    frames_from: int = 16384
     stream_floor: int = 1024
     resident_per_layer: int = 0
     resident_budget_gib: float | None = None
@@ -181,6 +197,11 @@ class StreamConfig:
             raise ValueError(f"backend={self.backend!r}: expected 'auto', 'cpu' or 'cuda'")
         if self.stream_floor < 1:
             raise ValueError(f"stream_floor={self.stream_floor}: must be at least 1")
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}: expected one of {list(_LAYOUTS)}")
+        if self.frames_from < 1:
+            raise ValueError(f"frames_from={self.frames_from}: must be at least 1 (a chunk "
+                             f"length in tokens; layout='frames' or 'packed' fixes one layout)")
         if self.resident_per_layer < 0:
             raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
         return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace),
@@ -197,6 +218,7 @@ class ChunkStats:
 
     tokens: int
     mode: str  # "stream" or "routed-only"
+    layout: str  # how the chunk laid the ring out: "frames" or "packed" (StreamConfig.layout)
     streamed: np.ndarray
     copied: np.ndarray
     skipped: np.ndarray
@@ -536,7 +558,7 @@ class StreamEngine:
             sim_latency=self.stream.sim_latency, sim_jitter=self.stream.sim_jitter,
             seed=self.stream.seed, pin_mode=_PIN_MODES[self.stream.pin],
             publish_mode=_PUBLISH_MODES[self.stream.publish],
-            device=self.stream.device, packed=int(not self.stream.read_in_place))
+            device=self.stream.device)
         lib = native.lib()
         err = ctypes.create_string_buffer(1024)
         self.id = int(lib.strata_engine_create(ctypes.byref(opts), err, len(err)))
@@ -571,11 +593,11 @@ class StreamEngine:
 
     def _frame_views(self) -> tuple[ExpertWeights, ...] | None:
         """The ring's layer frames as JAX arrays over the ring's memory, frame f's gate/up
-        [E, H, I] and down [E, I, H]: what the model reads a streamed layer's experts from
-        (StreamConfig.read_in_place, CUDA). None where fetch copies the frame out instead, with
-        the reason in `frames_note` when a view was wanted but JAX would not take one."""
-        if not self.stream.read_in_place:
-            self.frames_note = "packed ring: fetch splits the copied blobs into its outputs"
+        [E, H, I] and down [E, I, H]: what the model reads a layer's experts from in a frames
+        chunk (StreamConfig.layout, CUDA). None where fetch copies the frame out instead (or
+        no chunk uses frames), with the reason in `frames_note`."""
+        if self.stream.layout == "packed" and self.stream.stream_floor <= 1:
+            self.frames_note = "every chunk uses the packed ring: fetch splits its blobs out"
             return None
         if self.backend != "cuda":
             self.frames_note = "layer frames, read through a copy (CPU backend)"
@@ -612,7 +634,17 @@ class StreamEngine:
 
     @property
     def read_in_place(self) -> bool:
+        """Whether a frames chunk's model reads the ring in place (else fetch copies out)."""
         return self._frames is not None
+
+    def layout(self, n_tokens: int) -> str:
+        """How a chunk of `n_tokens` tokens lays the ring out: "frames" or "packed"
+        (StreamConfig.layout; routed-only chunks use frames)."""
+        if n_tokens < self.stream.stream_floor or self.stream.layout == "frames":
+            return "frames"
+        if self.stream.layout == "packed" or n_tokens < self.stream.frames_from:
+            return "packed"
+        return "frames"
 
     def _pinned_arena(self, nbytes: int) -> np.ndarray | None:
         """One pinned host block of `nbytes` as a uint8 array, or None (the engine then pins
@@ -856,7 +888,11 @@ class StreamEngine:
         self.close()
 
     def chunk_mode(self, n_tokens: int) -> int:
-        return _MODE_STREAM if n_tokens >= self.stream.stream_floor else _MODE_ROUTED_ONLY
+        """begin_chunk's mode for a chunk of `n_tokens` tokens: routed-only below the stream
+        floor, else streamed in the chunk's `layout`."""
+        if n_tokens < self.stream.stream_floor:
+            return _MODE_ROUTED_ONLY
+        return _MODE_STREAM_PACKED if self.layout(n_tokens) == "packed" else _MODE_STREAM
 
     def make_stats(self, n_tokens: int, native_stats: np.ndarray, counts: np.ndarray) -> ChunkStats:
         """ChunkStats from end_chunk's output [L, 2] and the router counts [n_moe, E]."""
@@ -868,7 +904,8 @@ class StreamEngine:
         streamed = self.streamed_per_layer
         return ChunkStats(
             tokens=n_tokens,
-            mode="stream" if self.chunk_mode(n_tokens) == _MODE_STREAM else "routed-only",
+            mode="stream" if self.chunk_mode(n_tokens) in _STREAM_MODES else "routed-only",
+            layout=self.layout(n_tokens),
             streamed=streamed.copy(), copied=copied, skipped=skipped, unrouted=unrouted,
             bytes=copied * self.blob_bytes)
 
@@ -983,8 +1020,9 @@ class StreamedExperts:
 
     Made inside the jitted function: `begin` on construction (`ids`: the chunk's next `n_ids`
     staged token ids), then for each MoE layer `publish` (the router's counts), `fetch` (the
-    layer's weights: its ring frame, read in place where `frames` are given, else a copy of
-    it) and, after the layer's expert math, `release` (its frame may take a later layer);
+    layer's weights: in a frames chunk its ring frame, read in place where `frames` are
+    given, else a copy of it; in a packed chunk fetch's own outputs, split from the copied
+    blobs) and, after the layer's expert math, `release` (its frame may take a later layer);
     `finish` returns end_chunk's per-layer (copied, skipped).
     """
 
@@ -997,7 +1035,8 @@ class StreamedExperts:
         self.engine_id = engine_id
         self.config = config
         self.resident_blobs = resident_blobs
-        self.frames = frames
+        # A packed chunk's layers come out of fetch; a frames chunk reads its frames.
+        self.frames = None if mode == _MODE_STREAM_PACKED else frames
         self.frame_of = frame_of
         self.token, self.ids = begin(engine_id, mode, token, n_ids)
 

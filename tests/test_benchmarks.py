@@ -69,17 +69,26 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     assert (tmp_path / "bench_layers.png").stat().st_size > 0
 
 
-def test_stream_bench_packed_ring_arms_are_identical(tmp_path):
-    # --packed: the streamed arms use the packed ring and fetch's copy out
-    # (StreamConfig.read_in_place=False), which the result records.
-    out = tmp_path / "packed.json"
+@pytest.mark.parametrize("flags, layout", [
+    (["--packed"], "packed"),  # the ninth session's spelling of --layout packed
+    (["--layout", "frames"], "frames"),
+    (["--frames-from", "40"], "frames"),  # auto: a 40-token chunk is at the crossover
+    (["--frames-from", "41"], "packed"),
+])
+def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout):
+    # The streamed arms' ring layout (StreamConfig.layout): each row records the one its chunk
+    # used, and every arm hashes equal to the resident one.
+    out = tmp_path / "layout.json"
     rc = stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",
-                            "--chunk", "64", "--blocks", "1", "--packed", "--json", str(out)])
+                            "--chunk", "64", "--blocks", "1", "--stream-floor", "16", *flags,
+                            "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert res["read_in_place"] is False and res["identical"]
-    assert all(r["identical_to_resident"] for r in res["rows"]
-               if r["arm"] in ("stream-all", "routed"))
+    assert res["identical"]
+    rows = [r for r in res["rows"] if r["arm"] in ("stream-all", "routed")]
+    assert len(rows) == 2
+    assert all(r["mode"] == "stream" for r in rows)
+    assert all(r["identical_to_resident"] and r["layout"] == layout for r in rows)
 
 
 def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):

@@ -82,21 +82,22 @@ def _assert_same_threads(before: Counter, after: Counter) -> None:
         f"{grown}")
 
 
-@pytest.mark.parametrize("pin,routed,publish,in_place", [
-    ("register", False, "callback", True), ("register", True, "callback", True),
-    ("arena", True, "callback", True), ("none", True, "callback", True),
-    ("arena", True, "event", True), ("none", True, "event", True),
-    ("arena", True, "event", False), ("arena", False, "event", False)])
-def test_cuda_arms_identical(setup, pin, routed, publish, in_place):
+@pytest.mark.parametrize("pin,routed,publish,layout", [
+    ("register", False, "callback", "frames"), ("register", True, "callback", "frames"),
+    ("arena", True, "callback", "frames"), ("none", True, "callback", "frames"),
+    ("arena", True, "event", "frames"), ("none", True, "event", "frames"),
+    ("arena", True, "event", "packed"), ("arena", False, "event", "packed")])
+def test_cuda_arms_identical(setup, pin, routed, publish, layout):
     from strata_jax.engine import Engine, sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
     sc = StreamConfig(routed=routed, depth=2, pin=pin, stream_floor=CHUNK, backend="cuda",
-                      publish=publish, read_in_place=in_place)
+                      publish=publish, layout=layout)
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
-        # Read in place: the model's fetched weights are JAX arrays over the ring itself.
-        assert eng.streamer.read_in_place is in_place, eng.streamer.frames_note
+        # Frames: the model's fetched weights are JAX arrays over the ring itself. (The
+        # routed-only chunk below the floor reads frames too, so a packed engine has them.)
+        assert eng.streamer.read_in_place, eng.streamer.frames_note
         for _ in range(2):
             r = eng.prefill(tokens)
             assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
@@ -107,6 +108,32 @@ def test_cuda_arms_identical(setup, pin, routed, publish, in_place):
                 if s.mode == "stream" and (not routed or pin == "none"):
                     assert s.skipped.sum() == 0  # switch off, or staged: never skipped
         assert [c.stats.mode for c in r.chunks] == ["stream"] * 3 + ["routed-only"]
+        assert [c.stats.layout for c in r.chunks] == [layout] * 3 + ["frames"]
+        assert not eng.streamer.walk_active()
+
+
+@pytest.mark.parametrize("stream_floor,frames_from,layouts", [
+    (8, CHUNK, ["frames"] * 3 + ["packed"]),  # frames -> packed, and back in the next prefill
+    (9, CHUNK + 1, ["packed"] * 3 + ["frames"]),  # packed -> routed-only (frames) -> packed
+])
+def test_cuda_layout_changes_between_chunks(setup, stream_floor, frames_from, layouts):
+    # layout="auto" lays the ring out per chunk. The two layouts overlap in memory, so a chunk
+    # whose layout is not the last one's makes its first copy wait for every read of the last
+    # chunk: chunks queued back to back (sync_chunks=False: each dispatched while the one
+    # before runs) must still hash equal to resident.
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+    sc = StreamConfig(routed=True, depth=4, stream_floor=stream_floor, frames_from=frames_from,
+                      backend="cuda")
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        for sync in (True, False, False):
+            r = eng.prefill(tokens, sync_chunks=sync)
+            assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
+            assert [c.stats.layout for c in r.chunks] == layouts
+            for c in r.chunks:
+                np.testing.assert_array_equal(c.stats.copied + c.stats.skipped, c.stats.streamed)
         assert not eng.streamer.walk_active()
 
 
@@ -119,7 +146,7 @@ def test_cuda_frames_hold_each_layer_where_the_model_reads_it(setup, resident_pe
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, _ = setup
-    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda",
+    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda", layout="frames",
                       resident_per_layer=resident_per_layer)
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         st = eng.streamer

@@ -51,16 +51,23 @@ ARMS = {
     "routed-d2-above-floor": (dict(routed=True, depth=2, stream_floor=24, **SLOW), 48),
     "routed-only-below-floor": (dict(routed=True, stream_floor=4096, **SLOW), CHUNK),
     "resident-half": (dict(routed=True, resident_per_layer=8, stream_floor=CHUNK, **SLOW), CHUNK),
-    # The packed ring (read_in_place=False): blobs copied whole, split into fetch's outputs.
-    "packed-stream-all": (dict(routed=False, read_in_place=False, stream_floor=CHUNK, **SLOW),
+    # The packed ring (layout="packed"): blobs copied whole, split into fetch's outputs.
+    "packed-stream-all": (dict(routed=False, layout="packed", stream_floor=CHUNK, **SLOW),
                           CHUNK),
     "packed-routed-d2-ring3layers-jittery": (
-        dict(routed=True, depth=2, ring=48, read_in_place=False, stream_floor=CHUNK, **JITTERY),
+        dict(routed=True, depth=2, ring=48, layout="packed", stream_floor=CHUNK, **JITTERY),
         CHUNK),
-    "packed-resident-half": (dict(routed=True, resident_per_layer=8, read_in_place=False,
+    "packed-resident-half": (dict(routed=True, resident_per_layer=8, layout="packed",
                                   stream_floor=CHUNK, **SLOW), CHUNK),
-    "packed-routed-only-below-floor": (dict(routed=True, read_in_place=False, stream_floor=4096,
+    "packed-routed-only-below-floor": (dict(routed=True, layout="packed", stream_floor=4096,
                                             **SLOW), CHUNK),
+    # layout="auto": each chunk chooses, so the ring changes layout between chunks (frames,
+    # frames, packed, then frames again in the second prefill; packed, packed, routed-only's
+    # frames, packed ...).
+    "auto-frames-then-packed": (dict(routed=True, depth=2, stream_floor=16, frames_from=32,
+                                     **JITTERY), CHUNK),
+    "auto-packed-and-routed-only": (dict(routed=True, depth=4, ring=48, stream_floor=CHUNK,
+                                         frames_from=CHUNK + 1, **SLOW), CHUNK),
 }
 
 
@@ -76,6 +83,13 @@ def test_arms_are_byte_identical(routing, arm):
             assert sha256_of(r.logits) == logits_hash
             assert r.session.kv_sha256() == kv_hash
             assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
+        layouts = {"auto-frames-then-packed": ["frames", "frames", "packed"],
+                   "auto-packed-and-routed-only": ["packed", "packed", "frames"]}
+        if arm in layouts:
+            assert [c.stats.layout for c in r.chunks] == layouts[arm]
+        elif kwargs.get("layout") == "packed":
+            assert [c.stats.layout for c in r.chunks if c.stats.mode == "stream"] == \
+                ["packed"] * sum(c.stats.mode == "stream" for c in r.chunks)
         streamed_total = 0
         for rec in r.chunks:
             s = rec.stats
@@ -585,6 +599,8 @@ def test_trace_lines(capfd):
     err = capfd.readouterr().err
     assert "ring entries 48, copied" in err
     assert err.count("strata: chunk") == 2
+    # Chunks far below frames_from use the packed ring, and the line says so.
+    assert err.count("(routed stream, packed ring, cpu simulated link)") == 2
 
 
 # ---- the plan: one pure function, the engine's own ----------------------------------------------
@@ -804,13 +820,13 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
     eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
                          StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0,
                                       ring=ring if ring != "packed" else None,
-                                      read_in_place=ring != "packed"))
+                                      layout="packed" if ring == "packed" else "frames"))
     assert eng.plan.frames == (1 if ring == 16 else 2)
     counts = jnp.ones((CFG.n_experts,), jnp.int32)
     layers = list(CFG.moe_layers)
 
     def chunk(steps):
-        tok, _ = S.begin(eng.id, 0, jnp.zeros((), jnp.int32))
+        tok, _ = S.begin(eng.id, eng.chunk_mode(eng.stream.stream_floor), jnp.zeros((), jnp.int32))
         outs = []
         for i, call in steps:
             if i == "end":
@@ -854,7 +870,7 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
     layers = list(CFG.moe_layers)
 
     def chunk(n_fetched):
-        tok, _ = S.begin(eng.id, 0, jnp.zeros((), jnp.int32))
+        tok, _ = S.begin(eng.id, eng.chunk_mode(eng.stream.stream_floor), jnp.zeros((), jnp.int32))
         outs = []
         for l in layers[:n_fetched]:
             tok = S.publish(eng.id, l, tok, counts)

@@ -135,10 +135,13 @@ int strata_engine_abort(int64_t id) {
 int strata_engine_prestart(int64_t id, int32_t mode, char* err, int64_t errlen) {
   Engine* e = strata::FindEngine(id);
   if (!e) return Report("no engine " + std::to_string(id), err, errlen);
-  if (mode != 0 && mode != 1)
-    return Report("prestart: mode " + std::to_string(mode) + " is not 0 or 1", err, errlen);
+  strata::ChunkMode m;
+  if (!strata::ParseChunkMode(mode, &m))
+    return Report("prestart: mode " + std::to_string(mode) +
+                      " is not 0 (stream, frames), 1 (routed-only) or 2 (stream, packed)",
+                  err, errlen);
   try {
-    return Report(e->Prestart(static_cast<strata::ChunkMode>(mode)), err, errlen);
+    return Report(e->Prestart(m), err, errlen);
   } catch (const std::exception& ex) {
     return Report(ex.what(), err, errlen);
   }

@@ -34,15 +34,18 @@ class CpuEngine final : public Engine {
     lo.seed = opt_.seed;
     link_ = std::make_unique<SimLink>(
         [this](const StreamEntry& e) { return HostBlob(e.layer, e.expert); },
-        opt_.blob_bytes, ring_.data(), opt_.ring, lo, opt_.packed ? 1 : kParts);
+        opt_.blob_bytes, ring_.data(), opt_.ring, lo, kParts);
     link_->SetNeed(&need_);
     prepared_ = true;
     return {};
   }
 
  protected:
-  Status BackendBegin(ChunkMode, void*) override {
-    link_->BeginChunk(&state_);
+  Status BackendBegin(ChunkMode mode, void*) override {
+    // Each chunk lays the ring out its own way (packed blobs or frame planes).
+    // Nothing of the last chunk reads the ring any more: its fetches copied
+    // what they read out before their handlers returned.
+    link_->BeginChunk(&state_, mode == ChunkMode::kStreamPacked ? 1 : kParts);
     return {};
   }
 

@@ -489,6 +489,18 @@ class CudaEngine final : public Engine {
     // release on the host). Never recorded means never read since the ring
     // was made: waiting on an unrecorded event would be a no-op anyway.
     const int64_t frame = slot0 / opt_.n_experts;
+    if (relayout_) {
+      // The last chunk laid the ring out the other way, so this chunk's
+      // frame f overlaps others of that layout: its first copy waits for
+      // every frame's last reader (XLA's stream is in order, so in effect
+      // for the last chunk's last release).
+      for (int64_t f = 0; f < frames(); ++f)
+        if (used_recorded_[f].load(std::memory_order_acquire))
+          STRATA_CUDA_THROW(Entry(slot0, e) + ", waiting for frame " +
+                                std::to_string(f) + " of the other layout",
+                            cudaStreamWaitEvent, copy_stream_, used_[f], 0u);
+      relayout_ = false;
+    }
     if (used_recorded_[frame].load(std::memory_order_acquire))
       STRATA_CUDA_THROW(Entry(slot0, e) + ", waiting for frame " +
                             std::to_string(frame) + "'s release",
@@ -505,7 +517,7 @@ class CudaEngine final : public Engine {
     // per plane, rows of a third of a blob.
     const size_t part = static_cast<size_t>(part_bytes());
     const Rows dst = SlotRows(slot0);
-    if (opt_.packed) {
+    if (packed()) {
       STRATA_CUDA_THROW(
           Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : ""),
           cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes, src,
@@ -545,8 +557,18 @@ class CudaEngine final : public Engine {
   }
 
  protected:
-  Status BackendBegin(ChunkMode, void* stream) override {
+  Status BackendBegin(ChunkMode mode, void* stream) override {
     if (!copy_stream_) return "cuda engine is not prepared";
+    // A chunk of the other layout than the last one's (routed-only chunks
+    // write frames) must not copy into the ring before every read of the
+    // last layout is done (IssueEntries). Set before the walk starts, read
+    // and cleared by the issuer; a chunk that never copies leaves it set, which
+    // only makes the next chunk's first copy wait a little longer than needed.
+    const bool packed = mode == ChunkMode::kStreamPacked;
+    if (packed != ring_packed_) {
+      relayout_ = true;
+      ring_packed_ = packed;
+    }
     // A callback of the previous chunk landing after the gate reset would
     // publish a stale row into this chunk.
     if (!WaitCallbacks(kCallbackWait))
@@ -1131,6 +1153,10 @@ class CudaEngine final : public Engine {
   cudaStream_t copy_stream_ = nullptr;
   std::vector<cudaEvent_t> copied_;  // per slot, recorded on copy_stream_
   std::vector<cudaEvent_t> used_;    // per frame, recorded on XLA's stream
+  // The layout of the last chunk that began, and whether the next copy must
+  // wait for every frame's last reader (BackendBegin).
+  bool ring_packed_ = false;
+  bool relayout_ = false;
   // Written by Release before it releases the frame (consumed, release); read
   // by the issuer after it saw that release.
   std::unique_ptr<std::atomic<bool>[]> used_recorded_;

@@ -227,7 +227,7 @@ Status Engine::BeginChunk(ChunkMode mode, void* stream, bool prestart) {
   for (int l = 0; l < opt_.n_layers; ++l)
     stats_[l].streamed = layer_begin_[l + 1] - layer_begin_[l];
   in_chunk_ = true;
-  const bool walk = mode == ChunkMode::kStream && !stream_.empty();
+  const bool walk = Streams(mode) && !stream_.empty();
   hold_.store(prestart && walk ? kPrestartHold : 0, std::memory_order_release);
   if (walk) {
     if (opt_.routed && opt_.trace && !depth_line_printed_.exchange(true))
@@ -310,12 +310,13 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   if (state_.Stopped())
     return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                       : std::string("the walk was stopped")));
-  if (opt_.packed && !out)
-    return Fail(where + "a packed ring is read through fetch's outputs, not in place");
+  if (packed() && !out)
+    return Fail(where + "a packed chunk is read through fetch's outputs, not in place "
+                        "(fetch_frame is for frames chunks)");
   // Packed: every row goes straight to the outputs; the ring only holds the
   // copied blobs, slot s at s * blob.
   Rows base = SlotRows((o % frames()) * opt_.n_experts);
-  if (opt_.packed)
+  if (packed())
     for (int p = 0; p < kParts; ++p) base.part[p] = static_cast<uint8_t*>(out[p]);
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
@@ -334,14 +335,14 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   auto adjacent = [&](int64_t a, int64_t b) {
     return stream_[b].expert == stream_[a].expert + (b - a);
   };
-  if (mode_ == ChunkMode::kStream) {
+  if (Streams(mode_)) {
     // The copies land where the model reads them: nothing to copy out, only
     // the skipped rows to zero and one wait, on the layer's last copy.
     if (k1 > k0 && !state_.WaitIssued(k1 - 1))
       return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                         : std::string("the walk was stopped")));
     int64_t last = -1;
-    const uint8_t* packed = SlotRows(0).part[0];  // the ring's start
+    const uint8_t* ring_start = SlotRows(0).part[0];
     for (int64_t k = k0; k < k1;) {
       const bool copied = state_.entry_state(k) == EntryState::kCopied;
       int64_t n = 1;
@@ -352,12 +353,12 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
         st.copied += n;
         st.bytes += n * blob;
         last = k + n - 1;
-        if (opt_.packed) {
+        if (packed()) {
           // Each run split out as soon as it lands (adjacent experts sit in
           // adjacent slots of the layer's frame).
           s = WaitCopied(last, slot_of_[last], stream);
           if (!s.empty()) return Fail(where + s);
-          s = CopyResident(packed + slot_of_[k] * blob, n,
+          s = CopyResident(ring_start + slot_of_[k] * blob, n,
                            At(base, stream_[k].expert), stream);
           if (!s.empty()) return Fail(where + "split of the ring's blobs: " + s);
         }
@@ -368,7 +369,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       }
       k += n;
     }
-    if (last >= 0 && !opt_.packed) {
+    if (last >= 0 && !packed()) {
       s = WaitCopied(last, slot_of_[last], stream);
       if (!s.empty()) return Fail(where + s);
     }
@@ -397,7 +398,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       k += n;
     }
   }
-  if (out && !opt_.packed) {
+  if (out && !packed()) {
     s = CopyFrame(base, out, stream);
     if (!s.empty()) return Fail(where + "copy out of the frame: " + s);
   }
@@ -434,12 +435,11 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   // A chunk that fetched fewer layers than the plan has may leave the walk
   // waiting for frames nobody will release: stop it, so the join cannot wait
   // forever (the check below then fails the chunk).
-  if (mode_ == ChunkMode::kStream &&
-      released_ < n_fetch_layers_)
+  if (Streams(mode_) && released_ < n_fetch_layers_)
     state_.RequestStop();
   JoinIssuer();
   if (walk_failed_) return Fail("the issuer failed: " + walk_error_);
-  if (mode_ == ChunkMode::kStream && !stream_.empty()) {
+  if (Streams(mode_) && !stream_.empty()) {
     // What fetch read must be what the walk decided, entry for entry in sum.
     int64_t copied = 0, skipped = 0;
     for (const LayerStats& ls : stats_) {
@@ -477,12 +477,12 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
       skipped += ls.skipped;
     }
     std::fprintf(stderr,
-                 "strata: chunk %lld (%s, %s): ring entries %lld, copied "
+                 "strata: chunk %lld (%s%s, %s): ring entries %lld, copied "
                  "%lld, skipped %lld\n",
                  static_cast<long long>(chunks_),
-                 mode_ == ChunkMode::kStream
-                     ? (opt_.routed ? "routed stream" : "stream all")
-                     : "routed-only",
+                 Streams(mode_) ? (opt_.routed ? "routed stream" : "stream all")
+                                : "routed-only",
+                 Streams(mode_) ? (packed() ? ", packed ring" : ", layer frames") : "",
                  Describe().c_str(), static_cast<long long>(n),
                  static_cast<long long>(copied),
                  static_cast<long long>(skipped));

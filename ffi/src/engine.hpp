@@ -30,7 +30,25 @@ namespace strata {
 using Status = std::string;  // empty: ok; otherwise the message
 
 enum class Backend : int32_t { kCpu = 0, kCuda = 1 };
-enum class ChunkMode : int32_t { kStream = 0, kRoutedOnly = 1 };
+// A chunk's mode (begin_chunk's and prestart's `mode`): streamed through the
+// ring's layer frames, routed-only, or streamed through the packed ring. The
+// ring's bytes are the same either way; a chunk chooses how it lays them out
+// (StreamConfig.layout):
+// - frames: three planes (see kParts), each expert split into them as it
+//   crosses the link (one strided copy per expert or per plane of a run), read
+//   in place where the model can (fetch_frame);
+// - packed: whole blobs, slot s at s * blob_bytes, one copy per run of
+//   adjacent experts on the link, which fetch splits into outputs of its own
+//   on the device as each run lands. Fewer copies on the link, more work on
+//   XLA's stream: the better layout where the link sets the pace.
+// Routed-only chunks copy on XLA's stream straight into the frames.
+enum class ChunkMode : int32_t { kStream = 0, kRoutedOnly = 1, kStreamPacked = 2 };
+inline bool ParseChunkMode(int32_t v, ChunkMode* out) {
+  if (v < 0 || v > 2) return false;
+  *out = static_cast<ChunkMode>(v);
+  return true;
+}
+inline bool Streams(ChunkMode m) { return m != ChunkMode::kRoutedOnly; }
 
 // Filled from Python (ctypes Structure of the same layout).
 struct EngineOptions {
@@ -56,15 +74,10 @@ struct EngineOptions {
   // (cudaLaunchHostFunc) on XLA's stream fills the row; 1 = an event recorded
   // after the counts' copy, polled by the issuer, which fills the row.
   int32_t publish_mode = 0;
-  // 1: the ring holds packed blobs, slot s at s * blob_bytes (one copy per
-  // run of adjacent experts crosses the link), and fetch splits them into
-  // outputs of its own on the device; the model never reads the ring. 0:
-  // the three planes of layer frames (see kParts).
-  int32_t packed = 0;
 };
 
 // An expert's host blob is its gate, up and down matrices back to back, each
-// blob / kParts bytes. The ring holds them as three planes, [ring, part] each,
+// blob / kParts bytes. A frames chunk holds them in three planes, [ring, part] each,
 // split as they are copied in: `ring` slots are `ring / E` layer frames of E
 // rows, a layer's expert e in row e of its frame, so each plane of a frame is
 // one [E, ...] matrix of the layer, read where it landed.
@@ -133,7 +146,7 @@ class Engine {
   // the cache, its skipped rows zeroed, its copies waited for. `out` and
   // `out_bytes`: null (the model reads the frame itself, FramePlanes), or the
   // three planes (gate, up, down), [E, part] each, to copy the frame into
-  // (with a packed ring, required: residents, zeros and the split of each
+  // (a packed chunk requires them: residents, zeros and the split of each
   // copied run go straight there).
   // Layers fetch in order, each after the one before released its frame.
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
@@ -246,6 +259,8 @@ class Engine {
   virtual std::string Describe() const = 0;
 
   int64_t part_bytes() const { return opt_.blob_bytes / kParts; }
+  // This chunk lays its copies out in the packed ring (else in frames).
+  bool packed() const { return mode_ == ChunkMode::kStreamPacked; }
   // `base` advanced by `expert` rows.
   Rows At(const Rows& base, int64_t expert) const {
     Rows r = base;

@@ -49,11 +49,13 @@ inline ffi::Error Begin(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer
     Status err;
     Engine* e = Lookup(engine, &err);
     if (!e) return err;
-    if (mode != 0 && mode != 1)
-      return "begin_chunk: mode " + std::to_string(mode) + " is not 0 or 1";
+    ChunkMode m;
+    if (!ParseChunkMode(mode, &m))
+      return "begin_chunk: mode " + std::to_string(mode) +
+             " is not 0 (stream, frames), 1 (routed-only) or 2 (stream, packed)";
     if (ids->element_type() != ffi::DataType::S32)
       return "begin_chunk: the ids output must be int32";
-    return e->Begin(static_cast<ChunkMode>(mode), stream, ids->untyped_data(),
+    return e->Begin(m, stream, ids->untyped_data(),
                     static_cast<int64_t>(ids->size_bytes()));
   });
 }

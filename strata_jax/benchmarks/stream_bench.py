@@ -172,17 +172,32 @@ def add_stream_args(ap) -> None:
     ap.add_argument("--publish", default="event", choices=["callback", "event"],
                     help="the stream arms' publish mode (StreamConfig.publish)")
     ap.add_argument("--ring-gib", type=float, default=8.0)
+    ap.add_argument("--layout", default="auto", choices=["auto", "frames", "packed"],
+                    help="how streamed chunks lay the ring out (StreamConfig.layout): packed "
+                         "below --frames-from tokens and frames from there on (auto), or one "
+                         "of them for every chunk")
+    ap.add_argument("--frames-from", type=int, default=None,
+                    help="layout auto's crossover in tokens (StreamConfig.frames_from)")
     ap.add_argument("--packed", action="store_true",
-                    help="the packed ring and fetch's copy out (StreamConfig.read_in_place=False) "
-                         "instead of layer frames read in place")
+                    help="the same as --layout packed (the ninth session's spelling)")
+    ap.add_argument("--stream-floor", type=int, default=None,
+                    help="StreamConfig.stream_floor of the streamed arms (default 1,024): "
+                         "shorter chunks are routed-only")
+
+
+def _layout(args) -> str:
+    return "packed" if getattr(args, "packed", False) else getattr(args, "layout", "auto")
 
 
 def _stream_config(args, routed: bool, **overrides):
     """The streamed arms' StreamConfig from the command line (depth, publish mode, ring,
-    packed)."""
+    layout)."""
     from strata_jax.stream import StreamConfig
 
-    overrides.setdefault("read_in_place", not getattr(args, "packed", False))
+    overrides.setdefault("layout", _layout(args))
+    for name in ("frames_from", "stream_floor"):
+        if getattr(args, name, None) is not None:
+            overrides.setdefault(name, getattr(args, name))
     return StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
                         ring_budget_gib=args.ring_gib, **overrides)
 
@@ -373,14 +388,15 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
             # the call's time outside the device chunk instead.)
             begin, _ = engines[arm].streamer.host_times()
             host = ((begin - call) * 1e3,)
-            meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host))
+            meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host,
+                         r.chunks[0].stats.layout))
             del r  # see _drop_note
         for arm in ("stream-all", "routed"):
             rows = [m for m in meas if m[0] == arm]
             ms = statistics.median(m[1] for m in rows)
             copied_bytes = statistics.median(m[2]["bytes"] for m in rows)
             row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms, "ms_each": [m[1] for m in rows],
-                   "mode": rows[0][5], "bytes_copied": copied_bytes,
+                   "mode": rows[0][5], "layout": rows[0][7], "bytes_copied": copied_bytes,
                    **_against(ms, copied_bytes, ceiling, resident_ms[n]),
                    "streamed": rows[0][2]["streamed"],
                    "copied": statistics.median(m[2]["copied"] for m in rows),
@@ -681,7 +697,7 @@ def main(argv=None) -> int:
         result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                   "preset": args.preset, "layers": args.layers, "skew": args.skew,
                   "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
-                  "read_in_place": not getattr(args, "packed", False),
+                  "layout": _layout(args), "frames_from": getattr(args, "frames_from", None),
                   "info_memory": args.info_memory, "link_pinned_gbps": link,
                   "link_pageable_gbps": pageable,
                   "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,

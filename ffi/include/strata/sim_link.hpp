@@ -68,10 +68,12 @@ class SimLink {
 
   // Prepares for a chunk: forgets slot history, starts the worker if needed.
   // `state` is notified whenever a copy lands, so waits wake promptly.
-  void BeginChunk(WalkState* state) {
+  // `parts` > 0 lays the ring out anew for this chunk (see the constructor).
+  void BeginChunk(WalkState* state, int parts = 0) {
     Drain();
     std::lock_guard<std::mutex> lock(mu_);
     state_ = state;
+    if (parts > 0) parts_ = parts;
     for (auto& c : copied_) c.store(0, std::memory_order_relaxed);
     for (auto& u : used_) u.store(0, std::memory_order_relaxed);
     std::fill(occupant_.begin(), occupant_.end(), -1);
