@@ -211,8 +211,9 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                         "layer where it landed; best where compute sets the pace), packed "
                         "(fewest copies on the link; best where the link does) or auto "
                         "(packed below --frames-from tokens, frames from there on)")
-    g.add_argument("--frames-from", type=_positive_int, default=16384, metavar="N",
-                   help="--layout auto's crossover, in tokens per chunk (default 16384)")
+    g.add_argument("--frames-from", type=_positive_int, metavar="N",
+                   help="--layout auto's crossover, in tokens per chunk (default: "
+                        "StreamConfig.frames_from, 24576)")
     g.add_argument("--profile", metavar="FILE",
                    help="expert profile saved by `strata-jax profile`: orders each layer's "
                         "stream hottest first and chooses the resident experts")
@@ -774,6 +775,8 @@ def _stream_config(args, backend: str, profile):
         kw["stream_floor"] = args.stream_floor
     elif not routed:
         kw["stream_floor"] = 1  # stream-all: no routed-only chunks either
+    if args.frames_from is not None:
+        kw["frames_from"] = args.frames_from
     if args.resident_gib is not None:
         kw["resident_budget_gib"] = args.resident_gib
     if args.resident_per_layer is not None:
@@ -781,7 +784,7 @@ def _stream_config(args, backend: str, profile):
     if profile is not None:
         kw["profile"] = profile
     return StreamConfig(routed=routed, depth=args.depth, backend=backend,
-                        layout=args.layout, frames_from=args.frames_from,
+                        layout=args.layout,
                         ring_budget_gib=args.ring_gib, sim_bandwidth=args.sim_bandwidth * 1e9,
                         sim_latency=args.sim_latency * 1e-6, trace=True if args.trace else None,
                         **kw)

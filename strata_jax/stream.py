@@ -97,11 +97,11 @@ class StreamConfig:
             from there on. Routed-only chunks (below `stream_floor`) copy into frames either
             way. docs/BENCHMARKS.md, tenth session.
         frames_from: "auto"'s crossover in tokens. Frames pay off once the chunk's compute
-            outlasts its copies: on the H200 with Qwen3-30B-A3B shapes that is near 29K tokens
-            (resident compute against the whole stream at the link's 55 GB/s). The default sits
-            below it because a wrong choice costs frames less (under 1% of a link-bound chunk's
-            time) than packed (its split, about 2% of a compute-bound chunk's); measure a
-            model's own crossover with `stream_bench --layout`.
+            outlasts its copies, and packed until its split no longer hides behind the link: on
+            the H200 with Qwen3-30B-A3B shapes (8 layers, 9.66 GB streamed) resident compute
+            reaches the stream's 174 ms near 29K tokens; at 16K packed read 1.051 of the floor
+            against 1.057 for frames (routed; stream-all equal), at 32K frames 1.039 against
+            1.050. Measure a model's own with `stream_bench --layout frames|packed`.
         stream_floor: Chunks shorter than this many tokens use routed-only
             fetch (wait for the routing, copy only the routed experts).
         resident_per_layer: Experts kept resident on the device per MoE layer
@@ -143,7 +143,7 @@ class StreamConfig:
     ring: int | None = None
     ring_budget_gib: float = 4.0
     layout: str = "auto"
-    frames_from: int = 16384
+    frames_from: int = 24576
     stream_floor: int = 1024
     resident_per_layer: int = 0
     resident_budget_gib: float | None = None

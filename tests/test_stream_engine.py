@@ -165,6 +165,49 @@ def test_bad_stream_configs():
         Engine(CFG, params, StreamConfig(resident_per_layer=17), max_context=256)
 
 
+def test_ring_layout_per_chunk_and_bad_layouts():
+    from strata_jax import stream as S
+    from strata_jax.synthetic import split_experts
+
+    with pytest.raises(ValueError, match=r"layout='planes': expected one of \['auto', 'frames', 'packed'\]"):
+        StreamConfig(layout="planes").resolved()
+    with pytest.raises(ValueError, match="frames_from=0: must be at least 1"):
+        StreamConfig(frames_from=0).resolved()
+    _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
+    stores = [experts.get(l) for l in range(CFG.n_layers)]
+    cases = {  # StreamConfig kwargs: {chunk tokens: (layout, begin_chunk mode)}
+        "auto": (dict(stream_floor=16, frames_from=64),
+                 {8: ("frames", 1), 16: ("packed", 2), 63: ("packed", 2), 64: ("frames", 0)}),
+        "frames": (dict(layout="frames", stream_floor=16),
+                   {8: ("frames", 1), 16: ("frames", 0), 10**6: ("frames", 0)}),
+        "packed": (dict(layout="packed", stream_floor=16),
+                   {8: ("frames", 1), 16: ("packed", 2), 10**6: ("packed", 2)}),
+    }
+    for name, (kwargs, want) in cases.items():
+        eng = S.StreamEngine(CFG, stores, StreamConfig(**kwargs))
+        try:
+            got = {n: (eng.layout(n), eng.chunk_mode(n)) for n in want}
+            assert got == want, name
+            if name == "auto":  # a mode the native engine does not know is refused, both ways
+                import ctypes
+
+                import jax
+                import jax.numpy as jnp
+
+                from strata_jax import native
+
+                with pytest.raises(Exception, match=r"begin_chunk: mode 3 is not 0 \(stream, "
+                                                    r"frames\), 1 \(routed-only\) or 2"):
+                    jax.block_until_ready(jax.jit(
+                        lambda: S.begin(eng.id, 3, jnp.zeros((), jnp.int32))[0])())
+                err = ctypes.create_string_buffer(256)
+                assert native.lib().strata_engine_prestart(eng.id, -1, err, len(err)) != 0
+                assert b"prestart: mode -1 is not 0" in err.value
+                assert not eng.walk_active()
+        finally:
+            eng.close()
+
+
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_failure_mid_chunk_leaves_no_thread_and_engine_usable(routing, fault):
     _, params, logits_hash, kv_hash = routing
