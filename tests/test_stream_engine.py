@@ -176,11 +176,11 @@ def test_ring_layout_per_chunk_and_bad_layouts():
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     stores = [experts.get(l) for l in range(CFG.n_layers)]
     cases = {  # StreamConfig kwargs: {chunk tokens: (layout, begin_chunk mode)}
-        "auto": (dict(stream_floor=16, frames_from=64),
+        "auto": ({"stream_floor": 16, "frames_from": 64},
                  {8: ("frames", 1), 16: ("packed", 2), 63: ("packed", 2), 64: ("frames", 0)}),
-        "frames": (dict(layout="frames", stream_floor=16),
+        "frames": ({"layout": "frames", "stream_floor": 16},
                    {8: ("frames", 1), 16: ("frames", 0), 10**6: ("frames", 0)}),
-        "packed": (dict(layout="packed", stream_floor=16),
+        "packed": ({"layout": "packed", "stream_floor": 16},
                    {8: ("frames", 1), 16: ("packed", 2), 10**6: ("packed", 2)}),
     }
     for name, (kwargs, want) in cases.items():
@@ -198,8 +198,8 @@ def test_ring_layout_per_chunk_and_bad_layouts():
 
                 with pytest.raises(Exception, match=r"begin_chunk: mode 3 is not 0 \(stream, "
                                                     r"frames\), 1 \(routed-only\) or 2"):
-                    jax.block_until_ready(jax.jit(
-                        lambda: S.begin(eng.id, 3, jnp.zeros((), jnp.int32))[0])())
+                    jax.block_until_ready(jax.jit(functools.partial(
+                        S.begin, eng.id, 3))(jnp.zeros((), jnp.int32))[0])
                 err = ctypes.create_string_buffer(256)
                 assert native.lib().strata_engine_prestart(eng.id, -1, err, len(err)) != 0
                 assert b"prestart: mode -1 is not 0" in err.value
