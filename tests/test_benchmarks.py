@@ -112,6 +112,7 @@ def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
         assert len(r["ms_each"]) == len(r["host_call_to_begin_each"]) == 8
         assert r["device_chunk_each"] == [2.0] * 8
         assert r["device_chunk_ms"] == 2.0 and r["device_copy_ms"] == 1.5
+        assert (r["copy_lead_ms"], r["copy_tail_ms"]) == (0.1, 0.4)
         assert r["outside_device_chunk_ms"] == pytest.approx(statistics.median(r["ms_each"]) - 2.0)
         assert r["device_time_over_floor"] == pytest.approx(2.0 / r["floor_ms"])
 

@@ -409,6 +409,10 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
             if timed:
                 row["device_chunk_ms"] = statistics.median(m[3][0] for m in timed)
                 row["device_copy_ms"] = statistics.median(m[3][1] for m in timed)
+                # Begin to the first copy's start, and the last copy's end to the chunk's end:
+                # the pipeline's head and tail (the last layer's math after its last copy).
+                row["copy_lead_ms"] = statistics.median(m[3][2] for m in timed)
+                row["copy_tail_ms"] = statistics.median(m[3][3] for m in timed)
                 row["copy_window_link_fraction"] = statistics.median(
                     m[2]["bytes"] / (m[3][1] * 1e-3) / 1e9 / ceiling for m in timed)
                 row["device_time_over_floor"] = row["device_chunk_ms"] / row["floor_ms"]
