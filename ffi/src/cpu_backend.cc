@@ -92,12 +92,8 @@ class CpuEngine final : public Engine {
     return {};
   }
 
-  Rows SlotRows(int64_t slot) const override {
-    Rows r{};
-    uint8_t* base = const_cast<uint8_t*>(ring_.data());
-    for (int p = 0; p < kParts; ++p)
-      r.part[p] = base + (p * opt_.ring + slot) * part_bytes();
-    return r;
+  uint8_t* RingBase() const override {
+    return ring_.empty() ? nullptr : const_cast<uint8_t*>(ring_.data());
   }
 
   Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,

@@ -520,7 +520,7 @@ class CudaEngine final : public Engine {
     if (packed()) {
       STRATA_CUDA_THROW(
           Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : ""),
-          cudaMemcpyAsync, ring_ + slot0 * opt_.blob_bytes, src,
+          cudaMemcpyAsync, PackedSlot(slot0), src,
           static_cast<size_t>(n * opt_.blob_bytes), cudaMemcpyHostToDevice,
           copy_stream_);
     } else if (n == 1) {
@@ -720,12 +720,7 @@ class CudaEngine final : public Engine {
     return {};
   }
 
-  Rows SlotRows(int64_t slot) const override {
-    Rows r{};
-    for (int p = 0; p < kParts; ++p)
-      r.part[p] = ring_ ? ring_ + (p * opt_.ring + slot) * part_bytes() : nullptr;
-    return r;
-  }
+  uint8_t* RingBase() const override { return ring_; }
 
   Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
                     void* stream) override {

@@ -342,7 +342,6 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                         : std::string("the walk was stopped")));
     int64_t last = -1;
-    const uint8_t* ring_start = SlotRows(0).part[0];
     for (int64_t k = k0; k < k1;) {
       const bool copied = state_.entry_state(k) == EntryState::kCopied;
       int64_t n = 1;
@@ -358,7 +357,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
           // adjacent slots of the layer's frame).
           s = WaitCopied(last, slot_of_[last], stream);
           if (!s.empty()) return Fail(where + s);
-          s = CopyResident(ring_start + slot_of_[k] * blob, n,
+          s = CopyResident(PackedSlot(slot_of_[k]), n,
                            At(base, stream_[k].expert), stream);
           if (!s.empty()) return Fail(where + "split of the ring's blobs: " + s);
         }

@@ -231,8 +231,8 @@ class Engine {
                               int64_t k1, void* stream) = 0;
   // Copies a frame's E rows of each plane, from `src`, into `out`.
   virtual Status CopyFrame(const Rows& src, void* const* out, void* stream) = 0;
-  // The rows of ring slot `slot` in each plane.
-  virtual Rows SlotRows(int64_t slot) const = 0;
+  // The ring's memory (ring * blob_bytes), null before Prepare made it.
+  virtual uint8_t* RingBase() const = 0;
   // The copies below split n packed blobs (blob bytes apart) into the n rows
   // at `dst` of each plane.
   // Copies experts expert..expert+n-1 of `layer` straight from the host store
@@ -261,6 +261,19 @@ class Engine {
   int64_t part_bytes() const { return opt_.blob_bytes / kParts; }
   // This chunk lays its copies out in the packed ring (else in frames).
   bool packed() const { return mode_ == ChunkMode::kStreamPacked; }
+  // Ring slot `slot` in a frames chunk: its row in each plane ([ring, part]
+  // each, plane-major). All null before Prepare.
+  Rows SlotRows(int64_t slot) const {
+    Rows r{};
+    if (uint8_t* base = RingBase())
+      for (int p = 0; p < kParts; ++p)
+        r.part[p] = base + (p * opt_.ring + slot) * part_bytes();
+    return r;
+  }
+  // Ring slot `slot` in a packed chunk: its whole blob.
+  uint8_t* PackedSlot(int64_t slot) const {
+    return RingBase() + slot * opt_.blob_bytes;
+  }
   // `base` advanced by `expert` rows.
   Rows At(const Rows& base, int64_t expert) const {
     Rows r = base;
