@@ -186,7 +186,7 @@ def add_stream_args(ap) -> None:
 
 
 def _layout(args) -> str:
-    return "packed" if getattr(args, "packed", False) else getattr(args, "layout", "auto")
+    return "packed" if args.packed else args.layout
 
 
 def _stream_config(args, routed: bool, **overrides):
@@ -195,9 +195,10 @@ def _stream_config(args, routed: bool, **overrides):
     from strata_jax.stream import StreamConfig
 
     overrides.setdefault("layout", _layout(args))
-    for name in ("frames_from", "stream_floor"):
-        if getattr(args, name, None) is not None:
-            overrides.setdefault(name, getattr(args, name))
+    if args.frames_from is not None:
+        overrides.setdefault("frames_from", args.frames_from)
+    if args.stream_floor is not None:
+        overrides.setdefault("stream_floor", args.stream_floor)
     return StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
                         ring_budget_gib=args.ring_gib, **overrides)
 
@@ -701,7 +702,7 @@ def main(argv=None) -> int:
         result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                   "preset": args.preset, "layers": args.layers, "skew": args.skew,
                   "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
-                  "layout": _layout(args), "frames_from": getattr(args, "frames_from", None),
+                  "layout": _layout(args), "frames_from": args.frames_from,
                   "info_memory": args.info_memory, "link_pinned_gbps": link,
                   "link_pageable_gbps": pageable,
                   "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
