@@ -114,6 +114,31 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     return _lax(x, w, group_sizes)
 
 
+def row_pieces(m: int, pieces: int, align: int = MGPU_BLOCK_M) -> tuple[int, ...]:
+    """Static bounds that cut M sorted rows into `pieces` ranges of about equal size, each
+    boundary a multiple of `align` (the Mosaic kernel's row tile, so no piece pads a tile).
+    Returns (0, b1, ..., M) with no empty range: fewer pieces where M is too small."""
+    if m < 0 or pieces < 1:
+        raise ValueError(f"row_pieces: m={m}, pieces={pieces}; need m >= 0 and pieces >= 1")
+    bounds = [0]
+    for p in range(1, pieces):
+        b = int(round(m * p / pieces / align)) * align
+        if bounds[-1] < b < m:
+            bounds.append(b)
+    bounds.append(m)
+    return tuple(bounds)
+
+
+def piece_group_sizes(group_sizes: jax.Array, begin: int, end: int) -> jax.Array:
+    """Each group's rows inside the sorted-row range [begin, end): the group sizes for a
+    grouped matmul of x[begin:end]. Every row of the range keeps its group, so that matmul
+    computes the same rows the whole one would (row by row, the same bits: tests check it),
+    and rows of the range past the last group come back as zeros as before."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    return (jnp.clip(ends, begin, end) - jnp.clip(starts, begin, end)).astype(jnp.int32)
+
+
 def _lax(x, w, group_sizes):
     with jax.named_scope("grouped_matmul_lax"):
         # Zero-size groups are multiplied by zero rows in the dense lowering: sanitise them so their

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from strata_jax.grouped_matmul import (grouped_matmul, grouped_matmul_reference, is_hopper,
+                                       piece_group_sizes, row_pieces,
                                        resolve_implementation)
 from strata_jax.testing import assert_close
 
@@ -145,3 +146,62 @@ def test_tiled_on_gpu_matches_reference():
     x, w, g = _case(1000, 128, 256, [0, 400, 0, 600], dtype=ml_dtypes.bfloat16)
     out = grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), impl="tiled")
     assert_close(out, grouped_matmul_reference(x, w, g), ml_dtypes.bfloat16)
+
+
+def _pieces_case(m, sizes, k=256, n=384, seed=3):
+    x, w, g = _case(m, k, n, sizes, dtype=ml_dtypes.bfloat16, seed=seed)
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
+
+
+def _by_pieces(x, w, g, bounds, impl):
+    outs = [grouped_matmul(x[a:b], w, piece_group_sizes(g, a, b), impl=impl)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return jnp.concatenate(outs)
+
+
+# The last MoE layer of a streamed chunk runs its expert math in row pieces (model.experts_swiglu):
+# each piece's rows must come out as the same bits as the whole matmul gives them.
+_PIECE_CASES = [
+    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4),   # groups straddle every boundary; padding rows
+    ([0] * 60 + [1024] + [0] * 67, 1024, 3),       # one hot expert spans all pieces
+    ([8] * 128, 1024, 4),                          # many groups, boundaries on group edges
+    ([0, 0, 0, 0], 512, 2),                        # padding only
+]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("sizes, m, pieces", _PIECE_CASES)
+def test_row_pieces_same_bits(impl, sizes, m, pieces):
+    x, w, g = _pieces_case(m, sizes)
+    bounds = row_pieces(m, pieces, align=128)
+    assert len(bounds) == pieces + 1 and bounds[0] == 0 and bounds[-1] == m
+    whole = grouped_matmul(x, w, g, impl=impl)
+    np.testing.assert_array_equal(np.asarray(_by_pieces(x, w, g, bounds, impl)).view(np.uint16),
+                                  np.asarray(whole).view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["mgpu", "tiled"])
+@pytest.mark.parametrize("sizes, m, pieces", _PIECE_CASES)
+def test_gpu_row_pieces_same_bits(impl, sizes, m, pieces):
+    if impl == "mgpu" and not is_hopper():
+        pytest.skip("Mosaic GPU ragged_dot needs a Hopper GPU")
+    x, w, g = _pieces_case(m, sizes)
+    bounds = row_pieces(m, pieces)
+    whole = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl=impl))(x, w, g)
+    pieces_out = jax.jit(lambda a, b, c: _by_pieces(a, b, c, bounds, impl))(x, w, g)
+    np.testing.assert_array_equal(np.asarray(pieces_out).view(np.uint16),
+                                  np.asarray(whole).view(np.uint16))
+
+
+def test_row_pieces_bounds():
+    assert row_pieces(1024, 4) == (0, 256, 512, 768, 1024)
+    assert row_pieces(300, 4) == (0, 128, 256, 300)   # too few rows for four aligned pieces
+    assert row_pieces(200, 4) == (0, 128, 200)
+    assert row_pieces(0, 3) == (0, 0)
+    assert row_pieces(1000, 1) == (0, 1000)
+    with pytest.raises(ValueError, match="pieces"):
+        row_pieces(100, 0)
+    g = jnp.asarray([3, 0, 5, 2], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(piece_group_sizes(g, 2, 8)), [1, 0, 5, 0])
+    np.testing.assert_array_equal(np.asarray(piece_group_sizes(g, 8, 12)), [0, 0, 0, 2])
