@@ -17,6 +17,7 @@
 // Besides: bad input, a stop mid-walk, a link that publishes the gate itself,
 // the hold of a chunk begun from the host, and the issuer's worker thread.
 // Exit status 0 when every check held; the first failures are printed.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -118,9 +119,10 @@ struct RecordingLink {
   // A run of adjacent entries as one copy: checked, then forwarded entry by
   // entry so the simulated link still checks every slot's ring rule.
   const std::vector<StreamEntry>* entries = nullptr;
-  int64_t runs = 0, bad_run = 0;
+  int64_t runs = 0, bad_run = 0, longest_run = 0;
   void IssueRun(int64_t k, int64_t n, int64_t slot) {
     ++runs;
+    longest_run = std::max(longest_run, n);
     const auto& es = *entries;
     if (n < 2 || slot != want(k) || slot + n > ring ||
         want(k + n - 1) != slot + n - 1)
@@ -259,6 +261,12 @@ Outcome RunChunk(const Chunk& c) {
         c.name.c_str(), (long long)rec.bad_slot);
   CHECK(rec.bad_run == 0, "[%s] %lld runs break the run rules", c.name.c_str(),
         (long long)rec.bad_run);
+  // Routed: a run is at most half the depth, so one is always queued behind
+  // the one on the link (the depth rule counts entries).
+  if (c.cfg.routed)
+    CHECK(rec.longest_run <= std::max(1, strata::ClampDepth(c.cfg.depth) / 2),
+          "[%s] a run of %lld entries with depth %d (routed: at most depth / 2)",
+          c.name.c_str(), (long long)rec.longest_run, c.cfg.depth);
   if (c.cfg.max_run <= 1)
     CHECK(rec.runs == 0, "[%s] %lld runs with max_run %d", c.name.c_str(),
           (long long)rec.runs, c.cfg.max_run);

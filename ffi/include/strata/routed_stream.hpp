@@ -354,8 +354,15 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
     int64_t run = 1;
     if constexpr (HasIssueRun<Link>::value) {
       const int64_t slot0 = slot_of(k);
-      const int64_t limit = cfg.routed ? std::min<int64_t>(cfg.max_run, depth)
-                                       : static_cast<int64_t>(cfg.max_run);
+      // Routed: a run is at most half the depth. The depth rule counts
+      // entries, and a run's entries land together, so a run of `depth`
+      // could only go out once the run before it had wholly landed: the
+      // link ran dry before each one (about 0.12 ms per 16 experts on the
+      // H200, BENCHMARKS.md eleventh session). With half, one run is always
+      // queued behind the one on the link.
+      const int64_t limit =
+          cfg.routed ? std::min<int64_t>(cfg.max_run, std::max(1, depth / 2))
+                     : static_cast<int64_t>(cfg.max_run);
       while (run < limit && k + run < n && !e.staged &&
              (frames ? slot_of(k + run) == slot0 + run : slot0 + run < cfg.ring)) {
         const int64_t j = k + run;
