@@ -400,9 +400,13 @@ class Engine:
             # begin_chunk first, and the chunk's ids come out of it: nothing of the chunk runs
             # before the issuer and the link are started, wherever XLA would schedule it.
             blobs, frames = resident
+            # The last MoE layer in pieces (StreamConfig.tail_pieces), chunk-major only: a
+            # layer-major prompt's layers run once over all of its sub-chunks.
+            pieces = 1 if sub else self.streamer.tail_pieces(mode, width - 2)
             source = StreamedExperts(self.streamer.id, mode, self.config, blobs,
                                      jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
-                                     frame_of=self.streamer.frame_of)
+                                     frame_of=self.streamer.frame_of, tail_pieces=pieces,
+                                     tail_layer=self.streamer.tail_layer)
             ids = source.ids
         tokens, start, n_valid = ids[:-2], ids[-2], ids[-1]
         start = 0 if first else start
@@ -700,7 +704,9 @@ class Engine:
             for (i, n, _), (st, counts) in zip(pending, infos):
                 counts_total += counts
                 if self.streamer is not None:
-                    records[i].stats = self.streamer.make_stats(n, st, counts)
+                    pieces = (1 if order == "layer-major" else self.streamer.tail_pieces(
+                        self.streamer.chunk_mode(n), records[i].bucket))
+                    records[i].stats = self.streamer.make_stats(n, st, counts, pieces)
         except BaseException:
             # The caller's session is untouched. Chunks already queued may still be running on
             # XLA's threads: cancel makes each end at its next stream call (in error), they are

@@ -55,6 +55,14 @@ class ExpertSource(Protocol):
         A source may also have `release(layer, outs) -> outs`, called with the layer's expert
         outputs once its expert math is traced: the weights it returned are then no longer read
         (the stream reuses the memory they are in). The model returns `outs` as given back.
+
+        And, to run a layer's expert math in pieces as its weights arrive, both of
+        `row_pieces(layer, n_rows) -> bounds | None` (static bounds (0, ..., n_rows) over the
+        layer's rows sorted by expert id, or None for the whole layer) and
+        `expert_weights_piece(layer, counts, bounds, piece, after) -> ExpertWeights` (the
+        weights of every expert with rows in piece `piece`, called for the pieces in order,
+        `after` an output of the piece before's math, None for piece 0). Each piece's rows
+        give the same bits as the whole layer's matmul (grouped_matmul.piece_group_sizes).
         """
         ...
 

@@ -116,10 +116,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 
 def row_pieces(m: int, pieces: int, align: int = MGPU_BLOCK_M) -> tuple[int, ...]:
     """Static bounds that cut M sorted rows into `pieces` ranges of about equal size, each
-    boundary a multiple of `align` (the Mosaic kernel's row tile, so no piece pads a tile).
-    Returns (0, b1, ..., M) with no empty range: fewer pieces where M is too small."""
+    boundary a multiple of `align` (the Mosaic kernel's row tile, so no piece pads a tile)
+    where M holds `pieces` such tiles, else anywhere. Returns (0, b1, ..., M) with no empty
+    range: fewer pieces where M is too small."""
     if m < 0 or pieces < 1:
         raise ValueError(f"row_pieces: m={m}, pieces={pieces}; need m >= 0 and pieces >= 1")
+    if m < align * pieces:
+        align = 1
     bounds = [0]
     for p in range(1, pieces):
         b = int(round(m * p / pieces / align)) * align

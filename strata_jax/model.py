@@ -22,7 +22,7 @@ from jax import lax
 
 from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
-from strata_jax.grouped_matmul import grouped_matmul
+from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 
 ATTENTION_ENV_VAR = "STRATA_ATTENTION"  # auto|xla|cudnn|einsum|blocked
 # A follow-up chunk's attention against the cache builds [heads, T, S] float32 scores on the XLA
@@ -439,6 +439,30 @@ def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array) -> 
         return grouped_matmul(h, w.down, counts)  # [T*k, H]
 
 
+def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Array,
+                          bounds: tuple[int, ...], weights_for_piece) -> jax.Array:
+    """`experts_swiglu` over the sorted rows in pieces [bounds[p], bounds[p+1]), each with the
+    weights `weights_for_piece(p, after)` gives (`after`: the piece before's output, None for
+    piece 0), so a piece's math can start once its own experts are there. Each row keeps its
+    expert (piece_group_sizes), so the rows come out as the whole layer's matmuls give them.
+
+    Args:
+        x: [T, H] tokens; order: int32 [T*k] from `permute`; counts: int32 [E].
+
+    Returns:
+        [T*k, H] in x.dtype, rows in sorted order.
+    """
+    ys = []
+    after = None
+    for p, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        with jax.named_scope(f"experts_piece_{p}"):
+            w = ExpertWeights(*(t.astype(x.dtype) for t in weights_for_piece(p, after)))
+            x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted
+            after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b))
+            ys.append(after)
+    return jnp.concatenate(ys)
+
+
 def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
     """Puts expert outputs back in token order and combines them with the routing weights.
 
@@ -518,17 +542,27 @@ class MoE(nnx.Module):
         source = expert_source if expert_source is not None else ResidentExperts()
         return source.expert_weights(self.layer, counts, self.resident_weights())
 
-    def apply_experts(self, x: jax.Array, routing: Routing, w: ExpertWeights,
-                      valid: jax.Array | None = None) -> jax.Array:
+    def apply_experts(self, x: jax.Array, routing: Routing, w: ExpertWeights | None,
+                      valid: jax.Array | None = None, *, pieces=None) -> jax.Array:
         """Steps 4-7 for x [T, H] with its own `routing` and the fetched weights -> [T, H].
 
         `routing.counts` are the group sizes; they may sum to less than T*k (padding sorts last,
         as the sentinel E). Padded rows (where `valid` is False) come back as exact zeros, whatever
         a grouped-matmul implementation leaves in rows past its groups.
+
+        pieces: None, or (bounds, weights_for_piece) to run step 5 in row pieces as the source
+            supplies each piece's weights (`experts_swiglu_pieces`; `w` is then unused).
         """
-        w = ExpertWeights(*(a.astype(x.dtype) for a in w))
-        x_sorted, order = permute(x, routing.expert_ids)
-        y_sorted = experts_swiglu(x_sorted, w, routing.counts)
+        if pieces is None:
+            w = ExpertWeights(*(a.astype(x.dtype) for a in w))
+            x_sorted, order = permute(x, routing.expert_ids)
+            y_sorted = experts_swiglu(x_sorted, w, routing.counts)
+        else:
+            with jax.named_scope("permute"):
+                k = routing.expert_ids.shape[1]
+                order = jnp.argsort(routing.expert_ids.reshape(-1), stable=True).astype(jnp.int32)
+            with jax.named_scope("experts"):
+                y_sorted = experts_swiglu_pieces(x, order, k, routing.counts, *pieces)
         out = unpermute(y_sorted, order, routing.weights)
         if self.shared is not None:
             with jax.named_scope("shared_expert"):
@@ -546,10 +580,20 @@ class MoE(nnx.Module):
                  valid: jax.Array | None = None):
         """x [T, H] -> ([T, H], counts int32 [E])."""
         routing = self.route_tokens(x, valid)
-        w = self.fetch_weights(routing.counts, expert_source)
-        out = release_experts(expert_source, self.layer,
-                              self.apply_experts(x, routing, w, valid))
-        return out, routing.counts
+        row_pieces = getattr(expert_source, "row_pieces", None)
+        bounds = (row_pieces(self.layer, routing.expert_ids.size)
+                  if row_pieces is not None else None)
+        if bounds is None:
+            w = self.fetch_weights(routing.counts, expert_source)
+            out = self.apply_experts(x, routing, w, valid)
+        else:
+            def weights_for_piece(p, after):
+                return expert_source.expert_weights_piece(self.layer, routing.counts, bounds, p,
+                                                          after)
+
+            out = self.apply_experts(x, routing, None, valid,
+                                     pieces=(bounds, weights_for_piece))
+        return release_experts(expert_source, self.layer, out), routing.counts
 
 
 class DecoderLayer(nnx.Module):

@@ -36,6 +36,7 @@ from jax.interpreters import mlir
 from . import _dlpack, native
 from .config import ModelConfig
 from .experts import ExpertWeights, blob_size, pack_expert_blobs_np
+from .grouped_matmul import row_pieces
 
 if TYPE_CHECKING:  # pragma: no cover
     from .profile import ExpertProfile
@@ -102,6 +103,14 @@ class StreamConfig:
             reaches the stream's 174 ms near 29K tokens; at 16K packed read 1.051 of the floor
             against 1.057 for frames (routed; stream-all equal), at 32K frames 1.039 against
             1.050. Measure a model's own with `stream_bench --layout frames|packed`.
+        tail_pieces: In a streamed chunk of at least `tail_from` tokens, the last MoE
+            layer's expert math runs in this many pieces of its rows (sorted by expert), each
+            after a fetch that waits only for the copies of the experts with rows in it, so
+            that only the last piece's math follows the chunk's last copy (1: the layer whole).
+            The pieces give the same bits (each row keeps its expert and its math). Each piece
+            costs the grouped matmul's per-expert tiles again, hence a floor on the length.
+        tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
+            `tail_pieces` pieces.
         stream_floor: Chunks shorter than this many tokens use routed-only
             fetch (wait for the routing, copy only the routed experts).
         resident_per_layer: Experts kept resident on the device per MoE layer
@@ -144,6 +153,8 @@ class StreamConfig:
     ring_budget_gib: float = 4.0
     layout: str = "auto"
     frames_from: int = 24576
+    tail_pieces: int = 4
+    tail_from: int = 8192
     stream_floor: int = 1024
     resident_per_layer: int = 0
     resident_budget_gib: float | None = None
@@ -202,6 +213,12 @@ class StreamConfig:
         if self.frames_from < 1:
             raise ValueError(f"frames_from={self.frames_from}: must be at least 1 (a chunk "
                              f"length in tokens; layout='frames' or 'packed' fixes one layout)")
+        if self.tail_pieces < 1:
+            raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
+                             f"last MoE layer whole)")
+        if self.tail_from < 1:
+            raise ValueError(f"tail_from={self.tail_from}: must be at least 1 (a chunk length "
+                             f"in tokens)")
         if self.resident_per_layer < 0:
             raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
         return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace),
@@ -219,6 +236,7 @@ class ChunkStats:
     tokens: int
     mode: str  # "stream" or "routed-only"
     layout: str  # how the chunk laid the ring out: "frames" or "packed" (StreamConfig.layout)
+    tail_pieces: int  # pieces its last MoE layer ran in (StreamConfig.tail_pieces)
     streamed: np.ndarray
     copied: np.ndarray
     skipped: np.ndarray
@@ -894,8 +912,22 @@ class StreamEngine:
             return _MODE_ROUTED_ONLY
         return _MODE_STREAM_PACKED if self.layout(n_tokens) == "packed" else _MODE_STREAM
 
-    def make_stats(self, n_tokens: int, native_stats: np.ndarray, counts: np.ndarray) -> ChunkStats:
-        """ChunkStats from end_chunk's output [L, 2] and the router counts [n_moe, E]."""
+    def tail_pieces(self, mode: int, n_tokens: int) -> int:
+        """Pieces the last MoE layer runs in, in a chunk of `mode` compiled for `n_tokens`
+        tokens (its bucket; StreamConfig.tail_pieces): 1 for routed-only or short chunks."""
+        if mode not in _STREAM_MODES or n_tokens < self.stream.tail_from or not self.moe_layers:
+            return 1
+        return self.stream.tail_pieces
+
+    @property
+    def tail_layer(self) -> int | None:
+        """The layer `tail_pieces` applies to: the last MoE layer."""
+        return max(self.moe_layers) if self.moe_layers else None
+
+    def make_stats(self, n_tokens: int, native_stats: np.ndarray, counts: np.ndarray,
+                   tail_pieces: int = 1) -> ChunkStats:
+        """ChunkStats from end_chunk's output [L, 2] and the router counts [n_moe, E];
+        `tail_pieces`: what the chunk's program used (`tail_pieces`)."""
         native_stats = np.asarray(native_stats, np.int64)
         copied, skipped = native_stats[:, 0], native_stats[:, 1]
         unrouted = np.zeros(self.config.n_layers, np.int64)
@@ -906,6 +938,7 @@ class StreamEngine:
             tokens=n_tokens,
             mode="stream" if self.chunk_mode(n_tokens) in _STREAM_MODES else "routed-only",
             layout=self.layout(n_tokens),
+            tail_pieces=tail_pieces,
             streamed=streamed.copy(), copied=copied, skipped=skipped, unrouted=unrouted,
             bytes=copied * self.blob_bytes)
 
@@ -941,8 +974,8 @@ except AttributeError:  # moved out of jax.core in some releases
     from jax._src.core import ShapedArray as _ShapedArray
 
 
-def _stream_call_abstract(*operands, target, results, **attrs):
-    del operands, target, attrs
+def _stream_call_abstract(*operands, target, results, aliases=(), **attrs):
+    del operands, target, aliases, attrs
     return [_ShapedArray(shape, dtype) for shape, dtype in results]
 
 
@@ -950,9 +983,11 @@ def _stream_call_eager(*operands, target, **params):
     raise RuntimeError(f"{target} runs only inside a jitted prefill (Engine.prefill), not eagerly")
 
 
-def _stream_call_lowering(ctx, *operands, target, results, **attrs):
+def _stream_call_lowering(ctx, *operands, target, results, aliases=(), **attrs):
+    """`aliases`: (operand, result) pairs that share a buffer (fetch_piece's outputs)."""
     del results
-    return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **attrs)
+    extra = {"operand_output_aliases": dict(aliases)} if aliases else {}
+    return jax.ffi.ffi_lowering(target, has_side_effect=True, **extra)(ctx, *operands, **attrs)
 
 
 _stream_call_p.def_abstract_eval(_stream_call_abstract)
@@ -960,10 +995,15 @@ _stream_call_p.def_impl(_stream_call_eager)
 mlir.register_lowering(_stream_call_p, _stream_call_lowering)
 
 
-def _call(target: str, results, *operands, **attrs):
+def _call(target: str, results, *operands, aliases=(), **attrs):
     results = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in results)
     return _stream_call_p.bind(*operands, target=native.TARGETS[target], results=results,
-                               **attrs)
+                               aliases=tuple(aliases), **attrs)
+
+
+def _piece_attrs(piece: int, pieces: int, rows: tuple[int, int]) -> dict:
+    return dict(piece=np.int32(piece), pieces=np.int32(pieces), row_begin=np.int64(rows[0]),
+                row_end=np.int64(rows[1]))
 
 
 def begin(engine_id: int, mode: int, token: jax.Array,
@@ -982,23 +1022,41 @@ def publish(engine_id: int, layer: int, token: jax.Array, counts: jax.Array) -> 
 
 
 def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array, n_experts: int,
-          hidden: int, intermediate: int) -> tuple[ExpertWeights, jax.Array]:
+          hidden: int, intermediate: int, *, piece: int = 0, pieces: int = 1,
+          rows: tuple[int, int] = (0, 0), so_far: ExpertWeights | None = None,
+          after: jax.Array | None = None) -> tuple[ExpertWeights, jax.Array]:
     """The layer's expert weights, gate/up [E, H, I] and down [E, I, H] in the resident blobs'
     dtype: fetch splits each packed blob into the three matrices as it copies it, so the model
-    reads them with no further copy."""
+    reads them with no further copy.
+
+    In pieces (`piece` of `pieces`, `rows` the piece's sorted rows [begin, end)): each call
+    readies the experts with rows in its range (and those before); piece 0 makes the outputs,
+    each later piece adds its experts to the outputs of the piece before (`so_far`, whose
+    buffers it writes in place: fetch_piece) after that piece's math (`after`, one of its
+    outputs)."""
     h, i, dt = hidden, intermediate, resident.dtype
-    gate, up, down, tok = _call(
-        "fetch", [((n_experts, h, i), dt), ((n_experts, h, i), dt), ((n_experts, i, h), dt),
-                  ((), jnp.int32)],
-        token, resident, engine=np.int64(engine_id), layer=np.int32(layer))
+    shapes = [((n_experts, h, i), dt), ((n_experts, h, i), dt), ((n_experts, i, h), dt),
+              ((), jnp.int32)]
+    attrs = dict(engine=np.int64(engine_id), layer=np.int32(layer),
+                 **_piece_attrs(piece, pieces, rows))
+    if so_far is None:
+        gate, up, down, tok = _call("fetch", shapes, token, resident, **attrs)
+    else:
+        if after is None:
+            raise ValueError("fetch: a later piece needs `after` (the piece before's output)")
+        gate, up, down, tok = _call("fetch_piece", shapes, token, resident, *so_far, after,
+                                    aliases=((2, 0), (3, 1), (4, 2)), **attrs)
     return ExpertWeights(gate, up, down), tok
 
 
-def fetch_frame(engine_id: int, layer: int, token: jax.Array, resident: jax.Array) -> jax.Array:
+def fetch_frame(engine_id: int, layer: int, token: jax.Array, resident: jax.Array, *,
+                piece: int = 0, pieces: int = 1, rows: tuple[int, int] = (0, 0)) -> jax.Array:
     """fetch_frame: readies the layer's ring frame (residents copied in, skipped rows zeroed,
-    its copies waited for on XLA's stream); the model then reads the frame in place."""
+    its copies waited for on XLA's stream); the model then reads the frame in place. In pieces
+    (`fetch`), only the copies of the experts with rows in the piece's range are waited for."""
     (tok,) = _call("fetch_frame", [((), jnp.int32)], token, resident,
-                   engine=np.int64(engine_id), layer=np.int32(layer))
+                   engine=np.int64(engine_id), layer=np.int32(layer),
+                   **_piece_attrs(piece, pieces, rows))
     return tok
 
 
@@ -1024,20 +1082,34 @@ class StreamedExperts:
     given, else a copy of it; in a packed chunk fetch's own outputs, split from the copied
     blobs) and, after the layer's expert math, `release` (its frame may take a later layer);
     `finish` returns end_chunk's per-layer (copied, skipped).
+
+    `tail_pieces` > 1 (a streamed chunk; StreamConfig.tail_pieces): the layer `tail_layer`
+    (the last MoE layer) is fetched in that many pieces of its sorted rows (`row_pieces`,
+    `expert_weights_piece`), so that its expert math runs as its copies land and only the
+    last piece's math follows the chunk's last copy.
     """
 
     def __init__(self, engine_id: int, mode: int, config: ModelConfig,
                  resident_blobs: dict[int, jax.Array], token: jax.Array, n_ids: int = 0,
                  frames: tuple[ExpertWeights, ...] | None = None,
-                 frame_of: dict[int, int] | None = None):
+                 frame_of: dict[int, int] | None = None, *, tail_pieces: int = 1,
+                 tail_layer: int | None = None):
         if frames is not None and frame_of is None:
             raise ValueError("frames need frame_of (StreamEngine.frame_of)")
+        if tail_pieces < 1:
+            raise ValueError(f"tail_pieces={tail_pieces}: must be at least 1")
+        if tail_pieces > 1 and mode not in _STREAM_MODES:
+            raise ValueError("tail_pieces > 1 needs a streamed chunk (a routed-only chunk "
+                             "fetches each layer whole)")
         self.engine_id = engine_id
         self.config = config
         self.resident_blobs = resident_blobs
         # A packed chunk's layers come out of fetch; a frames chunk reads its frames.
         self.frames = None if mode == _MODE_STREAM_PACKED else frames
         self.frame_of = frame_of
+        self.tail_pieces = tail_pieces
+        self.tail_layer = tail_layer
+        self._so_far: ExpertWeights | None = None  # a packed layer's outputs, piece by piece
         self.token, self.ids = begin(engine_id, mode, token, n_ids)
 
     def expert_weights(self, layer: int, counts: jax.Array,
@@ -1046,16 +1118,50 @@ class StreamedExperts:
         with jax.named_scope(f"stream_publish_{layer}"):
             self.token = publish(self.engine_id, layer, self.token, counts)
         with jax.named_scope(f"stream_fetch_{layer}"):
-            if self.frames is None:
-                w, self.token = fetch(self.engine_id, layer, self.token,
-                                      self.resident_blobs[layer], self.config.n_experts,
-                                      self.config.hidden_size, self.config.expert_intermediate)
-                return w
-            tok = fetch_frame(self.engine_id, layer, self.token, self.resident_blobs[layer])
-            # The frame is a program input: the barrier makes every read of it wait for fetch.
-            w, self.token = jax.lax.optimization_barrier(
-                (tuple(self.frames[self.frame_of[layer]]), tok))
-            return ExpertWeights(*w)
+            return self._fetch(layer, 0, 1, (0, 0))
+
+    def row_pieces(self, layer: int, n_rows: int) -> tuple[int, ...] | None:
+        """The static bounds of `layer`'s pieces over its `n_rows` sorted rows, or None where
+        the layer is fetched whole."""
+        if layer != self.tail_layer or self.tail_pieces <= 1:
+            return None
+        bounds = row_pieces(n_rows, self.tail_pieces)
+        return bounds if len(bounds) > 2 else None
+
+    def expert_weights_piece(self, layer: int, counts: jax.Array, bounds: tuple[int, ...],
+                             piece: int, after: jax.Array | None) -> ExpertWeights:
+        """The layer's weights for piece `piece` of `bounds` (`row_pieces`): every expert with
+        rows in the piece's range is there (and those of the pieces before). Pieces come in
+        order; `after` (an output of the piece before's expert math) makes this piece's
+        fetch, and its wait for the piece's copies, follow that math on XLA's stream."""
+        if piece == 0:
+            with jax.named_scope(f"stream_publish_{layer}"):
+                self.token = publish(self.engine_id, layer, self.token, counts)
+        elif after is None:
+            raise ValueError(f"piece {piece} of layer {layer} needs `after`")
+        with jax.named_scope(f"stream_fetch_{layer}_{piece}"):
+            return self._fetch(layer, piece, len(bounds) - 1, (bounds[piece], bounds[piece + 1]),
+                               after)
+
+    def _fetch(self, layer: int, piece: int, pieces: int, rows: tuple[int, int],
+               after: jax.Array | None = None) -> ExpertWeights:
+        attrs = dict(piece=piece, pieces=pieces, rows=rows)
+        if self.frames is None:
+            w, self.token = fetch(self.engine_id, layer, self.token, self.resident_blobs[layer],
+                                  self.config.n_experts, self.config.hidden_size,
+                                  self.config.expert_intermediate,
+                                  so_far=self._so_far if piece > 0 else None,
+                                  after=after if piece > 0 else None, **attrs)
+            self._so_far = w if piece + 1 < pieces else None
+            return w
+        if piece > 0:  # the frame is read in place: the order is all this needs
+            _, self.token = jax.lax.optimization_barrier((after, self.token))
+        tok = fetch_frame(self.engine_id, layer, self.token, self.resident_blobs[layer],
+                          **attrs)
+        # The frame is a program input: the barrier makes every read of it wait for fetch.
+        w, self.token = jax.lax.optimization_barrier(
+            (tuple(self.frames[self.frame_of[layer]]), tok))
+        return ExpertWeights(*w)
 
     def release(self, layer: int, outs):
         """After the layer's expert math: `outs` (its outputs, any pytree of arrays) come back

@@ -196,8 +196,10 @@ def test_gpu_row_pieces_same_bits(impl, sizes, m, pieces):
 
 def test_row_pieces_bounds():
     assert row_pieces(1024, 4) == (0, 256, 512, 768, 1024)
-    assert row_pieces(300, 4) == (0, 128, 256, 300)   # too few rows for four aligned pieces
-    assert row_pieces(200, 4) == (0, 128, 200)
+    assert row_pieces(1000, 4) == (0, 256, 512, 768, 1000)
+    assert row_pieces(300, 4) == (0, 75, 150, 225, 300)   # too few rows for aligned pieces
+    assert row_pieces(64, 4, align=8) == (0, 16, 32, 48, 64)
+    assert row_pieces(3, 4) == (0, 1, 2, 3)
     assert row_pieces(0, 3) == (0, 0)
     assert row_pieces(1000, 1) == (0, 1000)
     with pytest.raises(ValueError, match="pieces"):

@@ -17,6 +17,7 @@ import pytest
 
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
+from strata_jax.experts import ExpertWeights
 from strata_jax.stream import StreamConfig
 from strata_jax.synthetic import init_synthetic
 
@@ -68,6 +69,20 @@ ARMS = {
                                      **JITTERY), CHUNK),
     "auto-packed-and-routed-only": (dict(routed=True, depth=4, ring=48, stream_floor=CHUNK,
                                          frames_from=CHUNK + 1, **SLOW), CHUNK),
+    # The last MoE layer in row pieces (tail_pieces), each fetch waiting only for its experts:
+    # frames (read through a copy on the CPU, row by row), packed (fetch_piece adds each
+    # piece's experts to the outputs so far), with residents, a skewed routing's empty pieces.
+    "pieces-routed-d2-frames": (dict(routed=True, depth=2, tail_pieces=4, tail_from=CHUNK,
+                                     layout="frames", stream_floor=CHUNK, **SLOW), CHUNK),
+    "pieces-packed-routed-jittery": (dict(routed=True, depth=4, tail_pieces=3,
+                                          tail_from=CHUNK, layout="packed", stream_floor=CHUNK,
+                                          **JITTERY), CHUNK),
+    "pieces-packed-stream-all-resident-half": (
+        dict(routed=False, resident_per_layer=8, tail_pieces=4, tail_from=CHUNK,
+             layout="packed", stream_floor=CHUNK, **SLOW), CHUNK),
+    "pieces-frames-stream-all-ring3layers": (
+        dict(routed=False, ring=48, tail_pieces=2, tail_from=CHUNK, layout="frames",
+             stream_floor=16, **SLOW), CHUNK),
 }
 
 
@@ -83,6 +98,12 @@ def test_arms_are_byte_identical(routing, arm):
             assert sha256_of(r.logits) == logits_hash
             assert r.session.kv_sha256() == kv_hash
             assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
+        want_pieces = [kwargs.get("tail_pieces", 4)
+                       if c.stats.mode == "stream" and c.bucket >= kwargs.get("tail_from", 8192)
+                       else 1 for c in r.chunks]
+        assert [c.stats.tail_pieces for c in r.chunks] == want_pieces
+        if "tail_pieces" in kwargs:
+            assert max(want_pieces) > 1
         layouts = {"auto-frames-then-packed": ["frames", "frames", "packed"],
                    "auto-packed-and-routed-only": ["packed", "packed", "frames"]}
         if arm in layouts:
@@ -260,6 +281,7 @@ import sys
 import numpy as np
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
+from strata_jax.experts import ExpertWeights
 from strata_jax.stream import StreamConfig
 from strata_jax.synthetic import init_synthetic
 
@@ -576,6 +598,7 @@ warnings.simplefilter("ignore")  # JAX warns that fork() and its threads do not 
 from strata_jax import native
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
+from strata_jax.experts import ExpertWeights
 from strata_jax.stream import StreamConfig
 from strata_jax.synthetic import init_synthetic
 
@@ -847,6 +870,16 @@ def test_prefill_program_has_no_jax_effects():
     # stop the walk, not wait for it.
     ([(0, "fetch"), (0, "release"), ("end", None)], "fetch read .* the walk stopped", 16),
     ([(0, "fetch"), (1, "fetch")], r"layer \d+ has not released its frame", "packed"),
+    # A layer in pieces (StreamConfig.tail_pieces): every piece, in order, before its release.
+    ([(0, "piece:1/2")], r"piece 1 of 2: its piece 0 was not fetched", "packed"),
+    ([(0, "piece:0/2"), (0, "release")], r"release, layer \d+: fetched 1 of its 2 pieces",
+     "packed"),
+    ([(0, "piece:0/3"), (0, "piece:2/3")], r"piece 2 of 3: layer \d+ fetches piece 1 of 3",
+     "packed"),
+    ([(0, "piece:0/2"), (1, "fetch")], r"layer \d+ fetched 1 of its 2 pieces \(each piece",
+     "packed"),
+    ([(0, "piece:0/2"), ("end", None)], r"end_chunk: layer \d+ fetched 1 of its 2 pieces",
+     None),
 ])
 def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
     # A layer's fetch readies its ring frame; its release (after its expert math) lets the walk
@@ -871,6 +904,10 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
     def chunk(steps):
         tok, _ = S.begin(eng.id, eng.chunk_mode(eng.stream.stream_floor), jnp.zeros((), jnp.int32))
         outs = []
+        so_far = None
+        w = ExpertWeights(*(jax.ShapeDtypeStruct(s, eng.dtype) for s in (
+            (CFG.n_experts, CFG.hidden_size, CFG.expert_intermediate),) * 2 + (
+            (CFG.n_experts, CFG.expert_intermediate, CFG.hidden_size),)))
         for i, call in steps:
             if i == "end":
                 break
@@ -879,6 +916,20 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
                 tok = S.publish(eng.id, l, tok, counts)
                 w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
                                  CFG.hidden_size, CFG.expert_intermediate)
+                outs.append(w.gate.sum())
+            elif call.startswith("piece:"):
+                p, n = map(int, call[len("piece:"):].split("/"))
+                if p == 0:
+                    tok = S.publish(eng.id, l, tok, counts)
+                    so_far = None
+                elif so_far is None:  # a later piece first: made-up weights so far
+                    so_far = jax.tree_util.tree_map(jnp.zeros_like, w)
+                rows = CFG.n_experts  # one token per expert
+                w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
+                                 CFG.hidden_size, CFG.expert_intermediate, piece=p, pieces=n,
+                                 rows=(p * rows // n, (p + 1) * rows // n), so_far=so_far,
+                                 after=outs[-1] if p > 0 and outs else tok)
+                so_far = w
                 outs.append(w.gate.sum())
             else:
                 tok = S.release(eng.id, l, tok, outs[-1] if outs else tok)
@@ -932,3 +983,34 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
         assert stats[layers, 0].sum() == len(eng.stream_list)  # every entry copied
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("layout, mode", [("frames", 0), ("packed", 2)])
+def test_tail_pieces_program(layout, mode):
+    # The last MoE layer in pieces: one fetch per piece for it alone, the later ones writing
+    # the weights so far in place (packed): XLA must not copy a layer's weights per piece.
+    import jax
+
+    params = init_synthetic(CFG, seed=3)
+    stream = StreamConfig(routed=True, stream_floor=CHUNK, tail_pieces=3, tail_from=CHUNK,
+                          layout=layout, **SLOW)
+    with Engine(CFG, params, stream, max_context=256, chunk_size=CHUNK) as eng:
+        assert eng.streamer.tail_pieces(mode, CHUNK) == 3
+        assert eng.streamer.tail_pieces(mode, CHUNK - 1) == 1
+        assert eng.streamer.tail_pieces(1, 4096) == 1  # routed-only: whole layers
+        resident = (eng.streamer.resident_blobs, eng.streamer.frames)
+        fn = functools.partial(eng._prefill_fn, first=False, mode=mode, sub=0, width=CHUNK + 2)
+        jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, resident, None, eng.new_cache())
+        fetches = [(int(e.params["layer"]), int(e.params["piece"]), int(e.params["pieces"]),
+                    int(e.params["row_begin"]), int(e.params["row_end"]))
+                   for e in jaxpr.jaxpr.eqns if e.primitive.name == "strata_stream_call"
+                   and "fetch" in e.params["target"]]
+        last = max(CFG.moe_layers)
+        assert CHUNK * CFG.top_k == 64
+        assert fetches == [(l, 0, 1, 0, 0) for l in CFG.moe_layers if l != last] + [
+            (last, 0, 3, 0, 21), (last, 1, 3, 21, 43), (last, 2, 3, 43, 64)]
+        hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub", "width")).lower(
+            eng._state_leaves, resident, None, None, first=True, mode=mode, sub=0,
+            width=CHUNK + 2).compile().as_text()
+        assert "strata_fetch_piece" in hlo
+        assert "copy(%strata_stream_call" not in hlo

@@ -85,10 +85,9 @@ class CpuEngine final : public Engine {
     return {};
   }
 
-  Status CopyFrame(const Rows& src, void* const* out, void*) override {
+  Status CopyRows(const Rows& src, int64_t n, const Rows& dst, void*) override {
     for (int p = 0; p < kParts; ++p)
-      std::memcpy(out[p], src.part[p],
-                  static_cast<size_t>(opt_.n_experts * part_bytes()));
+      std::memcpy(dst.part[p], src.part[p], static_cast<size_t>(n * part_bytes()));
     return {};
   }
 

@@ -709,12 +709,12 @@ class CudaEngine final : public Engine {
     return {};
   }
 
-  Status CopyFrame(const Rows& src, void* const* out, void* stream) override {
+  Status CopyRows(const Rows& src, int64_t n, const Rows& dst,
+                  void* stream) override {
     STRATA_ENTER_DEVICE(dev);
     for (int p = 0; p < kParts; ++p)
-      STRATA_CUDA_RETURN("plane " + std::to_string(p), cudaMemcpyAsync, out[p],
-                         src.part[p],
-                         static_cast<size_t>(opt_.n_experts * part_bytes()),
+      STRATA_CUDA_RETURN("plane " + std::to_string(p), cudaMemcpyAsync, dst.part[p],
+                         src.part[p], static_cast<size_t>(n * part_bytes()),
                          cudaMemcpyDeviceToDevice,
                          static_cast<cudaStream_t>(stream));
     return {};

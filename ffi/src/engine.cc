@@ -90,6 +90,10 @@ Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
   n_fetch_layers_ = o;
   slot_of_.assign(stream_.size(), 0);
   need_.assign(stream_.size(), 0);
+  entry_of_.assign(static_cast<size_t>(opt_.n_layers) * opt_.n_experts, -1);
+  for (size_t k = 0; k < stream_.size(); ++k)
+    entry_of_[static_cast<size_t>(stream_[k].layer) * opt_.n_experts +
+              stream_[k].expert] = static_cast<int64_t>(k);
   for (size_t k = 0; k < stream_.size(); ++k) {
     const int64_t lo = ord_[stream_[k].layer];
     slot_of_[k] = F > 0 ? (lo % F) * opt_.n_experts + stream_[k].expert : 0;
@@ -220,6 +224,9 @@ Status Engine::BeginChunk(ChunkMode mode, void* stream, bool prestart) {
   gate_.Reset(opt_.n_layers, opt_.n_experts);
   state_.Reset(static_cast<int64_t>(stream_.size()));
   fetched_ = released_ = 0;
+  piece_layer_ = -1;
+  piece_next_ = piece_count_ = 0;
+  piece_k_ = 0;
   walk_failed_ = false;
   walk_error_.clear();
   walk_result_ = WalkResult{};
@@ -266,12 +273,27 @@ int LayerOfOrd(const std::vector<int64_t>& ord, int64_t o) {
 }  // namespace
 
 Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
-                     void* const* out, const int64_t* out_bytes, void* stream) {
-  const std::string where = "fetch, layer " + std::to_string(layer) + ": ";
+                     void* const* out, const int64_t* out_bytes, void* stream,
+                     const FetchPiece& piece) {
+  const bool whole = piece.pieces == 1;
+  const std::string where =
+      "fetch, layer " + std::to_string(layer) +
+      (whole ? std::string()
+             : ", piece " + std::to_string(piece.piece) + " of " +
+                   std::to_string(piece.pieces)) +
+      ": ";
   if (!in_chunk_) return where + "outside a chunk (begin_chunk not run)";
   if (layer < 0 || layer >= opt_.n_layers)
     return Fail(where + "outside the model's " + std::to_string(opt_.n_layers) +
                 " layers");
+  if (piece.pieces < 1 || piece.piece < 0 || piece.piece >= piece.pieces ||
+      piece.row_begin < 0 || piece.row_end < piece.row_begin)
+    return Fail(where + "bad piece (piece " + std::to_string(piece.piece) +
+                " of " + std::to_string(piece.pieces) + ", rows " +
+                std::to_string(piece.row_begin) + ".." +
+                std::to_string(piece.row_end) + ")");
+  if (!whole && !Streams(mode_))
+    return Fail(where + "a routed-only chunk fetches each layer whole");
   const int64_t blob = opt_.blob_bytes;
   static const char* const kPartNames[kParts] = {"gate", "up", "down"};
   for (int p = 0; out && p < kParts; ++p)
@@ -285,7 +307,22 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   if (o < 0)
     return Fail(where + "the stream plan has no experts for this layer (a "
                         "dense layer?)");
-  if (o != fetched_ || fetched_ != released_) {
+  if (piece.piece > 0) {
+    // A later piece of the layer being fetched: the pieces come in order.
+    if (piece_layer_ != layer || piece.piece != piece_next_ ||
+        piece.pieces != piece_count_)
+      return Fail(where + (piece_layer_ < 0
+                               ? std::string("its piece 0 was not fetched")
+                               : "layer " + std::to_string(piece_layer_) +
+                                     " fetches piece " +
+                                     std::to_string(piece_next_) + " of " +
+                                     std::to_string(piece_count_) + " next"));
+  } else if (piece_layer_ >= 0) {
+    return Fail(where + "layer " + std::to_string(piece_layer_) +
+                " fetched " + std::to_string(piece_next_) + " of its " +
+                std::to_string(piece_count_) +
+                " pieces (each piece of a layer before the next layer)");
+  } else if (o != fetched_ || fetched_ != released_) {
     if (fetched_ != released_)
       return Fail(where + "layer " + std::to_string(LayerOfOrd(ord_, released_)) +
                   " has not released its frame (release after a layer's expert "
@@ -300,7 +337,7 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
                 std::to_string(resident_bytes) + " bytes; the plan has " +
                 std::to_string(n_res) + " resident experts (" +
                 std::to_string(blob * n_res) + " bytes)");
-  if (fault_.load() != 0 && fault_layer_ == layer) {
+  if (piece.piece == 0 && fault_.load() != 0 && fault_layer_ == layer) {
     Fault f = static_cast<Fault>(fault_.exchange(0));
     if (f == Fault::kError) return Fail(where + "injected fault");
     if (f == Fault::kStop) state_.RequestStop();
@@ -313,62 +350,102 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   if (packed() && !out)
     return Fail(where + "a packed chunk is read through fetch's outputs, not in place "
                         "(fetch_frame is for frames chunks)");
-  // Packed: every row goes straight to the outputs; the ring only holds the
-  // copied blobs, slot s at s * blob.
-  Rows base = SlotRows((o % frames()) * opt_.n_experts);
+  // Where rows go. Packed: straight to the outputs (the ring only holds the
+  // copied blobs, slot s at s * blob). Frames: the layer's frame, copied out
+  // to the outputs afterwards where there are outputs.
+  const Rows frame = SlotRows((o % frames()) * opt_.n_experts);
+  Rows base = frame;
   if (packed())
     for (int p = 0; p < kParts; ++p) base.part[p] = static_cast<uint8_t*>(out[p]);
+  Rows outs{};
+  if (out)
+    for (int p = 0; p < kParts; ++p) outs.part[p] = static_cast<uint8_t*>(out[p]);
+  const bool copy_out = out && !packed() && !whole;  // frames, row by row
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
-  // Rows are indexed by expert id and host blobs sit in expert order, so
-  // adjacent experts move as one copy (runs); fewer calls on XLA's stream.
-  const std::vector<int32_t>& res_ids = resident_[layer];
-  for (int64_t r = 0; r < n_res;) {
-    int64_t n = 1;
-    while (r + n < n_res && res_ids[r + n] == res_ids[r] + n) ++n;
-    s = CopyResident(res + r * blob, n, At(base, res_ids[r]), stream);
+  const int64_t k0 = layer_begin_[layer], k1 = layer_begin_[layer + 1];
+  if (piece.piece == 0) {
+    // Rows are indexed by expert id and host blobs sit in expert order, so
+    // adjacent experts move as one copy (runs); fewer calls on XLA's stream.
+    const std::vector<int32_t>& res_ids = resident_[layer];
+    for (int64_t r = 0; r < n_res;) {
+      int64_t n = 1;
+      while (r + n < n_res && res_ids[r + n] == res_ids[r] + n) ++n;
+      s = CopyResident(res + r * blob, n, At(base, res_ids[r]), stream);
+      if (s.empty() && copy_out)
+        s = CopyRows(At(frame, res_ids[r]), n, At(outs, res_ids[r]), stream);
+      if (!s.empty()) return Fail(where + s);
+      r += n;
+    }
+    piece_layer_ = layer;
+    piece_count_ = piece.pieces;
+    piece_next_ = 0;
+    piece_k_ = k0;
+  }
+  // The entries this piece reads: up to the last one whose expert has rows in
+  // [row_begin, row_end) (rows are sorted by expert id: the routing counts
+  // say which), the rest of the layer for its last piece.
+  int64_t k_end = k1;
+  if (piece.piece + 1 < piece.pieces) {
+    k_end = piece_k_;
+    s = WaitPublished(layer);
     if (!s.empty()) return Fail(where + s);
-    r += n;
+    int64_t row = 0;
+    for (int e = 0; e < opt_.n_experts && row < piece.row_end; ++e) {
+      const int64_t c = gate_.Count(layer, e);
+      if (c > 0 && row + c > piece.row_begin) {
+        const int64_t k = entry_of_[static_cast<size_t>(layer) * opt_.n_experts + e];
+        if (k >= 0) k_end = std::max(k_end, k + 1);
+      }
+      row += c;
+    }
   }
   LayerStats& st = stats_[layer];
-  const int64_t k0 = layer_begin_[layer], k1 = layer_begin_[layer + 1];
   auto adjacent = [&](int64_t a, int64_t b) {
     return stream_[b].expert == stream_[a].expert + (b - a);
   };
+  const int64_t kb = piece_k_;
   if (Streams(mode_)) {
-    // The copies land where the model reads them: nothing to copy out, only
-    // the skipped rows to zero and one wait, on the layer's last copy.
-    if (k1 > k0 && !state_.WaitIssued(k1 - 1))
+    // Frames: the copies land where the model reads them: nothing to copy
+    // out, only the skipped rows to zero and one wait, on the piece's last
+    // copy. Packed: each run split out as soon as it lands.
+    if (k_end > kb && !state_.WaitIssued(k_end - 1))
       return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
                                         : std::string("the walk was stopped")));
     int64_t last = -1;
-    for (int64_t k = k0; k < k1;) {
+    for (int64_t k = kb; k < k_end;) {
       const bool copied = state_.entry_state(k) == EntryState::kCopied;
       int64_t n = 1;
-      while (k + n < k1 && adjacent(k, k + n) &&
-             (state_.entry_state(k + n) == EntryState::kCopied) == copied)
+      while (k + n < k_end && adjacent(k, k + n) &&
+             (state_.entry_state(k + n) == EntryState::kCopied) == copied &&
+             !(copied && (packed() || copy_out) && n == kSplitRun))
         ++n;
+      const int64_t expert = stream_[k].expert;
       if (copied) {
         st.copied += n;
         st.bytes += n * blob;
         last = k + n - 1;
-        if (packed()) {
-          // Each run split out as soon as it lands (adjacent experts sit in
-          // adjacent slots of the layer's frame).
+        if (packed() || copy_out) {
+          // Split (packed) or copied out (frames) run by run, each of at
+          // most kSplitRun experts as soon as it lands, so that little of
+          // it is left for after the layer's last copy.
           s = WaitCopied(last, slot_of_[last], stream);
           if (!s.empty()) return Fail(where + s);
-          s = CopyResident(PackedSlot(slot_of_[k]), n,
-                           At(base, stream_[k].expert), stream);
-          if (!s.empty()) return Fail(where + "split of the ring's blobs: " + s);
+          s = packed() ? CopyResident(PackedSlot(slot_of_[k]), n, At(base, expert), stream)
+                       : CopyRows(At(frame, expert), n, At(outs, expert), stream);
+          if (!s.empty())
+            return Fail(where + (packed() ? "split of the ring's blobs: "
+                                          : "copy out of the frame: ") + s);
         }
       } else {
-        s = ZeroRows(At(base, stream_[k].expert), n, stream);  // no token reads them
+        // No token reads them.
+        s = ZeroRows(At(copy_out ? outs : base, expert), n, stream);
         if (!s.empty()) return Fail(where + s);
         st.skipped += n;
       }
       k += n;
     }
-    if (last >= 0 && !packed()) {
+    if (last >= 0 && !packed() && !copy_out) {
       s = WaitCopied(last, slot_of_[last], stream);
       if (!s.empty()) return Fail(where + s);
     }
@@ -397,11 +474,15 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
       k += n;
     }
   }
-  if (out && !packed()) {
-    s = CopyFrame(base, out, stream);
+  if (out && !packed() && whole) {
+    s = CopyRows(frame, opt_.n_experts, outs, stream);
     if (!s.empty()) return Fail(where + "copy out of the frame: " + s);
   }
-  ++fetched_;
+  piece_k_ = k_end;
+  if (++piece_next_ == piece_count_) {
+    piece_layer_ = -1;
+    ++fetched_;
+  }
   return {};
 }
 
@@ -411,6 +492,9 @@ Status Engine::Release(int layer, void* stream) {
   if (layer < 0 || layer >= opt_.n_layers)
     return Fail(where + "outside the model's " + std::to_string(opt_.n_layers) +
                 " layers");
+  if (piece_layer_ == layer)
+    return Fail(where + "fetched " + std::to_string(piece_next_) + " of its " +
+                std::to_string(piece_count_) + " pieces");
   const int64_t o = ord_[layer];
   if (o < 0 || o != released_ || fetched_ != released_ + 1)
     return Fail(where + (fetched_ == released_
@@ -428,6 +512,10 @@ Status Engine::Release(int layer, void* stream) {
 
 Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   if (!in_chunk_) return "end_chunk outside a chunk (begin_chunk not run)";
+  if (piece_layer_ >= 0)
+    return Fail("end_chunk: layer " + std::to_string(piece_layer_) + " fetched " +
+                std::to_string(piece_next_) + " of its " +
+                std::to_string(piece_count_) + " pieces");
   if (fetched_ != released_)
     return Fail("end_chunk: layer " + std::to_string(LayerOfOrd(ord_, released_)) +
                 " was fetched but never released");

@@ -96,6 +96,21 @@ struct LayerStats {
   int64_t bytes = 0;
 };
 
+// Which part of a layer one fetch readies (fetch's `piece`, `pieces`,
+// `row_begin` and `row_end`). A layer fetched whole is piece 0 of 1. In
+// pieces (streamed chunks only), the model runs the layer's expert math on the
+// sorted rows [row_begin, row_end) after each piece's fetch: that fetch waits
+// only for the copies of the experts with rows there (from the published
+// routing counts; rows are sorted by expert id) and the pieces before it, and
+// the last piece for the rest of the layer. Pieces come in order, all of them
+// before the layer's release.
+struct FetchPiece {
+  int32_t piece = 0;
+  int32_t pieces = 1;
+  int64_t row_begin = 0;
+  int64_t row_end = 0;
+};
+
 // Fault injection for tests: at fetch of `layer`, fail (kError) or stop the
 // walk as a cancellation would (kStop). Cleared after it fires once.
 enum class Fault : int32_t { kNone = 0, kError = 1, kStop = 2 };
@@ -149,8 +164,10 @@ class Engine {
   // (a packed chunk requires them: residents, zeros and the split of each
   // copied run go straight there).
   // Layers fetch in order, each after the one before released its frame.
+  // `piece`: the part of the layer this call readies (FetchPiece).
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
-               void* const* out, const int64_t* out_bytes, void* stream);
+               void* const* out, const int64_t* out_bytes, void* stream,
+               const FetchPiece& piece = {});
   // After `layer`'s expert math on `stream`: its frame may take the layer
   // `frames()` later.
   Status Release(int layer, void* stream);
@@ -229,17 +246,18 @@ class Engine {
   // what is queued on it: the link may write the frame after that.
   virtual Status ReleaseFrame(int layer, int64_t frame, int64_t k0,
                               int64_t k1, void* stream) = 0;
-  // Copies a frame's E rows of each plane, from `src`, into `out`.
-  virtual Status CopyFrame(const Rows& src, void* const* out, void* stream) = 0;
+  // Copies n rows of each plane from `src` to `dst` (device to device).
+  virtual Status CopyRows(const Rows& src, int64_t n, const Rows& dst,
+                          void* stream) = 0;
   // The ring's memory (ring * blob_bytes), null before Prepare made it.
   virtual uint8_t* RingBase() const = 0;
-  // The copies below split n packed blobs (blob bytes apart) into the n rows
-  // at `dst` of each plane.
   // Copies experts expert..expert+n-1 of `layer` straight from the host store
   // into `dst` (routed-only).
   virtual Status CopyDirect(int layer, int expert, int64_t n, const Rows& dst,
                             void* stream) = 0;
-  // Copies n packed blobs of the device's resident cache at `src` into `dst`.
+  // Splits n packed blobs (blob bytes apart) at `src`, on the device (the
+  // resident cache, or the packed ring), into the n rows at `dst` of each
+  // plane.
   virtual Status CopyResident(const uint8_t* src, int64_t n, const Rows& dst,
                               void* stream) = 0;
   // Zero-fills n rows of each plane at `dst` (experts no token reads).
@@ -329,6 +347,19 @@ class Engine {
   std::vector<int64_t> slot_of_;
   std::vector<int64_t> need_;
   int64_t n_fetch_layers_ = 0;          // layers with an ord_
+  // Per (layer, expert): its entry in stream_, or -1 (resident, or not in
+  // the plan).
+  std::vector<int64_t> entry_of_;
+  // The layer being fetched in pieces (-1: none), its piece count, the next
+  // piece and the first entry that piece has not read yet.
+  int piece_layer_ = -1;
+  int32_t piece_count_ = 0, piece_next_ = 0;
+  int64_t piece_k_ = 0;
+  // A packed chunk's fetch splits copied blobs into its outputs (and a frames
+  // chunk with outputs copies rows out) in runs of at most this many experts,
+  // each as soon as it lands: a whole layer split after its last copy was
+  // 0.66 ms of a chunk's tail on the H200 (eleventh session).
+  static constexpr int64_t kSplitRun = 8;
   int64_t fetched_ = 0, released_ = 0;  // layers, this chunk
   RouteGate gate_;
   WalkState state_;

@@ -1,5 +1,6 @@
 // XLA FFI handlers of the streaming engine: begin_chunk, publish, fetch (into
-// outputs of its own, or fetch_frame: the model reads the ring's frame),
+// outputs of its own, with fetch_piece for a layer's later pieces, or
+// fetch_frame: the model reads the ring's frame),
 // release and end_chunk. One templated implementation; the CPU and CUDA registrations
 // (handlers_cpu.cc, handlers_cuda.cc) differ only in how the platform stream
 // is bound. Every engine error comes back as an ffi::Error naming the call
@@ -76,12 +77,20 @@ inline ffi::Error Publish(void* stream, ffi::AnyBuffer, ffi::AnyBuffer counts,
   });
 }
 
+// fetch's piece attributes (engine.hpp, FetchPiece).
+inline FetchPiece Piece(int32_t piece, int32_t pieces, int64_t row_begin,
+                        int64_t row_end) {
+  return FetchPiece{piece, pieces, row_begin, row_end};
+}
+
+// fetch and fetch_piece: into outputs of fetch's own. fetch_piece's outputs
+// are its gate/up/down operands (aliased: the earlier pieces' rows stay).
 inline ffi::Error Fetch(void* stream, ffi::AnyBuffer, ffi::AnyBuffer resident,
                         ffi::Result<ffi::AnyBuffer> gate,
                         ffi::Result<ffi::AnyBuffer> up,
                         ffi::Result<ffi::AnyBuffer> down,
                         ffi::Result<ffi::AnyBuffer>, int64_t engine,
-                        int32_t layer) {
+                        int32_t layer, const FetchPiece& piece) {
   return Guard("fetch", [&]() -> Status {
     Status err;
     Engine* e = Lookup(engine, &err);
@@ -93,20 +102,21 @@ inline ffi::Error Fetch(void* stream, ffi::AnyBuffer, ffi::AnyBuffer resident,
                                    static_cast<int64_t>(down->size_bytes())};
     return e->Fetch(layer, resident.untyped_data(),
                     static_cast<int64_t>(resident.size_bytes()), out, bytes,
-                    stream);
+                    stream, piece);
   });
 }
 
 inline ffi::Error FetchFrame(void* stream, ffi::AnyBuffer,
                              ffi::AnyBuffer resident, ffi::Result<ffi::AnyBuffer>,
-                             int64_t engine, int32_t layer) {
+                             int64_t engine, int32_t layer,
+                             const FetchPiece& piece) {
   return Guard("fetch", [&]() -> Status {
     Status err;
     Engine* e = Lookup(engine, &err);
     if (!e) return err;
     return e->Fetch(layer, resident.untyped_data(),
                     static_cast<int64_t>(resident.size_bytes()), nullptr,
-                    nullptr, stream);
+                    nullptr, stream, piece);
   });
 }
 
@@ -149,9 +159,9 @@ auto BeginBinding(B b) {
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("mode");
 }
-// publish (counts: int32[E]), fetch_frame (resident: [R, blob] of the layer)
-// and release (after: an output of the layer's expert math) take the same
-// operands: (token, one array) -> token, on a layer.
+// publish (counts: int32[E]) and release (after: an output of the layer's
+// expert math) take the same operands: (token, one array) -> token, on a
+// layer.
 using LayerCall = ffi::Error (*)(void*, ffi::AnyBuffer, ffi::AnyBuffer,
                                  ffi::Result<ffi::AnyBuffer>, int64_t, int32_t);
 template <class B>
@@ -164,8 +174,16 @@ auto LayerCallBinding(B b) {
       .template Attr<int32_t>("layer");
 }
 template <class B>
-auto FetchBinding(B b) {
+auto PieceAttrs(B b) {
   return std::move(b)
+      .template Attr<int32_t>("piece")
+      .template Attr<int32_t>("pieces")
+      .template Attr<int64_t>("row_begin")
+      .template Attr<int64_t>("row_end");
+}
+template <class B>
+auto FetchBinding(B b) {
+  return PieceAttrs(std::move(b)
       .template Arg<ffi::AnyBuffer>()   // token
       .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
       .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
@@ -173,7 +191,37 @@ auto FetchBinding(B b) {
       .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
       .template Ret<ffi::AnyBuffer>()   // token
       .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("layer");
+      .template Attr<int32_t>("layer"));
+}
+// fetch_piece: fetch's later pieces, which add their rows to the outputs of
+// the piece before (operands aliased to the results). `after` orders it after
+// the piece before's expert math by a data dependency: through an
+// optimization barrier on the token instead, XLA copied the aliased operands
+// (a whole layer's weights) before each piece.
+template <class B>
+auto FetchPieceBinding(B b) {
+  return PieceAttrs(std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
+      .template Arg<ffi::AnyBuffer>()   // gate so far (aliased to the result)
+      .template Arg<ffi::AnyBuffer>()   // up so far
+      .template Arg<ffi::AnyBuffer>()   // down so far
+      .template Arg<ffi::AnyBuffer>()   // after: an output of the piece before's math
+      .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
+      .template Ret<ffi::AnyBuffer>()   // up: [E, H, I]
+      .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
+      .template Ret<ffi::AnyBuffer>()   // token
+      .template Attr<int64_t>("engine")
+      .template Attr<int32_t>("layer"));
+}
+template <class B>
+auto FetchFrameBinding(B b) {
+  return PieceAttrs(std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
+      .template Ret<ffi::AnyBuffer>()   // token
+      .template Attr<int64_t>("engine")
+      .template Attr<int32_t>("layer"));
 }
 template <class B>
 auto EndBinding(B b) {

@@ -15,7 +15,7 @@ ffi::Error BeginCuda(cudaStream_t stream, ffi::AnyBuffer t,
                      int32_t mode) {
   return h::Begin(static_cast<void*>(stream), t, o, ids, engine, mode);
 }
-// publish, fetch_frame and release (h::LayerCall).
+// publish and release (h::LayerCall).
 template <h::LayerCall H>
 ffi::Error LayerCallCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer a,
                          ffi::Result<ffi::AnyBuffer> o, int64_t engine,
@@ -27,8 +27,29 @@ ffi::Error FetchCuda(cudaStream_t stream, ffi::AnyBuffer t, ffi::AnyBuffer r,
                      ffi::Result<ffi::AnyBuffer> u,
                      ffi::Result<ffi::AnyBuffer> d,
                      ffi::Result<ffi::AnyBuffer> o, int64_t engine,
-                     int32_t layer) {
-  return h::Fetch(static_cast<void*>(stream), t, r, g, u, d, o, engine, layer);
+                     int32_t layer, int32_t piece, int32_t pieces,
+                     int64_t row_begin, int64_t row_end) {
+  return h::Fetch(static_cast<void*>(stream), t, r, g, u, d, o, engine, layer,
+                  h::Piece(piece, pieces, row_begin, row_end));
+}
+ffi::Error FetchPieceCuda(cudaStream_t stream, ffi::AnyBuffer t,
+                          ffi::AnyBuffer r, ffi::AnyBuffer, ffi::AnyBuffer,
+                          ffi::AnyBuffer, ffi::AnyBuffer,
+                          ffi::Result<ffi::AnyBuffer> g,
+                          ffi::Result<ffi::AnyBuffer> u,
+                          ffi::Result<ffi::AnyBuffer> d,
+                          ffi::Result<ffi::AnyBuffer> o, int64_t engine,
+                          int32_t layer, int32_t piece, int32_t pieces,
+                          int64_t row_begin, int64_t row_end) {
+  return h::Fetch(static_cast<void*>(stream), t, r, g, u, d, o, engine, layer,
+                  h::Piece(piece, pieces, row_begin, row_end));
+}
+ffi::Error FetchFrameCuda(cudaStream_t stream, ffi::AnyBuffer t,
+                          ffi::AnyBuffer r, ffi::Result<ffi::AnyBuffer> o,
+                          int64_t engine, int32_t layer, int32_t piece,
+                          int32_t pieces, int64_t row_begin, int64_t row_end) {
+  return h::FetchFrame(static_cast<void*>(stream), t, r, o, engine, layer,
+                       h::Piece(piece, pieces, row_begin, row_end));
 }
 ffi::Error EndCuda(cudaStream_t stream, ffi::AnyBuffer t,
                    ffi::Result<ffi::AnyBuffer> s, int64_t engine) {
@@ -47,8 +68,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     StrataFetchCuda, FetchCuda,
     h::FetchBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    StrataFetchFrameCuda, LayerCallCuda<h::FetchFrame>,
-    h::LayerCallBinding(
+    StrataFetchPieceCuda, FetchPieceCuda,
+    h::FetchPieceBinding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    StrataFetchFrameCuda, FetchFrameCuda,
+    h::FetchFrameBinding(
         ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     StrataReleaseCuda, LayerCallCuda<h::Release>,

@@ -97,7 +97,8 @@ inline std::string ValidateStreamList(const std::vector<StreamEntry>& entries,
   return {};
 }
 
-// One byte per (layer, expert) per chunk plus a per-layer published flag.
+// The routing counts of each (layer, expert) per chunk plus a per-layer
+// published flag.
 // One writer per layer per chunk (the publisher); the issuer and consumers
 // read. The row is written before the flag is stored with release, and read
 // only after the flag is loaded with acquire.
@@ -113,11 +114,11 @@ class RouteGate {
     if (n_layers != n_layers_ || n_experts != n_experts_) {
       n_layers_ = n_layers;
       n_experts_ = n_experts;
-      routed_.assign(static_cast<size_t>(n_layers) * n_experts, 0);
+      counts_.assign(static_cast<size_t>(n_layers) * n_experts, 0);
       published_ = std::make_unique<std::atomic<uint8_t>[]>(
           static_cast<size_t>(std::max(n_layers, 1)));
     } else {
-      std::fill(routed_.begin(), routed_.end(), 0);
+      std::fill(counts_.begin(), counts_.end(), 0);
     }
     for (int l = 0; l < n_layers_; ++l)
       published_[l].store(0, std::memory_order_release);
@@ -127,8 +128,8 @@ class RouteGate {
   // Returns false (and publishes nothing) for a layer outside the gate.
   bool Publish(int layer, const int32_t* counts) {
     if (layer < 0 || layer >= n_layers_) return false;
-    uint8_t* row = &routed_[static_cast<size_t>(layer) * n_experts_];
-    for (int e = 0; e < n_experts_; ++e) row[e] = counts[e] > 0 ? 1 : 0;
+    int32_t* row = &counts_[static_cast<size_t>(layer) * n_experts_];
+    for (int e = 0; e < n_experts_; ++e) row[e] = std::max<int32_t>(counts[e], 0);
     published_[layer].store(1, std::memory_order_release);
     return true;
   }
@@ -139,8 +140,10 @@ class RouteGate {
   }
 
   // Valid only after Published(layer) returned true on this thread.
-  bool Routed(int layer, int expert) const {
-    return routed_[static_cast<size_t>(layer) * n_experts_ + expert] != 0;
+  bool Routed(int layer, int expert) const { return Count(layer, expert) > 0; }
+  // The tokens of the chunk routed to (layer, expert); the same validity.
+  int32_t Count(int layer, int expert) const {
+    return counts_[static_cast<size_t>(layer) * n_experts_ + expert];
   }
 
   int n_layers() const { return n_layers_; }
@@ -149,7 +152,7 @@ class RouteGate {
  private:
   int n_layers_ = -1;
   int n_experts_ = -1;
-  std::vector<uint8_t> routed_;
+  std::vector<int32_t> counts_;
   std::unique_ptr<std::atomic<uint8_t>[]> published_;
 };
 
