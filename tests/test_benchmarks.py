@@ -69,13 +69,16 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     assert (tmp_path / "bench_layers.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("flags, layout", [
-    (["--packed"], "packed"),  # the ninth session's spelling of --layout packed
-    (["--layout", "frames"], "frames"),
-    (["--frames-from", "40"], "frames"),  # auto: a 40-token chunk is at the crossover
-    (["--frames-from", "41"], "packed"),
+@pytest.mark.parametrize("flags, layout, pieces", [
+    (["--packed"], "packed", 1),  # the ninth session's spelling of --layout packed
+    (["--layout", "frames"], "frames", 1),
+    (["--frames-from", "40"], "frames", 1),  # auto: a 40-token chunk is at the crossover
+    (["--frames-from", "41"], "packed", 1),
+    # The last MoE layer in pieces (a 40-token chunk's bucket is at least 40).
+    (["--layout", "packed", "--tail-pieces", "3", "--tail-from", "40"], "packed", 3),
+    (["--layout", "frames", "--tail-pieces", "2", "--tail-from", "40"], "frames", 2),
 ])
-def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout):
+def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout, pieces):
     # The streamed arms' ring layout (StreamConfig.layout): each row records the one its chunk
     # used, and every arm hashes equal to the resident one.
     out = tmp_path / "layout.json"
@@ -89,6 +92,7 @@ def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout
     assert len(rows) == 2
     assert all(r["mode"] == "stream" for r in rows)
     assert all(r["identical_to_resident"] and r["layout"] == layout for r in rows)
+    assert all(r["tail_pieces"] == pieces for r in rows)
 
 
 def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):

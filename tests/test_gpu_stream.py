@@ -137,6 +137,29 @@ def test_cuda_layout_changes_between_chunks(setup, stream_floor, frames_from, la
         assert not eng.streamer.walk_active()
 
 
+@pytest.mark.parametrize("layout,routed,resident_per_layer", [
+    ("frames", True, 0), ("packed", True, 0), ("packed", False, 5), ("frames", False, 5)])
+def test_cuda_tail_pieces_identical(setup, layout, routed, resident_per_layer):
+    # The last MoE layer in row pieces (StreamConfig.tail_pieces): each piece's fetch waits on
+    # the device only for its own experts' copies (frames read in place; packed pieces add
+    # their experts to fetch's outputs in place), chunks synced and queued back to back.
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig
+
+    cfg, params, tokens, ref = setup
+    sc = StreamConfig(routed=routed, depth=4, stream_floor=CHUNK, backend="cuda", layout=layout,
+                      tail_pieces=4, tail_from=CHUNK, resident_per_layer=resident_per_layer)
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        for sync in (True, False, True):
+            r = eng.prefill(tokens, sync_chunks=sync)
+            assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
+            assert [c.stats.tail_pieces for c in r.chunks] == [4] * 3 + [1]
+            for c in r.chunks:
+                np.testing.assert_array_equal(c.stats.copied + c.stats.skipped, c.stats.streamed)
+                assert np.all(c.stats.skipped <= c.stats.unrouted)
+        assert not eng.streamer.walk_active()
+
+
 @pytest.mark.parametrize("resident_per_layer", [0, 5])
 def test_cuda_frames_hold_each_layer_where_the_model_reads_it(setup, resident_per_layer):
     # After a stream-all chunk each ring frame holds, row e, expert e of the last MoE layer that

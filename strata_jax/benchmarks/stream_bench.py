@@ -183,6 +183,11 @@ def add_stream_args(ap) -> None:
     ap.add_argument("--stream-floor", type=int, default=None,
                     help="StreamConfig.stream_floor of the streamed arms (default 1,024): "
                          "shorter chunks are routed-only")
+    ap.add_argument("--tail-pieces", type=int, default=None,
+                    help="StreamConfig.tail_pieces (default 4): the last MoE layer's expert "
+                         "math in this many row pieces; 1 runs it whole")
+    ap.add_argument("--tail-from", type=int, default=None,
+                    help="StreamConfig.tail_from (default 8,192): the shortest chunk in pieces")
 
 
 def _layout(args) -> str:
@@ -199,6 +204,10 @@ def _stream_config(args, routed: bool, **overrides):
         overrides.setdefault("frames_from", args.frames_from)
     if args.stream_floor is not None:
         overrides.setdefault("stream_floor", args.stream_floor)
+    if args.tail_pieces is not None:
+        overrides.setdefault("tail_pieces", args.tail_pieces)
+    if args.tail_from is not None:
+        overrides.setdefault("tail_from", args.tail_from)
     return StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
                         ring_budget_gib=args.ring_gib, **overrides)
 
@@ -390,14 +399,15 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
             begin, _ = engines[arm].streamer.host_times()
             host = ((begin - call) * 1e3,)
             meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host,
-                         r.chunks[0].stats.layout))
+                         r.chunks[0].stats.layout, r.chunks[0].stats.tail_pieces))
             del r  # see _drop_note
         for arm in ("stream-all", "routed"):
             rows = [m for m in meas if m[0] == arm]
             ms = statistics.median(m[1] for m in rows)
             copied_bytes = statistics.median(m[2]["bytes"] for m in rows)
             row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms, "ms_each": [m[1] for m in rows],
-                   "mode": rows[0][5], "layout": rows[0][7], "bytes_copied": copied_bytes,
+                   "mode": rows[0][5], "layout": rows[0][7], "tail_pieces": rows[0][8],
+                   "bytes_copied": copied_bytes,
                    **_against(ms, copied_bytes, ceiling, resident_ms[n]),
                    "streamed": rows[0][2]["streamed"],
                    "copied": statistics.median(m[2]["copied"] for m in rows),
@@ -703,6 +713,7 @@ def main(argv=None) -> int:
                   "preset": args.preset, "layers": args.layers, "skew": args.skew,
                   "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
                   "layout": _layout(args), "frames_from": args.frames_from,
+                  "tail_pieces": args.tail_pieces, "tail_from": args.tail_from,
                   "info_memory": args.info_memory, "link_pinned_gbps": link,
                   "link_pageable_gbps": pageable,
                   "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
