@@ -214,6 +214,13 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
     g.add_argument("--frames-from", type=_positive_int, metavar="N",
                    help="--layout auto's crossover, in tokens per chunk (default: "
                         "StreamConfig.frames_from, 24576)")
+    g.add_argument("--tail-pieces", type=_positive_int, metavar="N",
+                   help="run the last MoE layer's expert math in N pieces of its rows, each as "
+                        "its experts land, so less of it follows the chunk's last copy; 1 runs "
+                        "it whole (default: StreamConfig.tail_pieces, 4)")
+    g.add_argument("--tail-from", type=_positive_int, metavar="N",
+                   help="the shortest chunk, in tokens, whose last MoE layer runs in "
+                        "--tail-pieces pieces (default: StreamConfig.tail_from, 8192)")
     g.add_argument("--profile", metavar="FILE",
                    help="expert profile saved by `strata-jax profile`: orders each layer's "
                         "stream hottest first and chooses the resident experts")
@@ -777,6 +784,10 @@ def _stream_config(args, backend: str, profile):
         kw["stream_floor"] = 1  # stream-all: no routed-only chunks either
     if args.frames_from is not None:
         kw["frames_from"] = args.frames_from
+    if args.tail_pieces is not None:
+        kw["tail_pieces"] = args.tail_pieces
+    if args.tail_from is not None:
+        kw["tail_from"] = args.tail_from
     if args.resident_gib is not None:
         kw["resident_budget_gib"] = args.resident_gib
     if args.resident_per_layer is not None:

@@ -96,6 +96,17 @@ def test_every_arm_gives_the_same_bytes(arms):
     assert len(hashes) == 1, {k: d["logits_sha256"][:12] for k, d in arms.items()}
 
 
+def test_last_layer_in_pieces_gives_the_same_bytes(arms):
+    # --tail-pieces/--tail-from: the last MoE layer's expert math in row pieces, each after a
+    # fetch that waits only for its own experts (StreamConfig.tail_pieces).
+    for layout in ("frames", "packed"):
+        d = run_json(["prefill", *MODEL, *PROMPT, "--tail-pieces", "3", "--tail-from", "64",
+                      "--layout", layout])
+        assert (d["logits_sha256"], d["kv_sha256"]) == (arms["resident"]["logits_sha256"],
+                                                        arms["resident"]["kv_sha256"])
+        assert d["copied"] + d["skipped"] == d["experts_streamed"]
+
+
 def test_follow_up_reuses_the_session(arms):
     f = arms["routed"]["follow_up"]
     assert (f["tokens"], f["reused"], f["read"]) == (160, 128, 32)
@@ -267,6 +278,7 @@ BAD = {
     "budget past the device": ([*MODEL, "--resident-gib", "100000"], ["more than the device"]),
     "too many residents": ([*MODEL, "--resident-per-layer", "33"], ["33", "32 experts"]),
     "zero chunk": ([*MODEL, "--chunk", "0"], ["--chunk", "at least 1"]),
+    "zero tail pieces": ([*MODEL, "--tail-pieces", "0"], ["--tail-pieces", "at least 1"]),
     "bad routed value": ([*MODEL, "--routed", "maybe"], ["--routed", "invalid choice"]),
     "preset and checkpoint": ([*MODEL, "--checkpoint", "/tmp"], ["either --preset or --checkpoint"]),
     "checkpoint without config": (["--checkpoint", "/"], ["config.json"]),
