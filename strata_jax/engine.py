@@ -140,6 +140,7 @@ class ChunkRecord:
         if self.stats is not None:
             out["stream_mode"] = self.stats.mode
             out["ring_layout"] = self.stats.layout
+            out["tail_pieces"] = self.stats.tail_pieces
             out.update(self.stats.totals())
         return out
 

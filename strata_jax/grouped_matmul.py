@@ -125,7 +125,7 @@ def row_pieces(m: int, pieces: int, align: int = MGPU_BLOCK_M) -> tuple[int, ...
         align = 1
     bounds = [0]
     for p in range(1, pieces):
-        b = int(round(m * p / pieces / align)) * align
+        b = round(m * p / pieces / align) * align
         if bounds[-1] < b < m:
             bounds.append(b)
     bounds.append(m)

@@ -11,6 +11,7 @@ streaming source can issue a per-layer FFI call with the layer index as a static
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Mapping, NamedTuple
 
@@ -454,7 +455,7 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
     """
     ys = []
     after = None
-    for p, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for p, (a, b) in enumerate(itertools.pairwise(bounds)):
         with jax.named_scope(f"experts_piece_{p}"):
             w = ExpertWeights(*(t.astype(x.dtype) for t in weights_for_piece(p, after)))
             x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted

@@ -1002,8 +1002,8 @@ def _call(target: str, results, *operands, aliases=(), **attrs):
 
 
 def _piece_attrs(piece: int, pieces: int, rows: tuple[int, int]) -> dict:
-    return dict(piece=np.int32(piece), pieces=np.int32(pieces), row_begin=np.int64(rows[0]),
-                row_end=np.int64(rows[1]))
+    return {"piece": np.int32(piece), "pieces": np.int32(pieces),
+            "row_begin": np.int64(rows[0]), "row_end": np.int64(rows[1])}
 
 
 def begin(engine_id: int, mode: int, token: jax.Array,
@@ -1145,7 +1145,7 @@ class StreamedExperts:
 
     def _fetch(self, layer: int, piece: int, pieces: int, rows: tuple[int, int],
                after: jax.Array | None = None) -> ExpertWeights:
-        attrs = dict(piece=piece, pieces=pieces, rows=rows)
+        attrs = {"piece": piece, "pieces": pieces, "rows": rows}
         if self.frames is None:
             w, self.token = fetch(self.engine_id, layer, self.token, self.resident_blobs[layer],
                                   self.config.n_experts, self.config.hidden_size,

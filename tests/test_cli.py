@@ -101,10 +101,11 @@ def test_last_layer_in_pieces_gives_the_same_bytes(arms):
     # fetch that waits only for its own experts (StreamConfig.tail_pieces).
     for layout in ("frames", "packed"):
         d = run_json(["prefill", *MODEL, *PROMPT, "--tail-pieces", "3", "--tail-from", "64",
-                      "--layout", layout])
+                      "--stream-floor", "64", "--layout", layout])
         assert (d["logits_sha256"], d["kv_sha256"]) == (arms["resident"]["logits_sha256"],
                                                         arms["resident"]["kv_sha256"])
         assert d["copied"] + d["skipped"] == d["experts_streamed"]
+        assert [(c["ring_layout"], c["tail_pieces"]) for c in d["chunks"]] == [(layout, 3)] * 2
 
 
 def test_follow_up_reuses_the_session(arms):

@@ -1,5 +1,7 @@
 """Grouped matmul against a float64 NumPy loop, zero-size groups included."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -155,7 +157,7 @@ def _pieces_case(m, sizes, k=256, n=384, seed=3):
 
 def _by_pieces(x, w, g, bounds, impl):
     outs = [grouped_matmul(x[a:b], w, piece_group_sizes(g, a, b), impl=impl)
-            for a, b in zip(bounds[:-1], bounds[1:])]
+            for a, b in itertools.pairwise(bounds)]
     return jnp.concatenate(outs)
 
 
