@@ -36,7 +36,7 @@ from jax.interpreters import mlir
 from . import _dlpack, native
 from .config import ModelConfig
 from .experts import ExpertWeights, blob_size, pack_expert_blobs_np
-from .grouped_matmul import row_pieces
+from .grouped_matmul import MGPU_BLOCK_M, resolve_implementation, row_pieces
 
 if TYPE_CHECKING:  # pragma: no cover
     from .profile import ExpertProfile
@@ -108,7 +108,11 @@ class StreamConfig:
             after a fetch that waits only for the copies of the experts with rows in it, so
             that only the last piece's math follows the chunk's last copy (1: the layer whole).
             The pieces give the same bits (each row keeps its expert and its math). Each piece
-            costs the grouped matmul's per-expert tiles again, hence a floor on the length.
+            costs the Mosaic grouped matmul's per-expert tiles again, hence a floor on the
+            length, and at most one piece per `n_experts` row tiles (128 rows) of the chunk
+            there (`StreamEngine.tail_pieces`). H200, Qwen3-30B-A3B shapes: routed 1.033-1.039
+            of its floor at 12K-24K with 4 pieces, against 1.051-1.064 whole (BENCHMARKS.md,
+            eleventh session).
         tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
             `tail_pieces` pieces.
         stream_floor: Chunks shorter than this many tokens use routed-only
@@ -914,10 +918,20 @@ class StreamEngine:
 
     def tail_pieces(self, mode: int, n_tokens: int) -> int:
         """Pieces the last MoE layer runs in, in a chunk of `mode` compiled for `n_tokens`
-        tokens (its bucket; StreamConfig.tail_pieces): 1 for routed-only or short chunks."""
+        tokens (its bucket; StreamConfig.tail_pieces): 1 for routed-only or short chunks.
+
+        With the Mosaic grouped matmul, whose grid holds E - 1 tiles more than the rows' own
+        whatever the rows, at most one piece per E row tiles of the chunk: a piece must hold
+        at least as many tiles of its own as it adds (Qwen3-30B-A3B, 128 experts top-8: all
+        four pieces from 8,192 tokens; 512 experts top-10: two from 13,108 tokens, four from
+        26,215)."""
         if mode not in _STREAM_MODES or n_tokens < self.stream.tail_from or not self.moe_layers:
             return 1
-        return self.stream.tail_pieces
+        pieces = self.stream.tail_pieces
+        if pieces > 1 and resolve_implementation() == "mgpu":
+            tiles = n_tokens * self.config.top_k // MGPU_BLOCK_M
+            pieces = min(pieces, tiles // self.config.n_experts)
+        return max(pieces, 1)
 
     @property
     def tail_layer(self) -> int | None:

@@ -998,6 +998,14 @@ def test_tail_pieces_program(layout, mode):
         assert eng.streamer.tail_pieces(mode, CHUNK) == 3
         assert eng.streamer.tail_pieces(mode, CHUNK - 1) == 1
         assert eng.streamer.tail_pieces(1, 4096) == 1  # routed-only: whole layers
+        # The Mosaic kernel's grid holds E - 1 more tiles than the rows' own: at most one piece
+        # per E row tiles (here 16 experts, top-2, 128-row tiles: one per 1,024 tokens).
+        import strata_jax.stream as stream_module
+        for impl, want in (("mgpu", [1, 2, 3, 3]), ("tiled", [3] * 4), ("lax", [3] * 4)):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(stream_module, "resolve_implementation", lambda impl=impl: impl)
+                assert [eng.streamer.tail_pieces(mode, n)
+                        for n in (1024, 2048, 3072, 8192)] == want, impl
         resident = (eng.streamer.resident_blobs, eng.streamer.frames)
         fn = functools.partial(eng._prefill_fn, first=False, mode=mode, sub=0, width=CHUNK + 2)
         jaxpr = jax.make_jaxpr(fn)(eng._state_leaves, resident, None, eng.new_cache())
