@@ -76,7 +76,6 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     (["--frames-from", "41"], "packed", 1),
     # The last MoE layer in pieces (a 40-token chunk's bucket is at least 40).
     (["--layout", "packed", "--tail-pieces", "3", "--tail-from", "40"], "packed", 3),
-    (["--layout", "frames", "--tail-pieces", "2", "--tail-from", "40"], "frames", 2),
 ])
 def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout, pieces):
     # The streamed arms' ring layout (StreamConfig.layout): each row records the one its chunk
