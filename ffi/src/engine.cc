@@ -91,10 +91,9 @@ Status Engine::SetPlan(const std::vector<StreamEntry>& stream,
   slot_of_.assign(stream_.size(), 0);
   need_.assign(stream_.size(), 0);
   entry_of_.assign(static_cast<size_t>(opt_.n_layers) * opt_.n_experts, -1);
-  for (size_t k = 0; k < stream_.size(); ++k)
+  for (size_t k = 0; k < stream_.size(); ++k) {
     entry_of_[static_cast<size_t>(stream_[k].layer) * opt_.n_experts +
               stream_[k].expert] = static_cast<int64_t>(k);
-  for (size_t k = 0; k < stream_.size(); ++k) {
     const int64_t lo = ord_[stream_[k].layer];
     slot_of_[k] = F > 0 ? (lo % F) * opt_.n_experts + stream_[k].expert : 0;
     need_[k] = std::max<int64_t>(0, lo - F + 1);

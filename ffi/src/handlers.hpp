@@ -181,17 +181,22 @@ auto PieceAttrs(B b) {
       .template Attr<int64_t>("row_begin")
       .template Attr<int64_t>("row_end");
 }
+// fetch's and fetch_piece's results and attributes, after their operands.
 template <class B>
-auto FetchBinding(B b) {
+auto FetchResults(B b) {
   return PieceAttrs(std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
       .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
       .template Ret<ffi::AnyBuffer>()   // up: [E, H, I]
       .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
       .template Ret<ffi::AnyBuffer>()   // token
       .template Attr<int64_t>("engine")
       .template Attr<int32_t>("layer"));
+}
+template <class B>
+auto FetchBinding(B b) {
+  return FetchResults(std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // token
+      .template Arg<ffi::AnyBuffer>()); // resident: [R, blob] of the layer
 }
 // fetch_piece: fetch's later pieces, which add their rows to the outputs of
 // the piece before (operands aliased to the results). `after` orders it after
@@ -200,19 +205,13 @@ auto FetchBinding(B b) {
 // (a whole layer's weights) before each piece.
 template <class B>
 auto FetchPieceBinding(B b) {
-  return PieceAttrs(std::move(b)
+  return FetchResults(std::move(b)
       .template Arg<ffi::AnyBuffer>()   // token
       .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
       .template Arg<ffi::AnyBuffer>()   // gate so far (aliased to the result)
       .template Arg<ffi::AnyBuffer>()   // up so far
       .template Arg<ffi::AnyBuffer>()   // down so far
-      .template Arg<ffi::AnyBuffer>()   // after: an output of the piece before's math
-      .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
-      .template Ret<ffi::AnyBuffer>()   // up: [E, H, I]
-      .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
-      .template Ret<ffi::AnyBuffer>()   // token
-      .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("layer"));
+      .template Arg<ffi::AnyBuffer>()); // after: an output of the piece before's math
 }
 template <class B>
 auto FetchFrameBinding(B b) {

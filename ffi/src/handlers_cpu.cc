@@ -32,8 +32,10 @@ ffi::Error FetchPieceCpu(ffi::AnyBuffer t, ffi::AnyBuffer r, ffi::AnyBuffer,
                          ffi::Result<ffi::AnyBuffer> o, int64_t engine,
                          int32_t layer, int32_t piece, int32_t pieces,
                          int64_t row_begin, int64_t row_end) {
-  return h::Fetch(nullptr, t, r, g, u, d, o, engine, layer,
-                  h::Piece(piece, pieces, row_begin, row_end));
+  // The weights so far and `after` only order the call: fetch writes the
+  // outputs, which XLA aliases to them.
+  return FetchCpu(t, r, g, u, d, o, engine, layer, piece, pieces, row_begin,
+                  row_end);
 }
 ffi::Error FetchFrameCpu(ffi::AnyBuffer t, ffi::AnyBuffer r,
                          ffi::Result<ffi::AnyBuffer> o, int64_t engine,
