@@ -401,9 +401,7 @@ class Engine:
             # begin_chunk first, and the chunk's ids come out of it: nothing of the chunk runs
             # before the issuer and the link are started, wherever XLA would schedule it.
             blobs, frames = resident
-            # The last MoE layer in pieces (StreamConfig.tail_pieces), chunk-major only: a
-            # layer-major prompt's layers run once over all of its sub-chunks.
-            pieces = 1 if sub else self.streamer.tail_pieces(mode, width - 2)
+            pieces = self._tail_pieces(mode, width - 2, layer_major=bool(sub))
             source = StreamedExperts(self.streamer.id, mode, self.config, blobs,
                                      jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
                                      frame_of=self.streamer.frame_of, tail_pieces=pieces,
@@ -420,6 +418,11 @@ class Engine:
         stats = source.finish() if source is not None else jnp.zeros((0, 2), jnp.int32)
         info = jnp.concatenate([stats.reshape(-1), counts.astype(jnp.int32).reshape(-1)])
         return logits, cache, info
+
+    def _tail_pieces(self, mode: int, bucket: int, *, layer_major: bool) -> int:
+        """The pieces a chunk's program runs its last MoE layer in (StreamConfig.tail_pieces),
+        chunk-major only: a layer-major prompt's layers run once over all of its sub-chunks."""
+        return 1 if layer_major else self.streamer.tail_pieces(mode, bucket)
 
     @staticmethod
     def _chunk_ids(piece: np.ndarray, bucket: int, start: int) -> np.ndarray:
@@ -705,8 +708,8 @@ class Engine:
             for (i, n, _), (st, counts) in zip(pending, infos):
                 counts_total += counts
                 if self.streamer is not None:
-                    pieces = (1 if order == "layer-major" else self.streamer.tail_pieces(
-                        self.streamer.chunk_mode(n), records[i].bucket))
+                    pieces = self._tail_pieces(self.streamer.chunk_mode(n), records[i].bucket,
+                                               layer_major=order == "layer-major")
                     records[i].stats = self.streamer.make_stats(n, st, counts, pieces)
         except BaseException:
             # The caller's session is untouched. Chunks already queued may still be running on

@@ -415,11 +415,16 @@ def permute(x: jax.Array, expert_ids: jax.Array):
     Returns:
         (x_sorted [T*k, H], order int32 [T*k]) where x_sorted[j] = x[order[j] // k].
     """
+    order = sort_order(expert_ids)
     with jax.named_scope("permute"):
-        k = expert_ids.shape[1]
-        flat = expert_ids.reshape(-1)  # [T*k]
-        order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [T*k]
-        return x[order // k], order
+        return x[order // expert_ids.shape[1]], order
+
+
+def sort_order(expert_ids: jax.Array) -> jax.Array:
+    """The token copies' order sorted by expert (stable): int32 [T*k] for expert_ids [T, k];
+    copy j of the sorted order is token order[j] // k."""
+    with jax.named_scope("permute"):
+        return jnp.argsort(expert_ids.reshape(-1), stable=True).astype(jnp.int32)
 
 
 def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array) -> jax.Array:
@@ -457,11 +462,15 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
     after = None
     for p, (a, b) in enumerate(itertools.pairwise(bounds)):
         with jax.named_scope(f"experts_piece_{p}"):
-            w = ExpertWeights(*(t.astype(x.dtype) for t in weights_for_piece(p, after)))
+            w = _in_dtype(weights_for_piece(p, after), x.dtype)
             x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted
             after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b))
             ys.append(after)
     return jnp.concatenate(ys)
+
+
+def _in_dtype(w: ExpertWeights, dtype) -> ExpertWeights:
+    return ExpertWeights(*(a.astype(dtype) for a in w))
 
 
 def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
@@ -555,15 +564,13 @@ class MoE(nnx.Module):
             supplies each piece's weights (`experts_swiglu_pieces`; `w` is then unused).
         """
         if pieces is None:
-            w = ExpertWeights(*(a.astype(x.dtype) for a in w))
             x_sorted, order = permute(x, routing.expert_ids)
-            y_sorted = experts_swiglu(x_sorted, w, routing.counts)
+            y_sorted = experts_swiglu(x_sorted, _in_dtype(w, x.dtype), routing.counts)
         else:
-            with jax.named_scope("permute"):
-                k = routing.expert_ids.shape[1]
-                order = jnp.argsort(routing.expert_ids.reshape(-1), stable=True).astype(jnp.int32)
+            order = sort_order(routing.expert_ids)
             with jax.named_scope("experts"):
-                y_sorted = experts_swiglu_pieces(x, order, k, routing.counts, *pieces)
+                y_sorted = experts_swiglu_pieces(x, order, routing.expert_ids.shape[1],
+                                                 routing.counts, *pieces)
         out = unpermute(y_sorted, order, routing.weights)
         if self.shared is not None:
             with jax.named_scope("shared_expert"):

@@ -1129,10 +1129,13 @@ class StreamedExperts:
     def expert_weights(self, layer: int, counts: jax.Array,
                        resident: ExpertWeights | None) -> ExpertWeights:
         del resident  # the stream supplies every expert, resident ones from the cache
-        with jax.named_scope(f"stream_publish_{layer}"):
-            self.token = publish(self.engine_id, layer, self.token, counts)
+        self._publish(layer, counts)
         with jax.named_scope(f"stream_fetch_{layer}"):
             return self._fetch(layer, 0, 1, (0, 0))
+
+    def _publish(self, layer: int, counts: jax.Array) -> None:
+        with jax.named_scope(f"stream_publish_{layer}"):
+            self.token = publish(self.engine_id, layer, self.token, counts)
 
     def row_pieces(self, layer: int, n_rows: int) -> tuple[int, ...] | None:
         """The static bounds of `layer`'s pieces over its `n_rows` sorted rows, or None where
@@ -1149,8 +1152,7 @@ class StreamedExperts:
         order; `after` (an output of the piece before's expert math) makes this piece's
         fetch, and its wait for the piece's copies, follow that math on XLA's stream."""
         if piece == 0:
-            with jax.named_scope(f"stream_publish_{layer}"):
-                self.token = publish(self.engine_id, layer, self.token, counts)
+            self._publish(layer, counts)
         elif after is None:
             raise ValueError(f"piece {piece} of layer {layer} needs `after`")
         with jax.named_scope(f"stream_fetch_{layer}_{piece}"):
