@@ -56,8 +56,8 @@ from flax import nnx
 
 from .config import ModelConfig
 from .experts import ExpertWeights
-from .model import (KVCache, attention_key_block, build_model, expert_param_names,
-                    uses_blocked_attention, validate_inputs)
+from .attention import attention_bytes, attention_path
+from .model import KVCache, build_model, expert_param_names, validate_inputs
 from .profile import ExpertProfile
 from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
                      stream_platform)
@@ -163,6 +163,9 @@ class PrefillResult:
         fallback: None, or why a requested layer-major read fell back to chunk-major.
         mode: "resident", "stream-all" or "routed".
         n_layers: the model's layers (for per-layer lists).
+        chunk_size: the chunk (chunk-major) or sub-chunk (layer-major) the prompt was read in.
+        chunk_choice: how the engine's chunk size was set: "given", or the automatic choice
+            with its memory figures (Engine(chunk_size=None)).
     """
 
     logits: jax.Array
@@ -177,6 +180,8 @@ class PrefillResult:
     fallback: str | None = None
     mode: str = "resident"
     n_layers: int = 0
+    chunk_size: int = 0
+    chunk_choice: str = "given"
 
     @property
     def prompt_ms(self) -> float:
@@ -209,9 +214,9 @@ class PrefillResult:
 
     def summary(self) -> str:
         t = self.totals()
-        how = f"{len(self.chunks)} chunks"
+        how = f"{len(self.chunks)} chunks of {self.chunk_size}"
         if self.order == "layer-major":
-            how += ", layer-major"
+            how = f"layer-major, sub-chunks of {self.chunk_size}"
         line = (f"{self.tokens} tokens = {self.reused} reused + {self.read} read in "
                 f"{self.ms:.1f} ms ({how})")
         if t["streamed"]:
@@ -230,6 +235,8 @@ class PrefillResult:
             "mode": self.mode,
             "order": self.order,
             "fallback": self.fallback,
+            "chunk_size": self.chunk_size,
+            "chunk_choice": self.chunk_choice,
             "experts_streamed": t["streamed"],
             "copied": t["copied"],
             "skipped": t["skipped"],
@@ -253,17 +260,21 @@ class Engine:
         stream: None keeps every expert resident on the device; a StreamConfig
             streams the non-resident ones through the native engine.
         max_context: Positions a session may hold, in tokens.
-        chunk_size: Tokens per chunk (chunk-major), also the largest compile bucket.
+        chunk_size: Tokens per chunk (chunk-major), also the largest compile bucket. None
+            (the default): the engine chooses the largest chunk whose activations and KV cache
+            fit the memory left on the device once the model is placed (`chunk_choice` says
+            how; `memory_available`), at most `max_context`.
         experts: Optional layer -> ExpertWeights when the routed experts are
             not in `params` (a checkpoint's host expert store).
         order: Default read order of `prefill`: "chunk-major", "layer-major"
             (falls back to chunk-major when its memory does not fit) or
             "layer-major!" (strict: raises LayerMajorMemoryError instead).
         sub_chunk: Layer-major compute sub-chunk in tokens; default chunk_size.
-        layer_major_limit_bytes: Memory layer-major may use for its activations.
-            None: the device's free memory where the backend reports it (GPU),
-            else the host's available RAM (CPU). On a GPU an explicit limit
-            caps the free memory further.
+        layer_major_limit_bytes: Memory a prefill's activations may use: the
+            automatic chunk size and layer-major's check. None: the device's
+            free memory where the backend reports it (GPU), else the host's
+            available RAM (CPU). On a GPU an explicit limit caps the free
+            memory further.
         device: Where the model runs: a jax.Device or a platform name ("cpu", "gpu"; its
             first device). None: JAX's default device with every expert resident, the
             stream's device when streamed. A streamed engine runs where its stream backend
@@ -282,14 +293,17 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
                  stream: StreamConfig | None = None, *, max_context: int = 4096,
-                 chunk_size: int = 1024,
+                 chunk_size: int | None = None,
                  experts: Mapping[int, ExpertWeights] | None = None,
                  order: str = "chunk-major", sub_chunk: int | None = None,
                  layer_major_limit_bytes: int | None = None,
                  device: "jax.Device | str | None" = None,
                  progress: Callable[[int, int], object] | None = None):
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size}: must be at least 1")
+        if chunk_size is not None and (isinstance(chunk_size, bool)
+                                       or not isinstance(chunk_size, (int, np.integer))
+                                       or chunk_size < 1):
+            raise ValueError(f"chunk_size={chunk_size!r}: must be a positive int, or None to "
+                             "let the engine choose")
         if max_context < 1 or max_context > config.max_seq_len:
             raise ValueError(f"max_context={max_context}: must be in 1..{config.max_seq_len} "
                              f"(the model's max_seq_len)")
@@ -304,15 +318,12 @@ class Engine:
                              "or 'device'")
         self.config = config
         self.max_context = int(max_context)
-        self.chunk_size = int(chunk_size)
-        self.sub_chunk = int(sub_chunk or chunk_size)
         self.order = order
         self.layer_major_limit_bytes = layer_major_limit_bytes
-        self.buckets = compile_buckets(self.chunk_size)
-        self.sub_buckets = compile_buckets(self.sub_chunk)
-        # Padding slack: a padded chunk (or layer-major prompt) ends at most this far past the
-        # last real position, so its writes never clamp onto real ones.
-        self.capacity = self.max_context + max(self.chunk_size, self.sub_chunk)
+        self._sub_chunk_arg = sub_chunk
+        self.chunk_choice = "given"
+        # The device the model lands on is known below; an automatic chunk is chosen there.
+        self._set_chunk(int(chunk_size) if chunk_size is not None else min(1024, max_context))
         self.uid = next(_engine_ids)
         host_experts = dict(experts or {})
         expert_names = set()
@@ -351,6 +362,10 @@ class Engine:
                 model = build_model(config, dense, resident_experts=False)
         self._graphdef, state = nnx.split(model)
         state = jax.device_put(state, self.device)
+        if chunk_size is None:
+            jax.block_until_ready(state)
+            chunk, self.chunk_choice = self._choose_chunk()
+            self._set_chunk(chunk)
         # The compiled call takes the state as a flat list: flattening an nnx.State on every
         # call is Python work (milliseconds for a real model) before the device starts.
         self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
@@ -369,6 +384,73 @@ class Engine:
         self._prefill_lock = threading.Lock()
         self._prefill_thread: int | None = None
         self._profile = ExpertProfile.empty(config)
+
+    # -- chunk size ------------------------------------------------------------------------------
+
+    def _set_chunk(self, chunk: int) -> None:
+        self.chunk_size = int(chunk)
+        self.sub_chunk = int(self._sub_chunk_arg or chunk)
+        self.buckets = compile_buckets(self.chunk_size)
+        self.sub_buckets = compile_buckets(self.sub_chunk)
+        # Padding slack: a padded chunk (or layer-major prompt) ends at most this far past the
+        # last real position, so its writes never clamp onto real ones.
+        self.capacity = self.max_context + max(self.chunk_size, self.sub_chunk)
+
+    def kv_cache_bytes(self, capacity: int | None = None) -> int:
+        """Bytes of one KV cache of `capacity` positions (default the engine's)."""
+        c = self.config
+        capacity = self.capacity if capacity is None else capacity
+        return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
+
+    def chunk_bytes(self, chunk: int, capacity: int | None = None, *, first: bool = False) -> int:
+        """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
+        `capacity` positions: the hidden states (input, residual, normalised, [T, H] each), the
+        q/k/v projections and attention output in float32 and the parameter dtype, the chunk's
+        attention on the path it runs (`attention.attention_bytes`), the router's logits and
+        routing, and the experts' sorted inputs and outputs ([T*k, H]) with their gate/up
+        activations ([T*k, I], float32 and the parameter dtype). A streamed engine's fetch adds
+        one layer's expert weights (the packed ring's outputs)."""
+        c = self.config
+        it = np.dtype(c.dtype).itemsize
+        capacity = self.capacity if capacity is None else capacity
+        qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
+        path = attention_path(c.dtype, c.head_dim, c.n_heads, chunk, capacity, first=first,
+                              platform=self.device.platform)
+        keys = chunk if first else capacity
+        attention = attention_bytes(path, it, c.n_heads, chunk, keys, c.head_dim)
+        hidden = 4 * chunk * c.hidden_size * it
+        router = chunk * (c.n_experts * 8 + c.top_k * 8)
+        rows = chunk * c.top_k
+        experts = rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
+        fetched = c.n_experts * c.expert_bytes if self.streamer is not None else 0
+        return int(qkv + attention + hidden + router + experts + fetched)
+
+    # Activation estimates leave this factor of headroom for XLA's own temporaries.
+    CHUNK_HEADROOM = 2.0
+
+    def _choose_chunk(self) -> tuple[int, str]:
+        """The largest chunk (max_context, else a power of two below it, at least 16) whose
+        activations (CHUNK_HEADROOM x `chunk_bytes`, a later chunk's) and two KV caches of the
+        resulting capacity (a session's and the one a chunk writes) fit `memory_available`."""
+        have, what = self.memory_available()
+        candidates = [self.max_context]
+        b = 1 << max(self.max_context - 1, 1).bit_length()
+        while b > MIN_BUCKET:
+            b //= 2
+            if b < self.max_context:
+                candidates.append(b)
+        for chunk in candidates:
+            capacity = self.max_context + max(chunk, self._sub_chunk_arg or chunk)
+            need = (self.CHUNK_HEADROOM * max(self.chunk_bytes(chunk, capacity),
+                                              self.chunk_bytes(chunk, capacity, first=True))
+                    + 2 * self.kv_cache_bytes(capacity))
+            if need <= have:
+                return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of "
+                               f"activations and KV cache within {have / 2**30:.2f} GiB "
+                               f"({what})")
+        chunk = candidates[-1]
+        return chunk, (f"auto: {chunk} tokens, the smallest chunk; {what} is only "
+                       f"{have / 2**30:.2f} GiB")
 
     # -- the compiled call ----------------------------------------------------------------------
 
@@ -527,10 +609,9 @@ class Engine:
           whole prompt, live across a layer's fetch: the hidden states before and after the
             attention block and the normalised router input (3 x [P, H] in the parameter dtype),
             the routing (ids and weights, [P, k] int32 + float32) and positions;
-          one sub-chunk's attention against the cache: scores and probabilities in float32 plus
-            the probabilities in the parameter dtype ([N, S, C] each) and the mask ([S, C]), or,
-            where the attention runs blocked (model.uses_blocked_attention), the same for one key
-            block plus the running output;
+          one sub-chunk's attention against the cache on the path it runs
+            (`attention.attention_bytes`: fused, no [N, S, C] scores; XLA, scores and
+            probabilities; blocked, one key block's);
           one sub-chunk's experts: sorted inputs and outputs ([S*k, H]) and the gate/up
             activations ([S*k, I], float32 and parameter dtype).
         P = padded prompt, S = sub-chunk, C = cache capacity, N = query heads.
@@ -539,12 +620,9 @@ class Engine:
         it = np.dtype(c.dtype).itemsize
         p, s = self.layer_major_shape(n_tokens)
         prompt = p * (3 * c.hidden_size * it + c.top_k * 8 + 8)
-        if uses_blocked_attention(c.dtype, c.n_heads, s, self.capacity):
-            # One key block's scores and probabilities, the running output, maxima and sums.
-            b = attention_key_block(c.n_heads, s, self.capacity)
-            attention = c.n_heads * s * (b * (8 + it) + c.head_dim * 4 + 8) + s * b
-        else:
-            attention = c.n_heads * s * self.capacity * (8 + it) + s * self.capacity
+        path = attention_path(c.dtype, c.head_dim, c.n_heads, s, self.capacity, first=False,
+                              platform=self.device.platform)
+        attention = attention_bytes(path, it, c.n_heads, s, self.capacity, c.head_dim)
         experts = s * c.top_k * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
         return int(prompt + attention + experts)
 
@@ -730,7 +808,10 @@ class Engine:
         result = PrefillResult(logits=logits, session=new, chunks=records, tokens=new.position,
                                reused=start, read=int(arr.size), ms=ms, counts=counts_total,
                                order=order, fallback=fallback, mode=self.mode,
-                               n_layers=self.config.n_layers)
+                               n_layers=self.config.n_layers,
+                               chunk_size=(self.layer_major_shape(arr.size)[1]
+                                           if order == "layer-major" else self.chunk_size),
+                               chunk_choice=self.chunk_choice)
         self._profile.record(counts_total, tokens=int(arr.size))
         return result
 

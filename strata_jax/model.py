@@ -12,7 +12,6 @@ streaming source can issue a per-layer FFI call with the layer index as a static
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Mapping, NamedTuple
 
 import jax
@@ -21,16 +20,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from strata_jax.attention import (  # noqa: F401 - re-exported: the model's attention API
+    ATTENTION_ENV_VAR, BLOCKED_ATTENTION_BYTES, attend_cached, attend_first, attention_key_block,
+    attention_path, blocked_attention, einsum_attention)
 from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 
-ATTENTION_ENV_VAR = "STRATA_ATTENTION"  # auto|xla|cudnn|einsum|blocked
-# A follow-up chunk's attention against the cache builds [heads, T, S] float32 scores on the XLA
-# path: 32 GiB for 8K queries against a 32K cache with 32 heads. Past this many score bytes,
-# "auto" attends block by block over the keys instead (online softmax), holding one block.
-BLOCKED_ATTENTION_BYTES = 1 << 31
-_BLOCK_SCORE_BYTES = 1 << 28  # score bytes of one key block in the blocked path
 _INIT_STD = 0.02
 
 
@@ -128,135 +124,6 @@ def _dot(x, w):
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _attention_impl(dtype, head_dim: int) -> str:
-    impl = (os.environ.get(ATTENTION_ENV_VAR) or "auto").lower()
-    if impl not in ("auto", "xla", "cudnn", "einsum", "blocked"):
-        raise ValueError(f"{ATTENTION_ENV_VAR}={impl!r}; expected auto|xla|cudnn|einsum|blocked")
-    if impl != "auto":
-        return impl
-    if jnp.dtype(dtype) == jnp.float64:
-        return "einsum"  # jax.nn.dot_product_attention targets float16/32 kernels
-    if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-            and head_dim <= 128 and head_dim % 8 == 0):
-        return "cudnn"
-    return "xla"
-
-
-def _einsum_attention(q, k, v, mask):
-    """Explicit GQA attention. q [T, N, D], k/v [S, KVH, D], mask bool [T, S] -> [T, N, D]."""
-    t, n, d = q.shape
-    kvh = k.shape[1]
-    qg = q.reshape(t, kvh, n // kvh, d)  # [T, KVH, G, D]
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / np.sqrt(d)
-    scores = jnp.where(mask[None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [KVH, G, T, S]
-    out = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(t, n, d).astype(q.dtype)
-
-
-def attention_key_block(n_heads: int, n_queries: int, n_keys: int) -> int:
-    """Key block of the blocked path: the largest power of two in 128..4096 whose float32
-    scores for `n_queries` queries fit `_BLOCK_SCORE_BYTES`, at most `n_keys`. It need not
-    divide `n_keys`: the last block is read overlapping the one before (blocked_attention).
-
-    (An earlier version shrank the block until it divided the cache; a 28,692-position cache
-    then ran blocks of 4 keys, 5,125 loop steps per layer, and a 1,800-token follow-up turn took
-    3 s on the H200.)"""
-    block = 4096
-    while block > 128 and n_heads * n_queries * block * 4 > _BLOCK_SCORE_BYTES:
-        block //= 2
-    return max(1, min(block, n_keys))
-
-
-def uses_blocked_attention(dtype, n_heads: int, n_queries: int, n_keys: int) -> bool:
-    """Whether a follow-up chunk's attention against `n_keys` cache positions runs blocked."""
-    impl = (os.environ.get(ATTENTION_ENV_VAR) or "auto").lower()
-    if impl == "blocked":
-        return True
-    return (impl == "auto" and jnp.dtype(dtype) != jnp.float64
-            and n_heads * n_queries * n_keys * 4 > BLOCKED_ATTENTION_BYTES)
-
-
-def blocked_attention(q, k, v, positions, block: int):
-    """Grouped-query attention of queries at `positions` over keys 0..positions[t], one key block
-    at a time with an online softmax: memory [N, T, block] instead of [N, T, S].
-
-    Args:
-        q: [T, N, D] queries; positions: int32 [T], each query's position (keys up to it count).
-        k, v: [S, KVH, D] the cache; positions past the last query are never read.
-        block: key block size, 1..S. When it does not divide S, the last block is read from
-            S - block (overlapping the block before it) and counts only the keys past it.
-
-    Returns:
-        [T, N, D] in q.dtype. Scores, running maxima and sums are float32 (float64 inputs: 64).
-    """
-    t, n, d = q.shape
-    s, kvh = k.shape[0], k.shape[1]
-    acc_t = jnp.promote_types(jnp.float32, q.dtype)
-    qg = q.reshape(t, kvh, n // kvh, d)  # [T, KVH, G, D]
-    scale = 1.0 / np.sqrt(d)
-    if not 1 <= block <= s:
-        raise ValueError(f"key block {block} outside 1..{s} (the cache's positions)")
-    # Blocks holding any key a query may see: 0 .. max(position) // block.
-    n_blocks = jnp.minimum(jnp.max(positions) // block + 1, -(-s // block))
-
-    def body(i, carry):
-        m, l, acc = carry  # [KVH, G, T], [KVH, G, T], [KVH, G, T, D]
-        first = i * block  # the block's first key; a last partial block is read from s - block
-        start = jnp.minimum(first, s - block)
-        kb = lax.dynamic_slice_in_dim(k, start, block, 0).astype(q.dtype)  # [B, KVH, D]
-        vb = lax.dynamic_slice_in_dim(v, start, block, 0).astype(q.dtype)
-        scores = jnp.einsum("tkgd,skd->kgts", qg, kb, preferred_element_type=acc_t) * scale
-        key_pos = start + jnp.arange(block, dtype=jnp.int32)  # [B]
-        # Keys before `first` were counted by the block before.
-        visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] >= first)
-        scores = jnp.where(visible[None, None], scores, -jnp.inf)
-        # Block 0 holds key 0, which every query sees, so m is finite from the first block on.
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        p = jnp.exp(scores - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(axis=-1)
-        pv = jnp.einsum("kgts,skd->kgtd", p.astype(q.dtype), vb, preferred_element_type=acc_t)
-        return m_new, l, acc * corr[..., None] + pv
-
-    g = n // kvh
-    init = (jnp.full((kvh, g, t), -jnp.inf, acc_t), jnp.zeros((kvh, g, t), acc_t),
-            jnp.zeros((kvh, g, t, d), acc_t))
-    _, l, acc = lax.fori_loop(0, n_blocks, body, init)
-    out = acc / l[..., None]  # [KVH, G, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(t, n, d).astype(q.dtype)
-
-
-def attend(q, k, v, mask=None, *, causal_self: bool = False):
-    """Grouped-query attention over keys `k`/`v`.
-
-    Args:
-        q: [T, N, D] queries.
-        k: [S, KVH, D] keys; v: [S, KVH, D] values.
-        mask: bool [T, S], True where a query may attend (ignored when `causal_self`).
-        causal_self: keys are exactly the queries' own positions (S == T, first chunk): plain causal
-            attention, which cuDNN runs as a fused kernel on the GPU.
-
-    Returns:
-        [T, N, D] in q.dtype.
-    """
-    impl = _attention_impl(q.dtype, q.shape[-1])
-    if causal_self and mask is None:
-        t = q.shape[0]
-        mask = jnp.tril(jnp.ones((t, t), bool))
-    if impl == "einsum":
-        return _einsum_attention(q, k, v, mask)
-    if impl == "cudnn" and causal_self:
-        try:
-            return jax.nn.dot_product_attention(
-                q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
-        except (NotImplementedError, ValueError, RuntimeError):
-            pass  # this cuDNN build rejects the shape: the XLA path below is exact too.
-    return jax.nn.dot_product_attention(
-        q[None], k[None], v[None], mask=mask[None, None], implementation="xla")[0]
-
-
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache."""
 
@@ -296,17 +163,14 @@ class Attention(nnx.Module):
         v = v.astype(cache_v.dtype)
         cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
         cache_v = lax.dynamic_update_slice(cache_v, v, (start, 0, 0))
-        if isinstance(start, int) and start == 0:
+        first = isinstance(start, int) and start == 0
+        path = attention_path(q.dtype, c.head_dim, c.n_heads, t, cache_k.shape[0], first=first)
+        if first:
             # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
             # causally is the same math and lets cuDNN run it fused.
-            out = attend(q, k.astype(q.dtype), v.astype(q.dtype), causal_self=True)
-        elif uses_blocked_attention(q.dtype, c.n_heads, t, cache_k.shape[0]):
-            block = attention_key_block(c.n_heads, t, cache_k.shape[0])
-            out = blocked_attention(q, cache_k, cache_v, positions, block)
+            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path)
         else:
-            key_pos = jnp.arange(cache_k.shape[0], dtype=jnp.int32)  # [S]
-            mask = key_pos[None, :] <= positions[:, None]  # [T, S]
-            out = attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask)
+            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path)
         out = _dot(out.reshape(t, c.q_dim), self.o_proj[...])  # [T, H]
         return out, cache_k, cache_v
 

@@ -257,13 +257,31 @@ def test_blocked_attention_matches_reference(dtype, start, block):
     assert_close(got, _attention_reference(q, k, v, positions), dtype)
 
 
-def test_blocked_attention_is_chosen_by_size_and_env(monkeypatch):
+def test_attention_path_is_chosen_by_dtype_size_platform_and_env(monkeypatch):
     monkeypatch.delenv(M.ATTENTION_ENV_VAR, raising=False)
-    assert not M.uses_blocked_attention(jnp.bfloat16, 32, 1024, 8192)  # 1 GiB of scores
-    assert M.uses_blocked_attention(jnp.bfloat16, 32, 8192, 40960)  # 40 GiB
-    assert not M.uses_blocked_attention(jnp.float64, 32, 8192, 40960)  # reference dtype: einsum
+    path = M.attention_path
+    # CPU: a later chunk's XLA scores up to 2 GiB, blocked past it; float64 always einsum.
+    assert path(jnp.bfloat16, 128, 32, 1024, 8192, first=False, platform="cpu") == "xla"
+    assert path(jnp.bfloat16, 128, 32, 8192, 40960, first=False, platform="cpu") == "blocked"
+    assert path(jnp.bfloat16, 128, 32, 8192, 40960, first=True, platform="cpu") == "xla"
+    assert path(jnp.float64, 128, 32, 8192, 40960, first=False, platform="cpu") == "einsum"
+    # GPU: cuDNN for bf16/fp16 with head_dim <= 128, a multiple of 8; float32 stays exact.
+    for dt in (jnp.bfloat16, jnp.float16):
+        for first in (True, False):
+            assert path(dt, 128, 32, 8192, 40960, first=first, platform="gpu") == "cudnn"
+        assert path(dt, 64, 16, 8192, 40960, first=False, platform="gpu") == "cudnn"
+    assert path(jnp.bfloat16, 256, 8, 64, 128, first=False, platform="gpu") == "xla"
+    assert path(jnp.float32, 128, 32, 8192, 40960, first=False, platform="gpu") == "blocked"
     monkeypatch.setenv(M.ATTENTION_ENV_VAR, "blocked")
-    assert M.uses_blocked_attention(jnp.bfloat16, 2, 4, 16)
+    assert path(jnp.bfloat16, 16, 2, 4, 16, first=False) == "blocked"
+    assert path(jnp.bfloat16, 16, 2, 4, 16, first=True) == "xla"
+    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "cudnn")  # forced where it cannot run: exact XLA
+    assert path(jnp.bfloat16, 128, 32, 64, 128, first=False, platform="cpu") == "xla"
+    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "split")
+    assert path(jnp.float32, 16, 2, 4, 16, first=False) == "split"
+    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="STRATA_ATTENTION='flash'"):
+        path(jnp.float32, 16, 2, 4, 16, first=False)
     assert M.attention_key_block(32, 8192, 40960) == 256  # 256 MiB of scores per block
     # A cache that no power of two divides keeps its block (it used to shrink to 4 keys here).
     assert M.attention_key_block(32, 2048, 20500) == 1024
