@@ -438,7 +438,7 @@ def test_cuda_overlapped_chunks_identical(setup, publish):
         assert not eng.streamer.walk_active()
 
 
-def test_cuda_blocked_attention_matches_xla(monkeypatch):
+def test_cuda_blocked_attention_matches_xla():
     # The blocked follow-up attention on the GPU against the XLA masked path, bf16 tolerance.
     import jax
     import jax.numpy as jnp
@@ -453,8 +453,7 @@ def test_cuda_blocked_attention_matches_xla(monkeypatch):
     k = jnp.asarray(rng.standard_normal((s, kvh, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((s, kvh, d)), jnp.bfloat16)
     positions = jnp.arange(start, start + t, dtype=jnp.int32)
-    mask = jnp.arange(s)[None, :] <= positions[:, None]
-    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "xla")
-    want = jax.jit(lambda q, k, v, m: M.attend(q, k, v, m))(q, k, v, mask)
+    want = jax.jit(lambda q, k, v, p: M.attend_cached(q, k[start:start + t], v[start:start + t],
+                                                    k, v, start, p, "xla"))(q, k, v, positions)
     got = jax.jit(M.blocked_attention, static_argnums=4)(q, k, v, positions, 256)
     assert_close(got, want, ml_dtypes.bfloat16)
