@@ -214,7 +214,8 @@ class PrefillResult:
 
     def summary(self) -> str:
         t = self.totals()
-        how = f"{len(self.chunks)} chunks of {self.chunk_size}"
+        n = len(self.chunks)
+        how = f"{n} chunk{'s' if n != 1 else ''} of {self.chunk_size}"
         if self.order == "layer-major":
             how = f"layer-major, sub-chunks of {self.chunk_size}"
         line = (f"{self.tokens} tokens = {self.reused} reused + {self.read} read in "
@@ -646,7 +647,7 @@ class Engine:
 
     def prefill(self, tokens, session: Session | None = None, *, order: str | None = None,
                 progress: Callable[[int, int], object] | None = None,
-                sync_chunks: bool = True) -> PrefillResult:
+                sync_chunks: bool = True, chunk_size: int | None = None) -> PrefillResult:
         """Reads `tokens` (after the session's positions, if any).
 
         Args:
@@ -661,6 +662,8 @@ class Engine:
                 (on the GPU the next chunk's copies start as soon as the ring allows), reports
                 only the total time (chunk `ms` is None) and calls `progress` as chunks are
                 dispatched.
+            chunk_size: Chunk-major chunks of this many tokens for this call, at most the
+                engine's `chunk_size` (its KV cache's padding slack); None: the engine's.
 
         Returns:
             PrefillResult.
@@ -670,6 +673,7 @@ class Engine:
                 session from another engine or model, or an unknown order.
             LayerMajorMemoryError: order "layer-major!" and its memory estimate does not fit.
             RuntimeError: called from inside this engine's own prefill (its `progress`).
+            ValueError: chunk_size outside 1..the engine's chunk_size.
 
         An engine reads one prompt at a time: a prefill called from another thread meanwhile
         waits for this one to end (the stream's chunk protocol runs in one order, and a
@@ -683,12 +687,23 @@ class Engine:
         with self._prefill_lock:
             self._prefill_thread = threading.get_ident()
             try:
-                return self._prefill(tokens, session, order, progress, sync_chunks)
+                return self._prefill(tokens, session, order, progress, sync_chunks, chunk_size)
             finally:
                 self._prefill_thread = None
 
-    def _prefill(self, tokens, session, order, progress, sync_chunks) -> PrefillResult:
+    def _prefill(self, tokens, session, order, progress, sync_chunks, chunk) -> PrefillResult:
         order = self.order if order is None else order
+        if chunk is None:
+            chunk, buckets = self.chunk_size, self.buckets
+        elif (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))
+              or not 1 <= chunk <= self.chunk_size):
+            raise ValueError(
+                f"chunk_size={chunk!r}: a call's chunks must be 1..{self.chunk_size} tokens (the "
+                "engine's chunk_size, which sets its KV cache's padding slack); make the Engine "
+                "with a larger chunk_size for larger chunks")
+        else:
+            chunk = int(chunk)
+            buckets = compile_buckets(chunk)
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
         if progress is not None and not callable(progress):
@@ -750,9 +765,9 @@ class Engine:
                 p, s = self.layer_major_shape(arr.size)
                 pieces = [(0, arr, p, s)]
             else:
-                pieces = [(off, arr[off:off + self.chunk_size],
-                           _bucket(min(self.chunk_size, arr.size - off), self.buckets), 0)
-                          for off in range(0, arr.size, self.chunk_size)]
+                pieces = [(off, arr[off:off + chunk],
+                           _bucket(min(chunk, arr.size - off), buckets), 0)
+                          for off in range(0, arr.size, chunk)]
             if self.streamer is not None:  # nothing of this engine is queued: reset
                 self._stage_ids([self._chunk_ids(piece, bucket, start + off)
                                  for off, piece, bucket, _ in pieces], reset=True)
@@ -810,7 +825,7 @@ class Engine:
                                order=order, fallback=fallback, mode=self.mode,
                                n_layers=self.config.n_layers,
                                chunk_size=(self.layer_major_shape(arr.size)[1]
-                                           if order == "layer-major" else self.chunk_size),
+                                           if order == "layer-major" else chunk),
                                chunk_choice=self.chunk_choice)
         self._profile.record(counts_total, tokens=int(arr.size))
         return result

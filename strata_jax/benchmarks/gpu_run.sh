@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|timeline|all]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|timeline|chunked|all][,...]
+# Stages run in the order given after one build (a comma list: "tests,chunked").
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 STAGE=${1:-all}
@@ -17,9 +18,10 @@ $PY -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.STRATA_CUD
   || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 rc=0
+for STAGE in ${STAGE//,/ }; do
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-  rc=${PIPESTATUS[0]}
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   [ -n "${SKIP_GMM:-}" ] || timeout 240 $PY -m strata_jax.benchmarks.grouped_matmul_bench --json "$OUT/grouped_matmul.json" 2>&1 \
@@ -38,4 +40,10 @@ if [ "$STAGE" = diag ]; then
   STRATA_GROUPED_MATMUL=${GMM:-auto} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.link_diag \
     ${DIAG_ARGS:-} --json "$OUT/link_diag.json" 2>&1 | tee "$OUT/link_diag.log" | tail -60
 fi
+if [ "$STAGE" = chunked ]; then
+  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.chunked_bench ${CHUNKED_ARGS:-} \
+    --json "$OUT/chunked_${NAME:-run}.json" 2>&1 | tee "$OUT/chunked_${NAME:-run}.log" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+done
 exit $rc

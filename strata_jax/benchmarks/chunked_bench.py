@@ -1,0 +1,282 @@
+"""Chunked prompts against one chunk: the attention of a chunk over its cached prefix, end to end.
+
+Three parts, each optional (`--parts`):
+
+  attention   One layer's attention of a chunk over a cache prefix, per shape `T/start` of
+              `--shapes` (default 8192/8192, 8192/24576, 1800/18700), Qwen3-30B-A3B heads (32
+              query, 4 KV, head_dim 128), bf16, the cache as large as an engine's (prompt plus a
+              chunk of slack): the engine's path (two fused cuDNN parts merged by log-sum-exp),
+              the cuDNN prefix part over an exactly sized prefix (what a padding mask costs), and
+              the blocked path it replaces; against the first-chunk path (one causal cuDNN call)
+              at the same number of query-key pairs. TFLOP/s count 4 * pairs * heads * head_dim.
+  prefill     A `--long` prompt through `--layers` layers: all resident in one chunk (the
+              reference), in `--chunk` chunks chunk-major, and layer-major in `--chunk`
+              sub-chunks; then the same for each streamed arm of `--arms` (routed, stream-all,
+              with `--resident-gib` of residents) and the pure-JAX pinned_host arm (one chunk).
+              Rows: ms, tokens/s, time over the resident one-chunk time, bytes copied. Logits and
+              KV hashes of every streamed read equal the resident read of the same order.
+  follow-up   A `--turn2`-token turn over a `--turn1`-token session, against a `--turn2`-token
+              first chunk, resident; then routed against stream-all (skip share).
+
+    python -m strata_jax.benchmarks.chunked_bench --layers 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from strata_jax.benchmarks.stream_bench import (PinnedHostBaseline, _hashes, _timed, fast_params,
+                                                model_config)
+
+
+def _median_ms(fn, *args, reps: int = 10, warm: int = 2) -> float:
+    import jax
+
+    for _ in range(warm):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def attention_part(args, result):
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax import attention as A
+
+    n, kvh, d = 32, 4, 128
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        t, start = (int(x) for x in shape.split("/"))
+        cap = start + t + args.chunk  # an engine's cache: its context plus a chunk of slack
+        q = jnp.asarray(rng.standard_normal((t, n, d)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((cap, kvh, d)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((cap, kvh, d)), jnp.bfloat16)
+        kc, vc = k[start:start + t], v[start:start + t]
+        pos = jnp.arange(start, start + t, dtype=jnp.int32)
+        pairs = t * start + t * (t + 1) // 2
+        flop = 4 * pairs * n * d
+
+        engine_path = jax.jit(lambda q, kc, vc, k, v, s: A.chunk_over_cache(
+            q, kc, vc, k, v, s, path="cudnn"))
+        ms = {"fused": _median_ms(engine_path, q, kc, vc, k, v, jnp.int32(start),
+                                  reps=args.reps)}
+        exact = jax.jit(lambda q, k, v: A.cudnn_part(q, k, v)[0])
+        ms["prefix_exact_part"] = _median_ms(exact, q, k[:start], v[:start], reps=args.reps)
+        padded = jax.jit(lambda q, k, v, s: A.cudnn_part(q, k, v, kv_len=s)[0])
+        ms["prefix_padded_part"] = _median_ms(padded, q, k, v, jnp.int32(start), reps=args.reps)
+        if not args.skip_blocked:
+            block = A.attention_key_block(n, t, cap)
+            blocked = jax.jit(lambda q, k, v, p: A.blocked_attention(q, k, v, p, block))
+            ms["blocked"] = _median_ms(blocked, q, k, v, pos, reps=3, warm=1)
+        # The first-chunk path at the same number of query-key pairs: L(L+1)/2 = pairs.
+        L = int(round((np.sqrt(8 * pairs + 1) - 1) / 2 / 128)) * 128
+        ql = jnp.asarray(rng.standard_normal((L, n, d)), jnp.bfloat16)
+        kl = jnp.asarray(rng.standard_normal((L, kvh, d)), jnp.bfloat16)
+        first = jax.jit(lambda q, k, v: A.attend_first(q, k, v, "cudnn"))
+        first_ms = _median_ms(first, ql, kl, kl, reps=args.reps)
+        first_tflops = 4 * (L * (L + 1) // 2) * n * d / (first_ms * 1e-3) / 1e12
+        got = np.asarray(engine_path(q, kc, vc, k, v, jnp.int32(start)), np.float32)
+        want = np.asarray(jax.jit(lambda q, kc, vc, k, v, s: A.chunk_over_cache(
+            q, kc, vc, k, v, s, path="split"))(q, kc, vc, k, v, jnp.int32(start)), np.float32) \
+            if t * cap * n * 4 < 2**33 else None
+        row = {"part": "attention", "queries": t, "prefix": start, "cache": cap,
+               "tflop": flop / 1e12, "first_chunk_len": L, "first_chunk_ms": first_ms,
+               "first_chunk_tflops": first_tflops,
+               **{f"{k_}_ms": v_ for k_, v_ in ms.items()},
+               **{f"{k_}_tflops": flop / (v_ * 1e-3) / 1e12 for k_, v_ in ms.items()
+                  if k_ in ("fused", "blocked")},
+               "fused_over_first_chunk": flop / (ms["fused"] * 1e-3) / 1e12 / first_tflops,
+               "max_abs_diff_vs_split": None if want is None
+               else float(np.abs(got - want).max())}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+
+
+def _stream(args, routed: bool):
+    from strata_jax.stream import StreamConfig
+
+    return StreamConfig(routed=routed, resident_budget_gib=args.resident_gib,
+                        ring_budget_gib=args.ring_gib)
+
+
+def _reads(eng, prompts, chunk: int, orders):
+    """Times each read of `orders` ("one", "chunked", "layer-major") over prompts[1:] after a
+    compile read of prompts[0]: {order: (median ms, last result)}."""
+    out = {}
+    for order in orders:
+        kw = ({"order": "chunk-major"} if order == "one" else
+              {"order": "chunk-major", "chunk_size": chunk} if order == "chunked" else
+              {"order": "layer-major"})
+        eng.prefill(prompts[0], **kw)  # compile
+        times, r = [], None
+        for p in prompts[1:]:
+            del r
+            ms, r = _timed(eng, p, **kw)
+            times.append(ms)
+        out[order] = (statistics.median(times), r)
+    return out
+
+
+def prefill_part(args, cfg, params, result):
+    import jax
+
+    from strata_jax.engine import Engine, sha256_of
+
+    n = args.long
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.reps_prefill + 1)]
+    orders = ("one", "chunked", "layer-major")
+    hashes, resident_one = {}, None
+    arms = ["resident"] + [a for a in args.arms.split(",") if a != "resident"]
+    for arm in arms:
+        if arm == "jax-pinned-host":
+            if jax.devices()[0].platform != "gpu":
+                continue
+            base = PinnedHostBaseline(cfg, params, n)
+            base.prefill(prompts[0])
+            times, same = [], True
+            for p in prompts[1:]:
+                ms, logits, cache = base.prefill(p)
+                times.append(ms)
+            same = sha256_of(logits) == hashes.get(("one", len(prompts) - 1), (None,))[0]
+            ms = statistics.median(times)
+            row = {"part": "prefill", "arm": arm, "read": "one", "tokens": n, "ms": ms,
+                   "tok_per_s": n / ms * 1e3, "over_resident_one": ms / resident_one,
+                   "bytes_copied": cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers),
+                   "identical_logits": same}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del base
+            continue
+        sc = None if arm == "resident" else _stream(args, arm == "routed")
+        t0 = time.perf_counter()
+        with Engine(cfg, params, sc, max_context=n, chunk_size=None if arm == "resident" else n,
+                    sub_chunk=args.chunk) as eng:
+            made_s = time.perf_counter() - t0
+            reads = _reads(eng, prompts, args.chunk, orders)
+            for order, (ms, r) in reads.items():
+                if arm == "resident" and order == "one":
+                    resident_one = ms
+                h = _hashes(r)
+                if arm == "resident":
+                    hashes[(order, len(prompts) - 1)] = h
+                tot = r.totals()
+                row = {"part": "prefill", "arm": arm, "read": order, "tokens": n,
+                       "chunks": len(r.chunks), "chunk_size": r.chunk_size, "ms": ms,
+                       "tok_per_s": n / ms * 1e3, "over_resident_one": ms / resident_one,
+                       "bytes_copied": tot["bytes"], "copied": tot["copied"],
+                       "skipped": tot["skipped"], "unrouted": tot["unrouted"],
+                       "streamed": tot["streamed"],
+                       "identical_to_resident": h == hashes[(order, len(prompts) - 1)],
+                       "engine_s": made_s, "chunk_choice": r.chunk_choice}
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            del reads, r
+    result["identical"] = all(r.get("identical_to_resident", True) for r in result["rows"])
+
+
+def follow_up_part(args, cfg, params, result):
+    from strata_jax.engine import Engine
+
+    rng = np.random.default_rng(12)
+    t1, t2 = args.turn1, args.turn2
+    firsts = [rng.integers(0, cfg.vocab_size, t1) for _ in range(args.reps_prefill + 1)]
+    seconds = [rng.integers(0, cfg.vocab_size, t2) for _ in range(args.reps_prefill + 1)]
+    first_ms = None
+    for arm in ["resident"] + [a for a in args.arms.split(",") if a in ("routed", "stream-all")]:
+        sc = None if arm == "resident" else _stream(args, arm == "routed")
+        with Engine(cfg, params, sc, max_context=t1 + t2, chunk_size=args.chunk) as eng:
+            if arm == "resident":  # a first chunk of turn2 tokens
+                eng.prefill(seconds[0])
+                first_ms = statistics.median(_timed(eng, p)[0] for p in seconds[1:])
+            r1 = eng.prefill(firsts[0])
+            eng.prefill(seconds[0], r1.session)  # compile
+            times, r2 = [], None
+            for a, b in zip(firsts[1:], seconds[1:]):
+                r1 = eng.prefill(a)
+                ms, r2 = _timed(eng, b, r1.session)
+                times.append(ms)
+            ms = statistics.median(times)
+            tot = r2.totals()
+            row = {"part": "follow-up", "arm": arm, "turn1": t1, "turn2": t2, "ms": ms,
+                   "first_chunk_ms": first_ms, "over_first_chunk": ms / first_ms,
+                   "bytes_copied": tot["bytes"], "streamed": tot["streamed"],
+                   "copied": tot["copied"], "skipped": tot["skipped"],
+                   "unrouted": tot["unrouted"],
+                   "skipped_of_unrouted": tot["skipped"] / tot["unrouted"] if tot["unrouted"]
+                   else None, "summary": r2.summary()}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="attention,prefill,follow-up")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
+    ap.add_argument("--arms", default="routed,stream-all,jax-pinned-host")
+    ap.add_argument("--shapes", default="8192/8192,8192/24576,1800/18700")
+    ap.add_argument("--skip-blocked", action="store_true")
+    ap.add_argument("--long", type=int, default=32768)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--turn1", type=int, default=18700)
+    ap.add_argument("--turn2", type=int, default=1800)
+    ap.add_argument("--resident-gib", type=float, default=None,
+                    help="the streamed arms' resident budget (default: none resident)")
+    ap.add_argument("--ring-gib", type=float, default=8.0)
+    ap.add_argument("--reps", type=int, default=10, help="attention repetitions")
+    ap.add_argument("--reps-prefill", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"attention", "prefill", "follow-up"}
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}")
+
+    import jax
+
+    result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    if "attention" in parts:
+        attention_part(args, result)
+        save()
+    if "prefill" in parts or "follow-up" in parts:
+        cfg = model_config(args.preset, args.layers, args.vocab,
+                           max(args.long, args.turn1 + args.turn2), tiny=args.tiny)
+        t0 = time.perf_counter()
+        params = fast_params(cfg, 0, 0.0)
+        print(f"params in {time.perf_counter() - t0:.1f}s; experts "
+              f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB",
+              flush=True)
+        result.update(layers=args.layers, preset=args.preset, resident_gib=args.resident_gib)
+        if "prefill" in parts:
+            prefill_part(args, cfg, params, result)
+            save()
+        if "follow-up" in parts:
+            follow_up_part(args, cfg, params, result)
+            save()
+    print(f"identity across arms: {result.get('identical', True)}")
+    return 0 if result.get("identical", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
