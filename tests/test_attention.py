@@ -107,8 +107,8 @@ def test_attention_bytes_fused_has_no_score_term():
 
 
 def _small(**kw):
-    return get_preset("qwen3-30b-a3b").scaled(n_experts=16, param_dtype="float32",
-                                              max_seq_len=1024, **kw)
+    kw = {"n_experts": 16, "param_dtype": "float32", "max_seq_len": 1024, **kw}
+    return get_preset("qwen3-30b-a3b").scaled(**kw)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,8 @@ def test_cudnn_parts_match_reference(dtype, start, layout):
     split = _chunk_over_cache("split", 256)(q, k, v, jnp.int32(start))
     err_fused = np.abs(np.asarray(got, np.float64) - ref).max()
     err_split = np.abs(np.asarray(split, np.float64) - ref).max()
-    assert err_fused <= 2 * err_split + 4 * float(np.finfo(dtype).eps), (err_fused, err_split)
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    assert err_fused <= 2 * err_split + 4 * eps, (err_fused, err_split)
 
 
 @pytest.mark.gpu

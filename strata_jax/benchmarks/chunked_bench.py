@@ -196,7 +196,8 @@ def follow_up_part(args, cfg, params, result):
     first_ms = None
     for arm in ["resident"] + [a for a in args.arms.split(",") if a in ("routed", "stream-all")]:
         sc = None if arm == "resident" else _stream(args, arm == "routed")
-        with Engine(cfg, params, sc, max_context=t1 + t2, chunk_size=args.chunk) as eng:
+        # The engine's own chunk (chunk_size=None): the first turn in as few chunks as fit.
+        with Engine(cfg, params, sc, max_context=t1 + t2, chunk_size=None) as eng:
             if arm == "resident":  # a first chunk of turn2 tokens
                 eng.prefill(seconds[0])
                 first_ms = statistics.median(_timed(eng, p)[0] for p in seconds[1:])
@@ -215,7 +216,7 @@ def follow_up_part(args, cfg, params, result):
                    "copied": tot["copied"], "skipped": tot["skipped"],
                    "unrouted": tot["unrouted"],
                    "skipped_of_unrouted": tot["skipped"] / tot["unrouted"] if tot["unrouted"]
-                   else None, "summary": r2.summary()}
+                   else None, "chunk_choice": eng.chunk_choice, "summary": r2.summary()}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
 
