@@ -191,10 +191,11 @@ def test_cudnn_parts_are_fused_calls():
 
 @pytest.mark.gpu
 def test_cudnn_chunked_model_matches_reference():
-    # bf16 model, few experts and top-k = E/2 (routing near-ties that bf16 could flip are rare),
-    # chunked at the BOUNDS offsets on the default (cuDNN) path, against the float64 reference
-    # on the same bf16-rounded weights.
-    c = _small(n_experts=8, top_k=4, param_dtype="bfloat16")
+    # bf16 model with head_dim 64, every token routed to all 4 experts (top-k = E: no routing
+    # choice that bf16 rounding could flip), chunked at the BOUNDS offsets on the default
+    # (cuDNN) path, against the float64 reference on the same bf16-rounded weights.
+    c = _small(n_experts=4, top_k=4, param_dtype="bfloat16", hidden_size=256)
+    c = c.replace(head_dim=64, n_heads=8, n_kv_heads=2)
     params = init_synthetic(c, 3)
     model = M.build_model(c, params)
     assert A.attention_path(c.dtype, c.head_dim, c.n_heads, 64, 512, first=False) == "cudnn"

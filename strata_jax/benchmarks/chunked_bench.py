@@ -128,7 +128,7 @@ def _reads(eng, prompts, chunk: int, orders):
     return out
 
 
-def prefill_part(args, cfg, params, result):
+def prefill_part(args, cfg, params, result, save=lambda: None):
     import jax
 
     from strata_jax.engine import Engine, sha256_of
@@ -136,7 +136,6 @@ def prefill_part(args, cfg, params, result):
     n = args.long
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.reps_prefill + 1)]
-    orders = ("one", "chunked", "layer-major")
     hashes, resident_one = {}, None
     arms = ["resident"] + [a for a in args.arms.split(",") if a != "resident"]
     for arm in arms:
@@ -158,8 +157,10 @@ def prefill_part(args, cfg, params, result):
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             del base
+            save()
             continue
         sc = None if arm == "resident" else _stream(args, arm == "routed")
+        orders = (args.resident_orders if arm == "resident" else args.orders).split(",")
         t0 = time.perf_counter()
         with Engine(cfg, params, sc, max_context=n, chunk_size=None if arm == "resident" else n,
                     sub_chunk=args.chunk) as eng:
@@ -178,12 +179,16 @@ def prefill_part(args, cfg, params, result):
                        "bytes_copied": tot["bytes"], "copied": tot["copied"],
                        "skipped": tot["skipped"], "unrouted": tot["unrouted"],
                        "streamed": tot["streamed"],
-                       "identical_to_resident": h == hashes[(order, len(prompts) - 1)],
+                       "identical_to_resident": (h == hashes[(order, len(prompts) - 1)]
+                                                 if (order, len(prompts) - 1) in hashes
+                                                 else None),
                        "engine_s": made_s, "chunk_choice": r.chunk_choice}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             del reads, r
-    result["identical"] = all(r.get("identical_to_resident", True) for r in result["rows"])
+        save()  # after each arm: keep what finished if a later arm runs out of time
+    result["identical"] = all(r.get("identical_to_resident") is not False
+                              for r in result["rows"])
 
 
 def follow_up_part(args, cfg, params, result):
@@ -231,6 +236,11 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="routed,stream-all,jax-pinned-host")
     ap.add_argument("--shapes", default="8192/8192,8192/24576,1800/18700")
     ap.add_argument("--skip-blocked", action="store_true")
+    ap.add_argument("--orders", default="one,chunked,layer-major",
+                    help="the streamed arms' reads: one chunk, --chunk chunks, layer-major")
+    ap.add_argument("--resident-orders", default="one,chunked,layer-major",
+                    help="the resident arm's reads (a streamed read is checked against the "
+                         "resident read of the same order where there is one)")
     ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--turn1", type=int, default=18700)
@@ -270,7 +280,7 @@ def main(argv=None) -> int:
               flush=True)
         result.update(layers=args.layers, preset=args.preset, resident_gib=args.resident_gib)
         if "prefill" in parts:
-            prefill_part(args, cfg, params, result)
+            prefill_part(args, cfg, params, result, save)
             save()
         if "follow-up" in parts:
             follow_up_part(args, cfg, params, result)
