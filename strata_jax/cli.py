@@ -191,8 +191,9 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                         "the routed-only floor is set to 1 unless --stream-floor is given)")
     g.add_argument("--depth", type=_depth, default=depth_default, metavar="N",
                    help="copies queued ahead of the link with --routed on (1..256)")
-    g.add_argument("--chunk", type=_positive_int, default=1024, metavar="N",
-                   help="tokens per prefill chunk")
+    g.add_argument("--chunk", type=_positive_int, default=None, metavar="N",
+                   help="tokens per prefill chunk (default: the engine chooses the largest "
+                        "that fits the device's free memory; the JSON's chunk_choice says how)")
     g.add_argument("--stream-floor", type=_positive_int, metavar="N",
                    help="chunks shorter than N tokens use routed-only fetch: wait for the "
                         "routing, copy only routed experts (default: 1024 with --routed on)")
@@ -891,7 +892,7 @@ def cmd_prefill(args, log: _Log) -> int:
     if not args.json:
         print(model.describe())
         print(f"arm {_arm(args)}" + (f" (depth {args.depth})" if _arm(args) == "routed" else "")
-              + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk}, "
+              + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk or 'auto'}, "
               f"order {args.order}")
         if args.profile:
             print(f"profile {args.profile}: stream order hottest first"
