@@ -209,7 +209,7 @@ def cudnn_part(q, k, v, *, kv_len=None, causal: bool = False):
 
     Returns (out [T, N, D] in q.dtype, lse [T, N] float32). Raises what cuDNN raises for inputs
     it does not take (the caller falls back to an exact path)."""
-    t, n, d = q.shape
+    t, _, d = q.shape
     seq = None if kv_len is None else (jnp.full((1,), t, jnp.int32),
                                        jnp.reshape(kv_len, (1,)).astype(jnp.int32))
     try:  # float32 statistics; the public wrapper below rounds them to q's dtype

@@ -7,7 +7,7 @@ grouped matmuls, and Hugging Face's conventions written out directly.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -61,6 +61,22 @@ def _attention(c: ModelConfig, p, prefix, x):
         s = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
     return out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
+
+
+def reference_attention(q, k, v, positions) -> np.ndarray:
+    """float64 GQA attention of queries q [T, N, D] at `positions` over keys k/v [S, KVH, D]
+    0..position (keys past the last query are never read, whatever they hold)."""
+    seen = int(np.max(positions)) + 1
+    q, k, v = (_f64(a) for a in (q, k[:seen], v[:seen]))
+    t, n, d = q.shape
+    g = n // k.shape[1]
+    out = np.zeros((t, n, d))
+    for h in range(n):
+        scores = q[:, h] @ k[:, h // g].T / np.sqrt(d)  # [T, S]
+        scores[np.arange(k.shape[0])[None, :] > np.asarray(positions)[:, None]] = -np.inf
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g]
+    return out
 
 
 def _swiglu(x, gate, up, down):

@@ -10,6 +10,8 @@ never count).
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -19,27 +21,12 @@ import pytest
 from strata_jax import attention as A
 from strata_jax import model as M
 from strata_jax.config import get_preset
-from strata_jax.reference import reference_forward
+from strata_jax.reference import reference_attention, reference_forward
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import assert_close
 
 OFFSETS = (0, 13, 127, 128, 129, 300)
 LAYOUTS = ((8, 2, 16), (4, 4, 32), (16, 1, 64))  # (query heads, KV heads, head_dim)
-
-
-def reference_attention(q, k, v, positions):
-    """float64 GQA attention of queries at `positions` over keys 0..position."""
-    seen = int(np.max(positions)) + 1  # keys past the last query never count (nor their NaNs)
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k[:seen], v[:seen]))
-    t, n, d = q.shape
-    g = n // k.shape[1]
-    out = np.zeros((t, n, d))
-    for h in range(n):
-        scores = q[:, h] @ k[:, h // g].T / np.sqrt(d)  # [T, S]
-        scores[np.arange(k.shape[0])[None, :] > np.asarray(positions)[:, None]] = -np.inf
-        p = np.exp(scores - scores.max(axis=1, keepdims=True))
-        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g]
-    return out
 
 
 def _inputs(dtype, start, n, kvh, d, t=50, s=512, seed=0):
@@ -133,7 +120,7 @@ def test_chunked_prompt_and_follow_up_match_reference(qwen_small, path, monkeypa
     # A fresh jit per path: the attention path is chosen when a program is traced.
     first = jax.jit(lambda t, k: model(t, k, 0))
     later = jax.jit(lambda t, k, s: model(t, k, s))
-    for lo, hi in zip(BOUNDS, BOUNDS[1:]):
+    for lo, hi in itertools.pairwise(BOUNDS):
         if lo == 0:
             logits, cache, _ = first(jnp.asarray(toks[lo:hi]), cache)
         else:
@@ -202,6 +189,6 @@ def test_cudnn_chunked_model_matches_reference():
     toks = np.random.default_rng(6).integers(0, c.vocab_size, BOUNDS[-1]).astype(np.int32)
     ref, _ = reference_forward(c, params, toks)
     cache = M.init_cache(c, 512)
-    for lo, hi in zip(BOUNDS, BOUNDS[1:]):
+    for lo, hi in itertools.pairwise(BOUNDS):
         logits, cache, _ = M.forward(model, toks[lo:hi], cache, lo)
         assert_close(logits, ref[lo:hi], ml_dtypes.bfloat16, err_msg=f"positions {lo}..{hi - 1}")

@@ -13,7 +13,7 @@ from strata_jax import model as M
 from strata_jax.config import PRESETS, get_preset
 from strata_jax.experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_blobs,
                                 pack_expert_blobs_np, unpack_expert_blobs, unpack_expert_blobs_np)
-from strata_jax.reference import reference_forward
+from strata_jax.reference import reference_attention, reference_forward
 from strata_jax.synthetic import init_synthetic, split_experts
 from strata_jax.testing import assert_close
 
@@ -225,20 +225,6 @@ def test_einsum_attention_matches_xla(monkeypatch):
     assert_close(second_e, second, np.float32)
 
 
-def _attention_reference(q, k, v, positions):
-    """float64 NumPy GQA attention of queries at `positions` over keys 0..position."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    t, n, d = q.shape
-    g = n // k.shape[1]
-    out = np.zeros((t, n, d))
-    for h in range(n):
-        scores = q[:, h] @ k[:, h // g].T / np.sqrt(d)  # [T, S]
-        scores[np.arange(k.shape[0])[None, :] > np.asarray(positions)[:, None]] = -np.inf
-        p = np.exp(scores - scores.max(axis=1, keepdims=True))
-        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g]
-    return out
-
-
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("start,block", [(0, 16), (200, 64), (457, 512), (440, 96), (300, 500)])
 def test_blocked_attention_matches_reference(dtype, start, block):
@@ -254,7 +240,7 @@ def test_blocked_attention_matches_reference(dtype, start, block):
     positions = np.arange(start, start + t, dtype=np.int32)
     got = jax.jit(M.blocked_attention, static_argnums=4)(q, k, v, positions, block)
     assert got.dtype == np.dtype(dtype)
-    assert_close(got, _attention_reference(q, k, v, positions), dtype)
+    assert_close(got, reference_attention(q, k, v, positions), dtype)
 
 
 def test_attention_path_is_chosen_by_dtype_size_platform_and_env(monkeypatch):
