@@ -624,3 +624,26 @@ def test_packing_progress(bf16_params):
         assert eng.streamer is not None
     n = len(BF16.moe_layers)
     assert seen == [(i, n) for i in range(1, n + 1)]
+
+
+def test_engine_chooses_its_chunk_and_reports_it(f32_params):
+    # chunk_size=None: the largest chunk that fits (here max_context), said in the results; a
+    # call may read in smaller chunks; a memory limit too small for any chunk takes the smallest.
+    eng = Engine(F32, f32_params, None, max_context=96)
+    assert eng.chunk_size == 96 and eng.capacity == 192
+    assert eng.chunk_choice.startswith("auto: 96 tokens") and "available host RAM" in eng.chunk_choice
+    toks = _tokens(50)
+    r = eng.prefill(toks)
+    assert (len(r.chunks), r.chunk_size, r.chunk_choice) == (1, 96, eng.chunk_choice)
+    assert r.to_dict()["chunk_size"] == 96 and "1 chunk of 96" in r.summary()
+    small = eng.prefill(toks, chunk_size=16)
+    assert [c.length for c in small.chunks] == [16, 16, 16, 2] and small.chunk_size == 16
+    assert "4 chunks of 16" in small.summary()
+    assert_close(small.logits, r.logits, np.float32)
+    with pytest.raises(ValueError, match=r"chunk_size=97: a call's chunks must be 1\.\.96"):
+        eng.prefill(toks, chunk_size=97)
+    tight = Engine(F32, f32_params, None, max_context=96, layer_major_limit_bytes=1)
+    assert tight.chunk_size == 16 and "the smallest chunk" in tight.chunk_choice
+    for bad in (0, -4, 2.5, "abc", True):
+        with pytest.raises(ValueError, match="chunk_size=.*positive int, or None"):
+            Engine(F32, f32_params, None, max_context=96, chunk_size=bad)
