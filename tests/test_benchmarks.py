@@ -11,6 +11,7 @@ import pytest
 from strata_jax.benchmarks import plot, stream_bench
 
 
+@pytest.mark.slow
 def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40,100", "--parts",
@@ -77,6 +78,7 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
     # The last MoE layer in pieces (a 40-token chunk's bucket is at least 40).
     (["--layout", "packed", "--tail-pieces", "3", "--tail-from", "40"], "packed", 3),
 ])
+@pytest.mark.slow
 def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout, pieces):
     # The streamed arms' ring layout (StreamConfig.layout): each row records the one its chunk
     # used, and every arm hashes equal to the resident one.
@@ -94,6 +96,7 @@ def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout
     assert all(r["tail_pieces"] == pieces for r in rows)
 
 
+@pytest.mark.slow
 def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
     # The CPU backend keeps no device timing; a stand-in one (chunk 2 ms, copies 1.5 ms) checks
     # the rows built from it: the time outside the device chunk is each call's time less 2 ms.
@@ -139,6 +142,7 @@ def test_schedule_repeats_order_and_pairs_stay_in_their_block():
         stream_bench.main(["--tiny", "--blocks", "0"])
 
 
+@pytest.mark.slow
 def test_dispatch_probe_runs_and_checks_its_results(tmp_path):
     from strata_jax.benchmarks import dispatch_probe
 
@@ -166,6 +170,7 @@ def test_stream_bench_refuses_unknown_parts(parts):
         stream_bench.main(["--tiny", "--parts", parts])
 
 
+@pytest.mark.slow
 def test_order_numerics_yardstick(capsys):
     # The layer-major yardstick runs end to end: with sub-chunks equal to the chunk, layer-major
     # equals chunk-major bit for bit on the CPU, and bf16 sits measurably off float32.
@@ -177,6 +182,7 @@ def test_order_numerics_yardstick(capsys):
     assert 0.0 < row["bf16_vs_float32"] < row["max_abs_logit"]
 
 
+@pytest.mark.slow
 def test_timeline_tiny_reads_back_the_trace(tmp_path, capsys):
     # On the CPU the profiler still records the Python thread and XLA's host threads: the
     # reduction must find the marked call, attribute its Python frames and write the raw events.
@@ -207,6 +213,7 @@ def test_timeline_tiny_reads_back_the_trace(tmp_path, capsys):
     assert "routed: wall" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_timeline_traces_a_prompt_of_several_chunks(tmp_path):
     from strata_jax.benchmarks import timeline
 
@@ -243,3 +250,29 @@ def test_timeline_summarize_splits_host_and_device():
     assert compute["busy_ms"] == 5 and compute["gaps"][0]["gap_us"] == 2000
     copy = s["streams"]["/device:GPU:0 Stream #2(MemcpyH2D)"]
     assert copy["busy_ms"] == 5 and copy["gaps"] == []
+
+
+@pytest.mark.slow
+def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
+    # The chunked-prompt benchmark end to end at tiny widths on the CPU: every arm reads the
+    # prompt in one chunk, in chunks and layer-major, each streamed read equal to the resident
+    # read of the same order; then a follow-up turn per arm.
+    from strata_jax.benchmarks import chunked_bench
+
+    out = tmp_path / "chunked.json"
+    rc = chunked_bench.main(["--tiny", "--layers", "2", "--parts", "prefill,follow-up",
+                             "--long", "256", "--chunk", "128", "--turn1", "150", "--turn2", "40",
+                             "--arms", "routed,stream-all", "--reps-prefill", "1",
+                             "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    reads = {(r["arm"], r["read"]): r for r in rows if r["part"] == "prefill"}
+    assert set(reads) == {(a, o) for a in ("resident", "routed", "stream-all")
+                          for o in ("one", "chunked", "layer-major")}
+    assert all(r["identical_to_resident"] is True for r in reads.values())
+    assert [reads[("routed", o)]["chunks"] for o in ("one", "chunked", "layer-major")] == [1, 2, 1]
+    assert reads[("resident", "one")]["chunk_choice"].startswith("auto: 256 tokens")
+    follow = [r for r in rows if r["part"] == "follow-up"]
+    assert [r["arm"] for r in follow] == ["resident", "routed", "stream-all"]
+    assert all(r["over_first_chunk"] > 0 and "150 reused + 40 read" in r["summary"]
+               for r in follow)

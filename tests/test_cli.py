@@ -362,6 +362,7 @@ def test_checkpoint_reads_like_the_preset_it_was_written_from(tmp_path):
         from_preset["logits_sha256"], from_preset["kv_sha256"])
 
 
+@pytest.mark.slow
 def test_as_a_program():
     """`python -m strata_jax`: one JSON object on stdout; bad input exits 2 with one line."""
     def program(*argv):

@@ -31,6 +31,7 @@ def test_committed_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
+@pytest.mark.slow
 def test_quickstart_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",

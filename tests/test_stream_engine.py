@@ -34,12 +34,21 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-@pytest.fixture(scope="module", params=[0.0, 2.0], ids=["uniform", "skewed"])
-def routing(request):
-    params = init_synthetic(CFG, seed=3, routing_skew=request.param)
+@functools.cache
+def _resident_reference(skew: float):
+    """(skew, params, logits hash, KV hash) of the resident engine on TOKENS."""
+    params = init_synthetic(CFG, seed=3, routing_skew=skew)
     eng = Engine(CFG, params, None, max_context=256, chunk_size=CHUNK)
     r = eng.prefill(TOKENS)
-    return request.param, params, sha256_of(r.logits), r.session.kv_sha256()
+    return skew, params, sha256_of(r.logits), r.session.kv_sha256()
+
+
+SKEWS = {"uniform": 0.0, "skewed": 2.0}
+
+
+@pytest.fixture(scope="module", params=sorted(SKEWS, reverse=True))
+def routing(request):
+    return _resident_reference(SKEWS[request.param])
 
 
 ARMS = {
@@ -86,9 +95,20 @@ ARMS = {
 }
 
 
-@pytest.mark.parametrize("arm", sorted(ARMS))
-def test_arms_are_byte_identical(routing, arm):
-    skew, params, logits_hash, kv_hash = routing
+def _arm_cases():
+    """Every arm under both routings; by default each arm under one of them (alternating, so
+    both routings meet frames, packed, pieces and the floor), the rest marked slow."""
+    cases = []
+    for i, arm in enumerate(sorted(ARMS)):
+        for j, name in enumerate(sorted(SKEWS, reverse=True)):
+            marks = () if (i + j) % 2 == 0 else (pytest.mark.slow,)
+            cases.append(pytest.param(name, arm, id=f"{name}-{arm}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("routing_name, arm", _arm_cases())
+def test_arms_are_byte_identical(routing_name, arm):
+    skew, params, logits_hash, kv_hash = _resident_reference(SKEWS[routing_name])
     kwargs, chunk = ARMS[arm]
     with Engine(CFG, params, StreamConfig(**kwargs), max_context=256, chunk_size=chunk) as eng:
         # The second prefill's first chunk, its program compiled by the first, is prestarted
@@ -575,6 +595,7 @@ def test_measure_link_refuses_a_store_without_a_pinned_arena():
         native.measure_h2d_from(4096, 2**20, reps=0)
 
 
+@pytest.mark.slow
 def test_interrupt_with_chunks_queued_never_hangs():
     # The caller raises (here from `progress`, as Ctrl-C would) after the first chunk is queued
     # and while later ones are queued behind it (sync_chunks=False). The engine used to abort
@@ -630,6 +651,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_a_forked_child_gets_a_clear_error_and_never_hangs():
     # After os.fork() the child has a copy of the engine but not its threads (issuer, simulated
     # link). A prefill there used to wait forever, and destroying the copy (the finalizer at the
@@ -810,6 +832,7 @@ def test_plan_stream_needs_no_native_library_and_no_device(monkeypatch):
         plan_stream(CFG, StreamConfig(ring=0))
 
 
+@pytest.mark.slow
 def test_plan_stream_imports_without_the_native_library():
     """A fresh interpreter where strata_jax._native cannot be imported still plans."""
     import subprocess
