@@ -96,6 +96,7 @@ def test_every_arm_gives_the_same_bytes(arms):
     assert len(hashes) == 1, {k: d["logits_sha256"][:12] for k, d in arms.items()}
 
 
+@pytest.mark.slow
 def test_last_layer_in_pieces_gives_the_same_bytes(arms):
     # --tail-pieces/--tail-from: the last MoE layer's expert math in row pieces, each after a
     # fetch that waits only for its own experts (StreamConfig.tail_pieces).
@@ -233,6 +234,7 @@ def test_info_says_why_the_link_was_not_measured():
     assert rc == 0 and "native library:" in out and "link: not measured" in out
 
 
+@pytest.mark.slow
 def test_demo_is_the_default_command():
     rc, out, err = run(["--scale", "tiny", "--tokens", "64", "--chunk", "32", "-q"])
     assert rc == 0, err

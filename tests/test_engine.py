@@ -178,7 +178,7 @@ def test_prefill_under_a_callers_host_to_device_transfer_guard(f32_engine):
     assert second.tokens == 55
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_info_memory_places_the_stats_not_the_result(bf16_params, monkeypatch, stream):
     # Each call's info (end_chunk's stats and the router counts) lands in pinned host memory by
     # default; kept in device memory (the path before) every stat, count and hash is the same.
@@ -342,6 +342,7 @@ def test_streamed_engine_accepts_its_own_device(bf16_params):
         assert eng.prefill(_tokens(20, config=BF16)).totals()["streamed"] > 0
 
 
+@pytest.mark.slow
 def test_devices_of_a_two_device_host():
     """With two CPU devices: the resident arm runs on the second when asked, and a streamed
     engine (its ring on the first) refuses the second."""
@@ -546,7 +547,8 @@ def test_resident_budgets_are_checked(bf16_params, monkeypatch):
         Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=16.0, **CPU), max_context=64)
 
 
-@pytest.mark.parametrize("order", ["chunk-major", "layer-major"])
+@pytest.mark.parametrize("order", ["chunk-major",
+                                   pytest.param("layer-major", marks=pytest.mark.slow)])
 def test_fault_mid_prefill_leaves_session_and_engine_intact(bf16_params, order):
     a, b = _tokens(40, seed=1, config=BF16), _tokens(50, seed=2, config=BF16)
     with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=16, **SLOW),

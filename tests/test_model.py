@@ -85,7 +85,8 @@ def test_bfloat16_matches_reference():
     assert_close(logits, reference_forward(c, params, toks)[0], ml_dtypes.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b",
+                                  pytest.param("deepseek-v3", marks=pytest.mark.slow)])
 def test_chunked_prefill_equals_one_shot(name):
     # Within float32 tolerance, not bitwise: the first chunk attends to its own keys (S = T) while
     # later chunks reduce over the whole cache capacity with a mask, a different reduction order.
@@ -436,7 +437,8 @@ def test_padding_reads_no_unrouted_expert():
                  resident, poisoned)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("name", [pytest.param("qwen3-30b-a3b", marks=pytest.mark.slow),
+                                  "deepseek-v3"])
 def test_layer_major_equals_chunked(name):
     # Every layer over the whole prompt in sub-chunks of 8 against three chunks of 8 run layer by
     # layer inside each chunk: the same per-sub-chunk math in another order. Measured on CPU:

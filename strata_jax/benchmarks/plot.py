@@ -1,7 +1,7 @@
 """Plots from a stream_bench JSON: time against prompt length per arm, and one request's per-layer
 copied / skipped experts.
 
-    python -m strata_jax.benchmarks.plot docs/results/stream_sweep_h200.json --out docs/results
+    python -m strata_jax.benchmarks.plot docs/results/stream_sweep_1k4k8k_s11_pieces_h200.json --out /tmp/plots
 """
 
 from __future__ import annotations
