@@ -310,6 +310,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
         assert w in lines[0], (w, lines[0])
 
 
+@pytest.mark.slow
 def test_no_stream_runs_on_the_backend_device(arms):
     """--no-stream --backend cpu|cuda picks the resident arm's device (no JAX_PLATFORMS)."""
     import jax

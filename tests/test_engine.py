@@ -178,7 +178,8 @@ def test_prefill_under_a_callers_host_to_device_transfer_guard(f32_engine):
     assert second.tokens == 55
 
 
-@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
 def test_info_memory_places_the_stats_not_the_result(bf16_params, monkeypatch, stream):
     # Each call's info (end_chunk's stats and the router counts) lands in pinned host memory by
     # default; kept in device memory (the path before) every stat, count and hash is the same.

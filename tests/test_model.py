@@ -293,7 +293,9 @@ def test_blocked_attention_in_chunked_prefill(monkeypatch):
         assert_close(a, b, np.float32)
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", [n if n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b")
+                                  else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(PRESETS)])
 def test_eval_shape_full_size(name):
     c = get_preset(name)
     shapes = M.param_shapes(c)
@@ -393,7 +395,8 @@ def test_build_model_with_separate_experts_keeps_shared_expert_weights():
 
 
 # DeepSeek: a dense layer and group-limited sigmoid routing; Qwen3-Next: a gated shared expert.
-@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-next-80b-a3b"])
+@pytest.mark.parametrize("name", ["deepseek-v3",
+                                  pytest.param("qwen3-next-80b-a3b", marks=pytest.mark.slow)])
 def test_padding_changes_no_real_output(name):
     # 13 real tokens padded to 16: whatever the padding holds, the real rows' logits, the real KV
     # positions and the routing counts are the same bits, and match the unpadded chunk within

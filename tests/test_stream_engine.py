@@ -98,13 +98,13 @@ ARMS = {
 
 
 # The default run's arms, one routing each: both layouts, the layout chosen per chunk, the
-# tail pieces, residents, the floor, a jittery link, depth 1 and a one-layer ring. Every arm
+# tail pieces, residents, the floor, a jittery link and depth 1. Every arm
 # under both routings runs in the slow run.
 DEFAULT_ARMS = {("uniform", "stream-all"), ("skewed", "routed-d1-ring3layers"),
                 ("uniform", "routed-only-below-floor"), ("skewed", "resident-half"),
                 ("skewed", "packed-routed-d2-ring3layers-jittery"),
                 ("uniform", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery"),
-                ("skewed", "pieces-routed-d2-frames"), ("uniform", "routed-d16-ring1layer")}
+                ("skewed", "pieces-routed-d2-frames")}
 
 
 def _arm_cases():
