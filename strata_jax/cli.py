@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -300,8 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=textwrap.dedent("""\
             --json prints one object on stdout with: tokens, reused, read, prompt_ms,
             experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256, kv_sha256,
-            per_layer, order, chunks, mode, plus arm, backend, model, compilations, and
-            follow_up (the same keys for the second turn) with --follow-up."""))
+            per_layer, order, chunks, mode, plus arm, backend, model, compilations, depth (the
+            routed stream's, as it ran: after STRATA_PREFILL_ROUTED_STREAM_DEPTH and the clamp
+            to 1..256; null when the routed switch is off), and follow_up (the same keys for the second turn)
+            with --follow-up."""))
     _model_options(pre, required=True)
     _prompt_options(pre, tokens_default=1024, follow_up=True)
     _stream_options(pre)
@@ -380,17 +383,11 @@ class _Log:
 
 
 def _host_memory() -> tuple[int | None, int | None]:
-    """(total, available) bytes of host RAM from /proc/meminfo, or None where unknown."""
-    found = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    found[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return found.get("MemTotal"), found.get("MemAvailable")
+    """(total, available) bytes of host RAM from /proc/meminfo, or None where unknown
+    (engine.host_memory, the engine's own reader)."""
+    from .engine import host_memory
+
+    return host_memory()
 
 
 def _gib(nbytes: float) -> str:
@@ -744,6 +741,13 @@ def _check_budget(args, model: _Model, backend: str) -> None:
                             or args.profile):
         raise UsageError("--no-stream keeps every expert resident; --resident-gib, "
                          "--resident-per-layer and --profile apply to a streamed run")
+    _check_stream_budget(args, cfg, "gpu" if backend == "cuda" else "cpu")
+
+
+def _check_stream_budget(args, cfg, platform: str) -> None:
+    """--ring-gib, --resident-per-layer and --resident-gib as `prefill`, `profile` and `info`
+    all refuse them; a resident budget is checked against the memory of the `platform` device
+    ("gpu" or "cpu": host RAM, the cpu backend's simulated device)."""
     if args.ring_gib <= 0:
         raise UsageError(f"--ring-gib {args.ring_gib}: the ring needs a positive budget")
     if args.resident_per_layer is not None and args.resident_per_layer > cfg.n_experts:
@@ -752,10 +756,74 @@ def _check_budget(args, model: _Model, backend: str) -> None:
     if args.resident_gib is not None:
         if args.resident_gib < 0:
             raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
-        limit, what = _device_memory("gpu" if backend == "cuda" else "cpu")
+        limit, what = _device_memory(platform)
         if limit is not None and args.resident_gib * 2**30 > limit:
             raise UsageError(f"--resident-gib {args.resident_gib} is more than the device has "
                              f"({_gib(limit)} of {what}); use a smaller budget")
+
+
+def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
+                sub_chunk: int | None, backend: str, stream) -> None:
+    """UsageError when the prefill cannot fit the memory of the device it will run on: its
+    two KV caches and the activations of its smallest chunk (engine.chunk_memory, the
+    estimate an Engine chooses its chunk by; `chunk`, else the smallest an automatic choice
+    can take), `n_tokens` token ids and the weights that device holds. Checked before any
+    weights exist or anything is allocated; arithmetic only.
+
+    The device: the GPU (`backend` "cuda": its memory limit, none of this run's yet; the
+    weights there are the dense ones and the residents, or every one with `stream` None;
+    the ring is the native engine's own allocation, outside that limit) or the CPU (available
+    host RAM; the weights there are all of them, and a streamed run's simulated ring).
+    """
+    from .engine import TOKEN_ID_BYTES, chunk_candidates, chunk_memory
+    from .model import param_shapes
+    from .stream import plan_stream
+
+    cfg = model.config
+    platform = "gpu" if backend == "cuda" else "cpu"
+    if platform == "gpu":
+        have, what = _device_memory("gpu")
+    else:
+        have, what = _host_memory()[1], "host RAM"
+    if have is None:
+        return
+
+    def nbytes(**kw) -> int:
+        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                   for s in param_shapes(cfg, **kw).values())
+
+    weights = nbytes()
+    if stream is not None:
+        try:
+            plan = plan_stream(cfg, stream, check_ring_budget=False)
+        except ValueError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
+        weights = (nbytes(resident_experts=False) + plan.resident_bytes if platform == "gpu"
+                   else weights + plan.ring_bytes)
+
+    def need(context: int) -> tuple[int, int, int, int, int]:
+        """(bytes in all, activations, KV caches, their capacity, chunk) for `context`."""
+        c = chunk or chunk_candidates(context)[-1]
+        act, kv, cap = chunk_memory(cfg, c, context, sub_chunk, platform=platform,
+                                    streamed=stream is not None)
+        ids = TOKEN_ID_BYTES * n_tokens * context // max_context  # fewer tokens in less
+        return weights + act + kv + ids, act, kv, cap, c
+
+    total, act, kv, cap, c = need(max_context)
+    if total <= have:
+        return
+    lo, hi = 0, max_context  # the most positions that fit: lo fits (0 trivially), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid)[0] <= have else (lo, mid)
+    way = (f"use fewer tokens or a smaller --max-context (about {lo} positions fit)" if lo else
+           "not one position fits beside the weights; use a smaller model"
+           + (" or fewer resident experts" if stream is not None and platform == "gpu" else ""))
+    raise UsageError(
+        f"this prefill needs about {_gib(total)} of {what} and {_gib(have)} is available: "
+        f"KV cache {_gib(kv)} (2 copies of {cap} positions: a context of {max_context} and "
+        f"a chunk's slack), activations of a {c}-token chunk {_gib(act)}, token ids "
+        f"{_gib(n_tokens * TOKEN_ID_BYTES)}, weights {_gib(weights)}; {way}")
 
 
 def _load_profile(path: str | None, config):
@@ -769,7 +837,10 @@ def _load_profile(path: str | None, config):
     try:
         return ExpertProfile.load(path, config=config)
     except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"profile {path!r}: {str(e).splitlines()[0]}") from None
+        message = str(e).splitlines()[0]
+        if message.startswith(f"{path}: "):  # load's messages name the file: name it once
+            message = message[len(path) + 2:]
+        raise UsageError(f"profile {path!r}: {message}") from None
 
 
 def _stream_config(args, backend: str, profile):
@@ -800,6 +871,22 @@ def _stream_config(args, backend: str, profile):
                         ring_budget_gib=args.ring_gib, sim_bandwidth=args.sim_bandwidth * 1e9,
                         sim_latency=args.sim_latency * 1e-6, trace=True if args.trace else None,
                         **kw)
+
+
+def _routed_depth(stream) -> int | None:
+    """The depth the routed stream will run with (StreamConfig.resolved(): after
+    STRATA_PREFILL_ROUTED_STREAM(_DEPTH) and the clamp to 1..256); None when nothing streams or
+    the routed switch is off. The engine warns about a clamp once it is made; this look-ahead
+    stays quiet."""
+    if stream is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            resolved = stream.resolved()
+        except ValueError as e:  # a bad environment override: as the engine would report it
+            raise UsageError(str(e).splitlines()[0]) from None
+    return int(resolved.depth) if resolved.routed else None
 
 
 def _arm(args) -> str:
@@ -879,19 +966,24 @@ def _layer_table(d: dict, moe_layers: Sequence[int]) -> str:
 def cmd_prefill(args, log: _Log) -> int:
     model = _Model(args)
     model.require()
-    (tokens, prompt_text), = _read_prompts(args, model, many=False)
-    needed = int(tokens.size) + args.follow_up
+    # A prompt file is read now; a random prompt is drawn once the plan is known to fit.
+    files = _read_prompts(args, model, many=False) if args.prompt_file else None
+    needed = (int(files[0][0].size) if files else args.tokens) + args.follow_up
     what = ("the prompt and the follow-up need" if args.follow_up else "the prompt needs")
     max_context = _context(args, model, needed, what)
     backend, device = _backends(args)
     _check_budget(args, model, backend)
     profile = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, profile)
+    depth = _routed_depth(stream)  # what runs, not --depth: the environment overrides it
     model.check_host_memory()
+    _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
+                sub_chunk=args.sub_chunk, backend=backend, stream=stream)
+    (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
 
     if not args.json:
         print(model.describe())
-        print(f"arm {_arm(args)}" + (f" (depth {args.depth})" if _arm(args) == "routed" else "")
+        print(f"arm {_arm(args)}" + (f" (depth {depth})" if depth is not None else "")
               + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk or 'auto'}, "
               f"order {args.order}")
         if args.profile:
@@ -911,7 +1003,10 @@ def cmd_prefill(args, log: _Log) -> int:
             out["follow_up"] = _jsonable(follow.to_dict())
         out.update(arm=_arm(args), backend=backend if args.stream else "resident",
                    model=model.summary(), profile=args.profile,
-                   compilations=int(engine.compilations))
+                   compilations=int(engine.compilations),
+                   depth=(int(engine.streamer.stream.depth)
+                          if engine.streamer is not None and engine.streamer.stream.routed
+                          else None))
 
     if args.json:
         print(json.dumps(out, sort_keys=True))
@@ -943,9 +1038,10 @@ def cmd_profile(args, log: _Log) -> int:
 
     model = _Model(args)
     model.require()
-    prompts = _read_prompts(args, model, many=True)
-    needed = max(int(t.size) for t, _ in prompts)
-    max_context = _context(args, model, needed, "the longest prompt needs")
+    # Prompt files are read now; random prompts are drawn once the plan is known to fit.
+    prompts = _read_prompts(args, model, many=True) if args.prompt_file else None
+    sizes = [int(t.size) for t, _ in prompts] if prompts else [args.tokens] * args.prompts
+    max_context = _context(args, model, max(sizes), "the longest prompt needs")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: the directory {out_dir!r} does not exist")
@@ -954,6 +1050,9 @@ def cmd_profile(args, log: _Log) -> int:
     base = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, base)
     model.check_host_memory()
+    _check_plan(model, max_context=max_context, n_tokens=sum(sizes), chunk=args.chunk,
+                sub_chunk=args.sub_chunk, backend=backend, stream=stream)
+    prompts = prompts or _read_prompts(args, model, many=True)
 
     if not args.json:
         print(model.describe(), flush=True)
@@ -996,6 +1095,30 @@ def cmd_profile(args, log: _Log) -> int:
 # ---- info ---------------------------------------------------------------------------------------
 
 
+def _streamed_note(config, plan, extra: int, ring_streaming: int) -> str | None:
+    """Why a streamed plan takes `extra` > 0 bytes more than every expert resident, or None.
+
+    A streamed engine reads every MoE layer from a ring frame of all n_experts slots, its
+    resident experts copied in (stream.plan_stream), so the ring is a real cost on top of the
+    residents: once they hold nearly every expert, the streamed plan passes the all-resident
+    one. `ring_streaming`: the ring's bytes while something streams (the plan with no
+    residents), from which the most residents per layer that stay within it follow.
+    """
+    if extra <= 0:
+        return None
+    E, n_moe = config.n_experts, len(config.moe_layers)
+    per = max((len(plan.resident[l]) for l in config.moe_layers), default=0)
+    frames = max(1, ring_streaming // max(E * plan.blob_bytes, 1))
+    # n_moe * keep + frames * E <= n_moe * E experts: the residents and ring within all of them.
+    keep = max(0, E * (n_moe - frames) // n_moe) if n_moe else 0
+    way = (f"keep at most {keep} per layer resident" if keep else "stream every expert")
+    return (f"the streamed plan takes {_size(extra)} more than every expert resident: a "
+            f"streamed engine reads each layer from a ring frame of all {E} of its experts, "
+            f"its residents copied in, so the ring ({_size(plan.ring_bytes)}) comes on top of "
+            f"{per} of {E} experts per layer resident; --no-stream (every expert resident) "
+            f"needs less, or {way} to stay within it")
+
+
 def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
                 resident_per_layer: int | None = None, ring_gib: float = 4.0,
                 device_bytes: int | None = None) -> dict:
@@ -1007,7 +1130,9 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     layer frames (a layer's experts each) when `ring_gib` allows and at least one. A ring budget
     below one frame, which an engine refuses, is reported here as `ring_fits_budget: False`
     with a one-frame ring. Activations and compiler workspace are not
-    counted.
+    counted. The ring is whole layer frames (residents copied in) whatever the residents, so
+    with nearly every expert resident the streamed plan takes more than every expert
+    resident; `streamed_note` then says so and why (else it is None).
 
     Raises:
         ValueError: what plan_stream refuses (a negative budget, more residents per layer than
@@ -1048,6 +1173,7 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         "ring_fits_budget": plan.ring_fits_budget,
         "device_bytes_streamed": streamed_plan,
         "device_bytes_all_resident": resident_all,
+        "streamed_note": _streamed_note(config, plan, streamed_plan - resident_all, ring_none),
         "device_memory": device_bytes,
         "host_store_bytes": config.expert_bytes_total,
     }
@@ -1106,14 +1232,8 @@ def cmd_info(args, log: _Log) -> int:
         if max_context > cfg.max_seq_len:
             raise UsageError(f"--max-context {max_context} passes the model's maximum context "
                              f"({cfg.max_seq_len}); use at most {cfg.max_seq_len}")
-        if args.ring_gib <= 0:
-            raise UsageError(f"--ring-gib {args.ring_gib}: the ring needs a positive budget")
-        if args.resident_gib is not None and args.resident_gib < 0:
-            raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
-        if args.resident_per_layer is not None and args.resident_per_layer > cfg.n_experts:
-            raise UsageError(f"--resident-per-layer {args.resident_per_layer} exceeds the "
-                             f"{cfg.n_experts} experts of a layer; use 0..{cfg.n_experts}")
         platform = "gpu" if has_gpu else "cpu"
+        _check_stream_budget(args, cfg, platform)  # what prefill refuses, in its words
         device_bytes, device_what = _device_memory(platform)
         try:
             plan = memory_plan(cfg, max_context=max_context, resident_gib=args.resident_gib,
@@ -1157,6 +1277,8 @@ def cmd_info(args, log: _Log) -> int:
         print(f"  on the device: {_size(p['device_bytes_streamed'])} streamed, "
               f"{_size(p['device_bytes_all_resident'])} with every expert resident "
               "(activations not counted)")
+        if p["streamed_note"]:
+            print(f"  note: {p['streamed_note']}")
         if dev is not None:
             print(f"  {p['device']}: {_size(dev)}: streamed plan "
                   f"{'fits' if p['fits_streamed'] else 'does NOT fit'}; all resident "
@@ -1184,6 +1306,9 @@ def cmd_demo(args, log: _Log) -> int:
     max_context = _context(args, model, args.tokens, "the prompt needs")
     backend = _resolve_backend(args.backend)
     model.check_host_memory()
+    # The resident arm's plan: every weight on the device (the arms run one at a time).
+    _check_plan(model, max_context=max_context, n_tokens=args.tokens, chunk=args.chunk,
+                sub_chunk=None, backend=backend, stream=None)
     cfg = model.config
     skew = SKEW_40_PERCENT_512_TOP10 if args.skew is None else args.skew
     tokens = random_prompt(cfg.vocab_size, args.tokens, args.seed, 10)
@@ -1201,6 +1326,7 @@ def cmd_demo(args, log: _Log) -> int:
         "routed": StreamConfig(routed=True, depth=args.depth, **link),
     }
     hashes = {}
+    print("each arm's first prefill; its time includes compiling the chunk programs:", flush=True)
     with log.bar(desc="arms", total=len(arms)) as bar:
         for name, sc in arms.items():
             with Engine(cfg, params, sc, max_context=max_context, chunk_size=args.chunk,
@@ -1208,6 +1334,14 @@ def cmd_demo(args, log: _Log) -> int:
                 r = eng.prefill(tokens)
                 hashes[name] = (sha256_of(r.logits), sha256_of(r.session.cache))
                 bar.write(f"{name:>10}: {r.summary()}", file=sys.stdout)
+                # Routed-only chunks (below stream_floor) wait for the routing: no blind window.
+                if name == "routed" and any(c.stats is not None and c.stats.mode == "stream"
+                                            for c in r.chunks):
+                    bar.write(f"{'':>10}  (skips depend on timing: an unrouted expert is skipped "
+                              "only when its layer's routing reaches the issuer before the walk "
+                              "has queued its copy; the copies queued before that, up to --depth "
+                              f"{args.depth} ahead of the link plus those it has landed, are the "
+                              "blind window)", file=sys.stdout)
                 bar.update(1)
     same = len(set(hashes.values())) == 1
     print(f"logits {hashes['resident'][0][:16]}..., kv {hashes['resident'][1][:16]}...: "
@@ -1232,7 +1366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     log = _Log(getattr(args, "quiet", False))
     try:
-        return _COMMANDS[args.command](args, log)
+        with warnings.catch_warnings():
+            if log.quiet:  # -q: the library's warnings too (errors still print below)
+                warnings.simplefilter("ignore")
+            return _COMMANDS[args.command](args, log)
     except UsageError as e:
         print(f"{PROG} {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

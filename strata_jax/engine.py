@@ -100,6 +100,65 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
 
 
+# Activation estimates leave this factor of headroom for XLA's own temporaries.
+CHUNK_HEADROOM = 2.0
+# Host and device bytes per prompt token: the caller's int64 ids, validate_inputs' int32 copy
+# and the chunks' int32 ids (`Engine._chunk_ids`, staged with a streamed engine's stream).
+TOKEN_ID_BYTES = 16
+
+
+def kv_cache_bytes(config: ModelConfig, capacity: int) -> int:
+    """Bytes of one KV cache (keys and values of every layer) of `capacity` positions."""
+    c = config
+    return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
+
+
+def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,
+                platform: str = "cpu", streamed: bool = False) -> int:
+    """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
+    `capacity` positions on a `platform` device (`Engine.chunk_bytes`, which says what is
+    counted); `streamed` adds one layer's expert weights (the packed ring's outputs)."""
+    c = config
+    it = np.dtype(c.dtype).itemsize
+    qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
+    path = attention_path(c.dtype, c.head_dim, c.n_heads, chunk, capacity, first=first,
+                          platform=platform)
+    keys = chunk if first else capacity
+    attention = attention_bytes(path, it, c.n_heads, chunk, keys, c.head_dim)
+    hidden = 4 * chunk * c.hidden_size * it
+    router = chunk * (c.n_experts * 8 + c.top_k * 8)
+    rows = chunk * c.top_k
+    experts = rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
+    fetched = c.n_experts * c.expert_bytes if streamed else 0
+    return int(qkv + attention + hidden + router + experts + fetched)
+
+
+def chunk_candidates(max_context: int) -> list[int]:
+    """The chunk sizes an automatic choice tries, largest first: max_context, then the powers
+    of two below it down to MIN_BUCKET (the last is the smallest chunk an engine can pick)."""
+    out = [int(max_context)]
+    b = 1 << max(max_context - 1, 1).bit_length()
+    while b > MIN_BUCKET:
+        b //= 2
+        if b < max_context:
+            out.append(b)
+    return out
+
+
+def chunk_memory(config: ModelConfig, chunk: int, max_context: int,
+                 sub_chunk: int | None = None, *, platform: str = "cpu",
+                 streamed: bool = False, headroom: float = CHUNK_HEADROOM) -> tuple[int, int, int]:
+    """(activations, KV caches, capacity) of a prefill in chunks of `chunk` tokens: what
+    `Engine._choose_chunk` compares with the memory it has. Activations: `headroom` x the
+    larger `chunk_bytes` of a first and a later chunk; KV caches: two of the capacity (a
+    session's and the one a chunk writes), max_context + max(chunk, sub_chunk) positions."""
+    capacity = int(max_context) + max(int(chunk), int(sub_chunk or chunk))
+    kw = {"platform": platform, "streamed": streamed}
+    activations = headroom * max(chunk_bytes(config, chunk, capacity, **kw),
+                                 chunk_bytes(config, chunk, capacity, first=True, **kw))
+    return int(activations), 2 * kv_cache_bytes(config, capacity), capacity
+
+
 @dataclasses.dataclass(frozen=True)
 class Session:
     """What a follow-up turn needs: the KV cache and how many positions it holds.
@@ -385,6 +444,7 @@ class Engine:
         self._prefill_lock = threading.Lock()
         self._prefill_thread: int | None = None
         self._profile = ExpertProfile.empty(config)
+        self._closed = False
 
     # -- chunk size ------------------------------------------------------------------------------
 
@@ -399,9 +459,7 @@ class Engine:
 
     def kv_cache_bytes(self, capacity: int | None = None) -> int:
         """Bytes of one KV cache of `capacity` positions (default the engine's)."""
-        c = self.config
-        capacity = self.capacity if capacity is None else capacity
-        return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
+        return kv_cache_bytes(self.config, self.capacity if capacity is None else capacity)
 
     def chunk_bytes(self, chunk: int, capacity: int | None = None, *, first: bool = False) -> int:
         """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
@@ -410,41 +468,28 @@ class Engine:
         attention on the path it runs (`attention.attention_bytes`), the router's logits and
         routing, and the experts' sorted inputs and outputs ([T*k, H]) with their gate/up
         activations ([T*k, I], float32 and the parameter dtype). A streamed engine's fetch adds
-        one layer's expert weights (the packed ring's outputs)."""
-        c = self.config
-        it = np.dtype(c.dtype).itemsize
-        capacity = self.capacity if capacity is None else capacity
-        qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
-        path = attention_path(c.dtype, c.head_dim, c.n_heads, chunk, capacity, first=first,
-                              platform=self.device.platform)
-        keys = chunk if first else capacity
-        attention = attention_bytes(path, it, c.n_heads, chunk, keys, c.head_dim)
-        hidden = 4 * chunk * c.hidden_size * it
-        router = chunk * (c.n_experts * 8 + c.top_k * 8)
-        rows = chunk * c.top_k
-        experts = rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
-        fetched = c.n_experts * c.expert_bytes if self.streamer is not None else 0
-        return int(qkv + attention + hidden + router + experts + fetched)
+        one layer's expert weights (the packed ring's outputs). The module's `chunk_bytes`,
+        which the CLI checks a plan with before an engine exists."""
+        return chunk_bytes(self.config, chunk, self.capacity if capacity is None else capacity,
+                           first=first, platform=self.device.platform,
+                           streamed=self.streamer is not None)
 
-    # Activation estimates leave this factor of headroom for XLA's own temporaries.
-    CHUNK_HEADROOM = 2.0
+    # Activation estimates leave this factor of headroom for XLA's own temporaries (the
+    # module's CHUNK_HEADROOM).
+    CHUNK_HEADROOM = CHUNK_HEADROOM
 
     def _choose_chunk(self) -> tuple[int, str]:
         """The largest chunk (max_context, else a power of two below it, at least 16) whose
         activations (CHUNK_HEADROOM x `chunk_bytes`, a later chunk's) and two KV caches of the
         resulting capacity (a session's and the one a chunk writes) fit `memory_available`."""
         have, what = self.memory_available()
-        candidates = [self.max_context]
-        b = 1 << max(self.max_context - 1, 1).bit_length()
-        while b > MIN_BUCKET:
-            b //= 2
-            if b < self.max_context:
-                candidates.append(b)
+        candidates = chunk_candidates(self.max_context)
         for chunk in candidates:
-            capacity = self.max_context + max(chunk, self._sub_chunk_arg or chunk)
-            need = (self.CHUNK_HEADROOM * max(self.chunk_bytes(chunk, capacity),
-                                              self.chunk_bytes(chunk, capacity, first=True))
-                    + 2 * self.kv_cache_bytes(capacity))
+            activations, kv, _ = chunk_memory(
+                self.config, chunk, self.max_context, self._sub_chunk_arg,
+                platform=self.device.platform, streamed=self.streamer is not None,
+                headroom=self.CHUNK_HEADROOM)
+            need = activations + kv
             if need <= have:
                 return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of "
                                f"activations and KV cache within {have / 2**30:.2f} GiB "
@@ -672,7 +717,8 @@ class Engine:
             ValueError: bad token ids, an empty prompt, a prompt past the maximum context, a
                 session from another engine or model, or an unknown order.
             LayerMajorMemoryError: order "layer-major!" and its memory estimate does not fit.
-            RuntimeError: called from inside this engine's own prefill (its `progress`).
+            RuntimeError: called from inside this engine's own prefill (its `progress`), or
+                after `close()`.
             ValueError: chunk_size outside 1..the engine's chunk_size.
 
         An engine reads one prompt at a time: a prefill called from another thread meanwhile
@@ -728,8 +774,8 @@ class Engine:
                 "fit. Shorten the prompt, start a new session, or make the Engine with a larger "
                 "max_context.")
         arr = validate_inputs(self.config, tokens, self.max_context, start)
-        if self.streamer is not None and self.streamer.closed:
-            raise RuntimeError("the engine's stream was closed; make a new Engine")
+        if self.closed:
+            raise RuntimeError("Engine.prefill: the engine was closed; make a new Engine")
         if self.streamer is not None:
             self.streamer.check_process()
 
@@ -831,8 +877,16 @@ class Engine:
         return result
 
     def close(self) -> None:
+        """Ends the engine, resident or streamed (a streamed one's threads and host store go):
+        a later `prefill` raises RuntimeError. Idempotent; `with Engine(...)` closes on exit."""
+        self._closed = True
         if self.streamer is not None:
             self.streamer.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran (or the stream it streams through was closed)."""
+        return self._closed or (self.streamer is not None and self.streamer.closed)
 
     def __enter__(self):
         return self
@@ -895,15 +949,26 @@ def _check_stream_device(device: jax.Device, platform: str, backend: str) -> Non
             f"{'cuda' if device.platform == 'gpu' else 'cpu'!r}) for the {device.platform}")
 
 
-def _host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo, else free physical pages."""
+def host_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of host RAM from /proc/meminfo (MemTotal, MemAvailable), each
+    None where unknown. The one reader of /proc/meminfo (the engine's and the CLI's)."""
+    found = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    found[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
+    return found.get("MemTotal"), found.get("MemAvailable")
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo, else free physical pages."""
+    available = host_memory()[1]
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -235,8 +236,21 @@ class ExpertProfile:
                 or (with `config`) a profile recorded on another model.
         """
         path = os.fspath(path)
+        written_by = "written by `strata-jax profile` or ExpertProfile.save"
         try:
-            with np.load(path, allow_pickle=False) as z:
+            z = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+            # np.load's own message (e.g. "contains pickled data ... allow_pickle") is about
+            # numpy files in general, not about what this file should be.
+            raise ValueError(f"{path}: not an expert profile {written_by} (not an .npz "
+                             "archive)") from None
+        if not hasattr(z, "files"):  # a single .npy array
+            raise ValueError(f"{path}: not an expert profile {written_by} (a .npy array, not "
+                             "an .npz archive)")
+        try:
+            with z:
                 names = set(z.files)
                 if not {"counts", "meta"} <= names:
                     raise ValueError(f"{path}: not an expert profile (arrays {sorted(names)}; "
@@ -246,11 +260,11 @@ class ExpertProfile:
         except ValueError as e:
             if "expert profile" in str(e):
                 raise
-            raise ValueError(f"{path}: not an expert profile ({e})") from None
-        except (OSError, EOFError) as e:
-            if isinstance(e, FileNotFoundError):
-                raise
-            raise ValueError(f"{path}: not an expert profile .npz file ({e})") from None
+            raise ValueError(f"{path}: not an expert profile {written_by} ('counts' or 'meta' "
+                             "is not a plain array)") from None
+        except (OSError, EOFError, zipfile.BadZipFile):
+            raise ValueError(f"{path}: not an expert profile {written_by} (a damaged .npz "
+                             "archive)") from None
         if meta_arr.shape != () or meta_arr.dtype.kind != "U":
             raise ValueError(f"{path}: 'meta' must be a 0-d string holding JSON")
         try:

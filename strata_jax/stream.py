@@ -176,6 +176,7 @@ class StreamConfig:
 
     def resolved(self) -> "StreamConfig":
         """Applies the environment overrides and clamps; warns on clamping."""
+        _check_int_fields(self)
         routed, depth, trace = self.routed, self.depth, self.trace
         env = os.environ.get(_ENV_ROUTED)
         if env is not None and env.strip() != "":
@@ -227,6 +228,31 @@ class StreamConfig:
             raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
         return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace),
                                    publish=publish)
+
+
+# StreamConfig's integer fields and what each takes (the ValueError's wording).
+_INT_FIELDS = {
+    "depth": f"an integer {DEPTH_MIN}..{DEPTH_MAX}",
+    "ring": "an integer (ring slots) or None",
+    "frames_from": "an integer >= 1 (tokens)",
+    "tail_pieces": "an integer >= 1",
+    "tail_from": "an integer >= 1 (tokens)",
+    "stream_floor": "an integer >= 1 (tokens)",
+    "resident_per_layer": "an integer >= 0",
+    "seed": "an integer",
+    "device": "an integer (a CUDA device ordinal)",
+}
+
+
+def _check_int_fields(sc: StreamConfig) -> None:
+    """A ValueError naming the option for an integer field given anything else (a str, a float,
+    a bool), instead of int()'s or a comparison's bare message."""
+    for name, expected in _INT_FIELDS.items():
+        value = getattr(sc, name)
+        if value is None and name == "ring":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name}={value!r}: expected {expected}")
 
 
 @dataclasses.dataclass
@@ -379,6 +405,7 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     blob_bytes = int(blob_bytes)
     if blob_bytes < 1:
         raise ValueError(f"blob_bytes={blob_bytes}: an expert takes at least one byte")
+    _check_int_fields(sc)
     if sc.resident_per_layer < 0:
         raise ValueError(f"resident_per_layer={sc.resident_per_layer}: must be >= 0")
 

@@ -226,6 +226,22 @@ def test_timeline_traces_a_prompt_of_several_chunks(tmp_path):
         timeline.main(["--tiny", "--tokens", "64", "--chunk", "65", "--out", str(out)])
 
 
+def test_timeline_removes_the_profilers_folder(tmp_path, monkeypatch):
+    # Each traced call wrote a strata-trace-* folder into the temp directory and left it there.
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from strata_jax.benchmarks import timeline
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    ms, events = timeline._trace_one(lambda: jnp.arange(8) + 1, python=False)
+    assert ms > 0 and any(e[2] == timeline.MARK for e in events)
+    assert list(scratch.iterdir()) == []
+
+
 def test_timeline_summarize_splits_host_and_device():
     # A hand-made trace: the call 0..10 ms, device work 2..9 ms on two streams, copies end at
     # 7 ms; the compute stream idles 3..5 ms.

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -88,6 +89,40 @@ def test_routed_off_skips_nothing_and_routed_on_skips(arms):
     assert arms["stream-all"]["copied"] == arms["stream-all"]["experts_streamed"]
     assert arms["routed"]["skipped"] > 0
     assert arms["routed"]["skipped"] <= arms["routed"]["unrouted"]
+
+
+def test_depth_reported_is_the_one_that_runs(arms, monkeypatch):
+    assert (arms["routed"]["depth"], arms["stream-all"]["depth"], arms["resident"]["depth"]) == (
+        16, None, None)  # --depth's default; no depth where the routed switch is off
+    # The environment overrides --depth and is clamped: the header and the JSON say what the
+    # engine runs (256), not --depth (16), and only -q silences the engine's warning.
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "100000")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, out, err = run(["prefill", *MODEL, *PROMPT])
+    assert rc == 0, err
+    assert "arm routed (depth 256)," in out
+    assert any("using 256" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        d = run_json(["prefill", *MODEL, *PROMPT])  # with -q
+    assert d["depth"] == 256
+    assert [str(w.message) for w in caught] == []
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "abc")  # -q keeps errors
+    rc, out, err = run(["prefill", *MODEL, *PROMPT, "-q"])
+    assert (rc, out) == (2, "")
+    assert err.strip() == ("strata-jax prefill: error: STRATA_PREFILL_ROUTED_STREAM_DEPTH='abc': "
+                           "expected an integer 1..256")
+
+
+def test_garbage_profile_is_one_line_naming_the_file_once(tmp_path):
+    bad = tmp_path / "prof.txt"
+    bad.write_bytes(b"\x00garbage" + np.random.default_rng(0).bytes(300))
+    rc, out, err = run(["prefill", *MODEL, "--profile", str(bad), "-q"])
+    assert (rc, out) == (2, "")
+    assert err.strip().splitlines() == [
+        f"strata-jax prefill: error: profile {str(bad)!r}: not an expert profile written by "
+        "`strata-jax profile` or ExpertProfile.save (not an .npz archive)"]
 
 
 def test_every_arm_gives_the_same_bytes(arms):
@@ -243,6 +278,26 @@ def test_demo_is_the_default_command():
     assert "identical in every arm" in out
 
 
+@pytest.mark.slow
+def test_demo_says_what_its_numbers_depend_on():
+    # A chunk of stream_floor (1024) tokens streams, so the routed arm's skips depend on when
+    # each layer's routing lands; each arm's one call includes its compilation.
+    rc, out, err = run(["demo", "--scale", "tiny", "--experts", "32", "--top-k", "2",
+                        "--skew", "2.0", "--tokens", "1024", "--chunk", "1024", "-q"])
+    assert rc == 0, err
+    lines = out.splitlines()
+    times = lines.index("each arm's first prefill; its time includes compiling the chunk "
+                        "programs:")
+    assert lines[times + 1].startswith("  resident: 1024 tokens")
+    routed = next(i for i, line in enumerate(lines) if line.startswith("    routed: "))
+    assert "unrouted" in lines[routed]
+    assert lines[routed + 1] == (
+        " " * 12 + "(skips depend on timing: an unrouted expert is skipped only when its layer's "
+        "routing reaches the issuer before the walk has queued its copy; the copies queued "
+        "before that, up to --depth 4 ahead of the link plus those it has landed, are the blind "
+        "window)")
+
+
 def test_every_prefill_option_is_documented():
     prefill = cli.build_parser()._subparsers._group_actions[0].choices["prefill"]
     help_text = prefill.format_help()
@@ -308,6 +363,141 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
     assert "Traceback" not in err and "error" in lines[0]
     for w in words:
         assert w in lines[0], (w, lines[0])
+
+
+GIB = 2**30
+TINY = ["--preset", "qwen3-30b-a3b", "--scale", "tiny"]  # grows max_seq_len to fit --tokens
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails a test that draws a prompt, makes weights or builds an engine."""
+    import strata_jax.engine
+    import strata_jax.synthetic
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work done before the plan was checked")
+
+    monkeypatch.setattr(cli, "random_prompt", forbidden)
+    monkeypatch.setattr(strata_jax.synthetic, "init_synthetic", forbidden)
+    monkeypatch.setattr(strata_jax.engine.Engine, "__init__", forbidden)
+
+
+@pytest.mark.parametrize("argv", [
+    ["prefill", *TINY, "--tokens", "100000000"],
+    ["prefill", *TINY, "--tokens", "1000000000", "--no-stream"],
+    ["prefill", *TINY, "--tokens", "1000", "--max-context", "100000000"],
+    ["profile", *TINY, "--prompts", "2", "--tokens", "100000000", "--out", "{tmp}/p.prof"],
+    ["demo", "--scale", "tiny", "--tokens", "100000000"],
+], ids=["prefill", "prefill-no-stream", "max-context", "profile", "demo"])
+def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_path):
+    """A KV cache (scaled presets grow max_seq_len to fit the prompt) past the device's memory:
+    one line with the figures and the way out, in well under a second, before any work (a
+    24 GiB host, as where `--tokens 100000000` was killed after 29 s)."""
+    import time
+
+    import strata_jax.engine
+
+    monkeypatch.setattr(strata_jax.engine, "host_memory", lambda: (24 * GIB, 23 * GIB),
+                        raising=False)
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    run(["prefill", *TINY, "--tokens", "8", "--max-context", "100000000"])  # imports, warm
+    t0 = time.perf_counter()
+    rc, out, err = run(argv)
+    elapsed = time.perf_counter() - t0
+    assert rc == 2 and out == "", err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, lines
+    assert lines[0].startswith(f"strata-jax {argv[0]}: error: this prefill needs about ")
+    for words in ("KV cache", "GiB of host RAM and 23.00 GiB is available",
+                  "use fewer tokens or a smaller --max-context", "positions fit"):
+        assert words in lines[0], (words, lines[0])
+    assert elapsed < 1.0, elapsed
+
+
+def test_the_plan_check_uses_the_engines_estimates(monkeypatch):
+    """The refusal's KV cache and activations are the engine's (engine.chunk_memory); the
+    positions it says fit pass the check, one more does not."""
+    import re
+
+    import strata_jax.engine as E
+
+    cfg = cli.model_config("qwen3-30b-a3b", "tiny", max_seq_len=10**8)
+    act, kv, cap = E.chunk_memory(cfg, 16, 10**8, platform="cpu", streamed=True)
+    assert cap == 10**8 + 16
+    assert kv == 2 * E.kv_cache_bytes(cfg, cap) == 2 * (
+        2 * cfg.n_layers * cap * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize)
+    monkeypatch.setattr(E, "host_memory", lambda: (24 * GIB, 23 * GIB))
+    rc, _, err = run(["prefill", *TINY, "--tokens", "100000000"])
+    assert rc == 2
+    assert f"KV cache {kv / GIB:.2f} GiB (2 copies of {cap} positions" in err
+    assert f"activations of a 16-token chunk {act / GIB:.2f} GiB" in err
+    fit = int(re.search(r"about (\d+) positions fit", err).group(1))
+    assert 10**6 < fit < 10**8
+
+    checked = []
+    monkeypatch.setattr(cli, "random_prompt", lambda *a: checked.append(a[1]) or 1 / 0)
+    for n, ok in ((fit, True), (fit + 1, False)):
+        args = cli.build_parser().parse_args(["prefill", *TINY, "--tokens", str(n), "-q"])
+        with pytest.raises((cli.UsageError, ZeroDivisionError)) as e:
+            cli.cmd_prefill(args, cli._Log(True))  # ZeroDivisionError: past the check
+        assert (e.type is ZeroDivisionError) == ok, (n, e.value)
+    assert checked == [fit]  # the prompt is drawn only once the plan fits
+
+
+# info refuses the budgets prefill refuses, with prefill's message.
+INFO_BAD = {
+    "budget past the device": ["--resident-gib", "1e9"],
+    "negative budget": ["--resident-gib", "-1"],
+    "too many residents": ["--resident-per-layer", "33"],
+    "no ring": ["--ring-gib", "0"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(INFO_BAD))
+def test_info_refuses_what_prefill_refuses(case):
+    rc, out, err = run(["info", *MODEL, *INFO_BAD[case], "--no-measure"])
+    assert rc == 2 and out == "", err
+    rc2, out2, err2 = run(["prefill", *MODEL, *INFO_BAD[case]])
+    assert rc2 == 2 and out2 == "", err2
+    info_line, = err.strip().splitlines()
+    prefill_line, = err2.strip().splitlines()
+    assert info_line.startswith("strata-jax info: error: ")
+    assert info_line.removeprefix("strata-jax info: ") == \
+        prefill_line.removeprefix("strata-jax prefill: ")
+
+
+def test_info_says_why_streaming_can_take_more_than_every_expert_resident():
+    """The ring is whole layer frames, residents copied in, whatever the residents: with every
+    expert resident the streamed plan takes one frame more than the resident one. info keeps
+    that cost and says why, and how many residents stay within the all-resident total."""
+    import re
+
+    d = run_json(["info", "--preset", "qwen3-next-80b-a3b", "--resident-per-layer", "512",
+                  "--no-measure"])["plan"]
+    assert d["device_bytes_streamed"] == d["device_bytes_all_resident"] + d["ring_bytes"]
+    note = d["streamed_note"]
+    assert "more than every expert resident" in note and "ring frame of all 512" in note
+    assert "--no-stream" in note
+    rc, out, _ = run(["info", "--preset", "qwen3-next-80b-a3b", "--resident-per-layer", "512",
+                      "--no-measure"])
+    assert rc == 0 and f"  note: {note}" in out.splitlines()
+
+    from strata_jax.config import get_preset
+
+    for name in ("qwen3-next-80b-a3b", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b"):
+        cfg = get_preset(name)
+
+        def plan(r, cfg=cfg):
+            return cli.memory_plan(cfg, max_context=4096, resident_per_layer=r)
+
+        everything = plan(cfg.n_experts)["streamed_note"]
+        said = re.search(r"keep at most (\d+) per layer", everything)
+        keep = int(said.group(1)) if said else 0  # "stream every expert": none
+        for r in {0, keep, keep + 1, cfg.n_experts}:
+            p = plan(r)
+            over = p["device_bytes_streamed"] > p["device_bytes_all_resident"]
+            assert over == (r > keep) == (p["streamed_note"] is not None), (name, r)
 
 
 @pytest.mark.slow

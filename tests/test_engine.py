@@ -525,6 +525,26 @@ def test_bad_orders_and_options(f32_engine, f32_params):
         Engine(F32, f32_params, None, sub_chunk=0)
 
 
+@pytest.mark.parametrize("stream", [None, StreamConfig(**CPU)], ids=["resident", "streamed"])
+def test_closed_engine_refuses_prefill_resident_or_streamed(bf16_params, stream):
+    # One behaviour for both: close() ends the engine, twice is fine, `with` closes it.
+    closed = "Engine.prefill: the engine was closed; make a new Engine"
+    tokens = _tokens(8, config=BF16)
+    eng = Engine(BF16, bf16_params, stream, max_context=64, chunk_size=16)
+    assert not eng.closed
+    eng.prefill(tokens)
+    eng.close()
+    eng.close()
+    assert eng.closed
+    with pytest.raises(RuntimeError, match=closed):
+        eng.prefill(tokens)
+    with Engine(BF16, bf16_params, stream, max_context=64, chunk_size=16) as eng:
+        eng.prefill(tokens)
+    assert eng.closed
+    with pytest.raises(RuntimeError, match=closed):
+        eng.prefill(tokens)
+
+
 def test_profile_of_another_model_is_refused(bf16_params):
     other = ExpertProfile.empty(BF16.replace(name="other", n_experts=32))
     with pytest.raises(ValueError, match=r"\(3, 32\).*needs \(3, 16\).*another model"):

@@ -31,12 +31,24 @@ def test_committed_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
-@pytest.mark.slow
-def test_quickstart_runs(tmp_path):
+def test_saves_its_profile_where_it_is_removed():
+    # tempfile.mkdtemp() left a folder with experts.npz in the temp directory on every run.
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    saving = [c.source for c in _code_cells(nb) if "experts.npz" in c.source]
+    assert len(saving) == 1
+    assert "mkdtemp" not in saving[0] and "tempfile.TemporaryDirectory()" in saving[0]
+
+
+@pytest.mark.slow
+def test_quickstart_runs(tmp_path, monkeypatch):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    scratch = tmp_path / "tmp"  # the kernel's temp directory: the notebook leaves nothing there
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    assert not list(scratch.rglob("experts.npz"))
     outputs = [o for cell in _code_cells(nb) for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")

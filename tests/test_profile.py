@@ -152,6 +152,29 @@ def test_load_refuses_files_that_are_not_profiles(tmp_path):
         ExpertProfile.load(tmp_path / "missing.npz")
 
 
+def test_files_numpy_cannot_read_say_what_a_profile_is(tmp_path):
+    # numpy's own message for these ("contains pickled (object) data ... allow_pickle=") sent
+    # the user toward unpickling a file that is simply not a profile.
+    expected = "not an expert profile written by `strata-jax profile` or ExpertProfile.save"
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_bytes(b"\x00\x01strata" + np.random.default_rng(0).bytes(300))
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    npy = tmp_path / "array.bin"
+    with open(npy, "wb") as f:
+        np.save(f, np.zeros(3))
+    damaged = tmp_path / "damaged.npz"
+    damaged.write_bytes(b"PK\x03\x04" + np.random.default_rng(1).bytes(100))
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, counts=np.array([{"a": 1}], dtype=object), meta=np.array("{}"))
+    for path in (garbage, text, npy, damaged, objects):
+        with pytest.raises(ValueError) as e:
+            ExpertProfile.load(path)
+        message = str(e.value)
+        assert message.startswith(f"{path}: {expected} ("), message
+        assert "pickle" not in message and "\n" not in message, message
+
+
 def test_bad_profile_values():
     with pytest.raises(ValueError, match="integers"):
         ExpertProfile(np.ones((3, 8)), model="m", top_k=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.experts import ExpertWeights
-from strata_jax.stream import StreamConfig
+from strata_jax.stream import StreamConfig, plan_stream
 from strata_jax.synthetic import init_synthetic
 
 CHUNK = 32
@@ -183,6 +184,28 @@ def test_depth_environment_is_clamped_with_warning(monkeypatch):
     monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "0")
     with pytest.warns(UserWarning, match="0 is outside 1..256; using 1"):
         StreamConfig().resolved()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("depth", "abc", "depth='abc': expected an integer 1..256"),
+    ("depth", 2.7, "depth=2.7: expected an integer 1..256"),  # not "outside 1..256; using 2"
+    ("depth", True, "depth=True: expected an integer 1..256"),
+    ("stream_floor", "64", "stream_floor='64': expected an integer >= 1"),
+    ("tail_pieces", 1.5, "tail_pieces=1.5: expected an integer >= 1"),
+    ("resident_per_layer", "4", "resident_per_layer='4': expected an integer >= 0"),
+    ("ring", "32", "ring='32': expected an integer (ring slots) or None"),
+    ("seed", "s", "seed='s': expected an integer"),
+    ("device", "0", "device='0': expected an integer"),
+])
+def test_integer_options_given_other_things_name_the_option(field, value, message):
+    # int()'s or a comparison's own message ("invalid literal for int() with base 10") said
+    # nothing of which option was wrong.
+    bad = StreamConfig(**{field: value})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bad.resolved()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan_stream(CFG, bad)
+    assert StreamConfig(depth=np.int64(8), ring=None).resolved().depth == 8  # numpy ints are fine
 
 
 def test_publish_mode_from_config_and_environment(monkeypatch):

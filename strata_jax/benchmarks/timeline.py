@@ -62,19 +62,21 @@ def _trace_one(fn, python: bool) -> tuple[float, list]:
     if not python and hasattr(jax.profiler, "ProfileOptions"):
         opts = jax.profiler.ProfileOptions()
         opts.python_tracer_level = 0
-    d = tempfile.mkdtemp(prefix="strata-trace-")
     kw = {"profiler_options": opts} if opts is not None else {}
-    with jax.profiler.trace(d, **kw):
-        t0 = time.perf_counter()
-        with jax.profiler.TraceAnnotation(MARK):
-            # Held past the mark: freeing the result (its device buffers) is not the call's time.
-            result = fn()
-        ms = (time.perf_counter() - t0) * 1e3
-    del result
-    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-    if not files:
-        raise RuntimeError(f"the profiler wrote no xplane.pb under {d}")
-    return ms, _events(files[0])
+    # The profiler's folder is read back here and removed: what is kept goes to --out.
+    with tempfile.TemporaryDirectory(prefix="strata-trace-") as d:
+        with jax.profiler.trace(d, **kw):
+            t0 = time.perf_counter()
+            with jax.profiler.TraceAnnotation(MARK):
+                # Held past the mark: freeing the result (its device buffers) is not the
+                # call's time.
+                result = fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        del result
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError("the profiler wrote no xplane.pb")
+        return ms, _events(files[0])
 
 
 def summarize(events, gap_us: float = 100.0, tail_ms: float = 8.0) -> dict:
