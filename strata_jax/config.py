@@ -245,8 +245,6 @@ class ModelConfig:
             param_dtype=param_dtype or self.param_dtype,
         )
 
-    scale_down = scaled
-
 
 # ---- presets ------------------------------------------------------------------------------------
 

@@ -844,12 +844,6 @@ class StreamEngine:
             raise ValueError(f"fault kind {kind!r}: expected one of {sorted(kinds)}")
         native.lib().strata_engine_inject_fault(self.id, layer, kinds[kind])
 
-    def last_native_stats(self) -> np.ndarray:
-        """int64 [n_layers, 4]: streamed, copied, skipped, bytes of the last chunk."""
-        out = np.zeros((self.config.n_layers, 4), np.int64)
-        native.lib().strata_engine_last_stats(self.id, out.ctypes.data, self.config.n_layers)
-        return out
-
     def device_timing(self) -> tuple[float, float, float, float] | None:
         """Device timing of the last finished chunk, in ms, or None.
 
@@ -994,10 +988,6 @@ def _destroy(engine_id: int, pinned: int | None, pid: int) -> None:
     lib.strata_engine_destroy(engine_id)
     if pinned:
         lib.strata_pinned_free(pinned)
-
-
-def _token() -> jax.Array:
-    return jnp.zeros((), jnp.int32)
 
 
 # The four calls are one primitive whose custom call carries has_side_effect in the HLO, so XLA

@@ -58,7 +58,7 @@ def test_scaled_keeps_structure(name):
         assert getattr(small, field) == getattr(full, field), field
     assert bool(small.n_dense_layers) == bool(full.n_dense_layers)
     assert bool(small.shared_expert_intermediate) == bool(full.shared_expert_intermediate)
-    assert small.moe_layers and small.scale_down == small.scaled  # alias
+    assert small.moe_layers
     assert small.expert_bytes < full.expert_bytes
 
 

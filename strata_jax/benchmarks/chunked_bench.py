@@ -41,16 +41,10 @@ from strata_jax.benchmarks.stream_bench import (
 
 
 def _median_ms(fn, *args, reps: int = 10, warm: int = 2) -> float:
-    import jax
+    """Median ms of `fn(*args)` after `warm` calls, synchronised (grouped_matmul_bench's)."""
+    from strata_jax.benchmarks.grouped_matmul_bench import _time
 
-    for _ in range(warm):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return _time(fn, args, warm, reps) * 1e3
 
 
 def attention_part(args, result):
