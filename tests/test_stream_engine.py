@@ -99,13 +99,11 @@ ARMS = {
 
 
 # The default run's arms, one routing each: both layouts, the layout chosen per chunk, the
-# tail pieces, residents, the floor, a jittery link and depth 1. Every arm
+# tail pieces, residents, a jittery link and depth 1 (the floor: test_engine). Every arm
 # under both routings runs in the slow run.
 DEFAULT_ARMS = {("uniform", "stream-all"), ("skewed", "routed-d1-ring3layers"),
-                ("uniform", "routed-only-below-floor"), ("skewed", "resident-half"),
-                ("skewed", "packed-routed-d2-ring3layers-jittery"),
-                ("uniform", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery"),
-                ("skewed", "pieces-routed-d2-frames")}
+                ("skewed", "resident-half"), ("skewed", "packed-routed-d2-ring3layers-jittery"),
+                ("uniform", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery")}
 
 
 def _arm_cases():
