@@ -278,6 +278,15 @@ def chunk_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, *, path: str)
 # ---- one chunk ----------------------------------------------------------------------------------
 
 
+def _masked(q, k, v, mask, path: str):
+    """The exact paths over keys k/v [S, KVH, D] where mask [T, S] allows: explicit einsums
+    ("einsum") or XLA's dot_product_attention (every other path that lands here)."""
+    if path == "einsum":
+        return einsum_attention(q, k, v, mask)
+    return jax.nn.dot_product_attention(
+        q[None], k[None], v[None], mask=mask[None, None], implementation="xla")[0]
+
+
 def attend_first(q, k, v, path: str):
     """A first chunk: q [T, N, D] over its own keys k/v [T, KVH, D], causally."""
     t = q.shape[0]
@@ -287,11 +296,7 @@ def attend_first(q, k, v, path: str):
                 q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
         except (NotImplementedError, ValueError, RuntimeError):
             pass  # this cuDNN build rejects the shape: the XLA path below is exact too.
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    if path == "einsum":
-        return einsum_attention(q, k, v, mask)
-    return jax.nn.dot_product_attention(
-        q[None], k[None], v[None], mask=mask[None, None], implementation="xla")[0]
+    return _masked(q, k, v, jnp.tril(jnp.ones((t, t), bool)), path)
 
 
 def attend_cached(q, k_chunk, v_chunk, cache_k, cache_v, start, positions, path: str):
@@ -299,20 +304,15 @@ def attend_cached(q, k_chunk, v_chunk, cache_k, cache_v, start, positions, path:
     already holds the chunk's own keys at start..start+T-1) on `path`."""
     if path in ("cudnn", "split"):
         kc, vc = k_chunk.astype(q.dtype), v_chunk.astype(q.dtype)
-        if path == "cudnn":
-            try:
-                return chunk_over_cache(q, kc, vc, cache_k, cache_v, start, path="cudnn")
-            except (NotImplementedError, ValueError, RuntimeError):
-                path = "xla"  # this cuDNN build rejects the shape: the exact XLA path below
-        else:
-            return chunk_over_cache(q, kc, vc, cache_k, cache_v, start, path="split")
+        try:
+            return chunk_over_cache(q, kc, vc, cache_k, cache_v, start, path=path)
+        except (NotImplementedError, ValueError, RuntimeError):
+            if path == "split":
+                raise
+            path = "xla"  # this cuDNN build rejects the shape: the exact XLA path below
     if path == "blocked":
         block = attention_key_block(q.shape[1], q.shape[0], cache_k.shape[0])
         return blocked_attention(q, cache_k, cache_v, positions, block)
     key_pos = jnp.arange(cache_k.shape[0], dtype=jnp.int32)  # [S]
     mask = key_pos[None, :] <= positions[:, None]  # [T, S]
-    k, v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
-    if path == "einsum":
-        return einsum_attention(q, k, v, mask)
-    return jax.nn.dot_product_attention(
-        q[None], k[None], v[None], mask=mask[None, None], implementation="xla")[0]
+    return _masked(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, path)

@@ -390,6 +390,14 @@ def _host_memory() -> tuple[int | None, int | None]:
     return host_memory()
 
 
+def _param_bytes(config, **kw) -> int:
+    """Bytes of the model's parameters (`model.param_shapes(config, **kw)`), from shapes only."""
+    from .model import param_shapes
+
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+               for s in param_shapes(config, **kw).values())
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
@@ -622,7 +630,7 @@ class _Model:
         from .model import param_shapes
 
         shapes = param_shapes(self.config).values()
-        need = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes)
+        need = _param_bytes(self.config)
         peak = max(int(np.prod(s.shape)) * 4 for s in shapes)  # one float32 draw at a time
         _, available = _host_memory()
         if available is not None and need + peak > 0.9 * available:
@@ -776,7 +784,6 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     host RAM; the weights there are all of them, and a streamed run's simulated ring).
     """
     from .engine import TOKEN_ID_BYTES, chunk_candidates, chunk_memory
-    from .model import param_shapes
     from .stream import plan_stream
 
     cfg = model.config
@@ -788,17 +795,14 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     if have is None:
         return
 
-    def nbytes(**kw) -> int:
-        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-                   for s in param_shapes(cfg, **kw).values())
-
-    weights = nbytes()
+    weights = _param_bytes(cfg)
     if stream is not None:
         try:
             plan = plan_stream(cfg, stream, check_ring_budget=False)
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
-        weights = (nbytes(resident_experts=False) + plan.resident_bytes if platform == "gpu"
+        weights = (_param_bytes(cfg, resident_experts=False) + plan.resident_bytes
+                   if platform == "gpu"
                    else weights + plan.ring_bytes)
 
     def need(context: int) -> tuple[int, int, int, int, int]:
@@ -1138,15 +1142,12 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         ValueError: what plan_stream refuses (a negative budget, more residents per layer than
             a layer has experts).
     """
-    from .model import cache_shapes, param_shapes
+    from .engine import kv_cache_bytes
     from .stream import StreamConfig, plan_stream
 
     n_moe = len(config.moe_layers)
-    dense = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-                for s in param_shapes(config, resident_experts=False).values())
-    kv = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-             for s in (*cache_shapes(config, max_context).keys,
-                       *cache_shapes(config, max_context).values))
+    dense = _param_bytes(config, resident_experts=False)
+    kv = kv_cache_bytes(config, max_context)
     stream = StreamConfig(ring_budget_gib=ring_gib, resident_budget_gib=resident_gib,
                           resident_per_layer=resident_per_layer or 0)
     plan = plan_stream(config, stream, check_ring_budget=False)

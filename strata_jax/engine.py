@@ -474,10 +474,6 @@ class Engine:
                            first=first, platform=self.device.platform,
                            streamed=self.streamer is not None)
 
-    # Activation estimates leave this factor of headroom for XLA's own temporaries (the
-    # module's CHUNK_HEADROOM).
-    CHUNK_HEADROOM = CHUNK_HEADROOM
-
     def _choose_chunk(self) -> tuple[int, str]:
         """The largest chunk (max_context, else a power of two below it, at least 16) whose
         activations (CHUNK_HEADROOM x `chunk_bytes`, a later chunk's) and two KV caches of the
@@ -487,8 +483,7 @@ class Engine:
         for chunk in candidates:
             activations, kv, _ = chunk_memory(
                 self.config, chunk, self.max_context, self._sub_chunk_arg,
-                platform=self.device.platform, streamed=self.streamer is not None,
-                headroom=self.CHUNK_HEADROOM)
+                platform=self.device.platform, streamed=self.streamer is not None)
             need = activations + kv
             if need <= have:
                 return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of "

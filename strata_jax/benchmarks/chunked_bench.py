@@ -143,7 +143,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                 continue
             base = PinnedHostBaseline(cfg, params, n)
             base.prefill(prompts[0])
-            times, same = [], True
+            times = []
             for p in prompts[1:]:
                 ms, logits, _ = base.prefill(p)
                 times.append(ms)
