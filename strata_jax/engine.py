@@ -225,6 +225,8 @@ class PrefillResult:
         chunk_size: the chunk (chunk-major) or sub-chunk (layer-major) the prompt was read in.
         chunk_choice: how the engine's chunk size was set: "given", or the automatic choice
             with its memory figures (Engine(chunk_size=None)).
+        expert_rows: layer-major only: the rows each router/expert call ran on (a multiple of
+            the sub-chunk, at most the engine's chunk: `Engine.layer_major_rows`); else 0.
     """
 
     logits: jax.Array
@@ -241,6 +243,7 @@ class PrefillResult:
     n_layers: int = 0
     chunk_size: int = 0
     chunk_choice: str = "given"
+    expert_rows: int = 0
 
     @property
     def prompt_ms(self) -> float:
@@ -277,6 +280,8 @@ class PrefillResult:
         how = f"{n} chunk{'s' if n != 1 else ''} of {self.chunk_size}"
         if self.order == "layer-major":
             how = f"layer-major, sub-chunks of {self.chunk_size}"
+            if self.expert_rows > self.chunk_size:
+                how += f", experts over {self.expert_rows} rows"
         line = (f"{self.tokens} tokens = {self.reused} reused + {self.read} read in "
                 f"{self.ms:.1f} ms ({how})")
         if t["streamed"]:
@@ -297,6 +302,7 @@ class PrefillResult:
             "fallback": self.fallback,
             "chunk_size": self.chunk_size,
             "chunk_choice": self.chunk_choice,
+            "expert_rows": self.expert_rows,
             "experts_streamed": t["streamed"],
             "copied": t["copied"],
             "skipped": t["skipped"],
@@ -435,9 +441,9 @@ class Engine:
         self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
         self.compilations = 0
         self._info_sharding = _info_sharding(self.device, self.info_memory)
-        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub", "width"),
+        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub", "rows", "width"),
                             out_shardings=(on_device, on_device, self._info_sharding))
-        # (bucket, first, mode, sub) of the programs run once: with the engine's fixed state,
+        # (bucket, first, mode, sub, rows) of the programs run once: with the engine's fixed state,
         # resident blobs and shardings they are what jit keys its compiled programs on. A
         # prestart before an uncompiled program would only hold its walk through the compile.
         self._launched: set = set()
@@ -502,8 +508,9 @@ class Engine:
                        tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
 
     def _prefill_fn(self, state_leaves, resident, ids, cache, *, first: bool, mode: int,
-                    sub: int, width: int):
-        """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens.
+                    sub: int, width: int, rows: int = 0):
+        """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens,
+        its router and experts on `rows` rows at a time (0: `sub`).
 
         ids: int32 [width] = [bucket + 2], the padded token ids, then the chunk's start position
             and its number of real tokens (`_chunk_ids`); None with a stream, whose begin_chunk
@@ -534,7 +541,8 @@ class Engine:
         start = 0 if first else start
         if sub:
             logits, cache, counts = model.layer_major(tokens, cache, start, source, sub,
-                                                      n_valid=n_valid, last_logits=True)
+                                                      n_valid=n_valid, last_logits=True,
+                                                      expert_rows=rows or None)
         else:
             logits, cache, counts = model(tokens, cache, start, source, n_valid=n_valid,
                                           last_logits=True)
@@ -567,7 +575,8 @@ class Engine:
         self.streamer.stage_ids(np.concatenate(ids), reset=reset)
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
-                  mode: int, sub: int, prestart: bool = False, staged: bool = False):
+                  mode: int, sub: int, prestart: bool = False, staged: bool = False,
+                  rows: int = 0):
         """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once).
 
         Its `info` lands in the device's pinned host memory, written by the program itself
@@ -587,7 +596,7 @@ class Engine:
             ids = self._chunk_ids(piece, bucket, start)
         elif not staged:
             self._stage_ids([self._chunk_ids(piece, bucket, start)])
-        key = (bucket, cache is None, mode, sub)
+        key = (bucket, cache is None, mode, sub, rows)
         if prestart and self.streamer is not None and mode in _STREAM_MODES \
                 and key in self._launched:
             self.streamer.prestart(piece.size)
@@ -602,7 +611,7 @@ class Engine:
         with guard:
             logits, cache, info = self._jit(self._state_leaves, resident, ids, cache,
                                             first=cache is None, mode=mode, sub=sub,
-                                            width=width)
+                                            rows=rows, width=width)
         if self._info_sharding.memory_kind != "pinned_host":
             info.copy_to_host_async()
         self._launched.add(key)
@@ -643,8 +652,9 @@ class Engine:
             return b, b
         return -(-n_tokens // self.sub_chunk) * self.sub_chunk, self.sub_chunk
 
-    def layer_major_bytes(self, n_tokens: int) -> int:
-        """Estimated activation bytes of a layer-major read of `n_tokens` tokens.
+    def layer_major_bytes(self, n_tokens: int, expert_rows: int | None = None) -> int:
+        """Estimated activation bytes of a layer-major read of `n_tokens` tokens whose router
+        and experts run on `expert_rows` rows at a time (default one sub-chunk).
 
         What layer-major holds beyond chunk-major's shared state (weights, KV cache, ring):
           whole prompt, live across a layer's fetch: the hidden states before and after the
@@ -653,8 +663,9 @@ class Engine:
           one sub-chunk's attention against the cache on the path it runs
             (`attention.attention_bytes`: fused, no [N, S, C] scores; XLA, scores and
             probabilities; blocked, one key block's);
-          one sub-chunk's experts: sorted inputs and outputs ([S*k, H]) and the gate/up
-            activations ([S*k, I], float32 and parameter dtype).
+          one router/expert call's rows R: the router's logits and scores ([R, E] float32),
+            the experts' sorted inputs and outputs ([R*k, H]) and the gate/up activations
+            ([R*k, I], float32 and parameter dtype).
         P = padded prompt, S = sub-chunk, C = cache capacity, N = query heads.
         """
         c = self.config
@@ -664,8 +675,25 @@ class Engine:
         path = attention_path(c.dtype, c.head_dim, c.n_heads, s, self.capacity, first=False,
                               platform=self.device.platform)
         attention = attention_bytes(path, it, c.n_heads, s, self.capacity, c.head_dim)
-        experts = s * c.top_k * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
+        r = s if expert_rows is None else int(expert_rows)
+        experts = (r * c.top_k * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
+                   + r * c.n_experts * 8)
         return int(prompt + attention + experts)
+
+    def layer_major_rows(self, n_tokens: int, have: int | None = None) -> int:
+        """The rows a layer-major read of `n_tokens` tokens runs each router/expert call on:
+        the most whole sub-chunks, up to the padded prompt and at most the engine's chunk (the
+        rows a chunk-major chunk runs), whose `layer_major_bytes` fit `have` bytes (default
+        `memory_available`); one sub-chunk where none fits. A grouped matmul over more rows
+        keeps its tiles fuller."""
+        p, s = self.layer_major_shape(n_tokens)
+        if have is None:
+            have = self.memory_available()[0]
+        most = max(1, min(p, max(self.chunk_size, s)) // s)
+        for m in range(most, 0, -1):
+            if self.layer_major_bytes(n_tokens, m * s) <= have:
+                return m * s
+        return s
 
     def memory_available(self) -> tuple[int, str]:
         """(bytes, what) layer-major may use: device free memory, host RAM, or the set limit."""
@@ -802,9 +830,11 @@ class Engine:
         logits = None
         t0 = time.perf_counter()
         try:
+            rows = 0
             if order == "layer-major":
                 p, s = self.layer_major_shape(arr.size)
                 pieces = [(0, arr, p, s)]
+                rows = self.layer_major_rows(arr.size, have)
             else:
                 pieces = [(off, arr[off:off + chunk],
                            _bucket(min(chunk, arr.size - off), buckets), 0)
@@ -820,7 +850,8 @@ class Engine:
                 mode = self.streamer.chunk_mode(piece.size) if self.streamer is not None else 0
                 c0 = time.perf_counter()
                 logits, cache, info = self._dispatch(piece, bucket, cache, pos, mode=mode,
-                                                     sub=sub, prestart=not records, staged=True)
+                                                     sub=sub, rows=rows if sub else 0,
+                                                     prestart=not records, staged=True)
                 chunk_ms = None
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))
@@ -867,7 +898,7 @@ class Engine:
                                n_layers=self.config.n_layers,
                                chunk_size=(self.layer_major_shape(arr.size)[1]
                                            if order == "layer-major" else chunk),
-                               chunk_choice=self.chunk_choice)
+                               chunk_choice=self.chunk_choice, expert_rows=rows)
         self._profile.record(counts_total, tokens=int(arr.size))
         return result
 

@@ -561,7 +561,7 @@ class MoETransformer(nnx.Module):
 
     def layer_major(self, tokens: jax.Array, cache: KVCache, start,
                     expert_source: ExpertSource | None, sub_chunk: int, n_valid=None,
-                    last_logits: bool = False):
+                    last_logits: bool = False, expert_rows: int | None = None):
         """Runs a whole prompt layer by layer: every layer reads all of it before the next layer.
 
         The prompt is cut into sub-chunks of `sub_chunk` tokens. In each layer every sub-chunk in
@@ -571,6 +571,11 @@ class MoETransformer(nnx.Module):
         an expert source sees one publish/fetch per layer per prompt, as if the prompt were one
         chunk, and each streamed expert crosses the link at most once per prompt.
 
+        The router and the experts run on `expert_rows` rows at a time (consecutive sub-chunks
+        joined): a grouped matmul over more rows keeps its tiles fuller, at the memory of that
+        many rows' expert activations. Routing is row by row, so the choices and counts are the
+        same for any grouping.
+
         The per-sub-chunk math is `__call__`'s (the same attention, router, grouped matmuls and
         combine); only the order differs, so with `sub_chunk` equal to the chunk size it matches
         chunk-major within the model's numerics (tests/test_engine.py states the measured gap).
@@ -579,6 +584,8 @@ class MoETransformer(nnx.Module):
             tokens: int32 [P] with P a multiple of `sub_chunk` (pad with any valid id).
             cache, start, expert_source, n_valid, last_logits: as in `__call__`.
             sub_chunk: tokens per compute sub-chunk (static).
+            expert_rows: rows per router/expert call, a multiple of `sub_chunk` (static);
+                None: `sub_chunk`.
 
         Returns:
             (logits float32 [P, V] or [V], updated KVCache, counts int32 [n_moe_layers, E]
@@ -589,6 +596,18 @@ class MoETransformer(nnx.Module):
             raise ValueError(f"layer_major: {p} tokens are not a whole number of sub-chunks of "
                              f"{sub_chunk}; pad the prompt to a multiple of sub_chunk")
         n_sub = p // sub_chunk
+        rows = sub_chunk if expert_rows is None else expert_rows
+        if rows < sub_chunk or rows % sub_chunk:
+            raise ValueError(f"layer_major: expert_rows={expert_rows} is not a multiple of "
+                             f"sub_chunk={sub_chunk}")
+        per = rows // sub_chunk  # sub-chunks per router/expert call
+        groups = [(a, min(a + per, n_sub)) for a in range(0, n_sub, per)]
+
+        def join(parts):
+            if parts[0] is None:
+                return None
+            return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
         x = jnp.take(self.embed[...], tokens, axis=0)  # [P, H]
         positions, start, valid = self._positions(p, start, n_valid)
         def cut(a, j):
@@ -606,20 +625,23 @@ class MoETransformer(nnx.Module):
             with jax.named_scope(f"layer_{layer.layer}"):
                 for j in range(n_sub):
                     xs[j], k, v = layer.attention_block(xs[j], k, v, starts[j], pos[j])
-                normed = [layer.post_attn_norm(xj) for xj in xs]
                 if layer.is_moe:
-                    routings = [layer.mlp.route_tokens(h, val[j]) for j, h in enumerate(normed)]
+                    normed = [layer.post_attn_norm(join(xs[a:b])) for a, b in groups]
+                    gval = [join(val[a:b]) for a, b in groups]
+                    routings = [layer.mlp.route_tokens(h, v) for h, v in zip(normed, gval)]
                     total = routings[0].counts
                     for r in routings[1:]:
                         total = total + r.counts
                     w = layer.mlp.fetch_weights(total, expert_source)
-                    ys = [layer.mlp.apply_experts(h, r, w, val[j])
-                          for j, (h, r) in enumerate(zip(normed, routings))]
+                    ys = [layer.mlp.apply_experts(h, r, w, v)
+                          for h, r, v in zip(normed, routings, gval)]
                     ys = release_experts(expert_source, layer.layer, ys)
+                    ys = [y[(j - a) * sub_chunk:(j - a + 1) * sub_chunk]
+                          for (a, b), y in zip(groups, ys) for j in range(a, b)]
                     xs = [xj + y for xj, y in zip(xs, ys)]
                     counts.append(total)
                 else:
-                    xs = [xj + layer.mlp(h) for xj, h in zip(xs, normed)]
+                    xs = [xj + layer.mlp(layer.post_attn_norm(xj)) for xj in xs]
             if i + 1 < len(self.layers):
                 xs, k, v = _layer_boundary(xs, k, v)
             keys.append(k)

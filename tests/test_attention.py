@@ -151,10 +151,14 @@ def test_layer_major_sub_chunks_match_reference(qwen_small, monkeypatch):
     padded = np.zeros(240, np.int32)
     padded[:200] = toks
     ref, _ = reference_forward(c, params, toks)
-    f = jax.jit(lambda t, k, n: model.layer_major(t, k, 0, None, 48, n_valid=n,
-                                                  last_logits=True))
-    logits, _, _ = f(jnp.asarray(padded), M.init_cache(c, 512), jnp.int32(200))
-    assert_close(logits, ref[-1], np.float32)
+    for rows in (48, 96, 144):  # router and experts on 1, 2 or 3 sub-chunks' rows at a time
+        f = jax.jit(lambda t, k, n: model.layer_major(t, k, 0, None, 48, n_valid=n,
+                                                      last_logits=True, expert_rows=rows))
+        logits, _, _ = f(jnp.asarray(padded), M.init_cache(c, 512), jnp.int32(200))
+        assert_close(logits, ref[-1], np.float32, err_msg=f"expert_rows={rows}")
+    with pytest.raises(ValueError, match="expert_rows=72 is not a multiple of sub_chunk=48"):
+        model.layer_major(jnp.asarray(padded), M.init_cache(c, 512), 0, None, 48,
+                          expert_rows=72)
 
 
 # ---- cuDNN on the GPU -----------------------------------------------------------------------

@@ -416,9 +416,12 @@ def test_layer_major_matches_chunk_major(f32_engine, f32_params):
 
 def test_layer_major_identical_across_arms_and_streams_each_expert_once(bf16_params):
     toks = _tokens(80, config=BF16)
-    kw = dict(max_context=128, chunk_size=32, sub_chunk=32)
+    # 96 padded positions in sub-chunks of 32; the router and experts run on 64 rows (the
+    # engine's chunk), then 32.
+    kw = dict(max_context=128, chunk_size=64, sub_chunk=32)
     with Engine(BF16, bf16_params, None, **kw) as eng:
         ref = eng.prefill(toks, order="layer-major")
+    assert (ref.chunk_size, ref.expert_rows) == (32, 64)
     ref_hashes = (ref.logits_sha256(), ref.kv_sha256())
     arms = {"stream-all": StreamConfig(routed=False, stream_floor=16, **SLOW),
             "routed": StreamConfig(routed=True, depth=2, stream_floor=16, **SLOW),
@@ -436,12 +439,41 @@ def test_layer_major_identical_across_arms_and_streams_each_expert_once(bf16_par
             assert np.all(s.skipped <= s.unrouted)
             if name == "stream-all":
                 np.testing.assert_array_equal(s.copied, per_layer)  # each exactly once
-                cm = eng.prefill(toks)  # 3 chunks, all at or above the floor
+                cm = eng.prefill(toks, chunk_size=32)  # 3 chunks, all at or above the floor
                 assert [c.stats.mode for c in cm.chunks] == ["stream"] * 3
                 copied = sum(c.stats.copied for c in cm.chunks)
                 np.testing.assert_array_equal(copied, 3 * per_layer)  # once per chunk
                 assert lm.totals()["bytes"] * 3 == cm.totals()["bytes"]
             assert not eng.streamer.walk_active()
+
+
+def test_layer_major_expert_rows_follow_the_chunk_and_the_memory(f32_params):
+    toks = _tokens(100, seed=4)
+    with Engine(F32, f32_params, None, max_context=256, chunk_size=32, sub_chunk=16,
+                order="layer-major") as eng:
+        by_rows = {}
+        # 100 tokens: 112 padded positions, 7 sub-chunks of 16. The expert calls take at most
+        # the engine's chunk (32 rows), fewer where the memory set for activations is short.
+        assert eng.layer_major_shape(100) == (112, 16)
+        assert eng.layer_major_rows(100) == 32
+        assert eng.layer_major_bytes(100, 32) > eng.layer_major_bytes(100, 16)
+        assert eng.layer_major_rows(100, have=eng.layer_major_bytes(100, 32) - 1) == 16
+        assert eng.layer_major_rows(100, have=0) == 16  # the prefill's own check refuses it
+        for limit in (None, eng.layer_major_bytes(100, 32) - 1):
+            eng.layer_major_limit_bytes = limit
+            r = eng.prefill(toks)
+            by_rows[r.expert_rows] = r
+            assert r.to_dict()["expert_rows"] == r.expert_rows
+        assert sorted(by_rows) == [16, 32]
+        assert "experts over 32 rows" in by_rows[32].summary()
+        assert "experts over" not in by_rows[16].summary()
+        cm = eng.prefill(toks, order="chunk-major")
+        assert cm.expert_rows == 0
+    # Routing is row by row: the same choices whatever the grouping; the math within float32
+    # numerics of chunk-major's.
+    for r in by_rows.values():
+        np.testing.assert_array_equal(r.counts, cm.counts)
+        assert_close(r.logits, cm.logits, np.float32)
 
 
 def test_layer_major_falls_back_or_refuses_when_memory_does_not_fit(f32_engine):

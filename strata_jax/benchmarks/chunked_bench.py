@@ -15,6 +15,11 @@ Three parts, each optional (`--parts`):
               with `--resident-gib` of residents) and the pure-JAX pinned_host arm (one chunk).
               Rows: ms, tokens/s, time over the resident one-chunk time, bytes copied. Logits and
               KV hashes of every streamed read equal the resident read of the same order.
+              With `--engine-chunk` every engine chooses its own chunk (`Engine(chunk_size=
+              None)`, what a smaller device gets: run under XLA_CLIENT_MEM_FRACTION) and "one"
+              is that choice; `--no-resident` leaves out a resident arm that does not fit,
+              `--resident-ms` then gives the one-chunk time the ratios divide by and the
+              first arm's reads are the ones the others must equal.
   follow-up   A `--turn2`-token turn over a `--turn1`-token session, against a `--turn2`-token
               first chunk, resident; then routed against stream-all (skip share).
 
@@ -109,20 +114,68 @@ def _stream(args, routed: bool):
                         ring_budget_gib=args.ring_gib)
 
 
+def _pinned_host_rows(args, cfg, params, prompts, orders, hashes, resident_one):
+    """The pure-JAX arm: each read of `orders` ("one": one chunk, "chunked": `--chunk`
+    chunks); a read that does not fit the device is a row with its error."""
+    import jax
+
+    from strata_jax.engine import sha256_of
+
+    n = args.long
+    rows = []
+    try:
+        base = PinnedHostBaseline(cfg, params, n)
+    except Exception as e:  # noqa: BLE001 - a comparison arm; its failure is a row
+        return [{"part": "prefill", "arm": "jax-pinned-host", "read": o, "tokens": n,
+                 "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                for o in orders]
+    for order in orders:
+        if order not in ("one", "chunked"):
+            continue
+        chunk = args.chunk if order == "chunked" else None
+        try:
+            base.prefill(prompts[0], chunk)
+            times = []
+            for p in prompts[1:]:
+                ms, logits, _ = base.prefill(p, chunk)
+                times.append(ms)
+        except Exception as e:  # noqa: BLE001 - out of memory on a smaller device
+            rows.append({"part": "prefill", "arm": "jax-pinned-host", "read": order,
+                         "tokens": n, "error": f"{type(e).__name__}: "
+                                               f"{str(e).splitlines()[0][:300]}"})
+            continue
+        ms = statistics.median(times)
+        ref = hashes.get((order, len(prompts) - 1))
+        rows.append({"part": "prefill", "arm": "jax-pinned-host", "read": order, "tokens": n,
+                     "chunk_size": chunk or n, "ms": ms, "tok_per_s": n / ms * 1e3,
+                     "over_resident_one": ms / resident_one if resident_one else None,
+                     "bytes_copied": (cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers)
+                                      * -(-n // (chunk or n))),
+                     "identical_logits": None if ref is None else sha256_of(logits) == ref[0]})
+    del base
+    jax.clear_caches()
+    return rows
+
+
 def _reads(eng, prompts, chunk: int, orders):
     """Times each read of `orders` ("one", "chunked", "layer-major") over prompts[1:] after a
-    compile read of prompts[0]: {order: (median ms, last result)}."""
+    compile read of prompts[0]: {order: (median ms, last result) or the error's text (a read
+    that does not fit the device)}."""
     out = {}
     for order in orders:
         kw = ({"order": "chunk-major"} if order == "one" else
               {"order": "chunk-major", "chunk_size": chunk} if order == "chunked" else
               {"order": "layer-major"})
-        eng.prefill(prompts[0], **kw)  # compile
-        times, r = [], None
-        for p in prompts[1:]:
-            del r
-            ms, r = _timed(eng, p, **kw)
-            times.append(ms)
+        try:
+            eng.prefill(prompts[0], **kw)  # compile
+            times, r = [], None
+            for p in prompts[1:]:
+                del r
+                ms, r = _timed(eng, p, **kw)
+                times.append(ms)
+        except Exception as e:  # noqa: BLE001 - out of memory on a smaller device: a row
+            out[order] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            continue
         out[order] = (statistics.median(times), r)
     return out
 
@@ -135,58 +188,59 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
     n = args.long
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.reps_prefill + 1)]
-    hashes, resident_one = {}, None
-    arms = ["resident"] + [a for a in args.arms.split(",") if a != "resident"]
+    hashes, resident_one = {}, args.resident_ms
+    arms = ([] if args.no_resident else ["resident"]) + [
+        a for a in args.arms.split(",") if a != "resident"]
     for arm in arms:
         if arm == "jax-pinned-host":
             if jax.devices()[0].platform != "gpu":
                 continue
-            base = PinnedHostBaseline(cfg, params, n)
-            base.prefill(prompts[0])
-            times = []
-            for p in prompts[1:]:
-                ms, logits, _ = base.prefill(p)
-                times.append(ms)
-            same = sha256_of(logits) == hashes.get(("one", len(prompts) - 1), (None,))[0]
-            ms = statistics.median(times)
-            row = {"part": "prefill", "arm": arm, "read": "one", "tokens": n, "ms": ms,
-                   "tok_per_s": n / ms * 1e3, "over_resident_one": ms / resident_one,
-                   "bytes_copied": cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers),
-                   "identical_logits": same}
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            del base
+            for row in _pinned_host_rows(args, cfg, params, prompts, args.orders.split(","),
+                                         hashes, resident_one):
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
             save()
             continue
         sc = None if arm == "resident" else _stream(args, arm == "routed")
         orders = (args.resident_orders if arm == "resident" else args.orders).split(",")
+        own = args.engine_chunk or arm == "resident"
         t0 = time.perf_counter()
-        with Engine(cfg, params, sc, max_context=n, chunk_size=None if arm == "resident" else n,
+        with Engine(cfg, params, sc, max_context=n, chunk_size=None if own else n,
                     sub_chunk=args.chunk) as eng:
             made_s = time.perf_counter() - t0
             reads = _reads(eng, prompts, args.chunk, orders)
-            for order, (ms, r) in reads.items():
+            for order, read in reads.items():
+                if isinstance(read, str):
+                    row = {"part": "prefill", "arm": arm, "read": order, "tokens": n,
+                           "error": read, "chunk_choice": eng.chunk_choice}
+                    result["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                ms, r = read
                 if arm == "resident" and order == "one":
                     resident_one = ms
                 h = _hashes(r)
-                if arm == "resident":
+                first_of_order = (order, len(prompts) - 1) not in hashes
+                if first_of_order:  # the resident arm's, else the first arm that read it
                     hashes[(order, len(prompts) - 1)] = h
                 tot = r.totals()
                 row = {"part": "prefill", "arm": arm, "read": order, "tokens": n,
                        "chunks": len(r.chunks), "chunk_size": r.chunk_size, "ms": ms,
-                       "tok_per_s": n / ms * 1e3, "over_resident_one": ms / resident_one,
+                       "tok_per_s": n / ms * 1e3,
+                       "over_resident_one": ms / resident_one if resident_one else None,
                        "bytes_copied": tot["bytes"], "copied": tot["copied"],
                        "skipped": tot["skipped"], "unrouted": tot["unrouted"],
                        "streamed": tot["streamed"],
-                       "identical_to_resident": (h == hashes[(order, len(prompts) - 1)]
-                                                 if (order, len(prompts) - 1) in hashes
-                                                 else None),
-                       "engine_s": made_s, "chunk_choice": r.chunk_choice}
+                       "identical_to_resident": (None if first_of_order
+                                                 else h == hashes[(order, len(prompts) - 1)]),
+                       "expert_rows": r.expert_rows, "engine_s": made_s,
+                       "chunk_choice": r.chunk_choice, "fallback": r.fallback}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-            del reads, r
+            del reads
         save()  # after each arm: keep what finished if a later arm runs out of time
     result["identical"] = all(r.get("identical_to_resident") is not False
+                              and r.get("identical_logits") is not False
                               for r in result["rows"])
 
 
@@ -247,6 +301,12 @@ def main(argv=None) -> int:
     ap.add_argument("--resident-gib", type=float, default=None,
                     help="the streamed arms' resident budget (default: none resident)")
     ap.add_argument("--ring-gib", type=float, default=8.0)
+    ap.add_argument("--engine-chunk", action="store_true",
+                    help="every engine chooses its chunk (what fits the device); 'one' is it")
+    ap.add_argument("--no-resident", action="store_true",
+                    help="no resident arm (the experts do not fit the device)")
+    ap.add_argument("--resident-ms", type=float, default=None,
+                    help="with --no-resident: the resident one-chunk time to divide by")
     ap.add_argument("--reps", type=int, default=10, help="attention repetitions")
     ap.add_argument("--reps-prefill", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -258,7 +318,9 @@ def main(argv=None) -> int:
 
     import jax
 
+    stats = jax.devices()[0].memory_stats() or {}
     result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "device_bytes_limit": stats.get("bytes_limit"),
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
 
     def save():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
 #   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|timeline|chunked|all][,...]
-# Stages run in the order given after one build (a comma list: "tests,chunked").
+# Stages run in the order given after one build (a comma list: "tests,chunked"); SKIP_BUILD=1
+# reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS).
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 STAGE=${1:-all}
@@ -14,9 +15,11 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 t0=$(date +%s)
+if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second invocation in the same call
 $PY -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.STRATA_CUDA=ON > "$OUT/build.log" 2>&1 \
   || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
+fi
 rc=0
 for STAGE in ${STAGE//,/ }; do
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then

@@ -282,36 +282,48 @@ class PinnedHostBaseline:
             def expert_weights(self, layer, counts, resident):
                 return ExpertWeights(*(jax.device_put(a, sharding) for a in self.host_w[layer]))
 
-        def run(state, host_w, tokens, cache, n_valid):
+        def run(state, host_w, tokens, cache, n_valid, start=0):
             model = nnx.merge(self.graphdef, state)
-            logits, cache, counts = model(tokens, cache, 0, Source(host_w), n_valid=n_valid,
+            logits, cache, counts = model(tokens, cache, start, Source(host_w), n_valid=n_valid,
                                           last_logits=True)
             return logits, cache
 
         self._jit = jax.jit(run)
+        self._jit_later = jax.jit(run)  # a later chunk: `start` traced (the cached path)
         self._jnp = jnp
 
-    def prefill(self, tokens):
-        """One chunk padded as the Engine pads it (same bucket, same cache capacity), so its
-        bytes can be compared with the engine's."""
+    def prefill(self, tokens, chunk: int | None = None):
+        """The prompt in one chunk (or chunks of `chunk` tokens, every layer's experts moved
+        for each), padded as the Engine pads it (same bucket, same cache capacity), so its
+        bytes can be compared with the engine's. Returns (ms, logits, valid KV cache)."""
         import jax
 
         from strata_jax.engine import _bucket, compile_buckets
         from strata_jax.model import KVCache
 
         n = len(tokens)
-        bucket = _bucket(n, compile_buckets(self.max_context))
-        padded = np.zeros(bucket, np.int32)
-        padded[:n] = tokens
+        chunk = min(chunk or n, n)
+        buckets = compile_buckets(min(chunk, self.max_context))
         c = self.config
         shape = (2 * self.max_context, c.n_kv_heads, c.head_dim)
         cache = KVCache(tuple(self._jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
                         tuple(self._jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
-        jax.block_until_ready(cache)
+        pieces = []
+        for off in range(0, n, chunk):
+            piece = tokens[off:off + chunk]
+            padded = np.zeros(_bucket(len(piece), buckets), np.int32)
+            padded[:len(piece)] = piece
+            pieces.append((off, jax.device_put(padded, self.device), len(piece)))
+        jax.block_until_ready((cache, [p for _, p, _ in pieces]))
         gc.collect()  # as before every engine arm's timed call (_gc_note)
         t0 = time.perf_counter()
-        logits, cache = self._jit(self.state, self.host, jax.device_put(padded, self.device),
-                                  cache, self._jnp.int32(n))
+        for off, padded, m in pieces:
+            if off == 0:
+                logits, cache = self._jit(self.state, self.host, padded, cache,
+                                          self._jnp.int32(m))
+            else:
+                logits, cache = self._jit_later(self.state, self.host, padded, cache,
+                                                self._jnp.int32(m), self._jnp.int32(off))
         jax.block_until_ready((logits, cache))
         ms = (time.perf_counter() - t0) * 1e3
         return ms, logits, KVCache(tuple(k[:n] for k in cache.keys),
