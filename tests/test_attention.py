@@ -167,6 +167,7 @@ def test_layer_major_sub_chunks_match_reference(qwen_small, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,layout", [(ml_dtypes.bfloat16, (32, 4, 128)),
                                           (ml_dtypes.bfloat16, (16, 16, 64)),
+                                          (ml_dtypes.bfloat16, (16, 2, 256)),
                                           (np.float16, (32, 4, 64))])
 @pytest.mark.parametrize("start", (0, 1, 127, 129, 1791))
 def test_cudnn_parts_match_reference(dtype, start, layout):
