@@ -6,7 +6,7 @@ Paths, chosen per call by `attention_path` (static: dtype, shapes, platform, STR
                causal call. A later chunk (start > 0) is two calls merged by their log-sum-exp:
                its queries over the cache's positions 0..start-1 (a padding mask of length
                `start` over the whole cache) and over the chunk's own keys (causal). GPU,
-               bfloat16/float16, head_dim <= 128 and a multiple of 8.
+               bfloat16/float16, head_dim <= 256 and a multiple of 8.
     "split"    the same two parts and merge with each part computed by XLA (exact on any
                platform and dtype; it materialises each part's scores). The merge's own check.
     "xla"      one XLA attention with a [T, S] mask over the whole cache.
@@ -47,10 +47,12 @@ def _requested() -> str:
 
 def fused_available(dtype, head_dim: int, platform: str | None = None) -> bool:
     """Whether cuDNN's fused attention takes these inputs: a GPU, bfloat16/float16, head_dim at
-    most 128 and a multiple of 8. `platform` defaults to JAX's default backend."""
+    most 256 (qwen3-next's) and a multiple of 8. `platform` defaults to JAX's default backend.
+    A cuDNN build that still rejects a shape raises at trace time, and the caller takes the
+    exact XLA path."""
     platform = platform or jax.default_backend()
     return (platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-            and head_dim <= 128 and head_dim % 8 == 0)
+            and head_dim <= 256 and head_dim % 8 == 0)
 
 
 def attention_path(dtype, head_dim: int, n_heads: int, n_queries: int, n_keys: int, *,
