@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from . import _dlpack, native
-from .config import ModelConfig
-from .experts import ExpertWeights, blob_size, pack_expert_blobs_np
-from .grouped_matmul import MGPU_BLOCK_M, resolve_implementation, row_pieces
+from .. import _dlpack, native
+from ..config import ModelConfig
+from ..experts import ExpertWeights, blob_size, pack_expert_blobs_np
+from ..grouped_matmul import MGPU_BLOCK_M, resolve_implementation, row_pieces
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .profile import ExpertProfile
+    from ..profile import ExpertProfile
 
 __all__ = [
     "StreamConfig",
@@ -341,7 +341,7 @@ class StreamPlan:
 
 def _as_profile(config: ModelConfig, prof) -> "ExpertProfile | None":
     """StreamConfig.profile as an ExpertProfile checked against `config`, or None."""
-    from .profile import ExpertProfile
+    from ..profile import ExpertProfile
 
     if prof is None:
         return None

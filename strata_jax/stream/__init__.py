@@ -1,0 +1,37 @@
+"""The expert stream: switches, the plan, the native engine and its JAX ops.
+
+A `StreamEngine` owns one native engine (ffi/src/engine.hpp): the host expert
+store, the ring, the issuer thread and the route gate. Inside a jitted chunk,
+`StreamedExperts` is the model's expert source: after each MoE layer's router
+it publishes the layer's per-expert counts (`publish`) and takes the layer's
+full expert weights from the stream (`fetch`); `begin`/`end` bracket the
+chunk. The four are XLA FFI custom calls threaded by a token so XLA keeps
+their order; the same names are registered for "cpu" (simulated link) and
+"CUDA".
+
+`plan_stream` is the plan an engine follows (which experts stay resident, the stream
+order, the ring); it is pure, so `strata-jax info` reports it without a device or the
+native library.
+
+The failure this guards against: an expert the chunk needs that is not where
+the math reads it. Every routed expert's bytes arrive unchanged, skipped
+experts have no token, so the outputs are the same bits in every mode.
+
+The code is in `streamer`.
+"""
+
+# The names outside __all__ are imported from here by the engine and the tests.
+from .streamer import (_STREAM_MODES, DEPTH_MAX, DEPTH_MIN, ChunkStats,  # noqa: F401
+                       StreamConfig, StreamedExperts, StreamEngine, StreamPlan, begin, end, fetch,
+                       fetch_frame, plan_stream, publish, release, stream_platform)
+
+__all__ = [
+    "StreamConfig",
+    "StreamPlan",
+    "plan_stream",
+    "StreamEngine",
+    "StreamedExperts",
+    "ChunkStats",
+    "DEPTH_MIN",
+    "DEPTH_MAX",
+]
