@@ -17,13 +17,21 @@ The failure this guards against: an expert the chunk needs that is not where
 the math reads it. Every routed expert's bytes arrive unchanged, skipped
 experts have no token, so the outputs are the same bits in every mode.
 
-The code is in `streamer`.
+One module per stage:
+  config    StreamConfig, its environment switches, the pin/publish/chunk modes
+  plan      StreamPlan and plan_stream (pure: no device, no native library)
+  streamer  StreamEngine (the native engine's handle), stream_platform, ChunkStats
+  ops       the JAX primitive and its FFI custom calls: begin, publish, fetch,
+            fetch_frame, release, end
+  source    StreamedExperts, the model's expert source inside a jitted chunk
 """
 
 # The names outside __all__ are imported from here by the engine and the tests.
-from .streamer import (_STREAM_MODES, DEPTH_MAX, DEPTH_MIN, ChunkStats,  # noqa: F401
-                       StreamConfig, StreamedExperts, StreamEngine, StreamPlan, begin, end, fetch,
-                       fetch_frame, plan_stream, publish, release, stream_platform)
+from .config import _STREAM_MODES, DEPTH_MAX, DEPTH_MIN, StreamConfig  # noqa: F401
+from .ops import begin, end, fetch, fetch_frame, publish, release  # noqa: F401
+from .plan import StreamPlan, plan_stream
+from .source import StreamedExperts
+from .streamer import ChunkStats, StreamEngine, stream_platform  # noqa: F401
 
 __all__ = [
     "StreamConfig",

@@ -1,0 +1,221 @@
+"""How experts stream: `StreamConfig`, its environment overrides, and the native engine's modes.
+
+`StreamConfig.resolved` applies the environment switches (STRATA_PREFILL_ROUTED_STREAM,
+STRATA_PREFILL_ROUTED_STREAM_DEPTH, STRATA_TRACE, STRATA_PUBLISH) once, when an engine is
+made, and checks every field. The mode tables here give the numbers the native engine
+(ffi/src/engine.hpp) takes for the pin and publish modes and for begin_chunk's chunk modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..profile import ExpertProfile
+
+DEPTH_MIN, DEPTH_MAX = 1, 256
+_ENV_ROUTED = "STRATA_PREFILL_ROUTED_STREAM"
+_ENV_DEPTH = "STRATA_PREFILL_ROUTED_STREAM_DEPTH"
+_ENV_TRACE = "STRATA_TRACE"
+_ENV_PUBLISH = "STRATA_PUBLISH"
+_PIN_MODES = {"register": 0, "arena": 1, "none": 2}
+_PUBLISH_MODES = {"callback": 0, "event": 1}
+# begin_chunk's modes (ffi/src/engine.hpp ChunkMode): a streamed chunk in layer frames, a
+# routed-only chunk (frames too), a streamed chunk in the packed ring.
+_MODE_STREAM, _MODE_ROUTED_ONLY, _MODE_STREAM_PACKED = 0, 1, 2
+_STREAM_MODES = (_MODE_STREAM, _MODE_STREAM_PACKED)
+_LAYOUTS = ("auto", "frames", "packed")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """How experts stream. Environment overrides are read once, when an engine is made.
+
+    Attributes:
+        routed: The routed switch: skip ring entries whose layer's routing
+            landed before they were issued and whose expert no token routes
+            to, and keep at most `depth` copies queued. Overridden by
+            STRATA_PREFILL_ROUTED_STREAM=0/1.
+        depth: Copies queued ahead of the link with the switch on; clamped to
+            1..256 with a warning. Overridden by STRATA_PREFILL_ROUTED_STREAM_DEPTH.
+        ring: Ring slots, in whole layer frames of `n_experts` slots (rounded down, at least
+            one): each MoE layer's experts land in row e of the frame it takes (layers take
+            frames in turn), and the model reads the frame where they landed. None: two
+            frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`.
+        ring_budget_gib: Device memory the ring may take when `ring` is None.
+        layout: How a streamed chunk lays its copies out in the ring (the same memory either
+            way; each chunk chooses, and end_chunk's trace and `ChunkStats.layout` say which):
+            "frames": each expert split into the frame's three planes (gate, up, down) as it
+            crosses the link, and on CUDA the model reads a layer's experts where they landed
+            (JAX arrays over the ring's memory, by DLPack): nothing is copied on XLA's stream,
+            but the link makes up to three copies per run of adjacent experts. Best where
+            compute sets the pace (32K tokens on the H200: 1.03-1.04 of the floor, against
+            1.05 packed). The CPU backend, whose XLA may run independent ops concurrently so
+            that only a data dependency orders a read after fetch, reads a copy of the frame.
+            "packed": whole blobs, one copy per run of adjacent experts on the link, and fetch
+            splits each run into outputs of its own on the device as it lands. Best where the
+            link sets the pace (routed 1K-6K: 1.03-1.04 of the floor, against up to 1.06 with
+            frames). "auto": packed for chunks shorter than `frames_from` tokens, frames
+            from there on. Routed-only chunks (below `stream_floor`) copy into frames either
+            way. docs/BENCHMARKS.md, tenth session.
+        frames_from: "auto"'s crossover in tokens. Frames pay off once the chunk's compute
+            outlasts its copies, and packed until its split no longer hides behind the link: on
+            the H200 with Qwen3-30B-A3B shapes (8 layers, 9.66 GB streamed) resident compute
+            reaches the stream's 174 ms near 29K tokens; at 16K packed read 1.051 of the floor
+            against 1.057 for frames (routed; stream-all equal), at 32K frames 1.039 against
+            1.050. Measure a model's own with `stream_bench --layout frames|packed`.
+        tail_pieces: In a streamed chunk of at least `tail_from` tokens, the last MoE
+            layer's expert math runs in this many pieces of its rows (sorted by expert), each
+            after a fetch that waits only for the copies of the experts with rows in it, so
+            that only the last piece's math follows the chunk's last copy (1: the layer whole).
+            The pieces give the same bits (each row keeps its expert and its math). Each piece
+            costs the Mosaic grouped matmul's per-expert tiles again, hence a floor on the
+            length, and at most one piece per `n_experts` row tiles (128 rows) of the chunk
+            there (`StreamEngine.tail_pieces`). H200, Qwen3-30B-A3B shapes: routed 1.033-1.039
+            of its floor at 12K-24K with 4 pieces, against 1.051-1.064 whole (BENCHMARKS.md,
+            eleventh session).
+        tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
+            `tail_pieces` pieces.
+        stream_floor: Chunks shorter than this many tokens use routed-only
+            fetch (wait for the routing, copy only the routed experts).
+        resident_per_layer: Experts kept resident on the device per MoE layer
+            (the hottest by `profile`, else the lowest ids).
+        resident_budget_gib: Alternatively, device memory for resident experts;
+            the hottest experts by `profile` (globally) fill it.
+        profile: An ExpertProfile (strata_jax.profile) or its counts, int
+            [n_layers, n_experts]: orders each layer's stream list hottest first
+            (ties by the lower id) and chooses the residents. A profile of
+            another model's shape is refused when the engine (or its plan,
+            `plan_stream`) is made.
+        backend: "auto" (CUDA when JAX runs on a GPU and the library has CUDA),
+            "cpu" (simulated link) or "cuda".
+        pin: CUDA host store: "arena" (packed straight into one cudaHostAlloc
+            block; the fastest source, measured 1% over registered memory),
+            "register" (cudaHostRegister the packed arrays in place) or "none"
+            (stage through pinned bounce buffers; such entries are never
+            skipped). A store that cannot be pinned falls back to staging and
+            the trace says so.
+        publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded
+            on XLA's stream after the counts' device-to-host copy, which the issuer polls before
+            it fills the gate row itself; nothing waits) or "callback" (DESIGN.md's first
+            design: a host callback, cudaLaunchHostFunc, fills the row; XLA's stream waits until
+            a driver thread has run it). On the H200 the callback stalled the device 116 us per
+            layer more than the event, and its threads grew without bound over a 210-chunk
+            stress (docs/BENCHMARKS.md), hence the default. Overridden by
+            STRATA_PUBLISH=callback|event. The CPU backend publishes in the handler either way.
+        sim_bandwidth: Simulated link bandwidth in bytes/s (CPU backend); 0 is unlimited.
+        sim_latency: Simulated per-copy latency in seconds (CPU backend).
+        sim_jitter: Up to this many extra seconds per copy, uniform (CPU backend).
+        seed: Seed of the simulated link's jitter.
+        trace: Print per-chunk copied/skipped lines; None reads STRATA_TRACE.
+        device: CUDA device ordinal; the JAX GPU of this index is where the
+            residents, the ring and the model are (StreamEngine.jax_device).
+    """
+
+    routed: bool = True
+    depth: int = 16
+    ring: int | None = None
+    ring_budget_gib: float = 4.0
+    layout: str = "auto"
+    frames_from: int = 24576
+    tail_pieces: int = 4
+    tail_from: int = 8192
+    stream_floor: int = 1024
+    resident_per_layer: int = 0
+    resident_budget_gib: float | None = None
+    profile: "ExpertProfile | np.ndarray | None" = dataclasses.field(
+        default=None, compare=False, hash=False)
+    backend: str = "auto"
+    pin: str = "arena"
+    publish: str = "event"
+    sim_bandwidth: float = 2e9
+    sim_latency: float = 20e-6
+    sim_jitter: float = 0.0
+    seed: int = 0
+    trace: bool | None = None
+    device: int = 0
+
+    def resolved(self) -> "StreamConfig":
+        """Applies the environment overrides and clamps; warns on clamping."""
+        _check_int_fields(self)
+        routed, depth, trace = self.routed, self.depth, self.trace
+        env = os.environ.get(_ENV_ROUTED)
+        if env is not None and env.strip() != "":
+            if env.strip() not in ("0", "1"):
+                raise ValueError(f"{_ENV_ROUTED}={env!r}: expected 0 or 1")
+            routed = env.strip() == "1"
+        env = os.environ.get(_ENV_DEPTH)
+        source = "depth"
+        if env is not None and env.strip() != "":
+            try:
+                depth = int(env)
+            except ValueError:
+                raise ValueError(f"{_ENV_DEPTH}={env!r}: expected an integer 1..256") from None
+            source = _ENV_DEPTH
+        used = min(max(int(depth), DEPTH_MIN), DEPTH_MAX)
+        if used != depth:
+            warnings.warn(
+                f"{source}={depth} is outside {DEPTH_MIN}..{DEPTH_MAX}; using {used}",
+                stacklevel=3)
+        if trace is None:
+            trace = os.environ.get(_ENV_TRACE, "0").strip() not in ("", "0")
+        publish = self.publish
+        env = os.environ.get(_ENV_PUBLISH)
+        if env is not None and env.strip() != "":
+            publish = env.strip()
+            if publish not in _PUBLISH_MODES:
+                raise ValueError(f"{_ENV_PUBLISH}={env!r}: expected one of "
+                                 f"{sorted(_PUBLISH_MODES)}")
+        if publish not in _PUBLISH_MODES:
+            raise ValueError(f"publish={publish!r}: expected one of {sorted(_PUBLISH_MODES)}")
+        if self.pin not in _PIN_MODES:
+            raise ValueError(f"pin={self.pin!r}: expected one of {sorted(_PIN_MODES)}")
+        if self.backend not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"backend={self.backend!r}: expected 'auto', 'cpu' or 'cuda'")
+        if self.stream_floor < 1:
+            raise ValueError(f"stream_floor={self.stream_floor}: must be at least 1")
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}: expected one of {list(_LAYOUTS)}")
+        if self.frames_from < 1:
+            raise ValueError(f"frames_from={self.frames_from}: must be at least 1 (a chunk "
+                             f"length in tokens; layout='frames' or 'packed' fixes one layout)")
+        if self.tail_pieces < 1:
+            raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
+                             f"last MoE layer whole)")
+        if self.tail_from < 1:
+            raise ValueError(f"tail_from={self.tail_from}: must be at least 1 (a chunk length "
+                             f"in tokens)")
+        if self.resident_per_layer < 0:
+            raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
+        return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace),
+                                   publish=publish)
+
+
+# StreamConfig's integer fields and what each takes (the ValueError's wording).
+_INT_FIELDS = {
+    "depth": f"an integer {DEPTH_MIN}..{DEPTH_MAX}",
+    "ring": "an integer (ring slots) or None",
+    "frames_from": "an integer >= 1 (tokens)",
+    "tail_pieces": "an integer >= 1",
+    "tail_from": "an integer >= 1 (tokens)",
+    "stream_floor": "an integer >= 1 (tokens)",
+    "resident_per_layer": "an integer >= 0",
+    "seed": "an integer",
+    "device": "an integer (a CUDA device ordinal)",
+}
+
+
+def _check_int_fields(sc: StreamConfig) -> None:
+    """A ValueError naming the option for an integer field given anything else (a str, a float,
+    a bool), instead of int()'s or a comparison's bare message."""
+    for name, expected in _INT_FIELDS.items():
+        value = getattr(sc, name)
+        if value is None and name == "ring":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name}={value!r}: expected {expected}")

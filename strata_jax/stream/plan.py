@@ -1,0 +1,220 @@
+"""The stream plan: which experts stay resident, the stream order and the ring.
+
+`plan_stream` is the plan a `StreamEngine` follows; it is pure (no environment, no device, no
+native library), so `strata-jax info` reports it without either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..experts import blob_size
+from .config import StreamConfig, _check_int_fields
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..profile import ExpertProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """Where each expert of a model lives, and the ring that carries the streamed ones.
+
+    Made by `plan_stream`; a StreamEngine follows it, and `strata-jax info` reports it.
+
+    Attributes:
+        resident: Per model layer, the sorted ids of the experts kept on the device (empty for
+            dense layers).
+        stream_list: The (layer, expert) entries of one chunk's stream, in layer order and
+            hottest first within a layer (by the profile; without one, the lowest ids).
+        streamed_mask: bool [n_layers, n_experts], read-only: which experts cross the link.
+        streamed_per_layer: int64 [n_layers], read-only: streamed experts per layer.
+        ring: Ring slots, `frames` layer frames of n_experts slots each.
+        blob_bytes: Bytes of one expert (one ring slot).
+        ring_budget_slots: Slots `ring_budget_gib` holds, or None when the ring was given.
+        ring_fits_budget: False only for a plan made with `check_ring_budget=False` whose ring
+            budget cannot hold one layer frame (`ring` is then one frame).
+    """
+
+    resident: tuple[tuple[int, ...], ...]
+    stream_list: tuple[tuple[int, int], ...]
+    streamed_mask: np.ndarray = dataclasses.field(compare=False, repr=False)
+    streamed_per_layer: np.ndarray = dataclasses.field(compare=False, repr=False)
+    ring: int
+    blob_bytes: int
+    ring_budget_slots: int | None = None
+    ring_fits_budget: bool = True
+
+    @property
+    def resident_count(self) -> int:
+        """Experts resident on the device, all layers."""
+        return sum(len(r) for r in self.resident)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Device bytes of the resident experts."""
+        return self.resident_count * self.blob_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        """Device bytes of the ring."""
+        return self.ring * self.blob_bytes
+
+    @property
+    def frames(self) -> int:
+        """Layer frames in the ring: MoE layer number i (in order) uses frame i % frames."""
+        n_experts = self.streamed_mask.shape[1]
+        return self.ring // n_experts if n_experts else 0
+
+    @property
+    def max_streamed_per_layer(self) -> int:
+        """The most experts one layer streams: what the ring must hold at least."""
+        return int(self.streamed_per_layer.max(initial=0))
+
+
+def _as_profile(config: ModelConfig, prof) -> "ExpertProfile | None":
+    """StreamConfig.profile as an ExpertProfile checked against `config`, or None."""
+    from ..profile import ExpertProfile
+
+    if prof is None:
+        return None
+    if isinstance(prof, ExpertProfile):
+        return prof.check(config)
+    counts = np.asarray(prof)
+    L, E = config.n_layers, config.n_experts
+    if counts.shape != (L, E):
+        raise ValueError(
+            f"expert profile has shape {counts.shape}; this model {config.name!r} needs ({L}, {E}) "
+            "(a profile recorded on another model?)")
+    if counts.size and not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"expert profile counts must be integers, got dtype {counts.dtype}")
+    return ExpertProfile(counts, model=config.name, top_k=config.top_k).check(config)
+
+
+def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
+                blob_bytes: int | None = None, *, device_bytes: int | None = None,
+                check_ring_budget: bool = True) -> StreamPlan:
+    """The stream plan of a model: resident experts, the stream order and the ring.
+
+    Pure: reads neither the environment nor a device, and needs no native library. A
+    StreamEngine made with the same config follows exactly this plan.
+
+    Rules:
+      - Residents: `resident_budget_gib` (when given) is filled with the hottest experts of the
+        whole model by `profile`, or without a profile spread evenly over the MoE layers (the
+        lowest ids of each); else `resident_per_layer` experts per MoE layer (the hottest by
+        `profile`, else the lowest ids).
+      - The stream list: every other expert of each MoE layer, in layer order, hottest first
+        within a layer (ties by the lower id; without a profile, by id).
+      - The ring: whole layer frames of n_experts slots (a layer's experts are read where they
+        land, resident ones copied in, so a frame holds a whole layer). `ring` slots when given
+        (at least one layer's streamed experts), rounded down to whole frames, at least one;
+        else two frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`,
+        and never fewer than one; one frame when nothing streams.
+
+    Args:
+        config: The model config.
+        stream: The StreamConfig whose ring, ring_budget_gib, resident_per_layer,
+            resident_budget_gib and profile are planned (default: StreamConfig()).
+        blob_bytes: Bytes of one expert; default: the config's (gate + up + down in its dtype).
+        device_bytes: Memory of the device the residents go to, where known: a
+            `resident_budget_gib` larger than it is refused.
+        check_ring_budget: False returns a plan whose ring budget cannot hold one layer's
+            streamed experts (with `ring_fits_budget=False` and a one-layer ring) instead of
+            raising, for reports such as `strata-jax info`.
+
+    Raises:
+        ValueError: a profile of another model (or not integer counts); a negative
+            resident_per_layer or one above the experts of a layer; a negative resident budget,
+            or one larger than `device_bytes`; a ring of fewer than one slot or than one layer's
+            streamed experts; a ring budget that cannot hold one layer frame.
+    """
+    sc = StreamConfig() if stream is None else stream
+    L, E = config.n_layers, config.n_experts
+    moe_layers = tuple(config.moe_layers)
+    if blob_bytes is None:
+        blob_bytes = blob_size(config.hidden_size, config.expert_intermediate) * \
+            np.dtype(config.dtype).itemsize
+    blob_bytes = int(blob_bytes)
+    if blob_bytes < 1:
+        raise ValueError(f"blob_bytes={blob_bytes}: an expert takes at least one byte")
+    _check_int_fields(sc)
+    if sc.resident_per_layer < 0:
+        raise ValueError(f"resident_per_layer={sc.resident_per_layer}: must be >= 0")
+
+    profile = _as_profile(config, sc.profile)
+    order = {l: (profile.order(l) if profile is not None else list(range(E)))
+             for l in moe_layers}  # hottest first; without a profile the lowest ids
+    resident: list[list[int]] = [[] for _ in range(L)]
+    if sc.resident_budget_gib is not None:
+        budget_gib = float(sc.resident_budget_gib)
+        if not budget_gib >= 0:
+            raise ValueError(f"resident_budget_gib={sc.resident_budget_gib}: must be >= 0 "
+                             "(GiB of device memory for resident experts)")
+        if device_bytes is not None and budget_gib * 2**30 > device_bytes:
+            raise ValueError(
+                f"resident_budget_gib={budget_gib:g} is larger than the device "
+                f"({device_bytes / 2**30:.1f} GiB in all); give at most what is left after "
+                "the dense weights, KV cache and ring")
+        if profile is not None:
+            resident = profile.resident_set(config, budget_gib, blob_bytes)
+        else:
+            budget = int(budget_gib * 2**30) // blob_bytes
+            per = budget // max(len(moe_layers), 1)
+            for l in moe_layers:
+                resident[l] = [int(e) for e in order[l][:min(per, E)]]
+    elif sc.resident_per_layer:
+        if sc.resident_per_layer > E:
+            raise ValueError(f"resident_per_layer={sc.resident_per_layer} exceeds the "
+                             f"{E} experts of a layer")
+        for l in moe_layers:
+            resident[l] = [int(e) for e in order[l][:sc.resident_per_layer]]
+    stream_list: list[tuple[int, int]] = []
+    for l in moe_layers:
+        res = set(resident[l])
+        stream_list += [(l, int(e)) for e in order[l] if e not in res]
+
+    # [L, E]: which experts cross the link; every chunk's stats are read against it.
+    mask = np.zeros((L, E), bool)
+    for l, e in stream_list:
+        mask[l, e] = True
+    per_layer = mask.sum(axis=1).astype(np.int64)
+    mask.flags.writeable = False
+    per_layer.flags.writeable = False
+
+    need = int(per_layer.max(initial=0))
+    budget_slots, fits = None, True
+    if sc.ring is not None:
+        ring = int(sc.ring)
+        if ring < 1:
+            raise ValueError(f"a ring of {ring} slots cannot work; it needs at least one slot")
+        if ring < need:
+            raise ValueError(
+                f"a ring of {ring} slots cannot hold one layer's {need} streamed experts; "
+                f"use ring >= {need} (one layer plus read-ahead: {2 * E})")
+        frames = max(1, ring // E) if E else 1
+    else:
+        if not float(sc.ring_budget_gib) >= 0:
+            raise ValueError(f"ring_budget_gib={sc.ring_budget_gib}: must be >= 0 (GiB of "
+                             "device memory for the ring)")
+        budget_slots = int(sc.ring_budget_gib * 2**30) // blob_bytes
+        budget_frames = budget_slots // E if E else 1
+        if need == 0:
+            frames = 1
+        else:
+            fits = budget_frames >= 1
+            if not fits and check_ring_budget:
+                raise ValueError(
+                    f"ring_budget_gib={sc.ring_budget_gib} holds {budget_slots} experts of "
+                    f"{blob_bytes / 2**20:.1f} MiB, fewer than one layer frame of {E} experts "
+                    f"({E * blob_bytes / 2**30:.2f} GiB: a layer is read where it lands, its "
+                    "resident experts copied in); raise the budget")
+            frames = max(1, min(2, budget_frames))
+    ring = frames * max(E, 1)
+    return StreamPlan(
+        resident=tuple(tuple(sorted(r)) for r in resident), stream_list=tuple(stream_list),
+        streamed_mask=mask, streamed_per_layer=per_layer, ring=ring, blob_bytes=blob_bytes,
+        ring_budget_slots=budget_slots, ring_fits_budget=fits)

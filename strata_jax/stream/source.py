@@ -1,0 +1,121 @@
+"""`StreamedExperts`: the model's expert source inside a jitted chunk.
+
+After each MoE layer's router it publishes the layer's per-expert counts and takes the layer's
+expert weights from the stream (the ops of `strata_jax.stream.ops`), in pieces for the last
+MoE layer of a long streamed chunk.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ..config import ModelConfig
+from ..experts import ExpertWeights
+from ..grouped_matmul import row_pieces
+from .config import _MODE_STREAM_PACKED, _STREAM_MODES
+from .ops import begin, end, fetch, fetch_frame, publish, release
+
+
+class StreamedExperts:
+    """The model's expert source inside one traced chunk.
+
+    Made inside the jitted function: `begin` on construction (`ids`: the chunk's next `n_ids`
+    staged token ids), then for each MoE layer `publish` (the router's counts), `fetch` (the
+    layer's weights: in a frames chunk its ring frame, read in place where `frames` are
+    given, else a copy of it; in a packed chunk fetch's own outputs, split from the copied
+    blobs) and, after the layer's expert math, `release` (its frame may take a later layer);
+    `finish` returns end_chunk's per-layer (copied, skipped).
+
+    `tail_pieces` > 1 (a streamed chunk; StreamConfig.tail_pieces): the layer `tail_layer`
+    (the last MoE layer) is fetched in that many pieces of its sorted rows (`row_pieces`,
+    `expert_weights_piece`), so that its expert math runs as its copies land and only the
+    last piece's math follows the chunk's last copy.
+    """
+
+    def __init__(self, engine_id: int, mode: int, config: ModelConfig,
+                 resident_blobs: dict[int, jax.Array], token: jax.Array, n_ids: int = 0,
+                 frames: tuple[ExpertWeights, ...] | None = None,
+                 frame_of: dict[int, int] | None = None, *, tail_pieces: int = 1,
+                 tail_layer: int | None = None):
+        if frames is not None and frame_of is None:
+            raise ValueError("frames need frame_of (StreamEngine.frame_of)")
+        if tail_pieces < 1:
+            raise ValueError(f"tail_pieces={tail_pieces}: must be at least 1")
+        if tail_pieces > 1 and mode not in _STREAM_MODES:
+            raise ValueError("tail_pieces > 1 needs a streamed chunk (a routed-only chunk "
+                             "fetches each layer whole)")
+        self.engine_id = engine_id
+        self.config = config
+        self.resident_blobs = resident_blobs
+        # A packed chunk's layers come out of fetch; a frames chunk reads its frames.
+        self.frames = None if mode == _MODE_STREAM_PACKED else frames
+        self.frame_of = frame_of
+        self.tail_pieces = tail_pieces
+        self.tail_layer = tail_layer
+        self._so_far: ExpertWeights | None = None  # a packed layer's outputs, piece by piece
+        self.token, self.ids = begin(engine_id, mode, token, n_ids)
+
+    def expert_weights(self, layer: int, counts: jax.Array,
+                       resident: ExpertWeights | None) -> ExpertWeights:
+        del resident  # the stream supplies every expert, resident ones from the cache
+        self._publish(layer, counts)
+        with jax.named_scope(f"stream_fetch_{layer}"):
+            return self._fetch(layer, 0, 1, (0, 0))
+
+    def _publish(self, layer: int, counts: jax.Array) -> None:
+        with jax.named_scope(f"stream_publish_{layer}"):
+            self.token = publish(self.engine_id, layer, self.token, counts)
+
+    def row_pieces(self, layer: int, n_rows: int) -> tuple[int, ...] | None:
+        """The static bounds of `layer`'s pieces over its `n_rows` sorted rows, or None where
+        the layer is fetched whole."""
+        if layer != self.tail_layer or self.tail_pieces <= 1:
+            return None
+        bounds = row_pieces(n_rows, self.tail_pieces)
+        return bounds if len(bounds) > 2 else None
+
+    def expert_weights_piece(self, layer: int, counts: jax.Array, bounds: tuple[int, ...],
+                             piece: int, after: jax.Array | None) -> ExpertWeights:
+        """The layer's weights for piece `piece` of `bounds` (`row_pieces`): every expert with
+        rows in the piece's range is there (and those of the pieces before). Pieces come in
+        order; `after` (an output of the piece before's expert math) makes this piece's
+        fetch, and its wait for the piece's copies, follow that math on XLA's stream."""
+        if piece == 0:
+            self._publish(layer, counts)
+        elif after is None:
+            raise ValueError(f"piece {piece} of layer {layer} needs `after`")
+        with jax.named_scope(f"stream_fetch_{layer}_{piece}"):
+            return self._fetch(layer, piece, len(bounds) - 1, (bounds[piece], bounds[piece + 1]),
+                               after)
+
+    def _fetch(self, layer: int, piece: int, pieces: int, rows: tuple[int, int],
+               after: jax.Array | None = None) -> ExpertWeights:
+        attrs = {"piece": piece, "pieces": pieces, "rows": rows}
+        if self.frames is None:
+            w, self.token = fetch(self.engine_id, layer, self.token, self.resident_blobs[layer],
+                                  self.config.n_experts, self.config.hidden_size,
+                                  self.config.expert_intermediate,
+                                  so_far=self._so_far if piece > 0 else None,
+                                  after=after if piece > 0 else None, **attrs)
+            self._so_far = w if piece + 1 < pieces else None
+            return w
+        if piece > 0:  # the frame is read in place: the order is all this needs
+            _, self.token = jax.lax.optimization_barrier((after, self.token))
+        tok = fetch_frame(self.engine_id, layer, self.token, self.resident_blobs[layer],
+                          **attrs)
+        # The frame is a program input: the barrier makes every read of it wait for fetch.
+        w, self.token = jax.lax.optimization_barrier(
+            (tuple(self.frames[self.frame_of[layer]]), tok))
+        return ExpertWeights(*w)
+
+    def release(self, layer: int, outs):
+        """After the layer's expert math: `outs` (its outputs, any pytree of arrays) come back
+        once all are computed and the layer's frame is released."""
+        with jax.named_scope(f"stream_release_{layer}"):
+            outs = jax.lax.optimization_barrier(outs)  # every output, before the release
+            tok = release(self.engine_id, layer, self.token, jax.tree_util.tree_leaves(outs)[0])
+            outs, self.token = jax.lax.optimization_barrier((outs, tok))
+        return outs
+
+    def finish(self) -> jax.Array:
+        return end(self.engine_id, self.token, self.config.n_layers)
