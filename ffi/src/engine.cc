@@ -281,6 +281,43 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
              : ", piece " + std::to_string(piece.piece) + " of " +
                    std::to_string(piece.pieces)) +
       ": ";
+  if (Status s = CheckFetch(where, layer, resident_bytes, out, out_bytes, piece);
+      !s.empty())
+    return s;
+  if (Status s = CheckFetchMayRun(where, layer, out, piece); !s.empty())
+    return s;
+  const FetchRows rows = FetchTargets(ord_[layer], out, whole);
+  if (piece.piece == 0) {
+    if (Status s = CopyResidentRows(where, layer, resident, rows, stream);
+        !s.empty())
+      return s;
+    piece_layer_ = layer;
+    piece_count_ = piece.pieces;
+    piece_next_ = 0;
+    piece_k_ = layer_begin_[layer];
+  }
+  int64_t k_end = 0;
+  if (Status s = PieceEntries(where, layer, piece, &k_end); !s.empty())
+    return s;
+  Status s = Streams(mode_) ? ReadStreamed(where, layer, k_end, rows, stream)
+                            : ReadRoutedOnly(where, layer, rows.base, stream);
+  if (!s.empty()) return s;
+  if (out && !packed() && whole) {
+    s = CopyRows(rows.frame, opt_.n_experts, rows.outs, stream);
+    if (!s.empty()) return Fail(where + "copy out of the frame: " + s);
+  }
+  piece_k_ = k_end;
+  if (++piece_next_ == piece_count_) {
+    piece_layer_ = -1;
+    ++fetched_;
+  }
+  return {};
+}
+
+Status Engine::CheckFetch(const std::string& where, int layer,
+                          int64_t resident_bytes, void* const* out,
+                          const int64_t* out_bytes, const FetchPiece& piece) {
+  const bool whole = piece.pieces == 1;
   if (!in_chunk_) return where + "outside a chunk (begin_chunk not run)";
   if (layer < 0 || layer >= opt_.n_layers)
     return Fail(where + "outside the model's " + std::to_string(opt_.n_layers) +
@@ -336,6 +373,11 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
                 std::to_string(resident_bytes) + " bytes; the plan has " +
                 std::to_string(n_res) + " resident experts (" +
                 std::to_string(blob * n_res) + " bytes)");
+  return {};
+}
+
+Status Engine::CheckFetchMayRun(const std::string& where, int layer,
+                                void* const* out, const FetchPiece& piece) {
   if (piece.piece == 0 && fault_.load() != 0 && fault_layer_ == layer) {
     Fault f = static_cast<Fault>(fault_.exchange(0));
     if (f == Fault::kError) return Fail(where + "injected fault");
@@ -349,138 +391,158 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
   if (packed() && !out)
     return Fail(where + "a packed chunk is read through fetch's outputs, not in place "
                         "(fetch_frame is for frames chunks)");
+  return {};
+}
+
+Engine::FetchRows Engine::FetchTargets(int64_t o, void* const* out,
+                                       bool whole) const {
   // Where rows go. Packed: straight to the outputs (the ring only holds the
   // copied blobs, slot s at s * blob). Frames: the layer's frame, copied out
   // to the outputs afterwards where there are outputs.
-  const Rows frame = SlotRows((o % frames()) * opt_.n_experts);
-  Rows base = frame;
+  FetchRows rows;
+  rows.frame = SlotRows((o % frames()) * opt_.n_experts);
+  rows.base = rows.frame;
   if (packed())
-    for (int p = 0; p < kParts; ++p) base.part[p] = static_cast<uint8_t*>(out[p]);
-  Rows outs{};
+    for (int p = 0; p < kParts; ++p) rows.base.part[p] = static_cast<uint8_t*>(out[p]);
+  rows.outs = Rows{};
   if (out)
-    for (int p = 0; p < kParts; ++p) outs.part[p] = static_cast<uint8_t*>(out[p]);
-  const bool copy_out = out && !packed() && !whole;  // frames, row by row
+    for (int p = 0; p < kParts; ++p) rows.outs.part[p] = static_cast<uint8_t*>(out[p]);
+  rows.copy_out = out && !packed() && !whole;  // frames, row by row
+  return rows;
+}
+
+Status Engine::CopyResidentRows(const std::string& where, int layer,
+                                const void* resident, const FetchRows& rows,
+                                void* stream) {
+  const int64_t blob = opt_.blob_bytes;
+  const int64_t n_res = static_cast<int64_t>(resident_[layer].size());
   const uint8_t* res = static_cast<const uint8_t*>(resident);
   Status s;
-  const int64_t k0 = layer_begin_[layer], k1 = layer_begin_[layer + 1];
-  if (piece.piece == 0) {
-    // Rows are indexed by expert id and host blobs sit in expert order, so
-    // adjacent experts move as one copy (runs); fewer calls on XLA's stream.
-    const std::vector<int32_t>& res_ids = resident_[layer];
-    for (int64_t r = 0; r < n_res;) {
-      int64_t n = 1;
-      while (r + n < n_res && res_ids[r + n] == res_ids[r] + n) ++n;
-      s = CopyResident(res + r * blob, n, At(base, res_ids[r]), stream);
-      if (s.empty() && copy_out)
-        s = CopyRows(At(frame, res_ids[r]), n, At(outs, res_ids[r]), stream);
-      if (!s.empty()) return Fail(where + s);
-      r += n;
-    }
-    piece_layer_ = layer;
-    piece_count_ = piece.pieces;
-    piece_next_ = 0;
-    piece_k_ = k0;
+  // Rows are indexed by expert id and host blobs sit in expert order, so
+  // adjacent experts move as one copy (runs); fewer calls on XLA's stream.
+  const std::vector<int32_t>& res_ids = resident_[layer];
+  for (int64_t r = 0; r < n_res;) {
+    int64_t n = 1;
+    while (r + n < n_res && res_ids[r + n] == res_ids[r] + n) ++n;
+    s = CopyResident(res + r * blob, n, At(rows.base, res_ids[r]), stream);
+    if (s.empty() && rows.copy_out)
+      s = CopyRows(At(rows.frame, res_ids[r]), n, At(rows.outs, res_ids[r]),
+                   stream);
+    if (!s.empty()) return Fail(where + s);
+    r += n;
   }
+  return {};
+}
+
+Status Engine::PieceEntries(const std::string& where, int layer,
+                            const FetchPiece& piece, int64_t* k_end) {
   // The entries this piece reads: up to the last one whose expert has rows in
   // [row_begin, row_end) (rows are sorted by expert id: the routing counts
   // say which), the rest of the layer for its last piece.
-  int64_t k_end = k1;
+  *k_end = layer_begin_[layer + 1];
   if (piece.piece + 1 < piece.pieces) {
-    k_end = piece_k_;
-    s = WaitPublished(layer);
+    *k_end = piece_k_;
+    Status s = WaitPublished(layer);
     if (!s.empty()) return Fail(where + s);
     int64_t row = 0;
     for (int e = 0; e < opt_.n_experts && row < piece.row_end; ++e) {
       const int64_t c = gate_.Count(layer, e);
       if (c > 0 && row + c > piece.row_begin) {
         const int64_t k = entry_of_[static_cast<size_t>(layer) * opt_.n_experts + e];
-        if (k >= 0) k_end = std::max(k_end, k + 1);
+        if (k >= 0) *k_end = std::max(*k_end, k + 1);
       }
       row += c;
     }
   }
+  return {};
+}
+
+bool Engine::AdjacentEntries(int64_t a, int64_t b) const {
+  return stream_[b].expert == stream_[a].expert + (b - a);
+}
+
+Status Engine::ReadStreamed(const std::string& where, int layer, int64_t k_end,
+                            const FetchRows& rows, void* stream) {
+  const int64_t blob = opt_.blob_bytes;
   LayerStats& st = stats_[layer];
-  auto adjacent = [&](int64_t a, int64_t b) {
-    return stream_[b].expert == stream_[a].expert + (b - a);
-  };
   const int64_t kb = piece_k_;
-  if (Streams(mode_)) {
-    // Frames: the copies land where the model reads them: nothing to copy
-    // out, only the skipped rows to zero and one wait, on the piece's last
-    // copy. Packed: each run split out as soon as it lands.
-    if (k_end > kb && !state_.WaitIssued(k_end - 1))
-      return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
-                                        : std::string("the walk was stopped")));
-    int64_t last = -1;
-    for (int64_t k = kb; k < k_end;) {
-      const bool copied = state_.entry_state(k) == EntryState::kCopied;
-      int64_t n = 1;
-      while (k + n < k_end && adjacent(k, k + n) &&
-             (state_.entry_state(k + n) == EntryState::kCopied) == copied &&
-             !(copied && (packed() || copy_out) && n == kSplitRun))
-        ++n;
-      const int64_t expert = stream_[k].expert;
-      if (copied) {
-        st.copied += n;
-        st.bytes += n * blob;
-        last = k + n - 1;
-        if (packed() || copy_out) {
-          // Split (packed) or copied out (frames) run by run, each of at
-          // most kSplitRun experts as soon as it lands, so that little of
-          // it is left for after the layer's last copy.
-          s = WaitCopied(last, slot_of_[last], stream);
-          if (!s.empty()) return Fail(where + s);
-          s = packed() ? CopyResident(PackedSlot(slot_of_[k]), n, At(base, expert), stream)
-                       : CopyRows(At(frame, expert), n, At(outs, expert), stream);
-          if (!s.empty())
-            return Fail(where + (packed() ? "split of the ring's blobs: "
-                                          : "copy out of the frame: ") + s);
-        }
-      } else {
-        // No token reads them.
-        s = ZeroRows(At(copy_out ? outs : base, expert), n, stream);
+  Status s;
+  // Frames: the copies land where the model reads them: nothing to copy
+  // out, only the skipped rows to zero and one wait, on the piece's last
+  // copy. Packed: each run split out as soon as it lands.
+  if (k_end > kb && !state_.WaitIssued(k_end - 1))
+    return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
+                                      : std::string("the walk was stopped")));
+  int64_t last = -1;
+  for (int64_t k = kb; k < k_end;) {
+    const bool copied = state_.entry_state(k) == EntryState::kCopied;
+    int64_t n = 1;
+    while (k + n < k_end && AdjacentEntries(k, k + n) &&
+           (state_.entry_state(k + n) == EntryState::kCopied) == copied &&
+           !(copied && (packed() || rows.copy_out) && n == kSplitRun))
+      ++n;
+    const int64_t expert = stream_[k].expert;
+    if (copied) {
+      st.copied += n;
+      st.bytes += n * blob;
+      last = k + n - 1;
+      if (packed() || rows.copy_out) {
+        // Split (packed) or copied out (frames) run by run, each of at
+        // most kSplitRun experts as soon as it lands, so that little of
+        // it is left for after the layer's last copy.
+        s = WaitCopied(last, slot_of_[last], stream);
         if (!s.empty()) return Fail(where + s);
-        st.skipped += n;
+        s = packed() ? CopyResident(PackedSlot(slot_of_[k]), n,
+                                    At(rows.base, expert), stream)
+                     : CopyRows(At(rows.frame, expert), n,
+                                At(rows.outs, expert), stream);
+        if (!s.empty())
+          return Fail(where + (packed() ? "split of the ring's blobs: "
+                                        : "copy out of the frame: ") + s);
       }
-      k += n;
-    }
-    if (last >= 0 && !packed() && !copy_out) {
-      s = WaitCopied(last, slot_of_[last], stream);
+    } else {
+      // No token reads them.
+      s = ZeroRows(At(rows.copy_out ? rows.outs : rows.base, expert), n, stream);
       if (!s.empty()) return Fail(where + s);
+      st.skipped += n;
     }
-  } else {
-    if (k1 > k0) {
-      s = WaitPublished(layer);
-      if (!s.empty()) return Fail(where + s);
-    }
-    for (int64_t k = k0; k < k1;) {
-      const StreamEntry& e = stream_[k];
-      const bool routed = gate_.Routed(e.layer, e.expert);
-      int64_t n = 1;
-      while (k + n < k1 && adjacent(k, k + n) &&
-             gate_.Routed(e.layer, stream_[k + n].expert) == routed)
-        ++n;
-      const Rows row = At(base, e.expert);
-      if (routed) {
-        s = CopyDirect(e.layer, e.expert, n, row, stream);
-        st.copied += n;
-        st.bytes += n * blob;
-      } else {
-        s = ZeroRows(row, n, stream);
-        st.skipped += n;
-      }
-      if (!s.empty()) return Fail(where + s);
-      k += n;
-    }
+    k += n;
   }
-  if (out && !packed() && whole) {
-    s = CopyRows(frame, opt_.n_experts, outs, stream);
-    if (!s.empty()) return Fail(where + "copy out of the frame: " + s);
+  if (last >= 0 && !packed() && !rows.copy_out) {
+    s = WaitCopied(last, slot_of_[last], stream);
+    if (!s.empty()) return Fail(where + s);
   }
-  piece_k_ = k_end;
-  if (++piece_next_ == piece_count_) {
-    piece_layer_ = -1;
-    ++fetched_;
+  return {};
+}
+
+Status Engine::ReadRoutedOnly(const std::string& where, int layer,
+                              const Rows& base, void* stream) {
+  const int64_t blob = opt_.blob_bytes;
+  LayerStats& st = stats_[layer];
+  const int64_t k0 = layer_begin_[layer], k1 = layer_begin_[layer + 1];
+  Status s;
+  if (k1 > k0) {
+    s = WaitPublished(layer);
+    if (!s.empty()) return Fail(where + s);
+  }
+  for (int64_t k = k0; k < k1;) {
+    const StreamEntry& e = stream_[k];
+    const bool routed = gate_.Routed(e.layer, e.expert);
+    int64_t n = 1;
+    while (k + n < k1 && AdjacentEntries(k, k + n) &&
+           gate_.Routed(e.layer, stream_[k + n].expert) == routed)
+      ++n;
+    const Rows row = At(base, e.expert);
+    if (routed) {
+      s = CopyDirect(e.layer, e.expert, n, row, stream);
+      st.copied += n;
+      st.bytes += n * blob;
+    } else {
+      s = ZeroRows(row, n, stream);
+      st.skipped += n;
+    }
+    if (!s.empty()) return Fail(where + s);
+    k += n;
   }
   return {};
 }

@@ -143,13 +143,12 @@ class Engine {
   // fails still uses its ids up, so the chunks after it keep theirs. They
   // reach the device as kernel arguments on XLA's stream, not as a copy: a
   // host-to-device copy queued on another stream while the walk's copies
-  // stream waited for the copy stream's queue to drain on the H200 (44 ms at
-  // 32K tokens).
+  // stream waits for the copy stream's queue to drain.
   Status StageIds(const int32_t* ids, int64_t n, bool reset);
   // From the host, just before a prefill dispatches its first chunk, with no
   // chunk of this engine queued: runs that chunk's begin now, so the issuer
-  // and the link start while the host is still launching the program (about
-  // 1.4 ms before its begin_chunk on the H200). Until the program's own
+  // and the link start while the host is still launching the program,
+  // before its begin_chunk runs. Until the program's own
   // begin_chunk adopts the walk (same mode), the walk holds itself to
   // kPrestartHold entries ahead of the copies landed, so that a copy another
   // stream queues meanwhile (a caller's; the prefill's own ids need none, see
@@ -357,8 +356,8 @@ class Engine {
   int64_t piece_k_ = 0;
   // A packed chunk's fetch splits copied blobs into its outputs (and a frames
   // chunk with outputs copies rows out) in runs of at most this many experts,
-  // each as soon as it lands: a whole layer split after its last copy was
-  // 0.66 ms of a chunk's tail on the H200 (eleventh session).
+  // each as soon as it lands, so that the split of a layer does not all wait
+  // for its last copy and run in the chunk's tail.
   static constexpr int64_t kSplitRun = 8;
   int64_t fetched_ = 0, released_ = 0;  // layers, this chunk
   RouteGate gate_;
@@ -384,6 +383,55 @@ class Engine {
   std::vector<int32_t> ids_;    // staged ids, under ids_mu_
   int64_t ids_next_ = 0;        // the next one to take, under ids_mu_
   static std::atomic<bool> depth_line_printed_;
+
+ private:
+  // Fetch's steps, in the order it runs them. Each takes `where`, the prefix
+  // of its messages, and fails the chunk (Fail) on an error it returns, but
+  // for a fetch outside a chunk, which has no chunk to fail.
+
+  // Where one fetch writes: `frame`, the layer's frame; `base`, where its rows
+  // go (the frame, or a packed chunk's outputs); `outs`, the outputs (null
+  // planes without them); `copy_out`, whether a frames chunk with outputs
+  // copies its rows out run by run (fetched in pieces).
+  struct FetchRows {
+    Rows frame;
+    Rows base;
+    Rows outs;
+    bool copy_out;
+  };
+  // Checks the call against the chunk, the model, the plan and the pieces
+  // fetched before it, and the resident operand's size.
+  Status CheckFetch(const std::string& where, int layer, int64_t resident_bytes,
+                    void* const* out, const int64_t* out_bytes,
+                    const FetchPiece& piece);
+  // Fires a fault injected for this layer, then fails the fetch of a stopped
+  // walk, and that of a packed chunk without outputs.
+  Status CheckFetchMayRun(const std::string& where, int layer, void* const* out,
+                          const FetchPiece& piece);
+  // Where the fetch of the layer `o`-th among those that fetch writes (its
+  // frame is o % frames()).
+  FetchRows FetchTargets(int64_t o, void* const* out, bool whole) const;
+  // Piece 0: the layer's resident experts from `resident` into their rows
+  // (copied out too where `copy_out`).
+  Status CopyResidentRows(const std::string& where, int layer,
+                          const void* resident, const FetchRows& rows,
+                          void* stream);
+  // The end (exclusive) of the entries this piece reads, into `k_end`.
+  Status PieceEntries(const std::string& where, int layer,
+                      const FetchPiece& piece, int64_t* k_end);
+  // Whether entry b's expert is entry a's plus b - a: the two are in one run
+  // of adjacent experts (the callers keep them in one layer).
+  bool AdjacentEntries(int64_t a, int64_t b) const;
+  // A streamed chunk: waits for the walk to issue entries piece_k_..k_end-1,
+  // then readies their rows run by run: copied runs split (packed) or copied
+  // out (frames with outputs, in pieces) as each lands, else one wait on the
+  // piece's last copy; skipped runs zeroed.
+  Status ReadStreamed(const std::string& where, int layer, int64_t k_end,
+                      const FetchRows& rows, void* stream);
+  // A routed-only chunk: waits for the layer's routing, then copies its routed
+  // experts straight from the host store into `base` and zeroes the rest.
+  Status ReadRoutedOnly(const std::string& where, int layer, const Rows& base,
+                        void* stream);
 };
 
 std::unique_ptr<Engine> MakeCpuEngine(const EngineOptions& opt, Status* err);
