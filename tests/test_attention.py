@@ -103,21 +103,6 @@ def test_attention_bytes_fused_has_no_score_term():
     assert xla > 32 * 8192 * 40960 * 8
 
 
-def test_path_choice_per_dtype_head_dim_and_platform(monkeypatch):
-    # The fused path wherever cuDNN takes the inputs (GPU, bf16/fp16, head_dim <= 256: every
-    # preset's, qwen3-next's 256 included); exact paths elsewhere.
-    monkeypatch.delenv(A.ATTENTION_ENV_VAR, raising=False)
-    bf16 = ml_dtypes.bfloat16
-    for d in (64, 128, 256):
-        assert A.attention_path(bf16, d, 16, 8192, 40960, first=False, platform="gpu") == "cudnn"
-        assert A.attention_path(np.float16, d, 16, 64, 64, first=True, platform="gpu") == "cudnn"
-    assert A.attention_path(bf16, 512, 16, 64, 128, first=False, platform="gpu") == "xla"
-    assert A.attention_path(np.float32, 128, 16, 64, 128, first=False, platform="gpu") == "xla"
-    assert A.attention_path(np.float64, 128, 16, 64, 128, first=False, platform="gpu") == "einsum"
-    assert A.attention_path(bf16, 128, 16, 64, 128, first=False, platform="cpu") == "xla"
-    assert A.attention_path(bf16, 128, 32, 8192, 40960, first=False, platform="cpu") == "blocked"
-
-
 # ---- the model: chunked prompts and follow-up turns on every path ------------------------------
 
 

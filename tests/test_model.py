@@ -252,12 +252,15 @@ def test_attention_path_is_chosen_by_dtype_size_platform_and_env(monkeypatch):
     assert path(jnp.bfloat16, 128, 32, 8192, 40960, first=False, platform="cpu") == "blocked"
     assert path(jnp.bfloat16, 128, 32, 8192, 40960, first=True, platform="cpu") == "xla"
     assert path(jnp.float64, 128, 32, 8192, 40960, first=False, platform="cpu") == "einsum"
-    # GPU: cuDNN for bf16/fp16 with head_dim <= 128, a multiple of 8; float32 stays exact.
+    # GPU: cuDNN for bf16/fp16 with head_dim <= 256 (qwen3-next's), a multiple of 8; float32
+    # stays exact.
     for dt in (jnp.bfloat16, jnp.float16):
         for first in (True, False):
             assert path(dt, 128, 32, 8192, 40960, first=first, platform="gpu") == "cudnn"
+            assert path(dt, 256, 16, 64, 128, first=first, platform="gpu") == "cudnn"
         assert path(dt, 64, 16, 8192, 40960, first=False, platform="gpu") == "cudnn"
-    assert path(jnp.bfloat16, 256, 8, 64, 128, first=False, platform="gpu") == "xla"
+    assert path(jnp.bfloat16, 512, 8, 64, 128, first=False, platform="gpu") == "xla"
+    assert path(jnp.bfloat16, 100, 8, 64, 128, first=False, platform="gpu") == "xla"
     assert path(jnp.float32, 128, 32, 8192, 40960, first=False, platform="gpu") == "blocked"
     monkeypatch.setenv(M.ATTENTION_ENV_VAR, "blocked")
     assert path(jnp.bfloat16, 16, 2, 4, 16, first=False) == "blocked"
