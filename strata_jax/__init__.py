@@ -5,6 +5,7 @@ stream and the prefill engine load it on first use (`strata_jax.native`).
 """
 
 from .config import PRESETS, ModelConfig, get_preset
+from .kernels import Kernels
 from .experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_blobs,
                       unpack_expert_blobs)
 from .model import KVCache, MoETransformer, build_model, forward, init_cache
@@ -15,7 +16,7 @@ __all__ = [
     "PRESETS", "ModelConfig", "get_preset", "ExpertSource", "ExpertWeights", "ResidentExperts",
     "pack_expert_blobs", "unpack_expert_blobs", "KVCache", "MoETransformer", "build_model",
     "forward", "init_cache", "SKEW_40_PERCENT_512_TOP10", "init_synthetic", "Engine",
-    "StreamConfig", "Session", "ExpertProfile",
+    "StreamConfig", "Session", "ExpertProfile", "Kernels",
 ]
 __version__ = "0.1.0"
 

@@ -1,6 +1,7 @@
 """Grouped-query attention of one chunk: over its own keys (a first chunk) or over a KV cache.
 
-Paths, chosen per call by `attention_path` (static: dtype, shapes, platform, STRATA_ATTENTION):
+Paths, chosen per call by `attention_path` (static: dtype, shapes, platform and the requested
+path, `Kernels.attention`):
 
     "cudnn"    fused cuDNN flash attention, never materialising scores. A first chunk is one
                causal call. A later chunk (start > 0) is two calls merged by their log-sum-exp:
@@ -22,27 +23,18 @@ where expert weights come from) get the same bits.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-ATTENTION_ENV_VAR = "STRATA_ATTENTION"  # auto|cudnn|split|xla|einsum|blocked
-ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
+from .kernels import ATTENTION_PATHS
+
 # A later chunk's attention against the cache builds [heads, T, S] float32 scores on the XLA
 # path: 32 GiB for 8K queries against a 32K cache with 32 heads. Past this many score bytes,
 # "auto" attends block by block over the keys instead (online softmax), holding one block.
 BLOCKED_ATTENTION_BYTES = 1 << 31
 _BLOCK_SCORE_BYTES = 1 << 28  # score bytes of one key block in the blocked path
-
-
-def _requested() -> str:
-    impl = (os.environ.get(ATTENTION_ENV_VAR) or "auto").lower()
-    if impl not in ATTENTION_PATHS:
-        raise ValueError(f"{ATTENTION_ENV_VAR}={impl!r}; expected {'|'.join(ATTENTION_PATHS)}")
-    return impl
 
 
 def fused_available(dtype, head_dim: int, platform: str | None = None) -> bool:
@@ -56,7 +48,7 @@ def fused_available(dtype, head_dim: int, platform: str | None = None) -> bool:
 
 
 def attention_path(dtype, head_dim: int, n_heads: int, n_queries: int, n_keys: int, *,
-                   first: bool, platform: str | None = None) -> str:
+                   first: bool, platform: str | None = None, impl: str = "auto") -> str:
     """The path a chunk's attention runs: "cudnn", "split", "xla", "blocked" or "einsum".
 
     Args:
@@ -66,8 +58,11 @@ def attention_path(dtype, head_dim: int, n_heads: int, n_queries: int, n_keys: i
         n_keys: a later chunk's cache capacity (ignored for a first chunk).
         first: a first chunk (attends to its own keys only).
         platform: "gpu" or "cpu"; default JAX's default backend.
+        impl: the requested path (`Kernels.attention`); "auto" chooses.
     """
-    impl = _requested()
+    impl = (impl or "auto").lower()
+    if impl not in ATTENTION_PATHS:
+        raise ValueError(f"attention path {impl!r}: expected one of {'|'.join(ATTENTION_PATHS)}")
     fused = fused_available(dtype, head_dim, platform)
     if impl == "auto":
         if jnp.dtype(dtype) == jnp.float64:

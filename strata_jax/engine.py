@@ -56,6 +56,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .experts import ExpertWeights
+from .kernels import Kernels
 from .attention import attention_bytes, attention_path
 from .model import KVCache, build_model, expert_param_names, validate_inputs
 from .profile import ExpertProfile
@@ -348,6 +349,8 @@ class Engine:
         progress: Called as progress(done_layers, total_layers) while a streamed engine packs
             each MoE layer's experts into its host store (the long part of making an engine
             for a full-size model).
+        kernels: The grouped matmul and attention the engine's programs use (`Kernels`;
+            default: the measured best on the device).
     """
 
     # Where each compiled call's `info` (end_chunk's stats and the router counts, a few KiB)
@@ -364,7 +367,11 @@ class Engine:
                  order: str = "chunk-major", sub_chunk: int | None = None,
                  layer_major_limit_bytes: int | None = None,
                  device: "jax.Device | str | None" = None,
-                 progress: Callable[[int, int], object] | None = None):
+                 progress: Callable[[int, int], object] | None = None,
+                 kernels: Kernels | None = None):
+        if kernels is not None and not isinstance(kernels, Kernels):
+            raise TypeError(f"kernels must be a strata_jax.Kernels, got {type(kernels).__name__}")
+        self.kernels = kernels if kernels is not None else Kernels()
         if chunk_size is not None and (isinstance(chunk_size, bool)
                                        or not isinstance(chunk_size, (int, np.integer))
                                        or chunk_size < 1):
@@ -408,7 +415,8 @@ class Engine:
         if stream is None:
             self.device = wanted if wanted is not None else jax.devices()[0]
             with jax.default_device(self.device):
-                model = build_model(config, dense, experts=host_experts, resident_experts=True)
+                model = build_model(config, dense, experts=host_experts, resident_experts=True,
+                                    kernels=self.kernels)
         else:
             if wanted is not None and stream.backend in ("cpu", "cuda", "auto"):
                 # Refused before the experts are packed: the stream's platform follows from its
@@ -425,7 +433,7 @@ class Engine:
                     f"{_name(self.device)} (StreamConfig.device={self.streamer.stream.device}); "
                     "pass device=None, or the stream's device")
             with jax.default_device(self.device):
-                model = build_model(config, dense, resident_experts=False)
+                model = build_model(config, dense, resident_experts=False, kernels=self.kernels)
         self._graphdef, state = nnx.split(model)
         state = jax.device_put(state, self.device)
         if chunk_size is None:
@@ -553,7 +561,8 @@ class Engine:
     def _tail_pieces(self, mode: int, bucket: int, *, layer_major: bool) -> int:
         """The pieces a chunk's program runs its last MoE layer in (StreamConfig.tail_pieces),
         chunk-major only: a layer-major prompt's layers run once over all of its sub-chunks."""
-        return 1 if layer_major else self.streamer.tail_pieces(mode, bucket)
+        return 1 if layer_major else self.streamer.tail_pieces(
+            mode, bucket, grouped_matmul=self.kernels.grouped_matmul)
 
     @staticmethod
     def _chunk_ids(piece: np.ndarray, bucket: int, start: int) -> np.ndarray:
@@ -673,7 +682,7 @@ class Engine:
         p, s = self.layer_major_shape(n_tokens)
         prompt = p * (3 * c.hidden_size * it + c.top_k * 8 + 8)
         path = attention_path(c.dtype, c.head_dim, c.n_heads, s, self.capacity, first=False,
-                              platform=self.device.platform)
+                              platform=self.device.platform, impl=self.kernels.attention)
         attention = attention_bytes(path, it, c.n_heads, s, self.capacity, c.head_dim)
         r = s if expert_rows is None else int(expert_rows)
         experts = (r * c.top_k * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))

@@ -5,7 +5,8 @@ every group (5 TFLOP/s measured on the H200, out of memory at 32K tokens x top-8
 path that lets a group with zero rows affect outputs (its weights may be zeros or garbage when they
 were streamed).
 
-Implementations, chosen by `STRATA_GROUPED_MATMUL` (auto|mgpu|lax|tiled, default auto):
+Implementations, chosen by `Kernels.grouped_matmul` (auto|mgpu|lax|tiled, default auto; the
+`impl` argument here):
     mgpu   Pallas Mosaic GPU `ragged_dot` (Hopper only): only the tiles of each group are computed,
            a zero-size group owns no rows and stores nothing. Rows past the last group are never
            stored by the kernel and are zeroed afterwards.
@@ -25,14 +26,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLEMENTATIONS = ("auto", "mgpu", "lax", "tiled")
-ENV_VAR = "STRATA_GROUPED_MATMUL"
+from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
 
 # Measured best on the H200 for MoE shapes (DESIGN.md): 131-349 TFLOP/s.
 MGPU_BLOCK_M = 128
@@ -57,14 +56,14 @@ def is_hopper(device: jax.Device | None = None) -> bool:
 
 
 def resolve_implementation(impl: str | None = None) -> str:
-    """Returns the concrete implementation for `impl` (or the env var, default "auto").
+    """Returns the concrete implementation for `impl` (default "auto").
 
     Raises:
         ValueError: unknown name, or "mgpu" requested on a device that is not a Hopper GPU.
     """
-    impl = (impl or os.environ.get(ENV_VAR) or "auto").lower()
+    impl = (impl or "auto").lower()
     if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"{ENV_VAR}={impl!r}; expected one of {IMPLEMENTATIONS}")
+        raise ValueError(f"grouped matmul {impl!r}: expected one of {'|'.join(IMPLEMENTATIONS)}")
     device = jax.devices()[0]
     if impl == "auto":
         if device.platform == "gpu":
@@ -73,7 +72,8 @@ def resolve_implementation(impl: str | None = None) -> str:
     if impl == "mgpu" and not is_hopper(device):
         raise ValueError(
             f"grouped matmul 'mgpu' needs a Hopper GPU, but the device is "
-            f"{getattr(device, 'device_kind', device.platform)!r}; use 'tiled' or 'lax'")
+            f"{getattr(device, 'device_kind', device.platform)!r}; use 'tiled' or 'lax' "
+            "(Kernels(grouped_matmul=...))")
     # "lax" on a GPU is allowed on request (tests compare against it) but never picked by "auto".
     return impl
 
@@ -88,7 +88,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         group_sizes: int32 [G]; sum(group_sizes) <= M. Rows past the sum (padding, which the
             model routes to no group) come back as zeros in every implementation; rows inside the
             groups are the same whether or not such rows exist.
-        impl: overrides `STRATA_GROUPED_MATMUL` (auto|mgpu|lax|tiled).
+        impl: auto|mgpu|lax|tiled (`Kernels.grouped_matmul`); None: auto.
 
     Returns:
         [M, N] in `x.dtype`, accumulated in float32.
@@ -195,7 +195,8 @@ def _mgpu_module():
     except Exception as e:  # noqa: BLE001 - any import failure means the kernel is unusable.
         raise RuntimeError(
             "the Mosaic GPU ragged_dot kernel (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu) "
-            f"cannot be imported with jax {jax.__version__}: {e}; set {ENV_VAR}=tiled") from e
+            f"cannot be imported with jax {jax.__version__}: {e}; use "
+            "Kernels(grouped_matmul='tiled')") from e
 
 
 def _mgpu_supports(k: int, n: int, dtype) -> bool:

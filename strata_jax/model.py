@@ -21,11 +21,12 @@ from flax import nnx
 from jax import lax
 
 from strata_jax.attention import (  # noqa: F401 - re-exported: the model's attention API
-    ATTENTION_ENV_VAR, BLOCKED_ATTENTION_BYTES, attend_cached, attend_first, attention_key_block,
+    BLOCKED_ATTENTION_BYTES, attend_cached, attend_first, attention_key_block,
     attention_path, blocked_attention, einsum_attention)
 from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
+from strata_jax.kernels import Kernels
 
 _INIT_STD = 0.02
 
@@ -127,9 +128,10 @@ def _dot(x, w):
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, kernels: Kernels = Kernels()):
         c, dt = config, config.dtype
         self.config = config
+        self.kernels = kernels  # static: part of the graph jit keys on
         self.q_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.q_dim), dt))  # [H, N*D]
         self.k_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.v_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
@@ -164,7 +166,8 @@ class Attention(nnx.Module):
         cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
         cache_v = lax.dynamic_update_slice(cache_v, v, (start, 0, 0))
         first = isinstance(start, int) and start == 0
-        path = attention_path(q.dtype, c.head_dim, c.n_heads, t, cache_k.shape[0], first=first)
+        path = attention_path(q.dtype, c.head_dim, c.n_heads, t, cache_k.shape[0], first=first,
+                              impl=self.kernels.attention)
         if first:
             # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
             # causally is the same math and lets cuDNN run it fused.
@@ -291,26 +294,29 @@ def sort_order(expert_ids: jax.Array) -> jax.Array:
         return jnp.argsort(expert_ids.reshape(-1), stable=True).astype(jnp.int32)
 
 
-def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array) -> jax.Array:
+def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array,
+                   impl: str | None = None) -> jax.Array:
     """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
 
     Args:
         x_sorted: [T*k, H].
         w: gate/up [E, H, I], down [E, I, H]; rows of experts with count 0 are never read.
         counts: int32 [E] group sizes.
+        impl: the grouped matmul (`Kernels.grouped_matmul`); None: auto.
 
     Returns:
         [T*k, H] in x_sorted.dtype.
     """
     with jax.named_scope("experts"):
-        g = grouped_matmul(x_sorted, w.gate, counts)  # [T*k, I]
-        u = grouped_matmul(x_sorted, w.up, counts)  # [T*k, I]
+        g = grouped_matmul(x_sorted, w.gate, counts, impl=impl)  # [T*k, I]
+        u = grouped_matmul(x_sorted, w.up, counts, impl=impl)  # [T*k, I]
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_sorted.dtype)
-        return grouped_matmul(h, w.down, counts)  # [T*k, H]
+        return grouped_matmul(h, w.down, counts, impl=impl)  # [T*k, H]
 
 
 def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Array,
-                          bounds: tuple[int, ...], weights_for_piece) -> jax.Array:
+                          bounds: tuple[int, ...], weights_for_piece,
+                          impl: str | None = None) -> jax.Array:
     """`experts_swiglu` over the sorted rows in pieces [bounds[p], bounds[p+1]), each with the
     weights `weights_for_piece(p, after)` gives (`after`: the piece before's output, None for
     piece 0), so a piece's math can start once its own experts are there. Each row keeps its
@@ -328,7 +334,7 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
         with jax.named_scope(f"experts_piece_{p}"):
             w = _in_dtype(weights_for_piece(p, after), x.dtype)
             x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted
-            after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b))
+            after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b), impl)
             ys.append(after)
     return jnp.concatenate(ys)
 
@@ -379,9 +385,10 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
-                 resident_experts: bool = True):
+                 resident_experts: bool = True, kernels: Kernels = Kernels()):
         c, dt = config, config.dtype
         self.config = config
+        self.kernels = kernels  # static: part of the graph jit keys on
         self.layer = layer
         self.router = nnx.Param(_normal(rngs, (c.hidden_size, c.n_experts), dt))  # [H, E]
         self.selection_bias = (nnx.Param(_filled(rngs, (c.n_experts,), jnp.float32, 0.0))
@@ -429,12 +436,14 @@ class MoE(nnx.Module):
         """
         if pieces is None:
             x_sorted, order = permute(x, routing.expert_ids)
-            y_sorted = experts_swiglu(x_sorted, _in_dtype(w, x.dtype), routing.counts)
+            y_sorted = experts_swiglu(x_sorted, _in_dtype(w, x.dtype), routing.counts,
+                                      self.kernels.grouped_matmul)
         else:
             order = sort_order(routing.expert_ids)
             with jax.named_scope("experts"):
                 y_sorted = experts_swiglu_pieces(x, order, routing.expert_ids.shape[1],
-                                                 routing.counts, *pieces)
+                                                 routing.counts, *pieces,
+                                                 impl=self.kernels.grouped_matmul)
         out = unpermute(y_sorted, order, routing.weights)
         if self.shared is not None:
             with jax.named_scope("shared_expert"):
@@ -472,15 +481,16 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) with an MoE or dense MLP."""
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
-                 resident_experts: bool = True):
+                 resident_experts: bool = True, kernels: Kernels = Kernels()):
         c, dt = config, config.dtype
         self.layer = layer
         self.is_moe = layer in c.moe_layers
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
-        self.attn = Attention(c, rngs=rngs)
+        self.attn = Attention(c, rngs=rngs, kernels=kernels)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
         if self.is_moe:
-            self.mlp = MoE(c, layer, rngs=rngs, resident_experts=resident_experts)
+            self.mlp = MoE(c, layer, rngs=rngs, resident_experts=resident_experts,
+                           kernels=kernels)
         else:
             self.mlp = MLP(c.hidden_size, c.dense_intermediate, dt, rngs=rngs)
 
@@ -508,15 +518,18 @@ class MoETransformer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None,
-                 resident_experts: bool = True):
+                 resident_experts: bool = True, kernels: Kernels = Kernels()):
         """Random-initialised model; `rngs=None` gives ShapeDtypeStruct leaves (see abstract_model).
 
         Real weights come from `build_model` (synthetic or checkpoint arrays) instead.
+        kernels: the grouped matmul and attention its programs use (static).
         """
         c, dt = config, config.dtype
         self.config = config
+        self.kernels = kernels
         self.embed = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), dt, std=1.0))  # [V, H]
-        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, resident_experts=resident_experts)
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, resident_experts=resident_experts,
+                                             kernels=kernels)
                                 for i in range(c.n_layers)])
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
         self.lm_head = (None if c.tie_embeddings
@@ -681,9 +694,10 @@ class MoETransformer(nnx.Module):
 # ---- construction from arrays ---------------------------------------------------------------------
 
 
-def abstract_model(config: ModelConfig, *, resident_experts: bool = True) -> MoETransformer:
+def abstract_model(config: ModelConfig, *, resident_experts: bool = True,
+                   kernels: Kernels = Kernels()) -> MoETransformer:
     """The model with `jax.ShapeDtypeStruct` leaves: allocates nothing."""
-    return MoETransformer(config, rngs=None, resident_experts=resident_experts)
+    return MoETransformer(config, rngs=None, resident_experts=resident_experts, kernels=kernels)
 
 
 def _get(variable):
@@ -704,7 +718,7 @@ def expert_param_names(config: ModelConfig, layer: int) -> ExpertWeights:
 
 def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array], *,
                 experts: Mapping[int, ExpertWeights] | None = None,
-                resident_experts: bool = True) -> MoETransformer:
+                resident_experts: bool = True, kernels: Kernels = Kernels()) -> MoETransformer:
     """Builds the model from flat arrays without initialising random weights first.
 
     Args:
@@ -714,12 +728,14 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
             (e.g. a host expert store); used only when `resident_experts`.
         resident_experts: put routed experts on the device; False leaves them out (a streaming
             source then supplies them).
+        kernels: the grouped matmul and attention the model's programs use (`Kernels`).
 
     Raises:
         KeyError: a parameter is missing (named).
         ValueError: a parameter has the wrong shape (name and both shapes).
     """
-    graphdef, state = nnx.split(abstract_model(config, resident_experts=resident_experts))
+    graphdef, state = nnx.split(abstract_model(config, resident_experts=resident_experts,
+                                               kernels=kernels))
     filled = []
     for path, variable in nnx.to_flat_state(state):
         name = ".".join(map(str, path))

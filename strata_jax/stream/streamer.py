@@ -508,7 +508,7 @@ class StreamEngine:
             return _MODE_ROUTED_ONLY
         return _MODE_STREAM_PACKED if self.layout(n_tokens) == "packed" else _MODE_STREAM
 
-    def tail_pieces(self, mode: int, n_tokens: int) -> int:
+    def tail_pieces(self, mode: int, n_tokens: int, grouped_matmul: str = "auto") -> int:
         """Pieces the last MoE layer runs in, in a chunk of `mode` compiled for `n_tokens`
         tokens (its bucket; StreamConfig.tail_pieces): 1 for routed-only or short chunks.
 
@@ -520,7 +520,7 @@ class StreamEngine:
         if mode not in _STREAM_MODES or n_tokens < self.stream.tail_from or not self.moe_layers:
             return 1
         pieces = self.stream.tail_pieces
-        if pieces > 1 and resolve_implementation() == "mgpu":
+        if pieces > 1 and resolve_implementation(grouped_matmul) == "mgpu":
             tiles = n_tokens * self.config.top_k // MGPU_BLOCK_M
             pieces = min(pieces, tiles // self.config.n_experts)
         return max(pieces, 1)

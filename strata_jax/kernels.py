@@ -1,0 +1,41 @@
+"""Which kernels a prefill's programs run: `Kernels`, static configuration.
+
+A `Kernels` is held by the model (`build_model(..., kernels=)`, `Engine(..., kernels=)`): it is
+part of the model's static structure, so a program traced with one choice is never reused for
+another (jit keys on it). Nothing is read from the environment.
+
+    grouped_matmul  "auto" | "mgpu" | "lax" | "tiled"  (`strata_jax.grouped_matmul`; auto: the
+                    Mosaic GPU kernel on Hopper, row tiles on other GPUs, lax.ragged_dot on CPU)
+    attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
+                    (`strata_jax.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
+                    paths elsewhere)
+
+The defaults are the measured best on each platform; the others exist for tests and
+comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Kernels", "GROUPED_MATMULS", "ATTENTION_PATHS"]
+
+GROUPED_MATMULS = ("auto", "mgpu", "lax", "tiled")
+ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The grouped matmul and attention a model's programs use (see the module docstring)."""
+
+    grouped_matmul: str = "auto"
+    attention: str = "auto"
+
+    def __post_init__(self):
+        for field, allowed in (("grouped_matmul", GROUPED_MATMULS),
+                               ("attention", ATTENTION_PATHS)):
+            value = getattr(self, field)
+            if not isinstance(value, str) or value.lower() not in allowed:
+                raise ValueError(f"Kernels({field}={value!r}): expected one of "
+                                 f"{'|'.join(allowed)}")
+            object.__setattr__(self, field, value.lower())
