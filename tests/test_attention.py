@@ -21,6 +21,7 @@ import pytest
 from strata_jax import attention as A
 from strata_jax import model as M
 from strata_jax.config import get_preset
+from strata_jax.kernels import Kernels
 from strata_jax.reference import reference_attention, reference_forward
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import assert_close
@@ -125,13 +126,12 @@ BOUNDS = (0, 13, 127, 128, 129, 200)
 
 @pytest.mark.parametrize("path", [pytest.param("xla", marks=pytest.mark.slow), "split",
                                   pytest.param("blocked", marks=pytest.mark.slow)])
-def test_chunked_prompt_and_follow_up_match_reference(qwen_small, path, monkeypatch):
-    c, model, params = qwen_small
-    monkeypatch.setenv(A.ATTENTION_ENV_VAR, path)
+def test_chunked_prompt_and_follow_up_match_reference(qwen_small, path):
+    c, _, params = qwen_small
+    model = M.build_model(c, params, kernels=Kernels(attention=path))
     toks = np.random.default_rng(4).integers(0, c.vocab_size, BOUNDS[-1]).astype(np.int32)
     ref, _ = reference_forward(c, params, toks)
     cache = M.init_cache(c, 512)
-    # A fresh jit per path: the attention path is chosen when a program is traced.
     first = jax.jit(lambda t, k: model(t, k, 0))
     later = jax.jit(lambda t, k, s: model(t, k, s))
     for lo, hi in itertools.pairwise(BOUNDS):
@@ -142,11 +142,11 @@ def test_chunked_prompt_and_follow_up_match_reference(qwen_small, path, monkeypa
         assert_close(logits, ref[lo:hi], np.float32, err_msg=f"{path}: positions {lo}..{hi - 1}")
 
 
-def test_layer_major_sub_chunks_match_reference(qwen_small, monkeypatch):
+def test_layer_major_sub_chunks_match_reference(qwen_small):
     # Sub-chunks of 48 over a 200-token prompt (the last padded): starts 48, 96, 144 attend to
     # the sub-chunks before them through the split parts.
-    c, model, params = qwen_small
-    monkeypatch.setenv(A.ATTENTION_ENV_VAR, "split")
+    c, _, params = qwen_small
+    model = M.build_model(c, params, kernels=Kernels(attention="split"))
     toks = np.random.default_rng(5).integers(0, c.vocab_size, 200).astype(np.int32)
     padded = np.zeros(240, np.int32)
     padded[:200] = toks

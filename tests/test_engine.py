@@ -25,6 +25,7 @@ from strata_jax.engine import (
     compile_buckets,
     sha256_of,
 )
+from strata_jax.kernels import Kernels
 from strata_jax.model import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile
 from strata_jax.stream import StreamConfig, StreamEngine
@@ -702,3 +703,20 @@ def test_engine_chooses_its_chunk_and_reports_it(f32_params):
     for bad in (0, -4, 2.5, "abc", True):
         with pytest.raises(ValueError, match="chunk_size=.*positive int, or None"):
             Engine(F32, f32_params, None, max_context=96, chunk_size=bad)
+
+
+def test_kernels_are_the_engines_static_config(f32_params):
+    # Kernels(...) choose the grouped matmul and attention of the engine's programs; another
+    # choice is another program (the model's static graph), within float32 numerics here.
+    toks = _tokens(70, seed=3)
+    with pytest.raises(TypeError, match="kernels must be a strata_jax.Kernels"):
+        Engine(F32, f32_params, None, max_context=128, kernels="tiled")
+    results = {}
+    for kernels in (Kernels(), Kernels(grouped_matmul="tiled", attention="split")):
+        with Engine(F32, f32_params, None, max_context=128, chunk_size=32,
+                    kernels=kernels) as eng:
+            assert eng.kernels == kernels
+            results[kernels] = eng.prefill(toks)
+    a, b = results.values()
+    np.testing.assert_array_equal(a.counts, b.counts)
+    assert_close(a.logits, b.logits, np.float32)

@@ -20,22 +20,24 @@ pytestmark = pytest.mark.gpu
 CHUNK = 64
 
 
+def Engine(*args, **kw):
+    """The prefill engine with the tiled grouped matmul: these tests pin the stream, not the
+    kernel; the tiled matmul compiles in a fraction of the Mosaic kernel's time, and each
+    engine compiles its own programs."""
+    from strata_jax.engine import Engine as _Engine
+    from strata_jax.kernels import Kernels
+
+    return _Engine(*args, kernels=Kernels(grouped_matmul="tiled"), **kw)
+
+
 @pytest.fixture(scope="module")
 def setup():
-    # These tests pin the stream, not the kernel: the tiled grouped matmul compiles in a fraction
-    # of the Mosaic kernel's time, and each engine compiles its own programs.
-    saved = os.environ.get("STRATA_GROUPED_MATMUL")
-    os.environ["STRATA_GROUPED_MATMUL"] = "tiled"
-    yield _setup()
-    if saved is None:
-        os.environ.pop("STRATA_GROUPED_MATMUL", None)
-    else:
-        os.environ["STRATA_GROUPED_MATMUL"] = saved
+    return _setup()
 
 
 def _setup():
     from strata_jax.config import get_preset
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.synthetic import init_synthetic
 
     cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=32, top_k=4, hidden_size=256,
@@ -88,7 +90,7 @@ def _assert_same_threads(before: Counter, after: Counter) -> None:
     ("arena", True, "event", "frames"), ("none", True, "event", "frames"),
     ("arena", True, "event", "packed"), ("arena", False, "event", "packed")])
 def test_cuda_arms_identical(setup, pin, routed, publish, layout):
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -121,7 +123,7 @@ def test_cuda_layout_changes_between_chunks(setup, stream_floor, frames_from, la
     # whose layout is not the last one's makes its first copy wait for every read of the last
     # chunk: chunks queued back to back (sync_chunks=False: each dispatched while the one
     # before runs) must still hash equal to resident.
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -143,7 +145,7 @@ def test_cuda_tail_pieces_identical(setup, layout, routed, resident_per_layer):
     # The last MoE layer in row pieces (StreamConfig.tail_pieces): each piece's fetch waits on
     # the device only for its own experts' copies (frames read in place; packed pieces add
     # their experts to fetch's outputs in place), chunks synced and queued back to back.
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -165,7 +167,6 @@ def test_cuda_frames_hold_each_layer_where_the_model_reads_it(setup, resident_pe
     # After a stream-all chunk each ring frame holds, row e, expert e of the last MoE layer that
     # took it: the streamed ones as their copies landed (split into the three planes on the
     # way), the resident ones copied in from the cache. The frame views are the ring's memory.
-    from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, _ = setup
@@ -188,7 +189,7 @@ def test_cuda_frames_hold_each_layer_where_the_model_reads_it(setup, resident_pe
 def test_cuda_info_in_pinned_host_memory(setup, monkeypatch):
     # The stats and counts come back through the program's own copy to pinned host memory (no
     # PjRt copy after the end); the same stats, counts and hashes as with info in device memory.
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -213,7 +214,7 @@ def test_cuda_prestart_is_adopted(setup, routed):
     # lifts the hold; the bits stay the resident arm's.
     import time
 
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -246,7 +247,6 @@ def test_cuda_link_probe_of_the_store(setup):
     # The ceiling out of the engine's own pinned arena: a real rate near the fresh buffer's (the
     # same link; the two drift by a few percent), and refused while a walk shares the link.
     from strata_jax import native
-    from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig
 
     cfg, params, _, _ = setup
@@ -276,7 +276,7 @@ def test_cuda_begin_chunk_writes_the_staged_ids(setup):
     import jax.numpy as jnp
 
     from strata_jax import stream as S
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -304,7 +304,7 @@ def test_cuda_begin_chunk_writes_the_staged_ids(setup):
 
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_cuda_failure_mid_chunk(setup, fault):
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -325,7 +325,7 @@ def test_cuda_interrupt_with_chunks_queued(setup):
     # The caller raises (from `progress`, as Ctrl-C would) after the first chunk is queued, with
     # the others queued behind it. The engine cancels, waits for them, then aborts: no walk left,
     # no thread added, the next prefill identical (the CPU lane hung here before the cancel).
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
@@ -356,8 +356,6 @@ def test_cuda_interrupt_with_chunks_queued(setup):
     "event"])
 def test_cuda_stress_200_chunks(setup, publish):
     import jax
-
-    from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig
 
     cfg, params, _, _ = setup
@@ -389,7 +387,6 @@ def test_cuda_padded_turns_and_layer_major_identical(setup):
     # Issue #5 on the GPU: padded chunks (a 37-token follow-up in a bucket of 64), a second turn
     # on the session, and a layer-major read, each byte-identical across the resident,
     # stream-all and routed arms; layer-major copies each streamed expert at most once.
-    from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, _ = setup
@@ -420,7 +417,6 @@ def test_cuda_overlapped_chunks_identical(setup, publish):
     # next chunk's begin waits for the last one's publish callbacks (callback) or counts only
     # events its own publish recorded (event), and its copies wait on the last one's ring reads.
     # Same bytes as waiting for every chunk.
-    from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup

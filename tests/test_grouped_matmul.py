@@ -77,12 +77,13 @@ def test_bfloat16(impl):
     assert_close(out, grouped_matmul_reference(x, w, g), ml_dtypes.bfloat16)
 
 
-def test_env_override(monkeypatch):
+def test_choice_is_an_argument_not_the_environment(monkeypatch):
+    # The choice is static config (Kernels.grouped_matmul): the environment is not read.
     monkeypatch.setenv("STRATA_GROUPED_MATMUL", "tiled")
-    assert resolve_implementation() == "tiled"
-    monkeypatch.setenv("STRATA_GROUPED_MATMUL", "bogus")
-    with pytest.raises(ValueError, match="bogus"):
-        resolve_implementation()
+    assert resolve_implementation() == resolve_implementation("auto")
+    assert resolve_implementation("TILED") == "tiled"
+    with pytest.raises(ValueError, match="grouped matmul 'bogus': expected one of"):
+        resolve_implementation("bogus")
 
 
 def test_auto_picks_lax_on_cpu():

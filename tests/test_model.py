@@ -11,6 +11,7 @@ from flax import nnx
 
 from strata_jax import model as M
 from strata_jax.config import PRESETS, get_preset
+from strata_jax.kernels import Kernels
 from strata_jax.experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_blobs,
                                 pack_expert_blobs_np, unpack_expert_blobs, unpack_expert_blobs_np)
 from strata_jax.reference import reference_attention, reference_forward
@@ -210,18 +211,18 @@ def test_blob_roundtrip():
         unpack_expert_blobs_np(blobs, h, i + 1)
 
 
-def test_einsum_attention_matches_xla(monkeypatch):
+def test_einsum_attention_matches_xla():
     c = small("mixtral-8x7b")
-    model, _ = built(c)
+    model, params = built(c)
     toks = tokens_for(c, 16)
     cache = M.init_cache(c, 32)
     first, cache1, _ = M.forward(model, toks[:8], cache, 0)
     second, _, _ = M.forward(model, toks[8:], cache1, 8)
-    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "einsum")
-    # A fresh jit cache: the attention path is chosen at trace time.
-    first_e, cache1_e, _ = jax.jit(lambda t, k: model(t, k, 0))(jnp.asarray(toks[:8]), cache)
-    second_e, _, _ = jax.jit(lambda t, k, s: model(t, k, s))(jnp.asarray(toks[8:]), cache1_e,
-                                                            jnp.int32(8))
+    # The same weights with the einsum path: the kernels are part of the model's static graph,
+    # so forward's cached jit traces it anew.
+    einsum = M.build_model(c, params, kernels=Kernels(attention="einsum"))
+    first_e, cache1_e, _ = M.forward(einsum, toks[:8], cache, 0)
+    second_e, _, _ = M.forward(einsum, toks[8:], cache1_e, 8)
     assert_close(first_e, first, np.float32)
     assert_close(second_e, second, np.float32)
 
@@ -244,8 +245,7 @@ def test_blocked_attention_matches_reference(dtype, start, block):
     assert_close(got, reference_attention(q, k, v, positions), dtype)
 
 
-def test_attention_path_is_chosen_by_dtype_size_platform_and_env(monkeypatch):
-    monkeypatch.delenv(M.ATTENTION_ENV_VAR, raising=False)
+def test_attention_path_is_chosen_by_dtype_size_platform_and_request():
     path = M.attention_path
     # CPU: a later chunk's XLA scores up to 2 GiB, blocked past it; float64 always einsum.
     assert path(jnp.bfloat16, 128, 32, 1024, 8192, first=False, platform="cpu") == "xla"
@@ -262,34 +262,35 @@ def test_attention_path_is_chosen_by_dtype_size_platform_and_env(monkeypatch):
     assert path(jnp.bfloat16, 512, 8, 64, 128, first=False, platform="gpu") == "xla"
     assert path(jnp.bfloat16, 100, 8, 64, 128, first=False, platform="gpu") == "xla"
     assert path(jnp.float32, 128, 32, 8192, 40960, first=False, platform="gpu") == "blocked"
-    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "blocked")
-    assert path(jnp.bfloat16, 16, 2, 4, 16, first=False) == "blocked"
-    assert path(jnp.bfloat16, 16, 2, 4, 16, first=True) == "xla"
-    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "cudnn")  # forced where it cannot run: exact XLA
-    assert path(jnp.bfloat16, 128, 32, 64, 128, first=False, platform="cpu") == "xla"
-    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "split")
-    assert path(jnp.float32, 16, 2, 4, 16, first=False) == "split"
-    monkeypatch.setenv(M.ATTENTION_ENV_VAR, "flash")
-    with pytest.raises(ValueError, match="STRATA_ATTENTION='flash'"):
-        path(jnp.float32, 16, 2, 4, 16, first=False)
+    # A requested path (Kernels.attention).
+    assert path(jnp.bfloat16, 16, 2, 4, 16, first=False, impl="blocked") == "blocked"
+    assert path(jnp.bfloat16, 16, 2, 4, 16, first=True, impl="blocked") == "xla"
+    # cuDNN forced where it cannot run: the exact XLA path.
+    assert path(jnp.bfloat16, 128, 32, 64, 128, first=False, platform="cpu", impl="cudnn") == "xla"
+    assert path(jnp.float32, 16, 2, 4, 16, first=False, impl="split") == "split"
+    with pytest.raises(ValueError, match="attention path 'flash'"):
+        path(jnp.float32, 16, 2, 4, 16, first=False, impl="flash")
+    with pytest.raises(ValueError, match=r"Kernels\(attention='flash'\): expected one of"):
+        Kernels(attention="flash")
+    with pytest.raises(ValueError, match=r"Kernels\(grouped_matmul='dense'\): expected one of"):
+        Kernels(grouped_matmul="dense")
     assert M.attention_key_block(32, 8192, 40960) == 256  # 256 MiB of scores per block
     # A cache that no power of two divides keeps its block (it used to shrink to 4 keys here).
     assert M.attention_key_block(32, 2048, 20500) == 1024
     assert M.attention_key_block(4, 16, 96) == 96  # never more than the cache
 
 
-def test_blocked_attention_in_chunked_prefill(monkeypatch):
+def test_blocked_attention_in_chunked_prefill():
     # Follow-up chunks attend blocked (forced): the same as the default path within float32.
     c = small("qwen3-30b-a3b")
-    model, _ = built(c)
+    _, params = built(c)
     toks = tokens_for(c, 40)
     cache = M.init_cache(c, 64)
     outs = []
     for impl in ("xla", "blocked"):
-        monkeypatch.setenv(M.ATTENTION_ENV_VAR, impl)
-        f = jax.jit(lambda t, k, s: model(t, k, s))  # fresh: the path is chosen at trace time
-        first, cache1, _ = jax.jit(lambda t, k: model(t, k, 0))(jnp.asarray(toks[:16]), cache)
-        second, cache2, _ = f(jnp.asarray(toks[16:]), cache1, jnp.int32(16))
+        model = M.build_model(c, params, kernels=Kernels(attention=impl))
+        first, cache1, _ = M.forward(model, toks[:16], cache, 0)
+        second, cache2, _ = M.forward(model, toks[16:], cache1, 16)
         outs.append((second, cache2))
     assert_close(outs[1][0], outs[0][0], np.float32)
     for a, b in zip(outs[1][1].keys, outs[0][1].keys):

@@ -1057,7 +1057,7 @@ def test_tail_pieces_program(layout, mode):
         import strata_jax.stream.streamer as stream_module  # where tail_pieces looks it up
         for impl, want in (("mgpu", [1, 2, 3, 3]), ("tiled", [3] * 4), ("lax", [3] * 4)):
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(stream_module, "resolve_implementation", lambda impl=impl: impl)
+                mp.setattr(stream_module, "resolve_implementation", lambda _, impl=impl: impl)
                 assert [eng.streamer.tail_pieces(mode, n)
                         for n in (1024, 2048, 3072, 8192)] == want, impl
         resident = (eng.streamer.resident_blobs, eng.streamer.frames)
