@@ -29,18 +29,18 @@ fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   [ -n "${SKIP_GMM:-}" ] || timeout 240 $PY -m strata_jax.benchmarks.grouped_matmul_bench --json "$OUT/grouped_matmul.json" 2>&1 \
     | tee "$OUT/grouped_matmul.log" | tail -20
-  STRATA_GROUPED_MATMUL=${GMM:-auto} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
+  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
     --layers ${LAYERS:-8} --lengths ${LENGTHS:-950,1024,2048,4096,6144} --parts ${PARTS:-sweep} \
     --skew ${SKEW:-0} ${BENCH_ARGS:-} --json "$OUT/stream_${NAME:-sweep}.json" 2>&1 \
     | tee "$OUT/stream_${NAME:-sweep}.log" | tail -40
 fi
 if [ "$STAGE" = timeline ]; then
-  STRATA_GROUPED_MATMUL=${GMM:-auto} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.timeline \
-    --tokens ${TOKENS:-1024} ${TL_ARGS:-} --out "$OUT/timeline_${NAME:-${GMM:-auto}}" 2>&1 \
-    | tee "$OUT/timeline_${NAME:-${GMM:-auto}}.log" | tail -20
+  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.timeline \
+    --tokens ${TOKENS:-1024} ${TL_ARGS:-} --out "$OUT/timeline_${NAME:-run}" 2>&1 \
+    | tee "$OUT/timeline_${NAME:-run}.log" | tail -20
 fi
 if [ "$STAGE" = diag ]; then
-  STRATA_GROUPED_MATMUL=${GMM:-auto} timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.link_diag \
+  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.link_diag \
     ${DIAG_ARGS:-} --json "$OUT/link_diag.json" 2>&1 | tee "$OUT/link_diag.log" | tail -60
 fi
 if [ "$STAGE" = chunked ]; then

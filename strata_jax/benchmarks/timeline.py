@@ -171,6 +171,7 @@ def main(argv=None) -> int:
     from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, applied_model_args,
                                                     fast_params, model_config)
     from strata_jax.engine import Engine
+    from strata_jax.grouped_matmul import resolve_implementation
 
     with applied_model_args(args):
         arms = args.arms.split(",")
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
         summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,
                    "preset": args.preset, "layers": args.layers,
                    "between": args.between, "info_memory": args.info_memory,
-                   "grouped_matmul": os.environ.get("STRATA_GROUPED_MATMUL", "auto"), "arms": {}}
+                   "grouped_matmul": resolve_implementation(), "arms": {}}
         for arm in arms:
             stream = None if arm == "resident" else _stream_config(args, arm == "routed")
             with Engine(cfg, params, stream, max_context=args.tokens,
