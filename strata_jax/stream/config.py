@@ -1,7 +1,7 @@
 """How experts stream: `StreamConfig`, its environment overrides, and the native engine's modes.
 
 `StreamConfig.resolved` applies the environment switches (STRATA_PREFILL_ROUTED_STREAM,
-STRATA_PREFILL_ROUTED_STREAM_DEPTH, STRATA_TRACE, STRATA_PUBLISH) once, when an engine is
+STRATA_PREFILL_ROUTED_STREAM_DEPTH, STRATA_TRACE) once, when an engine is
 made, and checks every field. The mode tables here give the numbers the native engine
 (ffi/src/engine.hpp) takes for the pin and publish modes and for begin_chunk's chunk modes.
 """
@@ -22,7 +22,6 @@ DEPTH_MIN, DEPTH_MAX = 1, 256
 _ENV_ROUTED = "STRATA_PREFILL_ROUTED_STREAM"
 _ENV_DEPTH = "STRATA_PREFILL_ROUTED_STREAM_DEPTH"
 _ENV_TRACE = "STRATA_TRACE"
-_ENV_PUBLISH = "STRATA_PUBLISH"
 _PIN_MODES = {"register": 0, "arena": 1, "none": 2}
 _PUBLISH_MODES = {"callback": 0, "event": 1}
 # begin_chunk's modes (ffi/src/engine.hpp ChunkMode): a streamed chunk in layer frames, a
@@ -104,10 +103,9 @@ class StreamConfig:
             on XLA's stream after the counts' device-to-host copy, which the issuer polls before
             it fills the gate row itself; nothing waits) or "callback" (DESIGN.md's first
             design: a host callback, cudaLaunchHostFunc, fills the row; XLA's stream waits until
-            a driver thread has run it). On the H200 the callback stalled the device 116 us per
-            layer more than the event, and its threads grew without bound over a 210-chunk
-            stress (docs/BENCHMARKS.md), hence the default. Overridden by
-            STRATA_PUBLISH=callback|event. The CPU backend publishes in the handler either way.
+            a driver thread has run it). The callback holds the device per layer until a host
+            thread has run it (docs/BENCHMARKS.md), hence the event default. The CPU backend
+            publishes in the handler either way.
         sim_bandwidth: Simulated link bandwidth in bytes/s (CPU backend); 0 is unlimited.
         sim_latency: Simulated per-copy latency in seconds (CPU backend).
         sim_jitter: Up to this many extra seconds per copy, uniform (CPU backend).
@@ -165,12 +163,6 @@ class StreamConfig:
         if trace is None:
             trace = os.environ.get(_ENV_TRACE, "0").strip() not in ("", "0")
         publish = self.publish
-        env = os.environ.get(_ENV_PUBLISH)
-        if env is not None and env.strip() != "":
-            publish = env.strip()
-            if publish not in _PUBLISH_MODES:
-                raise ValueError(f"{_ENV_PUBLISH}={env!r}: expected one of "
-                                 f"{sorted(_PUBLISH_MODES)}")
         if publish not in _PUBLISH_MODES:
             raise ValueError(f"publish={publish!r}: expected one of {sorted(_PUBLISH_MODES)}")
         if self.pin not in _PIN_MODES:
