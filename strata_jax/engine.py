@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import hashlib
 import itertools
-import os
 import threading
 import time
 import warnings
@@ -60,6 +59,9 @@ from .kernels import Kernels
 from .attention import attention_bytes, attention_path
 from .model import KVCache, build_model, expert_param_names, validate_inputs
 from .profile import ExpertProfile
+from .memory import (  # noqa: F401 - the estimates, re-exported here as before
+    CHUNK_HEADROOM, MIN_BUCKET, TOKEN_ID_BYTES, chunk_bytes, chunk_candidates, chunk_memory,
+    free_memory, host_memory, kv_cache_bytes)
 from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
                      stream_platform)
 
@@ -67,7 +69,6 @@ __all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", "LayerMajorMemor
            "ORDERS", "MIN_BUCKET", "compile_buckets", "sha256_of"]
 
 ORDERS = ("chunk-major", "layer-major", "layer-major!")
-MIN_BUCKET = 16
 _STAT_KEYS = ("streamed", "copied", "skipped", "unrouted", "bytes")
 
 _engine_ids = itertools.count(1)
@@ -99,65 +100,6 @@ def compile_buckets(limit: int) -> tuple[int, ...]:
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
-
-
-# Activation estimates leave this factor of headroom for XLA's own temporaries.
-CHUNK_HEADROOM = 2.0
-# Host and device bytes per prompt token: the caller's int64 ids, validate_inputs' int32 copy
-# and the chunks' int32 ids (`Engine._chunk_ids`, staged with a streamed engine's stream).
-TOKEN_ID_BYTES = 16
-
-
-def kv_cache_bytes(config: ModelConfig, capacity: int) -> int:
-    """Bytes of one KV cache (keys and values of every layer) of `capacity` positions."""
-    c = config
-    return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
-
-
-def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,
-                platform: str = "cpu", streamed: bool = False) -> int:
-    """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
-    `capacity` positions on a `platform` device (`Engine.chunk_bytes`, which says what is
-    counted); `streamed` adds one layer's expert weights (the packed ring's outputs)."""
-    c = config
-    it = np.dtype(c.dtype).itemsize
-    qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
-    path = attention_path(c.dtype, c.head_dim, c.n_heads, chunk, capacity, first=first,
-                          platform=platform)
-    keys = chunk if first else capacity
-    attention = attention_bytes(path, it, c.n_heads, chunk, keys, c.head_dim)
-    hidden = 4 * chunk * c.hidden_size * it
-    router = chunk * (c.n_experts * 8 + c.top_k * 8)
-    rows = chunk * c.top_k
-    experts = rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
-    fetched = c.n_experts * c.expert_bytes if streamed else 0
-    return int(qkv + attention + hidden + router + experts + fetched)
-
-
-def chunk_candidates(max_context: int) -> list[int]:
-    """The chunk sizes an automatic choice tries, largest first: max_context, then the powers
-    of two below it down to MIN_BUCKET (the last is the smallest chunk an engine can pick)."""
-    out = [int(max_context)]
-    b = 1 << max(max_context - 1, 1).bit_length()
-    while b > MIN_BUCKET:
-        b //= 2
-        if b < max_context:
-            out.append(b)
-    return out
-
-
-def chunk_memory(config: ModelConfig, chunk: int, max_context: int,
-                 sub_chunk: int | None = None, *, platform: str = "cpu",
-                 streamed: bool = False, headroom: float = CHUNK_HEADROOM) -> tuple[int, int, int]:
-    """(activations, KV caches, capacity) of a prefill in chunks of `chunk` tokens: what
-    `Engine._choose_chunk` compares with the memory it has. Activations: `headroom` x the
-    larger `chunk_bytes` of a first and a later chunk; KV caches: two of the capacity (a
-    session's and the one a chunk writes), max_context + max(chunk, sub_chunk) positions."""
-    capacity = int(max_context) + max(int(chunk), int(sub_chunk or chunk))
-    kw = {"platform": platform, "streamed": streamed}
-    activations = headroom * max(chunk_bytes(config, chunk, capacity, **kw),
-                                 chunk_bytes(config, chunk, capacity, first=True, **kw))
-    return int(activations), 2 * kv_cache_bytes(config, capacity), capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -706,21 +648,7 @@ class Engine:
 
     def memory_available(self) -> tuple[int, str]:
         """(bytes, what) layer-major may use: device free memory, host RAM, or the set limit."""
-        stats = None
-        try:
-            stats = self.device.memory_stats()
-        except Exception:  # noqa: BLE001 - backends without stats raise or return None
-            stats = None
-        limit = self.layer_major_limit_bytes
-        if stats and stats.get("bytes_limit"):
-            free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-            what = f"free memory of {self.device.device_kind}"
-            if limit is not None and limit < free:
-                return int(limit), "layer_major_limit_bytes"
-            return free, what
-        if limit is not None:
-            return int(limit), "layer_major_limit_bytes"
-        return _host_available_bytes(), "available host RAM"
+        return free_memory(self.device, self.layer_major_limit_bytes, "layer_major_limit_bytes")
 
     def prefill(self, tokens, session: Session | None = None, *, order: str | None = None,
                 progress: Callable[[int, int], object] | None = None,
@@ -983,28 +911,3 @@ def _check_stream_device(device: jax.Device, platform: str, backend: str) -> Non
             f"device; pass device=None, a {platform} device, or StreamConfig(backend="
             f"{'cuda' if device.platform == 'gpu' else 'cpu'!r}) for the {device.platform}")
 
-
-def host_memory() -> tuple[int | None, int | None]:
-    """(total, available) bytes of host RAM from /proc/meminfo (MemTotal, MemAvailable), each
-    None where unknown. The one reader of /proc/meminfo (the engine's and the CLI's)."""
-    found = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    found[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return found.get("MemTotal"), found.get("MemAvailable")
-
-
-def _host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo, else free physical pages."""
-    available = host_memory()[1]
-    if available is not None:
-        return available
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 2**63 - 1
