@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .memory import _gib, _size, memory_plan
+
 __all__ = ["SCALES", "UsageError", "main", "memory_plan", "model_config", "read_prompt_file"]
 
 PROG = "strata-jax"
@@ -382,33 +384,6 @@ class _Log:
         return update
 
 
-def _host_memory() -> tuple[int | None, int | None]:
-    """(total, available) bytes of host RAM from /proc/meminfo, or None where unknown
-    (engine.host_memory, the engine's own reader)."""
-    from .engine import host_memory
-
-    return host_memory()
-
-
-def _param_bytes(config, **kw) -> int:
-    """Bytes of the model's parameters (`model.param_shapes(config, **kw)`), from shapes only."""
-    from .model import param_shapes
-
-    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-               for s in param_shapes(config, **kw).values())
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
-
-
 def _preset_names() -> str:
     from .config import PRESETS
 
@@ -462,9 +437,9 @@ def model_config(preset: str, scale: str | None = None, *, layers: int | None = 
                 n_layers=dense + (layers or s["layers"]),
                 hidden_size=hidden or s["hidden"],
                 n_experts=n_experts,
-                top_k=top_k or min(base.top_k, n_experts),
+                top_k=top_k,
                 expert_intermediate=expert_width or s["expert_width"],
-                vocab_size=vocab or 512,
+                vocab_size=vocab,
                 max_seq_len=max(min(base.max_seq_len, s["max_seq_len"]), max_seq_len or 0),
                 param_dtype=dtype,
             )
@@ -627,12 +602,13 @@ class _Model:
         if self.checkpoint or getattr(self, "_memory_checked", False):
             return
         self._memory_checked = True
+        from .memory import host_memory, param_bytes
         from .model import param_shapes
 
         shapes = param_shapes(self.config).values()
-        need = _param_bytes(self.config)
+        need = param_bytes(self.config)
         peak = max(int(np.prod(s.shape)) * 4 for s in shapes)  # one float32 draw at a time
-        _, available = _host_memory()
+        _, available = host_memory()
         if available is not None and need + peak > 0.9 * available:
             raise UsageError(
                 f"synthetic weights of {self.config.name} need {_gib(need + peak)} of host "
@@ -640,44 +616,25 @@ class _Model:
                 "--layers / --experts")
 
 
-def _device_memory(platform: str) -> tuple[int | None, str]:
-    """(bytes, what) of the device a stream backend or the resident arm uses."""
-    import jax
-
-    if platform == "gpu":
-        try:
-            stats = jax.devices("gpu")[0].memory_stats() or {}
-        except Exception:  # noqa: BLE001 - some runtimes have no memory_stats
-            stats = {}
-        limit = stats.get("bytes_limit")
-        return (int(limit) if limit else None), "GPU memory"
-    total, _ = _host_memory()
-    return total, "host RAM (the cpu backend's simulated device)"
-
-
 def _resolve_backend(requested: str) -> str:
-    """'cpu' or 'cuda' for a stream backend; UsageError when cuda cannot run."""
-    import jax
-
+    """'cpu' or 'cuda' for a stream backend (stream.streamer.choose_backend); UsageError when
+    the native library does not load or cuda cannot run."""
     from . import native
+    from .stream.streamer import BackendUnavailable, choose_backend
 
     try:
-        has_cuda = native.has_cuda()
+        native.has_cuda()
     except ImportError as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    has_gpu = jax.default_backend() == "gpu"
-    if requested == "cuda":
-        if not has_cuda:
+    try:
+        return choose_backend(requested)
+    except BackendUnavailable as e:
+        if e.missing == "cuda-build":
             raise UsageError("--backend cuda: this strata_jax build has no CUDA backend (built "
-                             "without nvcc); use --backend cpu, or rebuild with the CUDA toolkit")
-        if not has_gpu:
-            raise UsageError(f"--backend cuda: JAX sees no GPU (its backend is "
-                             f"{jax.default_backend()!r}); use --backend cpu or auto, or install "
-                             "jax[cuda12]")
-        return "cuda"
-    if requested == "auto":
-        return "cuda" if has_gpu and has_cuda else "cpu"
-    return "cpu"
+                             "without nvcc); use --backend cpu, or rebuild with the CUDA "
+                             "toolkit") from None
+        raise UsageError(f"--backend cuda: JAX sees no GPU (its backend is {e.platform!r}); "
+                         "use --backend cpu or auto, or install jax[cuda12]") from None
 
 
 def _resident_device(requested: str):
@@ -764,7 +721,9 @@ def _check_stream_budget(args, cfg, platform: str) -> None:
     if args.resident_gib is not None:
         if args.resident_gib < 0:
             raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
-        limit, what = _device_memory(platform)
+        from .memory import device_memory
+
+        limit, what = device_memory(platform)
         if limit is not None and args.resident_gib * 2**30 > limit:
             raise UsageError(f"--resident-gib {args.resident_gib} is more than the device has "
                              f"({_gib(limit)} of {what}); use a smaller budget")
@@ -773,7 +732,7 @@ def _check_stream_budget(args, cfg, platform: str) -> None:
 def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
                 sub_chunk: int | None, backend: str, stream) -> None:
     """UsageError when the prefill cannot fit the memory of the device it will run on: its
-    two KV caches and the activations of its smallest chunk (engine.chunk_memory, the
+    two KV caches and the activations of its smallest chunk (memory.chunk_memory, the
     estimate an Engine chooses its chunk by; `chunk`, else the smallest an automatic choice
     can take), `n_tokens` token ids and the weights that device holds. Checked before any
     weights exist or anything is allocated; arithmetic only.
@@ -783,43 +742,37 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     the ring is the native engine's own allocation, outside that limit) or the CPU (available
     host RAM; the weights there are all of them, and a streamed run's simulated ring).
     """
-    from .engine import TOKEN_ID_BYTES, chunk_candidates, chunk_memory
+    from .memory import (TOKEN_ID_BYTES, device_memory, host_memory, most_that_fits,
+                         prefill_bytes, weight_bytes)
     from .stream import plan_stream
 
     cfg = model.config
     platform = "gpu" if backend == "cuda" else "cpu"
     if platform == "gpu":
-        have, what = _device_memory("gpu")
+        have, what = device_memory("gpu")
     else:
-        have, what = _host_memory()[1], "host RAM"
+        have, what = host_memory()[1], "host RAM"
     if have is None:
         return
 
-    weights = _param_bytes(cfg)
+    plan = None
     if stream is not None:
         try:
             plan = plan_stream(cfg, stream, check_ring_budget=False)
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
-        weights = (_param_bytes(cfg, resident_experts=False) + plan.resident_bytes
-                   if platform == "gpu"
-                   else weights + plan.ring_bytes)
+    weights = weight_bytes(cfg, plan, platform)
 
     def need(context: int) -> tuple[int, int, int, int, int]:
         """(bytes in all, activations, KV caches, their capacity, chunk) for `context`."""
-        c = chunk or chunk_candidates(context)[-1]
-        act, kv, cap = chunk_memory(cfg, c, context, sub_chunk, platform=platform,
-                                    streamed=stream is not None)
-        ids = TOKEN_ID_BYTES * n_tokens * context // max_context  # fewer tokens in less
-        return weights + act + kv + ids, act, kv, cap, c
+        return prefill_bytes(cfg, weights, context, max_context=max_context, n_tokens=n_tokens,
+                             chunk=chunk, sub_chunk=sub_chunk, platform=platform,
+                             streamed=stream is not None)
 
     total, act, kv, cap, c = need(max_context)
     if total <= have:
         return
-    lo, hi = 0, max_context  # the most positions that fit: lo fits (0 trivially), hi does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid)[0] <= have else (lo, mid)
+    lo = most_that_fits(lambda context: need(context)[0] <= have, max_context)  # positions
     way = (f"use fewer tokens or a smaller --max-context (about {lo} positions fit)" if lo else
            "not one position fits beside the weights; use a smaller model"
            + (" or fewer resident experts" if stream is not None and platform == "gpu" else ""))
@@ -1099,106 +1052,17 @@ def cmd_profile(args, log: _Log) -> int:
 # ---- info ---------------------------------------------------------------------------------------
 
 
-def _streamed_note(config, plan, extra: int, ring_streaming: int) -> str | None:
-    """Why a streamed plan takes `extra` > 0 bytes more than every expert resident, or None.
-
-    A streamed engine reads every MoE layer from a ring frame of all n_experts slots, its
-    resident experts copied in (stream.plan_stream), so the ring is a real cost on top of the
-    residents: once they hold nearly every expert, the streamed plan passes the all-resident
-    one. `ring_streaming`: the ring's bytes while something streams (the plan with no
-    residents), from which the most residents per layer that stay within it follow.
-    """
-    if extra <= 0:
-        return None
-    E, n_moe = config.n_experts, len(config.moe_layers)
-    per = max((len(plan.resident[l]) for l in config.moe_layers), default=0)
-    frames = max(1, ring_streaming // max(E * plan.blob_bytes, 1))
-    # n_moe * keep + frames * E <= n_moe * E experts: the residents and ring within all of them.
-    keep = max(0, E * (n_moe - frames) // n_moe) if n_moe else 0
-    way = (f"keep at most {keep} per layer resident" if keep else "stream every expert")
-    return (f"the streamed plan takes {_size(extra)} more than every expert resident: a "
-            f"streamed engine reads each layer from a ring frame of all {E} of its experts, "
-            f"its residents copied in, so the ring ({_size(plan.ring_bytes)}) comes on top of "
-            f"{per} of {E} experts per layer resident; --no-stream (every expert resident) "
-            f"needs less, or {way} to stay within it")
-
-
-def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
-                resident_per_layer: int | None = None, ring_gib: float = 4.0,
-                device_bytes: int | None = None) -> dict:
-    """Bytes on the device and the host for a model streamed with a resident budget.
-
-    The host store (every expert, pinned host RAM) is `host_store_bytes`. The residents and the
-    ring are `stream.plan_stream`'s, the plan a StreamEngine follows, without a profile: a
-    resident budget in GiB is spread evenly over the MoE layers (lowest ids), the ring holds two
-    layer frames (a layer's experts each) when `ring_gib` allows and at least one. A ring budget
-    below one frame, which an engine refuses, is reported here as `ring_fits_budget: False`
-    with a one-frame ring. Activations and compiler workspace are not
-    counted. The ring is whole layer frames (residents copied in) whatever the residents, so
-    with nearly every expert resident the streamed plan takes more than every expert
-    resident; `streamed_note` then says so and why (else it is None).
-
-    Raises:
-        ValueError: what plan_stream refuses (a negative budget, more residents per layer than
-            a layer has experts).
-    """
-    from .engine import kv_cache_bytes
-    from .stream import StreamConfig, plan_stream
-
-    n_moe = len(config.moe_layers)
-    dense = _param_bytes(config, resident_experts=False)
-    kv = kv_cache_bytes(config, max_context)
-    stream = StreamConfig(ring_budget_gib=ring_gib, resident_budget_gib=resident_gib,
-                          resident_per_layer=resident_per_layer or 0)
-    plan = plan_stream(config, stream, check_ring_budget=False)
-    # Every expert streamed: the largest ring, what the resident experts must leave room for.
-    ring_none = plan_stream(config, StreamConfig(ring_budget_gib=ring_gib),
-                            check_ring_budget=False).ring_bytes
-    per = max((len(plan.resident[l]) for l in config.moe_layers), default=0)
-    streamed_plan = dense + kv + plan.resident_bytes + plan.ring_bytes
-    resident_all = dense + kv + config.expert_bytes_total
-    out = {
-        "expert_bytes": plan.blob_bytes,
-        "expert_bytes_per_layer": config.expert_bytes_per_layer,
-        "expert_bytes_total": config.expert_bytes_total,
-        "moe_layers": n_moe,
-        "dense_bytes": dense,
-        "kv_bytes": kv,
-        "max_context": max_context,
-        "resident_per_layer": per,
-        "resident_bytes": plan.resident_bytes,
-        "streamed_per_layer": plan.max_streamed_per_layer,
-        "ring_slots": plan.ring,
-        "ring_frames": plan.frames,
-        "ring_bytes": plan.ring_bytes,
-        "ring_fits_budget": plan.ring_fits_budget,
-        "device_bytes_streamed": streamed_plan,
-        "device_bytes_all_resident": resident_all,
-        "streamed_note": _streamed_note(config, plan, streamed_plan - resident_all, ring_none),
-        "device_memory": device_bytes,
-        "host_store_bytes": config.expert_bytes_total,
-    }
-    if device_bytes is not None:
-        out["fits_streamed"] = bool(plan.ring_fits_budget and streamed_plan <= device_bytes)
-        out["fits_all_resident"] = bool(resident_all <= device_bytes)
-        out["max_resident_gib"] = max(0.0, (device_bytes - dense - kv - ring_none) / 2**30)
-    return out
-
-
 def cmd_info(args, log: _Log) -> int:
     import jax
 
     from . import native
+    from .memory import device_memory, host_memory, memory_stats
 
     out: dict = {"jax": {"version": jax.__version__, "backend": jax.default_backend()}}
     devices = []
     for d in jax.devices():
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - not every runtime reports memory
-            stats = {}
         devices.append({"id": d.id, "platform": d.platform, "kind": d.device_kind,
-                        "memory_bytes": stats.get("bytes_limit")})
+                        "memory_bytes": memory_stats(d).get("bytes_limit")})
     out["devices"] = devices
     try:
         has_cuda = native.has_cuda()
@@ -1221,7 +1085,7 @@ def cmd_info(args, log: _Log) -> int:
         except RuntimeError as e:
             link["note"] = f"not measured: {str(e).splitlines()[0]}"
     out["link"] = link
-    host_total, host_avail = _host_memory()
+    host_total, host_avail = host_memory()
     out["host"] = {"memory_bytes": host_total, "available_bytes": host_avail}
 
     model = _Model(args)
@@ -1235,7 +1099,7 @@ def cmd_info(args, log: _Log) -> int:
                              f"({cfg.max_seq_len}); use at most {cfg.max_seq_len}")
         platform = "gpu" if has_gpu else "cpu"
         _check_stream_budget(args, cfg, platform)  # what prefill refuses, in its words
-        device_bytes, device_what = _device_memory(platform)
+        device_bytes, device_what = device_memory(platform)
         try:
             plan = memory_plan(cfg, max_context=max_context, resident_gib=args.resident_gib,
                                resident_per_layer=args.resident_per_layer,

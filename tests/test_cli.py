@@ -396,10 +396,9 @@ def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_p
     24 GiB host, as where `--tokens 100000000` was killed after 29 s)."""
     import time
 
-    import strata_jax.engine
+    import strata_jax.memory
 
-    monkeypatch.setattr(strata_jax.engine, "host_memory", lambda: (24 * GIB, 23 * GIB),
-                        raising=False)
+    monkeypatch.setattr(strata_jax.memory, "host_memory", lambda: (24 * GIB, 23 * GIB))
     argv = [a.format(tmp=tmp_path) for a in argv]
     run(["prefill", *TINY, "--tokens", "8", "--max-context", "100000000"])  # imports, warm
     t0 = time.perf_counter()
@@ -416,18 +415,20 @@ def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_p
 
 
 def test_the_plan_check_uses_the_engines_estimates(monkeypatch):
-    """The refusal's KV cache and activations are the engine's (engine.chunk_memory); the
-    positions it says fit pass the check, one more does not."""
+    """The refusal's KV cache and activations are the engine's (memory.chunk_memory, which
+    strata_jax.engine re-exports); the positions it says fit pass the check, one more does not."""
     import re
 
     import strata_jax.engine as E
+    import strata_jax.memory as M
 
+    assert E.chunk_memory is M.chunk_memory and E.kv_cache_bytes is M.kv_cache_bytes
     cfg = cli.model_config("qwen3-30b-a3b", "tiny", max_seq_len=10**8)
-    act, kv, cap = E.chunk_memory(cfg, 16, 10**8, platform="cpu", streamed=True)
+    act, kv, cap = M.chunk_memory(cfg, 16, 10**8, platform="cpu", streamed=True)
     assert cap == 10**8 + 16
-    assert kv == 2 * E.kv_cache_bytes(cfg, cap) == 2 * (
+    assert kv == 2 * M.kv_cache_bytes(cfg, cap) == 2 * (
         2 * cfg.n_layers * cap * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize)
-    monkeypatch.setattr(E, "host_memory", lambda: (24 * GIB, 23 * GIB))
+    monkeypatch.setattr(M, "host_memory", lambda: (24 * GIB, 23 * GIB))
     rc, _, err = run(["prefill", *TINY, "--tokens", "100000000"])
     assert rc == 2
     assert f"KV cache {kv / GIB:.2f} GiB (2 copies of {cap} positions" in err

@@ -22,6 +22,7 @@ from .. import _dlpack, native
 from ..config import ModelConfig
 from ..experts import ExpertWeights, blob_size, pack_expert_blobs_np
 from ..grouped_matmul import MGPU_BLOCK_M, resolve_implementation
+from ..memory import device_memory
 from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED, _PIN_MODES,
                      _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
@@ -60,19 +61,38 @@ def _check(rc: int, err: ctypes.Array, what: str) -> None:
         raise RuntimeError(f"strata engine: {what}: {err.value.decode(errors='replace')}")
 
 
-def _choose_backend(requested: str) -> str:
+class BackendUnavailable(RuntimeError):
+    """backend 'cuda' where it cannot run: `missing` is "cuda-build" (the native library was
+    built without CUDA) or "gpu" (JAX's default backend, `platform`, is not a GPU)."""
+
+    def __init__(self, message: str, missing: str, platform: str):
+        super().__init__(message)
+        self.missing = missing
+        self.platform = platform
+
+
+def choose_backend(requested: str) -> str:
+    """The stream backend ("cpu" or "cuda") that `requested` ("auto", "cpu", "cuda") runs on:
+    auto is CUDA when JAX's default backend is a GPU and the native library has CUDA, else
+    cpu. The one choice of a backend (the StreamEngine's and the CLI's).
+
+    Raises:
+        BackendUnavailable: "cuda" where it cannot run (a RuntimeError; the CLI words it as
+            its options).
+    """
     platform = jax.default_backend()
     if requested == "auto":
         return "cuda" if platform == "gpu" and native.has_cuda() else "cpu"
     if requested == "cuda":
         if not native.has_cuda():
-            raise RuntimeError(
+            raise BackendUnavailable(
                 "backend='cuda' but strata_jax was built without CUDA support; install the "
-                "CUDA toolkit and reinstall (`pip install --no-build-isolation -e .`)")
+                "CUDA toolkit and reinstall (`pip install --no-build-isolation -e .`)",
+                "cuda-build", platform)
         if platform != "gpu":
-            raise RuntimeError(
+            raise BackendUnavailable(
                 f"backend='cuda' but JAX's default backend is {platform!r}; install jax[cuda12] "
-                "or use backend='cpu'")
+                "or use backend='cpu'", "gpu", platform)
     return requested
 
 
@@ -81,7 +101,7 @@ def stream_platform(backend: str) -> str:
     the simulated link's ring is host memory, the CUDA ring is on the GPU; "auto" is
     decided as a StreamEngine decides it."""
     if backend == "auto":
-        backend = _choose_backend(backend)
+        backend = choose_backend(backend)
     return "gpu" if backend == "cuda" else "cpu"
 
 
@@ -113,7 +133,7 @@ class StreamEngine:
         native.register_targets()
         self.config = config
         self.stream = (stream or StreamConfig()).resolved()
-        self.backend = _choose_backend(self.stream.backend)
+        self.backend = choose_backend(self.stream.backend)
         self.platform = stream_platform(self.backend)
         L, E = config.n_layers, config.n_experts
         if len(experts) != L:
@@ -304,12 +324,7 @@ class StreamEngine:
         """Total memory of the device the residents go to, where the backend reports it."""
         if self.backend != "cuda":
             return None  # the simulated device is host memory: no device-size check
-        try:
-            stats = jax.devices("gpu")[self.stream.device].memory_stats() or {}
-        except (RuntimeError, IndexError):
-            return None
-        limit = stats.get("bytes_limit")
-        return int(limit) if limit else None
+        return device_memory("gpu", self.stream.device)[0]
 
     def _put_resident(self) -> dict[int, jax.Array]:
         device = self.jax_device
