@@ -27,6 +27,8 @@ TARGETS = {
     "release": "strata_release",
     "end": "strata_end_chunk",
 }
+# The handlers' exported symbols: each name + "Cpu", and + "Cuda" in a CUDA build (one templated
+# handler a target, ffi/src/handlers.hpp, exported once a platform).
 _SYMBOLS = {
     "begin": "StrataBegin",
     "publish": "StrataPublish",

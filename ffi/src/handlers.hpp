@@ -1,15 +1,28 @@
 // XLA FFI handlers of the streaming engine: begin_chunk, publish, fetch (into
 // outputs of its own, with fetch_piece for a layer's later pieces, or
-// fetch_frame: the model reads the ring's frame),
-// release and end_chunk. One templated implementation; the CPU and CUDA registrations
-// (handlers_cpu.cc, handlers_cuda.cc) differ only in how the platform stream
-// is bound. Every engine error comes back as an ffi::Error naming the call
-// and the layer; nothing throws across the FFI boundary.
+// fetch_frame: the model reads the ring's frame), release and end_chunk.
+//
+// One handler per target, templated on the platform `P`; handlers_cpu.cc and
+// handlers_cuda.cc each define their platform and export the seven symbols
+// with STRATA_DEFINE_HANDLER_SYMBOLS. A platform names only the execution
+// context the call's first parameter decodes from (`P::StreamCtx`, a type for
+// Ffi::Bind().Ctx<>): XLA's stream on CUDA, null on the CPU. The engine takes
+// it as a void*.
+//
+// Each call's attributes decode into one struct (BeginAttrs, LayerAttrs,
+// FetchAttrs, EndAttrs), by name: the names and integer widths below are the
+// ones strata_jax/stream/ops.py writes, and a call must carry exactly its
+// struct's attributes.
+//
+// Every engine error comes back as an ffi::Error naming the call and the
+// layer; nothing throws across the FFI boundary.
 #pragma once
 
+#include <cstdint>
 #include <exception>
-#include <utility>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine.hpp"
@@ -19,22 +32,74 @@ namespace strata::handlers {
 
 namespace ffi = xla::ffi;
 
-inline ffi::Error ToError(const Status& s) {
-  return s.empty() ? ffi::Error::Success() : ffi::Error::Internal("strata: " + s);
-}
+// begin_chunk's attributes. `mode`: ChunkMode.
+struct BeginAttrs {
+  int64_t engine;
+  int32_t mode;
+};
 
-inline Engine* Lookup(int64_t id, Status* err) {
-  Engine* e = FindEngine(id);
-  if (!e)
-    *err = "no engine with id " + std::to_string(id) +
-           " (closed, or made in another process)";
-  return e;
-}
+// publish's and release's attributes.
+struct LayerAttrs {
+  int64_t engine;
+  int32_t layer;
+};
 
+// fetch's, fetch_piece's and fetch_frame's attributes: the layer and the
+// piece of it the call readies (FetchPiece).
+struct FetchAttrs {
+  int64_t engine;
+  int32_t layer;
+  int32_t piece;
+  int32_t pieces;
+  int64_t row_begin;
+  int64_t row_end;
+
+  FetchPiece Piece() const { return FetchPiece{piece, pieces, row_begin, row_end}; }
+};
+
+// end_chunk's attributes.
+struct EndAttrs {
+  int64_t engine;
+};
+
+}  // namespace strata::handlers
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::strata::handlers::BeginAttrs,
+    ::xla::ffi::StructMember<int64_t>("engine"),
+    ::xla::ffi::StructMember<int32_t>("mode"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::strata::handlers::LayerAttrs,
+    ::xla::ffi::StructMember<int64_t>("engine"),
+    ::xla::ffi::StructMember<int32_t>("layer"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::strata::handlers::FetchAttrs,
+    ::xla::ffi::StructMember<int64_t>("engine"),
+    ::xla::ffi::StructMember<int32_t>("layer"),
+    ::xla::ffi::StructMember<int32_t>("piece"),
+    ::xla::ffi::StructMember<int32_t>("pieces"),
+    ::xla::ffi::StructMember<int64_t>("row_begin"),
+    ::xla::ffi::StructMember<int64_t>("row_end"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::strata::handlers::EndAttrs,
+    ::xla::ffi::StructMember<int64_t>("engine"));
+
+namespace strata::handlers {
+
+using Buffer = ffi::AnyBuffer;
+using Out = ffi::Result<ffi::AnyBuffer>;
+
+// Runs `fn(Engine*)` for engine `id`: a missing engine, an engine error and
+// an exception all become an ffi::Error naming `call`.
 template <class Fn>
-ffi::Error Guard(const char* call, Fn fn) {
+ffi::Error WithEngine(const char* call, int64_t id, Fn fn) {
   try {
-    return ToError(fn());
+    Engine* e = FindEngine(id);
+    if (!e)
+      return ffi::Error::Internal("strata: no engine with id " + std::to_string(id) +
+                                  " (closed, or made in another process)");
+    const Status s = fn(e);
+    return s.empty() ? ffi::Error::Success() : ffi::Error::Internal("strata: " + s);
   } catch (const std::exception& ex) {
     return ffi::Error::Internal(std::string("strata: ") + call + ": " + ex.what());
   } catch (...) {
@@ -43,191 +108,179 @@ ffi::Error Guard(const char* call, Fn fn) {
   }
 }
 
-inline ffi::Error Begin(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>,
-                        ffi::Result<ffi::AnyBuffer> ids, int64_t engine,
-                        int32_t mode) {
-  return Guard("begin_chunk", [&]() -> Status {
-    Status err;
-    Engine* e = Lookup(engine, &err);
-    if (!e) return err;
-    ChunkMode m;
-    if (!ParseChunkMode(mode, &m))
-      return "begin_chunk: mode " + std::to_string(mode) +
-             " is not 0 (stream, frames), 1 (routed-only) or 2 (stream, packed)";
-    if (ids->element_type() != ffi::DataType::S32)
-      return "begin_chunk: the ids output must be int32";
-    return e->Begin(m, stream, ids->untyped_data(),
-                    static_cast<int64_t>(ids->size_bytes()));
-  });
-}
+template <class P>
+struct Handlers {
+  // The handlers' first parameter: what P::StreamCtx decodes to.
+  using Stream = typename ffi::CtxDecoding<typename P::StreamCtx>::Type;
 
-inline ffi::Error Publish(void* stream, ffi::AnyBuffer, ffi::AnyBuffer counts,
-                          ffi::Result<ffi::AnyBuffer>, int64_t engine,
-                          int32_t layer) {
-  return Guard("publish", [&]() -> Status {
-    Status err;
-    Engine* e = Lookup(engine, &err);
-    if (!e) return err;
-    if (counts.element_type() != ffi::DataType::S32 ||
-        counts.element_count() != static_cast<size_t>(e->options().n_experts))
-      return "publish, layer " + std::to_string(layer) +
-             ": counts must be int32[" +
-             std::to_string(e->options().n_experts) + "]";
-    return e->Publish(layer, counts.untyped_data(), stream);
-  });
-}
+  static void* Queue(Stream stream) { return static_cast<void*>(stream); }
 
-// fetch's piece attributes (engine.hpp, FetchPiece).
-inline FetchPiece Piece(int32_t piece, int32_t pieces, int64_t row_begin,
-                        int64_t row_end) {
-  return FetchPiece{piece, pieces, row_begin, row_end};
-}
+  static ffi::Error Begin(Stream stream, Buffer, Out, Out ids, BeginAttrs a) {
+    return WithEngine("begin_chunk", a.engine, [&](Engine* e) -> Status {
+      ChunkMode m;
+      if (!ParseChunkMode(a.mode, &m))
+        return "begin_chunk: mode " + std::to_string(a.mode) +
+               " is not 0 (stream, frames), 1 (routed-only) or 2 (stream, packed)";
+      if (ids->element_type() != ffi::DataType::S32)
+        return "begin_chunk: the ids output must be int32";
+      return e->Begin(m, Queue(stream), ids->untyped_data(),
+                      static_cast<int64_t>(ids->size_bytes()));
+    });
+  }
 
-// fetch and fetch_piece: into outputs of fetch's own. fetch_piece's outputs
-// are its gate/up/down operands (aliased: the earlier pieces' rows stay).
-inline ffi::Error Fetch(void* stream, ffi::AnyBuffer, ffi::AnyBuffer resident,
-                        ffi::Result<ffi::AnyBuffer> gate,
-                        ffi::Result<ffi::AnyBuffer> up,
-                        ffi::Result<ffi::AnyBuffer> down,
-                        ffi::Result<ffi::AnyBuffer>, int64_t engine,
-                        int32_t layer, const FetchPiece& piece) {
-  return Guard("fetch", [&]() -> Status {
-    Status err;
-    Engine* e = Lookup(engine, &err);
-    if (!e) return err;
-    void* const out[kParts] = {gate->untyped_data(), up->untyped_data(),
-                               down->untyped_data()};
-    const int64_t bytes[kParts] = {static_cast<int64_t>(gate->size_bytes()),
-                                   static_cast<int64_t>(up->size_bytes()),
-                                   static_cast<int64_t>(down->size_bytes())};
-    return e->Fetch(layer, resident.untyped_data(),
-                    static_cast<int64_t>(resident.size_bytes()), out, bytes,
-                    stream, piece);
-  });
-}
+  static ffi::Error Publish(Stream stream, Buffer, Buffer counts, Out,
+                            LayerAttrs a) {
+    return WithEngine("publish", a.engine, [&](Engine* e) -> Status {
+      if (counts.element_type() != ffi::DataType::S32 ||
+          counts.element_count() != static_cast<size_t>(e->options().n_experts))
+        return "publish, layer " + std::to_string(a.layer) +
+               ": counts must be int32[" +
+               std::to_string(e->options().n_experts) + "]";
+      return e->Publish(a.layer, counts.untyped_data(), Queue(stream));
+    });
+  }
 
-inline ffi::Error FetchFrame(void* stream, ffi::AnyBuffer,
-                             ffi::AnyBuffer resident, ffi::Result<ffi::AnyBuffer>,
-                             int64_t engine, int32_t layer,
-                             const FetchPiece& piece) {
-  return Guard("fetch", [&]() -> Status {
-    Status err;
-    Engine* e = Lookup(engine, &err);
-    if (!e) return err;
-    return e->Fetch(layer, resident.untyped_data(),
-                    static_cast<int64_t>(resident.size_bytes()), nullptr,
-                    nullptr, stream, piece);
-  });
-}
+  // fetch: the layer's frame copied into outputs of fetch's own.
+  static ffi::Error Fetch(Stream stream, Buffer, Buffer resident, Out gate,
+                          Out up, Out down, Out, FetchAttrs a) {
+    return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
+      void* const out[kParts] = {gate->untyped_data(), up->untyped_data(),
+                                 down->untyped_data()};
+      const int64_t bytes[kParts] = {static_cast<int64_t>(gate->size_bytes()),
+                                     static_cast<int64_t>(up->size_bytes()),
+                                     static_cast<int64_t>(down->size_bytes())};
+      return e->Fetch(a.layer, resident.untyped_data(),
+                      static_cast<int64_t>(resident.size_bytes()), out, bytes,
+                      Queue(stream), a.Piece());
+    });
+  }
 
-// `after`: any output of the layer's expert math, so this runs after it.
-inline ffi::Error Release(void* stream, ffi::AnyBuffer, ffi::AnyBuffer after,
-                          ffi::Result<ffi::AnyBuffer>, int64_t engine,
-                          int32_t layer) {
-  (void)after;
-  return Guard("release", [&]() -> Status {
-    Status err;
-    Engine* e = Lookup(engine, &err);
-    if (!e) return err;
-    return e->Release(layer, stream);
-  });
-}
+  // fetch_piece: a later piece of fetch. The weights so far and `after` only
+  // order the call: fetch writes the outputs, which XLA aliases to them.
+  static ffi::Error FetchPiece(Stream stream, Buffer token, Buffer resident,
+                               Buffer, Buffer, Buffer, Buffer, Out gate, Out up,
+                               Out down, Out out_token, FetchAttrs a) {
+    return Fetch(stream, token, resident, gate, up, down, out_token, a);
+  }
 
-inline ffi::Error End(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> stats,
-                      int64_t engine) {
-  return Guard("end_chunk", [&]() -> Status {
-    Status err;
-    Engine* e = Lookup(engine, &err);
-    if (!e) return err;
-    const int64_t want = 2LL * e->options().n_layers * 4;
-    if (static_cast<int64_t>(stats->size_bytes()) != want)
-      return "end_chunk: stats output must be int32[" +
-             std::to_string(e->options().n_layers) + ", 2]";
-    std::vector<int32_t> host(static_cast<size_t>(2 * e->options().n_layers));
-    return e->End(host.data(), stats->untyped_data(), stream);
-  });
-}
+  // fetch_frame: the layer's frame readied in the ring, where the model reads it.
+  static ffi::Error FetchFrame(Stream stream, Buffer, Buffer resident, Out,
+                               FetchAttrs a) {
+    return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
+      return e->Fetch(a.layer, resident.untyped_data(),
+                      static_cast<int64_t>(resident.size_bytes()), nullptr,
+                      nullptr, Queue(stream), a.Piece());
+    });
+  }
 
-// Bindings: one .Arg/.Ret/.Attr per line. `b` is Ffi::Bind(), with the
-// platform stream's .Ctx on CUDA.
-template <class B>
-auto BeginBinding(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Ret<ffi::AnyBuffer>()   // token
-      .template Ret<ffi::AnyBuffer>()   // ids: int32[n], the next n staged
-      .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("mode");
-}
-// publish (counts: int32[E]) and release (after: an output of the layer's
-// expert math) take the same operands: (token, one array) -> token, on a
-// layer.
-using LayerCall = ffi::Error (*)(void*, ffi::AnyBuffer, ffi::AnyBuffer,
-                                 ffi::Result<ffi::AnyBuffer>, int64_t, int32_t);
-template <class B>
-auto LayerCallBinding(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()   // the call's array
-      .template Ret<ffi::AnyBuffer>()   // token
-      .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("layer");
-}
-template <class B>
-auto PieceAttrs(B b) {
-  return std::move(b)
-      .template Attr<int32_t>("piece")
-      .template Attr<int32_t>("pieces")
-      .template Attr<int64_t>("row_begin")
-      .template Attr<int64_t>("row_end");
-}
-// fetch's and fetch_piece's results and attributes, after their operands.
-template <class B>
-auto FetchResults(B b) {
-  return PieceAttrs(std::move(b)
-      .template Ret<ffi::AnyBuffer>()   // gate: [E, H, I]
-      .template Ret<ffi::AnyBuffer>()   // up: [E, H, I]
-      .template Ret<ffi::AnyBuffer>()   // down: [E, I, H]
-      .template Ret<ffi::AnyBuffer>()   // token
-      .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("layer"));
-}
-template <class B>
-auto FetchBinding(B b) {
-  return FetchResults(std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()); // resident: [R, blob] of the layer
-}
-// fetch_piece: fetch's later pieces, which add their rows to the outputs of
-// the piece before (operands aliased to the results). `after` orders it after
-// the piece before's expert math by a data dependency: through an
-// optimization barrier on the token instead, XLA copied the aliased operands
-// (a whole layer's weights) before each piece.
-template <class B>
-auto FetchPieceBinding(B b) {
-  return FetchResults(std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
-      .template Arg<ffi::AnyBuffer>()   // gate so far (aliased to the result)
-      .template Arg<ffi::AnyBuffer>()   // up so far
-      .template Arg<ffi::AnyBuffer>()   // down so far
-      .template Arg<ffi::AnyBuffer>()); // after: an output of the piece before's math
-}
-template <class B>
-auto FetchFrameBinding(B b) {
-  return PieceAttrs(std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Arg<ffi::AnyBuffer>()   // resident: [R, blob] of the layer
-      .template Ret<ffi::AnyBuffer>()   // token
-      .template Attr<int64_t>("engine")
-      .template Attr<int32_t>("layer"));
-}
-template <class B>
-auto EndBinding(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Ret<ffi::AnyBuffer>()   // stats: int32[L, 2] (copied, skipped)
-      .template Attr<int64_t>("engine");
-}
+  // `after`: any output of the layer's expert math, so this runs after it.
+  static ffi::Error Release(Stream stream, Buffer, Buffer after, Out,
+                            LayerAttrs a) {
+    (void)after;
+    return WithEngine("release", a.engine, [&](Engine* e) -> Status {
+      return e->Release(a.layer, Queue(stream));
+    });
+  }
+
+  static ffi::Error End(Stream stream, Buffer, Out stats, EndAttrs a) {
+    return WithEngine("end_chunk", a.engine, [&](Engine* e) -> Status {
+      const int64_t want = 2LL * e->options().n_layers * 4;
+      if (static_cast<int64_t>(stats->size_bytes()) != want)
+        return "end_chunk: stats output must be int32[" +
+               std::to_string(e->options().n_layers) + ", 2]";
+      std::vector<int32_t> host(static_cast<size_t>(2 * e->options().n_layers));
+      return e->End(host.data(), stats->untyped_data(), Queue(stream));
+    });
+  }
+
+  // Bindings: the platform's context, then one .Arg/.Ret per line in the
+  // handler's order, then the call's attribute struct.
+  static auto Bind() {
+    return ffi::Ffi::Bind().template Ctx<typename P::StreamCtx>();
+  }
+  static auto BeginBinding() {
+    return Bind()
+        .template Arg<Buffer>()   // token
+        .template Ret<Buffer>()   // token
+        .template Ret<Buffer>()   // ids: int32[n], the next n staged
+        .template Attrs<BeginAttrs>();
+  }
+  // publish (counts: int32[E]) and release (after: an output of the layer's
+  // expert math): (token, one array) -> token, on a layer.
+  static auto LayerBinding() {
+    return Bind()
+        .template Arg<Buffer>()   // token
+        .template Arg<Buffer>()   // the call's array
+        .template Ret<Buffer>()   // token
+        .template Attrs<LayerAttrs>();
+  }
+  static auto FetchBinding() {
+    return Bind()
+        .template Arg<Buffer>()   // token
+        .template Arg<Buffer>()   // resident: [R, blob] of the layer
+        .template Ret<Buffer>()   // gate: [E, H, I]
+        .template Ret<Buffer>()   // up: [E, H, I]
+        .template Ret<Buffer>()   // down: [E, I, H]
+        .template Ret<Buffer>()   // token
+        .template Attrs<FetchAttrs>();
+  }
+  // fetch_piece: fetch's later pieces, which add their rows to the outputs of
+  // the piece before (operands aliased to the results). `after` orders it
+  // after the piece before's expert math by a data dependency: through an
+  // optimization barrier on the token instead, XLA copied the aliased
+  // operands (a whole layer's weights) before each piece.
+  static auto FetchPieceBinding() {
+    return Bind()
+        .template Arg<Buffer>()   // token
+        .template Arg<Buffer>()   // resident: [R, blob] of the layer
+        .template Arg<Buffer>()   // gate so far (aliased to the result)
+        .template Arg<Buffer>()   // up so far
+        .template Arg<Buffer>()   // down so far
+        .template Arg<Buffer>()   // after: an output of the piece before's math
+        .template Ret<Buffer>()   // gate: [E, H, I]
+        .template Ret<Buffer>()   // up: [E, H, I]
+        .template Ret<Buffer>()   // down: [E, I, H]
+        .template Ret<Buffer>()   // token
+        .template Attrs<FetchAttrs>();
+  }
+  static auto FetchFrameBinding() {
+    return Bind()
+        .template Arg<Buffer>()   // token
+        .template Arg<Buffer>()   // resident: [R, blob] of the layer
+        .template Ret<Buffer>()   // token
+        .template Attrs<FetchAttrs>();
+  }
+  static auto EndBinding() {
+    return Bind()
+        .template Arg<Buffer>()   // token
+        .template Ret<Buffer>()   // stats: int32[L, 2] (copied, skipped)
+        .template Attrs<EndAttrs>();
+  }
+};
 
 }  // namespace strata::handlers
+
+// Exports the seven handlers of platform `P` as C symbols Strata<Target><Suffix>
+// (StrataBeginCpu, ...), the names strata_jax/native.py registers.
+#define STRATA_DEFINE_HANDLER_SYMBOLS(Suffix, P)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataBegin##Suffix,                            \
+                                ::strata::handlers::Handlers<P>::Begin,         \
+                                ::strata::handlers::Handlers<P>::BeginBinding()); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPublish##Suffix,                          \
+                                ::strata::handlers::Handlers<P>::Publish,       \
+                                ::strata::handlers::Handlers<P>::LayerBinding()); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFetch##Suffix,                            \
+                                ::strata::handlers::Handlers<P>::Fetch,         \
+                                ::strata::handlers::Handlers<P>::FetchBinding()); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                \
+      StrataFetchPiece##Suffix, ::strata::handlers::Handlers<P>::FetchPiece,    \
+      ::strata::handlers::Handlers<P>::FetchPieceBinding());                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                \
+      StrataFetchFrame##Suffix, ::strata::handlers::Handlers<P>::FetchFrame,    \
+      ::strata::handlers::Handlers<P>::FetchFrameBinding());                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRelease##Suffix,                          \
+                                ::strata::handlers::Handlers<P>::Release,       \
+                                ::strata::handlers::Handlers<P>::LayerBinding()); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataEnd##Suffix,                              \
+                                ::strata::handlers::Handlers<P>::End,           \
+                                ::strata::handlers::Handlers<P>::EndBinding())

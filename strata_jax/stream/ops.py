@@ -59,9 +59,29 @@ def _call(target: str, results, *operands, aliases=(), **attrs):
                                aliases=tuple(aliases), **attrs)
 
 
-def _piece_attrs(piece: int, pieces: int, rows: tuple[int, int]) -> dict:
-    return {"piece": np.int32(piece), "pieces": np.int32(pieces),
-            "row_begin": np.int64(rows[0]), "row_end": np.int64(rows[1])}
+# Each call's attributes are one struct of the native handlers (ffi/src/handlers.hpp), decoded
+# by name: a call carries exactly its struct's attributes, with these names and integer widths.
+def _begin_attrs(engine_id: int, mode: int) -> dict:
+    """BeginAttrs (begin_chunk)."""
+    return {"engine": np.int64(engine_id), "mode": np.int32(mode)}
+
+
+def _layer_attrs(engine_id: int, layer: int) -> dict:
+    """LayerAttrs (publish, release)."""
+    return {"engine": np.int64(engine_id), "layer": np.int32(layer)}
+
+
+def _fetch_attrs(engine_id: int, layer: int, piece: int, pieces: int,
+                 rows: tuple[int, int]) -> dict:
+    """FetchAttrs (fetch, fetch_piece, fetch_frame): the layer and the piece of it."""
+    return {**_layer_attrs(engine_id, layer), "piece": np.int32(piece),
+            "pieces": np.int32(pieces), "row_begin": np.int64(rows[0]),
+            "row_end": np.int64(rows[1])}
+
+
+def _end_attrs(engine_id: int) -> dict:
+    """EndAttrs (end_chunk)."""
+    return {"engine": np.int64(engine_id)}
 
 
 def begin(engine_id: int, mode: int, token: jax.Array,
@@ -69,13 +89,13 @@ def begin(engine_id: int, mode: int, token: jax.Array,
     """begin_chunk: (token, ids), ids being int32 [n_ids], the next `n_ids` of the ids staged
     with the engine (`StreamEngine.stage_ids`), written on the device as kernel arguments."""
     tok, ids = _call("begin", [((), jnp.int32), ((n_ids,), jnp.int32)], token,
-                     engine=np.int64(engine_id), mode=np.int32(mode))
+                     **_begin_attrs(engine_id, mode))
     return tok, ids
 
 
 def publish(engine_id: int, layer: int, token: jax.Array, counts: jax.Array) -> jax.Array:
     (tok,) = _call("publish", [((), jnp.int32)], token, counts.astype(jnp.int32),
-                   engine=np.int64(engine_id), layer=np.int32(layer))
+                   **_layer_attrs(engine_id, layer))
     return tok
 
 
@@ -95,8 +115,7 @@ def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array, n_e
     h, i, dt = hidden, intermediate, resident.dtype
     shapes = [((n_experts, h, i), dt), ((n_experts, h, i), dt), ((n_experts, i, h), dt),
               ((), jnp.int32)]
-    attrs = dict(engine=np.int64(engine_id), layer=np.int32(layer),
-                 **_piece_attrs(piece, pieces, rows))
+    attrs = _fetch_attrs(engine_id, layer, piece, pieces, rows)
     if so_far is None:
         gate, up, down, tok = _call("fetch", shapes, token, resident, **attrs)
     else:
@@ -113,8 +132,7 @@ def fetch_frame(engine_id: int, layer: int, token: jax.Array, resident: jax.Arra
     its copies waited for on XLA's stream); the model then reads the frame in place. In pieces
     (`fetch`), only the copies of the experts with rows in the piece's range are waited for."""
     (tok,) = _call("fetch_frame", [((), jnp.int32)], token, resident,
-                   engine=np.int64(engine_id), layer=np.int32(layer),
-                   **_piece_attrs(piece, pieces, rows))
+                   **_fetch_attrs(engine_id, layer, piece, pieces, rows))
     return tok
 
 
@@ -122,10 +140,10 @@ def release(engine_id: int, layer: int, token: jax.Array, after: jax.Array) -> j
     """release: the layer's expert math (`after`, one of its outputs) is done with its frame,
     which the walk may then fill with a later layer."""
     (tok,) = _call("release", [((), jnp.int32)], token, after,
-                   engine=np.int64(engine_id), layer=np.int32(layer))
+                   **_layer_attrs(engine_id, layer))
     return tok
 
 
 def end(engine_id: int, token: jax.Array, n_layers: int) -> jax.Array:
-    (stats,) = _call("end", [((n_layers, 2), jnp.int32)], token, engine=np.int64(engine_id))
+    (stats,) = _call("end", [((n_layers, 2), jnp.int32)], token, **_end_attrs(engine_id))
     return stats
