@@ -11,8 +11,7 @@ Two orders (`order=`):
                     tokens) before the next layer, so each needed expert crosses the link once per
                     prompt. Its extra memory is checked before any device work; when it does not
                     fit, the prefill falls back to chunk-major with a warning and
-                    `result.fallback` says why. "layer-major!" is the strict spelling: it raises
-                    `LayerMajorMemoryError` instead of falling back.
+                    `result.fallback` says why.
 
 Compile buckets: a chunk of n tokens is padded to the smallest bucket >= n, the buckets being the
 powers of two from 16 below `chunk_size` plus `chunk_size` itself (`Engine.buckets`). Chunk-major
@@ -65,17 +64,13 @@ from .memory import (  # noqa: F401 - the estimates, re-exported here as before
 from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
                      stream_platform)
 
-__all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", "LayerMajorMemoryError",
+__all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", 
            "ORDERS", "MIN_BUCKET", "compile_buckets", "sha256_of"]
 
-ORDERS = ("chunk-major", "layer-major", "layer-major!")
+ORDERS = ("chunk-major", "layer-major")
 _STAT_KEYS = ("streamed", "copied", "skipped", "unrouted", "bytes")
 
 _engine_ids = itertools.count(1)
-
-
-class LayerMajorMemoryError(MemoryError):
-    """A strict layer-major prefill ("layer-major!") whose memory estimate does not fit."""
 
 
 def sha256_of(*arrays) -> str:
@@ -275,9 +270,9 @@ class Engine:
             how; `memory_available`), at most `max_context`.
         experts: Optional layer -> ExpertWeights when the routed experts are
             not in `params` (a checkpoint's host expert store).
-        order: Default read order of `prefill`: "chunk-major", "layer-major"
-            (falls back to chunk-major when its memory does not fit) or
-            "layer-major!" (strict: raises LayerMajorMemoryError instead).
+        order: Default read order of `prefill`: "chunk-major" or "layer-major"
+            (falls back to chunk-major, with a warning and `result.fallback`, when its
+            memory does not fit).
         sub_chunk: Layer-major compute sub-chunk in tokens; default chunk_size.
         layer_major_limit_bytes: Memory a prefill's activations may use: the
             automatic chunk size and layer-major's check. None: the device's
@@ -294,13 +289,6 @@ class Engine:
         kernels: The grouped matmul and attention the engine's programs use (`Kernels`;
             default: the measured best on the device).
     """
-
-    # Where each compiled call's `info` (end_chunk's stats and the router counts, a few KiB)
-    # lands: "pinned_host", written by the program's own last copy, so it is in host memory when
-    # the call ends; or "device", copied out by PjRt after it notices the end (a D2H dispatch,
-    # the copy and a host callback between the device's end and the caller's return). Read when
-    # an engine is made; a device without pinned host memory keeps it in device memory.
-    info_memory = "pinned_host"
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
                  stream: StreamConfig | None = None, *, max_context: int = 4096,
@@ -328,9 +316,6 @@ class Engine:
             raise ValueError(f"sub_chunk={sub_chunk}: must be at least 1 (or None: chunk_size)")
         if layer_major_limit_bytes is not None and layer_major_limit_bytes < 0:
             raise ValueError(f"layer_major_limit_bytes={layer_major_limit_bytes}: must be >= 0")
-        if self.info_memory not in ("pinned_host", "device"):
-            raise ValueError(f"Engine.info_memory={self.info_memory!r}: expected 'pinned_host' "
-                             "or 'device'")
         self.config = config
         self.max_context = int(max_context)
         self.order = order
@@ -390,7 +375,7 @@ class Engine:
         on_device = jax.sharding.SingleDeviceSharding(self.device)
         self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
         self.compilations = 0
-        self._info_sharding = _info_sharding(self.device, self.info_memory)
+        self._info_sharding = _info_sharding(self.device)
         self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub", "rows", "width"),
                             out_shardings=(on_device, on_device, self._info_sharding))
         # (bucket, first, mode, sub, rows) of the programs run once: with the engine's fixed state,
@@ -531,7 +516,8 @@ class Engine:
         """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once).
 
         Its `info` lands in the device's pinned host memory, written by the program itself
-        (`info_memory`); where it stays in device memory, the copy to the host is started here.
+        (`_info_sharding`); where it stays in device memory, the copy to the host is started
+        here.
 
         prestart: no chunk of the stream is queued (a prefill's first chunk). A streamed chunk
         whose program has run before then begins from the host (StreamEngine.prestart): its walk
@@ -658,8 +644,8 @@ class Engine:
         Args:
             tokens: int token ids [T] of the new text only.
             session: A Session from an earlier prefill of this engine, or None.
-            order: "chunk-major", "layer-major" or "layer-major!" (strict); None: the engine's
-                default (`Engine(order=...)`).
+            order: "chunk-major" or "layer-major"; None: the engine's default
+                (`Engine(order=...)`).
             progress: Called as progress(done_tokens, total_tokens) after each chunk (once at
                 the end for layer-major), e.g. to drive a progress bar.
             sync_chunks: Wait for each chunk to finish so its time is measured
@@ -676,7 +662,6 @@ class Engine:
         Raises:
             ValueError: bad token ids, an empty prompt, a prompt past the maximum context, a
                 session from another engine or model, or an unknown order.
-            LayerMajorMemoryError: order "layer-major!" and its memory estimate does not fit.
             RuntimeError: called from inside this engine's own prefill (its `progress`), or
                 after `close()`.
             ValueError: chunk_size outside 1..the engine's chunk_size.
@@ -748,11 +733,8 @@ class Engine:
                 why = (f"layer-major needs about {need / 2**20:.1f} MiB of activations for "
                        f"{arr.size} tokens (padded to {p}, sub-chunks of {s}) but {what} is "
                        f"{have / 2**20:.1f} MiB")
-                if order == "layer-major!":
-                    raise LayerMajorMemoryError(
-                        why + "; use a smaller sub_chunk or a shorter prompt, or "
-                        "order='layer-major' to fall back to chunk-major")
-                fallback = why + "; read chunk-major instead"
+                fallback = (why + "; read chunk-major instead (a smaller sub_chunk or a "
+                            "shorter prompt fits layer-major)")
                 warnings.warn(fallback, RuntimeWarning, stacklevel=2)
                 order = "chunk-major"
             else:
@@ -869,16 +851,17 @@ def _settle(arrays) -> None:
             pass
 
 
-def _info_sharding(device: jax.Device, kind: str) -> jax.sharding.Sharding:
-    """The compiled call's `info` placement: `kind` ("pinned_host" or "device", checked by the
-    Engine) where the device has it, else the device's default memory."""
-    if kind == "pinned_host":
-        try:
-            kinds = {m.kind for m in device.addressable_memories()}
-        except Exception:  # noqa: BLE001 - a backend without memory spaces
-            kinds = set()
-        if kind in kinds:
-            return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+def _info_sharding(device: jax.Device) -> jax.sharding.Sharding:
+    """Where each compiled call's `info` (end_chunk's stats and the router counts, a few KiB)
+    lands: the device's pinned host memory, written by the program's own last copy, so it is in
+    host memory when the call ends; a device without pinned host memory keeps it in device
+    memory, and `_dispatch` starts its copy to the host."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - a backend without memory spaces
+        kinds = set()
+    if "pinned_host" in kinds:
+        return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     return jax.sharding.SingleDeviceSharding(device)
 
 

@@ -20,7 +20,6 @@ import pytest
 from strata_jax.config import get_preset
 from strata_jax.engine import (
     Engine,
-    LayerMajorMemoryError,
     Session,
     compile_buckets,
     sha256_of,
@@ -179,35 +178,16 @@ def test_prefill_under_a_callers_host_to_device_transfer_guard(f32_engine):
     assert second.tokens == 55
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
-def test_info_memory_places_the_stats_not_the_result(bf16_params, monkeypatch, stream):
-    # Each call's info (end_chunk's stats and the router counts) lands in pinned host memory by
-    # default; kept in device memory (the path before) every stat, count and hash is the same.
-    # Switch off: the copies do not depend on the link's timing, so two engines' stats agree.
-    sc = StreamConfig(routed=False, stream_floor=32, **SLOW) if stream else None
-    toks = _tokens(100, config=BF16)
-    got = {}
-    for kind in ("pinned_host", "device"):
-        monkeypatch.setattr(Engine, "info_memory", kind)
-        with Engine(BF16, bf16_params, sc, max_context=128, chunk_size=32) as eng:
-            assert eng._info_sharding.memory_kind == (
-                "pinned_host" if kind == "pinned_host" else eng.device.default_memory().kind)
-            r = eng.prefill(toks, sync_chunks=False)
-            d = r.to_dict()
-            for c in d["chunks"]:
-                del c["ms"]
-            del d["prompt_ms"]
-            got[kind] = (d, r.counts.tolist())
-    assert got["pinned_host"] == got["device"]
-    assert got["device"][1] and sum(map(sum, got["device"][1])) == 100 * BF16.top_k * len(
-        BF16.moe_layers)
-    if stream:
-        assert got["device"][0]["copied"] > 0
-
-    monkeypatch.setattr(Engine, "info_memory", "host")
-    with pytest.raises(ValueError, match="Engine.info_memory='host'.*'pinned_host' or 'device'"):
-        Engine(BF16, bf16_params, None, max_context=128, chunk_size=32)
+def test_info_lands_in_the_devices_default_or_pinned_host_memory(bf16_params):
+    # Each call's info (end_chunk's stats and the router counts) lands in pinned host memory
+    # where the device has it, else in its default memory (copied out after the call).
+    with Engine(BF16, bf16_params, None, max_context=128, chunk_size=32) as eng:
+        kinds = {m.kind for m in eng.device.addressable_memories()}
+        want = "pinned_host" if "pinned_host" in kinds else eng.device.default_memory().kind
+        assert eng._info_sharding.memory_kind == want
+        r = eng.prefill(_tokens(100, config=BF16), sync_chunks=False)
+        assert int(r.counts.sum()) == 100 * BF16.top_k * len(BF16.moe_layers)
+    assert not hasattr(Engine, "info_memory")  # not a switch any more
 
 
 def test_to_dict_is_json_and_complete(bf16_params):
@@ -491,9 +471,8 @@ def test_layer_major_falls_back_or_refuses_when_memory_does_not_fit(f32_engine):
         f32_engine.layer_major_limit_bytes = need - 1
         assert f32_engine.memory_available() == (need - 1, "layer_major_limit_bytes")
         compiled, tokens = f32_engine.compilations, f32_engine.profile.tokens
-        with pytest.raises(LayerMajorMemoryError, match=r"layer-major needs about .* MiB.*"
-                           r"order='layer-major' to fall back"):
-            f32_engine.prefill(toks, order="layer-major!")
+        with pytest.raises(ValueError, match="order='layer-major!': expected one of"):
+            f32_engine.prefill(toks, order="layer-major!")  # the strict spelling is retired
         assert f32_engine.compilations == compiled  # refused before any device work
         assert f32_engine.profile.tokens == tokens
         with pytest.warns(RuntimeWarning, match="read chunk-major instead"):
@@ -502,7 +481,7 @@ def test_layer_major_falls_back_or_refuses_when_memory_does_not_fit(f32_engine):
         assert "layer-major needs about" in r.fallback and "layer_major_limit_bytes" in r.fallback
         assert r.to_dict()["fallback"] == r.fallback
         f32_engine.layer_major_limit_bytes = need
-        r = f32_engine.prefill(toks, order="layer-major!")
+        r = f32_engine.prefill(toks, order="layer-major")
         assert r.order == "layer-major" and r.fallback is None
     finally:
         f32_engine.layer_major_limit_bytes = None

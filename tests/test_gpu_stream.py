@@ -186,25 +186,19 @@ def test_cuda_frames_hold_each_layer_where_the_model_reads_it(setup, resident_pe
                                               want.view(np.uint16), err_msg=f"{name} {l}")
 
 
-def test_cuda_info_in_pinned_host_memory(setup, monkeypatch):
+def test_cuda_info_in_pinned_host_memory(setup):
     # The stats and counts come back through the program's own copy to pinned host memory (no
-    # PjRt copy after the end); the same stats, counts and hashes as with info in device memory.
+    # PjRt copy after the end), with the resident arm's bits.
     from strata_jax.engine import sha256_of
     from strata_jax.stream import StreamConfig
 
     cfg, params, tokens, ref = setup
     sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda")  # timing-free stats
-    got = {}
-    for kind in ("pinned_host", "device"):
-        monkeypatch.setattr(Engine, "info_memory", kind)
-        with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
-            want = "pinned_host" if kind == "pinned_host" else "device"
-            assert eng._info_sharding.memory_kind == want
-            r = eng.prefill(tokens, sync_chunks=False)
-            assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
-            got[kind] = (r.counts.tolist(), [c.stats.totals() for c in r.chunks],
-                         r.per_layer())
-    assert got["pinned_host"] == got["device"]
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+        assert eng._info_sharding.memory_kind == "pinned_host"
+        r = eng.prefill(tokens, sync_chunks=False)
+        assert (sha256_of(r.logits), r.session.kv_sha256()) == ref
+        assert int(r.counts.sum()) == len(tokens) * cfg.top_k * len(cfg.moe_layers)
 
 
 @pytest.mark.parametrize("routed", [False, True])
@@ -400,7 +394,7 @@ def test_cuda_padded_turns_and_layer_major_identical(setup):
             first = eng.prefill(tokens)
             second = eng.prefill(follow, first.session)
             assert (second.reused, second.read) == (tokens.size, 37)
-            lm = eng.prefill(tokens, order="layer-major!")
+            lm = eng.prefill(tokens, order="layer-major")
             assert lm.order == "layer-major" and len(lm.chunks) == 1
             if sc is not None:
                 copied = lm.chunks[0].stats.copied

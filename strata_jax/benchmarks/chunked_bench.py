@@ -183,7 +183,7 @@ def _reads(eng, prompts, chunk: int, orders):
 def prefill_part(args, cfg, params, result, save=lambda: None):
     import jax
 
-    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.engine import Engine
 
     n = args.long
     rng = np.random.default_rng(11)

@@ -39,7 +39,6 @@ against the highest of those and the first probe (`link_ceiling_gbps`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -147,23 +146,6 @@ def add_model_args(ap) -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--info-memory", default="pinned_host", choices=["pinned_host", "device"],
-                    help="where each call's stats and counts land (Engine.info_memory); "
-                         "'device' is the path before pinned_host, for comparison")
-
-
-@contextlib.contextmanager
-def applied_model_args(args):
-    """Within: what add_model_args' options change beyond the model (Engine.info_memory), put
-    back as it was on the way out."""
-    from strata_jax.engine import Engine
-
-    before = Engine.info_memory
-    Engine.info_memory = args.info_memory
-    try:
-        yield
-    finally:
-        Engine.info_memory = before
 
 
 def add_stream_args(ap) -> None:
@@ -697,55 +679,54 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.blocks < 1:
         ap.error(f"--blocks {args.blocks}: must be at least 1")
-    with applied_model_args(args):
 
-        import jax
+    import jax
 
-        from strata_jax import native
+    from strata_jax import native
 
-        parts = args.parts.split(",")
-        unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor"}
-        if unknown:
-            ap.error(f"unknown parts {sorted(unknown)}")
-        lengths = [int(x) for x in args.lengths.split(",")]
-        longest = max(lengths + [args.turn1 + args.turn2, args.long])
-        cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny)
-        gpu = jax.devices()[0].platform == "gpu"
-        if gpu:
-            link = native.measure_h2d(256 * 2**20, 10)
-            pageable = native.measure_h2d(256 * 2**20, 5, pinned=False)
-        else:
-            link, pageable = 2.0, float("nan")  # the CPU backend's default simulated link, GB/s
-        print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
-        t0 = time.perf_counter()
-        params = fast_params(cfg, 0, args.skew)
-        print(f"params in {time.perf_counter() - t0:.1f}s; experts "
-              f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
-        result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                  "preset": args.preset, "layers": args.layers, "skew": args.skew,
-                  "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
-                  "layout": _layout(args), "frames_from": args.frames_from,
-                  "tail_pieces": args.tail_pieces, "tail_from": args.tail_from,
-                  "info_memory": args.info_memory, "link_pinned_gbps": link,
-                  "link_pageable_gbps": pageable,
-                  "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
-                  "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
-        def save():  # after each part: keep what finished if a later part runs out of time
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=1)
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor"}
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    longest = max(lengths + [args.turn1 + args.turn2, args.long])
+    cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny)
+    gpu = jax.devices()[0].platform == "gpu"
+    if gpu:
+        link = native.measure_h2d(256 * 2**20, 10)
+        pageable = native.measure_h2d(256 * 2**20, 5, pinned=False)
+    else:
+        link, pageable = 2.0, float("nan")  # the CPU backend's default simulated link, GB/s
+    print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
+    t0 = time.perf_counter()
+    params = fast_params(cfg, 0, args.skew)
+    print(f"params in {time.perf_counter() - t0:.1f}s; experts "
+          f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
+    result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "preset": args.preset, "layers": args.layers, "skew": args.skew,
+              "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
+              "layout": _layout(args), "frames_from": args.frames_from,
+              "tail_pieces": args.tail_pieces, "tail_from": args.tail_from,
+              "info_memory": args.info_memory, "link_pinned_gbps": link,
+              "link_pageable_gbps": pageable,
+              "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
+              "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
+    def save():  # after each part: keep what finished if a later part runs out of time
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
 
-        for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
-                         ("publication", publication), ("floor", floor_part)):
-            if part in parts:
-                fn(args, cfg, params, link, result)
-                save()
-        if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
-            result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
-            print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
+    for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
+                     ("publication", publication), ("floor", floor_part)):
+        if part in parts:
+            fn(args, cfg, params, link, result)
             save()
-        print(f"identity across arms: {result.get('identical', True)}")
-        return 0 if result.get("identical", True) else 1
+    if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
+        result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
+        print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
+        save()
+    print(f"identity across arms: {result.get('identical', True)}")
+    return 0 if result.get("identical", True) else 1
 
 
 if __name__ == "__main__":

@@ -168,71 +168,70 @@ def main(argv=None) -> int:
     if args.chunk is not None and not 0 < args.chunk <= args.tokens:
         ap.error(f"--chunk {args.chunk}: must be in 1..--tokens ({args.tokens})")
 
-    from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, applied_model_args,
-                                                    fast_params, model_config)
+    from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, fast_params,
+                                                    model_config)
     from strata_jax.engine import Engine
     from strata_jax.grouped_matmul import resolve_implementation
 
-    with applied_model_args(args):
-        arms = args.arms.split(",")
-        unknown = set(arms) - {"resident", "stream-all", "routed"}
-        if unknown:
-            ap.error(f"unknown arms {sorted(unknown)}")
-        os.makedirs(args.out, exist_ok=True)
-        cfg = model_config(args.preset, args.layers, args.vocab, args.tokens, tiny=args.tiny)
-        params = fast_params(cfg, 0, 0.0)
-        rng = np.random.default_rng(1)
-        summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,
-                   "preset": args.preset, "layers": args.layers,
-                   "between": args.between, "info_memory": args.info_memory,
-                   "grouped_matmul": resolve_implementation(), "arms": {}}
-        for arm in arms:
-            stream = None if arm == "resident" else _stream_config(args, arm == "routed")
-            with Engine(cfg, params, stream, max_context=args.tokens,
-                        chunk_size=args.chunk or args.tokens) as eng:
-                t0 = time.perf_counter()
-                eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens))
-                first_s = time.perf_counter() - t0  # compile and first run
-                eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens), sync_chunks=False)
-                print(f"{arm}: first prefill (compile) {first_s:.1f} s", flush=True)
-                res = {"first_prefill_s": first_s}
-                for python in (True, False):
-                    prompt = rng.integers(0, cfg.vocab_size, args.tokens)
-                    held = None
-                    if args.between != "none":
-                        prev = eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens),
-                                           sync_chunks=False)
-                        _hashes(prev)
-                        held = prev if args.between.startswith("hash-hold") else None
-                        del prev
-                        if args.between == "hash-hold-gc":
-                            gc.collect()  # jaxlib frees the hash's host copies here (_gc_note)
-                    ms, events = _trace_one(lambda: eng.prefill(prompt, sync_chunks=False), python)
-                    del held
-                    s = summarize(events, args.gap_us)
-                    s["wall_ms"] = ms
-                    if eng.streamer is not None:
-                        # The last chunk's; None where the backend has none.
-                        timing = eng.streamer.device_timing()
-                        s["engine_device_timing"] = list(timing) if timing else None
-                    res["python_traced" if python else "plain"] = s
-                    # Both runs' raw events: the traced one has the Python frames in time order.
-                    name = f"events_{arm}.json.gz" if not python else f"events_{arm}_python.json.gz"
-                    with gzip.open(os.path.join(args.out, name), "wt") as f:
-                        json.dump([e for e in events if e[0] != "/host:metadata"], f)
-                summary["arms"][arm] = res
-                p = res["plain"]
-                with open(os.path.join(args.out, "summary.json"), "w") as f:
-                    # What finished, if a later arm runs out of time.
-                    json.dump(summary, f, indent=1)
-                print(f"{arm}: wall {p['wall_ms']:.2f} ms; host before device "
-                      f"{p.get('host_before_device_ms', float('nan')):.3f}, device span "
-                      f"{p.get('device_span_ms', float('nan')):.3f}, host after device "
-                      f"{p.get('host_after_device_ms', float('nan')):.3f}; last copy end "
-                      f"{p.get('last_copy_end_ms', float('nan')):.3f}", flush=True)
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        return 0
+    arms = args.arms.split(",")
+    unknown = set(arms) - {"resident", "stream-all", "routed"}
+    if unknown:
+        ap.error(f"unknown arms {sorted(unknown)}")
+    os.makedirs(args.out, exist_ok=True)
+    cfg = model_config(args.preset, args.layers, args.vocab, args.tokens, tiny=args.tiny)
+    params = fast_params(cfg, 0, 0.0)
+    rng = np.random.default_rng(1)
+    summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,
+               "preset": args.preset, "layers": args.layers,
+               "between": args.between,
+               "grouped_matmul": resolve_implementation(), "arms": {}}
+    for arm in arms:
+        stream = None if arm == "resident" else _stream_config(args, arm == "routed")
+        with Engine(cfg, params, stream, max_context=args.tokens,
+                    chunk_size=args.chunk or args.tokens) as eng:
+            t0 = time.perf_counter()
+            eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens))
+            first_s = time.perf_counter() - t0  # compile and first run
+            eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens), sync_chunks=False)
+            print(f"{arm}: first prefill (compile) {first_s:.1f} s", flush=True)
+            res = {"first_prefill_s": first_s}
+            for python in (True, False):
+                prompt = rng.integers(0, cfg.vocab_size, args.tokens)
+                held = None
+                if args.between != "none":
+                    prev = eng.prefill(rng.integers(0, cfg.vocab_size, args.tokens),
+                                       sync_chunks=False)
+                    _hashes(prev)
+                    held = prev if args.between.startswith("hash-hold") else None
+                    del prev
+                    if args.between == "hash-hold-gc":
+                        gc.collect()  # jaxlib frees the hash's host copies here (_gc_note)
+                ms, events = _trace_one(lambda: eng.prefill(prompt, sync_chunks=False), python)
+                del held
+                s = summarize(events, args.gap_us)
+                s["wall_ms"] = ms
+                if eng.streamer is not None:
+                    # The last chunk's; None where the backend has none.
+                    timing = eng.streamer.device_timing()
+                    s["engine_device_timing"] = list(timing) if timing else None
+                res["python_traced" if python else "plain"] = s
+                # Both runs' raw events: the traced one has the Python frames in time order.
+                name = f"events_{arm}.json.gz" if not python else f"events_{arm}_python.json.gz"
+                with gzip.open(os.path.join(args.out, name), "wt") as f:
+                    json.dump([e for e in events if e[0] != "/host:metadata"], f)
+            summary["arms"][arm] = res
+            p = res["plain"]
+            with open(os.path.join(args.out, "summary.json"), "w") as f:
+                # What finished, if a later arm runs out of time.
+                json.dump(summary, f, indent=1)
+            print(f"{arm}: wall {p['wall_ms']:.2f} ms; host before device "
+                  f"{p.get('host_before_device_ms', float('nan')):.3f}, device span "
+                  f"{p.get('device_span_ms', float('nan')):.3f}, host after device "
+                  f"{p.get('host_after_device_ms', float('nan')):.3f}; last copy end "
+                  f"{p.get('last_copy_end_ms', float('nan')):.3f}", flush=True)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
