@@ -49,6 +49,21 @@ def layer_rows(d: dict) -> list[dict]:
     return cli._per_layer_rows(d["per_layer"])
 
 
+def patch_cli(monkeypatch, name: str, value) -> None:
+    """Sets `name` in every module of the strata_jax.cli package that has it: each command's
+    module looks the names it imports up in its own namespace."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(cli.__path__):
+        if info.name == "__main__":
+            continue
+        module = importlib.import_module(f"{cli.__name__}.{info.name}")
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(cli, name, value)
+
+
 @pytest.fixture(scope="module")
 def arms():
     """The same prompt through the resident, stream-all and routed arms (routed with a follow-up)."""
@@ -378,7 +393,7 @@ def no_work(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("work done before the plan was checked")
 
-    monkeypatch.setattr(cli, "random_prompt", forbidden)
+    patch_cli(monkeypatch, "random_prompt", forbidden)
     monkeypatch.setattr(strata_jax.synthetic, "init_synthetic", forbidden)
     monkeypatch.setattr(strata_jax.engine.Engine, "__init__", forbidden)
 
@@ -437,7 +452,7 @@ def test_the_plan_check_uses_the_engines_estimates(monkeypatch):
     assert 10**6 < fit < 10**8
 
     checked = []
-    monkeypatch.setattr(cli, "random_prompt", lambda *a: checked.append(a[1]) or 1 / 0)
+    patch_cli(monkeypatch, "random_prompt", lambda *a: checked.append(a[1]) or 1 / 0)
     for n, ok in ((fit, True), (fit + 1, False)):
         args = cli.build_parser().parse_args(["prefill", *TINY, "--tokens", str(n), "-q"])
         with pytest.raises((cli.UsageError, ZeroDivisionError)) as e:

@@ -1,0 +1,62 @@
+"""The `strata-jax` command (also `python -m strata_jax`): `main` and the commands' table.
+
+One module per part (options.DESCRIPTION is the command's --help: subcommands, model options,
+exit codes):
+
+  options   the argument parser: option types, option groups, build_parser
+  common    what several commands share: UsageError, _Log, the model (_Model, model_config,
+            read_prompt_file, random_prompt), backend and device, prompts, the profile, the
+            stream config, making the engine, JSON
+  checks    the refusals before any work: resident/ring budgets, a prefill's memory plan
+  prefill   cmd_prefill         profile   cmd_profile, hottest
+  info      cmd_info            demo      cmd_demo
+
+The memory estimates themselves are strata_jax/memory.py's (memory_plan is re-exported here).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+
+from ..memory import memory_plan  # noqa: F401 - re-exported: cli.memory_plan as before
+from .common import (SCALES, UsageError, _Log, model_config, random_prompt,  # noqa: F401
+                     read_prompt_file)
+from .demo import cmd_demo
+from .info import cmd_info
+from .options import PROG, build_parser
+from .prefill import _per_layer_rows, cmd_prefill  # noqa: F401 - the tests use _per_layer_rows
+from .profile import cmd_profile, hottest  # noqa: F401
+
+__all__ = ["SCALES", "UsageError", "main", "memory_plan", "model_config", "read_prompt_file"]
+
+
+_COMMANDS = {"demo": cmd_demo, "prefill": cmd_prefill, "profile": cmd_profile, "info": cmd_info}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (see options.DESCRIPTION)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["demo", *argv]
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2)
+        return int(e.code or 0)
+    log = _Log(getattr(args, "quiet", False))
+    try:
+        with warnings.catch_warnings():
+            if log.quiet:  # -q: the library's warnings too (errors still print below)
+                warnings.simplefilter("ignore")
+            return _COMMANDS[args.command](args, log)
+    except UsageError as e:
+        print(f"{PROG} {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:  # the engine or the device failed: not bad input, still one line
+        print(f"{PROG} {args.command}: failed: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1

@@ -1,0 +1,90 @@
+"""The refusals before any work: the resident and ring budgets (`_check_budget`,
+`_check_stream_budget`: prefill, profile and info refuse the same ones in the same words) and
+the memory plan of a prefill (`_check_plan`: the estimates of strata_jax/memory.py against the
+memory of the device it will run on), each a UsageError.
+"""
+
+from __future__ import annotations
+
+from .. import memory
+from ..memory import _gib
+from .common import UsageError, _Model
+
+
+def _check_budget(args, model: _Model, backend: str) -> None:
+    cfg = model.config
+    if not args.stream and (args.resident_gib is not None or args.resident_per_layer is not None
+                            or args.profile):
+        raise UsageError("--no-stream keeps every expert resident; --resident-gib, "
+                         "--resident-per-layer and --profile apply to a streamed run")
+    _check_stream_budget(args, cfg, "gpu" if backend == "cuda" else "cpu")
+
+
+def _check_stream_budget(args, cfg, platform: str) -> None:
+    """--ring-gib, --resident-per-layer and --resident-gib as `prefill`, `profile` and `info`
+    all refuse them; a resident budget is checked against the memory of the `platform` device
+    ("gpu" or "cpu": host RAM, the cpu backend's simulated device)."""
+    if args.ring_gib <= 0:
+        raise UsageError(f"--ring-gib {args.ring_gib}: the ring needs a positive budget")
+    if args.resident_per_layer is not None and args.resident_per_layer > cfg.n_experts:
+        raise UsageError(f"--resident-per-layer {args.resident_per_layer} exceeds the "
+                         f"{cfg.n_experts} experts of a layer; use 0..{cfg.n_experts}")
+    if args.resident_gib is not None:
+        if args.resident_gib < 0:
+            raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
+        limit, what = memory.device_memory(platform)
+        if limit is not None and args.resident_gib * 2**30 > limit:
+            raise UsageError(f"--resident-gib {args.resident_gib} is more than the device has "
+                             f"({_gib(limit)} of {what}); use a smaller budget")
+
+
+def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
+                sub_chunk: int | None, backend: str, stream) -> None:
+    """UsageError when the prefill cannot fit the memory of the device it will run on: its
+    two KV caches and the activations of its smallest chunk (memory.chunk_memory, the
+    estimate an Engine chooses its chunk by; `chunk`, else the smallest an automatic choice
+    can take), `n_tokens` token ids and the weights that device holds. Checked before any
+    weights exist or anything is allocated; arithmetic only.
+
+    The device: the GPU (`backend` "cuda": its memory limit, none of this run's yet; the
+    weights there are the dense ones and the residents, or every one with `stream` None;
+    the ring is the native engine's own allocation, outside that limit) or the CPU (available
+    host RAM; the weights there are all of them, and a streamed run's simulated ring).
+    """
+    from ..stream import plan_stream
+
+    cfg = model.config
+    platform = "gpu" if backend == "cuda" else "cpu"
+    if platform == "gpu":
+        have, what = memory.device_memory("gpu")
+    else:
+        have, what = memory.host_memory()[1], "host RAM"
+    if have is None:
+        return
+
+    plan = None
+    if stream is not None:
+        try:
+            plan = plan_stream(cfg, stream, check_ring_budget=False)
+        except ValueError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
+    weights = memory.weight_bytes(cfg, plan, platform)
+
+    def need(context: int) -> tuple[int, int, int, int, int]:
+        """(bytes in all, activations, KV caches, their capacity, chunk) for `context`."""
+        return memory.prefill_bytes(cfg, weights, context, max_context=max_context,
+                                    n_tokens=n_tokens, chunk=chunk, sub_chunk=sub_chunk,
+                                    platform=platform, streamed=stream is not None)
+
+    total, act, kv, cap, c = need(max_context)
+    if total <= have:
+        return
+    lo = memory.most_that_fits(lambda context: need(context)[0] <= have, max_context)
+    way = (f"use fewer tokens or a smaller --max-context (about {lo} positions fit)" if lo else
+           "not one position fits beside the weights; use a smaller model"
+           + (" or fewer resident experts" if stream is not None and platform == "gpu" else ""))
+    raise UsageError(
+        f"this prefill needs about {_gib(total)} of {what} and {_gib(have)} is available: "
+        f"KV cache {_gib(kv)} (2 copies of {cap} positions: a context of {max_context} and "
+        f"a chunk's slack), activations of a {c}-token chunk {_gib(act)}, token ids "
+        f"{_gib(n_tokens * memory.TOKEN_ID_BYTES)}, weights {_gib(weights)}; {way}")

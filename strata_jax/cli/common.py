@@ -1,0 +1,459 @@
+"""What several `strata-jax` commands share: the usage error and the log, the model the
+options describe (`_Model`, model_config, prompts), the backend and device, the prompt's KV
+capacity, the profile, the stream config, making the engine and JSON output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+from .. import memory
+from ..memory import _gib, _size
+
+# Scaled-down sizes, applied with ModelConfig.scaled(); fields given on the command line
+# (--layers, --experts, ...) win. `layers` counts MoE layers: a preset with dense layers
+# (DeepSeek) keeps one of them in front.
+SCALES: dict[str, dict] = {
+    "small": dict(layers=4, hidden=128, max_experts=256, expert_width=64, max_seq_len=16_384),
+    "tiny": dict(layers=2, hidden=64, max_experts=32, expert_width=32, max_seq_len=4096),
+}
+
+_SHAPE_OPTIONS = ("layers", "experts", "top_k", "hidden", "expert_width", "vocab", "dtype")
+
+
+class UsageError(Exception):
+    """Bad input: main() prints the message as one line on stderr and returns 2."""
+
+
+class _Log:
+    """Lines and progress bars on stderr, both silenced by --quiet."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    def bar(self, **kwargs):
+        from tqdm.auto import tqdm
+
+        return tqdm(file=sys.stderr, disable=self.quiet, dynamic_ncols=True, **kwargs)
+
+    def progress(self, bar) -> Callable[[int, int], None]:
+        """A progress(done, total) callback driving `bar`."""
+
+        def update(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+
+        return update
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+
+def _preset_names() -> str:
+    from ..config import PRESETS
+
+    return ", ".join(PRESETS)
+
+
+def model_config(preset: str, scale: str | None = None, *, layers: int | None = None,
+                 experts: int | None = None, top_k: int | None = None, hidden: int | None = None,
+                 expert_width: int | None = None, vocab: int | None = None,
+                 dtype: str | None = None, max_seq_len: int | None = None):
+    """The ModelConfig the command line describes: a preset, scaled, with fields overridden.
+
+    Args:
+        preset: preset name (config.PRESETS).
+        scale: None or "full" keeps the preset's shapes; "small" / "tiny" scale it down
+            (SCALES) with ModelConfig.scaled().
+        layers: MoE layers; a preset's dense layers stay in front (one of them when scaled).
+        experts, top_k, hidden, expert_width, vocab, dtype: single fields to override.
+        max_seq_len: at least this many positions, for scaled presets (a full preset keeps its
+            published max_seq_len).
+
+    Raises:
+        UsageError: unknown preset or an inconsistent shape (the message says which).
+    """
+    from ..config import PRESETS, get_preset
+
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; known presets: {_preset_names()}")
+    base = get_preset(preset)
+    try:
+        if scale in (None, "full"):
+            changes = {}
+            if layers is not None:
+                changes.update(n_layers=base.n_dense_layers + layers)
+            if experts is not None:
+                changes.update(n_experts=experts, top_k=top_k or min(base.top_k, experts))
+                if experts % base.n_groups:
+                    changes.update(n_groups=1, topk_groups=1)
+            if top_k is not None:
+                changes["top_k"] = top_k
+            for field, value in (("hidden_size", hidden), ("expert_intermediate", expert_width),
+                                 ("vocab_size", vocab), ("param_dtype", dtype)):
+                if value is not None:
+                    changes[field] = value
+            cfg = base.replace(**changes) if changes else base
+        else:
+            s = SCALES[scale]
+            dense = min(base.n_dense_layers, 1)
+            n_experts = experts or min(base.n_experts, s["max_experts"])
+            cfg = base.scaled(
+                n_layers=dense + (layers or s["layers"]),
+                hidden_size=hidden or s["hidden"],
+                n_experts=n_experts,
+                top_k=top_k,
+                expert_intermediate=expert_width or s["expert_width"],
+                vocab_size=vocab,
+                max_seq_len=max(min(base.max_seq_len, s["max_seq_len"]), max_seq_len or 0),
+                param_dtype=dtype,
+            )
+    except ValueError as e:
+        raise UsageError(f"preset {preset} with these shape options: {e}") from None
+    return cfg
+
+
+def read_prompt_file(path: str) -> np.ndarray:
+    """Token ids from a file: whitespace/comma-separated integers, or a 1-D integer .npy.
+
+    Raises:
+        UsageError: missing or unreadable file, not integers, empty.
+    """
+    if not os.path.isfile(path):
+        raise UsageError(f"prompt file {path!r} does not exist (give a text file of integer "
+                         "token ids or a .npy array)")
+    if path.endswith(".npy"):
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"prompt file {path!r} is not a readable .npy array: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise UsageError(f"prompt file {path!r} holds a {arr.dtype} array of shape "
+                             f"{arr.shape}; expected a 1-D integer array of token ids")
+        tokens = arr.astype(np.int64)
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"prompt file {path!r} cannot be read as text: {e}") from None
+        words = [w for w in re.split(r"[\s,]+", text.strip()) if w]
+        values = []
+        for i, w in enumerate(words):
+            try:
+                values.append(int(w))
+            except ValueError:
+                raise UsageError(
+                    f"prompt file {path!r}: {w[:20]!r} (item {i}) is not an integer token id; "
+                    "expected whitespace- or comma-separated integers, or a .npy file") from None
+        tokens = np.asarray(values, np.int64)
+    if tokens.size == 0:
+        raise UsageError(f"prompt file {path!r} holds no token ids")
+    return tokens
+
+
+def _check_vocab(tokens: np.ndarray, vocab: int, what: str) -> None:
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise UsageError(f"token id {int(tokens[i])} at position {i} of {what} is outside the "
+                         f"vocabulary [0, {vocab}) of the model; use ids below {vocab}")
+
+
+def random_prompt(vocab: int, n: int, seed: int, stream: int) -> np.ndarray:
+    """n random token ids; (seed, stream) picks the sequence (prompt 0, follow-up 1, ...)."""
+    return np.random.default_rng([seed, stream]).integers(0, vocab, n).astype(np.int64)
+
+
+class _Model:
+    """What the model options resolve to, before any weights exist."""
+
+    def __init__(self, args):
+        self.checkpoint = getattr(args, "checkpoint", None)
+        self.preset = getattr(args, "preset", None)
+        self.shape = {k: getattr(args, k, None) for k in _SHAPE_OPTIONS}
+        self.scale = getattr(args, "scale", None)
+        self.seed = args.seed
+        self.skew = args.skew
+        if self.checkpoint and self.preset:
+            raise UsageError("give either --preset or --checkpoint, not both")
+        if self.checkpoint:
+            given = [k for k in _SHAPE_OPTIONS if k != "dtype" and self.shape[k] is not None]
+            if self.scale is not None or given:
+                opts = ["--scale"] if self.scale is not None else []
+                opts += ["--" + k.replace("_", "-") for k in given]
+                raise UsageError(f"{', '.join(opts)} apply to --preset models; a checkpoint's "
+                                 "shapes are fixed (drop them or use --preset)")
+            self.config = self._checkpoint_config()
+        elif self.preset:
+            self.config = model_config(self.preset, self.scale, **self.shape)
+        else:
+            self.config = None
+        if self.skew is not None and self.skew < 0:
+            raise UsageError(f"--skew {self.skew}: the routing skew must be 0 or more")
+
+    def require(self) -> None:
+        if self.config is None:
+            raise UsageError(f"no model: give --preset NAME (one of {_preset_names()}; add "
+                             "--scale tiny|small for a scaled-down copy) or --checkpoint DIR")
+
+    def _checkpoint_config(self):
+        from ..checkpoint import CheckpointError, config_from_hf
+
+        path = os.path.join(self.checkpoint, "config.json")
+        if not os.path.isdir(self.checkpoint):
+            raise UsageError(f"checkpoint {self.checkpoint!r} is not a directory (give a Hugging "
+                             "Face safetensors directory)")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+            return config_from_hf(hf, param_dtype=self.shape["dtype"])
+        except OSError as e:
+            raise UsageError(f"checkpoint {self.checkpoint!r}: cannot read config.json ({e})") from None
+        except KeyError as e:
+            raise UsageError(f"checkpoint {self.checkpoint!r}: config.json lacks {e}") from None
+        except (json.JSONDecodeError, CheckpointError, ValueError) as e:
+            raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
+
+    @property
+    def scaled(self) -> bool:
+        return self.preset is not None and self.scale in ("small", "tiny")
+
+    def fit_context(self, needed: int) -> None:
+        """Scaled presets grow max_seq_len to `needed`; real shapes keep theirs."""
+        if self.scaled and needed > self.config.max_seq_len:
+            self.config = self.config.replace(max_seq_len=needed)
+
+    def describe(self) -> str:
+        c = self.config
+        where = (f"checkpoint {self.checkpoint}" if self.checkpoint else
+                 f"preset {self.preset}, scale {self.scale or 'full'}")
+        dense = f" ({len(c.dense_layers)} dense)" if c.dense_layers else ""
+        return (f"model {c.name} ({where}): {c.n_layers} layers{dense}, {c.n_experts} experts "
+                f"top-{c.top_k}, hidden {c.hidden_size}, expert {_size(c.expert_bytes)}, "
+                f"{c.param_dtype}")
+
+    def summary(self) -> dict:
+        c = self.config
+        return {"name": c.name, "preset": self.preset, "scale": self.scale or (
+            None if self.checkpoint else "full"), "checkpoint": self.checkpoint,
+            "layers": c.n_layers, "moe_layers": len(c.moe_layers), "experts": c.n_experts,
+            "top_k": c.top_k, "hidden": c.hidden_size, "expert_width": c.expert_intermediate,
+            "vocab": c.vocab_size, "dtype": c.param_dtype, "expert_bytes": c.expert_bytes,
+            "max_seq_len": c.max_seq_len}
+
+    def weights(self, log: _Log):
+        """(config, params, experts mapping or None), loading or generating with a progress bar."""
+        if self.checkpoint:
+            from ..checkpoint import CheckpointError, load_checkpoint
+
+            try:
+                ckpt = load_checkpoint(self.checkpoint, param_dtype=self.shape["dtype"],
+                                       progress=not log.quiet)
+            except CheckpointError as e:
+                raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
+            return ckpt.config, ckpt.params, ckpt.experts.as_mapping()
+        from ..synthetic import SKEW_40_PERCENT_512_TOP10, init_synthetic
+
+        self.check_host_memory()
+        skew = SKEW_40_PERCENT_512_TOP10 if self.skew is None else self.skew
+        with log.bar(desc="synthetic weights", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+            params = init_synthetic(self.config, self.seed, skew, progress=log.progress(bar))
+        return self.config, params, None
+
+    def check_host_memory(self) -> None:
+        """UsageError when synthetic weights would not fit in the available host RAM."""
+        if self.checkpoint or getattr(self, "_memory_checked", False):
+            return
+        self._memory_checked = True
+        from ..model import param_shapes
+
+        shapes = param_shapes(self.config).values()
+        need = memory.param_bytes(self.config)
+        peak = max(int(np.prod(s.shape)) * 4 for s in shapes)  # one float32 draw at a time
+        _, available = memory.host_memory()
+        if available is not None and need + peak > 0.9 * available:
+            raise UsageError(
+                f"synthetic weights of {self.config.name} need {_gib(need + peak)} of host "
+                f"memory and {_gib(available)} is available; use --scale small|tiny or fewer "
+                "--layers / --experts")
+
+
+# ---- backend and device -------------------------------------------------------------------------
+
+
+def _resolve_backend(requested: str) -> str:
+    """'cpu' or 'cuda' for a stream backend (stream.streamer.choose_backend); UsageError when
+    the native library does not load or cuda cannot run."""
+    from .. import native
+    from ..stream.streamer import BackendUnavailable, choose_backend
+
+    try:
+        native.has_cuda()
+    except ImportError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    try:
+        return choose_backend(requested)
+    except BackendUnavailable as e:
+        if e.missing == "cuda-build":
+            raise UsageError("--backend cuda: this strata_jax build has no CUDA backend (built "
+                             "without nvcc); use --backend cpu, or rebuild with the CUDA "
+                             "toolkit") from None
+        raise UsageError(f"--backend cuda: JAX sees no GPU (its backend is {e.platform!r}); "
+                         "use --backend cpu or auto, or install jax[cuda12]") from None
+
+
+def _resident_device(requested: str):
+    """The jax.Device of a --no-stream run: auto = JAX's default device, cpu, or cuda = the
+    GPU (the native library is not used, so it needs no CUDA build); UsageError without one."""
+    import jax
+
+    if requested == "auto":
+        return jax.devices()[0]
+    platform = "gpu" if requested == "cuda" else "cpu"
+    try:
+        return jax.devices(platform)[0]
+    except RuntimeError:
+        raise UsageError(f"--backend {requested}: JAX sees no {platform.upper()} (its backend is "
+                         f"{jax.default_backend()!r}); use --backend auto or cpu, or install "
+                         "jax[cuda12]") from None
+
+
+def _backends(args) -> tuple[str, object]:
+    """(stream backend, resident device): the backend of a streamed run ('cpu' or 'cuda'), or
+    for --no-stream the device its resident arm runs on (the backend is then its platform's)."""
+    if args.stream:
+        return _resolve_backend(args.backend), None
+    device = _resident_device(args.backend)
+    return ("cuda" if device.platform == "gpu" else "cpu"), device
+
+
+# ---- prompts, profile, stream, engine -----------------------------------------------------------
+
+
+def _read_prompts(args, model: _Model, *, many: bool) -> list[tuple[np.ndarray, str]]:
+    vocab = model.config.vocab_size
+    out = []
+    files = args.prompt_file
+    if files:
+        for path in (files if many else [files]):
+            tokens = read_prompt_file(path)
+            _check_vocab(tokens, vocab, f"prompt file {path!r}")
+            out.append((tokens, f"{tokens.size} tokens from {path}"))
+    else:
+        count = args.prompts if many else 1
+        for i in range(count):
+            out.append((random_prompt(vocab, args.tokens, args.seed, 10 + i),
+                        f"{args.tokens} random tokens (seed {args.seed})"))
+    return out
+
+
+def _context(args, model: _Model, needed: int, what: str) -> int:
+    """The KV capacity: --max-context or what is needed; UsageError past the limits."""
+    cap = args.max_context or needed
+    model.fit_context(cap)
+    limit = model.config.max_seq_len
+    if cap > limit:
+        raise UsageError(f"--max-context {cap} passes the model's maximum context "
+                         f"({limit} positions, its max_seq_len); use at most {limit}"
+                         if args.max_context else
+                         f"{what} {needed} positions, past the model's maximum context "
+                         f"({limit}, its max_seq_len); shorten the prompt")
+    if needed > cap:
+        raise UsageError(f"{what} {needed} positions, past the maximum context of "
+                         f"{cap} (--max-context); raise --max-context to at least {needed} or "
+                         "shorten the prompt")
+    return cap
+
+
+def _load_profile(path: str | None, config):
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise UsageError(f"profile {path!r} does not exist (record one with `strata-jax "
+                         "profile --out FILE`)")
+    from ..profile import ExpertProfile
+
+    try:
+        return ExpertProfile.load(path, config=config)
+    except (OSError, ValueError, KeyError) as e:
+        message = str(e).splitlines()[0]
+        if message.startswith(f"{path}: "):  # load's messages name the file: name it once
+            message = message[len(path) + 2:]
+        raise UsageError(f"profile {path!r}: {message}") from None
+
+
+def _stream_config(args, backend: str, profile):
+    from ..stream import StreamConfig
+
+    if not args.stream:
+        return None
+    routed = args.routed == "on"
+    kw = {}
+    if args.stream_floor is not None:
+        kw["stream_floor"] = args.stream_floor
+    elif not routed:
+        kw["stream_floor"] = 1  # stream-all: no routed-only chunks either
+    if args.frames_from is not None:
+        kw["frames_from"] = args.frames_from
+    if args.tail_pieces is not None:
+        kw["tail_pieces"] = args.tail_pieces
+    if args.tail_from is not None:
+        kw["tail_from"] = args.tail_from
+    if args.resident_gib is not None:
+        kw["resident_budget_gib"] = args.resident_gib
+    if args.resident_per_layer is not None:
+        kw["resident_per_layer"] = args.resident_per_layer
+    if profile is not None:
+        kw["profile"] = profile
+    return StreamConfig(routed=routed, depth=args.depth, backend=backend,
+                        layout=args.layout,
+                        ring_budget_gib=args.ring_gib, sim_bandwidth=args.sim_bandwidth * 1e9,
+                        sim_latency=args.sim_latency * 1e-6, trace=True if args.trace else None,
+                        **kw)
+
+
+def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None):
+    from ..engine import Engine
+
+    kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
+                  order=args.order, device=device)
+    if args.sub_chunk is not None:
+        kwargs["sub_chunk"] = args.sub_chunk
+    log("building the engine (packing experts, placing weights)")
+    try:
+        if stream is None:
+            return Engine(cfg, params, stream, **kwargs)
+        with log.bar(desc="packing experts", total=len(cfg.moe_layers), unit="layer") as bar:
+            return Engine(cfg, params, stream, progress=log.progress(bar), **kwargs)
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value

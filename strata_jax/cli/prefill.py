@@ -1,0 +1,130 @@
+"""`strata-jax prefill`: one prompt (and an optional follow-up turn) through a model, with
+the summary, the per-layer table of what streamed, or one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+
+from .checks import _check_budget, _check_plan
+from .common import (UsageError, _backends, _context, _jsonable, _load_profile, _Log,
+                     _make_engine, _Model, _read_prompts, _stream_config, random_prompt)
+
+
+def _routed_depth(stream) -> int | None:
+    """The depth the routed stream will run with (StreamConfig.resolved(): after
+    STRATA_PREFILL_ROUTED_STREAM(_DEPTH) and the clamp to 1..256); None when nothing streams or
+    the routed switch is off. The engine warns about a clamp once it is made; this look-ahead
+    stays quiet."""
+    if stream is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            resolved = stream.resolved()
+        except ValueError as e:  # a bad environment override: as the engine would report it
+            raise UsageError(str(e).splitlines()[0]) from None
+    return int(resolved.depth) if resolved.routed else None
+
+
+def _arm(args) -> str:
+    if not args.stream:
+        return "resident"
+    return "routed" if args.routed == "on" else "stream-all"
+
+
+def _backend_text(args, backend: str, device=None) -> str:
+    if not args.stream:
+        return f"resident on {device.platform}:{device.id} ({device.device_kind})"
+    if backend == "cuda":
+        return "cuda (pinned host store, device ring)"
+    return (f"cpu (simulated link {args.sim_bandwidth:g} GB/s, {args.sim_latency:g} us per copy)")
+
+
+def _prefill(engine, tokens, session, log: _Log, desc: str):
+    with log.bar(desc=desc, total=int(tokens.size), unit="tok") as bar:
+        try:
+            return engine.prefill(tokens, session, progress=log.progress(bar))
+        except ValueError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
+
+
+def _per_layer_rows(per_layer: dict) -> list[dict]:
+    """to_dict()'s per_layer ({"copied": [one int per model layer], ...}) as one dict per layer."""
+    keys = list(per_layer)
+    n = len(per_layer[keys[0]]) if keys else 0
+    return [{"layer": i, **{k: per_layer[k][i] for k in keys}} for i in range(n)]
+
+
+def _layer_table(d: dict, moe_layers: Sequence[int]) -> str:
+    rows = [r for r in _per_layer_rows(d["per_layer"]) if r["layer"] in set(moe_layers)]
+    if not d["experts_streamed"]:
+        return "  (nothing streamed: every expert is resident)"
+    head = f"  {'layer':>5} {'streamed':>9} {'copied':>8} {'skipped':>8} {'unrouted':>9} {'copied MiB':>11}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"  {r['layer']:>5} {r['streamed']:>9} {r['copied']:>8} {r['skipped']:>8} "
+                     f"{r['unrouted']:>9} {r['bytes'] / 2**20:>11.2f}")
+    lines.append(f"  {'all':>5} {d['experts_streamed']:>9} {d['copied']:>8} {d['skipped']:>8} "
+                 f"{d['unrouted']:>9} {d['bytes_copied'] / 2**20:>11.2f}")
+    return "\n".join(lines)
+
+
+def cmd_prefill(args, log: _Log) -> int:
+    model = _Model(args)
+    model.require()
+    # A prompt file is read now; a random prompt is drawn once the plan is known to fit.
+    files = _read_prompts(args, model, many=False) if args.prompt_file else None
+    needed = (int(files[0][0].size) if files else args.tokens) + args.follow_up
+    what = ("the prompt and the follow-up need" if args.follow_up else "the prompt needs")
+    max_context = _context(args, model, needed, what)
+    backend, device = _backends(args)
+    _check_budget(args, model, backend)
+    profile = _load_profile(args.profile, model.config)
+    stream = _stream_config(args, backend, profile)
+    depth = _routed_depth(stream)  # what runs, not --depth: the environment overrides it
+    model.check_host_memory()
+    _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
+                sub_chunk=args.sub_chunk, backend=backend, stream=stream)
+    (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
+
+    if not args.json:
+        print(model.describe())
+        print(f"arm {_arm(args)}" + (f" (depth {depth})" if depth is not None else "")
+              + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk or 'auto'}, "
+              f"order {args.order}")
+        if args.profile:
+            print(f"profile {args.profile}: stream order hottest first"
+                  + (", residents chosen from it" if (args.resident_gib or args.resident_per_layer)
+                     else ""))
+        print(f"prompt: {prompt_text}", flush=True)
+    cfg, params, experts = model.weights(log)
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device)
+    with engine:
+        first = _prefill(engine, tokens, None, log, "prefill")
+        out = _jsonable(first.to_dict())
+        follow = None
+        if args.follow_up:
+            more = random_prompt(cfg.vocab_size, args.follow_up, args.seed, 1)
+            follow = _prefill(engine, more, first.session, log, "follow-up")
+            out["follow_up"] = _jsonable(follow.to_dict())
+        out.update(arm=_arm(args), backend=backend if args.stream else "resident",
+                   model=model.summary(), profile=args.profile,
+                   compilations=int(engine.compilations),
+                   depth=(int(engine.streamer.stream.depth)
+                          if engine.streamer is not None and engine.streamer.stream.routed
+                          else None))
+
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print(first.summary())
+    if first.fallback:
+        print(f"note: {first.fallback}")
+    print(_layer_table(out, cfg.moe_layers))
+    print(f"logits sha256 {out['logits_sha256'][:16]}..., kv sha256 {out['kv_sha256'][:16]}...")
+    if follow is not None:
+        print(f"follow-up: {follow.summary()}")
+    return 0
