@@ -60,7 +60,7 @@ from .model import KVCache, build_model, expert_param_names, validate_inputs
 from .profile import ExpertProfile
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
     CHUNK_HEADROOM, MIN_BUCKET, TOKEN_ID_BYTES, chunk_bytes, chunk_candidates, chunk_memory,
-    free_memory, host_memory, kv_cache_bytes)
+    expert_bytes, free_memory, host_memory, kv_cache_bytes)
 from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
                      stream_platform)
 
@@ -413,7 +413,8 @@ class Engine:
         which the CLI checks a plan with before an engine exists."""
         return chunk_bytes(self.config, chunk, self.capacity if capacity is None else capacity,
                            first=first, platform=self.device.platform,
-                           streamed=self.streamer is not None)
+                           streamed=self.streamer is not None,
+                           attention=self.kernels.attention)
 
     def _choose_chunk(self) -> tuple[int, str]:
         """The largest chunk (max_context, else a power of two below it, at least 16) whose
@@ -424,7 +425,8 @@ class Engine:
         for chunk in candidates:
             activations, kv, _ = chunk_memory(
                 self.config, chunk, self.max_context, self._sub_chunk_arg,
-                platform=self.device.platform, streamed=self.streamer is not None)
+                platform=self.device.platform, streamed=self.streamer is not None,
+                attention=self.kernels.attention)
             need = activations + kv
             if need <= have:
                 return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of "
@@ -612,9 +614,7 @@ class Engine:
         path = attention_path(c.dtype, c.head_dim, c.n_heads, s, self.capacity, first=False,
                               platform=self.device.platform, impl=self.kernels.attention)
         attention = attention_bytes(path, it, c.n_heads, s, self.capacity, c.head_dim)
-        r = s if expert_rows is None else int(expert_rows)
-        experts = (r * c.top_k * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
-                   + r * c.n_experts * 8)
+        experts = expert_bytes(c, s if expert_rows is None else int(expert_rows))
         return int(prompt + attention + experts)
 
     def layer_major_rows(self, n_tokens: int, have: int | None = None) -> int:

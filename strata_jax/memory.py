@@ -55,24 +55,34 @@ def kv_cache_bytes(config: ModelConfig, capacity: int) -> int:
     return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
 
 
+def expert_bytes(config: ModelConfig, tokens: int) -> int:
+    """Activation bytes of one router/expert call on `tokens` rows: the router's logits and
+    scores ([T, E] float32), the experts' sorted inputs and outputs ([T*k, H]) and their
+    gate/up activations ([T*k, I], float32 and the parameter dtype)."""
+    c = config
+    it = np.dtype(c.dtype).itemsize
+    rows = tokens * c.top_k
+    return int(tokens * c.n_experts * 8
+               + rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it)))
+
+
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,
-                platform: str = "cpu", streamed: bool = False) -> int:
+                platform: str = "cpu", streamed: bool = False, attention: str = "auto") -> int:
     """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
-    `capacity` positions on a `platform` device (`Engine.chunk_bytes`, which says what is
-    counted); `streamed` adds one layer's expert weights (the packed ring's outputs)."""
+    `capacity` positions on a `platform` device with the `attention` path requested
+    (`Kernels.attention`; `Engine.chunk_bytes` says what is counted); `streamed` adds one
+    layer's expert weights (the packed ring's outputs)."""
     c = config
     it = np.dtype(c.dtype).itemsize
     qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
     path = attention_path(c.dtype, c.head_dim, c.n_heads, chunk, capacity, first=first,
-                          platform=platform)
+                          platform=platform, impl=attention)
     keys = chunk if first else capacity
-    attention = attention_bytes(path, it, c.n_heads, chunk, keys, c.head_dim)
+    attn = attention_bytes(path, it, c.n_heads, chunk, keys, c.head_dim)
     hidden = 4 * chunk * c.hidden_size * it
-    router = chunk * (c.n_experts * 8 + c.top_k * 8)
-    rows = chunk * c.top_k
-    experts = rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it))
+    routing = chunk * c.top_k * 8
     fetched = c.n_experts * c.expert_bytes if streamed else 0
-    return int(qkv + attention + hidden + router + experts + fetched)
+    return int(qkv + attn + hidden + routing + expert_bytes(c, chunk) + fetched)
 
 
 def chunk_candidates(max_context: int) -> list[int]:
@@ -89,13 +99,14 @@ def chunk_candidates(max_context: int) -> list[int]:
 
 def chunk_memory(config: ModelConfig, chunk: int, max_context: int,
                  sub_chunk: int | None = None, *, platform: str = "cpu",
-                 streamed: bool = False, headroom: float = CHUNK_HEADROOM) -> tuple[int, int, int]:
+                 streamed: bool = False, headroom: float = CHUNK_HEADROOM,
+                 attention: str = "auto") -> tuple[int, int, int]:
     """(activations, KV caches, capacity) of a prefill in chunks of `chunk` tokens: what
     `Engine._choose_chunk` compares with the memory it has. Activations: `headroom` x the
     larger `chunk_bytes` of a first and a later chunk; KV caches: two of the capacity (a
     session's and the one a chunk writes), max_context + max(chunk, sub_chunk) positions."""
     capacity = int(max_context) + max(int(chunk), int(sub_chunk or chunk))
-    kw = {"platform": platform, "streamed": streamed}
+    kw = {"platform": platform, "streamed": streamed, "attention": attention}
     activations = headroom * max(chunk_bytes(config, chunk, capacity, **kw),
                                  chunk_bytes(config, chunk, capacity, first=True, **kw))
     return int(activations), 2 * kv_cache_bytes(config, capacity), capacity
