@@ -72,7 +72,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_set_store": (c.c_int, [c.c_int64, c.c_int32, p, c.c_int64, c.c_char_p, c.c_int64]),
         "strata_engine_set_plan": (
             c.c_int,
-            [c.c_int64, p, p, p, c.c_int64, p, p, c.c_int64, c.c_char_p, c.c_int64],
+            [c.c_int64, p, p, c.c_int64, p, p, c.c_int64, c.c_char_p, c.c_int64],
         ),
         "strata_engine_prepare": (c.c_int, [c.c_int64, c.c_char_p, c.c_int64]),
         "strata_engine_destroy": (c.c_int, [c.c_int64]),
@@ -89,7 +89,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         "strata_engine_frame_of": (c.c_int64, [c.c_int64, c.c_int32]),
         "strata_dlpack_tensor": (p, [p, c.c_int32, p, c.c_int32, c.c_int32, c.c_int32,
                                      c.c_int32]),
-        "strata_engine_last_stats": (c.c_int, [c.c_int64, p, c.c_int64]),
         "strata_pinned_alloc": (p, [c.c_int64, c.c_char_p, c.c_int64]),
         "strata_pinned_free": (None, [p]),
         "strata_engine_host_times": (c.c_int, [c.c_int64, p]),

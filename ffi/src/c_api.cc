@@ -1,7 +1,8 @@
 // The C API Python drives through ctypes: make, configure and destroy
-// engines, read their stats. Also a minimal CPython module init so the
-// library is an importable extension (scikit-build-core's editable installs
-// find it by module name), while its functions are reached through ctypes.
+// engines, read their frames and timing. Also a minimal CPython module init
+// so the library is an importable extension (scikit-build-core's editable
+// installs find it by module name), while its functions are reached through
+// ctypes.
 #include <Python.h>
 
 #include <cstring>
@@ -86,17 +87,18 @@ int strata_engine_set_store(int64_t id, int32_t layer, const void* host,
                 err, errlen);
 }
 
+// The stream list (layers[k], experts[k]: the walk's order) and the resident
+// experts. No entry comes in staged: the CUDA engine marks every entry staged
+// itself when its Prepare finds its store staged.
 int strata_engine_set_plan(int64_t id, const int32_t* layers,
-                           const int32_t* experts, const uint8_t* staged,
-                           int64_t n, const int32_t* res_layers,
-                           const int32_t* res_experts, int64_t n_res, char* err,
-                           int64_t errlen) {
+                           const int32_t* experts, int64_t n,
+                           const int32_t* res_layers, const int32_t* res_experts,
+                           int64_t n_res, char* err, int64_t errlen) {
   Engine* e = strata::FindEngine(id);
   if (!e) return Report("no engine " + std::to_string(id), err, errlen);
   try {
     std::vector<strata::StreamEntry> stream(static_cast<size_t>(n));
-    for (int64_t k = 0; k < n; ++k)
-      stream[k] = {layers[k], experts[k], staged[k] != 0};
+    for (int64_t k = 0; k < n; ++k) stream[k] = {layers[k], experts[k], false};
     int L = e->options().n_layers;
     std::vector<std::vector<int32_t>> resident(static_cast<size_t>(L));
     for (int64_t r = 0; r < n_res; ++r) {
@@ -249,22 +251,6 @@ int64_t strata_engine_frame_of(int64_t id, int32_t layer) {
 int strata_engine_depth(int64_t id) {
   Engine* e = strata::FindEngine(id);
   return e ? e->depth() : -1;
-}
-
-// out: int64[n_layers, 4] (streamed, copied, skipped, bytes) of the last chunk.
-int strata_engine_last_stats(int64_t id, int64_t* out, int64_t n_layers) {
-  Engine* e = strata::FindEngine(id);
-  if (!e) return 1;
-  const auto& st = e->last_stats();
-  for (int64_t l = 0; l < n_layers; ++l) {
-    strata::LayerStats s = l < static_cast<int64_t>(st.size()) ? st[l]
-                                                                : strata::LayerStats{};
-    out[4 * l] = s.streamed;
-    out[4 * l + 1] = s.copied;
-    out[4 * l + 2] = s.skipped;
-    out[4 * l + 3] = s.bytes;
-  }
-  return 0;
 }
 
 // out: double[2], host seconds of the last chunk's begin and end handlers.

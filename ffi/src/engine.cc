@@ -614,7 +614,6 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   if (!s.empty()) return Fail("end_chunk: " + s);
   s = BackendEnd(stream);
   if (!s.empty()) return Fail("end_chunk: " + s);
-  last_stats_ = stats_;
   ++chunks_;
   host_end_ = HostNow();
   if (opt_.trace) {

@@ -195,7 +195,6 @@ class Engine {
   // The walk's hold: kPrestartHold from a Prestart until its program adopts
   // it, else 0.
   int64_t hold() const { return hold_.load(std::memory_order_acquire); }
-  const std::vector<LayerStats>& last_stats() const { return last_stats_; }
   int64_t chunks() const { return chunks_; }
   // Device timing of the last finished chunk, where the backend keeps it:
   // out[0] = begin to end on the compute stream (a prestarted chunk's begin
@@ -371,7 +370,6 @@ class Engine {
   bool prepared_ = false;
   ChunkMode mode_ = ChunkMode::kStream;
   std::vector<LayerStats> stats_;
-  std::vector<LayerStats> last_stats_;
   int64_t chunks_ = 0;
   double host_begin_ = 0.0, host_end_ = 0.0;
   std::atomic<int32_t> fault_{0};

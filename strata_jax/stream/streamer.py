@@ -217,11 +217,10 @@ class StreamEngine:
                        err, f"host store of layer {layer}")
         layers = np.array([l for l, _ in self.stream_list], np.int32)
         exps = np.array([e for _, e in self.stream_list], np.int32)
-        staged = np.zeros(len(self.stream_list), np.uint8)
         rl = np.array([l for l in range(L) for _ in self.resident[l]], np.int32)
         re_ = np.array([e for l in range(L) for e in self.resident[l]], np.int32)
         _check(lib.strata_engine_set_plan(
-            self.id, layers.ctypes.data, exps.ctypes.data, staged.ctypes.data, len(layers),
+            self.id, layers.ctypes.data, exps.ctypes.data, len(layers),
             rl.ctypes.data, re_.ctypes.data, len(rl), err, len(err)), err, "stream plan")
         _check(lib.strata_engine_prepare(self.id, err, len(err)), err, "prepare")
         self._resident_blobs = self._put_resident()
