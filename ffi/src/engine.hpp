@@ -67,13 +67,14 @@ struct EngineOptions {
   uint64_t seed = 0;
   // CUDA backend: 0 = pin the host store in place (cudaHostRegister),
   // 1 = copy it into a pinned arena (cudaHostAlloc), 2 = do not pin: stage
-  // through pinned bounce buffers.
-  int32_t pin_mode = 0;
+  // through pinned bounce buffers. The default is StreamConfig's (pin="arena").
+  int32_t pin_mode = 1;
   int32_t device = 0;
   // CUDA backend: how a layer's routing reaches the gate. 0 = a host callback
   // (cudaLaunchHostFunc) on XLA's stream fills the row; 1 = an event recorded
-  // after the counts' copy, polled by the issuer, which fills the row.
-  int32_t publish_mode = 0;
+  // after the counts' copy, polled by the issuer, which fills the row. The
+  // default is StreamConfig's (publish="event").
+  int32_t publish_mode = 1;
 };
 
 // An expert's host blob is its gate, up and down matrices back to back, each
