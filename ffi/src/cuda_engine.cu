@@ -79,9 +79,9 @@ class CudaEngine final : public Engine, public PublishSink {
   Status Prepare() override {
     if (in_chunk_) return "cannot prepare during a chunk";
     if (Status s = CheckStores(); !s.empty()) return s;
-    if (opt_.pin_mode < 0 || opt_.pin_mode > 2)
+    if (opt_.pin_mode != 1 && opt_.pin_mode != 2)
       return "pin_mode " + std::to_string(opt_.pin_mode) +
-             " is not 0 (cudaHostRegister), 1 (pinned arena) or 2 (staged)";
+             " is not 1 (pinned arena) or 2 (staged)";
     STRATA_ENTER_DEVICE(dev);
     // The pinned counts, ring and events may still be targeted by the last
     // chunk's device work: its callbacks have run, and ReleaseResources
@@ -433,9 +433,6 @@ class CudaEngine final : public Engine, public PublishSink {
     switch (store_.path()) {
       case PinPath::kNone:
         s += "not prepared";
-        break;
-      case PinPath::kRegistered:
-        s += "pinned (cudaHostRegister)";
         break;
       case PinPath::kArena:
         s += "pinned arena (cudaHostAlloc)";

@@ -172,35 +172,7 @@ Status HostStore::Pin(const EngineOptions& opt,
   const int64_t bytes = opt.blob_bytes * opt.n_experts;
   src_ = stores;
   std::string fallback;
-  if (opt.pin_mode == 0) {
-    for (int l = 0; l < opt.n_layers && fallback.empty(); ++l) {
-      if (!stores[l] || bytes == 0) continue;
-      // Layers may share one store (tests do): register it once.
-      if (std::find(stores.begin(), stores.begin() + l, stores[l]) !=
-          stores.begin() + l)
-        continue;
-      void* p = const_cast<uint8_t*>(stores[l]);
-      const cudaError_t err = cudaHostRegister(
-          p, static_cast<size_t>(bytes), cudaHostRegisterDefault);
-      if (err == cudaSuccess) {
-        registered_.push_back(p);
-        continue;
-      }
-      cudaGetLastError();  // not sticky; keep it out of later calls
-      if (err == cudaErrorHostMemoryAlreadyRegistered &&
-          AlreadyPinned(p, bytes))
-        continue;
-      fallback = CudaError("cudaHostRegister",
-                           "layer " + std::to_string(l) + " store, " +
-                               GiB(double(bytes)) + " GiB",
-                           err);
-    }
-    if (fallback.empty()) {
-      pin_path_ = PinPath::kRegistered;
-      return {};
-    }
-    Unpin();
-  } else if (opt.pin_mode == 1) {
+  if (opt.pin_mode == 1) {
     // Stores packed straight into pinned memory (the Python side allocates
     // them with strata_pinned_alloc) are used in place: no second copy.
     bool in_place = true;
@@ -250,8 +222,6 @@ Status HostStore::Pin(const EngineOptions& opt,
 }
 
 void HostStore::Unpin() {
-  for (void* p : registered_) cudaHostUnregister(p);
-  registered_.clear();
   if (arena_) cudaFreeHost(arena_);
   arena_ = nullptr;
 }

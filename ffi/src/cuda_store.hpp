@@ -96,7 +96,7 @@ class Stager {
 };
 
 // How the host store is read (HostStore::path), for Describe().
-enum class PinPath { kNone, kRegistered, kArena, kStaged };
+enum class PinPath { kNone, kArena, kStaged };
 
 // The host store as the link's copies read it, per layer, once Pin chose how.
 // The Stager that a staged store needs is the engine's, beside it.
@@ -106,17 +106,20 @@ class HostStore {
   HostStore(const HostStore&) = delete;
   HostStore& operator=(const HostStore&) = delete;
 
-  // Chooses where copies read the host store (`stores`, per layer) from, per
-  // opt.pin_mode. A store that cannot be pinned falls back to staging, with
-  // the reason kept for Describe(): slower, but the chunk still runs.
+  // Chooses where copies read the host store (`stores`, per layer) from:
+  // opt.pin_mode 1, the stores in place when they are pinned already (packed
+  // into a pinned block by the Python side), else a pinned arena they are
+  // copied into; 2, staging through the Stager's pinned bounce buffers. A
+  // store that cannot be pinned falls back to staging, with the reason kept
+  // for Describe(): slower, but the chunk still runs.
   Status Pin(const EngineOptions& opt, const std::vector<const uint8_t*>& stores);
-  // Unregisters what Pin registered and frees its arena.
+  // Frees the arena Pin made.
   void Unpin();
   // Unpins and forgets the choice (PinPath::kNone, nothing to read from).
   void Reset();
 
-  // Whether Pin registered ranges or made an arena that are still held.
-  bool holds_pinned() const { return !registered_.empty() || arena_; }
+  // Whether Pin made an arena that is still held.
+  bool holds_pinned() const { return arena_ != nullptr; }
   // Copies go through the Stager's bounce buffers.
   bool staging() const { return staging_; }
   PinPath path() const { return pin_path_; }
@@ -130,7 +133,6 @@ class HostStore {
   PinPath pin_path_ = PinPath::kNone;
   std::string pin_note_;
   std::vector<const uint8_t*> src_;  // per layer: where copies read from
-  std::vector<void*> registered_;    // ranges this engine registered
   uint8_t* arena_ = nullptr;
   bool staging_ = false;
 };

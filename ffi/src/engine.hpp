@@ -65,9 +65,10 @@ struct EngineOptions {
   double sim_latency = 0.0;
   double sim_jitter = 0.0;
   uint64_t seed = 0;
-  // CUDA backend: 0 = pin the host store in place (cudaHostRegister),
-  // 1 = copy it into a pinned arena (cudaHostAlloc), 2 = do not pin: stage
-  // through pinned bounce buffers. The default is StreamConfig's (pin="arena").
+  // CUDA backend: 1 = read the host store pinned (in place when it is packed
+  // into pinned memory already, else copied into a pinned arena), falling back
+  // to staging where pinning fails; 2 = stage through pinned bounce buffers
+  // from the start (the fallback's path, which tests force).
   int32_t pin_mode = 1;
   int32_t device = 0;
   // CUDA backend: how a layer's routing reaches the gate. 0 = a host callback

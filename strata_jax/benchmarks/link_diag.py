@@ -2,7 +2,7 @@
 
 Prints (and writes with --json) the pinned link ceiling for the shapes the ring uses — one
 256 MB block; one expert-sized block at a time with an event after each, from cudaHostAlloc
-memory and from cudaHostRegister'd malloc memory — then, for each pin mode and arm, the
+memory and from cudaHostRegister'd malloc memory — then, for each arm, the
 engine's own device timing of a chunk: begin-to-end on XLA's stream and first-to-last copy on
 the copy stream, so the link rate while copying is separated from time outside the copies.
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -26,7 +25,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
     ap.add_argument("--tokens", default="1024")
-    ap.add_argument("--pins", default="register,arena")
     ap.add_argument("--arms", default="stream-all,routed")
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
@@ -80,32 +78,31 @@ def main(argv=None) -> int:
         return out
 
     rng = np.random.default_rng(7)
-    for pin in args.pins.split(","):
-        for arm in args.arms.split(","):
-            sc = StreamConfig(routed=(arm == "routed"), depth=args.depth, pin=pin,
-                              ring_budget_gib=8.0)
-            with Engine(cfg, params, sc, max_context=max(lengths),
-                        chunk_size=max(lengths)) as eng:
-                for n in lengths:
-                    eng.prefill(rng.integers(0, cfg.vocab_size, n))  # compile
-                    for _ in range(args.reps):
-                        t0 = time.perf_counter()
-                        r = eng.prefill(rng.integers(0, cfg.vocab_size, n))
-                        wall = (time.perf_counter() - t0) * 1e3
-                        chunk_ms, copy_ms, lead_ms, tail_ms = eng.streamer.device_timing()
-                        nbytes = r.totals()["bytes"]
-                        row = {"pin": pin, "arm": arm, "tokens": n, "wall_ms": wall,
-                               "chunk_ms": chunk_ms, "copy_ms": copy_ms, "lead_ms": lead_ms,
-                               "tail_ms": tail_ms, "bytes": nbytes,
-                               "copied": r.totals()["copied"],
-                               "link_in_window": nbytes / (copy_ms * 1e-3) / 1e9 / link,
-                               "link_over_chunk": nbytes / (chunk_ms * 1e-3) / 1e9 / link,
-                               "link_over_wall": nbytes / (wall * 1e-3) / 1e9 / link}
-                        bd = breakdown(eng, rng.integers(0, cfg.vocab_size, n))
-                        row.update({k: round(v, 2) for k, v in bd.items()})
-                        row["breakdown_chunk_ms"] = eng.streamer.device_timing()[0]
-                        out["runs"].append(row)
-                        print(json.dumps(row), flush=True)
+    for arm in args.arms.split(","):
+        sc = StreamConfig(routed=(arm == "routed"), depth=args.depth,
+                          ring_budget_gib=8.0)
+        with Engine(cfg, params, sc, max_context=max(lengths),
+                    chunk_size=max(lengths)) as eng:
+            for n in lengths:
+                eng.prefill(rng.integers(0, cfg.vocab_size, n))  # compile
+                for _ in range(args.reps):
+                    t0 = time.perf_counter()
+                    r = eng.prefill(rng.integers(0, cfg.vocab_size, n))
+                    wall = (time.perf_counter() - t0) * 1e3
+                    chunk_ms, copy_ms, lead_ms, tail_ms = eng.streamer.device_timing()
+                    nbytes = r.totals()["bytes"]
+                    row = {"arm": arm, "tokens": n, "wall_ms": wall,
+                           "chunk_ms": chunk_ms, "copy_ms": copy_ms, "lead_ms": lead_ms,
+                           "tail_ms": tail_ms, "bytes": nbytes,
+                           "copied": r.totals()["copied"],
+                           "link_in_window": nbytes / (copy_ms * 1e-3) / 1e9 / link,
+                           "link_over_chunk": nbytes / (chunk_ms * 1e-3) / 1e9 / link,
+                           "link_over_wall": nbytes / (wall * 1e-3) / 1e9 / link}
+                    bd = breakdown(eng, rng.integers(0, cfg.vocab_size, n))
+                    row.update({k: round(v, 2) for k, v in bd.items()})
+                    row["breakdown_chunk_ms"] = eng.streamer.device_timing()[0]
+                    out["runs"].append(row)
+                    print(json.dumps(row), flush=True)
     out["link_ceiling_gbps"] = link
     if args.json:
         with open(args.json, "w") as f:

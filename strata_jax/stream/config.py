@@ -22,7 +22,6 @@ DEPTH_MIN, DEPTH_MAX = 1, 256
 _ENV_ROUTED = "STRATA_PREFILL_ROUTED_STREAM"
 _ENV_DEPTH = "STRATA_PREFILL_ROUTED_STREAM_DEPTH"
 _ENV_TRACE = "STRATA_TRACE"
-_PIN_MODES = {"register": 0, "arena": 1, "none": 2}
 _PUBLISH_MODES = {"callback": 0, "event": 1}
 # begin_chunk's modes (ffi/src/engine.hpp ChunkMode): a streamed chunk in layer frames, a
 # routed-only chunk (frames too), a streamed chunk in the packed ring.
@@ -93,12 +92,6 @@ class StreamConfig:
             `plan_stream`) is made.
         backend: "auto" (CUDA when JAX runs on a GPU and the library has CUDA),
             "cpu" (simulated link) or "cuda".
-        pin: CUDA host store: "arena" (packed straight into one cudaHostAlloc
-            block; the fastest source, measured 1% over registered memory),
-            "register" (cudaHostRegister the packed arrays in place) or "none"
-            (stage through pinned bounce buffers; such entries are never
-            skipped). A store that cannot be pinned falls back to staging and
-            the trace says so.
         publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded
             on XLA's stream after the counts' device-to-host copy, which the issuer polls before
             it fills the gate row itself; nothing waits) or "callback" (DESIGN.md's first
@@ -129,7 +122,6 @@ class StreamConfig:
     profile: "ExpertProfile | np.ndarray | None" = dataclasses.field(
         default=None, compare=False, hash=False)
     backend: str = "auto"
-    pin: str = "arena"
     publish: str = "event"
     sim_bandwidth: float = 2e9
     sim_latency: float = 20e-6
@@ -165,8 +157,6 @@ class StreamConfig:
         publish = self.publish
         if publish not in _PUBLISH_MODES:
             raise ValueError(f"publish={publish!r}: expected one of {sorted(_PUBLISH_MODES)}")
-        if self.pin not in _PIN_MODES:
-            raise ValueError(f"pin={self.pin!r}: expected one of {sorted(_PIN_MODES)}")
         if self.backend not in ("auto", "cpu", "cuda"):
             raise ValueError(f"backend={self.backend!r}: expected 'auto', 'cpu' or 'cuda'")
         if self.stream_floor < 1:

@@ -23,9 +23,16 @@ from ..config import ModelConfig
 from ..experts import ExpertWeights, blob_size, pack_expert_blobs_np
 from ..grouped_matmul import MGPU_BLOCK_M, resolve_implementation
 from ..memory import device_memory
-from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED, _PIN_MODES,
+from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
                      _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
+
+# The native engine's host store on CUDA (EngineOptions.pin_mode): a pinned arena, with the
+# automatic fallback to staging through pinned bounce buffers where pinning fails.
+_PIN_ARENA, _PIN_STAGED = 1, 2
+# True: stage the host store from the start, the fallback's path (tests set it to check that
+# path on a machine where pinning succeeds).
+_STAGE_HOST_STORE = False
 
 
 @dataclasses.dataclass
@@ -156,11 +163,13 @@ class StreamEngine:
         self.streamed_per_layer = self.plan.streamed_per_layer
         self.ring = self.plan.ring
         self._stores: list[np.ndarray | None] = [None] * L
-        # Pin mode "arena" on CUDA: pack every layer straight into one pinned block, which the
-        # engine then copies from in place (no cudaHostRegister, no second host copy).
+        # On CUDA every layer is packed straight into one pinned block, which the engine then
+        # copies from in place (no second host copy). Where that block cannot be allocated, the
+        # engine copies the store into a pinned arena of its own, else stages it through pinned
+        # bounce buffers (such entries are never skipped); the trace says which.
         self._pinned = None
         arena = None
-        if self.backend == "cuda" and self.stream.pin == "arena":
+        if self.backend == "cuda" and not _STAGE_HOST_STORE:
             arena = self._pinned_arena(len(self.moe_layers) * E * self.blob_bytes)
         try:
             for layer in range(L):
@@ -196,7 +205,7 @@ class StreamEngine:
             blob_bytes=self.blob_bytes, ring=self.ring, depth=self.stream.depth,
             trace=int(self.stream.trace), sim_bandwidth=self.stream.sim_bandwidth,
             sim_latency=self.stream.sim_latency, sim_jitter=self.stream.sim_jitter,
-            seed=self.stream.seed, pin_mode=_PIN_MODES[self.stream.pin],
+            seed=self.stream.seed, pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
             publish_mode=_PUBLISH_MODES[self.stream.publish],
             device=self.stream.device)
         lib = native.lib()
@@ -454,8 +463,8 @@ class StreamEngine:
         pages give; the benchmarks take the higher of the two.
 
         Raises:
-            RuntimeError: the store is not in a pinned arena (the simulated link, or pin
-                modes "register" / "none", or an arena that could not be allocated); a walk
+            RuntimeError: the store is not in a pinned arena (the simulated link, or an arena
+                that could not be allocated, so the store is staged); a walk
                 is running (it would share the link); or a CUDA call failed.
         """
         if self.closed:
