@@ -474,7 +474,8 @@ class StreamEngine:
         if self._pinned is None:
             raise RuntimeError(
                 "measure_link reads the store's pinned arena, and this engine has none "
-                f"(backend {self.backend!r}, pin {self.stream.pin!r}); use "
+                f"(backend {self.backend!r}{', store staged' if _STAGE_HOST_STORE else ''}); "
+                "use "
                 "native.measure_h2d for a probe buffer of its own")
         if self.walk_active():
             raise RuntimeError("measure_link while a chunk's walk runs: it would share the "
