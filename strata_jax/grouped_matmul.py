@@ -5,9 +5,9 @@ every group (5 TFLOP/s measured on the H200, out of memory at 32K tokens x top-8
 path that lets a group with zero rows affect outputs (its weights may be zeros or garbage when they
 were streamed).
 
-Implementations, chosen by `Kernels.grouped_matmul` (auto|mgpu|lax|tiled, default auto; the
+Implementations, chosen by `Kernels.grouped_matmul` (auto|mosaic|lax|tiled, default auto; the
 `impl` argument here):
-    mgpu   Pallas Mosaic GPU `ragged_dot` (Hopper only): only the tiles of each group are computed,
+    mosaic Pallas Mosaic GPU `ragged_dot` (Hopper only): only the tiles of each group are computed,
            a zero-size group owns no rows and stores nothing. Rows past the last group are never
            stored by the kernel and are zeroed afterwards.
     lax    `lax.ragged_dot` (CPU, TPU). On CPU it lowers to a dense masked product that multiplies
@@ -17,7 +17,7 @@ Implementations, chosen by `Kernels.grouped_matmul` (auto|mgpu|lax|tiled, defaul
     tiled  Portable fallback for non-Hopper GPUs: rows are laid out in row tiles of one group each
            and each tile is multiplied by its group's matrix in a `lax.map`. Zero-size groups own
            no tile. Slower than a fused kernel but memory-safe at any M.
-"auto" picks mgpu on Hopper (device kind H100/H200/H800/GH200 or compute capability 9.x), tiled
+"auto" picks mosaic on Hopper (device kind H100/H200/H800/GH200 or compute capability 9.x), tiled
 on other GPUs and lax elsewhere.
 """
 
@@ -34,11 +34,11 @@ from jax import lax
 from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
 
 # Measured best on the H200 for MoE shapes (DESIGN.md): 131-349 TFLOP/s.
-MGPU_BLOCK_M = 128
-MGPU_BLOCK_N = 128
-MGPU_BLOCK_K = 64
-MGPU_STAGES = 4
-MGPU_GRID_BLOCK_N = 2
+MOSAIC_BLOCK_M = 128
+MOSAIC_BLOCK_N = 128
+MOSAIC_BLOCK_K = 64
+MOSAIC_STAGES = 4
+MOSAIC_GRID_BLOCK_N = 2
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
 
@@ -59,7 +59,7 @@ def resolve_implementation(impl: str | None = None) -> str:
     """Returns the concrete implementation for `impl` (default "auto").
 
     Raises:
-        ValueError: unknown name, or "mgpu" requested on a device that is not a Hopper GPU.
+        ValueError: unknown name, or "mosaic" requested on a device that is not a Hopper GPU.
     """
     impl = (impl or "auto").lower()
     if impl not in IMPLEMENTATIONS:
@@ -67,11 +67,11 @@ def resolve_implementation(impl: str | None = None) -> str:
     device = jax.devices()[0]
     if impl == "auto":
         if device.platform == "gpu":
-            return "mgpu" if is_hopper(device) else "tiled"
+            return "mosaic" if is_hopper(device) else "tiled"
         return "lax"
-    if impl == "mgpu" and not is_hopper(device):
+    if impl == "mosaic" and not is_hopper(device):
         raise ValueError(
-            f"grouped matmul 'mgpu' needs a Hopper GPU, but the device is "
+            f"grouped matmul 'mosaic' needs a Hopper GPU, but the device is "
             f"{getattr(device, 'device_kind', device.platform)!r}; use 'tiled' or 'lax' "
             "(Kernels(grouped_matmul=...))")
     # "lax" on a GPU is allowed on request (tests compare against it) but never picked by "auto".
@@ -88,7 +88,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         group_sizes: int32 [G]; sum(group_sizes) <= M. Rows past the sum (padding, which the
             model routes to no group) come back as zeros in every implementation; rows inside the
             groups are the same whether or not such rows exist.
-        impl: auto|mgpu|lax|tiled (`Kernels.grouped_matmul`); None: auto.
+        impl: auto|mosaic|lax|tiled (`Kernels.grouped_matmul`); None: auto.
 
     Returns:
         [M, N] in `x.dtype`, accumulated in float32.
@@ -105,16 +105,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     impl = resolve_implementation(impl)
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
-    if impl == "mgpu":
-        if _mgpu_supports(k, n, x.dtype):
-            return _mgpu_jit(x, w, group_sizes)
+    if impl == "mosaic":
+        if _mosaic_supports(k, n, x.dtype):
+            return _mosaic_jit(x, w, group_sizes)
         impl = "tiled"  # shape the kernel cannot tile: stay memory-safe.
     if impl == "tiled":
         return _tiled(x, w, group_sizes)
     return _lax(x, w, group_sizes)
 
 
-def row_pieces(m: int, pieces: int, align: int = MGPU_BLOCK_M) -> tuple[int, ...]:
+def row_pieces(m: int, pieces: int, align: int = MOSAIC_BLOCK_M) -> tuple[int, ...]:
     """Static bounds that cut M sorted rows into `pieces` ranges of about equal size, each
     boundary a multiple of `align` (the Mosaic kernel's row tile, so no piece pads a tile)
     where M holds `pieces` such tiles, else anywhere. Returns (0, b1, ..., M) with no empty
@@ -189,7 +189,7 @@ def _tiled(x, w, group_sizes, tile: int = 128, batch: int = 8):
 
 
 @functools.cache
-def _mgpu_module():
+def _mosaic_module():
     try:
         return importlib.import_module("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu")
     except Exception as e:  # noqa: BLE001 - any import failure means the kernel is unusable.
@@ -199,24 +199,24 @@ def _mgpu_module():
             "Kernels(grouped_matmul='tiled')") from e
 
 
-def _mgpu_supports(k: int, n: int, dtype) -> bool:
-    return (k % MGPU_BLOCK_K == 0 and n % MGPU_BLOCK_N == 0
+def _mosaic_supports(k: int, n: int, dtype) -> bool:
+    return (k % MOSAIC_BLOCK_K == 0 and n % MOSAIC_BLOCK_N == 0
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-def _mgpu(x, w, group_sizes):
-    with jax.named_scope("grouped_matmul_mgpu"):
-        module = _mgpu_module()
+def _mosaic(x, w, group_sizes):
+    with jax.named_scope("grouped_matmul_mosaic"):
+        module = _mosaic_module()
         m, _ = x.shape
         n = w.shape[2]
         # The kernel tiles M by block_m; zero rows past the groups belong to no group and are
         # sliced off, so no expert's weights are read for them.
-        pad = (-m) % MGPU_BLOCK_M
+        pad = (-m) % MOSAIC_BLOCK_M
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
-        grid_block_n = MGPU_GRID_BLOCK_N if n % (MGPU_BLOCK_N * MGPU_GRID_BLOCK_N) == 0 else 1
-        kwargs = dict(group_sizes=group_sizes, block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N,
-                      block_k=MGPU_BLOCK_K, max_concurrent_steps=MGPU_STAGES,
+        grid_block_n = MOSAIC_GRID_BLOCK_N if n % (MOSAIC_BLOCK_N * MOSAIC_GRID_BLOCK_N) == 0 else 1
+        kwargs = dict(group_sizes=group_sizes, block_m=MOSAIC_BLOCK_M, block_n=MOSAIC_BLOCK_N,
+                      block_k=MOSAIC_BLOCK_K, max_concurrent_steps=MOSAIC_STAGES,
                       grid_block_n=grid_block_n)
         accepted = inspect.signature(module.ragged_dot).parameters
         out = module.ragged_dot(x, w, **{k: v for k, v in kwargs.items() if k in accepted})
@@ -230,7 +230,7 @@ def _mgpu(x, w, group_sizes):
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per call
 # site (a model calls it three times per MoE layer): lowering a Mosaic kernel takes about half a
 # second of Python, 12 s per program for eight layers otherwise. Same HLO inside, same bits.
-_mgpu_jit = jax.jit(_mgpu)
+_mosaic_jit = jax.jit(_mosaic)
 
 
 def grouped_matmul_reference(x, w, group_sizes):

@@ -4,7 +4,7 @@ A `Kernels` is held by the model (`build_model(..., kernels=)`, `Engine(..., ker
 part of the model's static structure, so a program traced with one choice is never reused for
 another (jit keys on it). Nothing is read from the environment.
 
-    grouped_matmul  "auto" | "mgpu" | "lax" | "tiled"  (`strata_jax.grouped_matmul`; auto: the
+    grouped_matmul  "auto" | "mosaic" | "lax" | "tiled"  (`strata_jax.grouped_matmul`; auto: the
                     Mosaic GPU kernel on Hopper, row tiles on other GPUs, lax.ragged_dot on CPU)
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`strata_jax.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
@@ -20,7 +20,7 @@ import dataclasses
 
 __all__ = ["Kernels", "GROUPED_MATMULS", "ATTENTION_PATHS"]
 
-GROUPED_MATMULS = ("auto", "mgpu", "lax", "tiled")
+GROUPED_MATMULS = ("auto", "mosaic", "lax", "tiled")
 ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
 
 

@@ -91,7 +91,7 @@ def test_auto_picks_lax_on_cpu():
         pytest.skip("CPU dispatch only")
     assert resolve_implementation("auto") == "lax"
     with pytest.raises(ValueError, match="Hopper"):
-        resolve_implementation("mgpu")
+        resolve_implementation("mosaic")
 
 
 def test_bad_shapes():
@@ -108,13 +108,13 @@ def test_bad_shapes():
     [5, 0, 130, 61, 0, 1, 300],           # ragged, M not a multiple of 128
     [0] * 60 + [700] + [0] * 67,          # one hot expert among 128
 ])
-def test_mgpu_matches_reference(sizes):
+def test_mosaic_matches_reference(sizes):
     if not is_hopper():
         pytest.skip("Mosaic GPU ragged_dot needs a Hopper GPU")
     x, w, g = _case(sum(sizes), 256, 384, sizes, dtype=ml_dtypes.bfloat16)
     poisoned = w.copy()
     poisoned[np.asarray(sizes) == 0] = np.nan
-    f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl="mgpu"))
+    f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl="mosaic"))
     out = f(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g))
     assert_close(out, grouped_matmul_reference(x, w, g), ml_dtypes.bfloat16)
     dirty = f(jnp.asarray(x), jnp.asarray(poisoned), jnp.asarray(g))
@@ -122,7 +122,7 @@ def test_mgpu_matches_reference(sizes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["mgpu", "tiled"])
+@pytest.mark.parametrize("impl", ["mosaic", "tiled"])
 @pytest.mark.parametrize("sizes, m", [
     ([100, 0, 60], 256),      # padding rows inside the last row tile
     ([5, 0, 3], 300),         # most rows are padding, M not a multiple of 128
@@ -130,8 +130,8 @@ def test_mgpu_matches_reference(sizes):
 ])
 def test_gpu_rows_past_groups_are_zero(impl, sizes, m):
     # The engine pads chunks to compile buckets: padded rows sort after every group. Rows inside
-    # the groups must be right and rows past them zeros (the mgpu kernel never stores them).
-    if impl == "mgpu" and not is_hopper():
+    # the groups must be right and rows past them zeros (the mosaic kernel never stores them).
+    if impl == "mosaic" and not is_hopper():
         pytest.skip("Mosaic GPU ragged_dot needs a Hopper GPU")
     x, w, g = _case(m, 256, 384, sizes, dtype=ml_dtypes.bfloat16)
     x[sum(sizes):] = np.nan  # whatever padding rows hold must not matter to the groups' rows
@@ -184,10 +184,10 @@ def test_row_pieces_same_bits(impl, sizes, m, pieces):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["mgpu", "tiled"])
+@pytest.mark.parametrize("impl", ["mosaic", "tiled"])
 @pytest.mark.parametrize("sizes, m, pieces", _PIECE_CASES)
 def test_gpu_row_pieces_same_bits(impl, sizes, m, pieces):
-    if impl == "mgpu" and not is_hopper():
+    if impl == "mosaic" and not is_hopper():
         pytest.skip("Mosaic GPU ragged_dot needs a Hopper GPU")
     x, w, g = _pieces_case(m, sizes)
     bounds = row_pieces(m, pieces)

@@ -1051,7 +1051,7 @@ def test_tail_pieces_program(layout, mode):
         # The Mosaic kernel's grid holds E - 1 more tiles than the rows' own: at most one piece
         # per E row tiles (here 16 experts, top-2, 128-row tiles: one per 1,024 tokens).
         import strata_jax.stream.streamer as stream_module  # where tail_pieces looks it up
-        for impl, want in (("mgpu", [1, 2, 3, 3]), ("tiled", [3] * 4), ("lax", [3] * 4)):
+        for impl, want in (("mosaic", [1, 2, 3, 3]), ("tiled", [3] * 4), ("lax", [3] * 4)):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(stream_module, "resolve_implementation", lambda _, impl=impl: impl)
                 assert [eng.streamer.tail_pieces(mode, n)

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=preset.expert_intermediate)
     p.add_argument("--experts", type=int, default=preset.n_experts)
     p.add_argument("--top-k", type=int, default=preset.top_k)
-    p.add_argument("--impl", default=None, help="auto|mgpu|lax|tiled (default: env or auto)")
+    p.add_argument("--impl", default=None, help="auto|mosaic|lax|tiled (default: auto)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--min-ratio", type=float, default=0.0,

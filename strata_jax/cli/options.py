@@ -72,25 +72,23 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def _int_in(lo: int, too_low: str, hi: int | None = None, too_high: str = ""):
+    """An option type: an integer of at least `lo` (and at most `hi`), else `too_low`/`too_high`
+    after the value."""
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} {too_low}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"{value} {too_high}")
+        return value
+
+    return parse
 
 
-def _depth(text: str) -> int:
-    value = _positive_int(text)
-    if value > 256:
-        raise argparse.ArgumentTypeError(f"{value} is more than 256 copies")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+_positive_int = _int_in(1, "must be at least 1")
+_depth = _int_in(1, "must be at least 1", 256, "is more than 256 copies")
+_nonneg_int = _int_in(0, "must be 0 or more")
 
 
 def _float(text: str) -> float:

@@ -21,7 +21,7 @@ import numpy as np
 from .. import _dlpack, native
 from ..config import ModelConfig
 from ..experts import ExpertWeights, blob_size, pack_expert_blobs_np
-from ..grouped_matmul import MGPU_BLOCK_M, resolve_implementation
+from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
 from ..memory import device_memory
 from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
                      _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
@@ -544,8 +544,8 @@ class StreamEngine:
         if mode not in _STREAM_MODES or n_tokens < self.stream.tail_from or not self.moe_layers:
             return 1
         pieces = self.stream.tail_pieces
-        if pieces > 1 and resolve_implementation(grouped_matmul) == "mgpu":
-            tiles = n_tokens * self.config.top_k // MGPU_BLOCK_M
+        if pieces > 1 and resolve_implementation(grouped_matmul) == "mosaic":
+            tiles = n_tokens * self.config.top_k // MOSAIC_BLOCK_M
             pieces = min(pieces, tiles // self.config.n_experts)
         return max(pieces, 1)
 
