@@ -3,7 +3,7 @@
 The ring's layer frames live in device memory the engine allocated (planned beside XLA's
 preallocation). The model reads a layer's experts there, where their copies landed, so each frame
 plane is handed to JAX as an array over that memory: a DLPack tensor whose deleter frees only its
-own structure (the engine frees the memory, after the arrays are deleted; `StreamEngine.close`).
+own structure (the engine frees the memory, after the arrays are deleted; `NativeStreamer.close`).
 
 The failure this guards against is a silent copy: JAX may copy what it imports (an alignment or
 layout it does not take as is), and a copy would be a snapshot of the ring, read stale. `view`

@@ -21,7 +21,7 @@ bucket of `sub_chunk` when it is shorter than one sub-chunk, else to a whole num
 one program per sub-chunk count and kind. A streamed chunk's fetch mode compares its real tokens
 with `stream_floor` (a chunk below the floor reads only its routed experts), so the one bucket the
 floor falls inside may compile a second program. A streamed chunk's program takes its token ids
-from its begin_chunk (`StreamEngine.stage_ids`): the prefill makes no host-to-device copy.
+from its begin_chunk (`NativeStreamer.stage_ids`): the prefill makes no host-to-device copy.
 
 Padding never shows: padded tokens route to the sentinel expert E (not counted, so not in the
 stats, the profile, or the routed stream's skip decisions), their expert outputs are zeros, they sit
@@ -61,7 +61,7 @@ from .profile import ExpertProfile
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
     CHUNK_HEADROOM, MIN_BUCKET, TOKEN_ID_BYTES, chunk_bytes, chunk_candidates, chunk_memory,
     expert_bytes, free_memory, host_memory, kv_cache_bytes)
-from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, StreamEngine,
+from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, NativeStreamer,
                      stream_platform)
 
 __all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", 
@@ -338,7 +338,7 @@ class Engine:
         dense = {k: v for k, v in params.items() if k not in expert_names}
 
         wanted = _device(device)
-        self.streamer: StreamEngine | None = None
+        self.streamer: NativeStreamer | None = None
         if stream is None:
             self.device = wanted if wanted is not None else jax.devices()[0]
             with jax.default_device(self.device):
@@ -347,9 +347,9 @@ class Engine:
         else:
             if wanted is not None and stream.backend in ("cpu", "cuda", "auto"):
                 # Refused before the experts are packed: the stream's platform follows from its
-                # backend alone ("auto" asks JAX and the library, as the StreamEngine will).
+                # backend alone ("auto" asks JAX and the library, as the NativeStreamer will).
                 _check_stream_device(wanted, stream_platform(stream.backend), stream.backend)
-            self.streamer = StreamEngine(
+            self.streamer = NativeStreamer(
                 config, [host_experts.get(l) for l in range(config.n_layers)], stream,
                 progress=progress)
             self.device = self.streamer.jax_device
@@ -504,7 +504,7 @@ class Engine:
     def _stage_ids(self, ids: list[np.ndarray], *, reset: bool = False) -> None:
         """Hands streamed chunks' ids (`_chunk_ids`, in dispatch order) to the engine before
         they are dispatched; each chunk's begin_chunk takes its own and writes them on the
-        device as kernel arguments (`StreamEngine.stage_ids`; `reset` drops ids left over).
+        device as kernel arguments (`NativeStreamer.stage_ids`; `reset` drops ids left over).
         No host-to-device copy of the prefill's then meets the walk: on the H200 PjRt's copy
         of a chunk's ids, queued on its own stream behind the walk's copies, landed 44 ms
         after the call at 32K tokens and held the whole program; put on the device and waited
@@ -522,7 +522,7 @@ class Engine:
         here.
 
         prestart: no chunk of the stream is queued (a prefill's first chunk). A streamed chunk
-        whose program has run before then begins from the host (StreamEngine.prestart): its walk
+        whose program has run before then begins from the host (NativeStreamer.prestart): its walk
         and the link start about 1.4 ms before the program's begin_chunk would start them on
         the H200. Not before a program's first run: the walk would wait through its compile.
         staged: the chunk's ids are staged with the stream already (`_stage_ids`, a prefill's

@@ -16,7 +16,7 @@ resident arm uses) and `free_memory` (what a computation on a device may still t
 
 Who uses it: the engine chooses its chunk by `chunk_memory` against `free_memory`
 (`Engine.memory_available`) and re-exports the estimates (`strata_jax.engine.chunk_memory`
-still works); a `StreamEngine` checks a resident budget against `device_memory`; the command
+still works); a `NativeStreamer` checks a resident budget against `device_memory`; the command
 line (strata_jax/cli/) refuses a prefill that cannot fit before any work (`cli/checks.py`,
 from these estimates) and prints `memory_plan` (`strata-jax info`).
 """
@@ -201,7 +201,7 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     """Bytes on the device and the host for a model streamed with a resident budget.
 
     The host store (every expert, pinned host RAM) is `host_store_bytes`. The residents and the
-    ring are `stream.plan_stream`'s, the plan a StreamEngine follows, without a profile: a
+    ring are `stream.plan_stream`'s, the plan a NativeStreamer follows, without a profile: a
     resident budget in GiB is spread evenly over the MoE layers (lowest ids), the ring holds two
     layer frames (a layer's experts each) when `ring_gib` allows and at least one. A ring budget
     below one frame, which an engine refuses, is reported here as `ring_fits_budget: False`

@@ -100,9 +100,9 @@ def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout
 def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
     # The CPU backend keeps no device timing; a stand-in one (chunk 2 ms, copies 1.5 ms) checks
     # the rows built from it: the time outside the device chunk is each call's time less 2 ms.
-    from strata_jax.stream import StreamEngine
+    from strata_jax.stream import NativeStreamer
 
-    monkeypatch.setattr(StreamEngine, "device_timing", lambda self: (2.0, 1.5, 0.1, 0.4))
+    monkeypatch.setattr(NativeStreamer, "device_timing", lambda self: (2.0, 1.5, 0.1, 0.4))
     out = tmp_path / "bench.json"
     assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "100", "--parts", "sweep",
                               "--json", str(out)]) == 0  # the default: ORDER twice over

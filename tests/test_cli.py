@@ -229,7 +229,7 @@ def test_info_json_plan_matches_the_engine():
     assert p["expert_bytes_total"] == N_LAYERS * N_EXPERTS * cfg.expert_bytes
     assert p["streamed_per_layer"] == N_EXPERTS - 4
 
-    from strata_jax.stream import StreamConfig, StreamEngine
+    from strata_jax.stream import StreamConfig, NativeStreamer
     from strata_jax.synthetic import init_synthetic, split_experts
 
     dense, experts = split_experts(cfg, init_synthetic(cfg, 0))
@@ -250,7 +250,7 @@ def test_info_json_plan_matches_the_engine():
                                resident_per_layer=per_layer, ring_gib=ring_gib)
         sc = StreamConfig(resident_budget_gib=resident_gib, resident_per_layer=per_layer or 0,
                           ring_budget_gib=ring_gib, backend="cpu")
-        with StreamEngine(cfg, [experts.get(l) for l in range(cfg.n_layers)], sc) as eng:
+        with NativeStreamer(cfg, [experts.get(l) for l in range(cfg.n_layers)], sc) as eng:
             case = (resident_gib, per_layer, ring_gib)
             assert plan["ring_slots"] == eng.ring, case
             assert plan["ring_frames"] == eng.plan.frames == eng.ring // N_EXPERTS, case
@@ -266,7 +266,7 @@ def test_info_json_plan_matches_the_engine():
                       "--no-measure"])["plan"]
     assert small["ring_fits_budget"] is False and small["ring_slots"] == N_EXPERTS
     with pytest.raises(ValueError, match="holds 20 experts"):
-        StreamEngine(cfg, [experts.get(l) for l in range(cfg.n_layers)],
+        NativeStreamer(cfg, [experts.get(l) for l in range(cfg.n_layers)],
                      StreamConfig(ring_budget_gib=cfg.expert_bytes * 20 / 2**30, backend="cpu"))
     # Bad figures are refused by the plan itself, not turned into nonsense.
     with pytest.raises(ValueError, match="exceeds the 32 experts"):

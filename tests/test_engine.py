@@ -27,7 +27,7 @@ from strata_jax.engine import (
 from strata_jax.kernels import Kernels
 from strata_jax.model import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile
-from strata_jax.stream import StreamConfig, StreamEngine
+from strata_jax.stream import StreamConfig, NativeStreamer
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import assert_close
 
@@ -308,7 +308,7 @@ def test_bad_devices_are_refused(f32_params, monkeypatch):
         raise AssertionError("the stream was built before the device was checked")
 
     monkeypatch.setattr(engine_mod, "stream_platform", lambda backend: "gpu")
-    monkeypatch.setattr(engine_mod, "StreamEngine", never)
+    monkeypatch.setattr(engine_mod, "NativeStreamer", never)
     with pytest.raises(ValueError, match=r"device=cpu:0 but the stream backend 'cpu' runs on a "
                        r"gpu device; pass device=None, a gpu device, or StreamConfig\(backend="
                        r"'cpu'\)"):
@@ -574,7 +574,7 @@ def test_resident_budgets_are_checked(bf16_params, monkeypatch):
                 max_context=64) as eng:
         assert eng.streamer.stream_list == []  # every expert resident
     # Where the device reports its size (CUDA), a budget beyond it is refused.
-    monkeypatch.setattr(StreamEngine, "_device_memory_bytes", lambda self: 8 * 2**30)
+    monkeypatch.setattr(NativeStreamer, "_device_memory_bytes", lambda self: 8 * 2**30)
     with pytest.raises(ValueError, match=r"resident_budget_gib=16 is larger than the device "
                        r"\(8.0 GiB"):
         Engine(BF16, bf16_params, StreamConfig(resident_budget_gib=16.0, **CPU), max_context=64)

@@ -184,7 +184,7 @@ def test_bad_profile_values():
         ExpertProfile(-np.ones((3, 8), np.int64), model="m", top_k=2)
 
 
-# ---- the stream plan (builds a native StreamEngine; no prefill) ------------------------------
+# ---- the stream plan (builds a native NativeStreamer; no prefill) ------------------------------
 
 
 def _skewed_profile():
@@ -197,20 +197,20 @@ def _skewed_profile():
 
 @pytest.mark.parametrize("as_array", [False, True], ids=["ExpertProfile", "array"])
 def test_stream_plan_orders_hottest_first_and_picks_residents(as_array):
-    from strata_jax.stream import StreamConfig, StreamEngine
+    from strata_jax.stream import StreamConfig, NativeStreamer
     from strata_jax.synthetic import init_synthetic, split_experts
 
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=0))
     p = _skewed_profile()
     prof = p.counts if as_array else p
     blob = 3 * CFG.hidden_size * CFG.expert_intermediate * CFG.dtype.itemsize
-    with StreamEngine(CFG, [experts.get(l) for l in range(3)],
+    with NativeStreamer(CFG, [experts.get(l) for l in range(3)],
                       StreamConfig(profile=prof, backend="cpu")) as se:
         for l in CFG.moe_layers:
             assert [e for ll, e in se.stream_list if ll == l] == p.order(l)
         assert se.resident == [[], [], []]
     budget = 5 * blob / 2**30
-    with StreamEngine(CFG, [experts.get(l) for l in range(3)],
+    with NativeStreamer(CFG, [experts.get(l) for l in range(3)],
                       StreamConfig(profile=prof, resident_budget_gib=budget, backend="cpu")) as se:
         want = p.resident_set(CFG, budget, blob)
         assert se.resident == want and sum(map(len, want)) == 5
@@ -224,14 +224,14 @@ def test_stream_plan_orders_hottest_first_and_picks_residents(as_array):
 
 
 def test_stream_plan_refuses_another_models_profile():
-    from strata_jax.stream import StreamConfig, StreamEngine
+    from strata_jax.stream import StreamConfig, NativeStreamer
     from strata_jax.synthetic import init_synthetic, split_experts
 
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=0))
     other = ExpertProfile.empty(CFG.replace(name="other", n_experts=16))
     with pytest.raises(ValueError, match=r"\(3, 16\).*needs \(3, 8\).*another model"):
-        StreamEngine(CFG, [experts.get(l) for l in range(3)],
+        NativeStreamer(CFG, [experts.get(l) for l in range(3)],
                      StreamConfig(profile=other, backend="cpu"))
     with pytest.raises(ValueError, match="integers"):
-        StreamEngine(CFG, [experts.get(l) for l in range(3)],
+        NativeStreamer(CFG, [experts.get(l) for l in range(3)],
                      StreamConfig(profile=np.ones((3, 8)), backend="cpu"))

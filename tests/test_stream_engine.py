@@ -252,7 +252,7 @@ def test_ring_layout_per_chunk_and_bad_layouts():
                    {8: ("frames", 1), 16: ("packed", 2), 10**6: ("packed", 2)}),
     }
     for name, (kwargs, want) in cases.items():
-        eng = S.StreamEngine(CFG, stores, StreamConfig(**kwargs))
+        eng = S.NativeStreamer(CFG, stores, StreamConfig(**kwargs))
         try:
             got = {n: (eng.layout(n), eng.chunk_mode(n)) for n in want}
             assert got == want, name
@@ -452,7 +452,7 @@ def test_begin_chunk_hands_out_the_staged_ids_in_order():
 
     params = init_synthetic(CFG, seed=3)
     _, experts = split_experts(CFG, params)
-    eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
+    eng = S.NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)],
                          StreamConfig(routed=True, sim_bandwidth=0, sim_latency=0))
 
     @functools.cache
@@ -740,13 +740,13 @@ PLANS = {
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_the_engine_follows_plan_stream(name):
     from strata_jax import native
-    from strata_jax.stream import StreamEngine, plan_stream
+    from strata_jax.stream import NativeStreamer, plan_stream
     from strata_jax.synthetic import split_experts
 
     sc = StreamConfig(backend="cpu", **PLANS[name])
     plan = plan_stream(CFG, sc)
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
-    with StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)], sc) as eng:
+    with NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)], sc) as eng:
         assert eng.plan == plan
         assert eng.resident == [list(r) for r in plan.resident]
         assert eng.stream_list == list(plan.stream_list)
@@ -943,7 +943,7 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
     from strata_jax.synthetic import split_experts
 
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
-    eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
+    eng = S.NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)],
                          StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0,
                                       ring=ring if ring != "packed" else None,
                                       layout="packed" if ring == "packed" else "frames"))
@@ -1008,7 +1008,7 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
 
     params = init_synthetic(CFG, seed=3)
     _, experts = split_experts(CFG, params)
-    eng = S.StreamEngine(CFG, [experts.get(l) for l in range(CFG.n_layers)],
+    eng = S.NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)],
                          StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0))
     counts = jnp.ones((CFG.n_experts,), jnp.int32)
     layers = list(CFG.moe_layers)

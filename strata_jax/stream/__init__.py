@@ -1,6 +1,6 @@
 """The expert stream: switches, the plan, the native engine and its JAX ops.
 
-A `StreamEngine` owns one native engine (ffi/src/engine.hpp): the host expert
+A `NativeStreamer` owns one native engine (ffi/src/engine.hpp): the host expert
 store, the ring, the issuer thread and the route gate. Inside a jitted chunk,
 `StreamedExperts` is the model's expert source: after each MoE layer's router
 it publishes the layer's per-expert counts (`publish`) and takes the layer's
@@ -20,7 +20,7 @@ experts have no token, so the outputs are the same bits in every mode.
 One module per stage:
   config    StreamConfig, its environment switches, the pin/publish/chunk modes
   plan      StreamPlan and plan_stream (pure: no device, no native library)
-  streamer  StreamEngine (the native engine's handle), stream_platform, ChunkStats
+  streamer  NativeStreamer (the native engine's handle), stream_platform, ChunkStats
   ops       the JAX primitive and its FFI custom calls: begin, publish, fetch,
             fetch_frame, release, end
   source    StreamedExperts, the model's expert source inside a jitted chunk
@@ -31,13 +31,13 @@ from .config import _STREAM_MODES, DEPTH_MAX, DEPTH_MIN, StreamConfig  # noqa: F
 from .ops import begin, end, fetch, fetch_frame, publish, release  # noqa: F401
 from .plan import StreamPlan, plan_stream
 from .source import StreamedExperts
-from .streamer import ChunkStats, StreamEngine, stream_platform  # noqa: F401
+from .streamer import ChunkStats, NativeStreamer, stream_platform  # noqa: F401
 
 __all__ = [
     "StreamConfig",
     "StreamPlan",
     "plan_stream",
-    "StreamEngine",
+    "NativeStreamer",
     "StreamedExperts",
     "ChunkStats",
     "DEPTH_MIN",

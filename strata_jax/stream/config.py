@@ -74,7 +74,7 @@ class StreamConfig:
             The pieces give the same bits (each row keeps its expert and its math). Each piece
             costs the Mosaic grouped matmul's per-expert tiles again, hence a floor on the
             length, and at most one piece per `n_experts` row tiles (128 rows) of the chunk
-            there (`StreamEngine.tail_pieces`). H200, Qwen3-30B-A3B shapes: routed 1.033-1.039
+            there (`NativeStreamer.tail_pieces`). H200, Qwen3-30B-A3B shapes: routed 1.033-1.039
             of its floor at 12K-24K with 4 pieces, against 1.051-1.064 whole (BENCHMARKS.md,
             eleventh session).
         tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
@@ -105,7 +105,7 @@ class StreamConfig:
         seed: Seed of the simulated link's jitter.
         trace: Print per-chunk copied/skipped lines; None reads STRATA_TRACE.
         device: CUDA device ordinal; the JAX GPU of this index is where the
-            residents, the ring and the model are (StreamEngine.jax_device).
+            residents, the ring and the model are (NativeStreamer.jax_device).
     """
 
     routed: bool = True

@@ -87,7 +87,7 @@ def _end_attrs(engine_id: int) -> dict:
 def begin(engine_id: int, mode: int, token: jax.Array,
           n_ids: int = 0) -> tuple[jax.Array, jax.Array]:
     """begin_chunk: (token, ids), ids being int32 [n_ids], the next `n_ids` of the ids staged
-    with the engine (`StreamEngine.stage_ids`), written on the device as kernel arguments."""
+    with the engine (`NativeStreamer.stage_ids`), written on the device as kernel arguments."""
     tok, ids = _call("begin", [((), jnp.int32), ((n_ids,), jnp.int32)], token,
                      **_begin_attrs(engine_id, mode))
     return tok, ids

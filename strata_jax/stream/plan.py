@@ -1,6 +1,6 @@
 """The stream plan: which experts stay resident, the stream order and the ring.
 
-`plan_stream` is the plan a `StreamEngine` follows; it is pure (no environment, no device, no
+`plan_stream` is the plan a `NativeStreamer` follows; it is pure (no environment, no device, no
 native library), so `strata-jax info` reports it without either.
 """
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class StreamPlan:
     """Where each expert of a model lives, and the ring that carries the streamed ones.
 
-    Made by `plan_stream`; a StreamEngine follows it, and `strata-jax info` reports it.
+    Made by `plan_stream`; a NativeStreamer follows it, and `strata-jax info` reports it.
 
     Attributes:
         resident: Per model layer, the sorted ids of the experts kept on the device (empty for
@@ -100,7 +100,7 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     """The stream plan of a model: resident experts, the stream order and the ring.
 
     Pure: reads neither the environment nor a device, and needs no native library. A
-    StreamEngine made with the same config follows exactly this plan.
+    NativeStreamer made with the same config follows exactly this plan.
 
     Rules:
       - Residents: `resident_budget_gib` (when given) is filled with the hottest experts of the

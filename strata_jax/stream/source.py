@@ -38,7 +38,7 @@ class StreamedExperts:
                  frame_of: dict[int, int] | None = None, *, tail_pieces: int = 1,
                  tail_layer: int | None = None):
         if frames is not None and frame_of is None:
-            raise ValueError("frames need frame_of (StreamEngine.frame_of)")
+            raise ValueError("frames need frame_of (NativeStreamer.frame_of)")
         if tail_pieces < 1:
             raise ValueError(f"tail_pieces={tail_pieces}: must be at least 1")
         if tail_pieces > 1 and mode not in _STREAM_MODES:

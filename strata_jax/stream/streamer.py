@@ -1,6 +1,6 @@
-"""The native streamer: `StreamEngine`, one native engine's handle, and `ChunkStats`.
+"""The native streamer: `NativeStreamer`, one native engine's handle, and `ChunkStats`.
 
-A `StreamEngine` owns one native engine (ffi/src/engine.hpp): the host expert store, the
+A `NativeStreamer` owns one native engine (ffi/src/engine.hpp): the host expert store, the
 ring, the issuer thread and the route gate. It follows `plan_stream`'s plan, puts the resident
 experts on the device, exposes the ring's layer frames to the model (DLPack), and turns each
 chunk's end_chunk output into `ChunkStats`.
@@ -81,7 +81,7 @@ class BackendUnavailable(RuntimeError):
 def choose_backend(requested: str) -> str:
     """The stream backend ("cpu" or "cuda") that `requested` ("auto", "cpu", "cuda") runs on:
     auto is CUDA when JAX's default backend is a GPU and the native library has CUDA, else
-    cpu. The one choice of a backend (the StreamEngine's and the CLI's).
+    cpu. The one choice of a backend (the NativeStreamer's and the CLI's).
 
     Raises:
         BackendUnavailable: "cuda" where it cannot run (a RuntimeError; the CLI words it as
@@ -106,13 +106,13 @@ def choose_backend(requested: str) -> str:
 def stream_platform(backend: str) -> str:
     """The JAX platform ("cpu" or "gpu") a stream backend ("auto", "cpu", "cuda") runs on:
     the simulated link's ring is host memory, the CUDA ring is on the GPU; "auto" is
-    decided as a StreamEngine decides it."""
+    decided as a NativeStreamer decides it."""
     if backend == "auto":
         backend = choose_backend(backend)
     return "gpu" if backend == "cuda" else "cpu"
 
 
-class StreamEngine:
+class NativeStreamer:
     """A native streaming engine for one model: host store, ring, issuer, gate.
 
     Args:
