@@ -5,6 +5,8 @@ Estimates are arithmetic on shapes only (no device work, nothing allocated):
     kv_cache_bytes, chunk_bytes,   a KV cache; one chunk's activations; the chunk sizes an
     chunk_candidates, chunk_memory automatic choice tries; a chunked prefill's activations (with
                                    CHUNK_HEADROOM) and KV caches
+    expert_bytes                   one router/expert call's activations (a chunk's, or a
+                                   layer-major group's: Engine.layer_major_bytes)
     param_bytes, weight_bytes      a model's parameters; the weights a prefill's device holds
     prefill_bytes, most_that_fits  a whole prefill on its device; the largest context that fits
     memory_plan                    a model streamed with a resident budget: host store,
@@ -33,7 +35,7 @@ from .attention import attention_bytes, attention_path
 from .config import ModelConfig
 
 __all__ = ["CHUNK_HEADROOM", "TOKEN_ID_BYTES", "MIN_BUCKET", "kv_cache_bytes", "chunk_bytes",
-           "chunk_candidates", "chunk_memory", "param_bytes", "weight_bytes", "prefill_bytes",
+           "chunk_candidates", "chunk_memory", "expert_bytes", "param_bytes", "weight_bytes", "prefill_bytes",
            "most_that_fits", "memory_plan", "host_memory", "memory_stats", "device_memory",
            "free_memory"]
 
