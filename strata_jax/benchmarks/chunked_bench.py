@@ -231,7 +231,9 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                        "bytes_copied": tot["bytes"], "copied": tot["copied"],
                        "skipped": tot["skipped"], "unrouted": tot["unrouted"],
                        "streamed": tot["streamed"],
-                       "identical_to_resident": (None if first_of_order
+                       # The resident read is the reference (equal to itself); with no
+                       # resident arm the first arm's reads are, and are not compared.
+                       "identical_to_resident": (None if first_of_order and arm != "resident"
                                                  else h == hashes[(order, len(prompts) - 1)]),
                        "expert_rows": r.expert_rows, "engine_s": made_s,
                        "chunk_choice": r.chunk_choice, "fallback": r.fallback}

@@ -707,7 +707,7 @@ def main(argv=None) -> int:
               "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
               "layout": _layout(args), "frames_from": args.frames_from,
               "tail_pieces": args.tail_pieces, "tail_from": args.tail_from,
-              "info_memory": args.info_memory, "link_pinned_gbps": link,
+              "link_pinned_gbps": link,
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
