@@ -142,20 +142,22 @@ def test_chunked_prompt_and_follow_up_match_reference(qwen_small, path):
         assert_close(logits, ref[lo:hi], np.float32, err_msg=f"{path}: positions {lo}..{hi - 1}")
 
 
-def test_layer_major_sub_chunks_match_reference(qwen_small):
+@pytest.mark.parametrize("rows", [pytest.param(48, marks=pytest.mark.slow), 96,
+                                  pytest.param(144, marks=pytest.mark.slow)])
+def test_layer_major_sub_chunks_match_reference(qwen_small, rows):
     # Sub-chunks of 48 over a 200-token prompt (the last padded): starts 48, 96, 144 attend to
-    # the sub-chunks before them through the split parts.
+    # the sub-chunks before them through the split parts; the router and experts run on 1, 2
+    # or 3 sub-chunks' rows at a time (the last group shorter).
     c, _, params = qwen_small
     model = M.build_model(c, params, kernels=Kernels(attention="split"))
     toks = np.random.default_rng(5).integers(0, c.vocab_size, 200).astype(np.int32)
     padded = np.zeros(240, np.int32)
     padded[:200] = toks
     ref, _ = reference_forward(c, params, toks)
-    for rows in (48, 96, 144):  # router and experts on 1, 2 or 3 sub-chunks' rows at a time
-        f = jax.jit(lambda t, k, n: model.layer_major(t, k, 0, None, 48, n_valid=n,
-                                                      last_logits=True, expert_rows=rows))
-        logits, _, _ = f(jnp.asarray(padded), M.init_cache(c, 512), jnp.int32(200))
-        assert_close(logits, ref[-1], np.float32, err_msg=f"expert_rows={rows}")
+    f = jax.jit(lambda t, k, n: model.layer_major(t, k, 0, None, 48, n_valid=n,
+                                                  last_logits=True, expert_rows=rows))
+    logits, _, _ = f(jnp.asarray(padded), M.init_cache(c, 512), jnp.int32(200))
+    assert_close(logits, ref[-1], np.float32, err_msg=f"expert_rows={rows}")
     with pytest.raises(ValueError, match="expert_rows=72 is not a multiple of sub_chunk=48"):
         model.layer_major(jnp.asarray(padded), M.init_cache(c, 512), 0, None, 48,
                           expert_rows=72)
