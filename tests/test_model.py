@@ -280,6 +280,7 @@ def test_attention_path_is_chosen_by_dtype_size_platform_and_request():
     assert M.attention_key_block(4, 16, 96) == 96  # never more than the cache
 
 
+@pytest.mark.slow  # the blocked path against the reference: test_blocked_attention_matches_*
 def test_blocked_attention_in_chunked_prefill():
     # Follow-up chunks attend blocked (forced): the same as the default path within float32.
     c = small("qwen3-30b-a3b")

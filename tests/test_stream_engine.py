@@ -99,10 +99,10 @@ ARMS = {
 
 
 # The default run's arms, one routing each: both layouts, the layout chosen per chunk, the
-# tail pieces, residents, a jittery link and depth 1 (the floor: test_engine). Every arm
-# under both routings runs in the slow run.
-DEFAULT_ARMS = {("uniform", "stream-all"), ("skewed", "routed-d1-ring3layers"),
-                ("skewed", "resident-half"), ("skewed", "packed-routed-d2-ring3layers-jittery"),
+# tail pieces, a jittery link and depth 1 (stream-all, residents and the floor: test_engine's
+# arms). Every arm under both routings runs in the slow run.
+DEFAULT_ARMS = {("skewed", "routed-d1-ring3layers"),
+                ("skewed", "packed-routed-d2-ring3layers-jittery"),
                 ("uniform", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery")}
 
 
@@ -358,6 +358,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # the GPU suite's test_cuda_prestart_is_adopted in every GPU run
 def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(routing):
     # A prefill whose first chunk's program has run before begins that chunk from the host; the
     # program's begin_chunk adopts the walk (and lifts its hold) instead of starting another. A
