@@ -55,16 +55,15 @@ from flax import nnx
 from .config import ModelConfig
 from .experts import ExpertWeights
 from .kernels import Kernels
-from .attention import attention_bytes, attention_path
 from .model import KVCache, build_model, expert_param_names, validate_inputs
 from .profile import ExpertProfile
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
     CHUNK_HEADROOM, MIN_BUCKET, TOKEN_ID_BYTES, chunk_bytes, chunk_candidates, chunk_memory,
-    expert_bytes, free_memory, host_memory, kv_cache_bytes)
+    attention_working_bytes, expert_bytes, free_memory, host_memory, kv_cache_bytes)
 from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, NativeStreamer,
                      stream_platform)
 
-__all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord", 
+__all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord",
            "ORDERS", "MIN_BUCKET", "compile_buckets", "sha256_of"]
 
 ORDERS = ("chunk-major", "layer-major")
@@ -376,10 +375,11 @@ class Engine:
         self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
         self.compilations = 0
         self._info_sharding = _info_sharding(self.device)
-        self._jit = jax.jit(self._prefill_fn, static_argnames=("first", "mode", "sub", "rows", "width"),
+        self._jit = jax.jit(self._prefill_fn,
+                            static_argnames=("first", "mode", "sub", "rows", "width"),
                             out_shardings=(on_device, on_device, self._info_sharding))
-        # (bucket, first, mode, sub, rows) of the programs run once: with the engine's fixed state,
-        # resident blobs and shardings they are what jit keys its compiled programs on. A
+        # (bucket, first, mode, sub, rows) of the programs run once: with the engine's fixed
+        # state, resident blobs and shardings they are what jit keys its compiled programs on. A
         # prestart before an uncompiled program would only hold its walk through the compile.
         self._launched: set = set()
         self._prefill_lock = threading.Lock()
@@ -611,9 +611,9 @@ class Engine:
         it = np.dtype(c.dtype).itemsize
         p, s = self.layer_major_shape(n_tokens)
         prompt = p * (3 * c.hidden_size * it + c.top_k * 8 + 8)
-        path = attention_path(c.dtype, c.head_dim, c.n_heads, s, self.capacity, first=False,
-                              platform=self.device.platform, impl=self.kernels.attention)
-        attention = attention_bytes(path, it, c.n_heads, s, self.capacity, c.head_dim)
+        attention = attention_working_bytes(c, s, self.capacity, first=False,
+                                            platform=self.device.platform,
+                                            attention=self.kernels.attention)
         experts = expert_bytes(c, s if expert_rows is None else int(expert_rows))
         return int(prompt + attention + experts)
 

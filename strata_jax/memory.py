@@ -7,6 +7,7 @@ Estimates are arithmetic on shapes only (no device work, nothing allocated):
                                    CHUNK_HEADROOM) and KV caches
     expert_bytes                   one router/expert call's activations (a chunk's, or a
                                    layer-major group's: Engine.layer_major_bytes)
+    attention_working_bytes        one chunk's (or layer-major sub-chunk's) attention
     param_bytes, weight_bytes      a model's parameters; the weights a prefill's device holds
     prefill_bytes, most_that_fits  a whole prefill on its device; the largest context that fits
     memory_plan                    a model streamed with a resident budget: host store,
@@ -35,7 +36,8 @@ from .attention import attention_bytes, attention_path
 from .config import ModelConfig
 
 __all__ = ["CHUNK_HEADROOM", "TOKEN_ID_BYTES", "MIN_BUCKET", "kv_cache_bytes", "chunk_bytes",
-           "chunk_candidates", "chunk_memory", "expert_bytes", "param_bytes", "weight_bytes", "prefill_bytes",
+           "chunk_candidates", "chunk_memory", "expert_bytes", "attention_working_bytes",
+           "param_bytes", "weight_bytes", "prefill_bytes",
            "most_that_fits", "memory_plan", "host_memory", "memory_stats", "device_memory",
            "free_memory"]
 
@@ -68,6 +70,18 @@ def expert_bytes(config: ModelConfig, tokens: int) -> int:
                + rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it)))
 
 
+def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *, first: bool,
+                            platform: str = "cpu", attention: str = "auto") -> int:
+    """Working memory of one chunk's attention (`attention.attention_bytes`) on the path
+    `attention_path` takes for `queries` tokens: over their own keys (`first`) or over a cache
+    of `capacity` positions, with the `attention` path requested (`Kernels.attention`)."""
+    c = config
+    path = attention_path(c.dtype, c.head_dim, c.n_heads, queries, capacity, first=first,
+                          platform=platform, impl=attention)
+    return attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
+                           queries if first else capacity, c.head_dim)
+
+
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,
                 platform: str = "cpu", streamed: bool = False, attention: str = "auto") -> int:
     """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
@@ -77,10 +91,8 @@ def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool =
     c = config
     it = np.dtype(c.dtype).itemsize
     qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
-    path = attention_path(c.dtype, c.head_dim, c.n_heads, chunk, capacity, first=first,
-                          platform=platform, impl=attention)
-    keys = chunk if first else capacity
-    attn = attention_bytes(path, it, c.n_heads, chunk, keys, c.head_dim)
+    attn = attention_working_bytes(c, chunk, capacity, first=first, platform=platform,
+                                   attention=attention)
     hidden = 4 * chunk * c.hidden_size * it
     routing = chunk * c.top_k * 8
     fetched = c.n_experts * c.expert_bytes if streamed else 0

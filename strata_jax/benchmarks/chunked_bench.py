@@ -114,6 +114,11 @@ def _stream(args, routed: bool):
                         ring_budget_gib=args.ring_gib)
 
 
+def _error_text(e: BaseException) -> str:
+    """A failed read's row text: the exception's type and its first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
 def _pinned_host_rows(args, cfg, params, prompts, orders, hashes, resident_one):
     """The pure-JAX arm: each read of `orders` ("one": one chunk, "chunked": `--chunk`
     chunks); a read that does not fit the device is a row with its error."""
@@ -127,8 +132,7 @@ def _pinned_host_rows(args, cfg, params, prompts, orders, hashes, resident_one):
         base = PinnedHostBaseline(cfg, params, n)
     except Exception as e:  # noqa: BLE001 - a comparison arm; its failure is a row
         return [{"part": "prefill", "arm": "jax-pinned-host", "read": o, "tokens": n,
-                 "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-                for o in orders]
+                 "error": _error_text(e)} for o in orders]
     for order in orders:
         if order not in ("one", "chunked"):
             continue
@@ -141,8 +145,7 @@ def _pinned_host_rows(args, cfg, params, prompts, orders, hashes, resident_one):
                 times.append(ms)
         except Exception as e:  # noqa: BLE001 - out of memory on a smaller device
             rows.append({"part": "prefill", "arm": "jax-pinned-host", "read": order,
-                         "tokens": n, "error": f"{type(e).__name__}: "
-                                               f"{str(e).splitlines()[0][:300]}"})
+                         "tokens": n, "error": _error_text(e)})
             continue
         ms = statistics.median(times)
         ref = hashes.get((order, len(prompts) - 1))
@@ -174,7 +177,7 @@ def _reads(eng, prompts, chunk: int, orders):
                 ms, r = _timed(eng, p, **kw)
                 times.append(ms)
         except Exception as e:  # noqa: BLE001 - out of memory on a smaller device: a row
-            out[order] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            out[order] = _error_text(e)
             continue
         out[order] = (statistics.median(times), r)
     return out
