@@ -633,6 +633,7 @@ def test_interrupt_mid_prefill_leaves_session_and_engine_intact(bf16_params):
         assert (again.logits_sha256(), again.kv_sha256()) == (ok.logits_sha256(), ok.kv_sha256())
 
 
+@pytest.mark.slow  # the GPU suite's test_cuda_overlapped_chunks_identical in every GPU run
 def test_unsynced_chunks_give_the_same_result(bf16_params):
     # sync_chunks=False dispatches each chunk while the one before runs and reads every chunk's
     # stats at the end: the same bits, stats and counts as waiting for each chunk.

@@ -402,6 +402,7 @@ def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(
             assert (c.stats.copied + c.stats.skipped == c.stats.streamed).all()
 
 
+@pytest.mark.slow  # the GPU suite's test_cuda_begin_chunk_writes_the_staged_ids in every GPU run
 def test_a_streamed_prefill_stages_every_chunks_ids_before_its_walk(routing, monkeypatch):
     # Every chunk's ids go to the engine (host memory) in one call before the first chunk's
     # walk begins, and each begin_chunk hands its chunk its own: a streamed prefill makes no
