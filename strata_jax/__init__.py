@@ -16,7 +16,7 @@ __all__ = [
     "PRESETS", "ModelConfig", "get_preset", "ExpertSource", "ExpertWeights", "ResidentExperts",
     "pack_expert_blobs", "unpack_expert_blobs", "KVCache", "MoETransformer", "build_model",
     "forward", "init_cache", "SKEW_40_PERCENT_512_TOP10", "init_synthetic", "Engine",
-    "StreamConfig", "Session", "ExpertProfile", "Kernels",
+    "StreamConfig", "StreamTuning", "Session", "ExpertProfile", "Kernels",
 ]
 __version__ = "0.1.0"
 
@@ -26,7 +26,7 @@ def __getattr__(name):
     if name in ("Engine", "Session"):
         from . import engine
         return getattr(engine, name)
-    if name == "StreamConfig":
-        from .stream import StreamConfig
-        return StreamConfig
+    if name in ("StreamConfig", "StreamTuning"):
+        from . import stream
+        return getattr(stream, name)
     raise AttributeError(f"module 'strata_jax' has no attribute {name!r}")

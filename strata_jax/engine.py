@@ -488,7 +488,7 @@ class Engine:
         return logits, cache, info
 
     def _tail_pieces(self, mode: int, bucket: int, *, layer_major: bool) -> int:
-        """The pieces a chunk's program runs its last MoE layer in (StreamConfig.tail_pieces),
+        """The pieces a chunk's program runs its last MoE layer in (StreamTuning.tail_pieces),
         chunk-major only: a layer-major prompt's layers run once over all of its sub-chunks."""
         return 1 if layer_major else self.streamer.tail_pieces(
             mode, bucket, grouped_matmul=self.kernels.grouped_matmul)

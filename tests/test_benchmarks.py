@@ -80,7 +80,7 @@ def test_stream_bench_tiny_all_parts_and_plots(tmp_path, capsys):
 ])
 @pytest.mark.slow
 def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout, pieces):
-    # The streamed arms' ring layout (StreamConfig.layout): each row records the one its chunk
+    # The streamed arms' ring layout (StreamTuning.layout): each row records the one its chunk
     # used, and every arm hashes equal to the resident one.
     out = tmp_path / "layout.json"
     rc = stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",

@@ -149,7 +149,7 @@ def test_every_arm_gives_the_same_bytes(arms):
 @pytest.mark.slow
 def test_last_layer_in_pieces_gives_the_same_bytes(arms):
     # --tail-pieces/--tail-from: the last MoE layer's expert math in row pieces, each after a
-    # fetch that waits only for its own experts (StreamConfig.tail_pieces).
+    # fetch that waits only for its own experts (StreamTuning.tail_pieces).
     for layout in ("frames", "packed"):
         d = run_json(["prefill", *MODEL, *PROMPT, "--tail-pieces", "3", "--tail-from", "64",
                       "--stream-floor", "64", "--layout", layout])

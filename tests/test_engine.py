@@ -27,7 +27,7 @@ from strata_jax.engine import (
 from strata_jax.kernels import Kernels
 from strata_jax.model import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile
-from strata_jax.stream import StreamConfig, NativeStreamer
+from strata_jax.stream import StreamConfig, StreamTuning, NativeStreamer
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import assert_close
 
@@ -119,7 +119,8 @@ def test_padding_never_counts_in_the_stream(bf16_params):
     # A 20-token prompt padded to 32: the routed-only fetch copies exactly the routed experts,
     # so a counted padding token would show up as an extra copy.
     toks = _tokens(20, config=BF16)
-    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=4096, **SLOW),
+    with Engine(BF16, bf16_params, StreamConfig(routed=True,
+                                                tuning=StreamTuning(stream_floor=4096, **SLOW)),
                 max_context=128, chunk_size=32) as eng:
         r = eng.prefill(toks)
         (c,) = r.chunks
@@ -132,7 +133,8 @@ def test_padding_never_counts_in_the_stream(bf16_params):
 def test_floor_compares_real_tokens_not_the_bucket(bf16_params):
     # Floor 24 inside the bucket of 32: 20 real tokens read routed-only, 32 stream. One extra
     # program for that bucket, none for repeats.
-    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=24, **SLOW),
+    with Engine(BF16, bf16_params, StreamConfig(routed=True,
+                                                tuning=StreamTuning(stream_floor=24, **SLOW)),
                 max_context=128, chunk_size=32) as eng:
         below = eng.prefill(_tokens(20, config=BF16)).chunks[0]
         at = eng.prefill(_tokens(32, config=BF16)).chunks[0]
@@ -192,7 +194,8 @@ def test_info_lands_in_the_devices_default_or_pinned_host_memory():
 
 
 def test_to_dict_is_json_and_complete(bf16_params):
-    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=32, **SLOW),
+    with Engine(BF16, bf16_params, StreamConfig(routed=True,
+                                                tuning=StreamTuning(stream_floor=32, **SLOW)),
                 max_context=128, chunk_size=32) as eng:
         r = eng.prefill(_tokens(70, config=BF16))
     d = json.loads(json.dumps(r.to_dict()))
@@ -239,7 +242,7 @@ def test_one_prompt_at_a_time(bf16_params):
     # and leaves the engine usable.
     import threading
 
-    sc = StreamConfig(routed=True, stream_floor=32, **SLOW)
+    sc = StreamConfig(routed=True, tuning=StreamTuning(stream_floor=32, **SLOW))
     prompts = [_tokens(70, seed=s, config=BF16) for s in range(4)]
     with Engine(BF16, bf16_params, sc, max_context=128, chunk_size=32) as eng:
         want = [(sha256_of(r.logits), r.kv_sha256()) for r in map(eng.prefill, prompts)]
@@ -336,7 +339,7 @@ def test_devices_of_a_two_device_host():
 import jax, numpy as np
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine
-from strata_jax.stream import StreamConfig
+from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
 cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,
                                          expert_intermediate=16, param_dtype="float32")
@@ -405,9 +408,11 @@ def test_layer_major_identical_across_arms_and_streams_each_expert_once(bf16_par
         ref = eng.prefill(toks, order="layer-major")
     assert (ref.chunk_size, ref.expert_rows) == (32, 64)
     ref_hashes = (ref.logits_sha256(), ref.kv_sha256())
-    arms = {"stream-all": StreamConfig(routed=False, stream_floor=16, **SLOW),
-            "routed": StreamConfig(routed=True, depth=2, stream_floor=16, **SLOW),
-            "resident-half": StreamConfig(routed=True, resident_per_layer=8, stream_floor=16)}
+    arms = {"stream-all": StreamConfig(routed=False, tuning=StreamTuning(stream_floor=16, **SLOW)),
+            "routed": StreamConfig(routed=True, depth=2,
+                                   tuning=StreamTuning(stream_floor=16, **SLOW)),
+            "resident-half": StreamConfig(routed=True, resident_per_layer=8,
+                                          tuning=StreamTuning(stream_floor=16))}
     for name, sc in arms.items():
         with Engine(BF16, bf16_params, sc, **kw) as eng:
             for _ in range(2):  # the second read's program is compiled: it is prestarted
@@ -595,7 +600,8 @@ def test_resident_budgets_are_checked(bf16_params, monkeypatch):
                                    pytest.param("layer-major", marks=pytest.mark.slow)])
 def test_fault_mid_prefill_leaves_session_and_engine_intact(bf16_params, order):
     a, b = _tokens(40, seed=1, config=BF16), _tokens(50, seed=2, config=BF16)
-    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=16, **SLOW),
+    with Engine(BF16, bf16_params, StreamConfig(routed=True,
+                                                tuning=StreamTuning(stream_floor=16, **SLOW)),
                 max_context=128, chunk_size=32) as eng:
         first = eng.prefill(a)
         kv, position = first.kv_sha256(), first.session.position
@@ -615,7 +621,8 @@ def test_fault_mid_prefill_leaves_session_and_engine_intact(bf16_params, order):
 def test_interrupt_mid_prefill_leaves_session_and_engine_intact(bf16_params):
     # Ctrl-C between chunks (raised from the progress hook, as a KeyboardInterrupt would be).
     a, b = _tokens(40, seed=1, config=BF16), _tokens(70, seed=2, config=BF16)
-    with Engine(BF16, bf16_params, StreamConfig(routed=True, stream_floor=16, **SLOW),
+    with Engine(BF16, bf16_params, StreamConfig(routed=True,
+                                                tuning=StreamTuning(stream_floor=16, **SLOW)),
                 max_context=128, chunk_size=32) as eng:
         first = eng.prefill(a)
         kv = first.kv_sha256()
@@ -638,7 +645,8 @@ def test_unsynced_chunks_give_the_same_result(bf16_params):
     # sync_chunks=False dispatches each chunk while the one before runs and reads every chunk's
     # stats at the end: the same bits, stats and counts as waiting for each chunk.
     toks = _tokens(150, seed=11, config=BF16)
-    with Engine(BF16, bf16_params, StreamConfig(routed=True, depth=2, stream_floor=16, **SLOW),
+    with Engine(BF16, bf16_params, StreamConfig(routed=True, depth=2,
+                                                tuning=StreamTuning(stream_floor=16, **SLOW)),
                 max_context=256, chunk_size=32) as eng:
         synced = eng.prefill(toks)
         overlapped = eng.prefill(toks, sync_chunks=False)
@@ -666,7 +674,8 @@ def test_unsynced_chunks_give_the_same_result(bf16_params):
 
 def test_packing_progress(bf16_params):
     seen = []
-    with Engine(BF16, bf16_params, StreamConfig(**SLOW), max_context=64, chunk_size=32,
+    with Engine(BF16, bf16_params, StreamConfig(tuning=StreamTuning(**SLOW)), max_context=64,
+                chunk_size=32,
                 progress=lambda done, total: seen.append((done, total))) as eng:
         assert eng.streamer is not None
     n = len(BF16.moe_layers)

@@ -93,13 +93,13 @@ def test_cuda_arms_identical(setup, monkeypatch, staged, routed, publish, layout
     # staged: the host store goes through pinned bounce buffers, the path a store that cannot
     # be pinned falls back to (forced here, where pinning succeeds).
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
     from strata_jax.stream import streamer
 
     monkeypatch.setattr(streamer, "_STAGE_HOST_STORE", staged)
     cfg, params, tokens, ref = setup
-    sc = StreamConfig(routed=routed, depth=2, stream_floor=CHUNK, backend="cuda",
-                      publish=publish, layout=layout)
+    sc = StreamConfig(routed=routed, depth=2, backend="cuda",
+                      tuning=StreamTuning(stream_floor=CHUNK, publish=publish, layout=layout))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         # Frames: the model's fetched weights are JAX arrays over the ring itself. (The
         # routed-only chunk below the floor reads frames too, so a packed engine has them.)
@@ -128,11 +128,11 @@ def test_cuda_layout_changes_between_chunks(setup, stream_floor, frames_from, la
     # chunk: chunks queued back to back (sync_chunks=False: each dispatched while the one
     # before runs) must still hash equal to resident.
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
-    sc = StreamConfig(routed=True, depth=4, stream_floor=stream_floor, frames_from=frames_from,
-                      backend="cuda")
+    sc = StreamConfig(routed=True, depth=4, backend="cuda",
+                      tuning=StreamTuning(stream_floor=stream_floor, frames_from=frames_from))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         for sync in (True, False, False):
             r = eng.prefill(tokens, sync_chunks=sync)
@@ -146,15 +146,16 @@ def test_cuda_layout_changes_between_chunks(setup, stream_floor, frames_from, la
 @pytest.mark.parametrize("layout,routed,resident_per_layer", [
     ("frames", True, 0), ("packed", True, 0), ("packed", False, 5), ("frames", False, 5)])
 def test_cuda_tail_pieces_identical(setup, layout, routed, resident_per_layer):
-    # The last MoE layer in row pieces (StreamConfig.tail_pieces): each piece's fetch waits on
+    # The last MoE layer in row pieces (StreamTuning.tail_pieces): each piece's fetch waits on
     # the device only for its own experts' copies (frames read in place; packed pieces add
     # their experts to fetch's outputs in place), chunks synced and queued back to back.
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
-    sc = StreamConfig(routed=routed, depth=4, stream_floor=CHUNK, backend="cuda", layout=layout,
-                      tail_pieces=4, tail_from=CHUNK, resident_per_layer=resident_per_layer)
+    sc = StreamConfig(routed=routed, depth=4, backend="cuda", resident_per_layer=resident_per_layer,
+                      tuning=StreamTuning(stream_floor=CHUNK, layout=layout, tail_pieces=4,
+                                          tail_from=CHUNK))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         for sync in (True, False, True):
             r = eng.prefill(tokens, sync_chunks=sync)
@@ -171,11 +172,11 @@ def test_cuda_frames_hold_each_layer_where_the_model_reads_it(setup, resident_pe
     # After a stream-all chunk each ring frame holds, row e, expert e of the last MoE layer that
     # took it: the streamed ones as their copies landed (split into the three planes on the
     # way), the resident ones copied in from the cache. The frame views are the ring's memory.
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, _ = setup
-    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda", layout="frames",
-                      resident_per_layer=resident_per_layer)
+    sc = StreamConfig(routed=False, backend="cuda", resident_per_layer=resident_per_layer,
+                      tuning=StreamTuning(stream_floor=CHUNK, layout="frames"))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         st = eng.streamer
         assert st.read_in_place and len(st.frames) == st.plan.frames >= 1
@@ -194,10 +195,11 @@ def test_cuda_info_in_pinned_host_memory(setup):
     # The stats and counts come back through the program's own copy to pinned host memory (no
     # PjRt copy after the end), with the resident arm's bits.
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
-    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda")  # timing-free stats
+    sc = StreamConfig(routed=False, backend="cuda",
+                      tuning=StreamTuning(stream_floor=CHUNK))  # timing-free stats
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         assert eng._info_sharding.memory_kind == "pinned_host"
         r = eng.prefill(tokens, sync_chunks=False)
@@ -213,10 +215,10 @@ def test_cuda_prestart_is_adopted(setup, routed):
     import time
 
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
-    sc = StreamConfig(routed=routed, stream_floor=CHUNK, backend="cuda")
+    sc = StreamConfig(routed=routed, backend="cuda", tuning=StreamTuning(stream_floor=CHUNK))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         eng.prefill(tokens)  # compiles every program the next prefill runs
         real = eng.streamer.prestart
@@ -245,10 +247,10 @@ def test_cuda_link_probe_of_the_store(setup):
     # The ceiling out of the engine's own pinned arena: a real rate near the fresh buffer's (the
     # same link; the two drift by a few percent), and refused while a walk shares the link.
     from strata_jax import native
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, _, _ = setup
-    sc = StreamConfig(routed=False, stream_floor=CHUNK, backend="cuda")
+    sc = StreamConfig(routed=False, backend="cuda", tuning=StreamTuning(stream_floor=CHUNK))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         arena = len(cfg.moe_layers) * cfg.n_experts * eng.streamer.blob_bytes
         fresh = native.measure_h2d(arena, 10)
@@ -275,10 +277,10 @@ def test_cuda_begin_chunk_writes_the_staged_ids(setup):
 
     from strata_jax import stream as S
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
-    sc = StreamConfig(routed=True, stream_floor=CHUNK, backend="cuda")
+    sc = StreamConfig(routed=True, backend="cuda", tuning=StreamTuning(stream_floor=CHUNK))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         eid = eng.streamer.id
 
@@ -303,11 +305,11 @@ def test_cuda_begin_chunk_writes_the_staged_ids(setup):
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_cuda_failure_mid_chunk(setup, fault):
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
-    with Engine(cfg, params, StreamConfig(stream_floor=CHUNK, backend="cuda"), max_context=1024,
-                chunk_size=CHUNK) as eng:
+    sc = StreamConfig(backend="cuda", tuning=StreamTuning(stream_floor=CHUNK))
+    with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         eng.prefill(tokens)
         baseline = _threads()
         eng.streamer.inject_fault(1, fault)
@@ -324,7 +326,7 @@ def test_cuda_interrupt_with_chunks_queued(setup):
     # the others queued behind it. The engine cancels, waits for them, then aborts: no walk left,
     # no thread added, the next prefill identical (the CPU lane hung here before the cancel).
     from strata_jax.engine import sha256_of
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
 
@@ -332,7 +334,8 @@ def test_cuda_interrupt_with_chunks_queued(setup):
         if done >= CHUNK:
             raise KeyboardInterrupt
 
-    with Engine(cfg, params, StreamConfig(routed=True, stream_floor=CHUNK, backend="cuda"),
+    with Engine(cfg, params, StreamConfig(routed=True, backend="cuda",
+                                          tuning=StreamTuning(stream_floor=CHUNK)),
                 max_context=1024, chunk_size=CHUNK) as eng:
         eng.prefill(tokens)
         baseline = _threads()
@@ -347,20 +350,22 @@ def test_cuda_interrupt_with_chunks_queued(setup):
 
 @pytest.mark.parametrize("publish", [
     pytest.param("callback", marks=pytest.mark.xfail(
-        reason="a known defect of publish='callback' (not the default): on the H200 (driver "
-               "580, jax 0.11.2) threads kept growing in the second 210-chunk stress, "
-               "py_xla_callback 127 -> 144 and unnamed 103 -> 105; see docs/BENCHMARKS.md",
+        reason="publish='callback' (not the default) drives a host function per MoE layer; on "
+               "some runs threads made outside the library (named py_xla_callback after PjRt's "
+               "callback thread) kept growing in the second 210-chunk stress: 127 -> 144; "
+               "docs/DESIGN.md, 'What grows under publish=\"callback\"'",
         strict=False)),
     "event"])
 def test_cuda_stress_200_chunks(setup, publish):
     import jax
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, _, _ = setup
     chunk = 16
     tokens = np.random.default_rng(9).integers(0, cfg.vocab_size, 210 * chunk)
     dev = jax.devices()[0]
-    with Engine(cfg, params, StreamConfig(stream_floor=chunk, backend="cuda", publish=publish),
+    with Engine(cfg, params, StreamConfig(backend="cuda",
+                                          tuning=StreamTuning(stream_floor=chunk, publish=publish)),
                 max_context=4096, chunk_size=chunk) as eng:
         # A first stress warms what grows lazily outside the library: on the H200 (jax 0.11.2)
         # jaxlib's py_xla_callback pool went from 3 to 79 threads, and unnamed threads from 67
@@ -385,15 +390,16 @@ def test_cuda_padded_turns_and_layer_major_identical(setup):
     # Issue #5 on the GPU: padded chunks (a 37-token follow-up in a bucket of 64), a second turn
     # on the session, and a layer-major read, each byte-identical across the resident,
     # stream-all and routed arms; layer-major copies each streamed expert at most once.
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, _ = setup
     follow = np.random.default_rng(9).integers(0, cfg.vocab_size, 37)
     out = {}
     for arm, sc in (("resident", None),
-                    ("stream-all", StreamConfig(routed=False, backend="cuda", stream_floor=16)),
+                    ("stream-all", StreamConfig(routed=False, backend="cuda",
+                                                tuning=StreamTuning(stream_floor=16))),
                     ("routed", StreamConfig(routed=True, depth=4, backend="cuda",
-                                            stream_floor=16))):
+                                            tuning=StreamTuning(stream_floor=16)))):
         with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
             first = eng.prefill(tokens)
             second = eng.prefill(follow, first.session)
@@ -415,11 +421,11 @@ def test_cuda_overlapped_chunks_identical(setup, publish):
     # next chunk's begin waits for the last one's publish callbacks (callback) or counts only
     # events its own publish recorded (event), and its copies wait on the last one's ring reads.
     # Same bytes as waiting for every chunk.
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params, tokens, ref = setup
-    with Engine(cfg, params, StreamConfig(routed=True, depth=4, backend="cuda", stream_floor=16,
-                                          publish=publish),
+    with Engine(cfg, params, StreamConfig(routed=True, depth=4, backend="cuda",
+                                          tuning=StreamTuning(stream_floor=16, publish=publish)),
                 max_context=1024, chunk_size=CHUNK) as eng:
         synced = eng.prefill(tokens)
         for _ in range(3):

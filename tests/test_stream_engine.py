@@ -8,6 +8,7 @@ and the next prefill correct.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -19,7 +20,7 @@ import pytest
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.experts import ExpertWeights
-from strata_jax.stream import StreamConfig, plan_stream
+from strata_jax.stream import StreamConfig, StreamTuning, plan_stream
 from strata_jax.synthetic import init_synthetic
 
 CHUNK = 32
@@ -29,6 +30,14 @@ CFG = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidd
 TOKENS = np.random.default_rng(7).integers(0, CFG.vocab_size, 80)
 SLOW = dict(sim_bandwidth=20e6, sim_latency=100e-6)  # ~0.3 ms per copy: routing lands first
 JITTERY = dict(sim_bandwidth=50e6, sim_latency=20e-6, sim_jitter=400e-6)
+FLOOR = StreamConfig(tuning=StreamTuning(stream_floor=CHUNK))  # every chunk of CHUNK streams
+_TUNING = set(StreamTuning.__dataclass_fields__)
+
+
+def _config(**fields) -> StreamConfig:
+    """A StreamConfig from StreamConfig and StreamTuning fields given in one keyword list."""
+    tuning = {k: fields.pop(k) for k in list(fields) if k in _TUNING}
+    return StreamConfig(tuning=StreamTuning(**tuning), **fields)
 
 
 def _threads() -> int:
@@ -119,7 +128,7 @@ def _arm_cases():
 def test_arms_are_byte_identical(routing_name, arm):
     skew, params, logits_hash, kv_hash = _resident_reference(SKEWS[routing_name])
     kwargs, chunk = ARMS[arm]
-    with Engine(CFG, params, StreamConfig(**kwargs), max_context=256, chunk_size=chunk) as eng:
+    with Engine(CFG, params, _config(**kwargs), max_context=256, chunk_size=chunk) as eng:
         # The second prefill's first chunk, its program compiled by the first, is prestarted
         # from the host (when it streams) and adopted by its program: both must be identical.
         for _ in range(2):
@@ -164,7 +173,8 @@ def test_arms_are_byte_identical(routing_name, arm):
 def test_switch_off_by_environment(monkeypatch, routing):
     _, params, logits_hash, _ = routing
     monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "0")
-    with Engine(CFG, params, StreamConfig(routed=True, stream_floor=CHUNK, **SLOW),
+    with Engine(CFG, params, StreamConfig(routed=True,
+                                          tuning=StreamTuning(stream_floor=CHUNK, **SLOW)),
                 max_context=256, chunk_size=CHUNK) as eng:
         assert eng.mode == "stream-all"
         r = eng.prefill(TOKENS)
@@ -198,29 +208,48 @@ def test_depth_environment_is_clamped_with_warning(monkeypatch):
 def test_integer_options_given_other_things_name_the_option(field, value, message):
     # int()'s or a comparison's own message ("invalid literal for int() with base 10") said
     # nothing of which option was wrong.
-    bad = StreamConfig(**{field: value})
+    bad = _config(**{field: value})
     with pytest.raises(ValueError, match=re.escape(message)):
         bad.resolved()
     with pytest.raises(ValueError, match=re.escape(message)):
         plan_stream(CFG, bad)
-    assert StreamConfig(depth=np.int64(8), ring=None).resolved().depth == 8  # numpy ints are fine
+    assert StreamConfig(depth=np.int64(8),
+                        tuning=StreamTuning(ring=None)).resolved().depth == 8  # numpy ints are fine
+
+
+def test_tuning_fields_given_to_stream_config_say_where_they_belong():
+    # What the engine chooses itself lives in StreamTuning; StreamConfig names the way there.
+    with pytest.raises(TypeError, match=re.escape(
+            "StreamConfig(stream_floor=1): stream_floor is a field of StreamTuning; pass "
+            "StreamConfig(tuning=StreamTuning(stream_floor=1))")):
+        StreamConfig(routed=False, stream_floor=1)
+    with pytest.raises(TypeError, match="layout, ring are fields of StreamTuning"):
+        dataclasses.replace(StreamConfig(), ring=32, layout="packed")
+    with pytest.raises(ValueError, match="tuning=.*expected a StreamTuning"):
+        StreamConfig(tuning={"ring": 32}).resolved()
+    with pytest.raises(ValueError, match=r"sim_bandwidth=-1\.0: expected a finite number >= 0"):
+        StreamConfig(tuning=StreamTuning(sim_bandwidth=-1.0)).resolved()
+    sc = StreamConfig(routed=False, tuning=StreamTuning(stream_floor=1, ring=32))
+    assert (sc.tuning.stream_floor, sc.tuning.ring, sc.routed) == (1, 32, False)
+    assert sc == StreamConfig(routed=False, tuning=StreamTuning(ring=32, stream_floor=1))
 
 
 def test_publish_mode_from_config_not_the_environment(monkeypatch):
-    assert StreamConfig().resolved().publish == "event"
-    assert StreamConfig(publish="callback").resolved().publish == "callback"
+    assert StreamConfig().resolved().tuning.publish == "event"
+    sc = StreamConfig(tuning=StreamTuning(publish="callback"))
+    assert sc.resolved().tuning.publish == "callback"
     monkeypatch.setenv("STRATA_PUBLISH", "callback")  # not a switch of the library
-    assert StreamConfig().resolved().publish == "event"
+    assert StreamConfig().resolved().tuning.publish == "event"
     with pytest.raises(ValueError, match=r"publish='host': expected one of"):
-        StreamConfig(publish="host").resolved()
+        StreamConfig(tuning=StreamTuning(publish="host")).resolved()
 
 
 def test_bad_stream_configs():
     params = init_synthetic(CFG, seed=3)
     with pytest.raises(ValueError, match="ring of 0 slots"):
-        Engine(CFG, params, StreamConfig(ring=0), max_context=256)
+        Engine(CFG, params, StreamConfig(tuning=StreamTuning(ring=0)), max_context=256)
     with pytest.raises(ValueError, match="cannot hold one layer's 16 streamed experts"):
-        Engine(CFG, params, StreamConfig(ring=8), max_context=256)
+        Engine(CFG, params, StreamConfig(tuning=StreamTuning(ring=8)), max_context=256)
     with pytest.raises(ValueError, match="STRATA_PREFILL_ROUTED_STREAM"):
         os.environ["STRATA_PREFILL_ROUTED_STREAM"] = "yes"
         try:
@@ -238,9 +267,9 @@ def test_ring_layout_per_chunk_and_bad_layouts():
     from strata_jax.synthetic import split_experts
 
     with pytest.raises(ValueError, match=r"layout='planes': expected one of \['auto', 'frames', 'packed'\]"):
-        StreamConfig(layout="planes").resolved()
+        StreamConfig(tuning=StreamTuning(layout="planes")).resolved()
     with pytest.raises(ValueError, match="frames_from=0: must be at least 1"):
-        StreamConfig(frames_from=0).resolved()
+        StreamConfig(tuning=StreamTuning(frames_from=0)).resolved()
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     stores = [experts.get(l) for l in range(CFG.n_layers)]
     cases = {  # StreamConfig kwargs: {chunk tokens: (layout, begin_chunk mode)}
@@ -252,7 +281,7 @@ def test_ring_layout_per_chunk_and_bad_layouts():
                    {8: ("frames", 1), 16: ("packed", 2), 10**6: ("packed", 2)}),
     }
     for name, (kwargs, want) in cases.items():
-        eng = S.NativeStreamer(CFG, stores, StreamConfig(**kwargs))
+        eng = S.NativeStreamer(CFG, stores, _config(**kwargs))
         try:
             got = {n: (eng.layout(n), eng.chunk_mode(n)) for n in want}
             assert got == want, name
@@ -279,7 +308,8 @@ def test_ring_layout_per_chunk_and_bad_layouts():
 @pytest.mark.parametrize("fault", ["error", "stop"])
 def test_failure_mid_chunk_leaves_no_thread_and_engine_usable(routing, fault):
     _, params, logits_hash, kv_hash = routing
-    with Engine(CFG, params, StreamConfig(routed=True, stream_floor=CHUNK, **SLOW),
+    with Engine(CFG, params, StreamConfig(routed=True,
+                                          tuning=StreamTuning(stream_floor=CHUNK, **SLOW)),
                 max_context=256, chunk_size=CHUNK) as eng:
         first = eng.prefill(TOKENS)  # starts the link worker: the steady thread count
         baseline = _threads()
@@ -311,7 +341,7 @@ def test_one_issuer_thread_serves_every_chunk():
     # was on the critical path between begin_chunk and the first copy).
     params = init_synthetic(CFG, seed=3)
     before = _issuer_tids()
-    with Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
+    with Engine(CFG, params, FLOOR, max_context=256,
                 chunk_size=CHUNK) as eng:
         eng.prefill(TOKENS)  # two streamed chunks and one routed-only
         first = sorted(set(_issuer_tids()) - set(before))
@@ -329,7 +359,7 @@ import numpy as np
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.experts import ExpertWeights
-from strata_jax.stream import StreamConfig
+from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
 
 CFG = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
@@ -367,7 +397,7 @@ def test_a_compiled_prefill_prestarts_its_first_chunk_and_the_program_adopts_it(
     # wait through the compile), never for a later chunk (one is queued) or a chunk below the
     # floor (no walk).
     _, params, logits_hash, kv_hash = routing
-    sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
+    sc = StreamConfig(routed=True, tuning=StreamTuning(ring=16, stream_floor=CHUNK, **SLOW))
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         real = eng.streamer.prestart
         seen, holds, done = [], [], []
@@ -411,7 +441,7 @@ def test_a_streamed_prefill_stages_every_chunks_ids_before_its_walk(routing, mon
     import jax
 
     _, params, logits_hash, kv_hash = routing
-    sc = StreamConfig(routed=True, stream_floor=CHUNK, **SLOW)
+    sc = StreamConfig(routed=True, tuning=StreamTuning(stream_floor=CHUNK, **SLOW))
     real_put = jax.device_put
     for stream in (sc, None):
         events, puts = [], []
@@ -455,7 +485,8 @@ def test_begin_chunk_hands_out_the_staged_ids_in_order():
     params = init_synthetic(CFG, seed=3)
     _, experts = split_experts(CFG, params)
     eng = S.NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)],
-                         StreamConfig(routed=True, sim_bandwidth=0, sim_latency=0))
+                         StreamConfig(routed=True,
+                                      tuning=StreamTuning(sim_bandwidth=0, sim_latency=0)))
 
     @functools.cache
     def chunk(n):
@@ -514,7 +545,7 @@ def test_chunks_dispatched_back_to_back_each_get_their_ids(routing):
     a, b = TOKENS[:CHUNK], TOKENS[CHUNK:2 * CHUNK]
     with Engine(CFG, params, None, max_context=256, chunk_size=CHUNK) as res:
         want = [sha256_of(res._dispatch(t, CHUNK, None, 0, mode=0, sub=0)[0]) for t in (a, b)]
-    sc = StreamConfig(routed=True, stream_floor=4096, **SLOW)
+    sc = StreamConfig(routed=True, tuning=StreamTuning(stream_floor=4096, **SLOW))
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         jax.block_until_ready(eng._dispatch(a, CHUNK, None, 0, mode=1, sub=0))  # compiles
         for _ in range(10):
@@ -527,7 +558,7 @@ def test_a_prefill_after_a_prestart_nobody_adopted(routing):
     # A caller's prestart left open does not stop the next prefill: it stages its ids and its
     # own first chunk replaces the stale walk.
     _, params, logits_hash, kv_hash = routing
-    sc = StreamConfig(routed=True, stream_floor=CHUNK, **SLOW)
+    sc = StreamConfig(routed=True, tuning=StreamTuning(stream_floor=CHUNK, **SLOW))
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         eng.prefill(TOKENS)
         eng.streamer.prestart(CHUNK)
@@ -539,7 +570,7 @@ def test_a_prefill_after_a_prestart_nobody_adopted(routing):
 
 def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
     _, params, logits_hash, kv_hash = routing
-    sc = StreamConfig(routed=True, ring=16, stream_floor=CHUNK, **SLOW)
+    sc = StreamConfig(routed=True, tuning=StreamTuning(ring=16, stream_floor=CHUNK, **SLOW))
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         eng.streamer.prestart(CHUNK // 2)  # routed-only: no walk, nothing held
         assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
@@ -570,7 +601,7 @@ def test_a_prefill_that_fails_after_its_prestart_leaves_no_walk(routing, monkeyp
     # The prestarted walk is running (held) when the dispatch raises: the prefill's failure path
     # stops it, and the engine's next prefill is right.
     _, params, logits_hash, kv_hash = routing
-    sc = StreamConfig(routed=False, ring=16, stream_floor=CHUNK, **SLOW)
+    sc = StreamConfig(routed=False, tuning=StreamTuning(ring=16, stream_floor=CHUNK, **SLOW))
     with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
         eng.prefill(TOKENS)
         threads = _threads()
@@ -593,7 +624,7 @@ def test_a_prefill_that_fails_after_its_prestart_leaves_no_walk(routing, monkeyp
 
 def test_prestart_refuses_a_bad_engine_state():
     params = init_synthetic(CFG, seed=3)
-    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256,
+    eng = Engine(CFG, params, FLOOR, max_context=256,
                  chunk_size=CHUNK)
     eng.streamer.cancel()
     with pytest.raises(RuntimeError, match="prestart: begin_chunk: the prefill was cancelled"):
@@ -609,7 +640,8 @@ def test_measure_link_refuses_a_store_without_a_pinned_arena():
     from strata_jax import native
 
     params = init_synthetic(CFG, seed=3)
-    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK, backend="cpu"), max_context=256,
+    eng = Engine(CFG, params, StreamConfig(backend="cpu", tuning=StreamTuning(stream_floor=CHUNK)),
+                 max_context=256,
                  chunk_size=CHUNK)
     try:
         with pytest.raises(RuntimeError, match="has none \\(backend 'cpu'.*native.measure_h2d"):
@@ -649,7 +681,7 @@ from strata_jax import native
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.experts import ExpertWeights
-from strata_jax.stream import StreamConfig
+from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
 
 CFG = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
@@ -700,7 +732,7 @@ def test_a_forked_child_gets_a_clear_error_and_never_hangs():
 def test_closing_the_engine_stops_its_threads():
     params = init_synthetic(CFG, seed=3)
     before = _threads()
-    eng = Engine(CFG, params, StreamConfig(stream_floor=CHUNK), max_context=256, chunk_size=CHUNK)
+    eng = Engine(CFG, params, FLOOR, max_context=256, chunk_size=CHUNK)
     eng.prefill(TOKENS[:CHUNK])
     eng.close()
     assert _threads() == before
@@ -710,7 +742,8 @@ def test_closing_the_engine_stops_its_threads():
 
 def test_trace_lines(capfd):
     params = init_synthetic(CFG, seed=3, routing_skew=2.0)
-    with Engine(CFG, params, StreamConfig(trace=True, stream_floor=CHUNK, **SLOW),
+    with Engine(CFG, params, StreamConfig(trace=True,
+                                          tuning=StreamTuning(stream_floor=CHUNK, **SLOW)),
                 max_context=256, chunk_size=CHUNK) as eng:
         eng.prefill(TOKENS[:64])
     err = capfd.readouterr().err
@@ -745,7 +778,7 @@ def test_the_engine_follows_plan_stream(name):
     from strata_jax.stream import NativeStreamer, plan_stream
     from strata_jax.synthetic import split_experts
 
-    sc = StreamConfig(backend="cpu", **PLANS[name])
+    sc = _config(backend="cpu", **PLANS[name])
     plan = plan_stream(CFG, sc)
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     with NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)], sc) as eng:
@@ -783,8 +816,9 @@ def test_plan_stream_rules():
     p20 = plan_stream(CFG, StreamConfig(ring_budget_gib=20 * CFG.expert_bytes / 2**30))
     assert (p20.ring, p20.frames) == (16, 1)
     # An explicit ring rounds down to whole frames, at least one, whatever is resident.
-    assert plan_stream(CFG, StreamConfig(ring=47)).ring == 32
-    assert plan_stream(CFG, StreamConfig(ring=5, resident_per_layer=11)).ring == 16
+    assert plan_stream(CFG, StreamConfig(tuning=StreamTuning(ring=47))).ring == 32
+    assert plan_stream(CFG, StreamConfig(resident_per_layer=11,
+                                         tuning=StreamTuning(ring=5))).ring == 16
     # Nothing streams: one frame, which fetch fills from the resident cache.
     assert plan_stream(CFG, StreamConfig(resident_per_layer=E)).ring == E
     # A budget of 7 experts without a profile: 7 // 3 layers = 2 per layer, the lowest ids.
@@ -805,7 +839,7 @@ def test_plan_stream_rules():
 
 @pytest.mark.parametrize("kwargs, extra, pattern", [
     (dict(ring=0), {}, "ring of 0 slots cannot work"),
-    (dict(ring=8), {}, r"ring of 8 slots cannot hold one layer's 16 streamed experts; use ring >= 16"),
+    (dict(ring=8), {}, r"ring of 8 slots cannot hold one layer's 16 streamed experts; use StreamTuning\(ring=16\) or more"),
     (dict(ring_budget_gib=1e-6), {}, r"ring_budget_gib=1e-06 holds 0 experts .* fewer than one "
                                      "layer frame of 16 experts"),
     (dict(ring_budget_gib=-1.0), {}, r"ring_budget_gib=-1.0: must be >= 0"),
@@ -823,7 +857,7 @@ def test_plan_stream_refuses_what_cannot_work(kwargs, extra, pattern):
     from strata_jax.stream import plan_stream
 
     with pytest.raises(ValueError, match=pattern):
-        plan_stream(CFG, StreamConfig(**kwargs), **extra)
+        plan_stream(CFG, _config(**kwargs), **extra)
 
 
 def test_plan_stream_reports_an_over_budget_ring_when_asked():
@@ -837,7 +871,7 @@ def test_plan_stream_reports_an_over_budget_ring_when_asked():
         plan_stream(CFG, sc)
     # An explicit ring too small for a layer is an error either way.
     with pytest.raises(ValueError, match="ring of 8 slots"):
-        plan_stream(CFG, StreamConfig(ring=8), check_ring_budget=False)
+        plan_stream(CFG, StreamConfig(tuning=StreamTuning(ring=8)), check_ring_budget=False)
 
 
 def test_plan_stream_needs_no_native_library_and_no_device(monkeypatch):
@@ -858,7 +892,7 @@ def test_plan_stream_needs_no_native_library_and_no_device(monkeypatch):
                                       resident_budget_gib=5 * CFG.expert_bytes / 2**30))
     assert p.resident_count == 5 and len(p.stream_list) == 3 * 16 - 5
     with pytest.raises(ValueError, match="ring of 0 slots"):
-        plan_stream(CFG, StreamConfig(ring=0))
+        plan_stream(CFG, StreamConfig(tuning=StreamTuning(ring=0)))
 
 
 @pytest.mark.slow
@@ -892,7 +926,8 @@ def test_prefill_program_has_no_jax_effects():
     import jax.numpy as jnp
 
     params = init_synthetic(CFG, seed=3)
-    with Engine(CFG, params, StreamConfig(routed=True, stream_floor=CHUNK, **SLOW),
+    with Engine(CFG, params, StreamConfig(routed=True,
+                                          tuning=StreamTuning(stream_floor=CHUNK, **SLOW)),
                 max_context=256, chunk_size=CHUNK) as eng:
         cache = eng.new_cache()
         fn = functools.partial(eng._prefill_fn, first=False, mode=0, sub=0, width=CHUNK + 2)
@@ -922,7 +957,7 @@ def test_prefill_program_has_no_jax_effects():
     # stop the walk, not wait for it.
     ([(0, "fetch"), (0, "release"), ("end", None)], "fetch read .* the walk stopped", 16),
     ([(0, "fetch"), (1, "fetch")], r"layer \d+ has not released its frame", "packed"),
-    # A layer in pieces (StreamConfig.tail_pieces): every piece, in order, before its release.
+    # A layer in pieces (StreamTuning.tail_pieces): every piece, in order, before its release.
     ([(0, "piece:1/2")], r"piece 1 of 2: its piece 0 was not fetched", "packed"),
     ([(0, "piece:0/2"), (0, "release")], r"release, layer \d+: fetched 1 of its 2 pieces",
      "packed"),
@@ -946,15 +981,17 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
 
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     eng = S.NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)],
-                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0,
-                                      ring=ring if ring != "packed" else None,
-                                      layout="packed" if ring == "packed" else "frames"))
+                         StreamConfig(routed=False,
+                                      tuning=StreamTuning(
+                                          sim_bandwidth=0, sim_latency=0,
+                                          ring=ring if ring != "packed" else None,
+                                          layout="packed" if ring == "packed" else "frames")))
     assert eng.plan.frames == (1 if ring == 16 else 2)
     counts = jnp.ones((CFG.n_experts,), jnp.int32)
     layers = list(CFG.moe_layers)
 
     def chunk(steps):
-        tok, _ = S.begin(eng.id, eng.chunk_mode(eng.stream.stream_floor), jnp.zeros((), jnp.int32))
+        tok, _ = S.begin(eng.id, eng.chunk_mode(eng.tuning.stream_floor), jnp.zeros((), jnp.int32))
         outs = []
         so_far = None
         w = ExpertWeights(*(jax.ShapeDtypeStruct(s, eng.dtype) for s in (
@@ -1011,12 +1048,13 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
     params = init_synthetic(CFG, seed=3)
     _, experts = split_experts(CFG, params)
     eng = S.NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)],
-                         StreamConfig(routed=False, sim_bandwidth=0, sim_latency=0))
+                         StreamConfig(routed=False,
+                                      tuning=StreamTuning(sim_bandwidth=0, sim_latency=0)))
     counts = jnp.ones((CFG.n_experts,), jnp.int32)
     layers = list(CFG.moe_layers)
 
     def chunk(n_fetched):
-        tok, _ = S.begin(eng.id, eng.chunk_mode(eng.stream.stream_floor), jnp.zeros((), jnp.int32))
+        tok, _ = S.begin(eng.id, eng.chunk_mode(eng.tuning.stream_floor), jnp.zeros((), jnp.int32))
         outs = []
         for l in layers[:n_fetched]:
             tok = S.publish(eng.id, l, tok, counts)
@@ -1044,8 +1082,9 @@ def test_tail_pieces_program(layout, mode):
     import jax
 
     params = init_synthetic(CFG, seed=3)
-    stream = StreamConfig(routed=True, stream_floor=CHUNK, tail_pieces=3, tail_from=CHUNK,
-                          layout=layout, **SLOW)
+    stream = StreamConfig(routed=True,
+                          tuning=StreamTuning(stream_floor=CHUNK, tail_pieces=3, tail_from=CHUNK,
+                                              layout=layout, **SLOW))
     with Engine(CFG, params, stream, max_context=256, chunk_size=CHUNK) as eng:
         assert eng.streamer.tail_pieces(mode, CHUNK) == 3
         assert eng.streamer.tail_pieces(mode, CHUNK - 1) == 1

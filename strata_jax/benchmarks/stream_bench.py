@@ -152,46 +152,43 @@ def add_stream_args(ap) -> None:
     """The streamed arms' options that _stream_config reads."""
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--publish", default="event", choices=["callback", "event"],
-                    help="the stream arms' publish mode (StreamConfig.publish)")
+                    help="the stream arms' publish mode (StreamTuning.publish)")
     ap.add_argument("--ring-gib", type=float, default=8.0)
     ap.add_argument("--layout", default="auto", choices=["auto", "frames", "packed"],
-                    help="how streamed chunks lay the ring out (StreamConfig.layout): packed "
+                    help="how streamed chunks lay the ring out (StreamTuning.layout): packed "
                          "below --frames-from tokens and frames from there on (auto), or one "
                          "of them for every chunk")
     ap.add_argument("--frames-from", type=int, default=None,
-                    help="layout auto's crossover in tokens (StreamConfig.frames_from)")
+                    help="layout auto's crossover in tokens (StreamTuning.frames_from)")
     ap.add_argument("--packed", action="store_true",
                     help="the same as --layout packed (the ninth session's spelling)")
     ap.add_argument("--stream-floor", type=int, default=None,
-                    help="StreamConfig.stream_floor of the streamed arms (default 1,024): "
+                    help="StreamTuning.stream_floor of the streamed arms (default 1,024): "
                          "shorter chunks are routed-only")
     ap.add_argument("--tail-pieces", type=int, default=None,
-                    help="StreamConfig.tail_pieces (default 4): the last MoE layer's expert "
+                    help="StreamTuning.tail_pieces (default 4): the last MoE layer's expert "
                          "math in this many row pieces; 1 runs it whole")
     ap.add_argument("--tail-from", type=int, default=None,
-                    help="StreamConfig.tail_from (default 8,192): the shortest chunk in pieces")
+                    help="StreamTuning.tail_from (default 8,192): the shortest chunk in pieces")
 
 
 def _layout(args) -> str:
     return "packed" if args.packed else args.layout
 
 
-def _stream_config(args, routed: bool, **overrides):
-    """The streamed arms' StreamConfig from the command line (depth, publish mode, ring,
-    layout)."""
-    from strata_jax.stream import StreamConfig
+def _stream_config(args, routed: bool, **tuning):
+    """The streamed arms' StreamConfig from the command line (depth, ring budget) with its
+    StreamTuning (publish mode, layout, crossover, floor, tail pieces) and `tuning`'s fields
+    over those."""
+    from strata_jax.stream import StreamConfig, StreamTuning
 
-    overrides.setdefault("layout", _layout(args))
-    if args.frames_from is not None:
-        overrides.setdefault("frames_from", args.frames_from)
-    if args.stream_floor is not None:
-        overrides.setdefault("stream_floor", args.stream_floor)
-    if args.tail_pieces is not None:
-        overrides.setdefault("tail_pieces", args.tail_pieces)
-    if args.tail_from is not None:
-        overrides.setdefault("tail_from", args.tail_from)
-    return StreamConfig(routed=routed, depth=args.depth, publish=args.publish,
-                        ring_budget_gib=args.ring_gib, **overrides)
+    tuning.setdefault("layout", _layout(args))
+    tuning.setdefault("publish", args.publish)
+    for name in ("frames_from", "stream_floor", "tail_pieces", "tail_from"):
+        if getattr(args, name) is not None:
+            tuning.setdefault(name, getattr(args, name))
+    return StreamConfig(routed=routed, depth=args.depth, ring_budget_gib=args.ring_gib,
+                        tuning=StreamTuning(**tuning))
 
 
 def _nonce_prompts(cfg, lengths, seed: int, slots: int = len(ORDER)) -> dict:
@@ -618,14 +615,14 @@ def publication(args, cfg, params, link, result):
     around its dispatch, was subtracted here once; fetch's split kernel is faster than that
     figure, so it is no longer reported.)"""
     from strata_jax.engine import Engine
-    from strata_jax.stream import StreamConfig
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     n = int(args.lengths.split(",")[0])
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.turn_reps + 1)]
     arms = [("resident", None)] + [
         (f"all-resident-through-stream/{mode}",
-         StreamConfig(resident_per_layer=cfg.n_experts, publish=mode))
+         StreamConfig(resident_per_layer=cfg.n_experts, tuning=StreamTuning(publish=mode)))
         for mode in ("callback", "event")]
     times = {}
     # Interleaved, so a drift of the machine's clocks lands on every arm alike.

@@ -396,33 +396,30 @@ def _load_profile(path: str | None, config):
 
 
 def _stream_config(args, backend: str, profile):
-    from ..stream import StreamConfig
+    from ..stream import StreamConfig, StreamTuning
 
     if not args.stream:
         return None
     routed = args.routed == "on"
-    kw = {}
+    kw, tuning = {}, {}
     if args.stream_floor is not None:
-        kw["stream_floor"] = args.stream_floor
+        tuning["stream_floor"] = args.stream_floor
     elif not routed:
-        kw["stream_floor"] = 1  # stream-all: no routed-only chunks either
-    if args.frames_from is not None:
-        kw["frames_from"] = args.frames_from
-    if args.tail_pieces is not None:
-        kw["tail_pieces"] = args.tail_pieces
-    if args.tail_from is not None:
-        kw["tail_from"] = args.tail_from
+        tuning["stream_floor"] = 1  # stream-all: no routed-only chunks either
+    for name in ("frames_from", "tail_pieces", "tail_from"):
+        if getattr(args, name) is not None:
+            tuning[name] = getattr(args, name)
     if args.resident_gib is not None:
         kw["resident_budget_gib"] = args.resident_gib
     if args.resident_per_layer is not None:
         kw["resident_per_layer"] = args.resident_per_layer
     if profile is not None:
         kw["profile"] = profile
+    tuning = StreamTuning(layout=args.layout, sim_bandwidth=args.sim_bandwidth * 1e9,
+                          sim_latency=args.sim_latency * 1e-6, **tuning)
     return StreamConfig(routed=routed, depth=args.depth, backend=backend,
-                        layout=args.layout,
-                        ring_budget_gib=args.ring_gib, sim_bandwidth=args.sim_bandwidth * 1e9,
-                        sim_latency=args.sim_latency * 1e-6, trace=True if args.trace else None,
-                        **kw)
+                        ring_budget_gib=args.ring_gib, trace=True if args.trace else None,
+                        tuning=tuning, **kw)
 
 
 def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None):

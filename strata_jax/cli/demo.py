@@ -12,7 +12,7 @@ from .common import _context, _Log, _Model, _resolve_backend, random_prompt
 
 def cmd_demo(args, log: _Log) -> int:
     from ..engine import Engine, sha256_of
-    from ..stream import StreamConfig
+    from ..stream import StreamConfig, StreamTuning
     from ..synthetic import SKEW_40_PERCENT_512_TOP10
 
     args.checkpoint = None
@@ -36,8 +36,8 @@ def cmd_demo(args, log: _Log) -> int:
     resident_device = "gpu" if backend == "cuda" else "cpu"  # the arms compare on one device
     arms = {
         "resident": None,
-        "stream-all": StreamConfig(routed=False, stream_floor=1, **link),
-        "routed": StreamConfig(routed=True, depth=args.depth, **link),
+        "stream-all": StreamConfig(routed=False, tuning=StreamTuning(stream_floor=1, **link)),
+        "routed": StreamConfig(routed=True, depth=args.depth, tuning=StreamTuning(**link)),
     }
     hashes = {}
     print("each arm's first prefill; its time includes compiling the chunk programs:", flush=True)

@@ -203,14 +203,14 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                         "(packed below --frames-from tokens, frames from there on)")
     g.add_argument("--frames-from", type=_positive_int, metavar="N",
                    help="--layout auto's crossover, in tokens per chunk (default: "
-                        "StreamConfig.frames_from, 24576)")
+                        "StreamTuning.frames_from, 24576)")
     g.add_argument("--tail-pieces", type=_positive_int, metavar="N",
                    help="run the last MoE layer's expert math in N pieces of its rows, each as "
                         "its experts land, so less of it follows the chunk's last copy; 1 runs "
-                        "it whole (default: StreamConfig.tail_pieces, 4)")
+                        "it whole (default: StreamTuning.tail_pieces, 4)")
     g.add_argument("--tail-from", type=_positive_int, metavar="N",
                    help="the shortest chunk, in tokens, whose last MoE layer runs in "
-                        "--tail-pieces pieces (default: StreamConfig.tail_from, 8192)")
+                        "--tail-pieces pieces (default: StreamTuning.tail_from, 8192)")
     g.add_argument("--profile", metavar="FILE",
                    help="expert profile saved by `strata-jax profile`: orders each layer's "
                         "stream hottest first and chooses the resident experts")

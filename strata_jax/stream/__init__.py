@@ -18,7 +18,8 @@ the math reads it. Every routed expert's bytes arrive unchanged, skipped
 experts have no token, so the outputs are the same bits in every mode.
 
 One module per stage:
-  config    StreamConfig, its environment switches, the pin/publish/chunk modes
+  config    StreamConfig (what users choose), StreamTuning (what the engine chooses),
+            the environment switches, the publish/chunk modes
   plan      StreamPlan and plan_stream (pure: no device, no native library)
   streamer  NativeStreamer (the native engine's handle), stream_platform, ChunkStats
   ops       the JAX primitive and its FFI custom calls: begin, publish, fetch,
@@ -27,7 +28,7 @@ One module per stage:
 """
 
 # The names outside __all__ are imported from here by the engine and the tests.
-from .config import _STREAM_MODES, DEPTH_MAX, DEPTH_MIN, StreamConfig  # noqa: F401
+from .config import _STREAM_MODES, DEPTH_MAX, DEPTH_MIN, StreamConfig, StreamTuning  # noqa: F401
 from .ops import begin, end, fetch, fetch_frame, publish, release  # noqa: F401
 from .plan import StreamPlan, plan_stream
 from .source import StreamedExperts
@@ -35,6 +36,7 @@ from .streamer import ChunkStats, NativeStreamer, stream_platform  # noqa: F401
 
 __all__ = [
     "StreamConfig",
+    "StreamTuning",
     "StreamPlan",
     "plan_stream",
     "NativeStreamer",

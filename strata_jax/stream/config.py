@@ -1,4 +1,5 @@
-"""How experts stream: `StreamConfig`, its environment overrides, and the native engine's modes.
+"""How experts stream: `StreamConfig` (what users choose), `StreamTuning` (what the engine
+chooses, with measured defaults), the environment overrides, and the native engine's modes.
 
 `StreamConfig.resolved` applies the environment switches (STRATA_PREFILL_ROUTED_STREAM,
 STRATA_PREFILL_ROUTED_STREAM_DEPTH, STRATA_TRACE) once, when an engine is
@@ -31,8 +32,102 @@ _LAYOUTS = ("auto", "frames", "packed")
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamTuning:
+    """How the engine streams beyond what a user chooses: measured defaults, one frozen object.
+
+    `StreamConfig.tuning` holds it. The defaults are what the benchmarks chose
+    (docs/BENCHMARKS.md); the fields exist so that a benchmark can measure another value
+    (`stream_bench --layout/--frames-from/--tail-pieces/--tail-from/--stream-floor`) and the
+    tests can reach every path on small models.
+
+    Attributes:
+        ring: Ring slots, in whole layer frames of `n_experts` slots (rounded down, at least
+            one): each MoE layer's experts land in row e of the frame it takes (layers take
+            frames in turn), and the model reads the frame where they landed. None: two
+            frames (one layer plus a layer of read-ahead), capped by
+            `StreamConfig.ring_budget_gib`.
+        layout: How a streamed chunk lays its copies out in the ring (the same memory either
+            way; each chunk chooses, and end_chunk's trace and `ChunkStats.layout` say which):
+            "frames": each expert split into the frame's three planes (gate, up, down) as it
+            crosses the link, and on CUDA the model reads a layer's experts where they landed
+            (JAX arrays over the ring's memory, by DLPack): nothing is copied on XLA's stream,
+            but the link makes up to three copies per run of adjacent experts. Best where
+            compute sets the pace. The CPU backend, whose XLA may run independent ops
+            concurrently so that only a data dependency orders a read after fetch, reads a
+            copy of the frame. "packed": whole blobs, one copy per run of adjacent experts on
+            the link, and fetch splits each run into outputs of its own on the device as it
+            lands. Best where the link sets the pace. "auto": packed for chunks shorter than
+            `frames_from` tokens, frames from there on. Routed-only chunks (below
+            `stream_floor`) copy into frames either way.
+        frames_from: "auto"'s crossover in tokens: frames pay off once a chunk's compute
+            outlasts its copies (Qwen3-30B-A3B shapes: near 24K-29K tokens). Measure a
+            model's own with `stream_bench --layout frames|packed`.
+        tail_pieces: In a streamed chunk of at least `tail_from` tokens, the last MoE
+            layer's expert math runs in this many pieces of its rows (sorted by expert), each
+            after a fetch that waits only for the copies of the experts with rows in it, so
+            that only the last piece's math follows the chunk's last copy (1: the layer whole).
+            The pieces give the same bits (each row keeps its expert and its math). Each piece
+            costs the Mosaic grouped matmul's per-expert tiles again, hence a floor on the
+            length, and at most one piece per `n_experts` row tiles (128 rows) of the chunk
+            there (`NativeStreamer.tail_pieces`).
+        tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
+            `tail_pieces` pieces.
+        stream_floor: Chunks shorter than this many tokens use routed-only fetch (wait for
+            the routing, copy only the routed experts).
+        publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded
+            on XLA's stream after the counts' device-to-host copy, which the issuer polls before
+            it fills the gate row itself; nothing waits) or "callback" (DESIGN.md's first
+            design: a host callback, cudaLaunchHostFunc, fills the row; XLA's stream waits until
+            a driver thread has run it, which holds the device per layer: hence the event
+            default). The CPU backend publishes in the handler either way.
+        sim_bandwidth: The CPU backend's simulated link bandwidth in bytes/s; 0 is unlimited.
+        sim_latency: The simulated link's per-copy latency in seconds.
+        sim_jitter: Up to this many extra seconds per simulated copy, uniform.
+        seed: Seed of the simulated link's jitter.
+    """
+
+    ring: int | None = None
+    layout: str = "auto"
+    frames_from: int = 24576
+    tail_pieces: int = 4
+    tail_from: int = 8192
+    stream_floor: int = 1024
+    publish: str = "event"
+    sim_bandwidth: float = 2e9
+    sim_latency: float = 20e-6
+    sim_jitter: float = 0.0
+    seed: int = 0
+
+    def checked(self) -> "StreamTuning":
+        """Itself, after checking every field; a ValueError names the first bad one."""
+        _check_int_fields(self, _TUNING_INT_FIELDS)
+        if self.publish not in _PUBLISH_MODES:
+            raise ValueError(f"publish={self.publish!r}: expected one of {sorted(_PUBLISH_MODES)}")
+        if self.stream_floor < 1:
+            raise ValueError(f"stream_floor={self.stream_floor}: must be at least 1")
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}: expected one of {list(_LAYOUTS)}")
+        if self.frames_from < 1:
+            raise ValueError(f"frames_from={self.frames_from}: must be at least 1 (a chunk "
+                             f"length in tokens; layout='frames' or 'packed' fixes one layout)")
+        if self.tail_pieces < 1:
+            raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
+                             f"last MoE layer whole)")
+        if self.tail_from < 1:
+            raise ValueError(f"tail_from={self.tail_from}: must be at least 1 (a chunk length "
+                             f"in tokens)")
+        for name in ("sim_bandwidth", "sim_latency", "sim_jitter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                    or not np.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value!r}: expected a finite number >= 0")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
 class StreamConfig:
-    """How experts stream. Environment overrides are read once, when an engine is made.
+    """How experts stream: the few choices a user makes. Environment overrides are read once,
+    when an engine is made.
 
     Attributes:
         routed: The routed switch: skip ring entries whose layer's routing
@@ -41,46 +136,6 @@ class StreamConfig:
             STRATA_PREFILL_ROUTED_STREAM=0/1.
         depth: Copies queued ahead of the link with the switch on; clamped to
             1..256 with a warning. Overridden by STRATA_PREFILL_ROUTED_STREAM_DEPTH.
-        ring: Ring slots, in whole layer frames of `n_experts` slots (rounded down, at least
-            one): each MoE layer's experts land in row e of the frame it takes (layers take
-            frames in turn), and the model reads the frame where they landed. None: two
-            frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`.
-        ring_budget_gib: Device memory the ring may take when `ring` is None.
-        layout: How a streamed chunk lays its copies out in the ring (the same memory either
-            way; each chunk chooses, and end_chunk's trace and `ChunkStats.layout` say which):
-            "frames": each expert split into the frame's three planes (gate, up, down) as it
-            crosses the link, and on CUDA the model reads a layer's experts where they landed
-            (JAX arrays over the ring's memory, by DLPack): nothing is copied on XLA's stream,
-            but the link makes up to three copies per run of adjacent experts. Best where
-            compute sets the pace (32K tokens on the H200: 1.03-1.04 of the floor, against
-            1.05 packed). The CPU backend, whose XLA may run independent ops concurrently so
-            that only a data dependency orders a read after fetch, reads a copy of the frame.
-            "packed": whole blobs, one copy per run of adjacent experts on the link, and fetch
-            splits each run into outputs of its own on the device as it lands. Best where the
-            link sets the pace (routed 1K-6K: 1.03-1.04 of the floor, against up to 1.06 with
-            frames). "auto": packed for chunks shorter than `frames_from` tokens, frames
-            from there on. Routed-only chunks (below `stream_floor`) copy into frames either
-            way. docs/BENCHMARKS.md, tenth session.
-        frames_from: "auto"'s crossover in tokens. Frames pay off once the chunk's compute
-            outlasts its copies, and packed until its split no longer hides behind the link: on
-            the H200 with Qwen3-30B-A3B shapes (8 layers, 9.66 GB streamed) resident compute
-            reaches the stream's 174 ms near 29K tokens; at 16K packed read 1.051 of the floor
-            against 1.057 for frames (routed; stream-all equal), at 32K frames 1.039 against
-            1.050. Measure a model's own with `stream_bench --layout frames|packed`.
-        tail_pieces: In a streamed chunk of at least `tail_from` tokens, the last MoE
-            layer's expert math runs in this many pieces of its rows (sorted by expert), each
-            after a fetch that waits only for the copies of the experts with rows in it, so
-            that only the last piece's math follows the chunk's last copy (1: the layer whole).
-            The pieces give the same bits (each row keeps its expert and its math). Each piece
-            costs the Mosaic grouped matmul's per-expert tiles again, hence a floor on the
-            length, and at most one piece per `n_experts` row tiles (128 rows) of the chunk
-            there (`NativeStreamer.tail_pieces`). H200, Qwen3-30B-A3B shapes: routed 1.033-1.039
-            of its floor at 12K-24K with 4 pieces, against 1.051-1.064 whole (BENCHMARKS.md,
-            eleventh session).
-        tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
-            `tail_pieces` pieces.
-        stream_floor: Chunks shorter than this many tokens use routed-only
-            fetch (wait for the routing, copy only the routed experts).
         resident_per_layer: Experts kept resident on the device per MoE layer
             (the hottest by `profile`, else the lowest ids).
         resident_budget_gib: Alternatively, device memory for resident experts;
@@ -90,49 +145,34 @@ class StreamConfig:
             (ties by the lower id) and chooses the residents. A profile of
             another model's shape is refused when the engine (or its plan,
             `plan_stream`) is made.
+        ring_budget_gib: Device memory the ring of streamed experts may take (two layer frames
+            when they fit; `StreamTuning.ring` sets slots instead).
         backend: "auto" (CUDA when JAX runs on a GPU and the library has CUDA),
             "cpu" (simulated link) or "cuda".
-        publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded
-            on XLA's stream after the counts' device-to-host copy, which the issuer polls before
-            it fills the gate row itself; nothing waits) or "callback" (DESIGN.md's first
-            design: a host callback, cudaLaunchHostFunc, fills the row; XLA's stream waits until
-            a driver thread has run it). The callback holds the device per layer until a host
-            thread has run it (docs/BENCHMARKS.md), hence the event default. The CPU backend
-            publishes in the handler either way.
-        sim_bandwidth: Simulated link bandwidth in bytes/s (CPU backend); 0 is unlimited.
-        sim_latency: Simulated per-copy latency in seconds (CPU backend).
-        sim_jitter: Up to this many extra seconds per copy, uniform (CPU backend).
-        seed: Seed of the simulated link's jitter.
         trace: Print per-chunk copied/skipped lines; None reads STRATA_TRACE.
         device: CUDA device ordinal; the JAX GPU of this index is where the
             residents, the ring and the model are (NativeStreamer.jax_device).
+        tuning: What the engine otherwise chooses itself (`StreamTuning`: the ring's
+            slots and layout, the tail pieces, the routed-only floor, the publish mode, the
+            CPU backend's simulated link).
     """
 
     routed: bool = True
     depth: int = 16
-    ring: int | None = None
-    ring_budget_gib: float = 4.0
-    layout: str = "auto"
-    frames_from: int = 24576
-    tail_pieces: int = 4
-    tail_from: int = 8192
-    stream_floor: int = 1024
     resident_per_layer: int = 0
     resident_budget_gib: float | None = None
     profile: "ExpertProfile | np.ndarray | None" = dataclasses.field(
         default=None, compare=False, hash=False)
+    ring_budget_gib: float = 4.0
     backend: str = "auto"
-    publish: str = "event"
-    sim_bandwidth: float = 2e9
-    sim_latency: float = 20e-6
-    sim_jitter: float = 0.0
-    seed: int = 0
     trace: bool | None = None
     device: int = 0
+    tuning: StreamTuning = StreamTuning()
 
     def resolved(self) -> "StreamConfig":
         """Applies the environment overrides and clamps; warns on clamping."""
-        _check_int_fields(self)
+        _check_ints(self)
+        self.tuning.checked()
         routed, depth, trace = self.routed, self.depth, self.trace
         env = os.environ.get(_ENV_ROUTED)
         if env is not None and env.strip() != "":
@@ -154,50 +194,62 @@ class StreamConfig:
                 stacklevel=3)
         if trace is None:
             trace = os.environ.get(_ENV_TRACE, "0").strip() not in ("", "0")
-        publish = self.publish
-        if publish not in _PUBLISH_MODES:
-            raise ValueError(f"publish={publish!r}: expected one of {sorted(_PUBLISH_MODES)}")
         if self.backend not in ("auto", "cpu", "cuda"):
             raise ValueError(f"backend={self.backend!r}: expected 'auto', 'cpu' or 'cuda'")
-        if self.stream_floor < 1:
-            raise ValueError(f"stream_floor={self.stream_floor}: must be at least 1")
-        if self.layout not in _LAYOUTS:
-            raise ValueError(f"layout={self.layout!r}: expected one of {list(_LAYOUTS)}")
-        if self.frames_from < 1:
-            raise ValueError(f"frames_from={self.frames_from}: must be at least 1 (a chunk "
-                             f"length in tokens; layout='frames' or 'packed' fixes one layout)")
-        if self.tail_pieces < 1:
-            raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
-                             f"last MoE layer whole)")
-        if self.tail_from < 1:
-            raise ValueError(f"tail_from={self.tail_from}: must be at least 1 (a chunk length "
-                             f"in tokens)")
         if self.resident_per_layer < 0:
             raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
-        return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace),
-                                   publish=publish)
+        return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace))
 
 
-# StreamConfig's integer fields and what each takes (the ValueError's wording).
+_TUNING_FIELDS = frozenset(f.name for f in dataclasses.fields(StreamTuning))
+_dataclass_init = StreamConfig.__init__
+
+
+def _init(self, *args, **kwargs):
+    moved = sorted(set(kwargs) & _TUNING_FIELDS)
+    if moved:
+        given = ", ".join(f"{k}={kwargs[k]!r}" for k in moved)
+        raise TypeError(f"StreamConfig({given}): {', '.join(moved)} "
+                        f"{'is a field' if len(moved) == 1 else 'are fields'} of StreamTuning; "
+                        f"pass StreamConfig(tuning=StreamTuning({given}))")
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init.__doc__ = _dataclass_init.__doc__
+_init.__wrapped__ = _dataclass_init
+StreamConfig.__init__ = _init
+
+
+# The integer fields and what each takes (the ValueError's wording).
 _INT_FIELDS = {
     "depth": f"an integer {DEPTH_MIN}..{DEPTH_MAX}",
+    "resident_per_layer": "an integer >= 0",
+    "device": "an integer (a CUDA device ordinal)",
+}
+_TUNING_INT_FIELDS = {
     "ring": "an integer (ring slots) or None",
     "frames_from": "an integer >= 1 (tokens)",
     "tail_pieces": "an integer >= 1",
     "tail_from": "an integer >= 1 (tokens)",
     "stream_floor": "an integer >= 1 (tokens)",
-    "resident_per_layer": "an integer >= 0",
     "seed": "an integer",
-    "device": "an integer (a CUDA device ordinal)",
 }
 
 
-def _check_int_fields(sc: StreamConfig) -> None:
+def _check_int_fields(obj, fields: dict[str, str]) -> None:
     """A ValueError naming the option for an integer field given anything else (a str, a float,
     a bool), instead of int()'s or a comparison's bare message."""
-    for name, expected in _INT_FIELDS.items():
-        value = getattr(sc, name)
+    for name, expected in fields.items():
+        value = getattr(obj, name)
         if value is None and name == "ring":
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name}={value!r}: expected {expected}")
+
+
+def _check_ints(sc: StreamConfig) -> None:
+    """`_check_int_fields` over a StreamConfig's integer fields and its tuning's."""
+    _check_int_fields(sc, _INT_FIELDS)
+    if not isinstance(sc.tuning, StreamTuning):
+        raise ValueError(f"tuning={sc.tuning!r}: expected a StreamTuning")
+    _check_int_fields(sc.tuning, _TUNING_INT_FIELDS)

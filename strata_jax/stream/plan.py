@@ -13,7 +13,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..experts import blob_size
-from .config import StreamConfig, _check_int_fields
+from .config import StreamConfig, _check_ints
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..profile import ExpertProfile
@@ -117,7 +117,7 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
 
     Args:
         config: The model config.
-        stream: The StreamConfig whose ring, ring_budget_gib, resident_per_layer,
+        stream: The StreamConfig whose ring (tuning.ring), ring_budget_gib, resident_per_layer,
             resident_budget_gib and profile are planned (default: StreamConfig()).
         blob_bytes: Bytes of one expert; default: the config's (gate + up + down in its dtype).
         device_bytes: Memory of the device the residents go to, where known: a
@@ -141,7 +141,7 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     blob_bytes = int(blob_bytes)
     if blob_bytes < 1:
         raise ValueError(f"blob_bytes={blob_bytes}: an expert takes at least one byte")
-    _check_int_fields(sc)
+    _check_ints(sc)
     if sc.resident_per_layer < 0:
         raise ValueError(f"resident_per_layer={sc.resident_per_layer}: must be >= 0")
 
@@ -187,14 +187,14 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
 
     need = int(per_layer.max(initial=0))
     budget_slots, fits = None, True
-    if sc.ring is not None:
-        ring = int(sc.ring)
+    if sc.tuning.ring is not None:
+        ring = int(sc.tuning.ring)
         if ring < 1:
             raise ValueError(f"a ring of {ring} slots cannot work; it needs at least one slot")
         if ring < need:
             raise ValueError(
                 f"a ring of {ring} slots cannot hold one layer's {need} streamed experts; "
-                f"use ring >= {need} (one layer plus read-ahead: {2 * E})")
+                f"use StreamTuning(ring={need}) or more (one layer plus read-ahead: {2 * E})")
         frames = max(1, ring // E) if E else 1
     else:
         if not float(sc.ring_budget_gib) >= 0:

@@ -26,7 +26,7 @@ class StreamedExperts:
     blobs) and, after the layer's expert math, `release` (its frame may take a later layer);
     `finish` returns end_chunk's per-layer (copied, skipped).
 
-    `tail_pieces` > 1 (a streamed chunk; StreamConfig.tail_pieces): the layer `tail_layer`
+    `tail_pieces` > 1 (a streamed chunk; StreamTuning.tail_pieces): the layer `tail_layer`
     (the last MoE layer) is fetched in that many pieces of its sorted rows (`row_pieces`,
     `expert_weights_piece`), so that its expert math runs as its copies land and only the
     last piece's math follows the chunk's last copy.

@@ -45,8 +45,8 @@ class ChunkStats:
 
     tokens: int
     mode: str  # "stream" or "routed-only"
-    layout: str  # how the chunk laid the ring out: "frames" or "packed" (StreamConfig.layout)
-    tail_pieces: int  # pieces its last MoE layer ran in (StreamConfig.tail_pieces)
+    layout: str  # how the chunk laid the ring out: "frames" or "packed" (StreamTuning.layout)
+    tail_pieces: int  # pieces its last MoE layer ran in (StreamTuning.tail_pieces)
     streamed: np.ndarray
     copied: np.ndarray
     skipped: np.ndarray
@@ -140,6 +140,7 @@ class NativeStreamer:
         native.register_targets()
         self.config = config
         self.stream = (stream or StreamConfig()).resolved()
+        self.tuning = self.stream.tuning
         self.backend = choose_backend(self.stream.backend)
         self.platform = stream_platform(self.backend)
         L, E = config.n_layers, config.n_experts
@@ -203,10 +204,10 @@ class NativeStreamer:
             backend=1 if self.backend == "cuda" else 0,
             n_layers=L, n_experts=E, routed=int(self.stream.routed),
             blob_bytes=self.blob_bytes, ring=self.ring, depth=self.stream.depth,
-            trace=int(self.stream.trace), sim_bandwidth=self.stream.sim_bandwidth,
-            sim_latency=self.stream.sim_latency, sim_jitter=self.stream.sim_jitter,
-            seed=self.stream.seed, pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
-            publish_mode=_PUBLISH_MODES[self.stream.publish],
+            trace=int(self.stream.trace), sim_bandwidth=self.tuning.sim_bandwidth,
+            sim_latency=self.tuning.sim_latency, sim_jitter=self.tuning.sim_jitter,
+            seed=self.tuning.seed, pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
+            publish_mode=_PUBLISH_MODES[self.tuning.publish],
             device=self.stream.device)
         lib = native.lib()
         err = ctypes.create_string_buffer(1024)
@@ -242,9 +243,9 @@ class NativeStreamer:
     def _frame_views(self) -> tuple[ExpertWeights, ...] | None:
         """The ring's layer frames as JAX arrays over the ring's memory, frame f's gate/up
         [E, H, I] and down [E, I, H]: what the model reads a layer's experts from in a frames
-        chunk (StreamConfig.layout, CUDA). None where fetch copies the frame out instead (or
+        chunk (StreamTuning.layout, CUDA). None where fetch copies the frame out instead (or
         no chunk uses frames), with the reason in `frames_note`."""
-        if self.stream.layout == "packed" and self.stream.stream_floor <= 1:
+        if self.tuning.layout == "packed" and self.tuning.stream_floor <= 1:
             self.frames_note = "every chunk uses the packed ring: fetch splits its blobs out"
             return None
         if self.backend != "cuda":
@@ -287,10 +288,10 @@ class NativeStreamer:
 
     def layout(self, n_tokens: int) -> str:
         """How a chunk of `n_tokens` tokens lays the ring out: "frames" or "packed"
-        (StreamConfig.layout; routed-only chunks use frames)."""
-        if n_tokens < self.stream.stream_floor or self.stream.layout == "frames":
+        (StreamTuning.layout; routed-only chunks use frames)."""
+        if n_tokens < self.tuning.stream_floor or self.tuning.layout == "frames":
             return "frames"
-        if self.stream.layout == "packed" or n_tokens < self.stream.frames_from:
+        if self.tuning.layout == "packed" or n_tokens < self.tuning.frames_from:
             return "packed"
         return "frames"
 
@@ -528,22 +529,22 @@ class NativeStreamer:
     def chunk_mode(self, n_tokens: int) -> int:
         """begin_chunk's mode for a chunk of `n_tokens` tokens: routed-only below the stream
         floor, else streamed in the chunk's `layout`."""
-        if n_tokens < self.stream.stream_floor:
+        if n_tokens < self.tuning.stream_floor:
             return _MODE_ROUTED_ONLY
         return _MODE_STREAM_PACKED if self.layout(n_tokens) == "packed" else _MODE_STREAM
 
     def tail_pieces(self, mode: int, n_tokens: int, grouped_matmul: str = "auto") -> int:
         """Pieces the last MoE layer runs in, in a chunk of `mode` compiled for `n_tokens`
-        tokens (its bucket; StreamConfig.tail_pieces): 1 for routed-only or short chunks.
+        tokens (its bucket; StreamTuning.tail_pieces): 1 for routed-only or short chunks.
 
         With the Mosaic grouped matmul, whose grid holds E - 1 tiles more than the rows' own
         whatever the rows, at most one piece per E row tiles of the chunk: a piece must hold
         at least as many tiles of its own as it adds (Qwen3-30B-A3B, 128 experts top-8: all
         four pieces from 8,192 tokens; 512 experts top-10: two from 13,108 tokens, four from
         26,215)."""
-        if mode not in _STREAM_MODES or n_tokens < self.stream.tail_from or not self.moe_layers:
+        if mode not in _STREAM_MODES or n_tokens < self.tuning.tail_from or not self.moe_layers:
             return 1
-        pieces = self.stream.tail_pieces
+        pieces = self.tuning.tail_pieces
         if pieces > 1 and resolve_implementation(grouped_matmul) == "mosaic":
             tiles = n_tokens * self.config.top_k // MOSAIC_BLOCK_M
             pieces = min(pieces, tiles // self.config.n_experts)
