@@ -29,6 +29,10 @@ from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 from strata_jax.kernels import Kernels
 
 _INIT_STD = 0.02
+# Scoring (`MoETransformer.target_log_probs`): the float32 [rows, V] logits of one block of rows
+# stay within this, rows a power of two from 16 to SCORE_MAX_ROWS.
+SCORE_BLOCK_BYTES = 512 * 2**20
+SCORE_MAX_ROWS = 2048
 
 
 class KVCache(NamedTuple):
@@ -67,6 +71,16 @@ def cache_shapes(config: ModelConfig, capacity: int) -> KVCache:
     """`KVCache` of `jax.ShapeDtypeStruct`s, for `jax.eval_shape` (allocates nothing)."""
     spec = jax.ShapeDtypeStruct((capacity, config.n_kv_heads, config.head_dim), config.dtype)
     return KVCache((spec,) * config.n_layers, (spec,) * config.n_layers)
+
+
+def score_block_rows(vocab_size: int, rows: int) -> int:
+    """Rows per block of the scoring head: the most, a power of two from 16 up to
+    SCORE_MAX_ROWS, whose float32 [rows, vocab_size] logits fit SCORE_BLOCK_BYTES; at most
+    `rows` (the rows to score)."""
+    block = 16
+    while block * 2 <= SCORE_MAX_ROWS and block * 2 * vocab_size * 4 <= SCORE_BLOCK_BYTES:
+        block *= 2
+    return max(1, min(block, int(rows)))
 
 
 def _normal(rngs: nnx.Rngs | None, shape, dtype, std=_INIT_STD):
@@ -537,7 +551,7 @@ class MoETransformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, cache: KVCache, start,
                  expert_source: ExpertSource | None = None, n_valid=None,
-                 last_logits: bool = False):
+                 last_logits: bool = False, targets=None):
         """Runs one chunk.
 
         Args:
@@ -552,6 +566,8 @@ class MoETransformer(nnx.Module):
                 token attends to it (it sits after them); its keys/values are written at
                 positions start+n_valid.. of the cache, which a later chunk overwrites.
             last_logits: return only the logits of the last real position, float32 [V].
+            targets: None, or int32 [T] token ids: the first output is then (logits,
+                log-probabilities float32 [T] of each row's target, `target_log_probs`).
 
         Returns:
             (logits float32 [T, V] or [V], updated KVCache, counts int32 [n_moe_layers, E]).
@@ -569,12 +585,13 @@ class MoETransformer(nnx.Module):
             values.append(v)
             if layer_counts is not None:
                 counts.append(layer_counts)
-        return self._finish(x, n_valid, last_logits), KVCache(tuple(keys), tuple(values)), \
+        return self._finish(x, n_valid, last_logits, targets), \
+            KVCache(tuple(keys), tuple(values)), \
             self._stack_counts(counts)
 
     def layer_major(self, tokens: jax.Array, cache: KVCache, start,
                     expert_source: ExpertSource | None, sub_chunk: int, n_valid=None,
-                    last_logits: bool = False, expert_rows: int | None = None):
+                    last_logits: bool = False, expert_rows: int | None = None, targets=None):
         """Runs a whole prompt layer by layer: every layer reads all of it before the next layer.
 
         The prompt is cut into sub-chunks of `sub_chunk` tokens. In each layer every sub-chunk in
@@ -595,7 +612,7 @@ class MoETransformer(nnx.Module):
 
         Args:
             tokens: int32 [P] with P a multiple of `sub_chunk` (pad with any valid id).
-            cache, start, expert_source, n_valid, last_logits: as in `__call__`.
+            cache, start, expert_source, n_valid, last_logits, targets: as in `__call__`.
             sub_chunk: tokens per compute sub-chunk (static).
             expert_rows: rows per router/expert call, a multiple of `sub_chunk` (static);
                 None: `sub_chunk`.
@@ -660,7 +677,8 @@ class MoETransformer(nnx.Module):
             keys.append(k)
             values.append(v)
         x = xs[0] if n_sub == 1 else jnp.concatenate(xs, axis=0)
-        return self._finish(x, n_valid, last_logits), KVCache(tuple(keys), tuple(values)), \
+        return self._finish(x, n_valid, last_logits, targets), \
+            KVCache(tuple(keys), tuple(values)), \
             self._stack_counts(counts)
 
     # -- shared pieces of both orders --
@@ -675,15 +693,47 @@ class MoETransformer(nnx.Module):
             valid = jnp.arange(t, dtype=jnp.int32) < jnp.asarray(n_valid, jnp.int32)  # [T]
         return positions, start, valid
 
-    def _finish(self, x, n_valid, last_logits: bool):
-        """Final norm and LM head: all positions [T, V], or the last real one [V]."""
+    def _finish(self, x, n_valid, last_logits: bool, targets=None):
+        """Final norm and LM head: all positions [T, V], or the last real one [V]; with
+        `targets`, (that, `target_log_probs(x, targets)`)."""
+        scores = None if targets is None else self.target_log_probs(x, targets)
         if last_logits:
             last = x.shape[0] - 1 if n_valid is None else jnp.asarray(n_valid, jnp.int32) - 1
             x = lax.dynamic_slice_in_dim(x, last, 1, axis=0)  # [1, H]
         x = self.final_norm(x)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [H, V]
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)  # [T, V]
-        return logits[0] if last_logits else logits
+        logits = logits[0] if last_logits else logits
+        return logits if scores is None else (logits, scores)
+
+    def target_log_probs(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """log p(targets[t]) under row t's logits, for final hidden states x [T, H] (before
+        the final norm): float32 [T], never a [T, V] array.
+
+        The rows go through the final norm and the LM head in blocks of `score_block_rows`
+        rows (a `lax.map`): the head's matmul takes the parameter dtype and accumulates in
+        float32, as the last position's logits do, and each block's [rows, V] float32 logits
+        give logit[target] - logsumexp(logits). x is padded with zero rows to whole blocks
+        (finite through the norm; their values are dropped).
+        """
+        t, h = x.shape
+        block = score_block_rows(self.config.vocab_size, t)
+        n = -(-t // block)
+        if n * block != t:
+            x = jnp.pad(x, ((0, n * block - t), (0, 0)))
+            targets = jnp.pad(targets, (0, n * block - t))
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [H, V]
+
+        def one(args):
+            xb, tb = args  # [block, H], [block]
+            logits = jnp.dot(self.final_norm(xb), head,
+                             preferred_element_type=jnp.float32)  # [block, V]
+            picked = jnp.take_along_axis(logits, tb[:, None], axis=1)[:, 0]
+            return picked - jax.nn.logsumexp(logits, axis=-1)
+
+        blocks = (x.reshape(n, block, h), targets.astype(jnp.int32).reshape(n, block))
+        with jax.named_scope("score"):
+            return lax.map(one, blocks).reshape(-1)[:t]
 
     def _stack_counts(self, counts):
         if counts:
