@@ -158,3 +158,21 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
     head = _f64(params["embed"]).T if c.tie_embeddings else _f64(params["lm_head"])
     counts = np.stack(all_counts) if all_counts else np.zeros((0, c.n_experts), np.int64)
     return x @ head, counts
+
+
+def reference_log_probs(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,
+                        experts: Mapping[int, tuple] | None = None) -> np.ndarray:
+    """Float64 log-probability of each token after the first given the ones before it:
+    [T - 1], entry i = log softmax(logits[i])[tokens[i + 1]] of `reference_forward`'s logits."""
+    tokens = np.asarray(tokens)
+    logits, _ = reference_forward(config, params, tokens, experts)
+    logits = logits[:-1]
+    top = logits.max(axis=-1, keepdims=True)
+    lse = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+    return logits[np.arange(logits.shape[0]), tokens[1:]] - lse
+
+
+def reference_perplexity(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,
+                         experts: Mapping[int, tuple] | None = None) -> float:
+    """Float64 perplexity of `tokens`: exp of the mean of -`reference_log_probs`."""
+    return float(np.exp(-np.mean(reference_log_probs(config, params, tokens, experts))))
