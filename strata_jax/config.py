@@ -15,6 +15,8 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
+from strata_jax.rope import RopeScaling
+
 _DTYPES = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -57,7 +59,11 @@ class ModelConfig:
         topk_groups: Groups kept per token when `n_groups > 1` (DeepSeek-V3: 4).
         qk_norm: "none", "per_head" (Qwen3: RMSNorm over each head's D) or "full" (OLMoE: RMSNorm over
             the whole q / k projection).
+        attention_bias: The q, k, v and o projections add a bias (Hugging Face
+            `attention_bias`: Qwen3-MoE, OLMoE); q/k biases come before the q/k norm.
         rope_theta: RoPE base.
+        rope_scaling: Context-extension scaling of the RoPE frequencies (`strata_jax.rope`:
+            linear, dynamic, yarn); None: plain RoPE.
         sliding_window: Sliding-window attention: a query at position q sees the keys at
             positions q - sliding_window < k <= q (itself and the sliding_window - 1 before it;
             Hugging Face's masking_utils), in the layers `layer_types` names; None: every layer
@@ -94,7 +100,9 @@ class ModelConfig:
     n_groups: int = 1
     topk_groups: int = 1
     qk_norm: str = "none"
+    attention_bias: bool = False
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rms_norm_eps: float = 1e-6
@@ -147,6 +155,16 @@ class ModelConfig:
                 f" experts left by topk_groups={self.topk_groups} of n_groups={self.n_groups}")
         if self.selection_bias and self.router_scores != "sigmoid":
             raise ValueError("selection_bias=True is only defined for router_scores='sigmoid'")
+        scaling = self.rope_scaling
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be None or a RopeScaling, got {scaling!r}")
+        if (scaling is not None and scaling.rope_type == "dynamic"
+                and self.max_seq_len > scaling.original_max_position_embeddings):
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} exceeds the "
+                f"{scaling.original_max_position_embeddings} positions of dynamic RoPE scaling's"
+                " original context: past them its frequencies depend on the prompt's length,"
+                " which is not implemented")
         self._check_windows()
 
     def _check_windows(self):

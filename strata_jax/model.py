@@ -27,6 +27,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 from strata_jax.kernels import Kernels
+from strata_jax.rope import RopeScaling, rope_frequencies
 
 _INIT_STD = 0.02
 # Scoring (`MoETransformer.target_log_probs`): the float32 [rows, V] logits of one block of rows
@@ -113,30 +114,43 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding, half-split (Hugging Face `rotate_half`) convention.
 
     Args:
         x: [T, heads, D].
         positions: int32 [T].
         theta: RoPE base.
+        scaling: the config's RoPE scaling (`strata_jax.rope`), None for plain RoPE.
 
     Returns:
         [T, heads, D] in x.dtype.
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    inv, factor = rope_frequencies(d, theta, scaling)  # host float64, static
+    inv_freq = jnp.asarray(inv, jnp.float32)  # [D/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
     sin = jnp.sin(angles)[:, None, :]
+    if factor != 1.0:  # YaRN's attention factor: q.k scales by its square
+        cos, sin = cos * factor, sin * factor
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _dot(x, w):
-    """x @ w accumulated in float32, result in x.dtype."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def _dot(x, w, bias=None):
+    """x @ w (+ bias) accumulated in float32, result in x.dtype."""
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _value(param):
+    """A parameter's array, or None for an absent one."""
+    return None if param is None else param[...]
 
 
 class Attention(nnx.Module):
@@ -150,6 +164,13 @@ class Attention(nnx.Module):
         self.k_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.v_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.o_proj = nnx.Param(_normal(rngs, (c.q_dim, c.hidden_size), dt))  # [N*D, H]
+        if c.attention_bias:
+            self.q_bias = nnx.Param(_filled(rngs, (c.q_dim,), dt, 0.0))  # [N*D]
+            self.k_bias = nnx.Param(_filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
+            self.v_bias = nnx.Param(_filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
+            self.o_bias = nnx.Param(_filled(rngs, (c.hidden_size,), dt, 0.0))  # [H]
+        else:
+            self.q_bias = self.k_bias = self.v_bias = self.o_bias = None
         if c.qk_norm == "per_head":
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
@@ -163,9 +184,9 @@ class Attention(nnx.Module):
         """x [T, H]; cache_k/v [S, KVH, D]; start int (static 0 = first chunk) or int32 scalar."""
         c = self.config
         t = x.shape[0]
-        q = _dot(x, self.q_proj[...])  # [T, N*D]
-        k = _dot(x, self.k_proj[...])  # [T, KVH*D]
-        v = _dot(x, self.v_proj[...])  # [T, KVH*D]
+        q = _dot(x, self.q_proj[...], _value(self.q_bias))  # [T, N*D]
+        k = _dot(x, self.k_proj[...], _value(self.k_bias))  # [T, KVH*D]
+        v = _dot(x, self.v_proj[...], _value(self.v_bias))  # [T, KVH*D]
         if c.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, c.n_heads, c.head_dim)  # [T, N, D]
@@ -173,8 +194,8 @@ class Attention(nnx.Module):
         v = v.reshape(t, c.n_kv_heads, c.head_dim)  # [T, KVH, D]
         if c.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q, positions, c.rope_theta)
-        k = rope(k, positions, c.rope_theta)
+        q = rope(q, positions, c.rope_theta, c.rope_scaling)
+        k = rope(k, positions, c.rope_theta, c.rope_scaling)
         k = k.astype(cache_k.dtype)
         v = v.astype(cache_v.dtype)
         cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
@@ -188,7 +209,7 @@ class Attention(nnx.Module):
             out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path)
         else:
             out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path)
-        out = _dot(out.reshape(t, c.q_dim), self.o_proj[...])  # [T, H]
+        out = _dot(out.reshape(t, c.q_dim), self.o_proj[...], _value(self.o_bias))  # [T, H]
         return out, cache_k, cache_v
 
 

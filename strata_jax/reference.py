@@ -26,11 +26,44 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def _rope(x, positions, theta):
+def _rope_inv_freq(c: ModelConfig):
+    """(inv_freq [D/2], cos/sin multiplier), one frequency at a time from the formulas (Hugging
+    Face transformers' modeling_rope_utils semantics for linear, dynamic and yarn)."""
+    d, theta, s = c.head_dim, c.rope_theta, c.rope_scaling
+    plain = [theta ** (-2.0 * i / d) for i in range(d // 2)]
+    if s is None or s.rope_type == "dynamic":  # dynamic: plain up to its original length
+        return np.array(plain), 1.0
+    if s.rope_type == "linear":
+        return np.array([f / s.factor for f in plain]), 1.0
+    # yarn: ramp over the index between the dims that turn beta_fast and beta_slow times over the
+    # original context (d_r = D ln(L / (2 pi r)) / (2 ln theta)), rounded outwards if truncate.
+    length = s.original_max_position_embeddings
+    beta_fast, beta_slow = s.beta_fast or 32, s.beta_slow or 1
+    lo = d * np.log(length / (2 * np.pi * beta_fast)) / (2 * np.log(theta))
+    hi = d * np.log(length / (2 * np.pi * beta_slow)) / (2 * np.log(theta))
+    if s.truncate:
+        lo, hi = np.floor(lo), np.ceil(hi)
+    lo, hi = max(lo, 0.0), min(hi, d - 1.0)
+    hi = hi + 0.001 if hi == lo else hi
+    out = []
+    for i, f in enumerate(plain):
+        gamma = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: keep f; 1: f / factor
+        out.append((1 - gamma) * f + gamma * f / s.factor)
+    if s.attention_factor is not None:
+        mult = s.attention_factor
+    else:
+        def m(scale, w):
+            return 1.0 if scale <= 1 else 0.1 * w * np.log(scale) + 1.0
+        mult = (m(s.factor, s.mscale) / m(s.factor, s.mscale_all_dim)
+                if s.mscale and s.mscale_all_dim else m(s.factor, 1.0))
+    return np.array(out), float(mult)
+
+
+def _rope(x, positions, c: ModelConfig):
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    inv_freq, mult = _rope_inv_freq(c)
     ang = positions[:, None].astype(np.float64) * inv_freq[None]  # [T, D/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    cos, sin = mult * np.cos(ang)[:, None, :], mult * np.sin(ang)[:, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -40,6 +73,9 @@ def _attention(c: ModelConfig, p, prefix, x):
     q = x @ _f64(p[prefix + "q_proj"])
     k = x @ _f64(p[prefix + "k_proj"])
     v = x @ _f64(p[prefix + "v_proj"])
+    if c.attention_bias:  # added before any q/k norm, as Hugging Face's nn.Linear(bias=True)
+        q, k, v = (a + _f64(p[prefix + n]) for a, n in ((q, "q_bias"), (k, "k_bias"),
+                                                         (v, "v_bias")))
     if c.qk_norm == "full":
         q = _rms_norm(q, p[prefix + "q_norm.weight"], c.rms_norm_eps)
         k = _rms_norm(k, p[prefix + "k_norm.weight"], c.rms_norm_eps)
@@ -50,7 +86,7 @@ def _attention(c: ModelConfig, p, prefix, x):
         q = _rms_norm(q, p[prefix + "q_norm.weight"], c.rms_norm_eps)
         k = _rms_norm(k, p[prefix + "k_norm.weight"], c.rms_norm_eps)
     pos = np.arange(t)
-    q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
+    q, k = _rope(q, pos, c), _rope(k, pos, c)
     out = np.zeros_like(q)
     group = c.n_heads // c.n_kv_heads
     causal = np.tril(np.ones((t, t), bool))
@@ -60,7 +96,8 @@ def _attention(c: ModelConfig, p, prefix, x):
         s = np.where(causal, s, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
-    return out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
+    out = out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
+    return out + _f64(p[prefix + "o_bias"]) if c.attention_bias else out
 
 
 def reference_attention(q, k, v, positions) -> np.ndarray:

@@ -81,6 +81,8 @@ def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0
             value = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
         elif leaf == "embed":
             value = rng.standard_normal(shape, dtype=np.float32)
+        elif leaf in ("q_bias", "k_bias", "v_bias", "o_bias"):  # attention biases
+            value = 0.2 * rng.standard_normal(shape, dtype=np.float32)
         else:
             fan_in = shape[-2]
             value = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
