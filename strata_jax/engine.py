@@ -62,6 +62,7 @@ from .experts import ExpertWeights
 from .kernels import Kernels
 from .model import KVCache, build_model, expert_param_names, validate_inputs
 from .profile import ExpertProfile
+from .weights import LazyExperts, ParamsView
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
     CHUNK_HEADROOM, MIN_BUCKET, TOKEN_ID_BYTES, chunk_bytes, chunk_candidates, chunk_memory,
     attention_working_bytes, expert_bytes, free_memory, host_memory, kv_cache_bytes)
@@ -314,7 +315,10 @@ class Engine:
         config: Model config.
         params: Flat name -> array (see `model.param_shapes`), experts
             included (synthetic.init_synthetic or a checkpoint's arrays); host
-            numpy arrays are fine: streamed experts stay in host memory.
+            numpy arrays are fine: streamed experts stay in host memory. A mapping that
+            makes each tensor when asked for (`synthetic.SyntheticParams`) is read one
+            tensor at a time, the experts straight into the host store or onto the device
+            (`strata_jax.weights`): no second copy of them is made.
         stream: None keeps every expert resident on the device; a StreamConfig
             streams the non-resident ones through the native engine.
         max_context: Positions a session may hold, in tokens.
@@ -322,8 +326,8 @@ class Engine:
             (the default): the engine chooses the largest chunk whose activations and KV cache
             fit the memory left on the device once the model is placed (`chunk_choice` says
             how; `memory_available`), at most `max_context`.
-        experts: Optional layer -> ExpertWeights when the routed experts are
-            not in `params` (a checkpoint's host expert store).
+        experts: Optional layer -> ExpertWeights (or `weights.LazyExperts`) when the
+            routed experts are not in `params` (a checkpoint's, `load_checkpoint`).
         order: Default read order of `prefill`: "chunk-major" or "layer-major"
             (falls back to chunk-major, with a warning and `result.fallback`, when its
             memory does not fit).
@@ -337,9 +341,9 @@ class Engine:
             first device). None: JAX's default device with every expert resident, the
             stream's device when streamed. A streamed engine runs where its stream backend
             puts the ring ("cpu": the CPU, "cuda": the GPU), so another device is a ValueError.
-        progress: Called as progress(done_layers, total_layers) while a streamed engine packs
-            each MoE layer's experts into its host store (the long part of making an engine
-            for a full-size model).
+        progress: Called as progress(done_layers, total_layers) as a streamed engine writes
+            each MoE layer's experts into its host store, or a resident one puts them on the
+            device (the long part of making an engine for a full-size model).
         kernels: The grouped matmul and attention the engine's programs use (`Kernels`;
             default: the measured best on the device).
     """
@@ -379,6 +383,8 @@ class Engine:
         # The device the model lands on is known below; an automatic chunk is chosen there.
         self._set_chunk(int(chunk_size) if chunk_size is not None else min(1024, max_context))
         self.uid = next(_engine_ids)
+        # Nothing is made or read here: `params` may make each tensor when asked for
+        # (strata_jax.weights); the store or the device takes the experts one at a time below.
         host_experts = dict(experts or {})
         expert_names = set()
         for layer in config.moe_layers:
@@ -388,16 +394,16 @@ class Engine:
                 missing = [n for n in names if n not in params]
                 if missing:
                     raise KeyError(f"missing expert parameter {missing[0]!r}")
-                host_experts[layer] = ExpertWeights(*(np.asarray(params[n]) for n in names))
-        dense = {k: v for k, v in params.items() if k not in expert_names}
+                host_experts[layer] = LazyExperts(params, names)
+        dense = ParamsView(params, expert_names)
 
         wanted = _device(device)
         self.streamer: NativeStreamer | None = None
         if stream is None:
             self.device = wanted if wanted is not None else jax.devices()[0]
             with jax.default_device(self.device):
-                model = build_model(config, dense, experts=host_experts, resident_experts=True,
-                                    kernels=self.kernels)
+                model = build_model(config, dense, experts=_counted(host_experts, progress),
+                                    resident_experts=True, kernels=self.kernels)
         else:
             if wanted is not None and stream.backend in ("cpu", "cuda", "auto"):
                 # Refused before the experts are packed: the stream's platform follows from its
@@ -972,6 +978,17 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _counted(experts: dict, progress: Callable[[int, int], object] | None) -> dict:
+    """`experts` (layer -> ExpertWeights or LazyExperts), each layer calling
+    progress(done_layers, total_layers) once its three tensors have been read."""
+    if progress is None:
+        return experts
+    done = itertools.count(1)
+    total = len(experts)
+    return {l: LazyExperts.of(w, lambda: progress(next(done), total))
+            for l, w in experts.items()}
 
 
 def _settle(arrays) -> None:
