@@ -9,9 +9,10 @@ logits (`FIELDS`, `IGNORED_FIELDS`; the transformers 4 and 5 spellings are both 
 tensor in the files that the load does not read is an error.
 
 Non-expert weights come back as a flat dict of NumPy arrays (model layout: projections as
-[in, out]); routed experts go to a `HostExpertStore`, one contiguous blob per expert in host
-memory, which the model can put on the device (`build_model(..., experts=store.as_mapping())`) or a
-streaming engine can copy from.
+[in, out]); routed experts as a `CheckpointExperts`, checked but left in the files until used:
+a streaming engine reads them straight into its host store (`Engine(..., experts=
+ckpt.experts.as_mapping())`), a resident model onto the device, one tensor at a time, so host RAM
+never holds them twice. `HostExpertStore` keeps every expert in host memory as blobs.
 """
 
 from __future__ import annotations
@@ -423,6 +424,105 @@ class HostExpertStore:
         return {l: self.layer(l) for l in self.layers}
 
 
+class CheckpointExperts(Mapping[str, np.ndarray]):
+    """A checkpoint's routed experts, read from its safetensors files when asked for.
+
+    name -> tensor in the model's layout ("layers.3.mlp.gate": [E, H, I], "...up": [E, H, I],
+    "...down": [E, I, H]), read when asked for and not kept. `fill(name, out)` reads each
+    expert's tensor straight into `out`, transposed from the file's [out, in] one expert at a
+    time: how an engine's host store takes them (`as_mapping`, `strata_jax.weights`), so no
+    copy of every expert exists outside the store. Each read opens the files it needs and
+    closes them after: a held safetensors handle keeps every page it has read mapped in the
+    process (its resident set would grow by the checkpoint's size).
+
+    Made by `load_checkpoint`, which has checked every expert tensor's name and shape.
+    """
+
+    def __init__(self, config: ModelConfig, arch: _Arch, files: Mapping[str, str]):
+        from strata_jax.model import expert_param_names  # deferred: keeps this module light
+
+        self.config = config
+        self._arch = arch
+        self._files = dict(files)  # Hugging Face name -> the file that holds it
+        self._names = {n: (l, f) for l in config.moe_layers
+                       for f, n in zip(ExpertWeights._fields, expert_param_names(config, l))}
+
+    @staticmethod
+    def hf_names(config: ModelConfig, arch: _Arch, layer: int, field: str) -> list[str]:
+        """The Hugging Face names of `layer`'s `field` ("gate", "up", "down") tensors, one per
+        expert, each [out, in]: gate and up [I, H], down [H, I]."""
+        hf = dict(zip(ExpertWeights._fields, arch.expert_names))[field]
+        base = f"model.layers.{layer}.{arch.moe_prefix}.experts."
+        return [f"{base}{e}.{hf}.weight" for e in range(config.n_experts)]
+
+    def _shape(self, field: str) -> tuple[int, int, int]:
+        c = self.config
+        return ((c.n_experts, c.expert_intermediate, c.hidden_size) if field == "down" else
+                (c.n_experts, c.hidden_size, c.expert_intermediate))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        _, field = self._names[name]
+        out = np.empty(self._shape(field), self.config.dtype)
+        self.fill(name, out)
+        return out
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def fill(self, name: str, out: np.ndarray) -> None:
+        """Reads tensor `name` into `out` ([E, H, I], or [E, I, H] for down; cast to its
+        dtype), one expert at a time, each file opened once."""
+        layer, field = self._names[name]
+        if tuple(out.shape) != self._shape(field):
+            raise ValueError(f"parameter {name!r} has shape {self._shape(field)}; the array to "
+                             f"fill has {tuple(out.shape)}")
+        by_file: dict[str, list[tuple[int, str]]] = {}
+        for e, hf in enumerate(self.hf_names(self.config, self._arch, layer, field)):
+            by_file.setdefault(self._files[hf], []).append((e, hf))
+        for path, items in by_file.items():
+            with safe_open(path, framework="numpy") as handle:
+                for e, hf in items:
+                    out[e] = handle.get_tensor(hf).T  # [out, in] -> [in, out]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """MoE layer indices."""
+        return tuple(self.config.moe_layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every expert in the parameter dtype (what a host store of them holds)."""
+        return self.config.expert_bytes_total
+
+    def layer(self, layer: int) -> ExpertWeights:
+        """`layer`'s experts read now (new arrays)."""
+        from strata_jax.model import expert_param_names
+
+        return ExpertWeights(*(self[n] for n in expert_param_names(self.config, layer)))
+
+    def blobs(self, layer: int) -> np.ndarray:
+        """`layer`'s experts read now into new [E, 3*H*I] blobs (`strata_jax.experts`)."""
+        c = self.config
+        out = np.empty((c.n_experts, blob_size(c.hidden_size, c.expert_intermediate)), c.dtype)
+        self.as_mapping()[layer].fill(
+            unpack_expert_blobs_np(out, c.hidden_size, c.expert_intermediate))
+        return out
+
+    def as_mapping(self) -> dict:
+        """layer -> `weights.LazyExperts` (read when used), for `Engine(experts=...)` and
+        `build_model(..., experts=...)`."""
+        from strata_jax.model import expert_param_names
+        from strata_jax.weights import LazyExperts
+
+        return {l: LazyExperts(self, expert_param_names(self.config, l)) for l in self.layers}
+
+
 @dataclasses.dataclass
 class LoadedCheckpoint:
     """Result of `load_checkpoint`.
@@ -430,12 +530,12 @@ class LoadedCheckpoint:
     Attributes:
         config: model config derived from config.json.
         params: flat name -> NumPy array for every non-expert parameter (model layout).
-        experts: host-side routed experts.
+        experts: the routed experts, read from the files when used (`CheckpointExperts`).
     """
 
     config: ModelConfig
     params: dict[str, np.ndarray]
-    experts: HostExpertStore
+    experts: CheckpointExperts
 
     def build_model(self, *, resident_experts: bool = True):
         """The model with non-expert params on the device, and experts too when resident."""
@@ -459,6 +559,7 @@ class _Tensors:
         else:
             raise CheckpointError(
                 f"{directory}: neither model.safetensors.index.json nor model.safetensors exists")
+        self._directory = directory
         self._handles = {}
         self._where: dict[str, str] = {}
         self._taken: set[str] = set()
@@ -481,6 +582,17 @@ class _Tensors:
             raise CheckpointError(f"tensor {name!r} has shape {actual}, expected {tuple(shape)}")
         self._taken.add(name)
         return handle.get_tensor(name)
+
+    def path(self, name: str, shape: tuple[int, ...]) -> str:
+        """The file that holds tensor `name`, checked and counted as `get` does, without
+        reading the tensor (`CheckpointExperts` reads it when it is used)."""
+        if name not in self._where:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {shape})")
+        actual = tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        if actual != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {actual}, expected {tuple(shape)}")
+        self._taken.add(name)
+        return os.path.join(self._directory, self._where[name])
 
     def names(self) -> list[str]:
         """Every tensor name in the files."""
@@ -546,7 +658,10 @@ def _check_rope_buffers(tensors: _Tensors, c: ModelConfig) -> None:
 
 def load_checkpoint(directory: str, *, param_dtype: str | None = None,
                     progress: bool = True) -> LoadedCheckpoint:
-    """Loads a Hugging Face safetensors checkpoint directory into host memory.
+    """Loads a Hugging Face safetensors checkpoint directory: the non-expert weights into host
+    memory, the routed experts checked and left in the files until used (`CheckpointExperts`:
+    an engine reads them straight into its host store, or onto the device, one tensor at a
+    time).
 
     Args:
         directory: holds config.json and model.safetensors(.index.json) plus shards.
@@ -584,25 +699,22 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
     elif tensors.has("lm_head.weight"):
         _check_tied_head(tensors, params["embed"], c)
     _check_rope_buffers(tensors, c)
-    store = HostExpertStore.empty(config)
-    hi = c.hidden_size * c.expert_intermediate
+    # The experts are only checked here (names, shapes: the file headers) and read when used:
+    # an engine's host store takes them straight from the files (CheckpointExperts).
+    files: dict[str, str] = {}
+    shapes = {"gate": (c.expert_intermediate, c.hidden_size),
+              "up": (c.expert_intermediate, c.hidden_size),
+              "down": (c.hidden_size, c.expert_intermediate)}
     bar = tqdm(range(c.n_layers), desc="loading layers", unit="layer", disable=not progress)
     for layer in bar:
         for ours, hf_name, shape, transpose in _layer_plan(c, arch, layer):
             params[ours] = take(hf_name, shape, transpose)
-        blobs = store.blobs(layer)
-        base = f"model.layers.{layer}.{arch.moe_prefix}.experts."
-        gate_name, up_name, down_name = arch.expert_names
-        for e in range(c.n_experts):
-            # HF stores [out, in]: gate/up [I, H] -> [H, I], down [H, I] -> [I, H].
-            blobs[e, :hi] = tensors.get(f"{base}{e}.{gate_name}.weight",
-                                        (c.expert_intermediate, c.hidden_size)).T.ravel()
-            blobs[e, hi:2 * hi] = tensors.get(f"{base}{e}.{up_name}.weight",
-                                              (c.expert_intermediate, c.hidden_size)).T.ravel()
-            blobs[e, 2 * hi:] = tensors.get(f"{base}{e}.{down_name}.weight",
-                                            (c.hidden_size, c.expert_intermediate)).T.ravel()
+        if layer in c.moe_layers:
+            for field, shape in shapes.items():
+                for hf_name in CheckpointExperts.hf_names(c, arch, layer, field):
+                    files[hf_name] = tensors.path(hf_name, shape)
     tensors.check_all_taken()
-    return LoadedCheckpoint(config, params, store)
+    return LoadedCheckpoint(config, params, CheckpointExperts(config, arch, files))
 
 
 def load_model(directory: str, *, resident_experts: bool = True, param_dtype: str | None = None,
@@ -617,6 +729,7 @@ def load_model(directory: str, *, resident_experts: bool = True, param_dtype: st
 
 
 __all__: list[str] = [
-    "ARCHITECTURES", "CheckpointError", "FIELDS", "HostExpertStore", "IGNORED_FIELDS",
-    "LoadedCheckpoint", "config_from_hf", "fields_markdown", "load_checkpoint", "load_model",
+    "ARCHITECTURES", "CheckpointError", "CheckpointExperts", "FIELDS", "HostExpertStore",
+    "IGNORED_FIELDS", "LoadedCheckpoint", "config_from_hf", "fields_markdown",
+    "load_checkpoint", "load_model",
 ]

@@ -395,6 +395,7 @@ def no_work(monkeypatch):
 
     patch_cli(monkeypatch, "random_prompt", forbidden)
     monkeypatch.setattr(strata_jax.synthetic, "init_synthetic", forbidden)
+    monkeypatch.setattr(strata_jax.synthetic, "SyntheticParams", forbidden)
     monkeypatch.setattr(strata_jax.engine.Engine, "__init__", forbidden)
 
 
