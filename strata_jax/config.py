@@ -293,7 +293,8 @@ class ModelConfig:
         groups = self.n_groups if experts % self.n_groups == 0 else 1
         depth = n_layers or dense + 2
         types = (None if self.layer_types is None else
-                 tuple(self.layer_types[(i + 1) * self.n_layers // depth - 1] for i in range(depth)))
+                 tuple(self.layer_types[(i + 1) * self.n_layers // depth - 1]
+                       for i in range(depth)))
         return dataclasses.replace(
             self,
             name=f"{self.name}-scaled",

@@ -76,12 +76,16 @@ def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *,
                             platform: str = "cpu", attention: str = "auto") -> int:
     """Working memory of one chunk's attention (`attention.attention_bytes`) on the path
     `attention_path` takes for `queries` tokens: over their own keys (`first`) or over a cache
-    of `capacity` positions, with the `attention` path requested (`Kernels.attention`)."""
+    of `capacity` positions, with the `attention` path requested (`Kernels.attention`). The
+    most of any layer's: layers with a sliding window (`ModelConfig.window_of`) run other
+    parts than full ones."""
     c = config
     path = attention_path(c.dtype, c.head_dim, c.n_heads, queries, capacity, first=first,
                           platform=platform, impl=attention)
-    return attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
-                           queries if first else capacity, c.head_dim)
+    windows = {None} if first else {c.window_of(i) for i in range(c.n_layers)}
+    return max(attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
+                               queries if first else capacity, c.head_dim, window=w)
+               for w in windows)
 
 
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,

@@ -154,12 +154,15 @@ def _value(param):
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache."""
+    """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache; within a
+    sliding window where the config gives this layer one (`ModelConfig.window_of`)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, kernels: Kernels = Kernels()):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int,
+                 kernels: Kernels = Kernels()):
         c, dt = config, config.dtype
         self.config = config
         self.kernels = kernels  # static: part of the graph jit keys on
+        self.window = c.window_of(layer)  # static: None (full causal) or the window
         self.q_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.q_dim), dt))  # [H, N*D]
         self.k_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.v_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
@@ -206,9 +209,9 @@ class Attention(nnx.Module):
         if first:
             # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
             # causally is the same math and lets cuDNN run it fused.
-            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path)
+            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path, self.window)
         else:
-            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path)
+            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path, self.window)
         out = _dot(out.reshape(t, c.q_dim), self.o_proj[...], _value(self.o_bias))  # [T, H]
         return out, cache_k, cache_v
 
@@ -521,7 +524,7 @@ class DecoderLayer(nnx.Module):
         self.layer = layer
         self.is_moe = layer in c.moe_layers
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
-        self.attn = Attention(c, rngs=rngs, kernels=kernels)
+        self.attn = Attention(c, rngs=rngs, kernels=kernels, layer=layer)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
         if self.is_moe:
             self.mlp = MoE(c, layer, rngs=rngs, resident_experts=resident_experts,

@@ -68,7 +68,17 @@ def _rope(x, positions, c: ModelConfig):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(c: ModelConfig, p, prefix, x):
+def visible(q_pos, k_pos, window: int | None) -> np.ndarray:
+    """bool [T, S]: the key at k_pos[s] counts for the query at q_pos[t]: k <= q, and with a
+    sliding window q - window < k (Hugging Face masking_utils' sliding_window_overlay)."""
+    q_pos, k_pos = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen &= k_pos > q_pos - window
+    return seen
+
+
+def _attention(c: ModelConfig, p, prefix, x, window: int | None):
     t = x.shape[0]
     q = x @ _f64(p[prefix + "q_proj"])
     k = x @ _f64(p[prefix + "k_proj"])
@@ -89,20 +99,21 @@ def _attention(c: ModelConfig, p, prefix, x):
     q, k = _rope(q, pos, c), _rope(k, pos, c)
     out = np.zeros_like(q)
     group = c.n_heads // c.n_kv_heads
-    causal = np.tril(np.ones((t, t), bool))
+    seen = visible(pos, pos, window)
     for h in range(c.n_heads):
         kh = h // group  # query head h reads kv head h // group
         s = q[:, h] @ k[:, kh].T / np.sqrt(c.head_dim)  # [T, T]
-        s = np.where(causal, s, -np.inf)
+        s = np.where(seen, s, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
     out = out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
     return out + _f64(p[prefix + "o_bias"]) if c.attention_bias else out
 
 
-def reference_attention(q, k, v, positions) -> np.ndarray:
+def reference_attention(q, k, v, positions, window: int | None = None) -> np.ndarray:
     """float64 GQA attention of queries q [T, N, D] at `positions` over keys k/v [S, KVH, D]
-    0..position (keys past the last query are never read, whatever they hold)."""
+    0..position, or position - window + 1..position with a sliding window (keys past the last
+    query are never read, whatever they hold)."""
     seen = int(np.max(positions)) + 1
     q, k, v = (_f64(a) for a in (q, k[:seen], v[:seen]))
     t, n, d = q.shape
@@ -110,7 +121,7 @@ def reference_attention(q, k, v, positions) -> np.ndarray:
     out = np.zeros((t, n, d))
     for h in range(n):
         scores = q[:, h] @ k[:, h // g].T / np.sqrt(d)  # [T, S]
-        scores[np.arange(k.shape[0])[None, :] > np.asarray(positions)[:, None]] = -np.inf
+        scores[~visible(positions, np.arange(k.shape[0]), window)] = -np.inf
         p = np.exp(scores - scores.max(axis=1, keepdims=True))
         out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g]
     return out
@@ -163,7 +174,7 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
     for layer in range(c.n_layers):
         pre = f"layers.{layer}."
         h = _rms_norm(x, params[pre + "input_norm.weight"], c.rms_norm_eps)
-        x = x + _attention(c, params, pre + "attn.", h)
+        x = x + _attention(c, params, pre + "attn.", h, c.window_of(layer))
         h = _rms_norm(x, params[pre + "post_attn_norm.weight"], c.rms_norm_eps)
         m = pre + "mlp."
         if layer not in c.moe_layers:
