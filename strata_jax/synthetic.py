@@ -17,9 +17,12 @@ top-10, seed-averaged): s = 0 leaves ~0% unrouted; s = SKEW_40_PERCENT_512_TOP10
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from strata_jax.config import ModelConfig
@@ -85,12 +88,14 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         config: model config.
         seed: RNG seed; same seed, same weights.
         routing_skew: router skew strength s >= 0 (see the module docstring).
-        tile: None: `init_synthetic`'s weights. An int t: each routed expert tensor repeats its
-            first t experts' draws (expert e is expert e % t), so only t of a layer's E experts
-            are drawn; the other tensors are as with None. For benchmarks, whose timing does
-            not depend on the values: a full-size model's experts are then mostly copies.
+        tile: None: `init_synthetic`'s weights. An int t: other weights, for benchmarks, whose
+            timing does not depend on the values, made fast: each routed expert tensor repeats
+            t experts (expert e is expert e % t), each drawn by a generator of its own (seeded
+            by the seed, the tensor and the expert) on a thread of its own, then copied; the
+            other tensors come from one generator in order, as with None but without the
+            experts' draws between them. A full-size model's experts are then mostly copies.
 
-    Not for concurrent use from several threads (a lock serialises the draws).
+    A lock serialises the draws of calls from several threads.
     """
 
     def __init__(self, config: ModelConfig, seed: int = 0, routing_skew: float = 0.0, *,
@@ -107,10 +112,13 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         self.tile = tile
         self._specs = param_shapes(config)
         self._names = list(self._specs)
-        self._index = {n: i for i, n in enumerate(self._names)}
+        self._order = {n: i for i, n in enumerate(self._names)}
         self._experts = frozenset(n for l in config.moe_layers
                                   for n in expert_param_names(config, l))
-        self._states = [np.random.default_rng(seed).bit_generator.state]  # before tensor i
+        # The tensors one generator draws in order (tiled experts have generators of their own).
+        self._seq = [n for n in self._names if tile is None or n not in self._experts]
+        self._index = {n: i for i, n in enumerate(self._seq)}
+        self._states = [np.random.default_rng(seed).bit_generator.state]  # before _seq[i]
         self._kept: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
@@ -144,7 +152,7 @@ class SyntheticParams(Mapping[str, np.ndarray]):
 
     def draw_order(self, name: str) -> int:
         """Where `name` comes in the draws (asking in this order draws each tensor once)."""
-        return self._index[name]
+        return self._order[name]
 
     def fill(self, name: str, out: np.ndarray) -> None:
         """Writes tensor `name` into `out` (an array or a view of its shape; cast to its dtype).
@@ -160,6 +168,9 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         with self._lock:
             if name not in self._experts:
                 out[...] = self._dense(name)
+                return
+            if self.tile is not None:
+                self._fill_tiled(name, out)
                 return
             i = self._index[name]
             self._advance(i)
@@ -192,7 +203,7 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         while len(self._states) <= i:
             j = len(self._states) - 1
             rng = self._rng(j)
-            name = self._names[j]
+            name = self._seq[j]
             if name in self._experts:
                 self._draw_experts(name, rng, None)
             else:
@@ -213,12 +224,11 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         tensor (the generator's sequence does not depend on how a draw is split) and the same
         arithmetic per element (`_dense_value`'s last case)."""
         shape = tuple(self._specs[name].shape)
-        n = shape[0] if self.tile is None else min(self.tile, shape[0])
         scale = np.sqrt(shape[-2])  # fan-in
         down = name.endswith(".down")
         draw = np.empty(shape[1:], np.float32)
         value = np.empty(shape[1:], np.float64) if out is not None else None
-        for e in range(n):
+        for e in range(shape[0]):
             rng.standard_normal(dtype=np.float32, out=draw)
             if out is None:
                 continue
@@ -226,9 +236,48 @@ class SyntheticParams(Mapping[str, np.ndarray]):
             if down:
                 value *= _residual_scale(self.config)
             out[e] = value
-        if out is not None and n < shape[0]:
-            for k in range(n):  # expert e repeats expert e % n
-                out[n + k::n] = out[k]
+
+    def _fill_tiled(self, name: str, out: np.ndarray) -> None:
+        """`tile` experts of tensor `name`, each drawn by its own generator on a thread of its
+        own into `out`, then copied over the rest (expert e = expert e % tile). Every step
+        runs without the GIL: the draws and float32 arithmetic, the cast to bfloat16 by integer
+        rounding (`_bfloat16_bits`), the copies as unsigned integers."""
+        shape = tuple(self._specs[name].shape)
+        n = min(self.tile, shape[0])
+        scale = np.float32(1.0 / np.sqrt(shape[-2])
+                           * (_residual_scale(self.config) if name.endswith(".down") else 1.0))
+        raw = out.view(np.dtype(f"u{out.dtype.itemsize}"))  # bit copies
+
+        def draw(k: int) -> None:
+            rng = np.random.default_rng([self.seed, self._order[name], k])
+            x = rng.standard_normal(shape[1:], dtype=np.float32)
+            x *= scale
+            if out.dtype == _BFLOAT16:
+                _bfloat16_bits(x, raw[k])
+            else:
+                out[k] = x
+
+        def copy(k: int) -> None:
+            raw[n + k::n] = raw[k]
+
+        with ThreadPoolExecutor(max(1, min(n, os.cpu_count() or 1))) as pool:
+            list(pool.map(draw, range(n)))
+            list(pool.map(copy, range(n)))
+
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bfloat16_bits(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 `x` rounded to the nearest bfloat16 (ties to even; finite values) as uint16
+    bits into `out`, in integer NumPy operations (which release the GIL, unlike a cast to
+    ml_dtypes' bfloat16)."""
+    bits = x.view(np.uint32)
+    rounded = (bits >> 16) & 1
+    rounded += 0x7FFF
+    rounded += bits
+    rounded >>= 16
+    out[...] = rounded
 
 
 def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0, *,
