@@ -292,3 +292,15 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     assert [r["arm"] for r in follow] == ["resident", "routed", "stream-all"]
     assert all(r["over_first_chunk"] > 0 and "150 reused + 40 read" in r["summary"]
                for r in follow)
+    # Host memory is reported; the simulated link has no ceiling to measure.
+    assert all(r["peak_rss_bytes"] > 0 and r["peak_rss_over_experts"] > 0 for r in reads.values())
+    assert all(r["link_gbps"] is None for r in reads.values())
+    # A run without the resident arm divides by the first run's resident one-chunk time.
+    again = tmp_path / "again.json"
+    rc = chunked_bench.main(["--tiny", "--layers", "2", "--parts", "prefill", "--long", "256",
+                             "--chunk", "128", "--arms", "routed", "--orders", "layer-major",
+                             "--no-resident", "--resident-json", str(out),
+                             "--reps-prefill", "1", "--json", str(again)])
+    assert rc == 0
+    row, = json.loads(again.read_text())["rows"]
+    assert row["over_resident_one"] == pytest.approx(row["ms"] / reads[("resident", "one")]["ms"])
