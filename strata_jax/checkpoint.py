@@ -273,7 +273,8 @@ def _rope(f: _Fields, max_position: int) -> tuple[float, RopeScaling | None, int
         if factor is None:
             raise CheckpointError(f"config.json {rope_type} RoPE scaling has no 'factor'")
         # dynamic: the default frequencies up to max_position_embeddings, the longest context.
-        return theta, RopeScaling(rope_type, float(factor), max_position), max_position
+        original = max_position if rope_type == "dynamic" else None
+        return theta, RopeScaling(rope_type, float(factor), original), max_position
     except ValueError as e:
         if isinstance(e, CheckpointError):
             raise
