@@ -155,11 +155,12 @@ def _grouped(q, kvh: int):
 def einsum_attention(q, k, v, mask):
     """Explicit GQA attention. q [T, N, D], k/v [S, KVH, D], mask bool [T, S] -> [T, N, D]."""
     t, n, d = q.shape
+    acc_t = jnp.promote_types(jnp.float32, q.dtype)  # float64 inputs: float64 throughout
     scores = jnp.einsum("tkgd,skd->kgts", _grouped(q, k.shape[1]), k,
-                        preferred_element_type=jnp.float32) / np.sqrt(d)
+                        preferred_element_type=acc_t) / np.sqrt(d)
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [KVH, G, T, S]
-    out = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=acc_t)
     return out.reshape(t, n, d).astype(q.dtype)
 
 
