@@ -291,7 +291,8 @@ def _sliding_window(f: _Fields) -> int | None:
                           "with use_sliding_window, transformers 4.51 windowed only the layers "
                           "from max_window_layers on and later versions every layer; only 0 "
                           "(every layer) is unambiguous")
-        return f.get("sliding_window", 4096)  # transformers' default window
+        # transformers' default window when the key is absent; an explicit null is no window.
+        return f.hf["sliding_window"] if "sliding_window" in f.hf else 4096
     if f.arch == _OLMOE:
         f.only("sliding_window", (None,), "transformers' OLMoE applies a window only in some "
                                           "attention kernels; not implemented")

@@ -262,6 +262,9 @@ def test_sliding_window_fields():
                                   max_window_layers=28)).sliding_window is None
     assert config_from_hf(qwen_hf(use_sliding_window=True, sliding_window=16,
                                   max_window_layers=0)).sliding_window == 16
+    assert config_from_hf(qwen_hf(use_sliding_window=True)).sliding_window == 4096
+    explicit_null = {**qwen_hf(use_sliding_window=True), "sliding_window": None}
+    assert config_from_hf(explicit_null).sliding_window is None
     mixtral = hf_config(small("mixtral-8x7b"), "MixtralForCausalLM")
     assert config_from_hf({**mixtral, "sliding_window": 32}).sliding_window == 32
     assert config_from_hf({**mixtral, "sliding_window": None}).sliding_window is None
