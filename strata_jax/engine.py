@@ -529,18 +529,18 @@ class Engine:
             cache = self._zeros()
         state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
         model = nnx.merge(self._graphdef, state)
+        bucket = width - 2 - int(score)  # a scored chunk's ids hold the token after it too
         source = None
         if self.streamer is not None:
             # begin_chunk first, and the chunk's ids come out of it: nothing of the chunk runs
             # before the issuer and the link are started, wherever XLA would schedule it.
             blobs, frames = resident
-            pieces = self._tail_pieces(mode, width - 2, layer_major=bool(sub))
+            pieces = self._tail_pieces(mode, bucket, layer_major=bool(sub))
             source = StreamedExperts(self.streamer.id, mode, self.config, blobs,
                                      jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
                                      frame_of=self.streamer.frame_of, tail_pieces=pieces,
                                      tail_layer=self.streamer.tail_layer)
             ids = source.ids
-        bucket = width - 2 - int(score)
         tokens, start, n_valid = ids[:bucket], ids[-2], ids[-1]
         start = 0 if first else start
         targets = None
