@@ -326,3 +326,5 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     assert rc == 0
     row, = json.loads(again.read_text())["rows"]
     assert row["over_resident_one"] == pytest.approx(row["ms"] / reads[("resident", "one")]["ms"])
+    assert row["identical_to_resident"] is True  # against the first run's resident read
+    assert row["kv_sha256"] == reads[("resident", "layer-major")]["kv_sha256"]

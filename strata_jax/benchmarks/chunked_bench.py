@@ -20,7 +20,8 @@ Three parts, each optional (`--parts`):
               is that choice; `--no-resident` leaves out a resident arm that does not fit,
               `--resident-ms` then gives the one-chunk time the ratios divide by and the
               first arm's reads are the ones the others must equal (`--resident-json`
-              takes that time from an earlier run's JSON). Each streamed row also has the
+              takes that time, and the resident reads' hashes to compare with, from an
+              earlier run's JSON). Each streamed row also has the
               link floor: its bytes at the ceiling measured from the engine's own store.
   follow-up   A `--turn2`-token turn over a `--turn1`-token session, against a `--turn2`-token
               first chunk, resident; then routed against stream-all (skip share).
@@ -205,9 +206,8 @@ def _pinned_host_rows(args, cfg, params, prompts, orders, hashes, resident_one):
 
 def _reads(eng, prompts, chunk: int, orders):
     """Times each read of `orders` ("one", "chunked", "layer-major") over prompts[1:] after a
-    compile read of prompts[0]: {order: (median ms, last result) or the error's text (a read
-    that does not fit the device)}."""
-    out = {}
+    compile read of prompts[0]: yields (order, (median ms, last result) or the error's text (a
+    read that does not fit the device)) as each order ends."""
     for order in orders:
         kw = ({"order": "chunk-major"} if order == "one" else
               {"order": "chunk-major", "chunk_size": chunk} if order == "chunked" else
@@ -220,10 +220,10 @@ def _reads(eng, prompts, chunk: int, orders):
                 ms, r = _timed(eng, p, **kw)
                 times.append(ms)
         except Exception as e:  # noqa: BLE001 - out of memory on a smaller device: a row
-            out[order] = _error_text(e)
+            yield order, _error_text(e)
             continue
-        out[order] = (statistics.median(times), r)
-    return out
+        yield order, (statistics.median(times), r)
+        del r
 
 
 def prefill_part(args, cfg, params, result, save=lambda: None):
@@ -232,7 +232,8 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
     n = args.long
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.reps_prefill + 1)]
-    hashes, resident_one = {}, args.resident_ms
+    # (order, prompt) -> the reference read's hashes: the resident arm's, or `--resident-json`'s.
+    hashes, resident_one = dict(args.reference_hashes), args.resident_ms
     arms = ([] if args.no_resident else ["resident"]) + [
         a for a in args.arms.split(",") if a != "resident"]
     for arm in arms:
@@ -253,8 +254,8 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                      sub_chunk=args.chunk) as eng:
             made_s = time.perf_counter() - t0
             link = _link_gbps(eng)
-            reads = _reads(eng, prompts, args.chunk, orders)
-            for order, read in reads.items():
+            # Each order's row is saved as it ends: a long run keeps what finished.
+            for order, read in _reads(eng, prompts, args.chunk, orders):
                 if isinstance(read, str):
                     row = {"part": "prefill", "arm": arm, "read": order, "tokens": n,
                            "error": read, "chunk_choice": eng.chunk_choice}
@@ -280,6 +281,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                        # resident arm the first arm's reads are, and are not compared.
                        "identical_to_resident": (None if first_of_order and arm != "resident"
                                                  else h == hashes[(order, len(prompts) - 1)]),
+                       "prompt": len(prompts) - 1, "logits_sha256": h[0], "kv_sha256": h[1],
                        "expert_rows": r.expert_rows, "engine_s": made_s,
                        "chunk_choice": r.chunk_choice, "fallback": r.fallback,
                        "link_gbps": link,
@@ -290,8 +292,8 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                        "peak_rss_over_experts": _over_experts(cfg)}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-            del reads
-        save()  # after each arm: keep what finished if a later arm runs out of time
+                del read, r
+                save()
     result["identical"] = all(r.get("identical_to_resident") is not False
                               and r.get("identical_logits") is not False
                               for r in result["rows"])
@@ -335,19 +337,24 @@ def follow_up_part(args, cfg, params, result):
             print(json.dumps(row), flush=True)
 
 
-def _resident_ms(path: str, tokens: int) -> float:
-    """The resident one-chunk ms of `tokens` tokens in an earlier run's JSON (argparse error
-    where it has none)."""
+def _resident_reference(path: str, tokens: int) -> tuple[float, dict]:
+    """From an earlier run's JSON: the resident one-chunk ms of `tokens` tokens, and its
+    resident reads' hashes {(order, prompt): (logits, kv)} (the same weights and prompts: a
+    run with the same --long and --reps-prefill), which this run's reads must equal. Exits
+    with the reason where it has no such row."""
     try:
         with open(path) as f:
             rows = json.load(f)["rows"]
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--resident-json {path}: cannot read its rows ({e})") from None
-    for row in rows:
-        if (row.get("arm"), row.get("read"), row.get("tokens")) == ("resident", "one", tokens) \
-                and row.get("ms"):
-            return float(row["ms"])
-    raise SystemExit(f"--resident-json {path}: no resident one-chunk row of {tokens} tokens")
+    resident = [r for r in rows if r.get("arm") == "resident" and r.get("tokens") == tokens
+                and r.get("ms")]
+    one = [r for r in resident if r.get("read") == "one"]
+    if not one:
+        raise SystemExit(f"--resident-json {path}: no resident one-chunk row of {tokens} tokens")
+    hashes = {(r["read"], r["prompt"]): (r["logits_sha256"], r["kv_sha256"])
+              for r in resident if "logits_sha256" in r}
+    return float(one[0]["ms"]), hashes
 
 
 def main(argv=None) -> int:
@@ -379,8 +386,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resident-ms", type=float, default=None,
                     help="with --no-resident: the resident one-chunk time to divide by")
     ap.add_argument("--resident-json", default=None,
-                    help="with --no-resident: an earlier run's --json whose resident "
-                         "one-chunk row gives --resident-ms")
+                    help="with --no-resident: an earlier run's --json (same --long and "
+                         "--reps-prefill) whose resident one-chunk row gives --resident-ms and "
+                         "whose resident reads this run's must equal")
     ap.add_argument("--reps", type=int, default=10, help="attention repetitions")
     ap.add_argument("--reps-prefill", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -390,8 +398,10 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
 
+    args.reference_hashes = {}
     if args.resident_json:
-        args.resident_ms = _resident_ms(args.resident_json, args.long)
+        args.resident_ms, args.reference_hashes = _resident_reference(args.resident_json,
+                                                                      args.long)
 
     import jax
 
