@@ -870,43 +870,55 @@ def test_kernels_are_the_engines_static_config(f32_params):
 # BF16 with its first and last layers windowed over 8 positions (Qwen2/3-style layer_types).
 WINDOWED = BF16.replace(sliding_window=8, layer_types=("sliding_attention", "full_attention",
                                                        "sliding_attention"))
-_WINDOW_ARMS = {"routed": StreamConfig(routed=True, depth=2, stream_floor=16, **SLOW),
+_WINDOW_ARMS = {"resident": None,
+                "routed": StreamConfig(routed=True, depth=2, stream_floor=16, **SLOW),
                 "stream-all": StreamConfig(routed=False, stream_floor=16, **SLOW)}
 
 
-def _windowed_reads(params, sc):
+def _windowed_reads(params, arm: str, layer_major: bool):
     """An arm's reads of one 80-token prompt with WINDOWED: chunk-major in chunks of 32, a
-    follow-up turn of 30 over a 50-token session, layer-major in sub-chunks of 16:
-    ({read: (logits, KV hashes)}, the prompt, {read: PrefillResult})."""
+    follow-up turn of 30 over a 50-token session, and with `layer_major` a layer-major read in
+    sub-chunks of 16: ({read: (logits, KV hashes)}, the prompt, {read: PrefillResult})."""
     toks = _tokens(80, seed=31, config=WINDOWED)
-    with Engine(WINDOWED, params, sc, max_context=128, chunk_size=32, sub_chunk=16) as eng:
+    with Engine(WINDOWED, params, _WINDOW_ARMS[arm], max_context=128, chunk_size=32,
+                sub_chunk=16) as eng:
         reads = {"chunk-major": eng.prefill(toks),
-                 "follow-up": eng.prefill(toks[50:], eng.prefill(toks[:50]).session),
-                 "layer-major": eng.prefill(toks, order="layer-major")}
-    if sc is not None:
+                 "follow-up": eng.prefill(toks[50:], eng.prefill(toks[:50]).session)}
+        if layer_major:
+            reads["layer-major"] = eng.prefill(toks, order="layer-major")
+    if arm != "resident":
         assert [c.stats.mode for c in reads["chunk-major"].chunks] == ["stream"] * 3
     return {k: (r.logits_sha256(), r.kv_sha256()) for k, r in reads.items()}, toks, reads
 
 
 @pytest.fixture(scope="module")
 def windowed_resident(bf16_params):
-    return _windowed_reads(bf16_params, None)
+    return _windowed_reads(bf16_params, "resident", layer_major=False)
 
 
-def test_windowed_layers_match_the_float64_reference(bf16_params, windowed_resident):
+def _check_windowed_reference(params, toks, reads):
     from strata_jax.reference import reference_forward
 
-    _, toks, reads = windowed_resident
-    want, _ = reference_forward(WINDOWED, bf16_params, toks)
-    full, _ = reference_forward(BF16, bf16_params, toks)
+    want, _ = reference_forward(WINDOWED, params, toks)
+    full, _ = reference_forward(BF16, params, toks)
     assert np.abs(full[-1] - want[-1]).max() > 0.5  # the window changes the last logits
     for name, r in reads.items():
         assert_close(r.logits, want[-1], BF16.dtype, err_msg=name)
 
 
-@pytest.mark.parametrize("arm", ["routed", pytest.param("stream-all", marks=pytest.mark.slow)])
-def test_windowed_layers_same_bits_in_every_arm(bf16_params, windowed_resident, arm):
-    # Chunk-major, a follow-up turn and layer-major with windowed and full layers: the streamed
-    # arm's logits and KV cache are the resident arm's, bit for bit.
-    hashes, _, _ = _windowed_reads(bf16_params, _WINDOW_ARMS[arm])
+def test_windowed_layers_match_the_float64_reference(bf16_params, windowed_resident):
+    _check_windowed_reference(bf16_params, *windowed_resident[1:])
+
+
+def test_windowed_layers_same_bits_in_the_routed_arm(bf16_params, windowed_resident):
+    # Chunk-major and a follow-up turn with windowed and full layers: the routed arm's logits
+    # and KV cache are the resident arm's, bit for bit.
+    hashes, _, _ = _windowed_reads(bf16_params, "routed", layer_major=False)
     assert hashes == windowed_resident[0]
+
+
+@pytest.mark.slow  # the routed arm's chunk-major and follow-up reads in the default run
+def test_windowed_layers_same_bits_in_every_arm_and_order(bf16_params):
+    seen = {arm: _windowed_reads(bf16_params, arm, layer_major=True) for arm in _WINDOW_ARMS}
+    assert seen["stream-all"][0] == seen["resident"][0] == seen["routed"][0]
+    _check_windowed_reference(bf16_params, *seen["resident"][1:])
