@@ -10,13 +10,13 @@ from .experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_
                       unpack_expert_blobs)
 from .model import KVCache, MoETransformer, build_model, forward, init_cache
 from .profile import ExpertProfile
-from .synthetic import SKEW_40_PERCENT_512_TOP10, init_synthetic
+from .synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams, init_synthetic
 
 __all__ = [
     "PRESETS", "ModelConfig", "get_preset", "ExpertSource", "ExpertWeights", "ResidentExperts",
     "pack_expert_blobs", "unpack_expert_blobs", "KVCache", "MoETransformer", "build_model",
-    "forward", "init_cache", "SKEW_40_PERCENT_512_TOP10", "init_synthetic", "Engine",
-    "StreamConfig", "StreamTuning", "Session", "ExpertProfile", "Kernels",
+    "forward", "init_cache", "SKEW_40_PERCENT_512_TOP10", "init_synthetic", "SyntheticParams",
+    "Engine", "StreamConfig", "StreamTuning", "Session", "ExpertProfile", "Kernels",
 ]
 __version__ = "0.1.0"
 

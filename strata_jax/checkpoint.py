@@ -3,12 +3,16 @@
 Guards against putting every expert on the device (a 235B model's experts do not fit) and against
 silent mis-mapping: every tensor is looked up by its exact Hugging Face name and checked against the
 expected shape; a missing or misshaped tensor, or an unknown architecture, is a `CheckpointError`
-naming it before anything reaches the device.
+naming it before anything reaches the device. And against a model that is silently another one:
+every config.json field is honoured, refused with its value, or known to have no effect on the
+logits (`FIELDS`, `IGNORED_FIELDS`; the transformers 4 and 5 spellings are both read), and a
+tensor in the files that the load does not read is an error.
 
 Non-expert weights come back as a flat dict of NumPy arrays (model layout: projections as
-[in, out]); routed experts go to a `HostExpertStore`, one contiguous blob per expert in host
-memory, which the model can put on the device (`build_model(..., experts=store.as_mapping())`) or a
-streaming engine can copy from.
+[in, out]); routed experts as a `CheckpointExperts`, checked but left in the files until used:
+a streaming engine reads them straight into its host store (`Engine(..., experts=
+ckpt.experts.as_mapping())`), a resident model onto the device, one tensor at a time, so host RAM
+never holds them twice. `HostExpertStore` keeps every expert in host memory as blobs.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from tqdm.auto import tqdm
 
 from strata_jax.config import ModelConfig, _DTYPES
 from strata_jax.experts import ExpertWeights, blob_size, unpack_expert_blobs_np
+from strata_jax.rope import RopeScaling, rope_frequencies
 
 
 class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded: missing/misshaped tensor, unknown architecture, bad files."""
+    """A checkpoint cannot be loaded: missing/misshaped/unused tensor, unknown architecture, a
+    config.json field this engine does not implement, bad files."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +43,128 @@ class _Arch:
     router: str  # router tensor under the MoE prefix
     expert_names: tuple[str, str, str]  # gate, up, down under experts.{e}.
     qk_norm: str
+    model_type: str  # config.json's model_type for this architecture
+    rope_theta: float  # transformers' default when config.json gives none
+    rms_norm_eps: float
+    max_position_embeddings: int
+    norm_topk_prob: bool
 
 
+_QWEN3, _MIXTRAL, _OLMOE = "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"
+
+# Defaults are transformers' own for a field config.json leaves out.
 ARCHITECTURES: dict[str, _Arch] = {
-    "Qwen3MoeForCausalLM": _Arch("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "per_head"),
-    "MixtralForCausalLM": _Arch("block_sparse_moe", "gate", ("w1", "w3", "w2"), "none"),
-    "OlmoeForCausalLM": _Arch("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "full"),
+    _QWEN3: _Arch("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "per_head", "qwen3_moe",
+                  10_000.0, 1e-6, 32_768, False),
+    # Mixtral renormalises its top-k weights always (it has no norm_topk_prob field).
+    _MIXTRAL: _Arch("block_sparse_moe", "gate", ("w1", "w3", "w2"), "none", "mixtral",
+                    1_000_000.0, 1e-5, 131_072, True),
+    _OLMOE: _Arch("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "full", "olmoe",
+                  10_000.0, 1e-5, 4096, False),
 }
+
+# ---- config.json fields: each one honoured, refused or of no effect, in one place ---------------
+
+HONOURED, NO_EFFECT = "honoured", "no effect"
+_ALL = (_QWEN3, _MIXTRAL, _OLMOE)
+
+
+def _each(status: str, archs=_ALL) -> dict[str, str]:
+    return {a: status for a in archs}
+
+
+# Field -> architecture -> how the loader treats it: "honoured" (read and implemented), "refused
+# unless ..." (any other value is a CheckpointError naming it), "no effect" (does not change the
+# logits). A field an architecture's entry leaves out is not one of its fields (transformers would
+# ignore it): a config.json that carries it is refused. docs/CHECKPOINTS.md shows this table.
+FIELDS: dict[str, dict[str, str]] = {
+    "architectures": _each("honoured: picks the architecture"),
+    "model_type": _each("refused unless it names the architecture"),
+    "vocab_size": _each(HONOURED),
+    "hidden_size": _each(HONOURED),
+    "num_hidden_layers": _each(HONOURED),
+    "num_attention_heads": _each(HONOURED),
+    "num_key_value_heads": _each(HONOURED),
+    "head_dim": _each(HONOURED),
+    "num_experts": _each("honoured (either spelling; refused if they differ)"),
+    "num_local_experts": _each("honoured (either spelling; refused if they differ)"),
+    "num_experts_per_tok": _each(HONOURED),
+    "moe_intermediate_size": _each(HONOURED, (_QWEN3,)),
+    "intermediate_size": {_QWEN3: "no effect (dense MLP width; every layer is MoE)",
+                          _MIXTRAL: HONOURED, _OLMOE: HONOURED},
+    "norm_topk_prob": {_QWEN3: HONOURED, _OLMOE: HONOURED,
+                       _MIXTRAL: "refused unless true (Mixtral always renormalises)"},
+    "decoder_sparse_step": _each("refused unless 1 (dense layers)", (_QWEN3,)),
+    "mlp_only_layers": _each("refused unless empty (dense layers)", (_QWEN3,)),
+    "hidden_act": _each("honoured: silu (swish); others refused"),
+    "rms_norm_eps": _each(HONOURED),
+    "tie_word_embeddings": _each(HONOURED),
+    "max_position_embeddings": _each("honoured: longest context (yarn: factor x original)"),
+    "rope_theta": _each("honoured (4.x spelling; refused if it differs from rope_parameters')"),
+    "rope_scaling": _each("honoured: default, linear, dynamic (up to max_position_embeddings),"
+                          " yarn; other types refused"),
+    "rope_parameters": _each("honoured (5.x spelling): as rope_theta and rope_scaling"),
+    "partial_rotary_factor": _each("refused unless 1"),
+    "attention_bias": {_QWEN3: HONOURED, _OLMOE: HONOURED,
+                       _MIXTRAL: "refused unless false (Mixtral has no attention biases)"},
+    "clip_qkv": _each("refused unless null", (_OLMOE,)),
+    "use_sliding_window": _each("honoured: sliding_window in every layer", (_QWEN3,)),
+    "sliding_window": {_QWEN3: "honoured when use_sliding_window", _MIXTRAL: HONOURED,
+                       _OLMOE: "refused unless null (transformers applies it only in some "
+                               "attention kernels)"},
+    "max_window_layers": _each("no effect unless use_sliding_window; then refused unless 0 "
+                               "(transformers versions disagree)", (_QWEN3,)),
+    "dtype": _each("honoured: parameter dtype (param_dtype= overrides)"),
+    "torch_dtype": _each("honoured: parameter dtype (4.x spelling)"),
+    "router_jitter_noise": _each("no effect (training only)", (_MIXTRAL,)),
+    "quantization_config": _each("refused (quantized weights are not implemented)"),
+    "pruned_heads": _each("refused unless empty"),
+    "is_encoder_decoder": _each("refused unless false"),
+    "add_cross_attention": _each("refused unless false"),
+}
+
+# Fields that do not change the logits of any supported architecture: bookkeeping, token ids,
+# training-only settings (dropout, router losses, initialisation) and the generation defaults
+# transformers 4 wrote into config.json.
+IGNORED_FIELDS: frozenset[str] = frozenset({
+    "_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset",
+    "use_cache", "initializer_range", "attention_dropout", "output_router_logits",
+    "router_aux_loss_coef", "gradient_checkpointing",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "tokenizer_class", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
+    "prefix", "task_specific_params", "return_dict", "output_hidden_states", "output_attentions",
+    "torchscript", "use_bfloat16", "tf_legacy_loss", "chunk_size_feed_forward", "is_decoder",
+    "cross_attention_hidden_size", "tie_encoder_decoder",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+})
+
+# RoPE scaling keys each rope type reads (besides rope_type / type, rope_theta and
+# partial_rotary_factor, read for every type).
+_ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor",
+                       "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
+}
+
+
+def fields_markdown() -> str:
+    """The field table of docs/CHECKPOINTS.md, from `FIELDS` and `IGNORED_FIELDS`."""
+    names = {_QWEN3: "Qwen3-MoE", _MIXTRAL: "Mixtral", _OLMOE: "OLMoE"}
+    lines = ["| field | " + " | ".join(names[a] for a in _ALL) + " |",
+             "|---|" + "---|" * len(_ALL)]
+    for field, per in FIELDS.items():
+        cells = [per.get(a, "refused (not a field)") for a in _ALL]
+        lines.append(f"| `{field}` | " + " | ".join(cells) + " |")
+    lines.append(f"| {', '.join(f'`{f}`' for f in sorted(IGNORED_FIELDS))} | "
+                 + " | ".join([NO_EFFECT] * len(_ALL)) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _architecture(hf: Mapping) -> str:
@@ -56,53 +177,202 @@ def _architecture(hf: Mapping) -> str:
         f"{', '.join(ARCHITECTURES)}")
 
 
+def _refuse(field: str, value, why: str) -> CheckpointError:
+    return CheckpointError(f"config.json {field}={value!r}: {why}")
+
+
+class _Fields:
+    """Reads config.json for one architecture: required fields, spellings, refusals."""
+
+    def __init__(self, hf: Mapping, arch: str):
+        self.hf, self.arch = hf, arch
+        unknown = sorted(k for k in hf if k not in IGNORED_FIELDS
+                         and arch not in FIELDS.get(k, {}))
+        if unknown:
+            shown = ", ".join(f"{k}={hf[k]!r}" for k in unknown[:8])
+            raise CheckpointError(
+                f"config.json field(s) {shown} are not fields of {arch} this loader knows; it "
+                "refuses what it cannot tell has no effect (see docs/CHECKPOINTS.md). If they do "
+                "not change the model's math, remove them from config.json")
+
+    def get(self, key: str, default=None):
+        value = self.hf.get(key)
+        return default if value is None else value
+
+    def need(self, key: str):
+        if self.hf.get(key) is None:
+            raise CheckpointError(f"config.json has no {key!r}, which {self.arch} needs")
+        return self.hf[key]
+
+    def only(self, key: str, allowed, why: str):
+        """Refuses `key` unless it is absent or one of `allowed`."""
+        if key in self.hf and self.hf[key] not in allowed:
+            raise _refuse(key, self.hf[key], why)
+
+    def one_of(self, *keys: str, required: bool = True):
+        """The value of whichever spelling is given; refused if two spellings disagree."""
+        given = {k: self.hf[k] for k in keys if self.hf.get(k) is not None}
+        if len({json.dumps(v, sort_keys=True) for v in given.values()}) > 1:
+            raise CheckpointError(f"config.json spellings disagree: {given}")
+        if not given:
+            if required:
+                raise CheckpointError(f"config.json has none of {keys}, which {self.arch} needs")
+            return None
+        return next(iter(given.values()))
+
+
+def _rope(f: _Fields, max_position: int) -> tuple[float, RopeScaling | None, int]:
+    """(theta, scaling, longest context) from both spellings: transformers 4's rope_theta and
+    rope_scaling, transformers 5's rope_parameters (rope_theta, rope_type and scaling keys)."""
+    params = dict(f.get("rope_parameters", {}))
+    legacy = dict(f.get("rope_scaling", {}))
+    for name, d in (("rope_parameters", params), ("rope_scaling", legacy)):
+        nested = [k for k, v in d.items() if isinstance(v, dict)]
+        if nested:
+            raise _refuse(name, f.hf[name], f"RoPE parameters per layer type ({nested}) are not "
+                                            "implemented")
+    merged = {**params}
+    for key, value in legacy.items():
+        if key in merged and merged[key] != value:
+            raise CheckpointError(f"config.json rope_scaling[{key!r}]={value!r} and "
+                                  f"rope_parameters[{key!r}]={merged[key]!r} disagree")
+        merged[key] = value
+    thetas = {v for v in (f.hf.get("rope_theta"), merged.pop("rope_theta", None)) if v is not None}
+    if len(thetas) > 1:
+        raise CheckpointError(f"config.json gives two RoPE bases: rope_theta="
+                              f"{f.hf.get('rope_theta')!r} and rope_parameters' {sorted(thetas)}")
+    theta = float(thetas.pop()) if thetas else ARCHITECTURES[f.arch].rope_theta
+    types = {v for v in (merged.pop("rope_type", None), merged.pop("type", None)) if v is not None}
+    if len(types) > 1:
+        raise CheckpointError(f"config.json RoPE type and rope_type disagree: {sorted(types)}")
+    rope_type = types.pop() if types else "default"
+    partial = merged.pop("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise _refuse("partial_rotary_factor", partial, "partial rotary embeddings are not "
+                                                        "implemented")
+    if rope_type not in _ROPE_KEYS:
+        raise _refuse("rope_type", rope_type, f"RoPE scaling {rope_type!r} is not implemented; "
+                                              f"implemented: {', '.join(_ROPE_KEYS)}")
+    extra = sorted(set(merged) - _ROPE_KEYS[rope_type])
+    if extra:
+        raise CheckpointError(f"config.json RoPE parameters {extra} are not read by rope_type "
+                              f"{rope_type!r} (it reads {sorted(_ROPE_KEYS[rope_type])})")
+    if rope_type == "default":
+        return theta, None, max_position
+    factor = merged.get("factor")
+    try:
+        if rope_type == "yarn":
+            original = int(merged.get("original_max_position_embeddings") or max_position)
+            if factor is None:  # transformers 5: the ratio of the two lengths
+                factor = max_position / original
+            scaling = RopeScaling(
+                "yarn", float(factor), original, merged.get("attention_factor"),
+                merged.get("beta_fast"), merged.get("beta_slow"), merged.get("mscale"),
+                merged.get("mscale_all_dim"), bool(merged.get("truncate", True)))
+            return theta, scaling, max(max_position, int(factor * original))
+        if factor is None:
+            raise CheckpointError(f"config.json {rope_type} RoPE scaling has no 'factor'")
+        # dynamic: the default frequencies up to max_position_embeddings, the longest context.
+        original = max_position if rope_type == "dynamic" else None
+        return theta, RopeScaling(rope_type, float(factor), original), max_position
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json RoPE scaling {merged | {'rope_type': rope_type}}: "
+                              f"{e}") from None
+
+
+def _sliding_window(f: _Fields) -> int | None:
+    if f.arch == _QWEN3:
+        if not f.get("use_sliding_window", False):
+            return None  # transformers drops sliding_window and max_window_layers then
+        if f.get("max_window_layers", 0) != 0:
+            raise _refuse("max_window_layers", f.hf["max_window_layers"],
+                          "with use_sliding_window, transformers 4.51 windowed only the layers "
+                          "from max_window_layers on and later versions every layer; only 0 "
+                          "(every layer) is unambiguous")
+        # transformers' default window when the key is absent; an explicit null is no window.
+        return f.hf["sliding_window"] if "sliding_window" in f.hf else 4096
+    if f.arch == _OLMOE:
+        f.only("sliding_window", (None,), "transformers' OLMoE applies a window only in some "
+                                          "attention kernels; not implemented")
+        return None
+    return f.get("sliding_window")
+
+
 def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfig:
     """Builds a `ModelConfig` from a Hugging Face config.json dict.
 
+    Every field is honoured, refused or known to have no effect (`FIELDS`, `IGNORED_FIELDS`);
+    both spellings of transformers 4 and 5 are read (rope_theta / rope_scaling and
+    rope_parameters; num_experts and num_local_experts; torch_dtype and dtype).
+
     Args:
         hf: parsed config.json.
-        param_dtype: overrides the checkpoint's torch_dtype.
+        param_dtype: overrides the checkpoint's dtype.
 
     Raises:
-        CheckpointError: unknown architecture or a layout this model does not express.
+        CheckpointError: unknown architecture, a missing field, or a field or value this engine
+            does not implement (named with its value).
     """
     arch = _architecture(hf)
-    if arch == "Qwen3MoeForCausalLM":
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            raise CheckpointError(
-                "Qwen3-MoE checkpoints with dense layers (mlp_only_layers / decoder_sparse_step != 1)"
-                " are not supported")
-        n_experts, inter = hf["num_experts"], hf["moe_intermediate_size"]
-    elif arch == "MixtralForCausalLM":
-        n_experts, inter = hf["num_local_experts"], hf["intermediate_size"]
+    a = ARCHITECTURES[arch]
+    f = _Fields(hf, arch)
+    f.only("model_type", (a.model_type,), f"{arch} checkpoints have model_type {a.model_type!r}")
+    f.only("hidden_act", ("silu", "swish"), "only SiLU-gated experts (silu, swish) are "
+                                            "implemented")
+    f.only("quantization_config", (None,), "quantized checkpoints are not implemented")
+    f.only("pruned_heads", ({}, None), "pruned attention heads are not implemented")
+    f.only("is_encoder_decoder", (False,), "a decoder-only model has no encoder")
+    f.only("add_cross_attention", (False,), "cross-attention is not implemented")
+    f.only("attention_bias", (False, True) if arch != _MIXTRAL else (False,),
+           "Mixtral has no attention biases")
+    if arch == _QWEN3:
+        f.only("mlp_only_layers", ([], None), "dense MLP layers in a Qwen3-MoE checkpoint are "
+                                              "not implemented")
+        f.only("decoder_sparse_step", (1,), "dense MLP layers in a Qwen3-MoE checkpoint are "
+                                            "not implemented")
+        inter = f.need("moe_intermediate_size")
     else:
-        if hf.get("clip_qkv") is not None:
-            raise CheckpointError(f"OLMoE clip_qkv={hf['clip_qkv']} is not supported")
-        n_experts, inter = hf["num_experts"], hf["intermediate_size"]
-    dtype = param_dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
+        inter = f.need("intermediate_size")
+    if arch == _MIXTRAL:
+        f.only("norm_topk_prob", (True,), "Mixtral always renormalises its top-k weights")
+    if arch == _OLMOE:
+        f.only("clip_qkv", (None,), "clipping q/k/v is not implemented")
+    n_experts = f.one_of("num_experts", "num_local_experts")
+    dtype = param_dtype or str(f.one_of("dtype", "torch_dtype", required=False) or "bfloat16")
     if dtype not in _DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    heads = hf["num_attention_heads"]
-    return ModelConfig(
-        name=str(hf.get("_name_or_path") or hf.get("model_type") or arch),
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        n_experts=n_experts,
-        top_k=hf["num_experts_per_tok"],
-        expert_intermediate=inter,
-        # Mixtral has no norm_topk_prob key: its softmax-then-renormalise is norm_topk_prob=True.
-        norm_topk_prob=bool(hf.get("norm_topk_prob", arch == "MixtralForCausalLM")),
-        qk_norm=ARCHITECTURES[arch].qk_norm,
-        rope_theta=float(hf.get("rope_theta", 10_000.0)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=hf.get("max_position_embeddings", 32_768),
-        param_dtype=dtype,
-    )
+    heads = f.need("num_attention_heads")
+    hidden = f.need("hidden_size")
+    max_position = int(f.get("max_position_embeddings", a.max_position_embeddings))
+    theta, scaling, longest = _rope(f, max_position)
+    try:
+        return ModelConfig(
+            name=str(f.get("_name_or_path") or f.get("model_type") or arch),
+            vocab_size=f.need("vocab_size"),
+            hidden_size=hidden,
+            n_layers=f.need("num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=f.get("num_key_value_heads", heads),
+            head_dim=f.get("head_dim", hidden // heads),
+            n_experts=n_experts,
+            top_k=f.need("num_experts_per_tok"),
+            expert_intermediate=inter,
+            norm_topk_prob=bool(f.get("norm_topk_prob", a.norm_topk_prob)),
+            qk_norm=a.qk_norm,
+            attention_bias=bool(f.get("attention_bias", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            sliding_window=_sliding_window(f),
+            rms_norm_eps=float(f.get("rms_norm_eps", a.rms_norm_eps)),
+            tie_embeddings=bool(f.get("tie_word_embeddings", False)),
+            max_seq_len=longest,
+            param_dtype=dtype,
+        )
+    except ValueError as e:
+        raise CheckpointError(f"config.json describes a model this engine cannot build: {e}"
+                              ) from None
 
 
 class HostExpertStore:
@@ -156,6 +426,105 @@ class HostExpertStore:
         return {l: self.layer(l) for l in self.layers}
 
 
+class CheckpointExperts(Mapping[str, np.ndarray]):
+    """A checkpoint's routed experts, read from its safetensors files when asked for.
+
+    name -> tensor in the model's layout ("layers.3.mlp.gate": [E, H, I], "...up": [E, H, I],
+    "...down": [E, I, H]), read when asked for and not kept. `fill(name, out)` reads each
+    expert's tensor straight into `out`, transposed from the file's [out, in] one expert at a
+    time: how an engine's host store takes them (`as_mapping`, `strata_jax.weights`), so no
+    copy of every expert exists outside the store. Each read opens the files it needs and
+    closes them after: a held safetensors handle keeps every page it has read mapped in the
+    process (its resident set would grow by the checkpoint's size).
+
+    Made by `load_checkpoint`, which has checked every expert tensor's name and shape.
+    """
+
+    def __init__(self, config: ModelConfig, arch: _Arch, files: Mapping[str, str]):
+        from strata_jax.model import expert_param_names  # deferred: keeps this module light
+
+        self.config = config
+        self._arch = arch
+        self._files = dict(files)  # Hugging Face name -> the file that holds it
+        self._names = {n: (l, f) for l in config.moe_layers
+                       for f, n in zip(ExpertWeights._fields, expert_param_names(config, l))}
+
+    @staticmethod
+    def hf_names(config: ModelConfig, arch: _Arch, layer: int, field: str) -> list[str]:
+        """The Hugging Face names of `layer`'s `field` ("gate", "up", "down") tensors, one per
+        expert, each [out, in]: gate and up [I, H], down [H, I]."""
+        hf = dict(zip(ExpertWeights._fields, arch.expert_names))[field]
+        base = f"model.layers.{layer}.{arch.moe_prefix}.experts."
+        return [f"{base}{e}.{hf}.weight" for e in range(config.n_experts)]
+
+    def _shape(self, field: str) -> tuple[int, int, int]:
+        c = self.config
+        return ((c.n_experts, c.expert_intermediate, c.hidden_size) if field == "down" else
+                (c.n_experts, c.hidden_size, c.expert_intermediate))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        _, field = self._names[name]
+        out = np.empty(self._shape(field), self.config.dtype)
+        self.fill(name, out)
+        return out
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def fill(self, name: str, out: np.ndarray) -> None:
+        """Reads tensor `name` into `out` ([E, H, I], or [E, I, H] for down; cast to its
+        dtype), one expert at a time, each file opened once."""
+        layer, field = self._names[name]
+        if tuple(out.shape) != self._shape(field):
+            raise ValueError(f"parameter {name!r} has shape {self._shape(field)}; the array to "
+                             f"fill has {tuple(out.shape)}")
+        by_file: dict[str, list[tuple[int, str]]] = {}
+        for e, hf in enumerate(self.hf_names(self.config, self._arch, layer, field)):
+            by_file.setdefault(self._files[hf], []).append((e, hf))
+        for path, items in by_file.items():
+            with safe_open(path, framework="numpy") as handle:
+                for e, hf in items:
+                    out[e] = handle.get_tensor(hf).T  # [out, in] -> [in, out]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """MoE layer indices."""
+        return tuple(self.config.moe_layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every expert in the parameter dtype (what a host store of them holds)."""
+        return self.config.expert_bytes_total
+
+    def layer(self, layer: int) -> ExpertWeights:
+        """`layer`'s experts read now (new arrays)."""
+        from strata_jax.model import expert_param_names
+
+        return ExpertWeights(*(self[n] for n in expert_param_names(self.config, layer)))
+
+    def blobs(self, layer: int) -> np.ndarray:
+        """`layer`'s experts read now into new [E, 3*H*I] blobs (`strata_jax.experts`)."""
+        c = self.config
+        out = np.empty((c.n_experts, blob_size(c.hidden_size, c.expert_intermediate)), c.dtype)
+        self.as_mapping()[layer].fill(
+            unpack_expert_blobs_np(out, c.hidden_size, c.expert_intermediate))
+        return out
+
+    def as_mapping(self) -> dict:
+        """layer -> `weights.LazyExperts` (read when used), for `Engine(experts=...)` and
+        `build_model(..., experts=...)`."""
+        from strata_jax.model import expert_param_names
+        from strata_jax.weights import LazyExperts
+
+        return {l: LazyExperts(self, expert_param_names(self.config, l)) for l in self.layers}
+
+
 @dataclasses.dataclass
 class LoadedCheckpoint:
     """Result of `load_checkpoint`.
@@ -163,12 +532,12 @@ class LoadedCheckpoint:
     Attributes:
         config: model config derived from config.json.
         params: flat name -> NumPy array for every non-expert parameter (model layout).
-        experts: host-side routed experts.
+        experts: the routed experts, read from the files when used (`CheckpointExperts`).
     """
 
     config: ModelConfig
     params: dict[str, np.ndarray]
-    experts: HostExpertStore
+    experts: CheckpointExperts
 
     def build_model(self, *, resident_experts: bool = True):
         """The model with non-expert params on the device, and experts too when resident."""
@@ -192,8 +561,10 @@ class _Tensors:
         else:
             raise CheckpointError(
                 f"{directory}: neither model.safetensors.index.json nor model.safetensors exists")
+        self._directory = directory
         self._handles = {}
         self._where: dict[str, str] = {}
+        self._taken: set[str] = set()
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         for name in files:
             path = os.path.join(directory, name)
@@ -211,7 +582,37 @@ class _Tensors:
         actual = tuple(handle.get_slice(name).get_shape())
         if actual != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {actual}, expected {tuple(shape)}")
+        self._taken.add(name)
         return handle.get_tensor(name)
+
+    def path(self, name: str, shape: tuple[int, ...]) -> str:
+        """The file that holds tensor `name`, checked and counted as `get` does, without
+        reading the tensor (`CheckpointExperts` reads it when it is used)."""
+        if name not in self._where:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {shape})")
+        actual = tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        if actual != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {actual}, expected {tuple(shape)}")
+        self._taken.add(name)
+        return os.path.join(self._directory, self._where[name])
+
+    def names(self) -> list[str]:
+        """Every tensor name in the files."""
+        return list(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def check_all_taken(self) -> None:
+        """Refuses tensors no step of the load read: weights the model would silently drop."""
+        unused = sorted(set(self._where) - self._taken)
+        if unused:
+            shown = ", ".join(repr(n) for n in unused[:5])
+            more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+            raise CheckpointError(
+                f"{len(unused)} tensor(s) in the checkpoint are not used by the model config.json "
+                f"describes: {shown}{more}; a config field that should bring them in is missing, "
+                "or the checkpoint is not the architecture it names")
 
 
 def _layer_plan(config: ModelConfig, arch: _Arch, layer: int
@@ -223,6 +624,10 @@ def _layer_plan(config: ModelConfig, arch: _Arch, layer: int
     for proj, out_dim in (("q_proj", c.q_dim), ("k_proj", c.kv_dim), ("v_proj", c.kv_dim)):
         yield ours + f"attn.{proj}", hf + f"self_attn.{proj}.weight", (out_dim, c.hidden_size), True
     yield ours + "attn.o_proj", hf + "self_attn.o_proj.weight", (c.hidden_size, c.q_dim), True
+    if c.attention_bias:
+        for proj, out_dim in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim),
+                              ("o", c.hidden_size)):
+            yield ours + f"attn.{proj}_bias", hf + f"self_attn.{proj}_proj.bias", (out_dim,), False
     if c.qk_norm != "none":
         q_dim, k_dim = ((c.head_dim, c.head_dim) if c.qk_norm == "per_head" else (c.q_dim, c.kv_dim))
         yield ours + "attn.q_norm.weight", hf + "self_attn.q_norm.weight", (q_dim,), False
@@ -231,9 +636,34 @@ def _layer_plan(config: ModelConfig, arch: _Arch, layer: int
            (c.n_experts, c.hidden_size), True)
 
 
+def _check_tied_head(tensors: _Tensors, embed: np.ndarray, c: ModelConfig) -> None:
+    """With tie_word_embeddings an lm_head.weight in the files must equal the embedding (the
+    model uses the embedding)."""
+    head = tensors.get("lm_head.weight", (c.vocab_size, c.hidden_size)).astype(c.dtype)
+    if not np.array_equal(head, embed):
+        raise CheckpointError("config.json tie_word_embeddings=true, but lm_head.weight differs "
+                              "from model.embed_tokens.weight")
+
+
+def _check_rope_buffers(tensors: _Tensors, c: ModelConfig) -> None:
+    """Rotary frequency buffers some checkpoints carry (`...rotary_emb.inv_freq`) must match
+    the frequencies config.json gives (the model computes its own)."""
+    inv_freq = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)[0]
+    for name in tensors.names():
+        if name.endswith("rotary_emb.inv_freq"):
+            saved = tensors.get(name, inv_freq.shape).astype(np.float64)
+            if not np.allclose(saved, inv_freq, rtol=1e-5, atol=0.0):
+                raise CheckpointError(
+                    f"tensor {name!r} holds RoPE frequencies that differ from config.json's "
+                    f"(rope_theta={c.rope_theta}, rope_scaling={c.rope_scaling})")
+
+
 def load_checkpoint(directory: str, *, param_dtype: str | None = None,
                     progress: bool = True) -> LoadedCheckpoint:
-    """Loads a Hugging Face safetensors checkpoint directory into host memory.
+    """Loads a Hugging Face safetensors checkpoint directory: the non-expert weights into host
+    memory, the routed experts checked and left in the files until used (`CheckpointExperts`:
+    an engine reads them straight into its host store, or onto the device, one tensor at a
+    time).
 
     Args:
         directory: holds config.json and model.safetensors(.index.json) plus shards.
@@ -268,24 +698,25 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
     }
     if not c.tie_embeddings:
         params["lm_head"] = take("lm_head.weight", (c.vocab_size, c.hidden_size), True)
-    store = HostExpertStore.empty(config)
-    hi = c.hidden_size * c.expert_intermediate
+    elif tensors.has("lm_head.weight"):
+        _check_tied_head(tensors, params["embed"], c)
+    _check_rope_buffers(tensors, c)
+    # The experts are only checked here (names, shapes: the file headers) and read when used:
+    # an engine's host store takes them straight from the files (CheckpointExperts).
+    files: dict[str, str] = {}
+    shapes = {"gate": (c.expert_intermediate, c.hidden_size),
+              "up": (c.expert_intermediate, c.hidden_size),
+              "down": (c.hidden_size, c.expert_intermediate)}
     bar = tqdm(range(c.n_layers), desc="loading layers", unit="layer", disable=not progress)
     for layer in bar:
         for ours, hf_name, shape, transpose in _layer_plan(c, arch, layer):
             params[ours] = take(hf_name, shape, transpose)
-        blobs = store.blobs(layer)
-        base = f"model.layers.{layer}.{arch.moe_prefix}.experts."
-        gate_name, up_name, down_name = arch.expert_names
-        for e in range(c.n_experts):
-            # HF stores [out, in]: gate/up [I, H] -> [H, I], down [H, I] -> [I, H].
-            blobs[e, :hi] = tensors.get(f"{base}{e}.{gate_name}.weight",
-                                        (c.expert_intermediate, c.hidden_size)).T.ravel()
-            blobs[e, hi:2 * hi] = tensors.get(f"{base}{e}.{up_name}.weight",
-                                              (c.expert_intermediate, c.hidden_size)).T.ravel()
-            blobs[e, 2 * hi:] = tensors.get(f"{base}{e}.{down_name}.weight",
-                                            (c.hidden_size, c.expert_intermediate)).T.ravel()
-    return LoadedCheckpoint(config, params, store)
+        if layer in c.moe_layers:
+            for field, shape in shapes.items():
+                for hf_name in CheckpointExperts.hf_names(c, arch, layer, field):
+                    files[hf_name] = tensors.path(hf_name, shape)
+    tensors.check_all_taken()
+    return LoadedCheckpoint(config, params, CheckpointExperts(config, arch, files))
 
 
 def load_model(directory: str, *, resident_experts: bool = True, param_dtype: str | None = None,
@@ -300,6 +731,7 @@ def load_model(directory: str, *, resident_experts: bool = True, param_dtype: st
 
 
 __all__: list[str] = [
-    "ARCHITECTURES", "CheckpointError", "HostExpertStore", "LoadedCheckpoint", "config_from_hf",
+    "ARCHITECTURES", "CheckpointError", "CheckpointExperts", "FIELDS", "HostExpertStore",
+    "IGNORED_FIELDS", "LoadedCheckpoint", "config_from_hf", "fields_markdown",
     "load_checkpoint", "load_model",
 ]

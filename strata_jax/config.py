@@ -15,6 +15,8 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
+from strata_jax.rope import RopeScaling
+
 _DTYPES = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -24,6 +26,8 @@ _DTYPES = {
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 QK_NORMS = ("none", "per_head", "full")
+# Attention kinds a layer may have (Hugging Face `layer_types` spelling).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +59,20 @@ class ModelConfig:
         topk_groups: Groups kept per token when `n_groups > 1` (DeepSeek-V3: 4).
         qk_norm: "none", "per_head" (Qwen3: RMSNorm over each head's D) or "full" (OLMoE: RMSNorm over
             the whole q / k projection).
+        attention_bias: The q, k, v and o projections add a bias (Hugging Face
+            `attention_bias`: Qwen3-MoE, OLMoE); q/k biases come before the q/k norm.
         rope_theta: RoPE base.
+        rope_scaling: Context-extension scaling of the RoPE frequencies (`strata_jax.rope`:
+            linear, dynamic, yarn); None: plain RoPE.
+        sliding_window: Sliding-window attention: a query at position q sees the keys at
+            positions q - sliding_window < k <= q (itself and the sliding_window - 1 before it;
+            Hugging Face's masking_utils), in the layers `layer_types` names; None: every layer
+            attends to all earlier positions.
+        layer_types: Each layer's attention, "full_attention" or "sliding_attention", one per
+            layer (Qwen2/3's `layer_types`, which Hugging Face derives as sliding for layers
+            i >= max_window_layers when use_sliding_window). None: every layer is windowed when
+            `sliding_window` is set (Mixtral, and Qwen3-MoE, whose Hugging Face model applies
+            the window to every layer). `window_of(layer)` reads both.
         rms_norm_eps: RMSNorm epsilon.
         tie_embeddings: LM head shares the embedding matrix.
         max_seq_len: Longest context the model accepts.
@@ -83,7 +100,11 @@ class ModelConfig:
     n_groups: int = 1
     topk_groups: int = 1
     qk_norm: str = "none"
+    attention_bias: bool = False
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_seq_len: int = 32_768
@@ -134,6 +155,39 @@ class ModelConfig:
                 f" experts left by topk_groups={self.topk_groups} of n_groups={self.n_groups}")
         if self.selection_bias and self.router_scores != "sigmoid":
             raise ValueError("selection_bias=True is only defined for router_scores='sigmoid'")
+        scaling = self.rope_scaling
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be None or a RopeScaling, got {scaling!r}")
+        if (scaling is not None and scaling.rope_type == "dynamic"
+                and self.max_seq_len > scaling.original_max_position_embeddings):
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} exceeds the "
+                f"{scaling.original_max_position_embeddings} positions of dynamic RoPE scaling's"
+                " original context: past them its frequencies depend on the prompt's length,"
+                " which is not implemented")
+        self._check_windows()
+
+    def _check_windows(self):
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
+                              or w < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, got {w!r}")
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str):
+            raise ValueError(f"layer_types must be a sequence of {LAYER_TYPES}, one per layer, "
+                             f"got the string {self.layer_types!r}")
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)  # a list from config.json: hashable
+        if len(types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for n_layers={self.n_layers}")
+        for i, kind in enumerate(types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}]={kind!r}: only {LAYER_TYPES} are "
+                                 f"implemented")
+        if "sliding_attention" in types and w is None:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is "
+                             "None; give the window size")
 
     # ---- derived values -------------------------------------------------------------------------
 
@@ -141,6 +195,17 @@ class ModelConfig:
     def dtype(self) -> np.dtype:
         """The parameter dtype as a NumPy dtype (bfloat16 through ml_dtypes)."""
         return _DTYPES[self.param_dtype]
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (keys q - w < k <= q for a query at q), or None
+        for full causal attention."""
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.n_layers - 1}")
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return int(self.sliding_window)
+        return None
 
     @functools.cached_property
     def moe_layers(self) -> tuple[int, ...]:
@@ -208,7 +273,9 @@ class ModelConfig:
         Defaults: 2 layers beyond the dense ones (so DeepSeek keeps one dense and one MoE layer at
         least), hidden 64, head_dim 16, heads divided keeping the q/kv ratio, vocab 512, widths
         divided proportionally. Routing kind, shared experts, qk-norm, tying and group-limited
-        routing are kept; experts and top-k are kept unless given.
+        routing are kept; experts and top-k are kept unless given. A sliding window is kept,
+        and `layer_types` is resampled to the new depth: new layer i takes the kind of the last
+        old layer of its share, (i + 1) * n_layers_old // n_layers_new - 1.
 
         Returns:
             A new validated `ModelConfig` named "<name>-scaled".
@@ -224,11 +291,16 @@ class ModelConfig:
         dense = min(self.n_dense_layers, 1)
         experts = n_experts or self.n_experts
         groups = self.n_groups if experts % self.n_groups == 0 else 1
+        depth = n_layers or dense + 2
+        types = (None if self.layer_types is None else
+                 tuple(self.layer_types[(i + 1) * self.n_layers // depth - 1]
+                       for i in range(depth)))
         return dataclasses.replace(
             self,
             name=f"{self.name}-scaled",
-            n_layers=n_layers or dense + 2,
-            n_dense_layers=min(dense, (n_layers or dense + 2)),
+            n_layers=depth,
+            n_dense_layers=min(dense, depth),
+            layer_types=types,
             hidden_size=hidden,
             n_heads=heads,
             n_kv_heads=kv,

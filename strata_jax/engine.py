@@ -4,6 +4,11 @@
 streamed (StreamConfig), and returns the last position's logits, a `Session` (KV cache and
 position) for the next turn, per-chunk and per-layer stats and the routing counts.
 
+`Engine.score(tokens, session=None)` reads the prompt the same way and also returns each token's
+log-probability given the ones before it (`ScoreResult`): every chunk's program runs its rows
+through the final norm and the LM head in row blocks and keeps log p(next token) only, so no
+[T, vocab] logits are ever made; the scores come back with the chunk's routing counts.
+
 Two orders (`order=`):
     "chunk-major"   the prompt is read in chunks of `chunk_size` tokens; each chunk runs every
                     layer, so a streamed expert may cross the link once per chunk.
@@ -57,13 +62,14 @@ from .experts import ExpertWeights
 from .kernels import Kernels
 from .model import KVCache, build_model, expert_param_names, validate_inputs
 from .profile import ExpertProfile
+from .weights import LazyExperts, ParamsView
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
     CHUNK_HEADROOM, MIN_BUCKET, TOKEN_ID_BYTES, chunk_bytes, chunk_candidates, chunk_memory,
     attention_working_bytes, expert_bytes, free_memory, host_memory, kv_cache_bytes)
 from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, NativeStreamer,
                      stream_platform)
 
-__all__ = ["Engine", "Session", "PrefillResult", "ChunkRecord",
+__all__ = ["Engine", "Session", "PrefillResult", "ScoreResult", "ChunkRecord",
            "ORDERS", "MIN_BUCKET", "compile_buckets", "sha256_of"]
 
 ORDERS = ("chunk-major", "layer-major")
@@ -252,6 +258,56 @@ class PrefillResult:
         }
 
 
+@dataclasses.dataclass
+class ScoreResult(PrefillResult):
+    """The outcome of `Engine.score`: its prefill (the PrefillResult fields: logits, session,
+    stats, times) and the prompt's per-token log-probabilities.
+
+    Attributes:
+        logprobs: float32 [read - 1]; logprobs[i] = log p(tokens[i + 1] | the session's
+            tokens, tokens[:i + 1]), computed on the device in float32.
+    """
+
+    logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
+
+    @property
+    def scored(self) -> int:
+        """Tokens scored: the prompt's tokens after its first."""
+        return int(self.logprobs.size)
+
+    @property
+    def sum_logprob(self) -> float:
+        """Sum of `logprobs` (in float64)."""
+        return float(np.sum(self.logprobs, dtype=np.float64))
+
+    @property
+    def mean_nll(self) -> float:
+        """Mean negative log-likelihood per scored token, in nats."""
+        return -self.sum_logprob / self.scored
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean_nll)."""
+        with np.errstate(over="ignore"):
+            return float(np.exp(self.mean_nll))
+
+    def logprobs_sha256(self) -> str:
+        return sha256_of(self.logprobs)
+
+    def summary(self) -> str:
+        return (f"{super().summary()}; scored {self.scored} tokens: mean NLL "
+                f"{self.mean_nll:.4f} nats, perplexity {self.perplexity:.4g}")
+
+    def to_dict(self) -> dict:
+        """PrefillResult.to_dict() plus scored, sum_logprob, mean_nll, perplexity,
+        logprobs_sha256 and logprobs (one float per scored token)."""
+        out = super().to_dict()
+        out.update(scored=self.scored, sum_logprob=self.sum_logprob, mean_nll=self.mean_nll,
+                   perplexity=self.perplexity, logprobs_sha256=self.logprobs_sha256(),
+                   logprobs=[float(x) for x in self.logprobs])
+        return out
+
+
 class Engine:
     """Prefill through an MoE model with experts resident or streamed.
 
@@ -259,7 +315,10 @@ class Engine:
         config: Model config.
         params: Flat name -> array (see `model.param_shapes`), experts
             included (synthetic.init_synthetic or a checkpoint's arrays); host
-            numpy arrays are fine: streamed experts stay in host memory.
+            numpy arrays are fine: streamed experts stay in host memory. A mapping that
+            makes each tensor when asked for (`synthetic.SyntheticParams`) is read one
+            tensor at a time, the experts straight into the host store or onto the device
+            (`strata_jax.weights`): no second copy of them is made.
         stream: None keeps every expert resident on the device; a StreamConfig
             streams the non-resident ones through the native engine.
         max_context: Positions a session may hold, in tokens.
@@ -267,8 +326,8 @@ class Engine:
             (the default): the engine chooses the largest chunk whose activations and KV cache
             fit the memory left on the device once the model is placed (`chunk_choice` says
             how; `memory_available`), at most `max_context`.
-        experts: Optional layer -> ExpertWeights when the routed experts are
-            not in `params` (a checkpoint's host expert store).
+        experts: Optional layer -> ExpertWeights (or `weights.LazyExperts`) when the
+            routed experts are not in `params` (a checkpoint's, `load_checkpoint`).
         order: Default read order of `prefill`: "chunk-major" or "layer-major"
             (falls back to chunk-major, with a warning and `result.fallback`, when its
             memory does not fit).
@@ -282,9 +341,9 @@ class Engine:
             first device). None: JAX's default device with every expert resident, the
             stream's device when streamed. A streamed engine runs where its stream backend
             puts the ring ("cpu": the CPU, "cuda": the GPU), so another device is a ValueError.
-        progress: Called as progress(done_layers, total_layers) while a streamed engine packs
-            each MoE layer's experts into its host store (the long part of making an engine
-            for a full-size model).
+        progress: Called as progress(done_layers, total_layers) as a streamed engine writes
+            each MoE layer's experts into its host store, or a resident one puts them on the
+            device (the long part of making an engine for a full-size model).
         kernels: The grouped matmul and attention the engine's programs use (`Kernels`;
             default: the measured best on the device).
     """
@@ -324,6 +383,8 @@ class Engine:
         # The device the model lands on is known below; an automatic chunk is chosen there.
         self._set_chunk(int(chunk_size) if chunk_size is not None else min(1024, max_context))
         self.uid = next(_engine_ids)
+        # Nothing is made or read here: `params` may make each tensor when asked for
+        # (strata_jax.weights); the store or the device takes the experts one at a time below.
         host_experts = dict(experts or {})
         expert_names = set()
         for layer in config.moe_layers:
@@ -333,16 +394,16 @@ class Engine:
                 missing = [n for n in names if n not in params]
                 if missing:
                     raise KeyError(f"missing expert parameter {missing[0]!r}")
-                host_experts[layer] = ExpertWeights(*(np.asarray(params[n]) for n in names))
-        dense = {k: v for k, v in params.items() if k not in expert_names}
+                host_experts[layer] = LazyExperts(params, names)
+        dense = ParamsView(params, expert_names)
 
         wanted = _device(device)
         self.streamer: NativeStreamer | None = None
         if stream is None:
             self.device = wanted if wanted is not None else jax.devices()[0]
             with jax.default_device(self.device):
-                model = build_model(config, dense, experts=host_experts, resident_experts=True,
-                                    kernels=self.kernels)
+                model = build_model(config, dense, experts=_counted(host_experts, progress),
+                                    resident_experts=True, kernels=self.kernels)
         else:
             if wanted is not None and stream.backend in ("cpu", "cuda", "auto"):
                 # Refused before the experts are packed: the stream's platform follows from its
@@ -376,7 +437,8 @@ class Engine:
         self.compilations = 0
         self._info_sharding = _info_sharding(self.device)
         self._jit = jax.jit(self._prefill_fn,
-                            static_argnames=("first", "mode", "sub", "rows", "width"),
+                            static_argnames=("first", "mode", "sub", "rows", "width",
+                                             "score"),
                             out_shardings=(on_device, on_device, self._info_sharding))
         # (bucket, first, mode, sub, rows) of the programs run once: with the engine's fixed
         # state, resident blobs and shardings they are what jit keys its compiled programs on. A
@@ -445,46 +507,59 @@ class Engine:
                        tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
 
     def _prefill_fn(self, state_leaves, resident, ids, cache, *, first: bool, mode: int,
-                    sub: int, width: int, rows: int = 0):
+                    sub: int, width: int, rows: int = 0, score: bool = False):
         """One chunk (sub == 0) or a whole layer-major prompt in sub-chunks of `sub` tokens,
         its router and experts on `rows` rows at a time (0: `sub`).
 
         ids: int32 [width] = [bucket + 2], the padded token ids, then the chunk's start position
-            and its number of real tokens (`_chunk_ids`); None with a stream, whose begin_chunk
-            hands the chunk its staged ids (`_stage_ids`).
+            and its number of real tokens (`_chunk_ids`); with `score`, [bucket + 3]: the token
+            after the chunk's last (its last row's target) between the two. None with a
+            stream, whose begin_chunk hands the chunk its staged ids (`_stage_ids`).
         cache: the session's KVCache, or None with `first` (zeros made here, not by a dispatch
             of their own before the chunk).
 
         Returns (logits, cache, info): info is int32, end_chunk's stats [L, 2] (none without a
-        stream) then the router counts [n_moe, E], flat, so the host reads both in one copy.
+        stream) then the router counts [n_moe, E], flat, so the host reads both in one copy;
+        with `score`, then each row's log-probability of its target (float32 [bucket], bits as
+        int32: `_scores_of`). Row t's target is token t + 1 of the chunk, the next token for its
+        last real row; padding rows score whatever follows them and are dropped on the host.
         """
         self.compilations += 1  # runs once per trace, i.e. per compilation
         if first:
             cache = self._zeros()
         state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
         model = nnx.merge(self._graphdef, state)
+        bucket = width - 2 - int(score)  # a scored chunk's ids hold the token after it too
         source = None
         if self.streamer is not None:
             # begin_chunk first, and the chunk's ids come out of it: nothing of the chunk runs
             # before the issuer and the link are started, wherever XLA would schedule it.
             blobs, frames = resident
-            pieces = self._tail_pieces(mode, width - 2, layer_major=bool(sub))
+            pieces = self._tail_pieces(mode, bucket, layer_major=bool(sub))
             source = StreamedExperts(self.streamer.id, mode, self.config, blobs,
                                      jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
                                      frame_of=self.streamer.frame_of, tail_pieces=pieces,
                                      tail_layer=self.streamer.tail_layer)
             ids = source.ids
-        tokens, start, n_valid = ids[:-2], ids[-2], ids[-1]
+        tokens, start, n_valid = ids[:bucket], ids[-2], ids[-1]
         start = 0 if first else start
+        targets = None
+        if score:  # row t scores token t + 1; the last real row the token after the chunk
+            rows_at = jnp.arange(bucket, dtype=jnp.int32)
+            targets = jnp.where(rows_at == n_valid - 1, ids[bucket], ids[1:bucket + 1])
         if sub:
-            logits, cache, counts = model.layer_major(tokens, cache, start, source, sub,
-                                                      n_valid=n_valid, last_logits=True,
-                                                      expert_rows=rows or None)
+            out, cache, counts = model.layer_major(tokens, cache, start, source, sub,
+                                                   n_valid=n_valid, last_logits=True,
+                                                   expert_rows=rows or None, targets=targets)
         else:
-            logits, cache, counts = model(tokens, cache, start, source, n_valid=n_valid,
-                                          last_logits=True)
+            out, cache, counts = model(tokens, cache, start, source, n_valid=n_valid,
+                                       last_logits=True, targets=targets)
+        logits, scores = out if score else (out, None)
         stats = source.finish() if source is not None else jnp.zeros((0, 2), jnp.int32)
-        info = jnp.concatenate([stats.reshape(-1), counts.astype(jnp.int32).reshape(-1)])
+        parts = [stats.reshape(-1), counts.astype(jnp.int32).reshape(-1)]
+        if score:
+            parts.append(jax.lax.bitcast_convert_type(scores, jnp.int32))
+        info = jnp.concatenate(parts)
         return logits, cache, info
 
     def _tail_pieces(self, mode: int, bucket: int, *, layer_major: bool) -> int:
@@ -494,10 +569,15 @@ class Engine:
             mode, bucket, grouped_matmul=self.kernels.grouped_matmul)
 
     @staticmethod
-    def _chunk_ids(piece: np.ndarray, bucket: int, start: int) -> np.ndarray:
-        """A chunk's program input: its ids padded to `bucket`, then its start and its length."""
-        ids = np.zeros(bucket + 2, np.int32)
+    def _chunk_ids(piece: np.ndarray, bucket: int, start: int,
+                   next_token: int | None = None) -> np.ndarray:
+        """A chunk's program input: its ids padded to `bucket`, then its start and its length;
+        a scored chunk's (`next_token` given: the token after the chunk, 0 after the prompt's
+        last) has `next_token` between the padded ids and the start."""
+        ids = np.zeros(bucket + 2 + (next_token is not None), np.int32)
         ids[:piece.size] = piece
+        if next_token is not None:
+            ids[bucket] = next_token
         ids[-2], ids[-1] = start, piece.size
         return ids
 
@@ -514,7 +594,7 @@ class Engine:
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
                   mode: int, sub: int, prestart: bool = False, staged: bool = False,
-                  rows: int = 0):
+                  rows: int = 0, next_token: int | None = None):
         """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once).
 
         Its `info` lands in the device's pinned host memory, written by the program itself
@@ -528,14 +608,16 @@ class Engine:
         staged: the chunk's ids are staged with the stream already (`_stage_ids`, a prefill's
         chunks all at once); else a streamed chunk stages (queues) its own here, so calls
         dispatched back to back each get theirs.
+        next_token: None for a prefill; for a score, the token after the chunk (`_chunk_ids`).
         """
-        width = bucket + 2
+        score = next_token is not None
+        width = bucket + 2 + score
         ids = None
         if self.streamer is None:
-            ids = self._chunk_ids(piece, bucket, start)
+            ids = self._chunk_ids(piece, bucket, start, next_token)
         elif not staged:
-            self._stage_ids([self._chunk_ids(piece, bucket, start)])
-        key = (bucket, cache is None, mode, sub, rows)
+            self._stage_ids([self._chunk_ids(piece, bucket, start, next_token)])
+        key = (bucket, cache is None, mode, sub, rows, score)
         if prestart and self.streamer is not None and mode in _STREAM_MODES \
                 and key in self._launched:
             self.streamer.prestart(piece.size)
@@ -550,7 +632,7 @@ class Engine:
         with guard:
             logits, cache, info = self._jit(self._state_leaves, resident, ids, cache,
                                             first=cache is None, mode=mode, sub=sub,
-                                            rows=rows, width=width)
+                                            rows=rows, width=width, score=score)
         if self._info_sharding.memory_kind != "pinned_host":
             info.copy_to_host_async()
         self._launched.add(key)
@@ -560,9 +642,16 @@ class Engine:
         """(end_chunk stats [L, 2] or [0, 2], counts [n_moe, E]) from a call's info."""
         c = self.config
         n_stats = 2 * c.n_layers if self.streamer is not None else 0
+        n_counts = len(c.moe_layers) * c.n_experts
         info = np.asarray(info)
         return (info[:n_stats].reshape(-1, 2),
-                info[n_stats:].reshape(len(c.moe_layers), c.n_experts))
+                info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts))
+
+    def _scores_of(self, info: np.ndarray) -> np.ndarray:
+        """A scored call's per-row log-probabilities (float32 [bucket]) from its info."""
+        c = self.config
+        n_stats = 2 * c.n_layers if self.streamer is not None else 0
+        return np.asarray(info)[n_stats + len(c.moe_layers) * c.n_experts:].view(np.float32)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -670,19 +759,56 @@ class Engine:
         waits for this one to end (the stream's chunk protocol runs in one order, and a
         prefill's first chunk is begun from the host).
         """
+        with self._one_prompt("prefill"):
+            return self._prefill(tokens, session, order, progress, sync_chunks, chunk_size)
+
+    def score(self, tokens, session: Session | None = None, *, order: str | None = None,
+              progress: Callable[[int, int], object] | None = None,
+              sync_chunks: bool = True, chunk_size: int | None = None) -> "ScoreResult":
+        """Reads `tokens` as `prefill` does and scores them: the log-probability of each token
+        after the first given everything before it (the session's positions included).
+
+        Each chunk's program (or the layer-major prompt's) also runs its rows' final hidden
+        states through the final norm and the LM head, in row blocks, and keeps only
+        log p(next token) (`MoETransformer.target_log_probs`): no [T, V] logits, and the
+        log-probabilities come back with the chunk's routing counts. The KV cache, the
+        session, the last position's logits and the stats are the prefill's.
+
+        Args: as `prefill`'s.
+
+        Returns:
+            ScoreResult: a PrefillResult with `logprobs` (float32 [T - 1]; logprobs[i] is
+            log p(tokens[i + 1] | the session's tokens, tokens[:i + 1])), `sum_logprob`,
+            `mean_nll` and `perplexity`. tokens[0] is not scored: its context ends with the
+            session's last position, whose logits the earlier result holds (log_softmax of
+            its `logits` at tokens[0]).
+
+        Raises:
+            ValueError: what `prefill` refuses, and a prompt of one token (nothing to score).
+            RuntimeError: as `prefill`.
+        """
+        with self._one_prompt("score"):
+            return self._prefill(tokens, session, order, progress, sync_chunks, chunk_size,
+                                 score=True)
+
+    @contextlib.contextmanager
+    def _one_prompt(self, what: str):
+        """Holds the engine for one prefill or score: another thread's call waits; a call from
+        inside one (its progress callback) is refused."""
         if self._prefill_thread == threading.get_ident():
             raise RuntimeError(
-                "Engine.prefill called from inside a prefill of the same engine (from its "
-                "progress callback?); the engine reads one prompt at a time. Prefill after "
+                f"Engine.{what} called from inside a prefill of the same engine (from its "
+                "progress callback?); the engine reads one prompt at a time. Call it after "
                 "this call returns, or with another Engine.")
         with self._prefill_lock:
             self._prefill_thread = threading.get_ident()
             try:
-                return self._prefill(tokens, session, order, progress, sync_chunks, chunk_size)
+                yield
             finally:
                 self._prefill_thread = None
 
-    def _prefill(self, tokens, session, order, progress, sync_chunks, chunk) -> PrefillResult:
+    def _prefill(self, tokens, session, order, progress, sync_chunks, chunk,
+                 score: bool = False) -> PrefillResult:
         order = self.order if order is None else order
         if chunk is None:
             chunk, buckets = self.chunk_size, self.buckets
@@ -719,6 +845,11 @@ class Engine:
                 "fit. Shorten the prompt, start a new session, or make the Engine with a larger "
                 "max_context.")
         arr = validate_inputs(self.config, tokens, self.max_context, start)
+        if score and arr.size < 2:
+            raise ValueError(
+                "score: a prompt of 1 token has nothing to score (each token is scored given "
+                "the ones before it, from the second on); pass at least 2 tokens, or prefill it "
+                "and take log_softmax of the result's logits for the token after it")
         if self.closed:
             raise RuntimeError("Engine.prefill: the engine was closed; make a new Engine")
         if self.streamer is not None:
@@ -758,11 +889,15 @@ class Engine:
                 pieces = [(off, arr[off:off + chunk],
                            _bucket(min(chunk, arr.size - off), buckets), 0)
                           for off in range(0, arr.size, chunk)]
+            # A scored piece's last row scores the token after it (0 after the prompt's last).
+            nexts = [(int(arr[off + piece.size]) if off + piece.size < arr.size else 0)
+                     if score else None for off, piece, _, _ in pieces]
             if self.streamer is not None:  # nothing of this engine is queued: reset
-                self._stage_ids([self._chunk_ids(piece, bucket, start + off)
-                                 for off, piece, bucket, _ in pieces], reset=True)
+                self._stage_ids([self._chunk_ids(piece, bucket, start + off, nxt)
+                                 for (off, piece, bucket, _), nxt in zip(pieces, nexts)],
+                                reset=True)
             pos = start
-            for off, piece, bucket, sub in pieces:
+            for (off, piece, bucket, sub), nxt in zip(pieces, nexts):
                 # The floor compares the chunk's real tokens: a chunk below it reads only its
                 # routed experts even when its bucket reaches the floor (at most one more
                 # program, for the bucket the floor falls in).
@@ -770,7 +905,8 @@ class Engine:
                 c0 = time.perf_counter()
                 logits, cache, info = self._dispatch(piece, bucket, cache, pos, mode=mode,
                                                      sub=sub, rows=rows if sub else 0,
-                                                     prestart=not records, staged=True)
+                                                     prestart=not records, staged=True,
+                                                     next_token=nxt)
                 chunk_ms = None
                 if sync_chunks:
                     jax.block_until_ready((logits, cache))
@@ -811,13 +947,17 @@ class Engine:
         ms = (time.perf_counter() - t0) * 1e3
         new = Session(cache=cache, position=start + int(arr.size), engine_uid=self.uid,
                       model_name=self.config.name)
-        result = PrefillResult(logits=logits, session=new, chunks=records, tokens=new.position,
-                               reused=start, read=int(arr.size), ms=ms, counts=counts_total,
-                               order=order, fallback=fallback, mode=self.mode,
-                               n_layers=self.config.n_layers,
-                               chunk_size=(self.layer_major_shape(arr.size)[1]
-                                           if order == "layer-major" else chunk),
-                               chunk_choice=self.chunk_choice, expert_rows=rows)
+        extra = {}
+        if score:  # each chunk's real rows; the prompt's last position has no target
+            scores = [self._scores_of(info)[:n] for _, n, info in pending]
+            extra = {"logprobs": np.concatenate(scores)[:-1]}
+        result = (ScoreResult if score else PrefillResult)(
+            logits=logits, session=new, chunks=records, tokens=new.position, reused=start,
+            read=int(arr.size), ms=ms, counts=counts_total, order=order, fallback=fallback,
+            mode=self.mode, n_layers=self.config.n_layers,
+            chunk_size=(self.layer_major_shape(arr.size)[1] if order == "layer-major"
+                        else chunk),
+            chunk_choice=self.chunk_choice, expert_rows=rows, **extra)
         self._profile.record(counts_total, tokens=int(arr.size))
         return result
 
@@ -838,6 +978,17 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _counted(experts: dict, progress: Callable[[int, int], object] | None) -> dict:
+    """`experts` (layer -> ExpertWeights or LazyExperts), each layer calling
+    progress(done_layers, total_layers) once its three tensors have been read."""
+    if progress is None:
+        return experts
+    done = itertools.count(1)
+    total = len(experts)
+    return {l: LazyExperts.of(w, lambda: progress(next(done), total))
+            for l, w in experts.items()}
 
 
 def _settle(arrays) -> None:

@@ -15,7 +15,9 @@ Estimates are arithmetic on shapes only (no device work, nothing allocated):
 
 The memory there is: `host_memory` (the one reader of /proc/meminfo), `memory_stats` (a JAX
 device's, where it reports them), `device_memory` (the size of the device a stream backend or a
-resident arm uses) and `free_memory` (what a computation on a device may still take).
+resident arm uses), `free_memory` (what a computation on a device may still take) and
+`check_host_bytes` (new host memory against the available RAM: a `HostMemoryError` with the
+figures; a streamed engine checks its host store so before allocating it).
 
 Who uses it: the engine chooses its chunk by `chunk_memory` against `free_memory`
 (`Engine.memory_available`) and re-exports the estimates (`strata_jax.engine.chunk_memory`
@@ -39,7 +41,7 @@ __all__ = ["CHUNK_HEADROOM", "TOKEN_ID_BYTES", "MIN_BUCKET", "kv_cache_bytes", "
            "chunk_candidates", "chunk_memory", "expert_bytes", "attention_working_bytes",
            "param_bytes", "weight_bytes", "prefill_bytes",
            "most_that_fits", "memory_plan", "host_memory", "memory_stats", "device_memory",
-           "free_memory"]
+           "free_memory", "HostMemoryError", "check_host_bytes"]
 
 # The smallest chunk an engine takes, and its smallest compile bucket (engine.compile_buckets).
 MIN_BUCKET = 16
@@ -74,12 +76,16 @@ def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *,
                             platform: str = "cpu", attention: str = "auto") -> int:
     """Working memory of one chunk's attention (`attention.attention_bytes`) on the path
     `attention_path` takes for `queries` tokens: over their own keys (`first`) or over a cache
-    of `capacity` positions, with the `attention` path requested (`Kernels.attention`)."""
+    of `capacity` positions, with the `attention` path requested (`Kernels.attention`). The
+    most of any layer's: layers with a sliding window (`ModelConfig.window_of`) run other
+    parts than full ones."""
     c = config
     path = attention_path(c.dtype, c.head_dim, c.n_heads, queries, capacity, first=first,
                           platform=platform, impl=attention)
-    return attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
-                           queries if first else capacity, c.head_dim)
+    windows = {None} if first else {c.window_of(i) for i in range(c.n_layers)}
+    return max(attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
+                               queries if first else capacity, c.head_dim, window=w)
+               for w in windows)
 
 
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,
@@ -286,6 +292,24 @@ def host_memory() -> tuple[int | None, int | None]:
     except (OSError, ValueError, IndexError):
         pass
     return found.get("MemTotal"), found.get("MemAvailable")
+
+
+class HostMemoryError(MemoryError):
+    """Host RAM cannot hold what an engine or a command would allocate; the message has the
+    figures and the way out."""
+
+
+def check_host_bytes(need: int, what: str, way: str) -> None:
+    """Refuses `need` bytes of new host memory (`what`: what they are) past the available
+    host RAM (MemAvailable); nothing where that is unknown.
+
+    Raises:
+        HostMemoryError: "{what} needs N GiB of host RAM and M GiB is available; {way}".
+    """
+    available = host_memory()[1]
+    if available is not None and need > available:
+        raise HostMemoryError(f"{what} needs {_gib(need)} of host RAM and {_gib(available)} is "
+                              f"available; {way}")
 
 
 def _host_available_bytes() -> int:

@@ -27,8 +27,13 @@ from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 from strata_jax.kernels import Kernels
+from strata_jax.rope import RopeScaling, rope_frequencies
 
 _INIT_STD = 0.02
+# Scoring (`MoETransformer.target_log_probs`): the float32 [rows, V] logits of one block of rows
+# stay within this, rows a power of two from 16 to SCORE_MAX_ROWS.
+SCORE_BLOCK_BYTES = 512 * 2**20
+SCORE_MAX_ROWS = 2048
 
 
 class KVCache(NamedTuple):
@@ -69,6 +74,16 @@ def cache_shapes(config: ModelConfig, capacity: int) -> KVCache:
     return KVCache((spec,) * config.n_layers, (spec,) * config.n_layers)
 
 
+def score_block_rows(vocab_size: int, rows: int) -> int:
+    """Rows per block of the scoring head: the most, a power of two from 16 up to
+    SCORE_MAX_ROWS, whose float32 [rows, vocab_size] logits fit SCORE_BLOCK_BYTES; at most
+    `rows` (the rows to score)."""
+    block = 16
+    while block * 2 <= SCORE_MAX_ROWS and block * 2 * vocab_size * 4 <= SCORE_BLOCK_BYTES:
+        block *= 2
+    return max(1, min(block, int(rows)))
+
+
 def _normal(rngs: nnx.Rngs | None, shape, dtype, std=_INIT_STD):
     # rngs=None builds an abstract model (ShapeDtypeStruct leaves) without tracing any RNG: full-size
     # presets then take milliseconds instead of tracing hundreds of random initialisers.
@@ -99,43 +114,66 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding, half-split (Hugging Face `rotate_half`) convention.
 
     Args:
         x: [T, heads, D].
         positions: int32 [T].
         theta: RoPE base.
+        scaling: the config's RoPE scaling (`strata_jax.rope`), None for plain RoPE.
 
     Returns:
         [T, heads, D] in x.dtype.
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    inv, factor = rope_frequencies(d, theta, scaling)  # host float64, static
+    inv_freq = jnp.asarray(inv, jnp.float32)  # [D/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
     sin = jnp.sin(angles)[:, None, :]
+    if factor != 1.0:  # YaRN's attention factor: q.k scales by its square
+        cos, sin = cos * factor, sin * factor
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _dot(x, w):
-    """x @ w accumulated in float32, result in x.dtype."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def _dot(x, w, bias=None):
+    """x @ w (+ bias) accumulated in float32, result in x.dtype."""
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _value(param):
+    """A parameter's array, or None for an absent one."""
+    return None if param is None else param[...]
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache."""
+    """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache; within a
+    sliding window where the config gives this layer one (`ModelConfig.window_of`)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, kernels: Kernels = Kernels()):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int,
+                 kernels: Kernels = Kernels()):
         c, dt = config, config.dtype
         self.config = config
         self.kernels = kernels  # static: part of the graph jit keys on
+        self.window = c.window_of(layer)  # static: None (full causal) or the window
         self.q_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.q_dim), dt))  # [H, N*D]
         self.k_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.v_proj = nnx.Param(_normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.o_proj = nnx.Param(_normal(rngs, (c.q_dim, c.hidden_size), dt))  # [N*D, H]
+        if c.attention_bias:
+            self.q_bias = nnx.Param(_filled(rngs, (c.q_dim,), dt, 0.0))  # [N*D]
+            self.k_bias = nnx.Param(_filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
+            self.v_bias = nnx.Param(_filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
+            self.o_bias = nnx.Param(_filled(rngs, (c.hidden_size,), dt, 0.0))  # [H]
+        else:
+            self.q_bias = self.k_bias = self.v_bias = self.o_bias = None
         if c.qk_norm == "per_head":
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
@@ -149,9 +187,9 @@ class Attention(nnx.Module):
         """x [T, H]; cache_k/v [S, KVH, D]; start int (static 0 = first chunk) or int32 scalar."""
         c = self.config
         t = x.shape[0]
-        q = _dot(x, self.q_proj[...])  # [T, N*D]
-        k = _dot(x, self.k_proj[...])  # [T, KVH*D]
-        v = _dot(x, self.v_proj[...])  # [T, KVH*D]
+        q = _dot(x, self.q_proj[...], _value(self.q_bias))  # [T, N*D]
+        k = _dot(x, self.k_proj[...], _value(self.k_bias))  # [T, KVH*D]
+        v = _dot(x, self.v_proj[...], _value(self.v_bias))  # [T, KVH*D]
         if c.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, c.n_heads, c.head_dim)  # [T, N, D]
@@ -159,8 +197,8 @@ class Attention(nnx.Module):
         v = v.reshape(t, c.n_kv_heads, c.head_dim)  # [T, KVH, D]
         if c.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q, positions, c.rope_theta)
-        k = rope(k, positions, c.rope_theta)
+        q = rope(q, positions, c.rope_theta, c.rope_scaling)
+        k = rope(k, positions, c.rope_theta, c.rope_scaling)
         k = k.astype(cache_k.dtype)
         v = v.astype(cache_v.dtype)
         cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
@@ -171,10 +209,10 @@ class Attention(nnx.Module):
         if first:
             # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
             # causally is the same math and lets cuDNN run it fused.
-            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path)
+            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path, self.window)
         else:
-            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path)
-        out = _dot(out.reshape(t, c.q_dim), self.o_proj[...])  # [T, H]
+            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path, self.window)
+        out = _dot(out.reshape(t, c.q_dim), self.o_proj[...], _value(self.o_bias))  # [T, H]
         return out, cache_k, cache_v
 
 
@@ -486,7 +524,7 @@ class DecoderLayer(nnx.Module):
         self.layer = layer
         self.is_moe = layer in c.moe_layers
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
-        self.attn = Attention(c, rngs=rngs, kernels=kernels)
+        self.attn = Attention(c, rngs=rngs, kernels=kernels, layer=layer)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
         if self.is_moe:
             self.mlp = MoE(c, layer, rngs=rngs, resident_experts=resident_experts,
@@ -537,7 +575,7 @@ class MoETransformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, cache: KVCache, start,
                  expert_source: ExpertSource | None = None, n_valid=None,
-                 last_logits: bool = False):
+                 last_logits: bool = False, targets=None):
         """Runs one chunk.
 
         Args:
@@ -552,6 +590,8 @@ class MoETransformer(nnx.Module):
                 token attends to it (it sits after them); its keys/values are written at
                 positions start+n_valid.. of the cache, which a later chunk overwrites.
             last_logits: return only the logits of the last real position, float32 [V].
+            targets: None, or int32 [T] token ids: the first output is then (logits,
+                log-probabilities float32 [T] of each row's target, `target_log_probs`).
 
         Returns:
             (logits float32 [T, V] or [V], updated KVCache, counts int32 [n_moe_layers, E]).
@@ -569,12 +609,13 @@ class MoETransformer(nnx.Module):
             values.append(v)
             if layer_counts is not None:
                 counts.append(layer_counts)
-        return self._finish(x, n_valid, last_logits), KVCache(tuple(keys), tuple(values)), \
+        return self._finish(x, n_valid, last_logits, targets), \
+            KVCache(tuple(keys), tuple(values)), \
             self._stack_counts(counts)
 
     def layer_major(self, tokens: jax.Array, cache: KVCache, start,
                     expert_source: ExpertSource | None, sub_chunk: int, n_valid=None,
-                    last_logits: bool = False, expert_rows: int | None = None):
+                    last_logits: bool = False, expert_rows: int | None = None, targets=None):
         """Runs a whole prompt layer by layer: every layer reads all of it before the next layer.
 
         The prompt is cut into sub-chunks of `sub_chunk` tokens. In each layer every sub-chunk in
@@ -595,7 +636,7 @@ class MoETransformer(nnx.Module):
 
         Args:
             tokens: int32 [P] with P a multiple of `sub_chunk` (pad with any valid id).
-            cache, start, expert_source, n_valid, last_logits: as in `__call__`.
+            cache, start, expert_source, n_valid, last_logits, targets: as in `__call__`.
             sub_chunk: tokens per compute sub-chunk (static).
             expert_rows: rows per router/expert call, a multiple of `sub_chunk` (static);
                 None: `sub_chunk`.
@@ -660,7 +701,8 @@ class MoETransformer(nnx.Module):
             keys.append(k)
             values.append(v)
         x = xs[0] if n_sub == 1 else jnp.concatenate(xs, axis=0)
-        return self._finish(x, n_valid, last_logits), KVCache(tuple(keys), tuple(values)), \
+        return self._finish(x, n_valid, last_logits, targets), \
+            KVCache(tuple(keys), tuple(values)), \
             self._stack_counts(counts)
 
     # -- shared pieces of both orders --
@@ -675,15 +717,47 @@ class MoETransformer(nnx.Module):
             valid = jnp.arange(t, dtype=jnp.int32) < jnp.asarray(n_valid, jnp.int32)  # [T]
         return positions, start, valid
 
-    def _finish(self, x, n_valid, last_logits: bool):
-        """Final norm and LM head: all positions [T, V], or the last real one [V]."""
+    def _finish(self, x, n_valid, last_logits: bool, targets=None):
+        """Final norm and LM head: all positions [T, V], or the last real one [V]; with
+        `targets`, (that, `target_log_probs(x, targets)`)."""
+        scores = None if targets is None else self.target_log_probs(x, targets)
         if last_logits:
             last = x.shape[0] - 1 if n_valid is None else jnp.asarray(n_valid, jnp.int32) - 1
             x = lax.dynamic_slice_in_dim(x, last, 1, axis=0)  # [1, H]
         x = self.final_norm(x)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [H, V]
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)  # [T, V]
-        return logits[0] if last_logits else logits
+        logits = logits[0] if last_logits else logits
+        return logits if scores is None else (logits, scores)
+
+    def target_log_probs(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """log p(targets[t]) under row t's logits, for final hidden states x [T, H] (before
+        the final norm): float32 [T], never a [T, V] array.
+
+        The rows go through the final norm and the LM head in blocks of `score_block_rows`
+        rows (a `lax.map`): the head's matmul takes the parameter dtype and accumulates in
+        float32, as the last position's logits do, and each block's [rows, V] float32 logits
+        give logit[target] - logsumexp(logits). x is padded with zero rows to whole blocks
+        (finite through the norm; their values are dropped).
+        """
+        t, h = x.shape
+        block = score_block_rows(self.config.vocab_size, t)
+        n = -(-t // block)
+        if n * block != t:
+            x = jnp.pad(x, ((0, n * block - t), (0, 0)))
+            targets = jnp.pad(targets, (0, n * block - t))
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [H, V]
+
+        def one(args):
+            xb, tb = args  # [block, H], [block]
+            logits = jnp.dot(self.final_norm(xb), head,
+                             preferred_element_type=jnp.float32)  # [block, V]
+            picked = jnp.take_along_axis(logits, tb[:, None], axis=1)[:, 0]
+            return picked - jax.nn.logsumexp(logits, axis=-1)
+
+        blocks = (x.reshape(n, block, h), targets.astype(jnp.int32).reshape(n, block))
+        with jax.named_scope("score"):
+            return lax.map(one, blocks).reshape(-1)[:t]
 
     def _stack_counts(self, counts):
         if counts:

@@ -26,20 +26,66 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def _rope(x, positions, theta):
+def _rope_inv_freq(c: ModelConfig):
+    """(inv_freq [D/2], cos/sin multiplier), one frequency at a time from the formulas (Hugging
+    Face transformers' modeling_rope_utils semantics for linear, dynamic and yarn)."""
+    d, theta, s = c.head_dim, c.rope_theta, c.rope_scaling
+    plain = [theta ** (-2.0 * i / d) for i in range(d // 2)]
+    if s is None or s.rope_type == "dynamic":  # dynamic: plain up to its original length
+        return np.array(plain), 1.0
+    if s.rope_type == "linear":
+        return np.array([f / s.factor for f in plain]), 1.0
+    # yarn: ramp over the index between the dims that turn beta_fast and beta_slow times over the
+    # original context (d_r = D ln(L / (2 pi r)) / (2 ln theta)), rounded outwards if truncate.
+    length = s.original_max_position_embeddings
+    beta_fast, beta_slow = s.beta_fast or 32, s.beta_slow or 1
+    lo = d * np.log(length / (2 * np.pi * beta_fast)) / (2 * np.log(theta))
+    hi = d * np.log(length / (2 * np.pi * beta_slow)) / (2 * np.log(theta))
+    if s.truncate:
+        lo, hi = np.floor(lo), np.ceil(hi)
+    lo, hi = max(lo, 0.0), min(hi, d - 1.0)
+    hi = hi + 0.001 if hi == lo else hi
+    out = []
+    for i, f in enumerate(plain):
+        gamma = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: keep f; 1: f / factor
+        out.append((1 - gamma) * f + gamma * f / s.factor)
+    if s.attention_factor is not None:
+        mult = s.attention_factor
+    else:
+        def m(scale, w):
+            return 1.0 if scale <= 1 else 0.1 * w * np.log(scale) + 1.0
+        mult = (m(s.factor, s.mscale) / m(s.factor, s.mscale_all_dim)
+                if s.mscale and s.mscale_all_dim else m(s.factor, 1.0))
+    return np.array(out), float(mult)
+
+
+def _rope(x, positions, c: ModelConfig):
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    inv_freq, mult = _rope_inv_freq(c)
     ang = positions[:, None].astype(np.float64) * inv_freq[None]  # [T, D/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    cos, sin = mult * np.cos(ang)[:, None, :], mult * np.sin(ang)[:, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(c: ModelConfig, p, prefix, x):
+def visible(q_pos, k_pos, window: int | None) -> np.ndarray:
+    """bool [T, S]: the key at k_pos[s] counts for the query at q_pos[t]: k <= q, and with a
+    sliding window q - window < k (Hugging Face masking_utils' sliding_window_overlay)."""
+    q_pos, k_pos = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen &= k_pos > q_pos - window
+    return seen
+
+
+def _attention(c: ModelConfig, p, prefix, x, window: int | None):
     t = x.shape[0]
     q = x @ _f64(p[prefix + "q_proj"])
     k = x @ _f64(p[prefix + "k_proj"])
     v = x @ _f64(p[prefix + "v_proj"])
+    if c.attention_bias:  # added before any q/k norm, as Hugging Face's nn.Linear(bias=True)
+        q, k, v = (a + _f64(p[prefix + n]) for a, n in ((q, "q_bias"), (k, "k_bias"),
+                                                         (v, "v_bias")))
     if c.qk_norm == "full":
         q = _rms_norm(q, p[prefix + "q_norm.weight"], c.rms_norm_eps)
         k = _rms_norm(k, p[prefix + "k_norm.weight"], c.rms_norm_eps)
@@ -50,22 +96,24 @@ def _attention(c: ModelConfig, p, prefix, x):
         q = _rms_norm(q, p[prefix + "q_norm.weight"], c.rms_norm_eps)
         k = _rms_norm(k, p[prefix + "k_norm.weight"], c.rms_norm_eps)
     pos = np.arange(t)
-    q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
+    q, k = _rope(q, pos, c), _rope(k, pos, c)
     out = np.zeros_like(q)
     group = c.n_heads // c.n_kv_heads
-    causal = np.tril(np.ones((t, t), bool))
+    seen = visible(pos, pos, window)
     for h in range(c.n_heads):
         kh = h // group  # query head h reads kv head h // group
         s = q[:, h] @ k[:, kh].T / np.sqrt(c.head_dim)  # [T, T]
-        s = np.where(causal, s, -np.inf)
+        s = np.where(seen, s, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
-    return out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
+    out = out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
+    return out + _f64(p[prefix + "o_bias"]) if c.attention_bias else out
 
 
-def reference_attention(q, k, v, positions) -> np.ndarray:
+def reference_attention(q, k, v, positions, window: int | None = None) -> np.ndarray:
     """float64 GQA attention of queries q [T, N, D] at `positions` over keys k/v [S, KVH, D]
-    0..position (keys past the last query are never read, whatever they hold)."""
+    0..position, or position - window + 1..position with a sliding window (keys past the last
+    query are never read, whatever they hold)."""
     seen = int(np.max(positions)) + 1
     q, k, v = (_f64(a) for a in (q, k[:seen], v[:seen]))
     t, n, d = q.shape
@@ -73,7 +121,7 @@ def reference_attention(q, k, v, positions) -> np.ndarray:
     out = np.zeros((t, n, d))
     for h in range(n):
         scores = q[:, h] @ k[:, h // g].T / np.sqrt(d)  # [T, S]
-        scores[np.arange(k.shape[0])[None, :] > np.asarray(positions)[:, None]] = -np.inf
+        scores[~visible(positions, np.arange(k.shape[0]), window)] = -np.inf
         p = np.exp(scores - scores.max(axis=1, keepdims=True))
         out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g]
     return out
@@ -126,7 +174,7 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
     for layer in range(c.n_layers):
         pre = f"layers.{layer}."
         h = _rms_norm(x, params[pre + "input_norm.weight"], c.rms_norm_eps)
-        x = x + _attention(c, params, pre + "attn.", h)
+        x = x + _attention(c, params, pre + "attn.", h, c.window_of(layer))
         h = _rms_norm(x, params[pre + "post_attn_norm.weight"], c.rms_norm_eps)
         m = pre + "mlp."
         if layer not in c.moe_layers:
@@ -158,3 +206,21 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
     head = _f64(params["embed"]).T if c.tie_embeddings else _f64(params["lm_head"])
     counts = np.stack(all_counts) if all_counts else np.zeros((0, c.n_experts), np.int64)
     return x @ head, counts
+
+
+def reference_log_probs(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,
+                        experts: Mapping[int, tuple] | None = None) -> np.ndarray:
+    """Float64 log-probability of each token after the first given the ones before it:
+    [T - 1], entry i = log softmax(logits[i])[tokens[i + 1]] of `reference_forward`'s logits."""
+    tokens = np.asarray(tokens)
+    logits, _ = reference_forward(config, params, tokens, experts)
+    logits = logits[:-1]
+    top = logits.max(axis=-1, keepdims=True)
+    lse = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+    return logits[np.arange(logits.shape[0]), tokens[1:]] - lse
+
+
+def reference_perplexity(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,
+                         experts: Mapping[int, tuple] | None = None) -> float:
+    """Float64 perplexity of `tokens`: exp of the mean of -`reference_log_probs`."""
+    return float(np.exp(-np.mean(reference_log_probs(config, params, tokens, experts))))

@@ -17,8 +17,12 @@ top-10, seed-averaged): s = 0 leaves ~0% unrouted; s = SKEW_40_PERCENT_512_TOP10
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from strata_jax.config import ModelConfig
@@ -42,13 +46,249 @@ def _router(config: ModelConfig, skew: float, rng: np.random.Generator) -> np.nd
     return (w * router_scales(e, skew, rng)[None, :]).astype(np.float32)  # [H, E]
 
 
+def _dense_value(config: ModelConfig, name: str, shape: tuple, rng: np.random.Generator,
+                 routing_skew: float) -> np.ndarray:
+    """One non-expert parameter's draw (before the cast to its dtype), as `init_synthetic`
+    makes it."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "router":
+        return _router(config, routing_skew, rng)
+    if leaf == "selection_bias":
+        return 0.02 * rng.standard_normal(shape, dtype=np.float32)
+    if leaf == "weight":  # norms: near one so a wrong norm weight shows up in tests
+        return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    if leaf == "embed":
+        return rng.standard_normal(shape, dtype=np.float32)
+    if leaf in ("q_bias", "k_bias", "v_bias", "o_bias"):  # attention biases
+        return 0.2 * rng.standard_normal(shape, dtype=np.float32)
+    value = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-2])  # fan-in
+    if leaf in ("o_proj", "down"):
+        value *= _residual_scale(config)
+    return value
+
+
+def _residual_scale(config: ModelConfig) -> float:
+    return 1.0 / np.sqrt(2.0 * config.n_layers)
+
+
+class SyntheticParams(Mapping[str, np.ndarray]):
+    """`init_synthetic`'s weights, each tensor made when asked for: the same bits.
+
+    The draws come from one generator in `param_shapes` order, as `init_synthetic`'s do. The
+    generator's state before each tensor is recorded as the draws pass it, so a tensor asked for
+    again (another engine's host store) is drawn again from its own state, and one asked for
+    out of order is found by drawing the tensors before it (routed experts drawn and dropped:
+    ask in order, as `weights.LazyExperts.fill` and `build_model` do). Non-expert tensors are
+    kept once made (read-only arrays: attention, norms, routers, embeddings, a few per cent of
+    an MoE model); routed experts are not. `fill(name, out)` draws a tensor straight into
+    `out`, expert by expert, which is how an engine's host store takes them: no copy of the
+    experts exists outside it (`strata_jax.weights`).
+
+    Args:
+        config: model config.
+        seed: RNG seed; same seed, same weights.
+        routing_skew: router skew strength s >= 0 (see the module docstring).
+        tile: None: `init_synthetic`'s weights. An int t: other weights, for benchmarks, whose
+            timing does not depend on the values, made fast: each routed expert tensor repeats
+            t experts (expert e is expert e % t), each drawn by a generator of its own (seeded
+            by the seed, the tensor and the expert) on a thread of its own, then copied; the
+            other tensors come from one generator in order, as with None but without the
+            experts' draws between them. A full-size model's experts are then mostly copies.
+
+    A lock serialises the draws of calls from several threads.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int = 0, routing_skew: float = 0.0, *,
+                 tile: int | None = None):
+        from strata_jax.model import expert_param_names, param_shapes  # deferred: light import
+
+        if routing_skew < 0:
+            raise ValueError(f"routing_skew must be >= 0, got {routing_skew}")
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(f"tile={tile!r}: must be a positive int (or None)")
+        self.config = config
+        self.seed = seed
+        self.routing_skew = routing_skew
+        self.tile = tile
+        self._specs = param_shapes(config)
+        self._names = list(self._specs)
+        self._order = {n: i for i, n in enumerate(self._names)}
+        self._experts = frozenset(n for l in config.moe_layers
+                                  for n in expert_param_names(config, l))
+        # The tensors one generator draws in order (tiled experts have generators of their own).
+        self._seq = [n for n in self._names if tile is None or n not in self._experts]
+        self._index = {n: i for i, n in enumerate(self._seq)}
+        self._states = [np.random.default_rng(seed).bit_generator.state]  # before _seq[i]
+        self._kept: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        spec = self._specs[name]
+        if name not in self._experts:
+            with self._lock:
+                return self._dense(name)
+        out = np.empty(tuple(spec.shape), spec.dtype)
+        self.fill(name, out)
+        return out
+
+    def __contains__(self, name) -> bool:
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor (what `dict(self)` would hold)."""
+        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                   for s in self._specs.values())
+
+    def is_expert(self, name: str) -> bool:
+        """Whether `name` is a routed expert tensor (made on each access, never kept)."""
+        return name in self._experts
+
+    def draw_order(self, name: str) -> int:
+        """Where `name` comes in the draws (asking in this order draws each tensor once)."""
+        return self._order[name]
+
+    def fill(self, name: str, out: np.ndarray) -> None:
+        """Writes tensor `name` into `out` (an array or a view of its shape; cast to its dtype).
+
+        Raises:
+            KeyError: no such parameter.
+            ValueError: `out` has another shape.
+        """
+        spec = self._specs[name]
+        if tuple(out.shape) != tuple(spec.shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(spec.shape)}; the array to "
+                             f"fill has {tuple(out.shape)}")
+        with self._lock:
+            if name not in self._experts:
+                out[...] = self._dense(name)
+                return
+            if self.tile is not None:
+                self._fill_tiled(name, out)
+                return
+            i = self._index[name]
+            self._advance(i)
+            rng = self._rng(i)
+            self._draw_experts(name, rng, out)
+            if len(self._states) == i + 1:
+                self._states.append(rng.bit_generator.state)
+
+    def _dense(self, name: str) -> np.ndarray:
+        """The kept non-expert tensor `name`, drawn first where it was not yet."""
+        kept = self._kept.get(name)
+        if kept is None:
+            i = self._index[name]
+            self._advance(i)
+            kept = self._kept.get(name)
+            if kept is None:
+                rng = self._rng(i)
+                kept = self._keep(name, rng)
+                self._states.append(rng.bit_generator.state)
+        return kept
+
+    def _rng(self, i: int) -> np.random.Generator:
+        rng = np.random.Generator(np.random.PCG64())
+        rng.bit_generator.state = self._states[i]
+        return rng
+
+    def _advance(self, i: int) -> None:
+        """Draws the tensors before `i` whose states are not recorded yet (keeping the
+        non-expert ones, dropping the experts), so that the state before `i` is known."""
+        while len(self._states) <= i:
+            j = len(self._states) - 1
+            rng = self._rng(j)
+            name = self._seq[j]
+            if name in self._experts:
+                self._draw_experts(name, rng, None)
+            else:
+                self._keep(name, rng)
+            self._states.append(rng.bit_generator.state)
+
+    def _keep(self, name: str, rng: np.random.Generator) -> np.ndarray:
+        spec = self._specs[name]
+        value = _dense_value(self.config, name, tuple(spec.shape), rng, self.routing_skew)
+        value = value.astype(spec.dtype)
+        value.flags.writeable = False
+        self._kept[name] = value
+        return value
+
+    def _draw_experts(self, name: str, rng: np.random.Generator, out: np.ndarray | None) -> None:
+        """Draws a routed expert tensor [E, A, B] expert by expert into `out` (None: draws and
+        drops, for the generator's state after it). The same numbers as one draw of the whole
+        tensor (the generator's sequence does not depend on how a draw is split) and the same
+        arithmetic per element (`_dense_value`'s last case)."""
+        shape = tuple(self._specs[name].shape)
+        scale = np.sqrt(shape[-2])  # fan-in
+        down = name.endswith(".down")
+        draw = np.empty(shape[1:], np.float32)
+        value = np.empty(shape[1:], np.float64) if out is not None else None
+        for e in range(shape[0]):
+            rng.standard_normal(dtype=np.float32, out=draw)
+            if out is None:
+                continue
+            np.divide(draw, scale, out=value)  # float32 / float64 in float64, as one draw does
+            if down:
+                value *= _residual_scale(self.config)
+            out[e] = value
+
+    def _fill_tiled(self, name: str, out: np.ndarray) -> None:
+        """`tile` experts of tensor `name`, each drawn by its own generator on a thread of its
+        own into `out`, then copied over the rest (expert e = expert e % tile). Every step
+        runs without the GIL: the draws and float32 arithmetic, the cast to bfloat16 by integer
+        rounding (`_bfloat16_bits`), the copies as unsigned integers."""
+        shape = tuple(self._specs[name].shape)
+        n = min(self.tile, shape[0])
+        scale = np.float32(1.0 / np.sqrt(shape[-2])
+                           * (_residual_scale(self.config) if name.endswith(".down") else 1.0))
+        raw = out.view(np.dtype(f"u{out.dtype.itemsize}"))  # bit copies
+
+        def draw(k: int) -> None:
+            rng = np.random.default_rng([self.seed, self._order[name], k])
+            x = rng.standard_normal(shape[1:], dtype=np.float32)
+            x *= scale
+            if out.dtype == _BFLOAT16:
+                _bfloat16_bits(x, raw[k])
+            else:
+                out[k] = x
+
+        def copy(k: int) -> None:
+            raw[n + k::n] = raw[k]
+
+        with ThreadPoolExecutor(max(1, min(n, os.cpu_count() or 1))) as pool:
+            list(pool.map(draw, range(n)))
+            list(pool.map(copy, range(n)))
+
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bfloat16_bits(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 `x` rounded to the nearest bfloat16 (ties to even; finite values) as uint16
+    bits into `out`, in integer NumPy operations (which release the GIL, unlike a cast to
+    ml_dtypes' bfloat16)."""
+    bits = x.view(np.uint32)
+    rounded = (bits >> 16) & 1
+    rounded += 0x7FFF
+    rounded += bits
+    rounded >>= 16
+    out[...] = rounded
+
+
 def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0, *,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
     """Random weights for every parameter of `config`, including all routed experts.
 
     Uses NumPy's generator in float32 then casts to the parameter dtype, which is fast for scaled
     models on the CPU. Residual-branch outputs (o_proj, down projections) are scaled by
-    1/sqrt(2 * n_layers) so activations stay O(1) through depth.
+    1/sqrt(2 * n_layers) so activations stay O(1) through depth. `SyntheticParams` makes the
+    same tensors one at a time, when asked for (what a full-size model needs: its experts then
+    go straight into an engine's host store).
 
     Args:
         config: model config.
@@ -61,33 +301,15 @@ def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0
         flat name -> NumPy array in the parameter dtype (names as in `model.param_shapes`; the
         DeepSeek selection bias stays float32).
     """
-    from strata_jax.model import param_shapes  # deferred: keeps this module light to import
-
-    if routing_skew < 0:
-        raise ValueError(f"routing_skew must be >= 0, got {routing_skew}")
-    rng = np.random.default_rng(seed)
-    residual_scale = 1.0 / np.sqrt(2.0 * config.n_layers)
+    params = SyntheticParams(config, seed, routing_skew)
+    total = params.nbytes
     out: dict[str, np.ndarray] = {}
-    shapes = param_shapes(config)
-    total = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes.values())
     done = 0
-    for name, spec in shapes.items():
-        shape, leaf = tuple(spec.shape), name.rsplit(".", 1)[-1]
-        if leaf == "router":
-            value = _router(config, routing_skew, rng)
-        elif leaf == "selection_bias":
-            value = 0.02 * rng.standard_normal(shape, dtype=np.float32)
-        elif leaf == "weight":  # norms: near one so a wrong norm weight shows up in tests
-            value = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
-        elif leaf == "embed":
-            value = rng.standard_normal(shape, dtype=np.float32)
-        else:
-            fan_in = shape[-2]
-            value = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
-            if leaf in ("o_proj", "down"):
-                value *= residual_scale
-        out[name] = value.astype(spec.dtype)
-        done += out[name].nbytes
+    for name in params:
+        value = params[name]
+        value.flags.writeable = True  # the caller's own: `params` goes with this call
+        out[name] = value
+        done += value.nbytes
         if progress is not None:
             progress(done, total)
     return out

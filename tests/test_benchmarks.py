@@ -269,6 +269,28 @@ def test_timeline_summarize_splits_host_and_device():
 
 
 @pytest.mark.slow
+def test_score_bench_tiny_times_score_against_prefill(tmp_path):
+    # Score against prefill of the same prompt at tiny widths on the CPU: a row per arm with
+    # both times and their ratio, the arms' scores the same bytes.
+    from strata_jax.benchmarks import score_bench
+
+    out = tmp_path / "score.json"
+    rc = score_bench.main(["--tiny", "--layers", "2", "--long", "256", "--chunk", "128",
+                           "--arms", "resident,routed", "--reps", "2", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["ok"] and res["identical_across_arms"] and res["vocab"] == 512
+    assert [r["arm"] for r in res["rows"]] == ["resident", "routed"]
+    for r in res["rows"]:
+        assert (r["tokens"], r["chunks"], r["chunk_size"]) == (256, 2, 128)
+        assert len(r["prefill_ms_all"]) == len(r["score_ms_all"]) == 2
+        assert r["score_over_prefill"] == pytest.approx(r["score_ms"] / r["prefill_ms"])
+        assert r["finite"] and r["perplexity"] > 1
+        assert r["kv_identical_to_prefill"] and r["logits_identical_to_prefill"]
+    assert res["rows"][1]["bytes_copied"] > 0 == res["rows"][0]["bytes_copied"]
+
+
+@pytest.mark.slow
 def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     # The chunked-prompt benchmark end to end at tiny widths on the CPU: every arm reads the
     # prompt in one chunk, in chunks and layer-major, each streamed read equal to the resident
@@ -292,3 +314,17 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     assert [r["arm"] for r in follow] == ["resident", "routed", "stream-all"]
     assert all(r["over_first_chunk"] > 0 and "150 reused + 40 read" in r["summary"]
                for r in follow)
+    # Host memory is reported; the simulated link has no ceiling to measure.
+    assert all(r["peak_rss_bytes"] > 0 and r["peak_rss_over_experts"] > 0 for r in reads.values())
+    assert all(r["link_gbps"] is None for r in reads.values())
+    # A run without the resident arm divides by the first run's resident one-chunk time.
+    again = tmp_path / "again.json"
+    rc = chunked_bench.main(["--tiny", "--layers", "2", "--parts", "prefill", "--long", "256",
+                             "--chunk", "128", "--arms", "routed", "--orders", "layer-major",
+                             "--no-resident", "--resident-json", str(out),
+                             "--reps-prefill", "1", "--json", str(again)])
+    assert rc == 0
+    row, = json.loads(again.read_text())["rows"]
+    assert row["over_resident_one"] == pytest.approx(row["ms"] / reads[("resident", "one")]["ms"])
+    assert row["identical_to_resident"] is True  # against the first run's resident read
+    assert row["kv_sha256"] == reads[("resident", "layer-major")]["kv_sha256"]

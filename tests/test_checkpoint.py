@@ -1,6 +1,7 @@
 """Loading Hugging Face safetensors layouts written by the test, compared with direct builds."""
 
 import json
+import pathlib
 import struct
 
 import jax
@@ -10,8 +11,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from strata_jax import model as M
-from strata_jax.checkpoint import CheckpointError, config_from_hf, load_checkpoint, load_model
+from strata_jax.checkpoint import (FIELDS, CheckpointError, config_from_hf, fields_markdown,
+                                   load_checkpoint, load_model)
 from strata_jax.config import get_preset
+from strata_jax.rope import RopeScaling, rope_frequencies
 from strata_jax.synthetic import init_synthetic
 
 ARCH = {
@@ -50,6 +53,9 @@ def hf_tensors(c, params, preset):
         t[q + "post_attention_layernorm.weight"] = params[p + "post_attn_norm.weight"]
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             t[q + f"self_attn.{proj}.weight"] = params[p + f"attn.{proj}"].T
+        if c.attention_bias:
+            for b in "qkvo":
+                t[q + f"self_attn.{b}_proj.bias"] = params[p + f"attn.{b}_bias"]
         if c.qk_norm != "none":
             t[q + "self_attn.q_norm.weight"] = params[p + "attn.q_norm.weight"]
             t[q + "self_attn.k_norm.weight"] = params[p + "attn.k_norm.weight"]
@@ -61,7 +67,9 @@ def hf_tensors(c, params, preset):
     return {k: np.ascontiguousarray(v) for k, v in t.items()}
 
 
-def write_checkpoint(path, c, preset, tensors, *, shards=2):
+def write_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
+    """Writes tensors in `shards` files and config.json (hf_config with `fields` over it; a
+    field given as None is removed)."""
     names = sorted(tensors)
     weight_map = {}
     for s in range(shards):
@@ -70,7 +78,10 @@ def write_checkpoint(path, c, preset, tensors, *, shards=2):
         save_file({n: tensors[n] for n in part}, str(path / fname))
         weight_map.update({n: fname for n in part})
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(hf_config(c, ARCH[preset][0])))
+    cfg = hf_config(c, ARCH[preset][0])
+    cfg.update(fields)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(cfg))
 
 
 def small(preset):
@@ -185,3 +196,186 @@ def test_config_from_real_hf_keys():
           "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": []}
     c = config_from_hf(hf)
     assert c.expert_bytes_total == get_preset("qwen3-30b-a3b").expert_bytes_total
+
+
+# ---- config.json fields: honoured, refused, both spellings (issue 20) ---------------------------
+
+QWEN = "Qwen3MoeForCausalLM"
+
+
+def qwen_hf(**fields):
+    """A Qwen3-MoE config.json as transformers 4 wrote it, with `fields` over it (None removes)."""
+    cfg = hf_config(small("qwen3-30b-a3b"), QWEN)
+    cfg.update(fields)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def test_transformers5_spelling_reads_rope_parameters_and_num_local_experts():
+    # As transformers 5 writes it: rope_theta inside rope_parameters, num_local_experts, dtype.
+    v4 = config_from_hf(qwen_hf(rope_theta=5e5))
+    v5 = config_from_hf(qwen_hf(rope_theta=None, num_experts=None, torch_dtype=None,
+                                num_local_experts=8, dtype="float32",
+                                rope_parameters={"rope_theta": 5e5, "rope_type": "default"}))
+    assert v5.rope_theta == 5e5 and v5.n_experts == 8 and v5.rope_scaling is None
+    assert v5 == v4
+
+
+def test_yarn_in_both_spellings():
+    v4 = config_from_hf(qwen_hf(max_position_embeddings=40_960, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32_768}))
+    v5 = config_from_hf(qwen_hf(rope_theta=None, max_position_embeddings=40_960,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                 "rope_theta": 1e6,
+                                                 "original_max_position_embeddings": 32_768}))
+    assert v4 == v5
+    assert v4.rope_scaling == RopeScaling("yarn", 4.0, 32_768)
+    assert v4.max_seq_len == 131_072  # factor x original, past max_position_embeddings
+    # transformers 5: no factor means max_position_embeddings / original.
+    implied = config_from_hf(qwen_hf(max_position_embeddings=8192, rope_scaling={
+        "rope_type": "yarn", "original_max_position_embeddings": 2048}))
+    assert implied.rope_scaling.factor == 4.0
+
+
+def test_linear_and_dynamic_read():
+    linear = config_from_hf(qwen_hf(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert linear.rope_scaling == RopeScaling("linear", 2.0)
+    dynamic = config_from_hf(qwen_hf(max_position_embeddings=1024,
+                                     rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert dynamic.rope_scaling == RopeScaling("dynamic", 2.0, 1024)
+    assert dynamic.max_seq_len == 1024
+
+
+def test_defaults_are_transformers_own():
+    bare = {k: v for k, v in hf_config(small("mixtral-8x7b"), "MixtralForCausalLM").items()
+            if k not in ("rope_theta", "rms_norm_eps", "max_position_embeddings")}
+    c = config_from_hf(bare)
+    assert (c.rope_theta, c.rms_norm_eps, c.max_seq_len) == (1e6, 1e-5, 131_072)
+    assert c.norm_topk_prob
+    q = config_from_hf(qwen_hf(rope_theta=None, norm_topk_prob=None, rms_norm_eps=None))
+    assert (q.rope_theta, q.rms_norm_eps, q.norm_topk_prob) == (10_000.0, 1e-6, False)
+
+
+def test_sliding_window_fields():
+    assert config_from_hf(qwen_hf(use_sliding_window=False, sliding_window=4096,
+                                  max_window_layers=28)).sliding_window is None
+    assert config_from_hf(qwen_hf(use_sliding_window=True, sliding_window=16,
+                                  max_window_layers=0)).sliding_window == 16
+    assert config_from_hf(qwen_hf(use_sliding_window=True)).sliding_window == 4096
+    explicit_null = {**qwen_hf(use_sliding_window=True), "sliding_window": None}
+    assert config_from_hf(explicit_null).sliding_window is None
+    mixtral = hf_config(small("mixtral-8x7b"), "MixtralForCausalLM")
+    assert config_from_hf({**mixtral, "sliding_window": 32}).sliding_window == 32
+    assert config_from_hf({**mixtral, "sliding_window": None}).sliding_window is None
+
+
+REFUSED = [
+    (QWEN, {"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+    (QWEN, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_type='llama3'"),
+    (QWEN, {"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, r"rope_type='longrope'"),
+    (QWEN, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1.0}},
+     r"\['low_freq_factor'\] are not read by rope_type 'yarn'"),
+    (QWEN, {"rope_scaling": {"rope_type": "linear"}}, r"linear RoPE scaling has no 'factor'"),
+    (QWEN, {"rope_scaling": {"rope_type": "default", "factor": 2.0}}, r"\['factor'\]"),
+    (QWEN, {"rope_parameters": {"rope_theta": 1e4}}, r"two RoPE bases"),
+    (QWEN, {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+     r"per layer type"),
+    (QWEN, {"rope_scaling": {"type": "yarn", "rope_type": "linear", "factor": 2.0}},
+     r"disagree"),
+    (QWEN, {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5"),
+    (QWEN, {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+    (QWEN, {"decoder_sparse_step": 2}, r"decoder_sparse_step=2"),
+    (QWEN, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+     r"max_window_layers=1"),
+    (QWEN, {"num_local_experts": 4}, r"spellings disagree.*num_experts.*num_local_experts"),
+    (QWEN, {"num_experts": None}, r"none of \('num_experts', 'num_local_experts'\)"),
+    (QWEN, {"vocab_size": None}, r"no 'vocab_size'"),
+    (QWEN, {"model_type": "qwen2_moe"}, r"model_type='qwen2_moe'"),
+    (QWEN, {"quantization_config": {"quant_method": "fp8"}}, r"quantization_config="),
+    (QWEN, {"shared_expert_intermediate_size": 64, "foo": 1},
+     r"foo=1, shared_expert_intermediate_size=64 are not fields"),
+    (QWEN, {"clip_qkv": 8.0}, r"clip_qkv=8.0 are not fields"),
+    (QWEN, {"num_attention_heads": 3}, r"cannot build.*n_heads=3"),
+    ("OlmoeForCausalLM", {"clip_qkv": 8.0}, r"clip_qkv=8.0"),
+    ("OlmoeForCausalLM", {"sliding_window": 16}, r"sliding_window=16"),
+    ("MixtralForCausalLM", {"attention_bias": True}, r"attention_bias=True"),
+    ("MixtralForCausalLM", {"norm_topk_prob": False}, r"norm_topk_prob=False"),
+]
+
+
+@pytest.mark.parametrize("arch,fields,match", REFUSED,
+                         ids=[f"{a[:5]}-{'-'.join(f)}" for a, f, _ in REFUSED])
+def test_refused_fields_are_named(arch, fields, match):
+    preset = {a: p for p, (a, _, _) in ARCH.items()}[arch]
+    cfg = hf_config(small(preset), arch)
+    cfg.update(fields)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    with pytest.raises(CheckpointError, match=match):
+        config_from_hf(cfg)
+
+
+def test_docs_show_the_field_table():
+    """docs/CHECKPOINTS.md holds the table the loader follows (`fields_markdown()`)."""
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "CHECKPOINTS.md").read_text()
+    assert fields_markdown() in doc, "docs/CHECKPOINTS.md: paste fields_markdown()'s table"
+
+
+def test_fields_of_one_architecture_are_refused_in_another():
+    """A field FIELDS gives only some architectures is refused, named, by the others."""
+    mixtral = hf_config(small("mixtral-8x7b"), "MixtralForCausalLM")
+    for field, per in FIELDS.items():
+        if "MixtralForCausalLM" not in per:
+            with pytest.raises(CheckpointError, match=f"{field}=7 are not fields"):
+                config_from_hf({**mixtral, field: 7})
+
+
+def test_attention_bias_checkpoint_loads_every_bias(tmp_path):
+    """q/k/v/o biases land under the model's names (their math: tests/test_hf_fields.py)."""
+    preset = "olmoe-1b-7b"
+    c = small(preset).replace(attention_bias=True)
+    params = init_synthetic(c, 3)
+    write_checkpoint(tmp_path, c, preset, hf_tensors(c, params, preset), attention_bias=True)
+    ckpt = load_checkpoint(str(tmp_path), progress=False)
+    assert ckpt.config.attention_bias
+    names = [f"layers.{l}.attn.{b}_bias" for l in range(c.n_layers) for b in "qkvo"]
+    for name in names:
+        np.testing.assert_array_equal(ckpt.params[name], params[name], err_msg=name)
+    assert set(M.param_shapes(c)) - set(ckpt.params) == {
+        f"layers.{l}.mlp.{w}" for l in c.moe_layers for w in ("gate", "up", "down")}
+
+
+def test_unused_tensors_are_named(qwen_dir):
+    path, c, tensors = qwen_dir
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(c.q_dim, np.float32)
+    for e in range(6):  # a layer past num_hidden_layers
+        tensors[f"model.layers.2.mlp.experts.{e}.up_proj.weight"] = np.zeros((8, 8), np.float32)
+    write_checkpoint(path, c, "qwen3-30b-a3b", tensors)
+    with pytest.raises(CheckpointError, match=r"7 tensor\(s\) .* not used .*'model.layers.0."
+                                              r"self_attn.q_proj.bias'.* and 2 more"):
+        load_checkpoint(str(path), progress=False)
+
+
+def test_bias_tensors_missing_when_the_config_asks(qwen_dir):
+    path, c, tensors = qwen_dir
+    write_checkpoint(path, c, "qwen3-30b-a3b", tensors, attention_bias=True)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.0.self_attn.q_proj"
+                                              r".bias'"):
+        load_checkpoint(str(path), progress=False)
+
+
+def test_tied_head_and_rope_buffers_checked(qwen_dir):
+    path, c, tensors = qwen_dir
+    c = c.replace(tie_embeddings=True)
+    inv = rope_frequencies(c.head_dim, c.rope_theta)[0].astype(np.float32)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv
+    write_checkpoint(path, c, "qwen3-30b-a3b", tensors)
+    assert load_checkpoint(str(path), progress=False).config.tie_embeddings
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv / 2
+    write_checkpoint(path, c, "qwen3-30b-a3b", tensors)
+    with pytest.raises(CheckpointError, match="rotary_emb.inv_freq' holds RoPE frequencies"):
+        load_checkpoint(str(path), progress=False)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
+    write_checkpoint(path, c, "qwen3-30b-a3b", tensors)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs"):
+        load_checkpoint(str(path), progress=False)

@@ -395,6 +395,7 @@ def no_work(monkeypatch):
 
     patch_cli(monkeypatch, "random_prompt", forbidden)
     monkeypatch.setattr(strata_jax.synthetic, "init_synthetic", forbidden)
+    monkeypatch.setattr(strata_jax.synthetic, "SyntheticParams", forbidden)
     monkeypatch.setattr(strata_jax.engine.Engine, "__init__", forbidden)
 
 
@@ -588,3 +589,63 @@ def test_as_a_program():
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [bad.stderr.strip()]
     assert "unknown preset 'nope'" in bad.stderr
+
+
+# ---- score --------------------------------------------------------------------------------------
+
+
+SCORE_KEYS = ("scored", "sum_logprob", "mean_nll", "perplexity", "logprobs_sha256", "logprobs")
+SCORE_PROMPT = ["--tokens", "48", "--chunk", "64", "--max-context", "64"]  # one chunk program
+
+
+def test_score_json_and_text_give_the_same_bits_in_every_arm():
+    # The resident arm's JSON and the routed arm's text: the same log-probabilities' bytes
+    # (chunk boundaries and follow-up turns: tests/test_engine.py).
+    d = run_json(["score", *MODEL, *SCORE_PROMPT, "--no-stream"])
+    missing = [k for k in (*REQUIRED, *SCORE_KEYS) if k not in d]
+    assert not missing, missing
+    assert (d["tokens"], d["read"], d["scored"], len(d["logprobs"])) == (48, 48, 47, 47)
+    assert d["arm"] == "resident" and d["chunk_size"] == 64
+    logprobs = np.asarray(d["logprobs"], np.float64)
+    assert np.isfinite(logprobs).all() and (logprobs < 0).all()
+    assert d["sum_logprob"] == pytest.approx(logprobs.sum())
+    assert d["mean_nll"] == pytest.approx(-logprobs.mean())
+    assert d["perplexity"] == pytest.approx(np.exp(-logprobs.mean()))
+    rc, out, err = run(["score", *MODEL, *SCORE_PROMPT, "--stream-floor", "16"])
+    assert rc == 0, err
+    assert "arm routed" in out and "48 tokens = 0 reused + 48 read" in out
+    assert "experts streamed" in out
+    assert f"scored 47 tokens: mean NLL {d['mean_nll']:.4f} nats" in out
+    assert f"logprobs sha256 {d['logprobs_sha256'][:16]}..., kv sha256 {d['kv_sha256'][:16]}" \
+        in out
+    assert "score" in err and "{" not in out  # the progress bar went to stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tokens", "1"], ["1 token has nothing to score", "at least 2 tokens"]),
+    (["--prompt-file", "{one}"], ["1 token has nothing to score"]),
+    (["--prompt-file", "{oov}"], ["600", "vocabulary"]),
+])
+def test_score_refuses_what_it_cannot_score_before_any_work(argv, words, no_work, tmp_path):
+    _, oov, _, _ = _bad_prompt_files(tmp_path)
+    one = tmp_path / "one.txt"
+    one.write_text("7")
+    argv = [a.format(one=one, oov=oov) for a in argv]
+    rc, out, err = run(["score", *MODEL, *argv])
+    assert (rc, out) == (2, ""), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("strata-jax score: error: "), lines
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_every_score_option_is_documented():
+    score = cli.build_parser()._subparsers._group_actions[0].choices["score"]
+    help_text = score.format_help()
+    for action in score._actions:
+        assert action.help and action.help.strip(), action.option_strings
+        for opt in action.option_strings:
+            assert opt in help_text
+    for key in SCORE_KEYS:
+        assert key in help_text, key
+    assert "score" in cli.build_parser().format_help()

@@ -20,6 +20,7 @@ import pytest
 from strata_jax.config import get_preset
 from strata_jax.engine import (
     Engine,
+    ScoreResult,
     Session,
     compile_buckets,
     sha256_of,
@@ -27,6 +28,7 @@ from strata_jax.engine import (
 from strata_jax.kernels import Kernels
 from strata_jax.model import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile
+from strata_jax.reference import reference_log_probs, reference_perplexity
 from strata_jax.stream import StreamConfig, StreamTuning, NativeStreamer
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import assert_close
@@ -503,6 +505,156 @@ def test_layer_major_falls_back_or_refuses_when_memory_does_not_fit(f32_engine):
         f32_engine.layer_major_limit_bytes = None
 
 
+# ---- scoring ------------------------------------------------------------------------------------
+
+
+def _log_softmax_at(logits, token) -> float:
+    """float64 log_softmax(logits)[token] of one position's logits [V]."""
+    x = np.asarray(logits, np.float64)
+    return float(x[token] - x.max() - np.log(np.exp(x - x.max()).sum()))
+
+
+def test_score_matches_the_float64_reference(f32_engine, f32_params):
+    # 45 tokens in chunks of 32 (32 + 13, padded to 16): the first chunk's last row scores the
+    # second chunk's first token, the prompt's last position nothing. (The chunk programs of
+    # test_score_a_follow_up_turn's.)
+    toks = _tokens(45, seed=21)
+    want = reference_log_probs(F32, f32_params, toks)
+    pre = f32_engine.prefill(toks)
+    r = f32_engine.score(toks)
+    assert isinstance(r, ScoreResult) and r.order == "chunk-major"
+    assert r.logprobs.dtype == np.float32 and r.logprobs.shape == (44,) and r.scored == 44
+    assert_close(r.logprobs, want, np.float32)
+    assert_close(r.perplexity, reference_perplexity(F32, f32_params, toks), np.float32)
+    assert_close(r.sum_logprob, want.sum(), np.float32)
+    assert r.mean_nll == pytest.approx(-r.sum_logprob / 44)
+    # The prefill's read: the same chunks, KV cache and counts, the last position's logits.
+    assert [c.bucket for c in r.chunks] == [c.bucket for c in pre.chunks] == [32, 16]
+    assert (r.tokens, r.reused, r.read, r.kv_sha256()) == (45, 0, 45, pre.kv_sha256())
+    np.testing.assert_array_equal(r.counts, pre.counts)
+    assert_close(r.logits, pre.logits, np.float32)
+    line = r.summary()
+    assert line.startswith("45 tokens = 0 reused + 45 read") and "scored 44 tokens" in line
+    assert f"perplexity {r.perplexity:.4g}" in line
+    d = json.loads(json.dumps(r.to_dict()))
+    assert (d["scored"], len(d["logprobs"]), d["kv_sha256"]) == (44, 44, pre.kv_sha256())
+    assert d["logprobs_sha256"] == sha256_of(r.logprobs)
+    assert d["perplexity"] == r.perplexity and d["sum_logprob"] == r.sum_logprob
+    np.testing.assert_array_equal(np.asarray(d["logprobs"], np.float32), r.logprobs)
+
+
+@pytest.mark.slow  # layer-major scores' bits equal chunk-major's in test_resident_scores_...
+def test_layer_major_score_matches_the_float64_reference(f32_engine, f32_params):
+    toks = _tokens(75, seed=21)
+    want = reference_log_probs(F32, f32_params, toks)
+    pre = f32_engine.prefill(toks, order="layer-major")
+    r = f32_engine.score(toks, order="layer-major")
+    assert (r.order, len(r.chunks), r.chunks[0].bucket) == ("layer-major", 1, 96)
+    assert_close(r.logprobs, want, np.float32)
+    assert_close(r.perplexity, reference_perplexity(F32, f32_params, toks), np.float32)
+    assert r.kv_sha256() == pre.kv_sha256()
+    second = f32_engine.score(toks[40:], f32_engine.score(toks[:40], order="layer-major").session,
+                              order="layer-major")
+    assert (second.reused, second.scored) == (40, 34)
+    assert_close(second.logprobs, want[40:], np.float32)
+
+
+def test_score_a_follow_up_turn(f32_engine, f32_params):
+    # The second turn's first scored token has the first turn's tokens in its context; the
+    # turns' boundary token is the first result's logits' to score.
+    toks = _tokens(80, seed=22)
+    want = reference_log_probs(F32, f32_params, toks)
+    first = f32_engine.score(toks[:45])
+    second = f32_engine.score(toks[45:], first.session, chunk_size=16)
+    assert (second.tokens, second.reused, second.read, second.scored) == (80, 45, 35, 34)
+    assert_close(first.logprobs, want[:44], np.float32)
+    assert_close(_log_softmax_at(first.logits, toks[45]), want[44], np.float32)
+    assert_close(second.logprobs, want[45:], np.float32)
+    # A score continues a prefill's session as well, and leaves it unchanged.
+    pre = f32_engine.prefill(toks[:45])
+    kv = pre.kv_sha256()
+    again = f32_engine.score(toks[45:], pre.session, chunk_size=16)
+    assert_close(again.logprobs, want[45:], np.float32)
+    assert pre.kv_sha256() == kv
+    # One token after a session has nothing to score either: refused before device work.
+    compiled = f32_engine.compilations
+    with pytest.raises(ValueError, match="1 token has nothing to score"):
+        f32_engine.score(toks[45:46], pre.session)
+    assert f32_engine.compilations == compiled
+
+
+def test_score_refuses_a_prompt_with_nothing_to_score(f32_engine):
+    compiled, tokens = f32_engine.compilations, f32_engine.profile.tokens
+    with pytest.raises(ValueError, match="1 token has nothing to score"):
+        f32_engine.score(_tokens(1))
+    assert (f32_engine.compilations, f32_engine.profile.tokens) == (compiled, tokens)
+
+
+_SCORE_ARMS = {"resident": None,
+               "stream-all": StreamConfig(routed=False,
+                                          tuning=StreamTuning(stream_floor=16, **SLOW)),
+               "routed": StreamConfig(routed=True, depth=2,
+                                      tuning=StreamTuning(stream_floor=16, **SLOW)),
+               # The last MoE layer's expert math in row pieces (tail_pieces): slow run only.
+               "routed-tail-pieces": StreamConfig(routed=True, depth=2,
+                                                  tuning=StreamTuning(stream_floor=16, tail_pieces=4,
+                                                                      tail_from=32, **SLOW))}
+
+
+def _score_reads(params, arm: str, layer_major: bool) -> tuple[dict, np.ndarray, dict]:
+    """An arm's scores of one 64-token prompt: chunk-major in two chunks of 32 (synced and
+    not), a follow-up turn of 32 over a 32-token session (the same two programs), and with
+    `layer_major` a layer-major read: ({read: (logprobs, logits, KV hashes)}, the prompt,
+    {read: ScoreResult})."""
+    toks = _tokens(64, seed=23, config=BF16)
+    with Engine(BF16, params, _SCORE_ARMS[arm], max_context=128, chunk_size=32) as eng:
+        reads = {"chunk-major": eng.score(toks),
+                 "unsynced": eng.score(toks, sync_chunks=False),
+                 "follow-up": eng.score(toks[32:], eng.score(toks[:32]).session)}
+        if layer_major:
+            reads["layer-major"] = eng.score(toks, order="layer-major")
+    if arm != "resident":
+        assert [c.stats.mode for c in reads["chunk-major"].chunks] == ["stream"] * 2
+        pieces = 4 if arm == "routed-tail-pieces" else 1
+        assert [c.stats.tail_pieces for c in reads["chunk-major"].chunks] == [pieces] * 2
+    hashes = {k: (r.logprobs_sha256(), r.logits_sha256(), r.kv_sha256())
+              for k, r in reads.items()}
+    return hashes, toks, reads
+
+
+@pytest.fixture(scope="module")
+def resident_scores(bf16_params):
+    return _score_reads(bf16_params, "resident", layer_major=False)
+
+
+def test_resident_scores_match_the_float64_reference_in_bfloat16(bf16_params, resident_scores):
+    hashes, toks, reads = resident_scores
+    want = reference_log_probs(BF16, bf16_params, toks)
+    assert_close(reads["chunk-major"].logprobs, want, BF16.dtype)
+    assert_close(reads["follow-up"].logprobs, want[32:], BF16.dtype)
+    assert_close(reads["chunk-major"].perplexity, reference_perplexity(BF16, bf16_params, toks),
+                 BF16.dtype)
+    assert hashes["unsynced"] == hashes["chunk-major"]
+
+
+def test_scores_are_the_same_bits_in_every_arm(bf16_params, resident_scores):
+    # Routed chunk-major (synced and not) and a follow-up turn: the resident arm's
+    # log-probabilities, logits and KV cache, bit for bit.
+    hashes, _, _ = _score_reads(bf16_params, "routed", layer_major=False)
+    assert hashes == resident_scores[0]
+
+
+@pytest.mark.slow  # the routed arm's chunk-major scores in the default run
+def test_scores_are_the_same_bits_in_every_arm_and_order(bf16_params):
+    # Every arm, with layer-major reads as well; layer-major within bfloat16's tolerance.
+    runs = {arm: _score_reads(bf16_params, arm, layer_major=True) for arm in _SCORE_ARMS}
+    for arm, (hashes, _, _) in runs.items():
+        assert hashes == runs["resident"][0], arm
+    _, toks, reads = runs["resident"]
+    assert_close(reads["layer-major"].logprobs, reference_log_probs(BF16, bf16_params, toks),
+                 BF16.dtype)
+
+
 # ---- bad input and faults -----------------------------------------------------------------------
 
 
@@ -514,10 +666,11 @@ def test_layer_major_falls_back_or_refuses_when_memory_does_not_fit(f32_engine):
     ([1.5, 2.0], "integer"),
     (np.zeros(257, np.int64), r"257 tokens after 0 .* past max_context=256; 256 more tokens fit"),
 ])
-def test_bad_tokens_are_refused_before_device_work(f32_engine, tokens, pattern):
+@pytest.mark.parametrize("method", ["prefill", "score"])
+def test_bad_tokens_are_refused_before_device_work(f32_engine, tokens, pattern, method):
     compiled = f32_engine.compilations
     with pytest.raises(ValueError, match=pattern):
-        f32_engine.prefill(tokens)
+        getattr(f32_engine, method)(tokens)
     assert f32_engine.compilations == compiled
 
 
@@ -721,3 +874,65 @@ def test_kernels_are_the_engines_static_config(f32_params):
     a, b = results.values()
     np.testing.assert_array_equal(a.counts, b.counts)
     assert_close(a.logits, b.logits, np.float32)
+
+
+# ---- sliding windows ----------------------------------------------------------------------------
+
+
+# BF16 with its first and last layers windowed over 8 positions (Qwen2/3-style layer_types).
+WINDOWED = BF16.replace(sliding_window=8, layer_types=("sliding_attention", "full_attention",
+                                                       "sliding_attention"))
+_WINDOW_ARMS = {"resident": None,
+                "routed": StreamConfig(routed=True, depth=2,
+                                       tuning=StreamTuning(stream_floor=16, **SLOW)),
+                "stream-all": StreamConfig(routed=False,
+                                           tuning=StreamTuning(stream_floor=16, **SLOW))}
+
+
+def _windowed_reads(params, arm: str, layer_major: bool):
+    """An arm's reads of one 80-token prompt with WINDOWED: chunk-major in chunks of 32, a
+    follow-up turn of 30 over a 50-token session, and with `layer_major` a layer-major read in
+    sub-chunks of 16: ({read: (logits, KV hashes)}, the prompt, {read: PrefillResult})."""
+    toks = _tokens(80, seed=31, config=WINDOWED)
+    with Engine(WINDOWED, params, _WINDOW_ARMS[arm], max_context=128, chunk_size=32,
+                sub_chunk=16) as eng:
+        reads = {"chunk-major": eng.prefill(toks),
+                 "follow-up": eng.prefill(toks[50:], eng.prefill(toks[:50]).session)}
+        if layer_major:
+            reads["layer-major"] = eng.prefill(toks, order="layer-major")
+    if arm != "resident":
+        assert [c.stats.mode for c in reads["chunk-major"].chunks] == ["stream"] * 3
+    return {k: (r.logits_sha256(), r.kv_sha256()) for k, r in reads.items()}, toks, reads
+
+
+@pytest.fixture(scope="module")
+def windowed_resident(bf16_params):
+    return _windowed_reads(bf16_params, "resident", layer_major=False)
+
+
+def _check_windowed_reference(params, toks, reads):
+    from strata_jax.reference import reference_forward
+
+    want, _ = reference_forward(WINDOWED, params, toks)
+    full, _ = reference_forward(BF16, params, toks)
+    assert np.abs(full[-1] - want[-1]).max() > 0.5  # the window changes the last logits
+    for name, r in reads.items():
+        assert_close(r.logits, want[-1], BF16.dtype, err_msg=name)
+
+
+def test_windowed_layers_match_the_float64_reference(bf16_params, windowed_resident):
+    _check_windowed_reference(bf16_params, *windowed_resident[1:])
+
+
+def test_windowed_layers_same_bits_in_the_routed_arm(bf16_params, windowed_resident):
+    # Chunk-major and a follow-up turn with windowed and full layers: the routed arm's logits
+    # and KV cache are the resident arm's, bit for bit.
+    hashes, _, _ = _windowed_reads(bf16_params, "routed", layer_major=False)
+    assert hashes == windowed_resident[0]
+
+
+@pytest.mark.slow  # the routed arm's chunk-major and follow-up reads in the default run
+def test_windowed_layers_same_bits_in_every_arm_and_order(bf16_params):
+    seen = {arm: _windowed_reads(bf16_params, arm, layer_major=True) for arm in _WINDOW_ARMS}
+    assert seen["stream-all"][0] == seen["resident"][0] == seen["routed"][0]
+    _check_windowed_reference(bf16_params, *seen["resident"][1:])

@@ -1,7 +1,7 @@
 """notebooks/quickstart.ipynb runs top to bottom (nbclient, kernel python3) so it cannot rot.
 
 The notebook is committed without outputs; executing it must raise no error, show the identity
-check, the follow-up's "reused + read" line and the per-layer plot.
+check, the follow-up's "reused + read" line, the scores' identity check and the per-layer plot.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def test_quickstart_runs(tmp_path, monkeypatch):
     assert "streaming backend:" in text
     assert "identical: resident and routed-streamed" in text
     assert "612 tokens = 512 reused + 100 read" in text
+    assert "identical scores: resident and routed-streamed" in text
+    assert "511 tokens scored" in text
     assert "routed + profile:" in text
     images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.data]
     assert len(images) == 1  # the per-layer copied/skipped plot

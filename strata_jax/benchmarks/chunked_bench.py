@@ -19,9 +19,17 @@ Three parts, each optional (`--parts`):
               None)`, what a smaller device gets: run under XLA_CLIENT_MEM_FRACTION) and "one"
               is that choice; `--no-resident` leaves out a resident arm that does not fit,
               `--resident-ms` then gives the one-chunk time the ratios divide by and the
-              first arm's reads are the ones the others must equal.
+              first arm's reads are the ones the others must equal (`--resident-json`
+              takes that time, and the resident reads' hashes to compare with, from an
+              earlier run's JSON). Each streamed row also has the
+              link floor: its bytes at the ceiling measured from the engine's own store.
   follow-up   A `--turn2`-token turn over a `--turn1`-token session, against a `--turn2`-token
               first chunk, resident; then routed against stream-all (skip share).
+
+Weights: `SyntheticParams(tile=8)`, made as each engine takes them: the experts go straight
+into its host store (or onto the device), so host RAM holds them once however many layers
+(`--layers 48`: the whole Qwen3-30B-A3B, 58 GB of bf16 experts). Every row has the process's
+peak resident host memory so far (`peak_rss_bytes`, VmHWM) against the experts' bytes.
 
     python -m strata_jax.benchmarks.chunked_bench --layers 8 --json out.json
 """
@@ -40,9 +48,45 @@ from strata_jax.benchmarks.stream_bench import (
     PinnedHostBaseline,
     _hashes,
     _timed,
-    fast_params,
     model_config,
 )
+
+# Each routed expert tensor repeats this many experts' draws (SyntheticParams(tile=...)).
+TILE = 8
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident host memory so far (VmHWM), None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _engine(cfg, params, stream, **kwargs):
+    """An Engine with a progress bar (stderr) over the layers its experts go into."""
+    from tqdm.auto import tqdm
+
+    from strata_jax.engine import Engine
+
+    where = "the host store" if stream is not None else "the device"
+    with tqdm(total=len(cfg.moe_layers), desc=f"experts into {where}", unit="layer",
+              file=sys.stderr) as bar:
+        return Engine(cfg, params, stream, progress=lambda done, total: bar.update(1),
+                      **kwargs)
+
+
+def _link_gbps(eng) -> float | None:
+    """The link ceiling from the engine's own store (`NativeStreamer.measure_link`); None
+    where it cannot be measured (the simulated link, a staged store)."""
+    try:
+        return eng.streamer.measure_link() if eng.streamer is not None else None
+    except RuntimeError:
+        return None
 
 
 def _median_ms(fn, *args, reps: int = 10, warm: int = 2) -> float:
@@ -162,9 +206,8 @@ def _pinned_host_rows(args, cfg, params, prompts, orders, hashes, resident_one):
 
 def _reads(eng, prompts, chunk: int, orders):
     """Times each read of `orders` ("one", "chunked", "layer-major") over prompts[1:] after a
-    compile read of prompts[0]: {order: (median ms, last result) or the error's text (a read
-    that does not fit the device)}."""
-    out = {}
+    compile read of prompts[0]: yields (order, (median ms, last result) or the error's text (a
+    read that does not fit the device)) as each order ends."""
     for order in orders:
         kw = ({"order": "chunk-major"} if order == "one" else
               {"order": "chunk-major", "chunk_size": chunk} if order == "chunked" else
@@ -177,21 +220,20 @@ def _reads(eng, prompts, chunk: int, orders):
                 ms, r = _timed(eng, p, **kw)
                 times.append(ms)
         except Exception as e:  # noqa: BLE001 - out of memory on a smaller device: a row
-            out[order] = _error_text(e)
+            yield order, _error_text(e)
             continue
-        out[order] = (statistics.median(times), r)
-    return out
+        yield order, (statistics.median(times), r)
+        del r
 
 
 def prefill_part(args, cfg, params, result, save=lambda: None):
     import jax
 
-    from strata_jax.engine import Engine
-
     n = args.long
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(args.reps_prefill + 1)]
-    hashes, resident_one = {}, args.resident_ms
+    # (order, prompt) -> the reference read's hashes: the resident arm's, or `--resident-json`'s.
+    hashes, resident_one = dict(args.reference_hashes), args.resident_ms
     arms = ([] if args.no_resident else ["resident"]) + [
         a for a in args.arms.split(",") if a != "resident"]
     for arm in arms:
@@ -208,11 +250,12 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
         orders = (args.resident_orders if arm == "resident" else args.orders).split(",")
         own = args.engine_chunk or arm == "resident"
         t0 = time.perf_counter()
-        with Engine(cfg, params, sc, max_context=n, chunk_size=None if own else n,
-                    sub_chunk=args.chunk) as eng:
+        with _engine(cfg, params, sc, max_context=n, chunk_size=None if own else n,
+                     sub_chunk=args.chunk) as eng:
             made_s = time.perf_counter() - t0
-            reads = _reads(eng, prompts, args.chunk, orders)
-            for order, read in reads.items():
+            link = _link_gbps(eng)
+            # Each order's row is saved as it ends: a long run keeps what finished.
+            for order, read in _reads(eng, prompts, args.chunk, orders):
                 if isinstance(read, str):
                     row = {"part": "prefill", "arm": arm, "read": order, "tokens": n,
                            "error": read, "chunk_choice": eng.chunk_choice}
@@ -238,20 +281,30 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                        # resident arm the first arm's reads are, and are not compared.
                        "identical_to_resident": (None if first_of_order and arm != "resident"
                                                  else h == hashes[(order, len(prompts) - 1)]),
+                       "prompt": len(prompts) - 1, "logits_sha256": h[0], "kv_sha256": h[1],
                        "expert_rows": r.expert_rows, "engine_s": made_s,
-                       "chunk_choice": r.chunk_choice, "fallback": r.fallback}
+                       "chunk_choice": r.chunk_choice, "fallback": r.fallback,
+                       "link_gbps": link,
+                       "link_floor_ms": (tot["bytes"] / (link * 1e9) * 1e3 if link else None),
+                       "over_link_floor": (ms / (tot["bytes"] / (link * 1e9) * 1e3)
+                                           if link and tot["bytes"] else None),
+                       "peak_rss_bytes": peak_rss_bytes(),
+                       "peak_rss_over_experts": _over_experts(cfg)}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-            del reads
-        save()  # after each arm: keep what finished if a later arm runs out of time
+                del read, r
+                save()
     result["identical"] = all(r.get("identical_to_resident") is not False
                               and r.get("identical_logits") is not False
                               for r in result["rows"])
 
 
-def follow_up_part(args, cfg, params, result):
-    from strata_jax.engine import Engine
+def _over_experts(cfg) -> float | None:
+    peak = peak_rss_bytes()
+    return peak / cfg.expert_bytes_total if peak else None
 
+
+def follow_up_part(args, cfg, params, result):
     rng = np.random.default_rng(12)
     t1, t2 = args.turn1, args.turn2
     firsts = [rng.integers(0, cfg.vocab_size, t1) for _ in range(args.reps_prefill + 1)]
@@ -260,7 +313,7 @@ def follow_up_part(args, cfg, params, result):
     for arm in ["resident"] + [a for a in args.arms.split(",") if a in ("routed", "stream-all")]:
         sc = None if arm == "resident" else _stream(args, arm == "routed")
         # The engine's own chunk (chunk_size=None): the first turn in as few chunks as fit.
-        with Engine(cfg, params, sc, max_context=t1 + t2, chunk_size=None) as eng:
+        with _engine(cfg, params, sc, max_context=t1 + t2, chunk_size=None) as eng:
             if arm == "resident":  # a first chunk of turn2 tokens
                 eng.prefill(seconds[0])
                 first_ms = statistics.median(_timed(eng, p)[0] for p in seconds[1:])
@@ -282,6 +335,26 @@ def follow_up_part(args, cfg, params, result):
                    else None, "chunk_choice": eng.chunk_choice, "summary": r2.summary()}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
+
+
+def _resident_reference(path: str, tokens: int) -> tuple[float, dict]:
+    """From an earlier run's JSON: the resident one-chunk ms of `tokens` tokens, and its
+    resident reads' hashes {(order, prompt): (logits, kv)} (the same weights and prompts: a
+    run with the same --long and --reps-prefill), which this run's reads must equal. Exits
+    with the reason where it has no such row."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--resident-json {path}: cannot read its rows ({e})") from None
+    resident = [r for r in rows if r.get("arm") == "resident" and r.get("tokens") == tokens
+                and r.get("ms")]
+    one = [r for r in resident if r.get("read") == "one"]
+    if not one:
+        raise SystemExit(f"--resident-json {path}: no resident one-chunk row of {tokens} tokens")
+    hashes = {(r["read"], r["prompt"]): (r["logits_sha256"], r["kv_sha256"])
+              for r in resident if "logits_sha256" in r}
+    return float(one[0]["ms"]), hashes
 
 
 def main(argv=None) -> int:
@@ -312,6 +385,10 @@ def main(argv=None) -> int:
                     help="no resident arm (the experts do not fit the device)")
     ap.add_argument("--resident-ms", type=float, default=None,
                     help="with --no-resident: the resident one-chunk time to divide by")
+    ap.add_argument("--resident-json", default=None,
+                    help="with --no-resident: an earlier run's --json (same --long and "
+                         "--reps-prefill) whose resident one-chunk row gives --resident-ms and "
+                         "whose resident reads this run's must equal")
     ap.add_argument("--reps", type=int, default=10, help="attention repetitions")
     ap.add_argument("--reps-prefill", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -320,6 +397,11 @@ def main(argv=None) -> int:
     unknown = set(parts) - {"attention", "prefill", "follow-up"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
+
+    args.reference_hashes = {}
+    if args.resident_json:
+        args.resident_ms, args.reference_hashes = _resident_reference(args.resident_json,
+                                                                      args.long)
 
     import jax
 
@@ -339,19 +421,25 @@ def main(argv=None) -> int:
     if "prefill" in parts or "follow-up" in parts:
         cfg = model_config(args.preset, args.layers, args.vocab,
                            max(args.long, args.turn1 + args.turn2), tiny=args.tiny)
-        t0 = time.perf_counter()
-        params = fast_params(cfg, 0, 0.0)
-        print(f"params in {time.perf_counter() - t0:.1f}s; experts "
-              f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB",
-              flush=True)
-        result.update(layers=args.layers, preset=args.preset, resident_gib=args.resident_gib)
+        from strata_jax.synthetic import SyntheticParams
+
+        # Nothing is drawn here: each engine draws the experts into its store or the device.
+        params = SyntheticParams(cfg, 0, 0.0, tile=TILE)
+        print(f"experts {cfg.expert_bytes_total / 1e9:.2f} GB ({len(cfg.moe_layers)} MoE "
+              f"layers), made as each engine takes them", flush=True)
+        result.update(layers=args.layers, preset=args.preset, resident_gib=args.resident_gib,
+                      expert_bytes_total=cfg.expert_bytes_total,
+                      weights=f"SyntheticParams(seed 0, skew 0, tile {TILE})")
         if "prefill" in parts:
             prefill_part(args, cfg, params, result, save)
             save()
         if "follow-up" in parts:
             follow_up_part(args, cfg, params, result)
             save()
-    print(f"identity across arms: {result.get('identical', True)}")
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    save()
+    print(f"identity across arms: {result.get('identical', True)}; peak host RSS "
+          f"{(result['peak_rss_bytes'] or 0) / 1e9:.2f} GB")
     return 0 if result.get("identical", True) else 1
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|timeline|chunked|all][,...]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|timeline|chunked|score|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); SKIP_BUILD=1
-# reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS).
+# reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS,
+# SCORE_ARGS).
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 STAGE=${1:-all}
@@ -46,6 +47,11 @@ fi
 if [ "$STAGE" = chunked ]; then
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.chunked_bench ${CHUNKED_ARGS:-} \
     --json "$OUT/chunked_${NAME:-run}.json" 2>&1 | tee "$OUT/chunked_${NAME:-run}.log" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [ "$STAGE" = score ]; then  # Engine.score against prefill of the same prompt, per arm
+  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.score_bench ${SCORE_ARGS:-} \
+    --json "$OUT/score_${NAME:-run}.json" 2>&1 | tee "$OUT/score_${NAME:-run}.log" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 done

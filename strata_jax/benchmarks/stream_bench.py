@@ -247,7 +247,7 @@ class PinnedHostBaseline:
         self.host = {l: ExpertWeights(*(jax.device_put(params[n], host)
                                         for n in expert_param_names(config, l)))
                      for l in config.moe_layers}
-        model = build_model(config, {k: v for k, v in params.items() if k not in names},
+        model = build_model(config, {k: params[k] for k in params if k not in names},
                             resident_experts=False)
         self.graphdef, self.state = nnx.split(model)
         self.state = jax.device_put(self.state, dev)

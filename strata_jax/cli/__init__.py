@@ -10,6 +10,7 @@ exit codes):
   checks    the refusals before any work: resident/ring budgets, a prefill's memory plan
   prefill   cmd_prefill         profile   cmd_profile, hottest
   info      cmd_info            demo      cmd_demo
+  score     cmd_score
 
 The memory estimates themselves are strata_jax/memory.py's (memory_plan is re-exported here).
 """
@@ -28,11 +29,13 @@ from .info import cmd_info
 from .options import PROG, build_parser
 from .prefill import _per_layer_rows, cmd_prefill  # noqa: F401 - the tests use _per_layer_rows
 from .profile import cmd_profile, hottest  # noqa: F401
+from .score import cmd_score
 
 __all__ = ["SCALES", "UsageError", "main", "memory_plan", "model_config", "read_prompt_file"]
 
 
-_COMMANDS = {"demo": cmd_demo, "prefill": cmd_prefill, "profile": cmd_profile, "info": cmd_info}
+_COMMANDS = {"demo": cmd_demo, "prefill": cmd_prefill, "score": cmd_score,
+             "profile": cmd_profile, "info": cmd_info}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

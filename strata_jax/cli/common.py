@@ -255,7 +255,9 @@ class _Model:
             "max_seq_len": c.max_seq_len}
 
     def weights(self, log: _Log):
-        """(config, params, experts mapping or None), loading or generating with a progress bar."""
+        """(config, params, experts mapping or None). Nothing of the experts is made or read
+        here: a checkpoint's stay in its files and synthetic ones are drawn as the engine
+        takes them (its progress bar), straight into its host store or onto the device."""
         if self.checkpoint:
             from ..checkpoint import CheckpointError, load_checkpoint
 
@@ -265,29 +267,37 @@ class _Model:
             except CheckpointError as e:
                 raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
             return ckpt.config, ckpt.params, ckpt.experts.as_mapping()
-        from ..synthetic import SKEW_40_PERCENT_512_TOP10, init_synthetic
+        from ..synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams
 
         self.check_host_memory()
         skew = SKEW_40_PERCENT_512_TOP10 if self.skew is None else self.skew
-        with log.bar(desc="synthetic weights", unit="B", unit_scale=True, unit_divisor=1024) as bar:
-            params = init_synthetic(self.config, self.seed, skew, progress=log.progress(bar))
-        return self.config, params, None
+        return self.config, SyntheticParams(self.config, self.seed, skew), None
 
-    def check_host_memory(self) -> None:
-        """UsageError when synthetic weights would not fit in the available host RAM."""
-        if self.checkpoint or getattr(self, "_memory_checked", False):
+    @property
+    def weights_desc(self) -> str:
+        """What the engine's progress bar is making."""
+        return "checkpoint experts" if self.checkpoint else "synthetic weights"
+
+    def check_host_memory(self, streamed: bool = True) -> None:
+        """UsageError when the weights would not fit in the available host RAM: the host
+        store (every routed expert once, when `streamed`), the dense weights (kept in host
+        memory) and one expert tensor in flight. A resident run's experts go to the device
+        (`_check_plan` checks it, host RAM for the cpu backend)."""
+        if getattr(self, "_memory_checked", False):
             return
         self._memory_checked = True
-        from ..model import param_shapes
-
-        shapes = param_shapes(self.config).values()
-        need = memory.param_bytes(self.config)
-        peak = max(int(np.prod(s.shape)) * 4 for s in shapes)  # one float32 draw at a time
+        c = self.config
+        store = c.expert_bytes_total if streamed else 0
+        dense = memory.param_bytes(c, resident_experts=False)
+        tensor = c.expert_bytes_per_layer // 3  # one gate, up or down tensor of a layer
+        need = store + dense + tensor
         _, available = memory.host_memory()
-        if available is not None and need + peak > 0.9 * available:
+        if available is not None and need > 0.9 * available:
+            what = "synthetic weights" if not self.checkpoint else "the checkpoint's weights"
             raise UsageError(
-                f"synthetic weights of {self.config.name} need {_gib(need + peak)} of host "
-                f"memory and {_gib(available)} is available; use --scale small|tiny or fewer "
+                f"{what} of {c.name} need {_gib(need)} of host memory (host store "
+                f"{_gib(store)}, dense weights {_gib(dense)}, one expert tensor {_gib(tensor)}) "
+                f"and {_gib(available)} is available; use --scale small|tiny or fewer "
                 "--layers / --experts")
 
 
@@ -422,20 +432,21 @@ def _stream_config(args, backend: str, profile):
                         tuning=tuning, **kw)
 
 
-def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None):
+def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None,
+                 what: str = "experts"):
     from ..engine import Engine
 
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
                   order=args.order, device=device)
     if args.sub_chunk is not None:
         kwargs["sub_chunk"] = args.sub_chunk
-    log("building the engine (packing experts, placing weights)")
+    where = "the host store" if stream is not None else "the device"
+    log(f"building the engine (experts into {where}, placing weights)")
+    desc = f"{what} into {where}"  # what: `_Model.weights_desc`
     try:
-        if stream is None:
-            return Engine(cfg, params, stream, **kwargs)
-        with log.bar(desc="packing experts", total=len(cfg.moe_layers), unit="layer") as bar:
+        with log.bar(desc=desc, total=len(cfg.moe_layers), unit="layer") as bar:
             return Engine(cfg, params, stream, progress=log.progress(bar), **kwargs)
-    except ValueError as e:
+    except (ValueError, memory.HostMemoryError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
 
 

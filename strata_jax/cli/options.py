@@ -25,6 +25,8 @@ Subcommands:
   prefill  reads a prompt through a model (a preset, optionally scaled down, with synthetic
            weights; or a safetensors checkpoint) and prints what was streamed, copied and
            skipped, per layer; `--json` prints one JSON object instead.
+  score    reads a prompt as prefill does and prints its per-token log-probabilities' sum, mean
+           negative log-likelihood and perplexity, computed on the device chunk by chunk.
   profile  runs prefills of several prompts and saves the per-(layer, expert) routing counts
            (an ExpertProfile) for `prefill --profile`.
   info     devices, whether the native library has CUDA, the measured pinned link bandwidth, and
@@ -250,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                        strata-jax                                   # the demo
                        strata-jax prefill --preset qwen3-30b-a3b --scale tiny --tokens 2000
                        strata-jax prefill --preset qwen3-next-80b-a3b --scale small --routed off --json
+                       strata-jax score --preset qwen3-30b-a3b --scale tiny --tokens 2000 --json
                        strata-jax profile --preset olmoe-1b-7b --scale tiny --prompts 8 --out prof.npz
                        strata-jax prefill --preset olmoe-1b-7b --scale tiny --profile prof.npz \\
                            --resident-per-layer 8
@@ -259,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                  formatter_class=_Formatter)
     from .. import __version__
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = ap.add_subparsers(dest="command", metavar="{demo,prefill,profile,info}")
+    sub = ap.add_subparsers(dest="command", metavar="{demo,prefill,score,profile,info}")
 
     demo = sub.add_parser(
         "demo", formatter_class=_Formatter,
@@ -300,6 +303,27 @@ def build_parser() -> argparse.ArgumentParser:
     _prompt_options(pre, tokens_default=1024, follow_up=True)
     _stream_options(pre)
     _output_options(pre, json_help="print exactly one JSON object on stdout (keys below)")
+
+    score = sub.add_parser(
+        "score", formatter_class=_Formatter, help="a prompt's per-token log-probabilities",
+        description="Read a prompt through a model and score it: the log-probability of each "
+                    "token after the first given the ones before it, computed on the device "
+                    "in each chunk's program (no [tokens, vocab] logits), and their sum, mean "
+                    "negative log-likelihood and perplexity; the prefill's summary line too. "
+                    "Every arm (--no-stream, --routed on/off) gives the same bits.",
+        epilog=textwrap.dedent("""\
+            --json prints one object on stdout with prefill's keys (tokens, reused, read,
+            prompt_ms, experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256,
+            kv_sha256, per_layer, order, chunks, mode, arm, backend, model, compilations, depth)
+            plus scored, sum_logprob, mean_nll, perplexity, logprobs_sha256 and logprobs (one
+            float per scored token: entry i is log p(token i+1 | tokens 0..i))."""))
+    _model_options(score, required=True)
+    _prompt_options(score, tokens_default=1024)
+    _stream_options(score)
+    _output_options(score, json_help="print exactly one JSON object on stdout (keys below)")
+    next(g for g in score._action_groups if g.title == "output").add_argument(
+        "--logprobs", action="store_true",
+        help="also print each token's log-probability (the JSON always holds them)")
 
     prof = sub.add_parser(
         "profile", formatter_class=_Formatter, help="record an expert profile from prefills",

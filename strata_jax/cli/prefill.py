@@ -85,7 +85,7 @@ def cmd_prefill(args, log: _Log) -> int:
     profile = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, profile)
     depth = _routed_depth(stream)  # what runs, not --depth: the environment overrides it
-    model.check_host_memory()
+    model.check_host_memory(streamed=stream is not None)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
                 sub_chunk=args.sub_chunk, backend=backend, stream=stream)
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
@@ -101,7 +101,8 @@ def cmd_prefill(args, log: _Log) -> int:
                      else ""))
         print(f"prompt: {prompt_text}", flush=True)
     cfg, params, experts = model.weights(log)
-    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device)
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device,
+                          model.weights_desc)
     with engine:
         first = _prefill(engine, tokens, None, log, "prefill")
         out = _jsonable(first.to_dict())

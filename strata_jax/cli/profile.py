@@ -40,7 +40,7 @@ def cmd_profile(args, log: _Log) -> int:
     _check_budget(args, model, backend)
     base = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, base)
-    model.check_host_memory()
+    model.check_host_memory(streamed=stream is not None)
     _check_plan(model, max_context=max_context, n_tokens=sum(sizes), chunk=args.chunk,
                 sub_chunk=args.sub_chunk, backend=backend, stream=stream)
     prompts = prompts or _read_prompts(args, model, many=True)
@@ -50,7 +50,8 @@ def cmd_profile(args, log: _Log) -> int:
     cfg, params, experts = model.weights(log)
     profile = ExpertProfile.empty(cfg)
     total = 0
-    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device)
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device,
+                          model.weights_desc)
     with engine, log.bar(desc="profile prompts", total=len(prompts), unit="prompt") as bar:
         for tokens, _ in prompts:
             try:

@@ -20,9 +20,9 @@ import numpy as np
 
 from .. import _dlpack, native
 from ..config import ModelConfig
-from ..experts import ExpertWeights, blob_size, pack_expert_blobs_np
+from ..experts import ExpertWeights, blob_size, unpack_expert_blobs_np
 from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
-from ..memory import device_memory
+from ..memory import check_host_bytes, device_memory
 from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
                      _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
@@ -117,11 +117,17 @@ class NativeStreamer:
 
     Args:
         config: The model config.
-        experts: Per model layer, that layer's routed experts as numpy
-            ExpertWeights (host memory), or None for dense layers.
+        experts: Per model layer, that layer's routed experts (numpy ExpertWeights, [E,
+            3*H*I] blobs, or a `weights.LazyExperts` whose tensors are made as they are
+            written into the store), or None for dense layers. Each layer is taken once, in
+            order, and written straight into the host store, one tensor at a time.
         stream: StreamConfig (environment overrides applied here, once).
         progress: Called as progress(done_layers, total_layers) as each MoE layer's experts
-            are packed into the host store (long for a full-size model).
+            are written into the host store (long for a full-size model).
+
+    Raises:
+        HostMemoryError: the host store (on the CPU backend with the simulated device's ring
+            and residents) passes the available host RAM; checked before any is allocated.
 
     The engine follows `plan_stream(config, stream)` (its `plan`; the residents, stream list
     and ring are also its attributes `resident`, `stream_list`, `streamed_mask`,
@@ -164,11 +170,12 @@ class NativeStreamer:
         self.streamed_per_layer = self.plan.streamed_per_layer
         self.ring = self.plan.ring
         self._stores: list[np.ndarray | None] = [None] * L
-        # On CUDA every layer is packed straight into one pinned block, which the engine then
+        # On CUDA every layer is written straight into one pinned block, which the engine then
         # copies from in place (no second host copy). Where that block cannot be allocated, the
         # engine copies the store into a pinned arena of its own, else stages it through pinned
         # bounce buffers (such entries are never skipped); the trace says which.
         self._pinned = None
+        self._check_host_memory()
         arena = None
         if self.backend == "cuda" and not _STAGE_HOST_STORE:
             arena = self._pinned_arena(len(self.moe_layers) * E * self.blob_bytes)
@@ -181,13 +188,14 @@ class NativeStreamer:
                     continue
                 if w is None:
                     raise ValueError(f"MoE layer {layer} has no expert weights")
-                store = self._pack(layer, w)
                 if arena is not None:
                     i = self.moe_layers.index(layer)
-                    dst = arena[i * E * self.blob_bytes:(i + 1) * E * self.blob_bytes]
-                    dst = dst.reshape(E, self.blob_bytes)
-                    dst[...] = store
-                    store = dst
+                    store = arena[i * E * self.blob_bytes:(i + 1) * E * self.blob_bytes]
+                    store = store.reshape(E, self.blob_bytes)
+                else:
+                    store = np.empty((E, self.blob_bytes), np.uint8)
+                self._fill(layer, w, store)
+                del w  # a lazy layer's tensors went as they were written
                 self._stores[layer] = store
                 if progress is not None:
                     progress(self.moe_layers.index(layer) + 1, len(self.moe_layers))
@@ -312,22 +320,44 @@ class NativeStreamer:
 
     # -- planning -----------------------------------------------------------------------------
 
-    def _pack(self, layer: int, w) -> np.ndarray:
+    def _check_host_memory(self) -> None:
+        """HostMemoryError before anything is allocated when the host store (on the CPU
+        backend with the simulated device's ring and residents, host memory too) passes the
+        available host RAM."""
+        c, n_moe = self.config, len(self.moe_layers)
+        need = n_moe * c.n_experts * self.blob_bytes
+        what = (f"the host store of {c.name} ({n_moe} MoE layers x {c.n_experts} experts x "
+                f"{self.blob_bytes / 2**20:.2f} MiB)")
+        if self.backend != "cuda":
+            need += self.plan.ring_bytes + self.plan.resident_bytes
+            what += " with the simulated device's ring and resident experts"
+        check_host_bytes(need, what, "free host memory, or stream a smaller model (fewer "
+                         "layers or experts)")
+
+    def _fill(self, layer: int, w, store: np.ndarray) -> None:
+        """Writes MoE layer `layer`'s experts `w` into `store` (its [E, blob bytes] uint8 rows
+        of the host store) in the blob layout, one tensor at a time and with no packed copy
+        between: `w` is [E, 3*H*I] blobs, an ExpertWeights, or a `weights.LazyExperts` (its
+        tensors made as they are written, `fill`)."""
         E, H, I = self.config.n_experts, self.config.hidden_size, self.config.expert_intermediate
+        blobs = store.view(self.dtype)  # [E, 3*H*I]
         if isinstance(w, np.ndarray):
-            blobs = w
-            if blobs.shape != (E, self.blob_elems):
-                raise ValueError(f"layer {layer} blobs have shape {blobs.shape}; "
+            if w.shape != (E, self.blob_elems):
+                raise ValueError(f"layer {layer} blobs have shape {w.shape}; "
                                  f"expected ({E}, {self.blob_elems})")
-        else:
-            shapes = {"gate": (E, H, I), "up": (E, H, I), "down": (E, I, H)}
-            for name, want in shapes.items():
-                got = tuple(np.shape(getattr(w, name)))
-                if got != want:
-                    raise ValueError(f"layer {layer} expert {name} has shape {got}; expected {want}")
-            blobs = pack_expert_blobs_np(w)
-        blobs = np.ascontiguousarray(blobs, dtype=self.dtype)
-        return blobs.view(np.uint8).reshape(E, self.blob_bytes)
+            blobs[...] = w
+            return
+        views = unpack_expert_blobs_np(blobs, H, I)
+        if hasattr(w, "fill"):
+            w.fill(views)
+            return
+        shapes = {"gate": (E, H, I), "up": (E, H, I), "down": (E, I, H)}
+        for name, want in shapes.items():
+            got = tuple(np.shape(getattr(w, name)))
+            if got != want:
+                raise ValueError(f"layer {layer} expert {name} has shape {got}; expected {want}")
+        for name in shapes:
+            getattr(views, name)[...] = np.asarray(getattr(w, name))
 
     def _device_memory_bytes(self) -> int | None:
         """Total memory of the device the residents go to, where the backend reports it."""

@@ -1,0 +1,153 @@
+"""Weights that exist one tensor at a time: lazy parameter mappings, and how a store takes them.
+
+Guards against holding the routed experts twice. A full Qwen3-30B-A3B has 58 GB of bf16 experts;
+a dict of every weight and then the engine's host store need twice that in host RAM. A model's
+parameters may instead be a `Mapping` whose tensors are made when asked for and not kept
+(`synthetic.SyntheticParams` draws them, `checkpoint.CheckpointExperts` reads them from the
+safetensors files): a streamed engine fills its host store from it layer by layer, one tensor at
+a time, straight into the store's memory where the mapping can write there itself (its `fill`),
+and a resident engine puts each tensor on the device as it comes. No copy of all the experts
+exists outside the store (or the device).
+
+    LazyExperts    one MoE layer's routed experts as three names of a mapping: `.gate`, `.up`,
+                   `.down` make each when read (as ExpertWeights' fields read), `fill(out)`
+                   writes them into a store's views
+    fill_tensor    one tensor of a mapping into an array, through the mapping's `fill` if any
+    ParamsView     a mapping less some names, each tensor taken from it when asked for
+
+A lazy mapping answers `name in params` and iterates its names without making any tensor;
+`params.items()` and `dict(params)` make every one (all of them at once).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection, Iterator, Mapping
+
+import numpy as np
+
+from .experts import ExpertWeights
+
+__all__ = ["LazyExperts", "ParamsView", "fill_tensor"]
+
+
+def fill_tensor(params: Mapping, name: str, out: np.ndarray) -> None:
+    """Writes tensor `name` of `params` into `out` (cast to its dtype): by `params.fill(name,
+    out)` where the mapping has one (it writes there without a whole copy of its own), else from
+    `params[name]`.
+
+    Raises:
+        KeyError: `params` has no `name`.
+        ValueError: the tensor's shape is not `out`'s (both named).
+    """
+    fill = getattr(params, "fill", None)
+    if fill is not None:
+        fill(name, out)
+        return
+    value = params[name]
+    if tuple(np.shape(value)) != out.shape:
+        raise ValueError(f"parameter {name!r} has shape {tuple(np.shape(value))}, expected "
+                         f"{out.shape}")
+    out[...] = np.asarray(value)
+
+
+class LazyExperts:
+    """One MoE layer's routed experts: the tensors `names` (gate, up, down) of `params`, each
+    made when asked for and not kept here.
+
+    Reads as an ExpertWeights does (`.gate`, `.up`, `.down`; `model.build_model` puts each on
+    the device as it comes) and fills a host store's views (`fill`). `on_taken` is called once,
+    when all three have been read or filled (a progress count).
+    """
+
+    def __init__(self, params: Mapping, names: ExpertWeights,
+                 on_taken: Callable[[], object] | None = None):
+        self.params = params
+        self.names = names
+        self._on_taken = on_taken
+        self._taken: set[str] = set()
+
+    @classmethod
+    def of(cls, weights, on_taken: Callable[[], object] | None = None) -> "LazyExperts":
+        """`weights` (an ExpertWeights, or anything whose `.gate`, `.up`, `.down` make the
+        tensors when read) behind this interface, to count it with `on_taken`."""
+        return cls(_Fields(weights), ExpertWeights(*ExpertWeights._fields), on_taken)
+
+    def _took(self, field: str) -> None:
+        self._taken.add(field)
+        if self._on_taken is not None and len(self._taken) == len(ExpertWeights._fields):
+            on_taken, self._on_taken = self._on_taken, None
+            on_taken()
+
+    def _get(self, field: str):
+        value = self.params[getattr(self.names, field)]
+        self._took(field)
+        return value
+
+    @property
+    def gate(self):
+        """[E, H, I], made now."""
+        return self._get("gate")
+
+    @property
+    def up(self):
+        """[E, H, I], made now."""
+        return self._get("up")
+
+    @property
+    def down(self):
+        """[E, I, H], made now."""
+        return self._get("down")
+
+    def fill(self, out: ExpertWeights) -> None:
+        """Writes gate, up and down into `out` (numpy views of a host store: [E, H, I],
+        [E, H, I], [E, I, H]), one tensor at a time, in the order the mapping makes its tensors
+        (`params.draw_order(name)` where it has one: a synthetic mapping draws in sequence)."""
+        fields = list(ExpertWeights._fields)
+        order = getattr(self.params, "draw_order", None)
+        if order is not None:
+            fields.sort(key=lambda f: order(getattr(self.names, f)))
+        for field in fields:
+            fill_tensor(self.params, getattr(self.names, field), getattr(out, field))
+            self._took(field)
+
+
+class _Fields(Mapping):
+    """gate, up, down -> the attributes of an ExpertWeights-like object, read when asked for."""
+
+    def __init__(self, weights):
+        self._weights = weights
+
+    def __getitem__(self, field: str):
+        if field not in ExpertWeights._fields:
+            raise KeyError(field)
+        return getattr(self._weights, field)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ExpertWeights._fields)
+
+    def __len__(self) -> int:
+        return len(ExpertWeights._fields)
+
+
+class ParamsView(Mapping):
+    """The tensors of `params` less the names in `drop`, each taken from `params` when asked
+    for (none is made here)."""
+
+    def __init__(self, params: Mapping, drop: Collection[str]):
+        self._params = params
+        self._drop = frozenset(drop)
+        self._names = [k for k in params if k not in self._drop]
+
+    def __getitem__(self, name: str):
+        if name in self._drop:
+            raise KeyError(name)
+        return self._params[name]
+
+    def __contains__(self, name) -> bool:
+        return name not in self._drop and name in self._params
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
