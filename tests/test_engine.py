@@ -4,8 +4,10 @@ profile, bad input and faults, on the CPU backend (simulated link).
 Outputs across expert sources are compared by exact equality (SHA-256); chunked against one-shot
 and layer-major against chunk-major within the tolerance table of strata_jax.testing. Measured on
 the CPU backend (jax 0.10.2): layer-major logits and KV equal chunk-major's bit for bit when
-sub_chunk == chunk_size (max |difference| 0.0, float32 and bfloat16); with sub_chunk != chunk_size
-the chunk boundaries differ and the gap is ~1e-6 (float32), as chunked vs one-shot.
+sub_chunk == chunk_size and the prompt is a whole number of chunks (max |difference| 0.0, float32
+and bfloat16); where the last chunk-major chunk is padded to a smaller bucket than layer-major's
+sub-chunk (75 tokens: 32 + 32 + 16 against 3 x 32), or sub_chunk != chunk_size, the programs'
+shapes differ and the gap is ~1e-6 (float32), as chunked vs one-shot.
 """
 
 from __future__ import annotations
