@@ -12,8 +12,6 @@ checks that the array's buffer is the memory given and raises otherwise.
 
 from __future__ import annotations
 
-import ctypes
-
 import jax
 import numpy as np
 
@@ -23,11 +21,6 @@ __all__ = ["view"]
 
 _KDL_CPU, _KDL_CUDA = 1, 2
 _KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT = 0, 1, 2, 4
-
-# A prototype of our own: `ctypes.pythonapi.PyCapsule_New` is one object shared with everyone
-# (jax.ffi.pycapsule sets its argtypes), so its signature is not ours to rely on.
-_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
-                                   ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
 
 
 def _dl_dtype(dtype: np.dtype) -> tuple[int, int]:
@@ -71,13 +64,13 @@ def view(ptr: int, shape: tuple[int, ...], dtype, device: jax.Device) -> jax.Arr
     else:
         raise RuntimeError(f"no DLPack view on platform {device.platform!r}")
     code, bits = _dl_dtype(dtype)
-    shape_arr = (ctypes.c_int64 * len(shape))(*shape)
     # The structure is the native library's, freed by its own (C) deleter when JAX drops the
     # array: no Python runs then, which may be at interpreter exit.
-    mt = native.lib().strata_dlpack_tensor(ptr, len(shape), shape_arr, code, bits, *dl_device)
-    if not mt:
-        raise RuntimeError(f"no DLPack view of rank {len(shape)}")
-    capsule = _PyCapsule_New(mt, b"dltensor", None)
+    try:
+        capsule = native.module().dlpack_tensor(ptr, [int(n) for n in shape], code, bits,
+                                                *dl_device)
+    except ValueError as e:  # a rank DLPack's structure here cannot hold
+        raise RuntimeError(str(e)) from e
     try:
         try:
             arr = jax.dlpack.from_dlpack(_Exporter(capsule, dl_device), copy=False)

@@ -16,9 +16,8 @@ def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float16])
 def test_a_view_reads_the_memory_as_it_is_when_the_program_runs(dtype):
-    from strata_jax import _dlpack, native
+    from strata_jax import _dlpack
 
-    native.register_targets()  # rewrites ctypes.pythonapi.PyCapsule_New's argtypes
     dtype = np.dtype(dtype)
     mem = _aligned(6 * 4 * dtype.itemsize).view(dtype).reshape(6, 4)
     a = _dlpack.view(mem.ctypes.data, (6, 4), dtype, jax.devices("cpu")[0])

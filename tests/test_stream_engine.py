@@ -286,20 +286,15 @@ def test_ring_layout_per_chunk_and_bad_layouts():
             got = {n: (eng.layout(n), eng.chunk_mode(n)) for n in want}
             assert got == want, name
             if name == "auto":  # a mode the native engine does not know is refused, both ways
-                import ctypes
-
                 import jax
                 import jax.numpy as jnp
-
-                from strata_jax import native
 
                 with pytest.raises(Exception, match=r"begin_chunk: mode 3 is not 0 \(stream, "
                                                     r"frames\), 1 \(routed-only\) or 2"):
                     jax.block_until_ready(jax.jit(functools.partial(
                         S.begin, eng.id, 3))(jnp.zeros((), jnp.int32))[0])
-                err = ctypes.create_string_buffer(256)
-                assert native.lib().strata_engine_prestart(eng.id, -1, err, len(err)) != 0
-                assert b"prestart: mode -1 is not 0" in err.value
+                with pytest.raises(ValueError, match="prestart: mode -1 is not 0"):
+                    eng.handle.prestart(-1)
                 assert not eng.walk_active()
         finally:
             eng.close()
@@ -677,7 +672,6 @@ _FORK_SCRIPT = r"""
 import os, sys, warnings
 import numpy as np
 warnings.simplefilter("ignore")  # JAX warns that fork() and its threads do not mix
-from strata_jax import native
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.experts import ExpertWeights
@@ -698,10 +692,9 @@ if pid == 0:
         code |= 1
     except RuntimeError as e:
         code |= 0 if "forked" in str(e) and "new Engine" in str(e) else 2
-    lib = native.lib()
-    if lib.strata_engine_walk_active(eng.streamer.id):  # the parent's engine is not found here
+    if eng.streamer.handle.walk_active():  # the parent's engine is not found here
         code |= 4
-    lib.strata_engine_destroy(eng.streamer.id)  # drops the copy; joined the parent's threads
+    eng.streamer.handle.close()  # drops the copy; joined the parent's threads
     eng.close()  # the finalizer touches nothing in a child
     os._exit(code)  # not sys.exit: a forked JAX process crashes in JAX's own exit
 _, status = os.waitpid(pid, 0)
@@ -774,7 +767,6 @@ PLANS = {
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_the_engine_follows_plan_stream(name):
-    from strata_jax import native
     from strata_jax.stream import NativeStreamer, plan_stream
     from strata_jax.synthetic import split_experts
 
@@ -788,9 +780,8 @@ def test_the_engine_follows_plan_stream(name):
         assert eng.ring == plan.ring and eng.blob_bytes == plan.blob_bytes
         # The frame each layer's weights are read from: Python's (which view the model reads
         # on the GPU) is the native engine's (where the walk copies them).
-        lib = native.lib()
-        assert eng.frame_of == {l: lib.strata_engine_frame_of(eng.id, l) for l in CFG.moe_layers}
-        assert all(lib.strata_engine_frame_of(eng.id, l) == -1
+        assert eng.frame_of == {l: eng.handle.frame_of(l) for l in CFG.moe_layers}
+        assert all(eng.handle.frame_of(l) == -1
                    for l in range(CFG.n_layers) if l not in CFG.moe_layers)
         assert set(eng.frame_of.values()) <= set(range(plan.frames))
         np.testing.assert_array_equal(eng.streamed_mask, plan.streamed_mask)
@@ -883,7 +874,7 @@ def test_plan_stream_needs_no_native_library_and_no_device(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("plan_stream touched the native library or a device")
 
-    monkeypatch.setattr(native, "lib", refuse)
+    monkeypatch.setattr(native, "module", refuse)
     monkeypatch.setattr(native, "has_cuda", refuse)
     monkeypatch.setattr(jax, "devices", refuse)
     monkeypatch.setattr(jax, "default_backend", refuse)
@@ -904,7 +895,7 @@ def test_plan_stream_imports_without_the_native_library():
     code = (
         "import sys; sys.modules['strata_jax._native'] = None\n"  # import of it now fails
         "from strata_jax import native\n"
-        "try:\n    native.lib()\nexcept ImportError:\n    pass\n"
+        "try:\n    native.module()\nexcept ImportError:\n    pass\n"
         "else:\n    raise SystemExit('the native library loaded')\n"
         "from strata_jax.config import get_preset\n"
         "from strata_jax.stream import StreamConfig, plan_stream\n"

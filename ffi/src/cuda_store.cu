@@ -174,7 +174,7 @@ Status HostStore::Pin(const EngineOptions& opt,
   std::string fallback;
   if (opt.pin_mode == 1) {
     // Stores packed straight into pinned memory (the Python side allocates
-    // them with strata_pinned_alloc) are used in place: no second copy.
+    // them in a PinnedBuffer, PinnedAlloc) are used in place: no second copy.
     bool in_place = true;
     for (int l = 0; l < opt.n_layers && in_place; ++l)
       if (stores[l] && bytes > 0) in_place = AlreadyPinned(stores[l], bytes);

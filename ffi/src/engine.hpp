@@ -50,7 +50,7 @@ inline bool ParseChunkMode(int32_t v, ChunkMode* out) {
 }
 inline bool Streams(ChunkMode m) { return m != ChunkMode::kRoutedOnly; }
 
-// Filled from Python (ctypes Structure of the same layout).
+// Filled from the keyword arguments of strata_jax._native.Streamer (module.cc).
 struct EngineOptions {
   int32_t backend = 0;
   int32_t n_layers = 0;

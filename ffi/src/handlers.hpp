@@ -3,8 +3,9 @@
 // fetch_frame: the model reads the ring's frame), release and end_chunk.
 //
 // One handler per target, templated on the platform `P`; handlers_cpu.cc and
-// handlers_cuda.cc each define their platform and export the seven symbols
-// with STRATA_DEFINE_HANDLER_SYMBOLS. A platform names only the execution
+// handlers_cuda.cc each define their platform and its seven handlers with
+// STRATA_DEFINE_HANDLERS, which the module hands to Python by target
+// (module.cc, `registrations()`). A platform names only the execution
 // context the call's first parameter decodes from (`P::StreamCtx`, a type for
 // Ffi::Bind().Ctx<>): XLA's stream on CUDA, null on the CPU. The engine takes
 // it as a void*.
@@ -18,6 +19,7 @@
 // layer; nothing throws across the FFI boundary.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <exception>
 #include <optional>
@@ -31,6 +33,19 @@
 namespace strata::handlers {
 
 namespace ffi = xla::ffi;
+
+// One platform's handler of one target; `target` is a key of
+// strata_jax/native.py's TARGETS ("begin", "publish", ...).
+struct Registration {
+  const char* target;
+  XLA_FFI_Handler* handler;
+};
+using Registrations = std::array<Registration, 7>;
+
+// The handlers of platform "cpu" (handlers_cpu.cc) and, in a CUDA build, of
+// platform "CUDA" (handlers_cuda.cc).
+Registrations CpuRegistrations();
+Registrations CudaRegistrations();
 
 // begin_chunk's attributes. `mode`: ChunkMode.
 struct BeginAttrs {
@@ -260,9 +275,10 @@ struct Handlers {
 
 }  // namespace strata::handlers
 
-// Exports the seven handlers of platform `P` as C symbols Strata<Target><Suffix>
-// (StrataBeginCpu, ...), the names strata_jax/native.py registers.
-#define STRATA_DEFINE_HANDLER_SYMBOLS(Suffix, P)                                \
+// Defines the seven handlers of platform `P` as C functions
+// Strata<Target><Suffix> (StrataBeginCpu, ...) and `<Suffix>Registrations()`,
+// which lists them by target.
+#define STRATA_DEFINE_HANDLERS(Suffix, P)                                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataBegin##Suffix,                            \
                                 ::strata::handlers::Handlers<P>::Begin,         \
                                 ::strata::handlers::Handlers<P>::BeginBinding()); \
@@ -283,4 +299,13 @@ struct Handlers {
                                 ::strata::handlers::Handlers<P>::LayerBinding()); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataEnd##Suffix,                              \
                                 ::strata::handlers::Handlers<P>::End,           \
-                                ::strata::handlers::Handlers<P>::EndBinding())
+                                ::strata::handlers::Handlers<P>::EndBinding()); \
+  ::strata::handlers::Registrations strata::handlers::Suffix##Registrations() { \
+    return {{{"begin", StrataBegin##Suffix},                                    \
+             {"publish", StrataPublish##Suffix},                                \
+             {"fetch", StrataFetch##Suffix},                                    \
+             {"fetch_piece", StrataFetchPiece##Suffix},                         \
+             {"fetch_frame", StrataFetchFrame##Suffix},                         \
+             {"release", StrataRelease##Suffix},                                \
+             {"end", StrataEnd##Suffix}}};                                      \
+  }

@@ -24,4 +24,4 @@ struct CtxDecoding<::strata::handlers::NoStream> {
 };
 }  // namespace xla::ffi
 
-STRATA_DEFINE_HANDLER_SYMBOLS(Cpu, ::strata::handlers::CpuPlatform);
+STRATA_DEFINE_HANDLERS(Cpu, ::strata::handlers::CpuPlatform)

@@ -10,4 +10,4 @@ struct CudaPlatform {
 };
 }  // namespace strata::handlers
 
-STRATA_DEFINE_HANDLER_SYMBOLS(Cuda, ::strata::handlers::CudaPlatform);
+STRATA_DEFINE_HANDLERS(Cuda, ::strata::handlers::CudaPlatform)

@@ -8,7 +8,6 @@ chunk's end_chunk output into `ChunkStats`.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import warnings
@@ -61,11 +60,6 @@ class ChunkStats:
             "unrouted": int(self.unrouted.sum()),
             "bytes": int(self.bytes.sum()),
         }
-
-
-def _check(rc: int, err: ctypes.Array, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"strata engine: {what}: {err.value.decode(errors='replace')}")
 
 
 class BackendUnavailable(RuntimeError):
@@ -174,7 +168,7 @@ class NativeStreamer:
         # copies from in place (no second host copy). Where that block cannot be allocated, the
         # engine copies the store into a pinned arena of its own, else stages it through pinned
         # bounce buffers (such entries are never skipped); the trace says which.
-        self._pinned = None
+        self._pinned = None  # the pinned block (native PinnedBuffer), freed with its last view
         self._check_host_memory()
         arena = None
         if self.backend == "cuda" and not _STAGE_HOST_STORE:
@@ -200,51 +194,46 @@ class NativeStreamer:
                 if progress is not None:
                     progress(self.moe_layers.index(layer) + 1, len(self.moe_layers))
         except BaseException:
-            # No engine owns the pinned block yet: free it here (bad expert shapes, Ctrl-C).
+            # No engine reads the pinned block yet: its views go, and it with them (bad expert
+            # shapes, Ctrl-C; the traceback keeps this frame's locals).
             self._stores = [None] * L
-            arena = None
-            if self._pinned:
-                native.lib().strata_pinned_free(self._pinned)
-                self._pinned = None
+            arena = store = self._pinned = None
             raise
+        arena = store = None  # the stores view the pinned block now
 
-        opts = native.EngineOptions(
-            backend=1 if self.backend == "cuda" else 0,
-            n_layers=L, n_experts=E, routed=int(self.stream.routed),
-            blob_bytes=self.blob_bytes, ring=self.ring, depth=self.stream.depth,
-            trace=int(self.stream.trace), sim_bandwidth=self.tuning.sim_bandwidth,
-            sim_latency=self.tuning.sim_latency, sim_jitter=self.tuning.sim_jitter,
-            seed=self.tuning.seed, pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
-            publish_mode=_PUBLISH_MODES[self.tuning.publish],
-            device=self.stream.device)
-        lib = native.lib()
-        err = ctypes.create_string_buffer(1024)
-        self.id = int(lib.strata_engine_create(ctypes.byref(opts), err, len(err)))
-        if self.id == 0:
-            if self._pinned:
-                lib.strata_pinned_free(self._pinned)
-                self._pinned = None
-            raise RuntimeError(f"strata engine: {err.value.decode(errors='replace')}")
-        # The engine goes first: its copies read the pinned block.
+        try:
+            # The native engine's handle (strata_jax._native.Streamer). It holds the stores it
+            # is given, so the memory its copies read outlives it.
+            self.handle = native.module().Streamer(
+                backend=1 if self.backend == "cuda" else 0,
+                n_layers=L, n_experts=E, routed=bool(self.stream.routed),
+                blob_bytes=self.blob_bytes, ring=self.ring, depth=self.stream.depth,
+                trace=bool(self.stream.trace), sim_bandwidth=self.tuning.sim_bandwidth,
+                sim_latency=self.tuning.sim_latency, sim_jitter=self.tuning.sim_jitter,
+                seed=self.tuning.seed,
+                pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
+                publish_mode=_PUBLISH_MODES[self.tuning.publish],
+                device=self.stream.device)
+        except BaseException:
+            self._stores = [None] * L
+            self._pinned = None
+            raise
+        self.id = self.handle.id
         self.pid = os.getpid()  # the process whose threads serve this engine
-        self._finalizer = weakref.finalize(self, _destroy, self.id, self._pinned, self.pid)
+        self._finalizer = weakref.finalize(self, _destroy, self.handle, self.pid)
         for layer, store in enumerate(self._stores):
             if store is not None:
-                _check(lib.strata_engine_set_store(self.id, layer, store.ctypes.data,
-                                                   store.nbytes, err, len(err)),
-                       err, f"host store of layer {layer}")
+                self.handle.set_store(layer, store)
         layers = np.array([l for l, _ in self.stream_list], np.int32)
         exps = np.array([e for _, e in self.stream_list], np.int32)
         rl = np.array([l for l in range(L) for _ in self.resident[l]], np.int32)
         re_ = np.array([e for l in range(L) for e in self.resident[l]], np.int32)
-        _check(lib.strata_engine_set_plan(
-            self.id, layers.ctypes.data, exps.ctypes.data, len(layers),
-            rl.ctypes.data, re_.ctypes.data, len(rl), err, len(err)), err, "stream plan")
-        _check(lib.strata_engine_prepare(self.id, err, len(err)), err, "prepare")
+        self.handle.set_plan(layers, exps, rl, re_)
+        self.handle.prepare()
         self._resident_blobs = self._put_resident()
         # The frame each MoE layer's experts land in, as the native engine assigns them (the
         # views the model reads must be those frames).
-        self.frame_of = {l: int(lib.strata_engine_frame_of(self.id, l)) for l in self.moe_layers}
+        self.frame_of = {l: self.handle.frame_of(l) for l in self.moe_layers}
         self.frames_note = ""
         self._frames = self._frame_views()
 
@@ -261,17 +250,14 @@ class NativeStreamer:
             return None
         c, E = self.config, self.config.n_experts
         h, i = c.hidden_size, c.expert_intermediate
-        planes = (ctypes.c_void_p * 3)()
-        n = ctypes.c_int64()
-        if native.lib().strata_engine_frames(self.id, planes, ctypes.byref(n)) != 0:
-            raise RuntimeError(f"strata engine {self.id}: no ring frames (engine closed?)")
+        planes, n = self.handle.frames()
         part = h * i * self.dtype.itemsize
         shapes = ((E, h, i), (E, h, i), (E, i, h))
         frames = []
         try:
-            for f in range(int(n.value)):
+            for f in range(n):
                 frames.append(ExpertWeights(*(
-                    _dlpack.view(int(planes[p]) + f * E * part, shapes[p], self.dtype,
+                    _dlpack.view(planes[p] + f * E * part, shapes[p], self.dtype,
                                  self.jax_device) for p in range(3))))
         except (RuntimeError, TypeError) as e:
             for w in frames:
@@ -308,15 +294,13 @@ class NativeStreamer:
         or stages the packed arrays itself, and says which in its trace)."""
         if nbytes == 0:
             return None
-        err = ctypes.create_string_buffer(512)
-        ptr = native.lib().strata_pinned_alloc(nbytes, err, len(err))
-        if not ptr:
-            warnings.warn(f"pinned arena of {nbytes / 2**30:.2f} GiB not allocated "
-                          f"({err.value.decode(errors='replace')}); the engine will pin or stage "
-                          "the store instead", stacklevel=3)
+        try:
+            self._pinned = native.module().PinnedBuffer(nbytes)
+        except RuntimeError as e:
+            warnings.warn(f"pinned arena of {nbytes / 2**30:.2f} GiB not allocated ({e}); the "
+                          "engine will pin or stage the store instead", stacklevel=3)
             return None
-        self._pinned = ptr
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        return self._pinned.array()
 
     # -- planning -----------------------------------------------------------------------------
 
@@ -388,20 +372,20 @@ class NativeStreamer:
         return self._resident_blobs
 
     def walk_active(self) -> bool:
-        return bool(native.lib().strata_engine_walk_active(self.id))
+        return self.handle.walk_active()
 
     def depth(self) -> int:
-        return int(native.lib().strata_engine_depth(self.id))
+        return self.handle.depth()
 
     def hold(self) -> int:
         """Entries a prestarted walk may run ahead of its landed copies until the program
         adopts it (`prestart`); 0 when the walk is not held."""
-        return int(native.lib().strata_engine_hold(self.id))
+        return self.handle.hold()
 
     def abort(self) -> None:
         """Stops the current chunk's walk, if any; the engine stays usable. Call it only when
         no chunk of this engine is queued or running (else `cancel` first, then wait)."""
-        native.lib().strata_engine_abort(self.id)
+        self.handle.abort()
 
     def prestart(self, n_tokens: int) -> None:
         """Begins the chunk of `n_tokens` tokens the caller is about to dispatch, from the host,
@@ -413,10 +397,7 @@ class NativeStreamer:
         abort, or a begin_chunk of another mode, drops it. A prestart no program adopts keeps
         its walk (and the engine's chunk) open until `abort` or the next begin_chunk;
         `Engine.prefill` always ends one."""
-        err = ctypes.create_string_buffer(1024)
-        rc = native.lib().strata_engine_prestart(self.id, self.chunk_mode(n_tokens), err,
-                                                 len(err))
-        _check(rc, err, "prestart")
+        self.handle.prestart(self.chunk_mode(n_tokens))
 
     def stage_ids(self, ids: np.ndarray, *, reset: bool = False) -> None:
         """Hands the engine chunks' token ids before the chunks are dispatched: their program
@@ -445,10 +426,7 @@ class NativeStreamer:
         if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
             raise ValueError("stage_ids: ids outside int32")
         a = np.ascontiguousarray(a, np.int32)
-        err = ctypes.create_string_buffer(1024)
-        rc = native.lib().strata_engine_stage_ids(self.id, a.ctypes.data, a.size, int(reset),
-                                                  err, len(err))
-        _check(rc, err, "stage_ids")
+        self.handle.stage_ids(a, bool(reset))
 
     def clear_ids(self) -> None:
         """Drops the staged ids no begin_chunk has taken (a prefill that failed leaves its
@@ -460,14 +438,14 @@ class NativeStreamer:
     def cancel(self, on: bool = True) -> None:
         """Safe while chunks are queued: stops the running chunk's walk and fails every later
         begin_chunk until `cancel(False)`, so queued chunks end at once, in error."""
-        native.lib().strata_engine_cancel(self.id, int(bool(on)))
+        self.handle.cancel(bool(on))
 
     def inject_fault(self, layer: int, kind: str) -> None:
         """Test hook: fail ("error") or stop ("stop") the next fetch of `layer`."""
         kinds = {"none": 0, "error": 1, "stop": 2}
         if kind not in kinds:
             raise ValueError(f"fault kind {kind!r}: expected one of {sorted(kinds)}")
-        native.lib().strata_engine_inject_fault(self.id, layer, kinds[kind])
+        self.handle.inject_fault(layer, kinds[kind])
 
     def device_timing(self) -> tuple[float, float, float, float] | None:
         """Device timing of the last finished chunk, in ms, or None.
@@ -480,11 +458,7 @@ class NativeStreamer:
         host's launch of the program too, and its lead is next to nothing. None on the CPU
         backend or before the chunk's device work has finished.
         """
-        out = (ctypes.c_double * 4)()
-        err = ctypes.create_string_buffer(256)
-        if native.lib().strata_engine_timing(self.id, out, err, len(err)) != 0:
-            return None
-        return tuple(float(x) for x in out)
+        return self.handle.timing()
 
     def measure_link(self, nbytes: int = 256 * 2**20, reps: int = 10) -> float:
         """The link ceiling out of this engine's own store: the median GB/s of `reps` copies
@@ -512,7 +486,7 @@ class NativeStreamer:
             raise RuntimeError("measure_link while a chunk's walk runs: it would share the "
                                "link with it; call it between prefills")
         size = len(self.moe_layers) * self.config.n_experts * self.blob_bytes
-        return native.measure_h2d_from(self._pinned, min(int(nbytes), size), reps,
+        return native.measure_h2d_from(self._pinned.address, min(int(nbytes), size), reps,
                                        device=self.stream.device)
 
     def host_times(self) -> tuple[float, float]:
@@ -520,9 +494,7 @@ class NativeStreamer:
         handler ran, or the host prestarted the chunk its program adopted) and at which its
         end_chunk handler ran; with the call's own monotonic times they split a prefill's wall
         time into host time before the device chunk, the chunk, and host time after it."""
-        out = (ctypes.c_double * 2)()
-        native.lib().strata_engine_host_times(self.id, out)
-        return float(out[0]), float(out[1])
+        return self.handle.host_times()
 
     def close(self) -> None:
         """Stops the threads and frees the engine. Idempotent."""
@@ -535,7 +507,7 @@ class NativeStreamer:
                     a.delete()
         self._frames = None
         self._finalizer()
-        self._pinned = None  # freed by the finalizer
+        self._pinned = None  # freed with its last view, which the engine held
 
     def check_process(self) -> None:
         """Raises RuntimeError in a process forked after the engine was made: its issuer (and
@@ -603,10 +575,7 @@ class NativeStreamer:
             streamed=streamed.copy(), copied=copied, skipped=skipped, unrouted=unrouted,
             bytes=copied * self.blob_bytes)
 
-def _destroy(engine_id: int, pinned: int | None, pid: int) -> None:
+def _destroy(handle, pid: int) -> None:
     if os.getpid() != pid:
         return  # a fork's copy (at the child's exit): the engine and its memory are the parent's
-    lib = native.lib()
-    lib.strata_engine_destroy(engine_id)
-    if pinned:
-        lib.strata_pinned_free(pinned)
+    handle.close()  # the engine first, then the stores (and pinned block) its copies read
