@@ -24,7 +24,7 @@ from strata_jax.config import get_preset
 from strata_jax.kernels import Kernels
 from strata_jax.reference import reference_attention, reference_forward
 from strata_jax.synthetic import init_synthetic
-from strata_jax.testing import assert_close
+from strata_jax.testing import assert_close, read_in_chunks
 
 OFFSETS = (0, 13, 127, 128, 129, 300)
 LAYOUTS = ((8, 2, 16), (4, 4, 32), (16, 1, 64))  # (query heads, KV heads, head_dim)
@@ -131,14 +131,7 @@ def test_chunked_prompt_and_follow_up_match_reference(qwen_small, path):
     model = M.build_model(c, params, kernels=Kernels(attention=path))
     toks = np.random.default_rng(4).integers(0, c.vocab_size, BOUNDS[-1]).astype(np.int32)
     ref, _ = reference_forward(c, params, toks)
-    cache = M.init_cache(c, 512)
-    first = jax.jit(lambda t, k: model(t, k, 0))
-    later = jax.jit(lambda t, k, s: model(t, k, s))
-    for lo, hi in itertools.pairwise(BOUNDS):
-        if lo == 0:
-            logits, cache, _ = first(jnp.asarray(toks[lo:hi]), cache)
-        else:
-            logits, cache, _ = later(jnp.asarray(toks[lo:hi]), cache, jnp.int32(lo))
+    for lo, hi, logits in read_in_chunks(model, toks, BOUNDS, M.init_cache(c, 512)):
         assert_close(logits, ref[lo:hi], np.float32, err_msg=f"{path}: positions {lo}..{hi - 1}")
 
 

@@ -8,7 +8,6 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from strata_jax import model as M
 from strata_jax.checkpoint import (FIELDS, CheckpointError, config_from_hf, fields_markdown,
@@ -16,73 +15,9 @@ from strata_jax.checkpoint import (FIELDS, CheckpointError, config_from_hf, fiel
 from strata_jax.config import get_preset
 from strata_jax.rope import RopeScaling, rope_frequencies
 from strata_jax.synthetic import init_synthetic
-
-ARCH = {
-    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
-    "mixtral-8x7b": ("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
-    "olmoe-1b-7b": ("OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
-}
-
-
-def hf_config(c, arch):
-    cfg = dict(architectures=[arch], vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-               num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-               num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
-               num_experts_per_tok=c.top_k, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
-               tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_seq_len,
-               torch_dtype=c.param_dtype)
-    if arch == "MixtralForCausalLM":
-        cfg.update(num_local_experts=c.n_experts, intermediate_size=c.expert_intermediate)
-    elif arch == "Qwen3MoeForCausalLM":
-        cfg.update(num_experts=c.n_experts, moe_intermediate_size=c.expert_intermediate,
-                   norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
-    else:
-        cfg.update(num_experts=c.n_experts, intermediate_size=c.expert_intermediate,
-                   norm_topk_prob=c.norm_topk_prob, clip_qkv=None)
-    return cfg
-
-
-def hf_tensors(c, params, preset):
-    """Our flat params in Hugging Face names and [out, in] layout, written out by hand."""
-    _, moe, (g, u, d) = ARCH[preset]
-    t = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm.weight"],
-         "lm_head.weight": params["lm_head"].T}
-    for l in range(c.n_layers):
-        p, q = f"layers.{l}.", f"model.layers.{l}."
-        t[q + "input_layernorm.weight"] = params[p + "input_norm.weight"]
-        t[q + "post_attention_layernorm.weight"] = params[p + "post_attn_norm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            t[q + f"self_attn.{proj}.weight"] = params[p + f"attn.{proj}"].T
-        if c.attention_bias:
-            for b in "qkvo":
-                t[q + f"self_attn.{b}_proj.bias"] = params[p + f"attn.{b}_bias"]
-        if c.qk_norm != "none":
-            t[q + "self_attn.q_norm.weight"] = params[p + "attn.q_norm.weight"]
-            t[q + "self_attn.k_norm.weight"] = params[p + "attn.k_norm.weight"]
-        t[q + f"{moe}.gate.weight"] = params[p + "mlp.router"].T
-        for e in range(c.n_experts):
-            t[q + f"{moe}.experts.{e}.{g}.weight"] = params[p + "mlp.gate"][e].T
-            t[q + f"{moe}.experts.{e}.{u}.weight"] = params[p + "mlp.up"][e].T
-            t[q + f"{moe}.experts.{e}.{d}.weight"] = params[p + "mlp.down"][e].T
-    return {k: np.ascontiguousarray(v) for k, v in t.items()}
-
-
-def write_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
-    """Writes tensors in `shards` files and config.json (hf_config with `fields` over it; a
-    field given as None is removed)."""
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        part = names[s::shards]
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(path / fname))
-        weight_map.update({n: fname for n in part})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    cfg = hf_config(c, ARCH[preset][0])
-    cfg.update(fields)
-    cfg = {k: v for k, v in cfg.items() if v is not None}
-    (path / "config.json").write_text(json.dumps(cfg))
-
+from strata_jax.testing import HF_ARCH as ARCH
+from strata_jax.testing import hf_config, hf_tensors
+from strata_jax.testing import write_hf_checkpoint as write_checkpoint
 
 def small(preset):
     return get_preset(preset).scaled(param_dtype="float32", n_experts=8, top_k=2)

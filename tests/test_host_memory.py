@@ -17,6 +17,7 @@ from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights, pack_expert_blobs_np, unpack_expert_blobs_np
 from strata_jax.model import expert_param_names
 from strata_jax.synthetic import SyntheticParams, init_synthetic
+from strata_jax.testing import hf_tensors, write_hf_checkpoint
 from strata_jax.weights import LazyExperts, ParamsView
 
 TINY = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2)
@@ -138,38 +139,8 @@ def test_a_store_past_host_ram_is_refused(monkeypatch):
 
 def _write_checkpoint(path, c, params, *, shards=2):
     """A Hugging Face safetensors checkpoint of `params` (Qwen3-MoE names, [out, in])."""
-    from safetensors.numpy import save_file
-
-    t = {"model.embed_tokens.weight": params["embed"],
-         "model.norm.weight": params["final_norm.weight"], "lm_head.weight": params["lm_head"].T}
-    for l in range(c.n_layers):
-        p, q = f"layers.{l}.", f"model.layers.{l}."
-        t[q + "input_layernorm.weight"] = params[p + "input_norm.weight"]
-        t[q + "post_attention_layernorm.weight"] = params[p + "post_attn_norm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            t[q + f"self_attn.{proj}.weight"] = params[p + f"attn.{proj}"].T
-        t[q + "self_attn.q_norm.weight"] = params[p + "attn.q_norm.weight"]
-        t[q + "self_attn.k_norm.weight"] = params[p + "attn.k_norm.weight"]
-        t[q + "mlp.gate.weight"] = params[p + "mlp.router"].T
-        for ours, hf in zip(ExpertWeights._fields, ARCH[2]):
-            w = params[p + f"mlp.{ours}"]  # once: a lazy mapping makes it on each access
-            for e in range(c.n_experts):
-                t[q + f"mlp.experts.{e}.{hf}.weight"] = w[e].T
-    names = sorted(t)
-    weight_map = {}
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: np.ascontiguousarray(t[n]) for n in names[s::shards]}, str(path / fname))
-        weight_map.update({n: fname for n in names[s::shards]})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(dict(
-        architectures=[ARCH[0]], vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-        num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, num_experts_per_tok=c.top_k,
-        rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False,
-        max_position_embeddings=c.max_seq_len, torch_dtype=c.param_dtype,
-        num_experts=c.n_experts, moe_intermediate_size=c.expert_intermediate,
-        norm_topk_prob=c.norm_topk_prob)))
+    preset = "qwen3-30b-a3b"
+    write_hf_checkpoint(path, c, preset, hf_tensors(c, params, preset), shards=shards)
 
 
 def test_checkpoint_experts_are_read_when_used(tmp_path):

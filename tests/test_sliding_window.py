@@ -26,7 +26,7 @@ from strata_jax.kernels import Kernels
 from strata_jax.memory import attention_working_bytes
 from strata_jax.reference import reference_attention, reference_forward
 from strata_jax.synthetic import init_synthetic
-from strata_jax.testing import assert_close
+from strata_jax.testing import assert_close, read_in_chunks
 
 
 def _inputs(dtype, start, t, w, n=8, kvh=2, d=16, s=512):
@@ -223,14 +223,7 @@ def test_chunked_prompt_and_follow_up_match_reference(windowed, path):
     c, params, toks, ref = windowed
     model = M.build_model(c, params, kernels=Kernels(attention=path))
     assert [layer.attn.window for layer in model.layers] == [WINDOW, None, WINDOW]
-    cache = M.init_cache(c, 512)
-    first = jax.jit(lambda t, k: model(t, k, 0))
-    later = jax.jit(lambda t, k, s: model(t, k, s))
-    for lo, hi in itertools.pairwise(BOUNDS):
-        if lo == 0:
-            logits, cache, _ = first(jnp.asarray(toks[lo:hi]), cache)
-        else:
-            logits, cache, _ = later(jnp.asarray(toks[lo:hi]), cache, jnp.int32(lo))
+    for lo, hi, logits in read_in_chunks(model, toks, BOUNDS, M.init_cache(c, 512)):
         assert_close(logits, ref[lo:hi], np.float32, err_msg=f"{path}: positions {lo}..{hi - 1}")
 
 
