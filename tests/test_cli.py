@@ -293,6 +293,45 @@ def test_demo_is_the_default_command():
     assert "identical in every arm" in out
 
 
+def test_demo_builds_its_three_arms(monkeypatch):
+    """The demo (the default command) in the fast run: its arms' configs are made and
+    checked as an engine would (`resolved`, `plan_stream`), on the chosen backend; the
+    engines are stand-ins (the slow tests above run them)."""
+    import types
+
+    import strata_jax.engine
+    from strata_jax.stream import plan_stream
+
+    made = []
+
+    class Stand_in:
+        def __init__(self, cfg, params, stream, **kwargs):
+            if stream is not None:
+                stream.resolved()
+                plan_stream(cfg, stream)
+            made.append((stream, kwargs["device"]))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def prefill(self, tokens):
+            return types.SimpleNamespace(logits=np.zeros(2), session=types.SimpleNamespace(
+                cache=np.zeros(2)), summary=lambda: "stand-in", chunks=[])
+
+    monkeypatch.setattr(strata_jax.engine, "Engine", Stand_in)
+    rc, out, err = run(["demo", "--scale", "tiny", "--depth", "4", "-q"])
+    assert rc == 0, err
+    assert "identical in every arm" in out
+    (resident, device), (stream_all, _), (routed, _) = made
+    assert (resident, device) == (None, "cpu")
+    assert (stream_all.routed, stream_all.tuning.stream_floor, stream_all.backend) == (
+        False, 1, "cpu")
+    assert (routed.routed, routed.depth, routed.backend) == (True, 4, "cpu")
+
+
 @pytest.mark.slow
 def test_demo_says_what_its_numbers_depend_on():
     # A chunk of stream_floor (1024) tokens streams, so the routed arm's skips depend on when

@@ -32,12 +32,14 @@ def cmd_demo(args, log: _Log) -> int:
           + (f" (simulated link {args.sim_bandwidth:g} GB/s)" if backend == "cpu" else ""),
           flush=True)
     _, params, _ = model.weights(log)
-    link = dict(backend=backend, sim_bandwidth=args.sim_bandwidth * 1e9)
+    link = dict(sim_bandwidth=args.sim_bandwidth * 1e9)
     resident_device = "gpu" if backend == "cuda" else "cpu"  # the arms compare on one device
     arms = {
         "resident": None,
-        "stream-all": StreamConfig(routed=False, tuning=StreamTuning(stream_floor=1, **link)),
-        "routed": StreamConfig(routed=True, depth=args.depth, tuning=StreamTuning(**link)),
+        "stream-all": StreamConfig(routed=False, backend=backend,
+                                   tuning=StreamTuning(stream_floor=1, **link)),
+        "routed": StreamConfig(routed=True, depth=args.depth, backend=backend,
+                               tuning=StreamTuning(**link)),
     }
     hashes = {}
     print("each arm's first prefill; its time includes compiling the chunk programs:", flush=True)
