@@ -27,7 +27,7 @@ MODEL = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "32", "--t
          "--skew", "2.0"]
 PROMPT = ["--tokens", "128", "--chunk", "64", "--max-context", "192"]  # one KV capacity: same kv bytes
 REQUIRED = ("tokens", "reused", "read", "prompt_ms", "experts_streamed", "copied", "skipped",
-            "unrouted", "bytes_copied", "logits_sha256", "kv_sha256", "per_layer")
+            "unrouted", "bytes_copied", "logits_sha256", "kv_sha256", "per_layer", "compiled")
 N_LAYERS, N_EXPERTS = 2, 32
 
 
@@ -166,11 +166,34 @@ def test_follow_up_reuses_the_session(arms):
     assert f["logits_sha256"] != arms["routed"]["logits_sha256"]
 
 
+def test_compiled_says_what_each_call_compiled(arms):
+    # A first call's prompt_ms includes compiling its programs: the first chunk's and a later
+    # chunk's of 64 tokens; the follow-up of 32 tokens compiles its own bucket.
+    for d in arms.values():
+        assert d["compiled"] == 2, d["compiled"]
+    d = arms["routed"]
+    assert d["follow_up"]["compiled"] == 1
+    assert d["compilations"] == d["compiled"] + d["follow_up"]["compiled"]
+
+
+COMPILED = ("  (this time includes compiling {n} chunk program{s}, once per chunk shape; a later "
+            "call of the same shapes on this engine runs without it)")
+SKIPS = ("  (skips depend on timing: an unrouted expert is skipped only when its layer's routing "
+         "reaches the issuer before the walk has queued its copy; the copies queued before that, "
+         "up to depth 16 ahead of the link plus those it has landed, are the blind window)")
+
+
 def test_readable_output_with_progress_on_stderr():
-    rc, out, err = run(["prefill", *MODEL, *PROMPT, "--follow-up", "16"])
+    # Chunks from 16 tokens stream (the blind window), so the skip counts depend on timing.
+    rc, out, err = run(["prefill", *MODEL, *PROMPT, "--follow-up", "16", "--stream-floor", "16"])
     assert rc == 0, err
     assert "128 tokens = 0 reused + 128 read" in out
     assert "follow-up: 144 tokens = 128 reused + 16 read" in out
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("128 tokens = "))
+    assert lines[first + 1:first + 3] == [COMPILED.format(n=2, s="s"), SKIPS]
+    follow = next(i for i, line in enumerate(lines) if line.startswith("follow-up: "))
+    assert lines[follow + 1:] == [COMPILED.format(n=1, s="")]
     assert "arm routed" in out and "backend cpu" in out
     table = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert [row[0] for row in table] == ["0", "1"]  # one row per MoE layer
@@ -319,7 +342,7 @@ def test_demo_builds_its_three_arms(monkeypatch):
 
         def prefill(self, tokens):
             return types.SimpleNamespace(logits=np.zeros(2), session=types.SimpleNamespace(
-                cache=np.zeros(2)), summary=lambda: "stand-in", chunks=[])
+                cache=np.zeros(2)), summary=lambda: "stand-in", chunks=[], mode="routed")
 
     monkeypatch.setattr(strata_jax.engine, "Engine", Stand_in)
     rc, out, err = run(["demo", "--scale", "tiny", "--depth", "4", "-q"])
@@ -655,6 +678,8 @@ def test_score_json_and_text_give_the_same_bits_in_every_arm():
     assert "arm routed" in out and "48 tokens = 0 reused + 48 read" in out
     assert "experts streamed" in out
     assert f"scored 47 tokens: mean NLL {d['mean_nll']:.4f} nats" in out
+    assert d["compiled"] == 1 and COMPILED.format(n=1, s="") in out.splitlines()
+    assert SKIPS in out.splitlines()
     assert f"logprobs sha256 {d['logprobs_sha256'][:16]}..., kv sha256 {d['kv_sha256'][:16]}" \
         in out
     assert "score" in err and "{" not in out  # the progress bar went to stderr
