@@ -387,6 +387,22 @@ def test_every_prefill_option_is_documented():
             assert opt in help_text
 
 
+def _bad_checkpoints(tmp_path) -> dict[str, str]:
+    """Checkpoint folders whose config.json is refused before any tensor is read."""
+    from test_checkpoint import hf_config
+
+    good = hf_config(cli.model_config("qwen3-30b-a3b", "tiny"), "Qwen3MoeForCausalLM")
+    out = {}
+    for name, text in (("unknown_field", json.dumps({**good, "my_new_field": 3})),
+                       ("string_size", json.dumps({**good, "hidden_size": "64"})),
+                       ("not_json", "{not json"), ("a_list", "[1, 2]")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+        out[name] = str(folder)
+    return out
+
+
 def _bad_prompt_files(tmp_path):
     text = tmp_path / "bad.txt"
     text.write_text("1 2 three 4")
@@ -420,6 +436,15 @@ BAD = {
     "bad routed value": ([*MODEL, "--routed", "maybe"], ["--routed", "invalid choice"]),
     "preset and checkpoint": ([*MODEL, "--checkpoint", "/tmp"], ["either --preset or --checkpoint"]),
     "checkpoint without config": (["--checkpoint", "/"], ["config.json"]),
+    "checkpoint with an unknown field": (["--checkpoint", "{unknown_field}"],
+                                         ["my_new_field=3", "not fields of Qwen3MoeForCausalLM",
+                                          "remove them from config.json"]),
+    "checkpoint with a string size": (["--checkpoint", "{string_size}"],
+                                      ["config.json hidden_size='64': expected an integer"]),
+    "checkpoint config not json": (["--checkpoint", "{not_json}"],
+                                   ["config.json is not valid JSON"]),
+    "checkpoint config a list": (["--checkpoint", "{a_list}"],
+                                 ["config.json holds a list, not an object"]),
     "missing profile": ([*MODEL, "--profile", "/nonexistent/p.prof"], ["profile", "does not exist"]),
     "scale with a checkpoint": (["--checkpoint", "/tmp", "--scale", "tiny"],
                                 ["--scale", "checkpoint's shapes are fixed"]),
@@ -433,8 +458,9 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
     text, oov, empty, npy = _bad_prompt_files(tmp_path)
+    checkpoints = _bad_checkpoints(tmp_path)
     argv, words = BAD[case]
-    argv = [a.format(text=text, oov=oov, empty=empty, npy=npy) for a in argv]
+    argv = [a.format(text=text, oov=oov, empty=empty, npy=npy, **checkpoints) for a in argv]
     rc, out, err = run(["prefill", *argv])
     assert rc == 2, (case, err)
     assert out == ""

@@ -28,7 +28,7 @@ def cmd_score(args, log: _Log) -> int:
     profile = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, profile)
     depth = _routed_depth(stream)
-    model.check_host_memory()
+    model.check_host_memory(streamed=stream is not None)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
                 sub_chunk=args.sub_chunk, backend=backend, stream=stream)
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
@@ -40,7 +40,8 @@ def cmd_score(args, log: _Log) -> int:
               f"order {args.order}")
         print(f"prompt: {prompt_text}", flush=True)
     cfg, params, experts = model.weights(log)
-    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device)
+    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device,
+                          model.weights_desc)
     with engine:
         before = int(engine.compilations)
         with log.bar(desc="score", total=int(tokens.size), unit="tok") as bar:
