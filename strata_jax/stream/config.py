@@ -263,7 +263,7 @@ def _check_ints(sc: StreamConfig) -> None:
         if value is None and name == "resident_budget_gib":
             continue
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
-                or not np.isfinite(value):
+                or np.isinf(value):  # NaN: plan_stream's "must be >= 0"
             raise ValueError(f"{name}={value!r}: expected a finite number of GiB >= 0"
                              + (" (or None)" if name == "resident_budget_gib" else ""))
     if not isinstance(sc.tuning, StreamTuning):
