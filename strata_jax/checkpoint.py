@@ -168,13 +168,42 @@ def fields_markdown() -> str:
 
 
 def _architecture(hf: Mapping) -> str:
+    if not isinstance(hf, Mapping):
+        raise CheckpointError(f"config.json holds a {type(hf).__name__}, not an object of "
+                              "fields (name: value)")
     names = hf.get("architectures") or []
+    if isinstance(names, str):
+        names = [names]
     for name in names:
         if name in ARCHITECTURES:
             return name
+    if not names and hf.get("model_type") is None:
+        raise CheckpointError(f"config.json names no architecture (no 'architectures'); "
+                              f"supported: {', '.join(ARCHITECTURES)}")
     raise CheckpointError(
         f"unknown architecture {names or hf.get('model_type')!r}; supported: "
         f"{', '.join(ARCHITECTURES)}")
+
+
+# The type each numeric or switch field of config.json must have where it is given (null takes
+# the default): checked before any arithmetic on them, so that the error names the field.
+_TYPED_FIELDS = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_experts", "num_local_experts",
+                     "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
+                     "max_position_embeddings"), "an integer"),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), "a number"),
+    **dict.fromkeys(("norm_topk_prob", "tie_word_embeddings", "attention_bias",
+                     "use_sliding_window"), "true or false"),
+}
+
+
+def _has_type(value, expected: str) -> bool:
+    if expected == "true or false":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (expected == "a number" and isinstance(value, float))
 
 
 def _refuse(field: str, value, why: str) -> CheckpointError:
@@ -194,6 +223,9 @@ class _Fields:
                 f"config.json field(s) {shown} are not fields of {arch} this loader knows; it "
                 "refuses what it cannot tell has no effect (see docs/CHECKPOINTS.md). If they do "
                 "not change the model's math, remove them from config.json")
+        for k, expected in _TYPED_FIELDS.items():
+            if hf.get(k) is not None and not _has_type(hf[k], expected):
+                raise _refuse(k, hf[k], f"expected {expected}")
 
     def get(self, key: str, default=None):
         value = self.hf.get(key)

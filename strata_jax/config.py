@@ -117,7 +117,7 @@ class ModelConfig:
         )
         for field in positive:
             value = getattr(self, field)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")

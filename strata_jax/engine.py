@@ -851,7 +851,8 @@ class Engine:
                 "the ones before it, from the second on); pass at least 2 tokens, or prefill it "
                 "and take log_softmax of the result's logits for the token after it")
         if self.closed:
-            raise RuntimeError("Engine.prefill: the engine was closed; make a new Engine")
+            raise RuntimeError(f"Engine.{'score' if score else 'prefill'}: the engine was "
+                               "closed; make a new Engine")
         if self.streamer is not None:
             self.streamer.check_process()
 

@@ -112,6 +112,15 @@ def test_unknown_architecture(qwen_dir):
         load_checkpoint(str(path), progress=False)
 
 
+def test_config_that_is_not_an_object_or_names_no_architecture():
+    with pytest.raises(CheckpointError, match=r"config.json holds a list, not an object"):
+        config_from_hf([1, 2])
+    with pytest.raises(CheckpointError, match=r"names no architecture \(no 'architectures'\)"):
+        config_from_hf({"hidden_size": 64})
+    qwen = hf_config(small("qwen3-30b-a3b"), QWEN)
+    assert config_from_hf({**qwen, "architectures": QWEN}) == config_from_hf(qwen)  # a bare name
+
+
 def test_missing_files(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         load_checkpoint(str(tmp_path), progress=False)
@@ -234,6 +243,13 @@ REFUSED = [
     ("OlmoeForCausalLM", {"sliding_window": 16}, r"sliding_window=16"),
     ("MixtralForCausalLM", {"attention_bias": True}, r"attention_bias=True"),
     ("MixtralForCausalLM", {"norm_topk_prob": False}, r"norm_topk_prob=False"),
+    # A field of the wrong type, named (not `//`'s TypeError, float()'s message, a string's
+    # truthiness or a bool taken for 1).
+    (QWEN, {"hidden_size": "64"}, r"hidden_size='64': expected an integer"),
+    (QWEN, {"num_experts": True}, r"num_experts=True: expected an integer"),
+    (QWEN, {"num_hidden_layers": 2.5}, r"num_hidden_layers=2.5: expected an integer"),
+    (QWEN, {"rms_norm_eps": "1e-6"}, r"rms_norm_eps='1e-6': expected a number"),
+    (QWEN, {"tie_word_embeddings": "false"}, r"tie_word_embeddings='false': expected true or"),
 ]
 
 

@@ -27,7 +27,7 @@ MODEL = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "32", "--t
          "--skew", "2.0"]
 PROMPT = ["--tokens", "128", "--chunk", "64", "--max-context", "192"]  # one KV capacity: same kv bytes
 REQUIRED = ("tokens", "reused", "read", "prompt_ms", "experts_streamed", "copied", "skipped",
-            "unrouted", "bytes_copied", "logits_sha256", "kv_sha256", "per_layer")
+            "unrouted", "bytes_copied", "logits_sha256", "kv_sha256", "per_layer", "compiled")
 N_LAYERS, N_EXPERTS = 2, 32
 
 
@@ -110,14 +110,17 @@ def test_depth_reported_is_the_one_that_runs(arms, monkeypatch):
     assert (arms["routed"]["depth"], arms["stream-all"]["depth"], arms["resident"]["depth"]) == (
         16, None, None)  # --depth's default; no depth where the routed switch is off
     # The environment overrides --depth and is clamped: the header and the JSON say what the
-    # engine runs (256), not --depth (16), and only -q silences the engine's warning.
+    # engine runs (256), not --depth (16), and only -q silences the engine's warning, one line
+    # on stderr (not Python's source location and code line).
     monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "100000")
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
         rc, out, err = run(["prefill", *MODEL, *PROMPT])
     assert rc == 0, err
     assert "arm routed (depth 256)," in out
-    assert any("using 256" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    warned = [line for line in err.splitlines() if "warning" in line.lower()]
+    assert warned == ["strata-jax prefill: warning: STRATA_PREFILL_ROUTED_STREAM_DEPTH=100000 "
+                      "is outside 1..256; using 256"], err
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         d = run_json(["prefill", *MODEL, *PROMPT])  # with -q
@@ -166,11 +169,34 @@ def test_follow_up_reuses_the_session(arms):
     assert f["logits_sha256"] != arms["routed"]["logits_sha256"]
 
 
+def test_compiled_says_what_each_call_compiled(arms):
+    # A first call's prompt_ms includes compiling its programs: the first chunk's and a later
+    # chunk's of 64 tokens; the follow-up of 32 tokens compiles its own bucket.
+    for d in arms.values():
+        assert d["compiled"] == 2, d["compiled"]
+    d = arms["routed"]
+    assert d["follow_up"]["compiled"] == 1
+    assert d["compilations"] == d["compiled"] + d["follow_up"]["compiled"]
+
+
+COMPILED = ("  (this time includes compiling {n} chunk program{s}, once per chunk shape; a later "
+            "call of the same shapes on this engine runs without it)")
+SKIPS = ("  (skips depend on timing: an unrouted expert is skipped only when its layer's routing "
+         "reaches the issuer before the walk has queued its copy; the copies queued before that, "
+         "up to depth 16 ahead of the link plus those it has landed, are the blind window)")
+
+
 def test_readable_output_with_progress_on_stderr():
-    rc, out, err = run(["prefill", *MODEL, *PROMPT, "--follow-up", "16"])
+    # Chunks from 16 tokens stream (the blind window), so the skip counts depend on timing.
+    rc, out, err = run(["prefill", *MODEL, *PROMPT, "--follow-up", "16", "--stream-floor", "16"])
     assert rc == 0, err
     assert "128 tokens = 0 reused + 128 read" in out
     assert "follow-up: 144 tokens = 128 reused + 16 read" in out
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("128 tokens = "))
+    assert lines[first + 1:first + 3] == [COMPILED.format(n=2, s="s"), SKIPS]
+    follow = next(i for i, line in enumerate(lines) if line.startswith("follow-up: "))
+    assert lines[follow + 1:] == [COMPILED.format(n=1, s="")]
     assert "arm routed" in out and "backend cpu" in out
     table = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert [row[0] for row in table] == ["0", "1"]  # one row per MoE layer
@@ -293,6 +319,45 @@ def test_demo_is_the_default_command():
     assert "identical in every arm" in out
 
 
+def test_demo_builds_its_three_arms(monkeypatch):
+    """The demo (the default command) in the fast run: its arms' configs are made and
+    checked as an engine would (`resolved`, `plan_stream`), on the chosen backend; the
+    engines are stand-ins (the slow tests above run them)."""
+    import types
+
+    import strata_jax.engine
+    from strata_jax.stream import plan_stream
+
+    made = []
+
+    class Stand_in:
+        def __init__(self, cfg, params, stream, **kwargs):
+            if stream is not None:
+                stream.resolved()
+                plan_stream(cfg, stream)
+            made.append((stream, kwargs["device"]))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def prefill(self, tokens):
+            return types.SimpleNamespace(logits=np.zeros(2), session=types.SimpleNamespace(
+                cache=np.zeros(2)), summary=lambda: "stand-in", chunks=[], mode="routed")
+
+    monkeypatch.setattr(strata_jax.engine, "Engine", Stand_in)
+    rc, out, err = run(["demo", "--scale", "tiny", "--depth", "4", "-q"])
+    assert rc == 0, err
+    assert "identical in every arm" in out
+    (resident, device), (stream_all, _), (routed, _) = made
+    assert (resident, device) == (None, "cpu")
+    assert (stream_all.routed, stream_all.tuning.stream_floor, stream_all.backend) == (
+        False, 1, "cpu")
+    assert (routed.routed, routed.depth, routed.backend) == (True, 4, "cpu")
+
+
 @pytest.mark.slow
 def test_demo_says_what_its_numbers_depend_on():
     # A chunk of stream_floor (1024) tokens streams, so the routed arm's skips depend on when
@@ -320,6 +385,22 @@ def test_every_prefill_option_is_documented():
         assert action.help and action.help.strip(), action.option_strings
         for opt in action.option_strings:
             assert opt in help_text
+
+
+def _bad_checkpoints(tmp_path) -> dict[str, str]:
+    """Checkpoint folders whose config.json is refused before any tensor is read."""
+    from test_checkpoint import hf_config
+
+    good = hf_config(cli.model_config("qwen3-30b-a3b", "tiny"), "Qwen3MoeForCausalLM")
+    out = {}
+    for name, text in (("unknown_field", json.dumps({**good, "my_new_field": 3})),
+                       ("string_size", json.dumps({**good, "hidden_size": "64"})),
+                       ("not_json", "{not json"), ("a_list", "[1, 2]")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+        out[name] = str(folder)
+    return out
 
 
 def _bad_prompt_files(tmp_path):
@@ -355,6 +436,15 @@ BAD = {
     "bad routed value": ([*MODEL, "--routed", "maybe"], ["--routed", "invalid choice"]),
     "preset and checkpoint": ([*MODEL, "--checkpoint", "/tmp"], ["either --preset or --checkpoint"]),
     "checkpoint without config": (["--checkpoint", "/"], ["config.json"]),
+    "checkpoint with an unknown field": (["--checkpoint", "{unknown_field}"],
+                                         ["my_new_field=3", "not fields of Qwen3MoeForCausalLM",
+                                          "remove them from config.json"]),
+    "checkpoint with a string size": (["--checkpoint", "{string_size}"],
+                                      ["config.json hidden_size='64': expected an integer"]),
+    "checkpoint config not json": (["--checkpoint", "{not_json}"],
+                                   ["config.json is not valid JSON"]),
+    "checkpoint config a list": (["--checkpoint", "{a_list}"],
+                                 ["config.json holds a list, not an object"]),
     "missing profile": ([*MODEL, "--profile", "/nonexistent/p.prof"], ["profile", "does not exist"]),
     "scale with a checkpoint": (["--checkpoint", "/tmp", "--scale", "tiny"],
                                 ["--scale", "checkpoint's shapes are fixed"]),
@@ -368,8 +458,9 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
     text, oov, empty, npy = _bad_prompt_files(tmp_path)
+    checkpoints = _bad_checkpoints(tmp_path)
     argv, words = BAD[case]
-    argv = [a.format(text=text, oov=oov, empty=empty, npy=npy) for a in argv]
+    argv = [a.format(text=text, oov=oov, empty=empty, npy=npy, **checkpoints) for a in argv]
     rc, out, err = run(["prefill", *argv])
     assert rc == 2, (case, err)
     assert out == ""
@@ -616,6 +707,8 @@ def test_score_json_and_text_give_the_same_bits_in_every_arm():
     assert "arm routed" in out and "48 tokens = 0 reused + 48 read" in out
     assert "experts streamed" in out
     assert f"scored 47 tokens: mean NLL {d['mean_nll']:.4f} nats" in out
+    assert d["compiled"] == 1 and COMPILED.format(n=1, s="") in out.splitlines()
+    assert SKIPS in out.splitlines()
     assert f"logprobs sha256 {d['logprobs_sha256'][:16]}..., kv sha256 {d['kv_sha256'][:16]}" \
         in out
     assert "score" in err and "{" not in out  # the progress bar went to stderr

@@ -79,6 +79,7 @@ def test_top_k_over_experts_names_both():
     (dict(qk_norm="both"), "qk_norm"),
     (dict(param_dtype="int8"), "param_dtype"),
     (dict(hidden_size=0), "hidden_size"),
+    (dict(n_experts=True), r"n_experts must be a positive int, got True"),  # not 1
     (dict(n_dense_layers=40), "n_dense_layers=40"),
     (dict(selection_bias=True), "selection_bias"),
 ])

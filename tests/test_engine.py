@@ -721,6 +721,8 @@ def test_closed_engine_refuses_prefill_resident_or_streamed(bf16_params, stream)
     assert eng.closed
     with pytest.raises(RuntimeError, match=closed):
         eng.prefill(tokens)
+    with pytest.raises(RuntimeError, match=closed.replace("prefill", "score")):
+        eng.score(tokens)
     with Engine(BF16, bf16_params, stream, max_context=64, chunk_size=16) as eng:
         eng.prefill(tokens)
     assert eng.closed

@@ -217,6 +217,27 @@ def test_integer_options_given_other_things_name_the_option(field, value, messag
                         tuning=StreamTuning(ring=None)).resolved().depth == 8  # numpy ints are fine
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("routed", "no", "routed='no': expected True or False"),  # not a truthy string: routed on
+    ("routed", 1, "routed=1: expected True or False"),
+    ("trace", "no", "trace='no': expected True or False (or None: read STRATA_TRACE)"),
+    ("ring_budget_gib", "4", "ring_budget_gib='4': expected a finite number of GiB >= 0"),
+    ("resident_budget_gib", "x", "resident_budget_gib='x': expected a finite number of GiB"),
+    ("resident_budget_gib", float("inf"), "resident_budget_gib=inf: expected a finite number"),
+])
+def test_switches_and_budgets_given_other_things_name_the_option(field, value, message):
+    # Before: "no" switched routing (and tracing) on, float() said "could not convert string
+    # to float: 'x'" and an infinite budget "cannot convert float infinity to integer".
+    bad = StreamConfig(**{field: value})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bad.resolved()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan_stream(CFG, bad)
+    ok = StreamConfig(routed=np.bool_(False), trace=None, ring_budget_gib=np.float32(2),
+                      resident_budget_gib=1).resolved()  # numpy bools and numbers are fine
+    assert (ok.routed, ok.ring_budget_gib, ok.resident_budget_gib) == (False, 2.0, 1)
+
+
 def test_tuning_fields_given_to_stream_config_say_where_they_belong():
     # What the engine chooses itself lives in StreamTuning; StreamConfig names the way there.
     with pytest.raises(TypeError, match=re.escape(

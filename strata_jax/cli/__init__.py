@@ -49,10 +49,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2)
         return int(e.code or 0)
     log = _Log(getattr(args, "quiet", False))
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        # One line, not the source location and code line Python adds; through tqdm so that
+        # a progress bar on stderr is redrawn below it.
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{PROG} {args.command}: warning: {' '.join(str(message).split())}",
+                   file=sys.stderr)
+
     try:
         with warnings.catch_warnings():
             if log.quiet:  # -q: the library's warnings too (errors still print below)
                 warnings.simplefilter("ignore")
+            else:
+                warnings.showwarning = show
             return _COMMANDS[args.command](args, log)
     except UsageError as e:
         print(f"{PROG} {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -224,7 +224,10 @@ class _Model:
             raise UsageError(f"checkpoint {self.checkpoint!r}: cannot read config.json ({e})") from None
         except KeyError as e:
             raise UsageError(f"checkpoint {self.checkpoint!r}: config.json lacks {e}") from None
-        except (json.JSONDecodeError, CheckpointError, ValueError) as e:
+        except json.JSONDecodeError as e:
+            raise UsageError(f"checkpoint {self.checkpoint!r}: config.json is not valid JSON "
+                             f"({e})") from None
+        except (CheckpointError, ValueError) as e:
             raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
 
     @property

@@ -8,6 +8,7 @@ import sys
 
 from .checks import _check_plan
 from .common import _context, _Log, _Model, _resolve_backend, random_prompt
+from .prefill import _skip_note
 
 
 def cmd_demo(args, log: _Log) -> int:
@@ -32,12 +33,14 @@ def cmd_demo(args, log: _Log) -> int:
           + (f" (simulated link {args.sim_bandwidth:g} GB/s)" if backend == "cpu" else ""),
           flush=True)
     _, params, _ = model.weights(log)
-    link = dict(backend=backend, sim_bandwidth=args.sim_bandwidth * 1e9)
+    link = dict(sim_bandwidth=args.sim_bandwidth * 1e9)
     resident_device = "gpu" if backend == "cuda" else "cpu"  # the arms compare on one device
     arms = {
         "resident": None,
-        "stream-all": StreamConfig(routed=False, tuning=StreamTuning(stream_floor=1, **link)),
-        "routed": StreamConfig(routed=True, depth=args.depth, tuning=StreamTuning(**link)),
+        "stream-all": StreamConfig(routed=False, backend=backend,
+                                   tuning=StreamTuning(stream_floor=1, **link)),
+        "routed": StreamConfig(routed=True, depth=args.depth, backend=backend,
+                               tuning=StreamTuning(**link)),
     }
     hashes = {}
     print("each arm's first prefill; its time includes compiling the chunk programs:", flush=True)
@@ -48,14 +51,9 @@ def cmd_demo(args, log: _Log) -> int:
                 r = eng.prefill(tokens)
                 hashes[name] = (sha256_of(r.logits), sha256_of(r.session.cache))
                 bar.write(f"{name:>10}: {r.summary()}", file=sys.stdout)
-                # Routed-only chunks (below stream_floor) wait for the routing: no blind window.
-                if name == "routed" and any(c.stats is not None and c.stats.mode == "stream"
-                                            for c in r.chunks):
-                    bar.write(f"{'':>10}  (skips depend on timing: an unrouted expert is skipped "
-                              "only when its layer's routing reaches the issuer before the walk "
-                              "has queued its copy; the copies queued before that, up to --depth "
-                              f"{args.depth} ahead of the link plus those it has landed, are the "
-                              "blind window)", file=sys.stdout)
+                note = _skip_note(r, f"--depth {args.depth}")
+                if note:
+                    bar.write(f"{'':>10}  {note}", file=sys.stdout)
                 bar.update(1)
     same = len(set(hashes.values())) == 1
     print(f"logits {hashes['resident'][0][:16]}..., kv {hashes['resident'][1][:16]}...: "

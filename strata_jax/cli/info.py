@@ -94,7 +94,8 @@ def cmd_info(args, log: _Log) -> int:
               f"{p['max_context']} positions")
         print(f"  resident {p['resident_per_layer']} experts per layer "
               f"({_size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
-              f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} layer frames, "
+              f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} layer "
+              f"frame{'s' if p['ring_frames'] != 1 else ''}, "
               f"{_size(p['ring_bytes'])})"
               + ("" if p["ring_fits_budget"] else
                  f" — MORE than --ring-gib {args.ring_gib}: raise it or keep more resident"))

@@ -295,10 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=textwrap.dedent("""\
             --json prints one object on stdout with: tokens, reused, read, prompt_ms,
             experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256, kv_sha256,
-            per_layer, order, chunks, mode, plus arm, backend, model, compilations, depth (the
-            routed stream's, as it ran: after STRATA_PREFILL_ROUTED_STREAM_DEPTH and the clamp
-            to 1..256; null when the routed switch is off), and follow_up (the same keys for the second turn)
-            with --follow-up."""))
+            per_layer, order, chunks, mode, compiled (the chunk programs this call compiled:
+            prompt_ms includes compiling them), plus arm, backend, model, compilations (the
+            engine's, in all), depth (the routed stream's, as it ran: after
+            STRATA_PREFILL_ROUTED_STREAM_DEPTH and the clamp to 1..256; null when the routed
+            switch is off), and follow_up (the same keys for the second turn) with --follow-up."""))
     _model_options(pre, required=True)
     _prompt_options(pre, tokens_default=1024, follow_up=True)
     _stream_options(pre)
@@ -314,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=textwrap.dedent("""\
             --json prints one object on stdout with prefill's keys (tokens, reused, read,
             prompt_ms, experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256,
-            kv_sha256, per_layer, order, chunks, mode, arm, backend, model, compilations, depth)
-            plus scored, sum_logprob, mean_nll, perplexity, logprobs_sha256 and logprobs (one
+            kv_sha256, per_layer, order, chunks, mode, compiled, arm, backend, model,
+            compilations, depth) plus scored, sum_logprob, mean_nll, perplexity, logprobs_sha256 and logprobs (one
             float per scored token: entry i is log p(token i+1 | tokens 0..i))."""))
     _model_options(score, required=True)
     _prompt_options(score, tokens_default=1024)

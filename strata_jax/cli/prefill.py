@@ -51,6 +51,28 @@ def _prefill(engine, tokens, session, log: _Log, desc: str):
             raise UsageError(str(e).splitlines()[0]) from None
 
 
+def _skip_note(result, depth: str) -> str | None:
+    """Why a routed result's skips depend on timing, where a chunk streamed (a routed-only
+    chunk, below stream_floor, waits for the routing and skips every unrouted expert); `depth`
+    names the depth ("--depth 4")."""
+    if result.mode != "routed" or not any(c.stats is not None and c.stats.mode == "stream"
+                                          for c in result.chunks):
+        return None
+    return ("(skips depend on timing: an unrouted expert is skipped only when its layer's "
+            "routing reaches the issuer before the walk has queued its copy; the copies queued "
+            f"before that, up to {depth} ahead of the link plus those it has landed, are the "
+            "blind window)")
+
+
+def _compiled_note(compiled: int) -> str | None:
+    """What a call's printed time holds when the call compiled `compiled` programs."""
+    if not compiled:
+        return None
+    return (f"  (this time includes compiling {compiled} chunk program"
+            f"{'s' if compiled != 1 else ''}, once per chunk shape; a later call of the same "
+            "shapes on this engine runs without it)")
+
+
 def _per_layer_rows(per_layer: dict) -> list[dict]:
     """to_dict()'s per_layer ({"copied": [one int per model layer], ...}) as one dict per layer."""
     keys = list(per_layer)
@@ -104,13 +126,17 @@ def cmd_prefill(args, log: _Log) -> int:
     engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device,
                           model.weights_desc)
     with engine:
+        before = int(engine.compilations)
         first = _prefill(engine, tokens, None, log, "prefill")
         out = _jsonable(first.to_dict())
+        out["compiled"] = int(engine.compilations) - before  # programs compiled by this call
         follow = None
         if args.follow_up:
             more = random_prompt(cfg.vocab_size, args.follow_up, args.seed, 1)
+            before = int(engine.compilations)
             follow = _prefill(engine, more, first.session, log, "follow-up")
             out["follow_up"] = _jsonable(follow.to_dict())
+            out["follow_up"]["compiled"] = int(engine.compilations) - before
         out.update(arm=_arm(args), backend=backend if args.stream else "resident",
                    model=model.summary(), profile=args.profile,
                    compilations=int(engine.compilations),
@@ -122,10 +148,16 @@ def cmd_prefill(args, log: _Log) -> int:
         print(json.dumps(out, sort_keys=True))
         return 0
     print(first.summary())
-    if first.fallback:
-        print(f"note: {first.fallback}")
+    skips = _skip_note(first, f"depth {depth}")
+    for line in (_compiled_note(out["compiled"]), first.fallback and f"note: {first.fallback}",
+                 skips and f"  {skips}"):
+        if line:
+            print(line)
     print(_layer_table(out, cfg.moe_layers))
     print(f"logits sha256 {out['logits_sha256'][:16]}..., kv sha256 {out['kv_sha256'][:16]}...")
     if follow is not None:
         print(f"follow-up: {follow.summary()}")
+        note = _compiled_note(out["follow_up"]["compiled"])
+        if note:
+            print(note)
     return 0

@@ -10,7 +10,7 @@ import json
 from .checks import _check_budget, _check_plan
 from .common import (UsageError, _backends, _context, _jsonable, _load_profile, _Log,
                      _make_engine, _Model, _read_prompts, _stream_config)
-from .prefill import _arm, _backend_text, _routed_depth
+from .prefill import _arm, _backend_text, _compiled_note, _routed_depth, _skip_note
 
 
 def cmd_score(args, log: _Log) -> int:
@@ -43,12 +43,14 @@ def cmd_score(args, log: _Log) -> int:
     engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device,
                           model.weights_desc)
     with engine:
+        before = int(engine.compilations)
         with log.bar(desc="score", total=int(tokens.size), unit="tok") as bar:
             try:
                 result = engine.score(tokens, progress=log.progress(bar))
             except ValueError as e:
                 raise UsageError(str(e).splitlines()[0]) from None
         out = _jsonable(result.to_dict())
+        out["compiled"] = int(engine.compilations) - before  # programs compiled by this call
         out.update(arm=_arm(args), backend=backend if args.stream else "resident",
                    model=model.summary(), profile=args.profile,
                    compilations=int(engine.compilations),
@@ -60,8 +62,11 @@ def cmd_score(args, log: _Log) -> int:
         print(json.dumps(out, sort_keys=True))
         return 0
     print(result.summary())
-    if result.fallback:
-        print(f"note: {result.fallback}")
+    skips = _skip_note(result, f"depth {depth}")
+    for line in (_compiled_note(out["compiled"]), result.fallback and f"note: {result.fallback}",
+                 skips and f"  {skips}"):
+        if line:
+            print(line)
     print(f"sum log-probability {result.sum_logprob:.4f} nats over {result.scored} tokens "
           f"(perplexity {result.perplexity:.6g})")
     print(f"logprobs sha256 {out['logprobs_sha256'][:16]}..., kv sha256 "

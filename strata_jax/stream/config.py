@@ -248,8 +248,24 @@ def _check_int_fields(obj, fields: dict[str, str]) -> None:
 
 
 def _check_ints(sc: StreamConfig) -> None:
-    """`_check_int_fields` over a StreamConfig's integer fields and its tuning's."""
+    """`_check_int_fields` over a StreamConfig's integer fields and its tuning's, and the type
+    of its switches (a bool; `trace` also None) and budgets (a finite number of GiB;
+    `resident_budget_gib` also None): a ValueError naming the field, never a string's
+    truthiness or float()'s message."""
     _check_int_fields(sc, _INT_FIELDS)
+    for name in ("routed", "trace"):
+        value = getattr(sc, name)
+        if not (isinstance(value, (bool, np.bool_)) or (value is None and name == "trace")):
+            raise ValueError(f"{name}={value!r}: expected True or False"
+                             + (" (or None: read STRATA_TRACE)" if name == "trace" else ""))
+    for name in ("ring_budget_gib", "resident_budget_gib"):
+        value = getattr(sc, name)
+        if value is None and name == "resident_budget_gib":
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
+                or np.isinf(value):  # NaN: plan_stream's "must be >= 0"
+            raise ValueError(f"{name}={value!r}: expected a finite number of GiB >= 0"
+                             + (" (or None)" if name == "resident_budget_gib" else ""))
     if not isinstance(sc.tuning, StreamTuning):
         raise ValueError(f"tuning={sc.tuning!r}: expected a StreamTuning")
     _check_int_fields(sc.tuning, _TUNING_INT_FIELDS)
