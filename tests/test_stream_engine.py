@@ -112,7 +112,7 @@ ARMS = {
 # arms). Every arm under both routings runs in the slow run.
 DEFAULT_ARMS = {("skewed", "routed-d1-ring3layers"),
                 ("skewed", "packed-routed-d2-ring3layers-jittery"),
-                ("uniform", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery")}
+                ("skewed", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery")}
 
 
 def _arm_cases():
