@@ -4,9 +4,12 @@ the summary, the per-layer table of what streamed, or one JSON object.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Sequence
+
+import numpy as np
 
 from .checks import _check_budget, _check_plan
 from .common import (UsageError, _backends, _context, _jsonable, _load_profile, _Log,
@@ -94,24 +97,43 @@ def _layer_table(d: dict, moe_layers: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
-def cmd_prefill(args, log: _Log) -> int:
+@dataclasses.dataclass
+class _Read:
+    """What `prefill` and `score` settle before any weight is made: the model, the prompt, the
+    stream and where it runs, each checked (plan, budgets, host memory)."""
+
+    model: _Model
+    tokens: np.ndarray
+    stream: object  # StreamConfig or None (all resident)
+    backend: str
+    device: object
+    max_context: int
+    depth: int | None  # what runs, not --depth: the environment overrides it
+
+
+def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
+    """Checks the whole read (the prompt, the plan, budgets, host memory) before any weight is
+    made, prints the header unless --json, and returns it."""
     model = _Model(args)
     model.require()
     # A prompt file is read now; a random prompt is drawn once the plan is known to fit.
     files = _read_prompts(args, model, many=False) if args.prompt_file else None
-    needed = (int(files[0][0].size) if files else args.tokens) + args.follow_up
-    what = ("the prompt and the follow-up need" if args.follow_up else "the prompt needs")
+    prompt = int(files[0][0].size) if files else args.tokens
+    if scoring and prompt < 2:
+        raise UsageError(f"a prompt of {prompt} token has nothing to score (each token is "
+                         "scored given the ones before it); give at least 2 tokens")
+    needed = prompt + follow_up
+    what = "the prompt and the follow-up need" if follow_up else "the prompt needs"
     max_context = _context(args, model, needed, what)
     backend, device = _backends(args)
     _check_budget(args, model, backend)
     profile = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, profile)
-    depth = _routed_depth(stream)  # what runs, not --depth: the environment overrides it
+    depth = _routed_depth(stream)
     model.check_host_memory(streamed=stream is not None)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
                 sub_chunk=args.sub_chunk, backend=backend, stream=stream)
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
-
     if not args.json:
         print(model.describe())
         print(f"arm {_arm(args)}" + (f" (depth {depth})" if depth is not None else "")
@@ -122,12 +144,41 @@ def cmd_prefill(args, log: _Log) -> int:
                   + (", residents chosen from it" if (args.resident_gib or args.resident_per_layer)
                      else ""))
         print(f"prompt: {prompt_text}", flush=True)
-    cfg, params, experts = model.weights(log)
-    engine = _make_engine(args, cfg, params, experts, stream, max_context, log, device,
-                          model.weights_desc)
+    return _Read(model, tokens, stream, backend, device, max_context, depth)
+
+
+def _engine(args, read: _Read, log: _Log):
+    """(config, engine): the weights made straight into the engine's store or device."""
+    cfg, params, experts = read.model.weights(log)
+    return cfg, _make_engine(args, cfg, params, experts, read.stream, read.max_context, log,
+                             read.device, read.model.weights_desc)
+
+
+def _run_fields(args, read: _Read, engine) -> dict:
+    """The JSON keys that say how the read ran (arm, backend, model, compilations, depth)."""
+    streamer = engine.streamer
+    return dict(arm=_arm(args), backend=read.backend if args.stream else "resident",
+                model=read.model.summary(), profile=args.profile,
+                compilations=int(engine.compilations),
+                depth=(int(streamer.stream.depth)
+                       if streamer is not None and streamer.stream.routed else None))
+
+
+def _print_notes(result, compiled: int, depth: int | None) -> None:
+    """The lines under a result's summary: compilation, a fallback, why skips vary."""
+    skips = _skip_note(result, f"depth {depth}")
+    for line in (_compiled_note(compiled), result.fallback and f"note: {result.fallback}",
+                 skips and f"  {skips}"):
+        if line:
+            print(line)
+
+
+def cmd_prefill(args, log: _Log) -> int:
+    read = _prepare(args, follow_up=args.follow_up)
+    cfg, engine = _engine(args, read, log)
     with engine:
         before = int(engine.compilations)
-        first = _prefill(engine, tokens, None, log, "prefill")
+        first = _prefill(engine, read.tokens, None, log, "prefill")
         out = _jsonable(first.to_dict())
         out["compiled"] = int(engine.compilations) - before  # programs compiled by this call
         follow = None
@@ -137,22 +188,13 @@ def cmd_prefill(args, log: _Log) -> int:
             follow = _prefill(engine, more, first.session, log, "follow-up")
             out["follow_up"] = _jsonable(follow.to_dict())
             out["follow_up"]["compiled"] = int(engine.compilations) - before
-        out.update(arm=_arm(args), backend=backend if args.stream else "resident",
-                   model=model.summary(), profile=args.profile,
-                   compilations=int(engine.compilations),
-                   depth=(int(engine.streamer.stream.depth)
-                          if engine.streamer is not None and engine.streamer.stream.routed
-                          else None))
+        out.update(_run_fields(args, read, engine))
 
     if args.json:
         print(json.dumps(out, sort_keys=True))
         return 0
     print(first.summary())
-    skips = _skip_note(first, f"depth {depth}")
-    for line in (_compiled_note(out["compiled"]), first.fallback and f"note: {first.fallback}",
-                 skips and f"  {skips}"):
-        if line:
-            print(line)
+    _print_notes(first, out["compiled"], read.depth)
     print(_layer_table(out, cfg.moe_layers))
     print(f"logits sha256 {out['logits_sha256'][:16]}..., kv sha256 {out['kv_sha256'][:16]}...")
     if follow is not None:
