@@ -384,7 +384,8 @@ TOKENS = np.random.default_rng(7).integers(0, CFG.vocab_size, 80)
 params = init_synthetic(CFG, seed=3, routing_skew=2.0)
 with Engine(CFG, params, None, max_context=256, chunk_size=32) as ref_eng:
     ref = sha256_of(ref_eng.prefill(TOKENS).logits)
-sc = StreamConfig(routed=True, stream_floor=32, sim_bandwidth=20e6, sim_latency=100e-6)
+sc = StreamConfig(routed=True,
+                  tuning=StreamTuning(stream_floor=32, sim_bandwidth=20e6, sim_latency=100e-6))
 with Engine(CFG, params, sc, max_context=256, chunk_size=32) as eng:
     eng.prefill(TOKENS)
 
@@ -702,8 +703,8 @@ from strata_jax.synthetic import init_synthetic
 CFG = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
                                          expert_intermediate=32, param_dtype="bfloat16")
 TOKENS = np.random.default_rng(7).integers(0, CFG.vocab_size, 80)
-eng = Engine(CFG, init_synthetic(CFG, seed=3), StreamConfig(stream_floor=32), max_context=256,
-             chunk_size=32)
+eng = Engine(CFG, init_synthetic(CFG, seed=3), StreamConfig(tuning=StreamTuning(stream_floor=32)),
+             max_context=256, chunk_size=32)
 want = sha256_of(eng.prefill(TOKENS).logits)
 pid = os.fork()
 if pid == 0:
