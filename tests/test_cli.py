@@ -204,6 +204,7 @@ def test_readable_output_with_progress_on_stderr():
     assert "{" not in out
 
 
+@pytest.mark.slow  # the profile's recording and use: tests/test_profile.py by default
 def test_profile_then_prefill_with_it(tmp_path, arms):
     path = str(tmp_path / "experts.prof")
     rc, out, err = run(["profile", *MODEL, "--prompts", "2", "--tokens", "64", "--chunk", "64",

@@ -100,6 +100,7 @@ def test_compilations_bounded_by_buckets_and_never_repeated(f32_params):
         assert eng.compilations == before, "a repeated shape recompiled"
 
 
+@pytest.mark.slow  # padding by default: test_model's padded chunks, test_padding_never_counts_in_the_stream
 def test_padding_is_invisible(f32_engine, f32_params):
     # 37 tokens in chunks of 32: 32 + 5, the 5 padded to a bucket of 16. Against the model run
     # on exactly the 37 tokens: logits and KV within float32 numerics, routing counts exact.
@@ -380,6 +381,7 @@ else:
 # ---- layer-major --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # layer-major's numerics: test_attention's sub-chunks against the reference by default
 def test_layer_major_matches_chunk_major(f32_engine, f32_params):
     toks = _tokens(100, seed=9)
     cm = f32_engine.prefill(toks)

@@ -107,11 +107,10 @@ ARMS = {
 }
 
 
-# The default run's arms, one routing each: both layouts, the layout chosen per chunk, the
-# tail pieces, a jittery link and depth 1 (stream-all, residents and the floor: test_engine's
-# arms). Every arm under both routings runs in the slow run.
-DEFAULT_ARMS = {("skewed", "routed-d1-ring3layers"),
-                ("skewed", "packed-routed-d2-ring3layers-jittery"),
+# The default run's arms, one routing each: both layouts (frames in the layout chosen per
+# chunk), the tail pieces, a jittery link and a ring of three layers (stream-all, residents and
+# the floor: test_engine's arms). Every arm under both routings runs in the slow run.
+DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery"),
                 ("skewed", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery")}
 
 
@@ -321,7 +320,7 @@ def test_ring_layout_per_chunk_and_bad_layouts():
             eng.close()
 
 
-@pytest.mark.parametrize("fault", ["error", "stop"])
+@pytest.mark.parametrize("fault", ["error", pytest.param("stop", marks=pytest.mark.slow)])
 def test_failure_mid_chunk_leaves_no_thread_and_engine_usable(routing, fault):
     _, params, logits_hash, kv_hash = routing
     with Engine(CFG, params, StreamConfig(routed=True,
@@ -571,6 +570,7 @@ def test_chunks_dispatched_back_to_back_each_get_their_ids(routing):
             assert [sha256_of(ra[0]), sha256_of(rb[0])] == want
 
 
+@pytest.mark.slow  # the prestart's other two failure paths run by default
 def test_a_prefill_after_a_prestart_nobody_adopted(routing):
     # A caller's prestart left open does not stop the next prefill: it stages its ids and its
     # own first chunk replaces the stale walk.
