@@ -585,11 +585,11 @@ class Engine:
         """Hands streamed chunks' ids (`_chunk_ids`, in dispatch order) to the engine before
         they are dispatched; each chunk's begin_chunk takes its own and writes them on the
         device as kernel arguments (`NativeStreamer.stage_ids`; `reset` drops ids left over).
-        No host-to-device copy of the prefill's then meets the walk: on the H200 PjRt's copy
-        of a chunk's ids, queued on its own stream behind the walk's copies, landed 44 ms
-        after the call at 32K tokens and held the whole program; put on the device and waited
-        for before the walk, they cost about 1 ms per prefill. The resident engine has no
-        walk: its calls take numpy."""
+        No host-to-device copy of the prefill's then meets the walk: PjRt's copy of a chunk's
+        ids, queued on its own stream behind the walk's copies, would land only once the link
+        drained and hold the whole program; put on the device and waited for before the walk,
+        they would delay every prefill (DESIGN.md). The resident engine has no walk: its calls
+        take numpy."""
         self.streamer.stage_ids(np.concatenate(ids), reset=reset)
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
@@ -603,8 +603,9 @@ class Engine:
 
         prestart: no chunk of the stream is queued (a prefill's first chunk). A streamed chunk
         whose program has run before then begins from the host (NativeStreamer.prestart): its walk
-        and the link start about 1.4 ms before the program's begin_chunk would start them on
-        the H200. Not before a program's first run: the walk would wait through its compile.
+        and the link start before the program's begin_chunk would start them (the host's
+        launch time earlier). Not before a program's first run: the walk would wait through
+        its compile.
         staged: the chunk's ids are staged with the stream already (`_stage_ids`, a prefill's
         chunks all at once); else a streamed chunk stages (queues) its own here, so calls
         dispatched back to back each get theirs.
@@ -624,7 +625,7 @@ class Engine:
         resident = ((self.streamer.resident_blobs, self.streamer.frames)
                     if self.streamer is not None else {})
         # Numpy ids (the resident engine's) are copied by the compiled call on its C++ path (a
-        # separate jax.device_put cost 0.4 ms of host time before the launch on the H200). That
+        # separate jax.device_put would cost host time before the launch). That
         # copy is the engine's own, so a caller's transfer guard does not forbid it. A streamed
         # call copies nothing from the host.
         guard = (jax.transfer_guard_host_to_device("allow") if ids is not None

@@ -1,9 +1,9 @@
 """Grouped matmul dispatch: rows sorted by group times one weight matrix per group.
 
 Guards against the default `lax.ragged_dot` lowering on CUDA, which is a dense masked product over
-every group (5 TFLOP/s measured on the H200, out of memory at 32K tokens x top-8), and against any
-path that lets a group with zero rows affect outputs (its weights may be zeros or garbage when they
-were streamed).
+every group (a small fraction of the dense rate, and out of memory at 32K tokens x top-8:
+DESIGN.md), and against any path that lets a group with zero rows affect outputs (its weights may
+be zeros or garbage when they were streamed).
 
 Implementations, chosen by `Kernels.grouped_matmul` (auto|mosaic|lax|tiled, default auto; the
 `impl` argument here):
@@ -33,7 +33,7 @@ from jax import lax
 
 from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
 
-# Measured best on the H200 for MoE shapes (DESIGN.md): 131-349 TFLOP/s.
+# The Mosaic kernel's row block for MoE shapes (chosen by grouped_matmul_bench; BENCHMARKS.md).
 MOSAIC_BLOCK_M = 128
 MOSAIC_BLOCK_N = 128
 MOSAIC_BLOCK_K = 64

@@ -123,16 +123,14 @@ def _timed(engine, tokens, session=None, *, collect=True, **prefill_args):
 
 
 # _drop_note: each timed result is dropped before the next timed call, as a caller that has
-# read it would. Held, the last result (its KV cache is 1 GB at 32K) stayed alive through the
-# next call: the H200 sweep of the fourth session took 7 ms (6K) to 18 ms (32K, resident arm
-# too) longer per call than the same prefill back to back in `timeline`; the fifth session
-# found the cause (_gc_note).
+# read it would. Held, the last result (its KV cache is 1 GB at 32K) stays alive through the
+# next call, which then takes longer than the same prefill back to back in `timeline` (_gc_note).
 #
-# _gc_note: found in the fifth session (`timeline --between hash-hold`, 32K, resident): hashing a
-# result leaves its host copies (the KV cache, 0.5 GB at 32K) for jaxlib to free later, and the
-# next JAX call frees them first (PythonRefManager::CollectGarbage, 29.5 ms inside that call's
-# device_put), before its program launches. That is the caller's garbage, not the prefill's:
-# each timed call starts after gc.collect(), whose callback makes jaxlib free it then.
+# _gc_note: hashing a result leaves its host copies (the KV cache, 0.5 GB at 32K) for jaxlib to
+# free later, and the next JAX call frees them first (PythonRefManager::CollectGarbage, inside
+# that call's device_put), before its program launches (`timeline --between hash-hold` shows it).
+# That is the caller's garbage, not the prefill's: each timed call starts after gc.collect(),
+# whose callback makes jaxlib free it then.
 
 
 def _hashes(r):

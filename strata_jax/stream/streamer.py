@@ -407,9 +407,9 @@ class NativeStreamer:
         kernels whose arguments carry them, on XLA's own stream. A begin_chunk that fails
         uses its ids up all the same, so the chunks queued after it keep theirs.
 
-        So a streamed prefill makes no host-to-device copy of its own: on the H200 one queued
-        on another stream waited for the walk's copies to drain (44 ms at 32K tokens), and
-        placing the ids before the walk instead cost about 1 ms per prefill.
+        So a streamed prefill makes no host-to-device copy of its own: one queued on another
+        stream waits for the walk's copies to drain, and placing the ids before the walk
+        instead waits for their copy on every prefill (DESIGN.md).
 
         reset: drop the ids left in the queue first (`clear_ids`); only with no chunk of this
             engine queued, else a queued chunk would take another's ids.

@@ -360,8 +360,7 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
       // Routed: a run is at most half the depth. The depth rule counts
       // entries, and a run's entries land together, so a run of `depth`
       // could only go out once the run before it had wholly landed: the
-      // link ran dry before each one (about 0.12 ms per 16 experts on the
-      // H200, BENCHMARKS.md eleventh session). With half, one run is always
+      // link ran dry before each one. With half, one run is always
       // queued behind the one on the link.
       const int64_t limit =
           cfg.routed ? std::min<int64_t>(cfg.max_run, std::max(1, depth / 2))

@@ -1,8 +1,8 @@
 // One named thread, kept for its owner's life, that runs one job at a time.
 //
 // The issuer walk runs on it: a chunk's walk then starts without a thread's
-// creation on its critical path (on the H200's host, 150-380 us passed between
-// begin_chunk's handler and the first copy when each chunk made its thread).
+// creation on its critical path (a thread made per chunk put its creation between
+// begin_chunk's handler and the first copy).
 // Between jobs the thread waits on a condition variable and touches nothing of
 // its owner.
 #pragma once
