@@ -379,13 +379,16 @@ def test_demo_says_what_its_numbers_depend_on():
         "window)")
 
 
-def test_every_prefill_option_is_documented():
-    prefill = cli.build_parser()._subparsers._group_actions[0].choices["prefill"]
-    help_text = prefill.format_help()
-    for action in prefill._actions:
+@pytest.mark.parametrize("command", ["prefill", "score"])
+def test_every_option_is_documented(command):
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    help_text = parser.format_help()
+    for action in parser._actions:
         assert action.help and action.help.strip(), action.option_strings
         for opt in action.option_strings:
             assert opt in help_text
+    for key in SCORE_KEYS if command == "score" else ():
+        assert key in help_text, key
 
 
 def _bad_checkpoints(tmp_path) -> dict[str, str]:
@@ -733,13 +736,4 @@ def test_score_refuses_what_it_cannot_score_before_any_work(argv, words, no_work
         assert w in lines[0], (w, lines[0])
 
 
-def test_every_score_option_is_documented():
-    score = cli.build_parser()._subparsers._group_actions[0].choices["score"]
-    help_text = score.format_help()
-    for action in score._actions:
-        assert action.help and action.help.strip(), action.option_strings
-        for opt in action.option_strings:
-            assert opt in help_text
-    for key in SCORE_KEYS:
-        assert key in help_text, key
     assert "score" in cli.build_parser().format_help()
