@@ -126,15 +126,10 @@ def write_hf_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
 
 def read_in_chunks(model, tokens, bounds, cache):
     """Yields (lo, hi, logits) of `model` reading `tokens` in the chunks [lo, hi) of consecutive
-    `bounds` (the first from position 0, the others over the cache the ones before filled)."""
-    import jax
-    import jax.numpy as jnp
+    `bounds` (`model.forward`: the first from position 0, the others over the cache the ones
+    before filled)."""
+    from .model import forward
 
-    first = jax.jit(lambda t, k: model(t, k, 0))
-    later = jax.jit(lambda t, k, s: model(t, k, s))
     for lo, hi in itertools.pairwise(bounds):
-        if lo == 0:
-            logits, cache, _ = first(jnp.asarray(tokens[lo:hi]), cache)
-        else:
-            logits, cache, _ = later(jnp.asarray(tokens[lo:hi]), cache, jnp.int32(lo))
+        logits, cache, _ = forward(model, tokens[lo:hi], cache, lo)
         yield lo, hi, logits

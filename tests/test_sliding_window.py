@@ -11,7 +11,6 @@ layer-major, and the config that says which layers have a window.
 
 from __future__ import annotations
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -299,7 +298,5 @@ def test_cudnn_windowed_model_matches_reference():
     assert A.attention_path(c.dtype, c.head_dim, c.n_heads, 64, 512, first=False) == "cudnn"
     toks = np.random.default_rng(6).integers(0, c.vocab_size, BOUNDS[-1]).astype(np.int32)
     ref, _ = reference_forward(c, params, toks)
-    cache = M.init_cache(c, 512)
-    for lo, hi in itertools.pairwise(BOUNDS):
-        logits, cache, _ = M.forward(model, toks[lo:hi], cache, lo)
+    for lo, hi, logits in read_in_chunks(model, toks, BOUNDS, M.init_cache(c, 512)):
         assert_close(logits, ref[lo:hi], ml_dtypes.bfloat16, err_msg=f"positions {lo}..{hi - 1}")
