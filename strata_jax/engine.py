@@ -521,7 +521,7 @@ class Engine:
         Returns (logits, cache, info): info is int32, end_chunk's stats [L, 2] (none without a
         stream) then the router counts [n_moe, E], flat, so the host reads both in one copy;
         with `score`, then each row's log-probability of its target (float32 [bucket], bits as
-        int32: `_scores_of`). Row t's target is token t + 1 of the chunk, the next token for its
+        int32: `_split_info`). Row t's target is token t + 1 of the chunk, the next token for its
         last real row; padding rows score whatever follows them and are dropped on the host.
         """
         self.compilations += 1  # runs once per trace, i.e. per compilation
@@ -639,20 +639,16 @@ class Engine:
         self._launched.add(key)
         return logits, cache, info
 
-    def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(end_chunk stats [L, 2] or [0, 2], counts [n_moe, E]) from a call's info."""
+    def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(end_chunk stats [L, 2] or [0, 2], counts [n_moe, E], a scored call's per-row
+        log-probabilities float32 [bucket] or [0]) from a call's info, read once."""
         c = self.config
         n_stats = 2 * c.n_layers if self.streamer is not None else 0
         n_counts = len(c.moe_layers) * c.n_experts
         info = np.asarray(info)
         return (info[:n_stats].reshape(-1, 2),
-                info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts))
-
-    def _scores_of(self, info: np.ndarray) -> np.ndarray:
-        """A scored call's per-row log-probabilities (float32 [bucket]) from its info."""
-        c = self.config
-        n_stats = 2 * c.n_layers if self.streamer is not None else 0
-        return np.asarray(info)[n_stats + len(c.moe_layers) * c.n_experts:].view(np.float32)
+                info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts),
+                info[n_stats + n_counts:].view(np.float32))
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -927,7 +923,7 @@ class Engine:
             # last work, and reading them is the wait.
             infos = [self._split_info(info) for _, _, info in pending]
             jax.block_until_ready((logits, cache))
-            for (i, n, _), (st, counts) in zip(pending, infos):
+            for (i, n, _), (st, counts, _) in zip(pending, infos):
                 counts_total += counts
                 if self.streamer is not None:
                     pieces = self._tail_pieces(self.streamer.chunk_mode(n), records[i].bucket,
@@ -951,7 +947,7 @@ class Engine:
                       model_name=self.config.name)
         extra = {}
         if score:  # each chunk's real rows; the prompt's last position has no target
-            scores = [self._scores_of(info)[:n] for _, n, info in pending]
+            scores = [rows[:n] for (_, n, _), (_, _, rows) in zip(pending, infos)]
             extra = {"logprobs": np.concatenate(scores)[:-1]}
         result = (ScoreResult if score else PrefillResult)(
             logits=logits, session=new, chunks=records, tokens=new.position, reused=start,
