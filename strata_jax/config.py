@@ -224,8 +224,11 @@ class ModelConfig:
 
     @functools.cached_property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert (gate + up + down) in the parameter dtype."""
-        return self.expert_params * self.dtype.itemsize
+        """Bytes of one routed expert (gate + up + down) in the parameter dtype: the blob of its
+        plain `strata_jax.formats.ExpertFormat`."""
+        from strata_jax.formats import ExpertFormat
+
+        return ExpertFormat.of(self).blob_bytes
 
     @functools.cached_property
     def expert_bytes_per_layer(self) -> int:

@@ -8,7 +8,8 @@ leave their rows zero (or garbage) without changing any output bit.
 
 Blob layout (one contiguous row per expert, so one copy moves one expert):
     blob[e] = concat(gate[e].ravel(), up[e].ravel(), down[e].ravel())
-with gate/up as [H, I] and down as [I, H], row-major, in the parameter dtype.
+with gate/up as [H, I] and down as [I, H], row-major, in the parameter dtype: the plain
+`strata_jax.formats.ExpertFormat`, which the packing and splitting here read.
 """
 
 from __future__ import annotations
@@ -91,6 +92,13 @@ def blob_size(hidden: int, intermediate: int) -> int:
     return 3 * hidden * intermediate
 
 
+def _plain(dtype, hidden: int, intermediate: int):
+    """Today's blob layout as an `ExpertFormat` (strata_jax.formats)."""
+    from strata_jax.formats import ExpertFormat  # formats imports this module
+
+    return ExpertFormat.plain(hidden, intermediate, dtype)
+
+
 def pack_expert_blobs(w: ExpertWeights) -> jax.Array:
     """Packs [E, H, I] / [E, H, I] / [E, I, H] expert weights into blobs.
 
@@ -98,12 +106,11 @@ def pack_expert_blobs(w: ExpertWeights) -> jax.Array:
         w: ExpertWeights of jax arrays, all of one dtype.
 
     Returns:
-        [E, 3*H*I] array in the weights' dtype, row e = concat(gate[e], up[e], down[e]) raveled.
+        [E, 3*H*I] array in the weights' dtype, row e = concat(gate[e], up[e], down[e]) raveled
+        (the plain `strata_jax.formats.ExpertFormat`).
     """
-    n_experts = w.gate.shape[0]
-    return jnp.concatenate(
-        [w.gate.reshape(n_experts, -1), w.up.reshape(n_experts, -1),
-         w.down.reshape(n_experts, -1)], axis=1)  # [E, 3*H*I]
+    fmt = _plain(w.gate.dtype, w.gate.shape[1], w.gate.shape[2])
+    return fmt.pack(w._asdict())  # [E, 3*H*I]
 
 
 def unpack_expert_blobs(blobs: jax.Array, hidden: int, intermediate: int) -> ExpertWeights:
@@ -118,29 +125,20 @@ def unpack_expert_blobs(blobs: jax.Array, hidden: int, intermediate: int) -> Exp
         ExpertWeights (gate [E, H, I], up [E, H, I], down [E, I, H]).
     """
     _check_blob_shape(blobs.shape, hidden, intermediate)
-    n_experts, hi = blobs.shape[0], hidden * intermediate
-    gate = blobs[:, :hi].reshape(n_experts, hidden, intermediate)
-    up = blobs[:, hi:2 * hi].reshape(n_experts, hidden, intermediate)
-    down = blobs[:, 2 * hi:].reshape(n_experts, intermediate, hidden)
-    return ExpertWeights(gate, up, down)
+    return ExpertWeights(**_plain(blobs.dtype, hidden, intermediate).split(blobs))
 
 
 def pack_expert_blobs_np(w: ExpertWeights) -> np.ndarray:
     """NumPy `pack_expert_blobs` for host stores; returns a new C-contiguous [E, 3*H*I] array."""
-    n_experts = w.gate.shape[0]
-    return np.concatenate(
-        [np.asarray(w.gate).reshape(n_experts, -1), np.asarray(w.up).reshape(n_experts, -1),
-         np.asarray(w.down).reshape(n_experts, -1)], axis=1)
+    w = ExpertWeights(*(np.asarray(a) for a in w))
+    fmt = _plain(w.gate.dtype, w.gate.shape[1], w.gate.shape[2])
+    return fmt.pack_np(w._asdict())
 
 
 def unpack_expert_blobs_np(blobs: np.ndarray, hidden: int, intermediate: int) -> ExpertWeights:
     """NumPy `unpack_expert_blobs`; returns views into `blobs` (no copy)."""
     _check_blob_shape(blobs.shape, hidden, intermediate)
-    n_experts, hi = blobs.shape[0], hidden * intermediate
-    return ExpertWeights(
-        blobs[:, :hi].reshape(n_experts, hidden, intermediate),
-        blobs[:, hi:2 * hi].reshape(n_experts, hidden, intermediate),
-        blobs[:, 2 * hi:].reshape(n_experts, intermediate, hidden))
+    return ExpertWeights(**_plain(blobs.dtype, hidden, intermediate).split_np(blobs))
 
 
 def _check_blob_shape(shape, hidden: int, intermediate: int) -> None:

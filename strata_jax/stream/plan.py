@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..config import ModelConfig
-from ..experts import blob_size
+from ..formats import ExpertFormat
 from .config import StreamConfig, _check_ints
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,7 +119,8 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
         config: The model config.
         stream: The StreamConfig whose ring (tuning.ring), ring_budget_gib, resident_per_layer,
             resident_budget_gib and profile are planned (default: StreamConfig()).
-        blob_bytes: Bytes of one expert; default: the config's (gate + up + down in its dtype).
+        blob_bytes: Bytes of one expert; default: the blob of the config's plain
+            `ExpertFormat` (gate + up + down in its dtype).
         device_bytes: Memory of the device the residents go to, where known: a
             `resident_budget_gib` larger than it is refused.
         check_ring_budget: False returns a plan whose ring budget cannot hold one layer's
@@ -136,8 +137,7 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     L, E = config.n_layers, config.n_experts
     moe_layers = tuple(config.moe_layers)
     if blob_bytes is None:
-        blob_bytes = blob_size(config.hidden_size, config.expert_intermediate) * \
-            np.dtype(config.dtype).itemsize
+        blob_bytes = ExpertFormat.of(config).blob_bytes
     blob_bytes = int(blob_bytes)
     if blob_bytes < 1:
         raise ValueError(f"blob_bytes={blob_bytes}: an expert takes at least one byte")

@@ -19,7 +19,8 @@ import numpy as np
 
 from .. import _dlpack, native
 from ..config import ModelConfig
-from ..experts import ExpertWeights, blob_size, unpack_expert_blobs_np
+from ..experts import ExpertWeights
+from ..formats import ExpertFormat
 from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
 from ..memory import check_host_bytes, device_memory
 from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
@@ -147,8 +148,10 @@ class NativeStreamer:
         if len(experts) != L:
             raise ValueError(f"experts has {len(experts)} layers; the model has {L}")
         self.dtype = np.dtype(config.dtype)
-        self.blob_elems = blob_size(config.hidden_size, config.expert_intermediate)
-        self.blob_bytes = self.blob_elems * self.dtype.itemsize
+        # The layout of an expert's blob: the store's rows, the ring's slots and frame planes.
+        self.format = ExpertFormat.of(config)
+        self.blob_elems = self.format.blob_elems
+        self.blob_bytes = self.format.blob_bytes
         self.moe_layers = tuple(config.moe_layers)
         # The plan (plan_stream): residents, the stream order, the ring. The device check of a
         # resident budget needs the device, so only the engine makes it. Planned before
@@ -248,17 +251,16 @@ class NativeStreamer:
         if self.backend != "cuda":
             self.frames_note = "layer frames, read through a copy (CPU backend)"
             return None
-        c, E = self.config, self.config.n_experts
-        h, i = c.hidden_size, c.expert_intermediate
+        E = self.config.n_experts
         planes, n = self.handle.frames()
-        part = h * i * self.dtype.itemsize
-        shapes = ((E, h, i), (E, h, i), (E, i, h))
+        # A frame's plane p: E rows of the format's plane p, [ring, plane bytes] per plane.
+        fp = self.format.planes
         frames = []
         try:
             for f in range(n):
                 frames.append(ExpertWeights(*(
-                    _dlpack.view(planes[p] + f * E * part, shapes[p], self.dtype,
-                                 self.jax_device) for p in range(3))))
+                    _dlpack.view(planes[p] + f * E * fp[p].nbytes, (E, *fp[p].shape),
+                                 fp[p].dtype, self.jax_device) for p in range(len(fp)))))
         except (RuntimeError, TypeError) as e:
             for w in frames:
                 for a in w:
@@ -323,7 +325,7 @@ class NativeStreamer:
         of the host store) in the blob layout, one tensor at a time and with no packed copy
         between: `w` is [E, 3*H*I] blobs, an ExpertWeights, or a `weights.LazyExperts` (its
         tensors made as they are written, `fill`)."""
-        E, H, I = self.config.n_experts, self.config.hidden_size, self.config.expert_intermediate
+        E = self.config.n_experts
         blobs = store.view(self.dtype)  # [E, 3*H*I]
         if isinstance(w, np.ndarray):
             if w.shape != (E, self.blob_elems):
@@ -331,11 +333,11 @@ class NativeStreamer:
                                  f"expected ({E}, {self.blob_elems})")
             blobs[...] = w
             return
-        views = unpack_expert_blobs_np(blobs, H, I)
+        views = ExpertWeights(**self.format.split_np(blobs))
         if hasattr(w, "fill"):
             w.fill(views)
             return
-        shapes = {"gate": (E, H, I), "up": (E, H, I), "down": (E, I, H)}
+        shapes = {p.name: (E, *p.shape) for p in self.format.planes}
         for name, want in shapes.items():
             got = tuple(np.shape(getattr(w, name)))
             if got != want:

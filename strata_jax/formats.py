@@ -1,0 +1,403 @@
+"""Expert formats: an expert's bytes described as data.
+
+An `ExpertFormat` lists the planes of one routed expert's blob (the contiguous row one copy
+moves), each a `Plane` with a name, a storage dtype and a per-expert shape; scales are planes of
+their own. Everything that packs, splits or counts an expert's bytes reads the format instead of
+assuming "three equal planes of one dtype".
+
+Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's orientation,
+[in, out]: gate and up [H, I], down [I, H]):
+
+    plain  (name: the dtype's, e.g. "bfloat16")   today's blob, byte for byte:
+        gate [H, I], up [H, I], down [I, H] in the parameter dtype, back to back.
+    fp8    e4m3 weights with 128 x 128 block scales (the scheme of Qwen/Qwen3-30B-A3B-FP8):
+        per matrix m of shape [K, N]: m float8_e4m3fn [K, N], then m_scale float32
+        [ceil(K/128), ceil(N/128)], the checkpoint's `weight_scale_inv` (a multiplier):
+        w[k, n] = float(m[k, n]) * m_scale[k // 128, n // 128]. The checkpoint stores
+        `weight` [N, K] ([out, in]) and `weight_scale_inv` [ceil(N/128), ceil(K/128)]; both
+        are transposed into this orientation on load (a transposed block grid is a block grid).
+    int4   GPTQ's layout, symmetric, group 128 along the input dim:
+        per matrix m of shape [K, N]: m int32 [K/8, N] (GPTQ `qweight`: row 8r + j of the
+        unsigned 4-bit values q in bits 4j..4j+3 of word [r, n]), then m_scale float16
+        [K/128, N] (GPTQ `scales`): w[k, n] = (q[k, n] - 8) * m_scale[k // 128, n].
+        GPTQ's [in, out] is already the model's orientation. Zero-points (GPTQ `qzeros`, int32
+        [K/128, N/8], eight 4-bit zeros per word along N, stored minus one in GPTQ's v1
+        checkpoints) would be a third plane per matrix, m_zero, with w = (q - z) * scale in
+        place of the fixed 8; `g_idx` other than k // 128 (act-order) would need a fourth and
+        is refused.
+
+Plane order in a blob: each matrix's weight plane followed by its scale plane, matrices in the
+order gate, up, down. Each plane starts at a multiple of its dtype's size (padding zero bytes
+where needed; the plain format never needs any).
+
+Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax; it
+makes the layout of those checkpoints, not their values (GPTQ's calibrated rounding is not
+redone). Dequantizing: `dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device
+runs) compute each value as one float32 product and one cast to the output dtype, so the two
+agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .experts import ExpertWeights
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+MATRICES = ExpertWeights._fields  # ("gate", "up", "down"), in blob order
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size [128, 128]
+INT4_GROUP = 128  # GPTQ group_size
+INT4_ZERO = 8  # the implicit zero-point of symmetric GPTQ
+INT4_PER_WORD = 8  # 4-bit values per int32 word of qweight
+KINDS = ("plain", "fp8", "int4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plane:
+    """One plane of an expert blob.
+
+    Attributes:
+        name: "gate", "up", "down" (weights) or "<matrix>_scale" (scales).
+        dtype: Storage dtype.
+        shape: Per-expert shape (a layer's plane is [E, *shape]).
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    @property
+    def size(self) -> int:
+        """Elements per expert."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per expert."""
+        return self.size * self.dtype.itemsize
+
+
+def _matrix_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    """Each matrix's [in, out] shape in the model's orientation."""
+    return {"gate": (hidden, intermediate), "up": (hidden, intermediate),
+            "down": (intermediate, hidden)}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertFormat:
+    """How one routed expert's bytes are laid out: its planes, in blob order.
+
+    Attributes:
+        name: "bfloat16" / "float32" / ... (plain, named after its dtype), "fp8" or "int4".
+        kind: "plain", "fp8" or "int4".
+        planes: The planes, in blob order.
+        dtype: The dtype the expert math reads (what `dequantize` gives).
+        hidden: H.
+        intermediate: I.
+        block: fp8: the scale block's side (128); int4: the group (128); plain: 0.
+    """
+
+    name: str
+    kind: str
+    planes: tuple[Plane, ...]
+    dtype: np.dtype
+    hidden: int
+    intermediate: int
+    block: int = 0
+
+    # ---- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def of(cls, config: "ModelConfig", kind: str = "plain") -> "ExpertFormat":
+        """The format `kind` ("plain": today's, in the config's dtype; "fp8"; "int4") of the
+        config's routed experts."""
+        return cls.make(kind, config.hidden_size, config.expert_intermediate, config.dtype)
+
+    @classmethod
+    def make(cls, kind: str, hidden: int, intermediate: int, dtype,
+             block: int | None = None) -> "ExpertFormat":
+        """The format `kind` for experts of width H = `hidden`, I = `intermediate`, read by the
+        expert math in `dtype`; `block`: fp8's scale block side or int4's group (default 128)."""
+        if kind == "plain":
+            return cls.plain(hidden, intermediate, dtype)
+        if kind == "fp8":
+            return cls.fp8(hidden, intermediate, dtype, block=block or FP8_BLOCK)
+        if kind == "int4":
+            return cls.int4(hidden, intermediate, dtype, group=block or INT4_GROUP)
+        raise ValueError(f"expert format {kind!r} is not implemented; choose one of {KINDS}")
+
+    @classmethod
+    def plain(cls, hidden: int, intermediate: int, dtype) -> "ExpertFormat":
+        """Today's blob: gate [H, I], up [H, I], down [I, H] in `dtype`, back to back."""
+        dtype = np.dtype(dtype)
+        planes = tuple(Plane(m, dtype, s) for m, s in _matrix_shapes(hidden, intermediate).items())
+        return cls(dtype.name, "plain", planes, dtype, int(hidden), int(intermediate))
+
+    @classmethod
+    def fp8(cls, hidden: int, intermediate: int, dtype,
+            block: int = FP8_BLOCK) -> "ExpertFormat":
+        """e4m3 weights, float32 scales per `block` x `block` block (ceil at the edges)."""
+        if block < 1:
+            raise ValueError(f"fp8 block={block} must be >= 1")
+        planes = []
+        for m, (k, n) in _matrix_shapes(hidden, intermediate).items():
+            planes += [Plane(m, ml_dtypes.float8_e4m3fn, (k, n)),
+                       Plane(f"{m}_scale", np.float32, (_cdiv(k, block), _cdiv(n, block)))]
+        return cls("fp8", "fp8", tuple(planes), np.dtype(dtype), int(hidden), int(intermediate),
+                   int(block))
+
+    @classmethod
+    def int4(cls, hidden: int, intermediate: int, dtype,
+             group: int = INT4_GROUP) -> "ExpertFormat":
+        """GPTQ-layout symmetric int4: int32 words of 8 values along the input dim, float16
+        scales per `group` inputs."""
+        if group < 1 or group % INT4_PER_WORD:
+            raise ValueError(f"int4 group={group} must be a positive multiple of {INT4_PER_WORD}")
+        planes = []
+        for m, (k, n) in _matrix_shapes(hidden, intermediate).items():
+            if k % group:
+                raise ValueError(
+                    f"int4 experts need the {m} matrix's input width {k} to be a multiple of "
+                    f"the group {group} (GPTQ's layout); pick a group that divides {k}")
+            planes += [Plane(m, np.int32, (k // INT4_PER_WORD, n)),
+                       Plane(f"{m}_scale", np.float16, (k // group, n))]
+        return cls("int4", "int4", tuple(planes), np.dtype(dtype), int(hidden),
+                   int(intermediate), int(group))
+
+    # ---- layout --------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Each plane's byte offset within a blob (each at a multiple of its dtype's size)."""
+        out, at = [], 0
+        for p in self.planes:
+            at = _cdiv(at, p.dtype.itemsize) * p.dtype.itemsize
+            out.append(at)
+            at += p.nbytes
+        return tuple(out)
+
+    @functools.cached_property
+    def blob_bytes(self) -> int:
+        """Bytes of one expert's blob (one ring slot, one host-store row)."""
+        last = self.planes[-1]
+        return self.offsets[-1] + last.nbytes
+
+    @functools.cached_property
+    def uniform(self) -> np.dtype | None:
+        """The one dtype of every plane where a blob is an array of it with no padding (the
+        plain format), else None."""
+        dts = {p.dtype for p in self.planes}
+        return self.planes[0].dtype if len(dts) == 1 else None
+
+    @functools.cached_property
+    def blob_elems(self) -> int:
+        """Elements of a blob in the `uniform` dtype (plain formats only)."""
+        if self.uniform is None:
+            raise ValueError(f"the {self.name} format's planes have several dtypes: count bytes")
+        return self.blob_bytes // self.uniform.itemsize
+
+    def plane(self, name: str) -> Plane:
+        """The plane called `name`."""
+        for p in self.planes:
+            if p.name == name:
+                return p
+        raise KeyError(f"the {self.name} format has no plane {name!r}; it has "
+                       f"{[p.name for p in self.planes]}")
+
+    def offset(self, name: str) -> int:
+        """Byte offset of plane `name` within a blob."""
+        return self.offsets[self.planes.index(self.plane(name))]
+
+    def matrix_shape(self, matrix: str) -> tuple[int, int]:
+        """The dequantized [in, out] shape of `matrix` ("gate", "up", "down")."""
+        return _matrix_shapes(self.hidden, self.intermediate)[matrix]
+
+    # ---- split and pack ------------------------------------------------------------------------
+
+    def _check_blobs(self, shape, dtype) -> None:
+        dtype = np.dtype(dtype)
+        if self.uniform is not None and dtype == self.uniform:
+            width, unit = self.blob_elems, f"{self.uniform.name} elements"
+        elif dtype == np.uint8:
+            width, unit = self.blob_bytes, "bytes"
+        else:
+            raise ValueError(f"{self.name} expert blobs of dtype {dtype}: expected uint8 bytes"
+                             + (f" or {self.uniform.name}" if self.uniform is not None else ""))
+        if len(shape) != 2 or shape[1] != width:
+            raise ValueError(
+                f"expert blobs have shape {tuple(shape)}, expected [E, {width}] ({unit}) for the "
+                f"{self.name} format with hidden={self.hidden}, intermediate={self.intermediate}")
+
+    def split_np(self, blobs: np.ndarray) -> dict[str, np.ndarray]:
+        """Views (no copy) of each plane, [E, *shape] in its dtype, of NumPy blobs: [E,
+        blob_bytes] uint8, or for a plain format [E, blob_elems] in its dtype."""
+        self._check_blobs(blobs.shape, blobs.dtype)
+        n = blobs.shape[0]
+        if self.uniform is not None and blobs.dtype == self.uniform:
+            it = self.uniform.itemsize
+            return {p.name: blobs[:, o // it:o // it + p.size].reshape(n, *p.shape)
+                    for p, o in zip(self.planes, self.offsets)}
+        return {p.name: blobs[:, o:o + p.nbytes].view(p.dtype).reshape(n, *p.shape)
+                for p, o in zip(self.planes, self.offsets)}
+
+    def split(self, blobs: jax.Array) -> dict[str, jax.Array]:
+        """`split_np` for JAX arrays (slices, reshapes and bitcasts; jit-friendly)."""
+        self._check_blobs(blobs.shape, blobs.dtype)
+        n = blobs.shape[0]
+        if self.uniform is not None and blobs.dtype == self.uniform:
+            it = self.uniform.itemsize
+            return {p.name: blobs[:, o // it:o // it + p.size].reshape(n, *p.shape)
+                    for p, o in zip(self.planes, self.offsets)}
+        out = {}
+        for p, o in zip(self.planes, self.offsets):
+            raw = blobs[:, o:o + p.nbytes]
+            if p.dtype.itemsize > 1:
+                raw = raw.reshape(n, p.size, p.dtype.itemsize)
+            out[p.name] = jax.lax.bitcast_convert_type(raw, p.dtype).reshape(n, *p.shape)
+        return out
+
+    def pack_np(self, planes: Mapping[str, np.ndarray]) -> np.ndarray:
+        """New C-contiguous blobs of per-plane arrays ([E, *shape] each): [E, blob_elems] in
+        the dtype for a plain format (today's `pack_expert_blobs_np`), else [E, blob_bytes]
+        uint8 (padding zero)."""
+        arrays = self._planes_in(planes)
+        n = arrays[0].shape[0]
+        if self.uniform is not None:
+            return np.concatenate([a.reshape(n, -1) for a in arrays], axis=1)
+        out = np.zeros((n, self.blob_bytes), np.uint8)
+        for split, a in zip(self.split_np(out).values(), arrays):
+            split[...] = a
+        return out
+
+    def pack(self, planes: Mapping[str, jax.Array]) -> jax.Array:
+        """`pack_np` for JAX arrays of a plain format (today's `pack_expert_blobs`)."""
+        if self.uniform is None:
+            raise ValueError(f"pack packs plain formats; pack {self.name} blobs with pack_np")
+        arrays = self._planes_in(planes)
+        n = arrays[0].shape[0]
+        return jnp.concatenate([a.reshape(n, -1) for a in arrays], axis=1)
+
+    def _planes_in(self, planes: Mapping[str, np.ndarray]) -> list:
+        missing = [p.name for p in self.planes if p.name not in planes]
+        extra = sorted(set(planes) - {p.name for p in self.planes})
+        if missing or extra:
+            raise ValueError(f"{self.name} planes: missing {missing}, not in the format {extra}")
+        arrays = [planes[p.name] for p in self.planes]
+        n = arrays[0].shape[0]
+        for p, a in zip(self.planes, arrays):
+            if tuple(a.shape) != (n, *p.shape) or np.dtype(a.dtype) != p.dtype:
+                raise ValueError(f"{self.name} plane {p.name} is {np.dtype(a.dtype)} "
+                                 f"{tuple(a.shape)}; expected {p.dtype} {(n, *p.shape)}")
+        return arrays
+
+    # ---- quantize and dequantize ---------------------------------------------------------------
+
+    def quantize_np(self, w: ExpertWeights) -> dict[str, np.ndarray]:
+        """The planes ([E, *shape] each) of experts `w` (gate/up [E, H, I], down [E, I, H],
+        any float dtype): cast (plain) or round-to-nearest quantized (fp8, int4)."""
+        out = {}
+        for m in MATRICES:
+            x = np.asarray(getattr(w, m))
+            if x.shape[1:] != self.matrix_shape(m):
+                raise ValueError(f"expert {m} has shape {x.shape}; expected "
+                                 f"[E, {', '.join(map(str, self.matrix_shape(m)))}]")
+            if self.kind == "plain":
+                out[m] = x.astype(self.dtype)
+            elif self.kind == "fp8":
+                out[m], out[f"{m}_scale"] = _fp8_quantize_np(x, self.block)
+            else:
+                out[m], out[f"{m}_scale"] = _int4_quantize_np(x, self.block)
+        return out
+
+    def dequantize_np(self, planes: Mapping[str, np.ndarray], matrix: str,
+                      dtype=None) -> np.ndarray:
+        """NumPy reference: `matrix` ([E, in, out]) in `dtype` (default the format's) from
+        its planes: each value one float32 product (fp8, int4) cast to `dtype`."""
+        dtype = np.dtype(dtype or self.dtype)
+        q = np.asarray(planes[matrix])
+        if self.kind == "plain":
+            return q.astype(dtype)
+        s = np.asarray(planes[f"{matrix}_scale"]).astype(np.float32)
+        k, n = self.matrix_shape(matrix)
+        if self.kind == "fp8":
+            s = np.repeat(np.repeat(s, self.block, axis=-2), self.block, axis=-1)[..., :k, :n]
+            return (q.astype(np.float32) * s).astype(dtype)
+        shifts = np.arange(INT4_PER_WORD, dtype=np.uint32)[:, None] * 4  # [8, 1]
+        vals = (q.view(np.uint32)[..., :, None, :] >> shifts) & 15  # [E, K/8, 8, N]
+        vals = vals.reshape(*q.shape[:-2], k, n).astype(np.int32) - INT4_ZERO
+        return (vals.astype(np.float32) * np.repeat(s, self.block, axis=-2)).astype(dtype)
+
+    def dequantize(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None) -> jax.Array:
+        """JAX `dequantize_np` (what the device runs before the grouped matmul): the same
+        float32 products and cast, so the same bits."""
+        dtype = np.dtype(dtype or self.dtype)
+        q = planes[matrix]
+        if self.kind == "plain":
+            return q.astype(dtype)
+        s = planes[f"{matrix}_scale"].astype(jnp.float32)
+        k, n = self.matrix_shape(matrix)
+        if self.kind == "fp8":
+            s = jnp.repeat(jnp.repeat(s, self.block, axis=-2), self.block, axis=-1)[..., :k, :n]
+            return (q.astype(jnp.float32) * s).astype(dtype)
+        shifts = (jnp.arange(INT4_PER_WORD, dtype=jnp.int32) * 4)[:, None]  # [8, 1]
+        vals = (q[..., :, None, :] >> shifts) & 15  # [E, K/8, 8, N]; & 15 drops the sign fill
+        vals = vals.reshape(*q.shape[:-2], k, n) - INT4_ZERO
+        return (vals.astype(jnp.float32) * jnp.repeat(s, self.block, axis=-2)).astype(dtype)
+
+    def expert_weights(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
+        """The dequantized ExpertWeights (JAX) of a layer's planes."""
+        return ExpertWeights(*(self.dequantize(planes, m, dtype) for m in MATRICES))
+
+
+def _fp8_quantize_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """[E, K, N] -> (float8_e4m3fn [E, K, N], float32 scales [E, ceil(K/b), ceil(N/b)]):
+    scale = amax(block) / 448 (1 for an all-zero block), q = e4m3(x / scale), nearest."""
+    e, k, n = x.shape
+    kb, nb = _cdiv(k, block), _cdiv(n, block)
+    a = np.zeros((e, kb * block, nb * block), np.float32)
+    a[:, :k, :n] = np.abs(x)
+    amax = a.reshape(e, kb, block, nb, block).max(axis=(2, 4))  # [E, Kb, Nb]
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=1), block, axis=2)[:, :k, :n]
+    y = np.clip(x.astype(np.float32) / full, -FP8_MAX, FP8_MAX)  # f32 rounding may pass 448
+    return y.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """[E, K, N] -> (int32 [E, K/8, N] GPTQ words, float16 scales [E, K/group, N]):
+    scale = amax(group) / 7.5 rounded up to a float16 (1 for an all-zero group), so |x| /
+    scale <= 7.5; q = clip(round(x / scale) + 8, 0, 15), ties to even."""
+    e, k, n = x.shape
+    amax = np.abs(x.astype(np.float32)).reshape(e, k // group, group, n).max(axis=2)
+    want = amax.astype(np.float64) / 7.5
+    if not np.all(np.isfinite(want)) or want.max(initial=0) > np.finfo(np.float16).max:
+        raise ValueError("int4 quantization: a weight is too large (or not finite) for a "
+                         "float16 group scale")
+    scale = want.astype(np.float16)
+    low = scale.astype(np.float64) < want  # rounded down: one float16 step up
+    scale[low] = np.nextafter(scale[low], np.float16(np.inf))
+    scale[amax == 0] = 1
+    full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
+    q = np.clip(np.round(x.astype(np.float32) / full) + INT4_ZERO, 0, 15).astype(np.uint32)
+    q = q.reshape(e, k // INT4_PER_WORD, INT4_PER_WORD, n)
+    shifts = np.arange(INT4_PER_WORD, dtype=np.uint32)[:, None] * 4
+    words = np.bitwise_or.reduce(q << shifts, axis=2)  # [E, K/8, N]
+    return words.astype(np.uint32).view(np.int32), scale
