@@ -276,18 +276,22 @@ def test_score_bench_tiny_times_score_against_prefill(tmp_path):
 
     out = tmp_path / "score.json"
     rc = score_bench.main(["--tiny", "--layers", "2", "--long", "256", "--chunk", "128",
-                           "--arms", "resident,routed", "--reps", "2", "--json", str(out)])
+                           "--arms", "resident,routed", "--reps", "2", "--block-mib", "1,2",
+                           "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["ok"] and res["identical_across_arms"] and res["vocab"] == 512
-    assert [r["arm"] for r in res["rows"]] == ["resident", "routed"]
+    assert [(r["arm"], r["score_block_mib"]) for r in res["rows"]] == [
+        ("resident", 1), ("resident", 2), ("routed", 1), ("routed", 2)]
+    from strata_jax import model
+    assert model.SCORE_BLOCK_BYTES == 512 * 2**20  # the bench's setting is undone
     for r in res["rows"]:
         assert (r["tokens"], r["chunks"], r["chunk_size"]) == (256, 2, 128)
         assert len(r["prefill_ms_all"]) == len(r["score_ms_all"]) == 2
         assert r["score_over_prefill"] == pytest.approx(r["score_ms"] / r["prefill_ms"])
         assert r["finite"] and r["perplexity"] > 1
         assert r["kv_identical_to_prefill"] and r["logits_identical_to_prefill"]
-    assert res["rows"][1]["bytes_copied"] > 0 == res["rows"][0]["bytes_copied"]
+    assert res["rows"][2]["bytes_copied"] > 0 == res["rows"][0]["bytes_copied"]
 
 
 @pytest.mark.slow
