@@ -26,6 +26,7 @@ _DTYPES = {
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 QK_NORMS = ("none", "per_head", "full")
+EXPERT_FORMATS = ("plain", "fp8", "int4")  # strata_jax.formats
 # Attention kinds a layer may have (Hugging Face `layer_types` spelling).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -77,6 +78,12 @@ class ModelConfig:
         tie_embeddings: LM head shares the embedding matrix.
         max_seq_len: Longest context the model accepts.
         param_dtype: Parameter and activation dtype name ("bfloat16", "float32", ...).
+        expert_format: How the routed experts are stored, on the host, over the link and in
+            device memory (`strata_jax.formats`): "plain" (the parameter dtype), "fp8" (e4m3
+            with block scales) or "int4" (GPTQ-layout, group scales). The expert math reads
+            them dequantized to the parameter dtype.
+        expert_block: fp8's scale block side or int4's group along the input dim; 0 means the
+            checkpoints' 128.
     """
 
     name: str
@@ -109,6 +116,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 32_768
     param_dtype: str = "bfloat16"
+    expert_format: str = "plain"
+    expert_block: int = 0
 
     def __post_init__(self):
         positive = (
@@ -144,6 +153,17 @@ class ModelConfig:
             raise ValueError(f"qk_norm={self.qk_norm!r}, expected one of {QK_NORMS}")
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"param_dtype={self.param_dtype!r}, expected one of {sorted(_DTYPES)}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"expert_format={self.expert_format!r}, expected one of "
+                             f"{EXPERT_FORMATS}")
+        if (isinstance(self.expert_block, bool) or not isinstance(self.expert_block, (int, np.integer))
+                or self.expert_block < 0):
+            raise ValueError(f"expert_block must be an int >= 0 (0: the format's 128), got "
+                             f"{self.expert_block!r}")
+        if self.expert_format != "plain":
+            from strata_jax.formats import ExpertFormat
+
+            ExpertFormat.of(self)  # the widths must suit the format (int4's groups)
         if self.n_experts % self.n_groups:
             raise ValueError(
                 f"n_experts={self.n_experts} is not a multiple of n_groups={self.n_groups}")
@@ -224,8 +244,8 @@ class ModelConfig:
 
     @functools.cached_property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert (gate + up + down) in the parameter dtype: the blob of its
-        plain `strata_jax.formats.ExpertFormat`."""
+        """Bytes of one routed expert (gate + up + down, with their scales in a quantized
+        format): the blob of its `strata_jax.formats.ExpertFormat` (`expert_format`)."""
         from strata_jax.formats import ExpertFormat
 
         return ExpertFormat.of(self).blob_bytes

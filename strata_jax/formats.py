@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from .config import EXPERT_FORMATS
 from .experts import ExpertWeights
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size [128, 128]
 INT4_GROUP = 128  # GPTQ group_size
 INT4_ZERO = 8  # the implicit zero-point of symmetric GPTQ
 INT4_PER_WORD = 8  # 4-bit values per int32 word of qweight
-KINDS = ("plain", "fp8", "int4")
+KINDS = EXPERT_FORMATS  # ("plain", "fp8", "int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +127,12 @@ class ExpertFormat:
     # ---- construction --------------------------------------------------------------------------
 
     @classmethod
-    def of(cls, config: "ModelConfig", kind: str = "plain") -> "ExpertFormat":
-        """The format `kind` ("plain": today's, in the config's dtype; "fp8"; "int4") of the
-        config's routed experts."""
-        return cls.make(kind, config.hidden_size, config.expert_intermediate, config.dtype)
+    def of(cls, config: "ModelConfig", kind: str | None = None) -> "ExpertFormat":
+        """The format `kind` ("plain": in the config's dtype; "fp8"; "int4"; default the
+        config's `expert_format`) of the config's routed experts, with its `expert_block`."""
+        return cls.make(kind or config.expert_format, config.hidden_size,
+                        config.expert_intermediate, config.dtype,
+                        block=config.expert_block or None)
 
     @classmethod
     def make(cls, kind: str, hidden: int, intermediate: int, dtype,
@@ -176,7 +179,7 @@ class ExpertFormat:
             if k % group:
                 raise ValueError(
                     f"int4 experts need the {m} matrix's input width {k} to be a multiple of "
-                    f"the group {group} (GPTQ's layout); pick a group that divides {k}")
+                    f"the group {group} (GPTQ's layout); pick a group that divides {k} (ModelConfig.expert_block)")
             planes += [Plane(m, np.int32, (k // INT4_PER_WORD, n)),
                        Plane(f"{m}_scale", np.float16, (k // group, n))]
         return cls("int4", "int4", tuple(planes), np.dtype(dtype), int(hidden),

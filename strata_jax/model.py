@@ -785,8 +785,21 @@ def param_shapes(config: ModelConfig, *, resident_experts: bool = True
     return {".".join(map(str, path)): _get(v) for path, v in nnx.to_flat_state(state)}
 
 
+def expert_plane_names(config: ModelConfig, layer: int) -> dict[str, str]:
+    """Plane name -> flat name of layer `layer`'s routed expert parameters, in blob order:
+    gate, up, down in the plain format; each matrix and its `<matrix>_scale` in a quantized
+    one (`strata_jax.formats.ExpertFormat.of(config)`)."""
+    from strata_jax.formats import ExpertFormat
+
+    return {p.name: f"layers.{layer}.mlp.{p.name}" for p in ExpertFormat.of(config).planes}
+
+
 def expert_param_names(config: ModelConfig, layer: int) -> ExpertWeights:
-    """Flat names of layer `layer`'s routed expert parameters (gate, up, down)."""
+    """Flat names of layer `layer`'s routed expert parameters (gate, up, down) in the plain
+    format; a quantized format's are `expert_plane_names`."""
+    if config.expert_format != "plain":
+        raise ValueError(f"expert_param_names: {config.name}'s experts are "
+                         f"{config.expert_format}; their names are expert_plane_names'")
     return ExpertWeights(*(f"layers.{layer}.mlp.{n}" for n in ExpertWeights._fields))
 
 

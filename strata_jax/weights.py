@@ -51,18 +51,20 @@ def fill_tensor(params: Mapping, name: str, out: np.ndarray) -> None:
 
 
 class LazyExperts:
-    """One MoE layer's routed experts: the tensors `names` (gate, up, down) of `params`, each
-    made when asked for and not kept here.
+    """One MoE layer's routed experts: the tensors `names` of `params` (plane name -> flat
+    name: gate, up, down, and their scales in a quantized format), each made when asked for
+    and not kept here.
 
-    Reads as an ExpertWeights does (`.gate`, `.up`, `.down`; `model.build_model` puts each on
-    the device as it comes) and fills a host store's views (`fill`). `on_taken` is called once,
-    when all three have been read or filled (a progress count).
+    Reads as an ExpertWeights does (`.gate`, `.up`, `.down`), or by plane (`lazy["gate_scale"]`;
+    `model.build_model` puts each on the device as it comes), and fills a host store's views
+    (`fill`). `on_taken` is called once, when every plane has been read or filled (a progress
+    count).
     """
 
-    def __init__(self, params: Mapping, names: ExpertWeights,
+    def __init__(self, params: Mapping, names: Mapping[str, str] | ExpertWeights,
                  on_taken: Callable[[], object] | None = None):
         self.params = params
-        self.names = names
+        self.names = dict(names._asdict() if isinstance(names, ExpertWeights) else names)
         self._on_taken = on_taken
         self._taken: set[str] = set()
 
@@ -70,45 +72,57 @@ class LazyExperts:
     def of(cls, weights, on_taken: Callable[[], object] | None = None) -> "LazyExperts":
         """`weights` (an ExpertWeights, or anything whose `.gate`, `.up`, `.down` make the
         tensors when read) behind this interface, to count it with `on_taken`."""
-        return cls(_Fields(weights), ExpertWeights(*ExpertWeights._fields), on_taken)
+        return cls(_Fields(weights), {f: f for f in ExpertWeights._fields}, on_taken)
 
-    def _took(self, field: str) -> None:
-        self._taken.add(field)
-        if self._on_taken is not None and len(self._taken) == len(ExpertWeights._fields):
+    @property
+    def planes(self) -> tuple[str, ...]:
+        """The plane names, in blob order."""
+        return tuple(self.names)
+
+    def _took(self, plane: str) -> None:
+        self._taken.add(plane)
+        if self._on_taken is not None and len(self._taken) == len(self.names):
             on_taken, self._on_taken = self._on_taken, None
             on_taken()
 
-    def _get(self, field: str):
-        value = self.params[getattr(self.names, field)]
-        self._took(field)
+    def __getitem__(self, plane: str):
+        """Plane `plane`'s [E, ...] tensor, made now."""
+        value = self.params[self.names[plane]]
+        self._took(plane)
         return value
 
     @property
     def gate(self):
         """[E, H, I], made now."""
-        return self._get("gate")
+        return self["gate"]
 
     @property
     def up(self):
         """[E, H, I], made now."""
-        return self._get("up")
+        return self["up"]
 
     @property
     def down(self):
         """[E, I, H], made now."""
-        return self._get("down")
+        return self["down"]
 
-    def fill(self, out: ExpertWeights) -> None:
-        """Writes gate, up and down into `out` (numpy views of a host store: [E, H, I],
-        [E, H, I], [E, I, H]), one tensor at a time, in the order the mapping makes its tensors
-        (`params.draw_order(name)` where it has one: a synthetic mapping draws in sequence)."""
-        fields = list(ExpertWeights._fields)
+    def fill(self, out: Mapping[str, np.ndarray] | ExpertWeights) -> None:
+        """Writes every plane into `out` (numpy views of a host store by plane name, e.g.
+        gate [E, H, I], up [E, H, I], down [E, I, H]), one tensor at a time, in the order the
+        mapping makes its tensors (`params.draw_order(name)` where it has one: a synthetic
+        mapping draws in sequence)."""
+        if isinstance(out, ExpertWeights):
+            out = out._asdict()
+        if set(out) != set(self.names):
+            raise ValueError(f"fill: the store's planes {sorted(out)} are not the layer's "
+                             f"{sorted(self.names)}")
+        planes = list(self.names)
         order = getattr(self.params, "draw_order", None)
         if order is not None:
-            fields.sort(key=lambda f: order(getattr(self.names, f)))
-        for field in fields:
-            fill_tensor(self.params, getattr(self.names, field), getattr(out, field))
-            self._took(field)
+            planes.sort(key=lambda f: order(self.names[f]))
+        for plane in planes:
+            fill_tensor(self.params, self.names[plane], out[plane])
+            self._took(plane)
 
 
 class _Fields(Mapping):
