@@ -60,7 +60,7 @@ from flax import nnx
 from .config import ModelConfig
 from .experts import ExpertWeights
 from .kernels import Kernels
-from .model import KVCache, build_model, expert_param_names, validate_inputs
+from .model import KVCache, build_model, expert_plane_names, validate_inputs
 from .profile import ExpertProfile
 from .weights import LazyExperts, ParamsView
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
@@ -388,10 +388,10 @@ class Engine:
         host_experts = dict(experts or {})
         expert_names = set()
         for layer in config.moe_layers:
-            names = expert_param_names(config, layer)
-            expert_names.update(names)
+            names = expert_plane_names(config, layer)
+            expert_names.update(names.values())
             if layer not in host_experts:
-                missing = [n for n in names if n not in params]
+                missing = [n for n in names.values() if n not in params]
                 if missing:
                     raise KeyError(f"missing expert parameter {missing[0]!r}")
                 host_experts[layer] = LazyExperts(params, names)

@@ -318,17 +318,21 @@ class ExpertFormat:
         any float dtype): cast (plain) or round-to-nearest quantized (fp8, int4)."""
         out = {}
         for m in MATRICES:
-            x = np.asarray(getattr(w, m))
-            if x.shape[1:] != self.matrix_shape(m):
-                raise ValueError(f"expert {m} has shape {x.shape}; expected "
-                                 f"[E, {', '.join(map(str, self.matrix_shape(m)))}]")
-            if self.kind == "plain":
-                out[m] = x.astype(self.dtype)
-            elif self.kind == "fp8":
-                out[m], out[f"{m}_scale"] = _fp8_quantize_np(x, self.block)
-            else:
-                out[m], out[f"{m}_scale"] = _int4_quantize_np(x, self.block)
+            out.update(self.quantize_matrix_np(m, getattr(w, m)))
         return out
+
+    def quantize_matrix_np(self, matrix: str, x) -> dict[str, np.ndarray]:
+        """The planes of one matrix ("gate", "up", "down") of experts x [E, in, out]: {matrix}
+        (plain: cast) or {matrix, matrix_scale} (fp8, int4: round to nearest)."""
+        x = np.asarray(x)
+        if x.ndim != 3 or x.shape[1:] != self.matrix_shape(matrix):
+            raise ValueError(f"expert {matrix} has shape {x.shape}; expected "
+                             f"[E, {', '.join(map(str, self.matrix_shape(matrix)))}]")
+        if self.kind == "plain":
+            return {matrix: x.astype(self.dtype)}
+        quantize = _fp8_quantize_np if self.kind == "fp8" else _int4_quantize_np
+        q, scale = quantize(x, self.block)
+        return {matrix: q, f"{matrix}_scale": scale}
 
     def dequantize_np(self, planes: Mapping[str, np.ndarray], matrix: str,
                       dtype=None) -> np.ndarray:

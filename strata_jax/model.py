@@ -11,6 +11,7 @@ streaming source can issue a per-layer FFI call with the layer index as a static
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Mapping, NamedTuple
 
@@ -431,13 +432,24 @@ class MoE(nnx.Module):
         self.router = nnx.Param(_normal(rngs, (c.hidden_size, c.n_experts), dt))  # [H, E]
         self.selection_bias = (nnx.Param(_filled(rngs, (c.n_experts,), jnp.float32, 0.0))
                                if c.selection_bias else None)  # [E]
-        if resident_experts:
+        if not resident_experts:
+            self.gate = self.up = self.down = None
+        elif c.expert_format == "plain":
             e, h, i = c.n_experts, c.hidden_size, c.expert_intermediate
             self.gate = nnx.Param(_normal(rngs, (e, h, i), dt))  # [E, H, I]
             self.up = nnx.Param(_normal(rngs, (e, h, i), dt))  # [E, H, I]
             self.down = nnx.Param(_normal(rngs, (e, i, h), dt))  # [E, I, H]
         else:
-            self.gate = self.up = self.down = None
+            # A quantized format's planes (gate, gate_scale, up, ...: [E, *plane shape] each
+            # in its storage dtype), dequantized before the expert math (`resident_weights`).
+            if rngs is not None:
+                raise ValueError(
+                    f"random initialisation of {c.expert_format} experts is not implemented: "
+                    "build the model from weights (build_model, Engine) or quantize drawn "
+                    "ones (strata_jax.weights.QuantizedParams)")
+            for plane in expert_format(c).planes:
+                setattr(self, plane.name, nnx.Param(
+                    jax.ShapeDtypeStruct((c.n_experts, *plane.shape), plane.dtype)))
         self.shared = (MLP(c.hidden_size, c.shared_expert_intermediate, dt, rngs=rngs)
                        if c.shared_expert_intermediate else None)
         self.shared_gate = (nnx.Param(_normal(rngs, (c.hidden_size, 1), dt))
@@ -447,7 +459,12 @@ class MoE(nnx.Module):
         """The layer's own expert parameters, or None when built without them."""
         if self.gate is None:
             return None
-        return ExpertWeights(self.gate[...], self.up[...], self.down[...])
+        if self.config.expert_format == "plain":
+            return ExpertWeights(self.gate[...], self.up[...], self.down[...])
+        fmt = expert_format(self.config)
+        with jax.named_scope("dequantize"):
+            return fmt.expert_weights({p.name: getattr(self, p.name)[...] for p in fmt.planes},
+                                      self.config.dtype)
 
     def route_tokens(self, x: jax.Array, valid: jax.Array | None = None) -> Routing:
         """Steps 1-2: the router's choices for x [T, H] (padding, where `valid` is False, routes
@@ -785,13 +802,23 @@ def param_shapes(config: ModelConfig, *, resident_experts: bool = True
     return {".".join(map(str, path)): _get(v) for path, v in nnx.to_flat_state(state)}
 
 
+def expert_format(config: ModelConfig):
+    """The config's `strata_jax.formats.ExpertFormat` (cached per config)."""
+    return _expert_format(config)
+
+
+@functools.lru_cache(maxsize=64)
+def _expert_format(config: ModelConfig):
+    from strata_jax.formats import ExpertFormat
+
+    return ExpertFormat.of(config)
+
+
 def expert_plane_names(config: ModelConfig, layer: int) -> dict[str, str]:
     """Plane name -> flat name of layer `layer`'s routed expert parameters, in blob order:
     gate, up, down in the plain format; each matrix and its `<matrix>_scale` in a quantized
     one (`strata_jax.formats.ExpertFormat.of(config)`)."""
-    from strata_jax.formats import ExpertFormat
-
-    return {p.name: f"layers.{layer}.mlp.{p.name}" for p in ExpertFormat.of(config).planes}
+    return {p.name: f"layers.{layer}.mlp.{p.name}" for p in expert_format(config).planes}
 
 
 def expert_param_names(config: ModelConfig, layer: int) -> ExpertWeights:
@@ -811,8 +838,9 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
     Args:
         config: model config.
         params: flat name -> array (names as in `param_shapes`); cast to the parameter dtype.
-        experts: optional layer -> ExpertWeights for routed experts not present in `params`
-            (e.g. a host expert store); used only when `resident_experts`.
+        experts: optional layer -> ExpertWeights (plain format) or a mapping plane name ->
+            [E, ...] array (any format, e.g. `weights.LazyExperts`) for routed experts not
+            present in `params` (e.g. a host expert store); used only when `resident_experts`.
         resident_experts: put routed experts on the device; False leaves them out (a streaming
             source then supplies them).
         kernels: the grouped matmul and attention the model's programs use (`Kernels`).
@@ -823,18 +851,20 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
     """
     graphdef, state = nnx.split(abstract_model(config, resident_experts=resident_experts,
                                                kernels=kernels))
+    planes = {p.name for p in expert_format(config).planes}
     filled = []
     for path, variable in nnx.to_flat_state(state):
         name = ".".join(map(str, path))
         spec = _get(variable)
         value = params.get(name)
-        # Only a routed expert's own leaf (layers.N.mlp.gate/up/down), never the shared expert's
-        # leaves of the same names (layers.N.mlp.shared.gate ...).
+        # Only a routed expert's own leaf (layers.N.mlp.gate/up/down and a quantized format's
+        # scales), never the shared expert's leaves of the same names (layers.N.mlp.shared.gate).
         if (value is None and experts is not None and len(path) == 4 and path[2] == "mlp"
-                and path[-1] in ExpertWeights._fields):
+                and path[-1] in planes):
             layer = int(path[1])
             if layer in experts:
-                value = getattr(experts[layer], path[-1])
+                w = experts[layer]
+                value = getattr(w, path[-1]) if isinstance(w, ExpertWeights) else w[path[-1]]
         if value is None:
             raise KeyError(f"missing parameter {name!r} (expected shape {tuple(spec.shape)})")
         if tuple(value.shape) != tuple(spec.shape):

@@ -154,6 +154,27 @@ def reference_route(c: ModelConfig, logits: np.ndarray, bias: np.ndarray | None)
     return ids, w * c.routed_scaling
 
 
+def _dequantized(c: ModelConfig, params, prefix: str, matrix: str) -> np.ndarray:
+    """Float64 [E, in, out] of a quantized expert matrix from its planes (the published
+    formulas: fp8 w = q * scale[k // b, n // b]; GPTQ int4 w = (q - 8) * scale[k // g, n],
+    q the 4-bit values of qweight's words, eight per word along the input dim, low bits
+    first)."""
+    from strata_jax.model import expert_format
+
+    fmt = expert_format(c)
+    q = np.asarray(params[prefix + matrix])
+    s = np.asarray(params[prefix + matrix + "_scale"]).astype(np.float64)
+    k, n = fmt.matrix_shape(matrix)
+    b = fmt.block
+    if fmt.kind == "fp8":
+        rows, cols = np.arange(k) // b, np.arange(n) // b
+        return q.astype(np.float64) * s[:, rows][:, :, cols]
+    words = q.view(np.uint32)  # [E, K/8, N]
+    vals = np.stack([(words >> np.uint32(4 * j)) & np.uint32(15) for j in range(8)], axis=2)
+    vals = vals.reshape(q.shape[0], k, n).astype(np.float64) - 8.0
+    return vals * s[:, np.arange(k) // b, :]
+
+
 def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,
                       experts: Mapping[int, tuple] | None = None):
     """Float64 forward of a whole sequence starting at position 0.
@@ -181,7 +202,9 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
             x = x + _swiglu(h, _f64(params[m + "gate"]), _f64(params[m + "up"]),
                             _f64(params[m + "down"]))
             continue
-        if m + "gate" in params:
+        if m + "gate" in params and c.expert_format != "plain":
+            gate, up, down = (_dequantized(c, params, m, n) for n in ("gate", "up", "down"))
+        elif m + "gate" in params:
             gate, up, down = (_f64(params[m + n]) for n in ("gate", "up", "down"))
         else:
             gate, up, down = (_f64(a) for a in experts[layer])

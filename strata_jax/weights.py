@@ -27,7 +27,7 @@ import numpy as np
 
 from .experts import ExpertWeights
 
-__all__ = ["LazyExperts", "ParamsView", "fill_tensor"]
+__all__ = ["LazyExperts", "ParamsView", "QuantizedParams", "fill_tensor"]
 
 
 def fill_tensor(params: Mapping, name: str, out: np.ndarray) -> None:
@@ -165,3 +165,105 @@ class ParamsView(Mapping):
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+class QuantizedParams(Mapping):
+    """A model's weights with its routed experts quantized as they are asked for.
+
+    `params` holds the weights of `config` with plain experts (a bf16 checkpoint, synthetic
+    weights); this mapping serves the same names for `config` itself, whose `expert_format`
+    is quantized: each MoE layer's `<matrix>` and `<matrix>_scale` planes
+    (`model.expert_plane_names`) are `ExpertFormat.quantize_matrix_np` of the plain
+    `<matrix>` tensor (round to nearest), made when either is asked for; the other plane is
+    kept until asked for, then dropped. Every other tensor passes through. Where `params`
+    repeats its experts (`SyntheticParams(tile=t)`: expert e is expert e % t), only the first
+    t are quantized and their planes repeated.
+
+    Args:
+        params: the plain model's weights (a Mapping; `fill` and `draw_order` used where it
+            has them).
+        config: the model with a quantized `expert_format`.
+    """
+
+    def __init__(self, params: Mapping, config):
+        from strata_jax.model import expert_format, expert_plane_names  # deferred: light import
+
+        if config.expert_format == "plain":
+            raise ValueError("QuantizedParams: config.expert_format is 'plain'; pass the "
+                             "quantized config (config.replace(expert_format='fp8' or 'int4'))")
+        self.params = params
+        self.config = config
+        self.format = expert_format(config)
+        self._source: dict[str, tuple[str, str]] = {}  # plane name -> (plain name, matrix)
+        for layer in config.moe_layers:
+            for plane, name in expert_plane_names(config, layer).items():
+                matrix = plane.removesuffix("_scale")
+                self._source[name] = (f"layers.{layer}.mlp.{matrix}", matrix)
+        self._plain = {src for src, _ in self._source.values()}
+        self._pending: dict[str, np.ndarray] = {}
+        self.tile = getattr(params, "tile", None)
+
+    def __getitem__(self, name: str):
+        if name in self._source:
+            return self._plane(name)
+        if name in self._plain:
+            raise KeyError(name)  # served as its planes
+        return self.params[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._source or (name not in self._plain and name in self.params)
+
+    def __iter__(self) -> Iterator[str]:
+        for name in self.params:
+            if name in self._plain:
+                layer_prefix, matrix = name.rsplit(".", 1)
+                yield f"{layer_prefix}.{matrix}"
+                yield f"{layer_prefix}.{matrix}_scale"
+            else:
+                yield name
+
+    def __len__(self) -> int:
+        return len(self.params) + len(self._plain)
+
+    def is_expert(self, name: str) -> bool:
+        return name in self._source
+
+    def draw_order(self, name: str) -> int:
+        """The plain tensor's place in `params`' draws (both planes of a matrix share it)."""
+        order = getattr(self.params, "draw_order", None)
+        if order is None:
+            return 0
+        return order(self._source[name][0] if name in self._source else name)
+
+    def fill(self, name: str, out: np.ndarray) -> None:
+        """Writes tensor `name` into `out` (a plane: quantized now, or kept from its pair's)."""
+        if name in self._source:
+            value = self._plane(name)
+            if tuple(value.shape) != tuple(out.shape):
+                raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}; the "
+                                 f"array to fill has {tuple(out.shape)}")
+            out[...] = value
+            return
+        fill_tensor(self.params, name, out)
+
+    def _plane(self, name: str) -> np.ndarray:
+        kept = self._pending.pop(name, None)
+        if kept is not None:
+            return kept
+        src, matrix = self._source[name]
+        x = self.params[src]  # [E, in, out], plain
+        e = x.shape[0]
+        t = self.tile if self.tile is not None and self.tile < e else None
+        planes = self.format.quantize_matrix_np(matrix, x[:t] if t else x)
+        del x
+        if t:
+            planes = {k: np.resize(v, (e, *v.shape[1:])) for k, v in planes.items()}
+        prefix = src.rsplit(".", 1)[0]
+        out = None
+        for plane, value in planes.items():
+            flat = f"{prefix}.{plane}"
+            if flat == name:
+                out = value
+            else:
+                self._pending[flat] = value
+        return out
