@@ -980,7 +980,7 @@ class Engine:
 
 def _counted(experts: dict, progress: Callable[[int, int], object] | None) -> dict:
     """`experts` (layer -> ExpertWeights or LazyExperts), each layer calling
-    progress(done_layers, total_layers) once its three tensors have been read."""
+    progress(done_layers, total_layers) once all its tensors have been read."""
     if progress is None:
         return experts
     done = itertools.count(1)

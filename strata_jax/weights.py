@@ -70,8 +70,11 @@ class LazyExperts:
 
     @classmethod
     def of(cls, weights, on_taken: Callable[[], object] | None = None) -> "LazyExperts":
-        """`weights` (an ExpertWeights, or anything whose `.gate`, `.up`, `.down` make the
-        tensors when read) behind this interface, to count it with `on_taken`."""
+        """`weights` (a LazyExperts: the same tensors; an ExpertWeights, or anything whose
+        `.gate`, `.up`, `.down` make the tensors when read) behind this interface, to count it
+        with `on_taken`."""
+        if isinstance(weights, LazyExperts):
+            return cls(weights.params, weights.names, on_taken)
         return cls(_Fields(weights), {f: f for f in ExpertWeights._fields}, on_taken)
 
     @property

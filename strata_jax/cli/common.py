@@ -203,6 +203,31 @@ class _Model:
             self.config = None
         if self.skew is not None and self.skew < 0:
             raise UsageError(f"--skew {self.skew}: the routing skew must be 0 or more")
+        self.quantize = getattr(args, "quantize", None)
+        self.quant_block = getattr(args, "quant_block", None)
+        self.plain_config = self.config  # the weights' own format (what --quantize reads)
+        if self.quant_block is not None and self.quantize is None:
+            raise UsageError("--quant-block applies with --quantize fp8|int4")
+        if self.quantize and self.config is not None:
+            self.config = self._quantized(self.config)
+
+    def _quantized(self, config):
+        """`config` with its experts in the --quantize format (UsageError where it cannot)."""
+        if config.expert_format != "plain":
+            raise UsageError(f"--quantize {self.quantize}: the checkpoint's experts are already "
+                             f"{config.expert_format} (drop --quantize)")
+        block = self.quant_block
+        if block is None:
+            widths = (config.hidden_size, config.expert_intermediate)
+            block = next((b for b in (128, 64, 32, 16, 8) if all(w % b == 0 for w in widths)),
+                         128 if self.quantize == "fp8" else None)  # fp8 blocks may be partial
+            if block is None:
+                raise UsageError(f"--quantize int4: the widths {widths} of {config.name} have "
+                                 "no group of 8 or more dividing both (int4 needs one)")
+        try:
+            return config.replace(expert_format=self.quantize, expert_block=block)
+        except ValueError as e:
+            raise UsageError(f"--quantize {self.quantize}: {e}") from None
 
     def require(self) -> None:
         if self.config is None:
@@ -238,6 +263,7 @@ class _Model:
         """Scaled presets grow max_seq_len to `needed`; real shapes keep theirs."""
         if self.scaled and needed > self.config.max_seq_len:
             self.config = self.config.replace(max_seq_len=needed)
+            self.plain_config = self.plain_config.replace(max_seq_len=needed)
 
     def describe(self) -> str:
         c = self.config
@@ -245,7 +271,8 @@ class _Model:
                  f"preset {self.preset}, scale {self.scale or 'full'}")
         dense = f" ({len(c.dense_layers)} dense)" if c.dense_layers else ""
         return (f"model {c.name} ({where}): {c.n_layers} layers{dense}, {c.n_experts} experts "
-                f"top-{c.top_k}, hidden {c.hidden_size}, expert {_size(c.expert_bytes)}, "
+                f"top-{c.top_k}, hidden {c.hidden_size}, expert {_size(c.expert_bytes)}"
+                f"{'' if c.expert_format == 'plain' else ' ' + c.expert_format}, "
                 f"{c.param_dtype}")
 
     def summary(self) -> dict:
@@ -255,6 +282,7 @@ class _Model:
             "layers": c.n_layers, "moe_layers": len(c.moe_layers), "experts": c.n_experts,
             "top_k": c.top_k, "hidden": c.hidden_size, "expert_width": c.expert_intermediate,
             "vocab": c.vocab_size, "dtype": c.param_dtype, "expert_bytes": c.expert_bytes,
+            "expert_format": c.expert_format, "expert_block": c.expert_block or None,
             "max_seq_len": c.max_seq_len}
 
     def weights(self, log: _Log):
@@ -269,12 +297,25 @@ class _Model:
                                        progress=not log.quiet)
             except CheckpointError as e:
                 raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
-            return ckpt.config, ckpt.params, ckpt.experts.as_mapping()
+            if not self.quantize:
+                return ckpt.config, ckpt.params, ckpt.experts.as_mapping()
+            from ..model import expert_plane_names
+            from ..weights import LazyExperts, QuantizedParams
+
+            config = self._quantized(ckpt.config)
+            experts = QuantizedParams(ckpt.experts, config)
+            return config, ckpt.params, {l: LazyExperts(experts, expert_plane_names(config, l))
+                                         for l in config.moe_layers}
         from ..synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams
 
         self.check_host_memory()
         skew = SKEW_40_PERCENT_512_TOP10 if self.skew is None else self.skew
-        return self.config, SyntheticParams(self.config, self.seed, skew), None
+        params = SyntheticParams(self.plain_config, self.seed, skew)
+        if self.quantize:
+            from ..weights import QuantizedParams
+
+            params = QuantizedParams(params, self.config)
+        return self.config, params, None
 
     @property
     def weights_desc(self) -> str:
@@ -292,7 +333,11 @@ class _Model:
         c = self.config
         store = c.expert_bytes_total if streamed else 0
         dense = memory.param_bytes(c, resident_experts=False)
-        tensor = c.expert_bytes_per_layer // 3  # one gate, up or down tensor of a layer
+        # One gate, up or down tensor of a layer; quantized from the plain one, that tensor
+        # with its float32 temporaries and planes.
+        tensor = self.plain_config.expert_bytes_per_layer // 3
+        if c.expert_format != "plain":
+            tensor *= 1 + 2 * 4 // self.plain_config.dtype.itemsize
         need = store + dense + tensor
         _, available = memory.host_memory()
         if available is not None and need > 0.9 * available:
