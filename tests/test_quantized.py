@@ -1,0 +1,170 @@
+"""Quantized experts (issue 21), the model side: a model whose routed experts are fp8 or int4
+planes (`ModelConfig.expert_format`) dequantizes them before the expert math, against the
+float64 reference of the published formulas; `QuantizedParams` quantizes plain weights as
+they are asked for; the CLI's --quantize; refusals. The stream's side (the same bits in every
+arm) is in tests/test_stream_engine.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+
+from strata_jax import cli
+from strata_jax.config import get_preset
+from strata_jax.engine import Engine
+from strata_jax.formats import ExpertFormat
+from strata_jax.model import expert_param_names, expert_plane_names, param_shapes
+from strata_jax.reference import _dequantized, reference_forward
+from strata_jax.synthetic import SyntheticParams
+from strata_jax.testing import assert_close
+from strata_jax.weights import QuantizedParams
+
+PLAIN = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2, expert_intermediate=32)
+FORMATS = {"fp8": PLAIN.replace(expert_format="fp8", expert_block=16),
+           "int4": PLAIN.replace(expert_format="int4", expert_block=16)}
+
+
+def _tokens(n: int, seed: int = 5) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, PLAIN.vocab_size, n)
+
+
+@pytest.fixture(scope="module")
+def plain_params():
+    return SyntheticParams(PLAIN, 3, 1.0)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_quantized_model_matches_float64_reference(plain_params, kind):
+    # The resident engine's logits at every position against the float64 forward of the
+    # dequantized planes, within the parameter dtype's tolerance.
+    cfg = FORMATS[kind]
+    params = QuantizedParams(plain_params, cfg)
+    toks = _tokens(24)
+    with Engine(cfg, params, max_context=32, chunk_size=16) as eng:
+        got = eng.prefill(toks)
+    want, _ = reference_forward(cfg, {n: params[n] for n in params}, toks)
+    assert_close(np.asarray(got.logits), want[-1], cfg.dtype)
+
+
+def test_quantized_logits_report_accuracy_against_the_plain_model(plain_params):
+    # The cost of quantizing, reported: the float64 forwards of the plain and the quantized
+    # weights on one prompt. fp8 (3 mantissa bits, 16x16 blocks) stays nearer the plain model
+    # than int4 (16 levels per group); both pick mostly the same top token.
+    toks = _tokens(32, seed=9)
+    plain, _ = reference_forward(PLAIN, dict(plain_params), toks)
+    report = {}
+    for kind, cfg in FORMATS.items():
+        params = QuantizedParams(plain_params, cfg)
+        got, _ = reference_forward(cfg, {n: params[n] for n in params}, toks)
+        assert np.isfinite(got).all()
+        diff = np.abs(got - plain)
+        report[kind] = (diff.max(), diff.mean(),
+                        float(np.mean(got.argmax(-1) == plain.argmax(-1))))
+    print("quantized vs plain (max |dlogit|, mean |dlogit|, top-1 agreement):", report)
+    assert report["fp8"][1] < report["int4"][1]
+    assert report["fp8"][2] >= 0.75 and report["int4"][2] >= 0.5
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_reference_dequantization_equals_the_formats(kind):
+    # Two implementations of the dequantization: the reference's float64 formulas and the
+    # format's float32 products (what the device runs) agree to float32 rounding.
+    cfg = FORMATS[kind]
+    fmt = ExpertFormat.of(cfg)
+    rng = np.random.default_rng(0)
+    w = {m: rng.standard_normal((3, *fmt.matrix_shape(m))).astype(np.float32) * 0.05
+         for m in ("gate", "up", "down")}
+    planes = {}
+    for m, x in w.items():
+        planes.update(fmt.quantize_matrix_np(m, x))
+    params = {f"p.{k}": v for k, v in planes.items()}
+    for m, x in w.items():
+        ref = _dequantized(cfg, params, "p.", m)
+        assert ref.dtype == np.float64 and np.isfinite(ref).all()
+        np.testing.assert_allclose(fmt.dequantize_np(planes, m, np.float32), ref, rtol=2**-23,
+                                   atol=0)
+        # and the quantization is near the original (the format's own resolution)
+        step = 2**-3 if kind == "fp8" else 1 / 7.5
+        assert np.abs(ref - x).max() <= step * np.abs(x).max()
+
+
+def test_quantized_params_serve_every_plane_once(plain_params):
+    cfg = FORMATS["int4"]
+    q = QuantizedParams(plain_params, cfg)
+    shapes = param_shapes(cfg)
+    assert set(q) == set(shapes) and len(q) == len(shapes)
+    for n, spec in shapes.items():
+        v = q[n]
+        assert (tuple(v.shape), v.dtype) == (tuple(spec.shape), spec.dtype), n
+    assert not q._pending  # each matrix's other plane was taken and dropped
+    names = expert_plane_names(cfg, 1)
+    assert list(names) == ["gate", "gate_scale", "up", "up_scale", "down", "down_scale"]
+    fmt = ExpertFormat.of(cfg)
+    want = fmt.quantize_matrix_np("up", plain_params[names["up"]])
+    out = np.empty_like(want["up_scale"])
+    q.fill(names["up_scale"], out)
+    np.testing.assert_array_equal(out, want["up_scale"])
+    np.testing.assert_array_equal(q[names["up"]], want["up"])
+
+
+def test_quantized_params_of_tiled_weights_quantize_the_tile_once():
+    # Where expert e repeats expert e % t, the planes repeat too: the same bytes as
+    # quantizing every expert.
+    base = SyntheticParams(PLAIN, 0, tile=3)
+    cfg = FORMATS["fp8"]
+    q = QuantizedParams(base, cfg)
+    names = expert_plane_names(cfg, 1)
+    full = ExpertFormat.of(cfg).quantize_matrix_np("down", base[names["down"]])
+    np.testing.assert_array_equal(q[names["down"]].view(np.uint8), full["down"].view(np.uint8))
+    np.testing.assert_array_equal(q[names["down_scale"]], full["down_scale"])
+
+
+def test_quantized_formats_refuse_what_they_do_not_implement(plain_params):
+    with pytest.raises(ValueError, match="expert_format='fp4'"):
+        PLAIN.replace(expert_format="fp4")
+    with pytest.raises(ValueError, match="expert_block must be an int >= 0"):
+        PLAIN.replace(expert_format="fp8", expert_block=-1)
+    with pytest.raises(ValueError, match="multiple of the group 128.*expert_block"):
+        PLAIN.replace(expert_format="int4")
+    with pytest.raises(ValueError, match="expert_plane_names"):
+        expert_param_names(FORMATS["fp8"], 1)
+    with pytest.raises(ValueError, match="QuantizedParams: config.expert_format is 'plain'"):
+        QuantizedParams(plain_params, PLAIN)
+    from flax import nnx
+
+    from strata_jax.model import MoETransformer
+
+    with pytest.raises(ValueError, match="random initialisation of fp8 experts"):
+        MoETransformer(FORMATS["fp8"], rngs=nnx.Rngs(0))
+
+
+def _cli(argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+MODEL = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "8", "--top-k", "2"]
+
+
+def test_cli_quantize_reads_a_quantized_model():
+    rc, out, err = _cli(["prefill", *MODEL, "--quantize", "int4", "--no-stream", "--tokens",
+                         "32", "--json", "-q"])
+    assert rc == 0, err
+    d = json.loads(out)
+    m = d["model"]
+    assert (m["hidden"], m["expert_width"]) == (64, 32)
+    # the largest of 128, 64, 32, ... dividing both widths
+    assert (m["expert_format"], m["expert_block"]) == ("int4", 32)
+    fmt = ExpertFormat.make("int4", 64, 32, np.float32, block=32)
+    assert m["expert_bytes"] == fmt.blob_bytes < 3 * 64 * 32 * 2 / 3
+    rc, _, err = _cli(["prefill", *MODEL, "--quant-block", "16", "--no-stream"])
+    assert rc == 2 and "--quant-block applies with --quantize" in err
+    rc, _, err = _cli(["prefill", *MODEL, "--quantize", "int4", "--quant-block", "7",
+                       "--no-stream"])
+    assert rc == 2 and "--quantize int4" in err and "multiple of 8" in err
