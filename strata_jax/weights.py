@@ -186,9 +186,11 @@ class QuantizedParams(Mapping):
         params: the plain model's weights (a Mapping; `fill` and `draw_order` used where it
             has them).
         config: the model with a quantized `expert_format`.
+        tile: expert e of `params`' expert tensors repeats expert e % tile (default: its
+            `tile` attribute where it has one, else none).
     """
 
-    def __init__(self, params: Mapping, config):
+    def __init__(self, params: Mapping, config, *, tile: int | None = None):
         from strata_jax.model import expert_format, expert_plane_names  # deferred: light import
 
         if config.expert_format == "plain":
@@ -204,7 +206,9 @@ class QuantizedParams(Mapping):
                 self._source[name] = (f"layers.{layer}.mlp.{matrix}", matrix)
         self._plain = {src for src, _ in self._source.values()}
         self._pending: dict[str, np.ndarray] = {}
-        self.tile = getattr(params, "tile", None)
+        self.tile = tile if tile is not None else getattr(params, "tile", None)
+        if self.tile is not None and (isinstance(self.tile, bool) or self.tile < 1):
+            raise ValueError(f"QuantizedParams: tile={self.tile!r} must be a positive int")
 
     def __getitem__(self, name: str):
         if name in self._source:

@@ -332,3 +332,49 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     assert row["over_resident_one"] == pytest.approx(row["ms"] / reads[("resident", "one")]["ms"])
     assert row["identical_to_resident"] is True  # against the first run's resident read
     assert row["kv_sha256"] == reads[("resident", "layer-major")]["kv_sha256"]
+
+
+def _sweep_result(fmt: str, scale: float, identical: bool = True) -> dict:
+    rows = []
+    for n in (1024, 8192):
+        rows.append({"part": "sweep", "arm": "resident", "tokens": n, "ms": 10.0 * (1 + (fmt != "plain") * 0.04)})
+        for arm, ms in (("stream-all", 100.0), ("routed", 80.0)):
+            rows.append({"part": "sweep", "arm": arm, "tokens": n, "ms": ms * scale,
+                         "link_fraction": 0.98, "time_over_floor": 1.02,
+                         "bytes_copied": 1e9 * scale, "identical_to_resident": identical})
+        rows.append({"part": "sweep", "arm": "pairs", "tokens": n, "median": 1.2})
+    return {"expert_format": fmt, "preset": "p", "layers": 8, "skew": 0.0,
+            "expert_bytes": int(1000 * scale), "rows": rows}
+
+
+def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
+    # Issue 21's figures from one sweep per format: times over bf16's, per arm and length.
+    from strata_jax.benchmarks import quant_summary
+
+    paths = []
+    for fmt, scale in (("plain", 1.0), ("fp8", 0.5), ("int4", 0.26)):
+        p = tmp_path / f"{fmt}.json"
+        p.write_text(json.dumps(_sweep_result(fmt, scale)))
+        paths.append(str(p))
+    out = tmp_path / "q.json"
+    assert quant_summary.main([*paths, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {(r["format"], r["tokens"]): r for r in res["rows"]}
+    assert set(rows) == {(f, n) for f in ("plain", "fp8", "int4") for n in (1024, 8192)}
+    fp8 = rows[("fp8", 8192)]
+    assert fp8["routed_over_bf16"] == pytest.approx(0.5)
+    assert fp8["stream_all_over_bf16"] == pytest.approx(0.5)
+    assert fp8["resident_over_bf16"] == pytest.approx(1.04)
+    assert rows[("int4", 1024)]["routed_over_bf16"] == pytest.approx(0.26)
+    assert fp8["identical"] and fp8["link_fraction"] == 0.98
+    # a streamed read unequal to its resident read fails the summary
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_sweep_result("fp8", 0.5, identical=False)))
+    assert quant_summary.main([paths[0], str(bad)]) == 1
+    # no bf16 run, or two runs of one format: refused by name
+    with pytest.raises(SystemExit):
+        quant_summary.main([paths[1]])
+    assert "no bf16 (plain) result" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        quant_summary.main([paths[0], paths[1], str(bad)])
+    assert "two results for expert format 'fp8'" in capsys.readouterr().err

@@ -49,6 +49,7 @@ from strata_jax.benchmarks.stream_bench import (
     _hashes,
     _timed,
     model_config,
+    quantized,
 )
 
 # Each routed expert tensor repeats this many experts' draws (SyntheticParams(tile=...)).
@@ -391,6 +392,8 @@ def main(argv=None) -> int:
                          "whose resident reads this run's must equal")
     ap.add_argument("--reps", type=int, default=10, help="attention repetitions")
     ap.add_argument("--reps-prefill", type=int, default=3)
+    ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
+                    help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
@@ -425,11 +428,14 @@ def main(argv=None) -> int:
 
         # Nothing is drawn here: each engine draws the experts into its store or the device.
         params = SyntheticParams(cfg, 0, 0.0, tile=TILE)
+        cfg, params = quantized(cfg, params, args.quantize)
         print(f"experts {cfg.expert_bytes_total / 1e9:.2f} GB ({len(cfg.moe_layers)} MoE "
               f"layers), made as each engine takes them", flush=True)
         result.update(layers=args.layers, preset=args.preset, resident_gib=args.resident_gib,
                       expert_bytes_total=cfg.expert_bytes_total,
-                      weights=f"SyntheticParams(seed 0, skew 0, tile {TILE})")
+                      expert_format=cfg.expert_format, expert_block=cfg.expert_block,
+                      weights=f"SyntheticParams(seed 0, skew 0, tile {TILE})"
+                              + (f", quantized to {args.quantize}" if args.quantize else ""))
         if "prefill" in parts:
             prefill_part(args, cfg, params, result, save)
             save()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|diag|timeline|chunked|score|all][,...]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|diag|timeline|chunked|score|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); SKIP_BUILD=1
 # reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS,
 # SCORE_ARGS).
@@ -34,6 +34,19 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
     --layers ${LAYERS:-8} --lengths ${LENGTHS:-950,1024,2048,4096,6144} --parts ${PARTS:-sweep} \
     --skew ${SKEW:-0} ${BENCH_ARGS:-} --json "$OUT/stream_${NAME:-sweep}.json" 2>&1 \
     | tee "$OUT/stream_${NAME:-sweep}.log" | tail -40
+fi
+if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert format, compared
+  files=""
+  for F in ${FORMATS:-bf16,fp8,int4}; do F=${F// /}
+    Q=""; [ "$F" = bf16 ] || Q="--quantize $F"
+    timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
+      --layers ${LAYERS:-8} --lengths ${LENGTHS:-1024,2048,4096,8192} --parts sweep --skew ${SKEW:-0} \
+      --arms ${QUANT_ARMS:-resident,stream-all,routed} --blocks ${BLOCKS:-1} $Q ${BENCH_ARGS:-} \
+      --json "$OUT/stream_quant_$F.json" 2>&1 | tee "$OUT/stream_quant_$F.log" | tail -8
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    files="$files $OUT/stream_quant_$F.json"
+  done
+  $PY -m strata_jax.benchmarks.quant_summary $files --json "$OUT/quant_summary.json" || rc=1
 fi
 if [ "$STAGE" = timeline ]; then
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.timeline \

@@ -90,6 +90,20 @@ def fast_params(config, seed: int, skew: float) -> dict:
     return out
 
 
+def quantized(cfg, params, kind: str | None, tile: int | None = None):
+    """(config, params) with the experts in format `kind` ("fp8", "int4"; None: as they are),
+    quantized as each engine takes them (`weights.QuantizedParams`, 128-wide blocks, or the
+    widest of 128, 64, ..., 8 dividing tiny widths)."""
+    if kind is None:
+        return cfg, params
+    from strata_jax.weights import QuantizedParams
+
+    widths = (cfg.hidden_size, cfg.expert_intermediate)
+    block = next((b for b in (128, 64, 32, 16, 8) if all(w % b == 0 for w in widths)), 128)
+    qcfg = cfg.replace(expert_format=kind, expert_block=block)
+    return qcfg, QuantizedParams(params, qcfg, tile=tile)
+
+
 def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bool = False):
     """The preset cut to `layers` layers and a `vocab` vocabulary, full expert shapes (or tiny
     widths with `tiny`, for a quick run of the script itself on a CPU)."""
@@ -233,18 +247,19 @@ class PinnedHostBaseline:
         import jax.numpy as jnp
         from flax import nnx
 
-        from strata_jax.experts import ExpertWeights
-        from strata_jax.model import build_model, expert_param_names
+        from strata_jax.model import build_model, expert_format, expert_plane_names
 
         self.config = config
         dev = jax.devices()[0]
         self.device = dev
         host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         self.dev_sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-        names = {n for l in config.moe_layers for n in expert_param_names(config, l)}
-        self.host = {l: ExpertWeights(*(jax.device_put(params[n], host)
-                                        for n in expert_param_names(config, l)))
+        names = {n for l in config.moe_layers for n in expert_plane_names(config, l).values()}
+        # Each layer's planes (gate, up, down; with their scales in a quantized format).
+        self.host = {l: {p: jax.device_put(params[n], host)
+                         for p, n in expert_plane_names(config, l).items()}
                      for l in config.moe_layers}
+        fmt = expert_format(config)
         model = build_model(config, {k: params[k] for k in params if k not in names},
                             resident_experts=False)
         self.graphdef, self.state = nnx.split(model)
@@ -257,7 +272,8 @@ class PinnedHostBaseline:
                 self.host_w = host_w
 
             def expert_weights(self, layer, counts, resident):
-                return ExpertWeights(*(jax.device_put(a, sharding) for a in self.host_w[layer]))
+                planes = {p: jax.device_put(a, sharding) for p, a in self.host_w[layer].items()}
+                return fmt.expert_weights(planes, config.dtype)
 
         def run(state, host_w, tokens, cache, n_valid, start=0):
             model = nnx.merge(self.graphdef, state)
@@ -671,6 +687,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turn2", type=int, default=1800)
     ap.add_argument("--turn-reps", type=int, default=3)
     ap.add_argument("--long", type=int, default=32768)
+    ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
+                    help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.blocks < 1:
@@ -696,6 +714,7 @@ def main(argv=None) -> int:
     print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
     t0 = time.perf_counter()
     params = fast_params(cfg, 0, args.skew)
+    cfg, params = quantized(cfg, params, args.quantize, tile=8)  # fast_params' 8 experts
     print(f"params in {time.perf_counter() - t0:.1f}s; experts "
           f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
     result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
@@ -706,6 +725,7 @@ def main(argv=None) -> int:
               "link_pinned_gbps": link,
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
+              "expert_format": cfg.expert_format, "expert_block": cfg.expert_block,
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
     def save():  # after each part: keep what finished if a later part runs out of time
         if args.json:

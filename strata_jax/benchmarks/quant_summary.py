@@ -1,0 +1,109 @@
+"""Quantized experts against bf16: issue 21's targets from one stream_bench sweep per format.
+
+Reads the JSON of `stream_bench --parts sweep` run once with bf16 experts and once per
+quantized format (`--quantize fp8`, `--quantize int4`), same preset, layers, lengths and
+arms, and gives per format and length:
+
+    routed_over_bf16        routed prefill time over bf16's (targets: fp8 <= 0.55 at 1K-8K,
+                            int4 <= 0.32 at 1K-4K)
+    stream_all_over_bf16    the same for stream-all
+    link_fraction           stream-all's bytes actually moved over its time, as a fraction of
+                            the link ceiling (target >= 0.97)
+    resident_over_bf16      the all-resident prefill's time over bf16's: what dequantizing
+                            adds to the compute (target <= 1.05 at 8K)
+    identical               every streamed read equal to the resident read of its format
+
+    python -m strata_jax.benchmarks.quant_summary bf16.json fp8.json int4.json --json q.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _rows(result: dict) -> dict:
+    """(arm, tokens) -> the sweep row."""
+    return {(r["arm"], r["tokens"]): r for r in result["rows"]
+            if r.get("part") == "sweep" and "tokens" in r and "ms" in r}
+
+
+def summarize(results: list[dict]) -> dict:
+    """The targets' figures of `results` (stream_bench JSONs; exactly one plain)."""
+    by_format = {}
+    for res in results:
+        fmt = res.get("expert_format", "plain")
+        if fmt in by_format:
+            raise ValueError(f"two results for expert format {fmt!r}")
+        by_format[fmt] = res
+    if "plain" not in by_format:
+        raise ValueError("no bf16 (plain) result to compare with: run stream_bench without "
+                         "--quantize too")
+    base = by_format["plain"]
+    keys = ("preset", "layers", "skew")
+    for fmt, res in by_format.items():
+        differ = [k for k in keys if res.get(k) != base.get(k)]
+        if differ:
+            raise ValueError(f"the {fmt} run differs from the bf16 run in {differ}")
+    brows = _rows(base)
+    out = {"preset": base.get("preset"), "layers": base.get("layers"),
+           "machine": base.get("machine"), "expert_bytes": {}, "rows": []}
+    for fmt, res in by_format.items():
+        out["expert_bytes"][fmt] = res.get("expert_bytes")
+        rows = _rows(res)
+        for (arm, n), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            if arm != "resident":
+                continue
+            row = {"format": fmt, "tokens": n, "resident_ms": r["ms"],
+                   "resident_over_bf16": r["ms"] / brows[("resident", n)]["ms"]}
+            for a, key in (("routed", "routed"), ("stream-all", "stream_all")):
+                got, ref = rows.get((a, n)), brows.get((a, n))
+                if got is None:
+                    continue
+                row[f"{key}_ms"] = got["ms"]
+                row[f"{key}_time_over_floor"] = got.get("time_over_floor")
+                if ref is not None:
+                    row[f"{key}_over_bf16"] = got["ms"] / ref["ms"]
+                row.setdefault("identical", True)
+                row["identical"] &= bool(got.get("identical_to_resident"))
+                if a == "stream-all":
+                    row["link_fraction"] = got.get("link_fraction")
+                    row["bytes_copied"] = got.get("bytes_copied")
+            out["rows"].append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="stream_bench JSON files, one per format")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results = []
+    for path in args.results:
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            ap.error(f"{path}: {e}")
+    try:
+        out = summarize(results)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(f"{'format':>6} {'tokens':>6} {'routed/bf16':>11} {'all/bf16':>9} {'link':>6} "
+          f"{'resident/bf16':>13} identical")
+    for r in out["rows"]:
+        def f(key, fmt="{:.3f}"):
+            v = r.get(key)
+            return fmt.format(v) if v is not None else "-"
+        print(f"{r['format']:>6} {r['tokens']:>6} {f('routed_over_bf16'):>11} "
+              f"{f('stream_all_over_bf16'):>9} {f('link_fraction'):>6} "
+              f"{f('resident_over_bf16'):>13} {r.get('identical')}")
+    return 0 if all(r.get("identical", True) for r in out["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
