@@ -162,22 +162,23 @@ def fp8_block_quantize(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarra
 def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False) -> dict[str, np.ndarray]:
     """A [out, in] weight as a symmetric 4-bit GPTQ checkpoint stores it (round to nearest, no
     calibration): per group of `group` inputs and output column scale = 2 amax / 15 (1 for a
-    zero group; stored float16), q = clamp(round(w / scale) + 8, 0, 15);
+    zero group) in float16, q = clamp(round(w / scale) + 8, 0, 15) with that float16 scale;
     `qweight` int32 [in/8, out] (input row 8r + j in bits 4j..4j+3 of word r), `scales` float16
     [in/group, out], `qzeros` int32 [in/group, out/8] (the zero 8 in every nibble, stored minus
     one in checkpoint_format gptq, as is in gptq_v2), `g_idx` int32 [in] = k // group."""
     wt = w.T.astype(np.float32)  # [in, out]
     k, n = wt.shape
     amax = np.abs(wt).reshape(k // group, group, n).max(axis=1)
-    scale32 = np.where(amax > 0, 2 * amax / 15, 1).astype(np.float32)
-    full = np.repeat(scale32, group, axis=0)
+    scale = np.where(amax > 0, 2 * amax / 15, 1).astype(np.float16)
+    full = np.repeat(scale.astype(np.float32), group, axis=0)  # GPTQ packs with the fp16 scale
     q = np.clip(np.round(wt / full) + 8, 0, 15).astype(np.uint32)
     shifts = np.arange(8, dtype=np.uint32) * 4
     qweight = np.bitwise_or.reduce(q.reshape(k // 8, 8, n) << shifts[:, None], axis=1)
     zero = np.full((k // group, n // 8, 8), 8 if v2 else 7, np.uint32)
     qzeros = np.bitwise_or.reduce(zero << shifts, axis=2)
-    return {"qweight": qweight.view(np.int32), "scales": scale32.astype(np.float16),
-            "qzeros": qzeros.view(np.int32), "g_idx": (np.arange(k) // group).astype(np.int32)}
+    out = {"qweight": qweight.view(np.int32), "scales": scale,
+           "qzeros": qzeros.view(np.int32), "g_idx": (np.arange(k) // group).astype(np.int32)}
+    return {name: np.ascontiguousarray(a) for name, a in out.items()}
 
 
 def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False):
@@ -229,7 +230,9 @@ def write_hf_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
     for s in range(shards):
         part = names[s::shards]
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        (save_safetensors if raw else save_file)({n: tensors[n] for n in part}, str(path / fname))
+        # save_file writes an array's memory as it lies: C order first.
+        (save_safetensors if raw else save_file)(
+            {n: np.ascontiguousarray(tensors[n]) for n in part}, str(path / fname))
         weight_map.update({n: fname for n in part})
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     cfg = hf_config(c, HF_ARCH[preset][0])
