@@ -8,6 +8,11 @@ every config.json field is honoured, refused with its value, or known to have no
 logits (`FIELDS`, `IGNORED_FIELDS`; the transformers 4 and 5 spellings are both read), and a
 tensor in the files that the load does not read is an error.
 
+Quantized checkpoints (FP8 block-scaled as Qwen3-30B-A3B-FP8, 4-bit GPTQ as
+Qwen3-30B-A3B-GPTQ-Int4; `QUANT_FIELDS`): the routed experts keep the checkpoint's format
+(`ModelConfig.expert_format`, `strata_jax.formats`), every other quantized linear is dequantized
+to the parameter dtype on load.
+
 Non-expert weights come back as a flat dict of NumPy arrays (model layout: projections as
 [in, out]); routed experts as a `CheckpointExperts`, checked but left in the files until used:
 a streaming engine reads them straight into its host store (`Engine(..., experts=
@@ -352,6 +357,8 @@ def _expert_format(quant: _Quant | None, arch: _Arch, n_layers: int, n_experts: 
     if quant is None:
         return "plain"
     if quant.method == _FP8:
+        if not quant.not_converted:
+            return quant.expert_format
         flags = {}
         for l in range(n_layers):
             for e in range(n_experts):
@@ -878,6 +885,7 @@ class _Tensors:
                 f"{directory}: neither model.safetensors.index.json nor model.safetensors exists")
         self._directory = directory
         self._handles = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # path -> _st_header, read when needed
         self._where: dict[str, str] = {}
         self._taken: set[str] = set()
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
@@ -917,7 +925,9 @@ class _Tensors:
         self._taken.add(name)
         if stored in _ST_DTYPES and stored.startswith("F8"):  # no NumPy float8 in safe_open
             path = os.path.join(self._directory, self._where[name])
-            start, header = _st_header(path)
+            if path not in self._headers:
+                self._headers[path] = _st_header(path)
+            start, header = self._headers[path]
             with open(path, "rb") as f:
                 return _st_read(f, start, header[name])
         return self._handles[self._where[name]].get_tensor(name)

@@ -328,3 +328,30 @@ def test_gptq_expert_without_qweight_refused(tmp_path):
 def test_docs_show_the_quantization_table():
     doc = (pathlib.Path(__file__).parents[1] / "docs" / "CHECKPOINTS.md").read_text()
     assert quant_fields_markdown() in doc, "docs/CHECKPOINTS.md: paste quant_fields_markdown()"
+
+
+def test_config_from_real_quantized_keys():
+    """quantization_config as Qwen3-30B-A3B-FP8 and -GPTQ-Int4 publish it: experts in fp8 /
+    int4 with the 128 block, one byte / half a byte per weight plus their scales."""
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
+          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+          "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+          "norm_topk_prob": True, "vocab_size": 151936, "rope_theta": 1000000.0,
+          "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+          "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": []}
+    skip = ["lm_head"] + [f"model.layers.{l}.{n}" for l in range(48)
+                          for n in ("input_layernorm", "mlp.gate", "post_attention_layernorm")]
+    fp8 = config_from_hf({**hf, "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128], "modules_to_not_convert": skip}})
+    gptq = config_from_hf({**hf, "torch_dtype": "float16", "quantization_config": {
+        "bits": 4, "checkpoint_format": "gptq", "damp_percent": 0.01, "desc_act": False,
+        "group_size": 128, "model_file_base_name": None, "model_name_or_path": None,
+        "quant_method": "gptq", "static_groups": False, "sym": True, "true_sequential": True}})
+    plain = config_from_hf(hf)
+    assert (fp8.expert_format, fp8.expert_block) == ("fp8", 128)
+    assert (gptq.expert_format, gptq.expert_block) == ("int4", 128)
+    assert plain.expert_format == "plain"
+    h, i = 2048, 768
+    assert fp8.expert_bytes == 3 * (h * i + (h // 128) * (i // 128) * 4)
+    assert gptq.expert_bytes == 3 * (h * i // 2 + (h // 128) * i * 2)
