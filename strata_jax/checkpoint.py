@@ -1050,11 +1050,11 @@ def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
     bad = np.argwhere(zeros != quant.zero_stored)
     if bad.size:
         at = tuple(int(i) for i in bad[0])
+        v1 = ", minus one in checkpoint_format gptq" if quant.zero_stored != INT4_ZERO else ""
         raise CheckpointError(
             f"tensor '{module}.qzeros' holds the zero-point {int(zeros[at])} at {list(at)}; "
             f"symmetric GPTQ (sym=true) stores {quant.zero_stored} everywhere (the zero "
-            f"{INT4_ZERO}{', minus one in checkpoint_format gptq' if quant.zero_stored != INT4_ZERO else ''}): "
-            "zero-points are not implemented")
+            f"{INT4_ZERO}{v1}): zero-points are not implemented")
     if tensors.has(f"{module}.g_idx"):
         g_idx = tensors.get(f"{module}.g_idx", shapes["g_idx"], "I32")
         if not np.array_equal(g_idx, np.arange(k) // quant.block):

@@ -190,7 +190,8 @@ def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False):
     for module in _quantized_linears(tensors, keep):
         w = out.pop(f"{module}.weight")
         if method == "fp8":
-            out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_block_quantize(w, block)
+            q, scale = fp8_block_quantize(w, block)
+            out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = q, scale
         else:
             out.update({f"{module}.{k}": v for k, v in gptq_quantize(w, block, v2=v2).items()})
     return out

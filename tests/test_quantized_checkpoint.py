@@ -41,7 +41,8 @@ def experts_of(params, layer):
 
 def expert_module(preset, layer, e, field):
     _, moe, names = HF_ARCH[preset]
-    return f"model.layers.{layer}.{moe}.experts.{e}.{dict(zip(ExpertWeights._fields, names))[field]}"
+    name = dict(zip(ExpertWeights._fields, names))[field]
+    return f"model.layers.{layer}.{moe}.experts.{e}.{name}"
 
 
 def bits(a):
@@ -59,7 +60,8 @@ def fp8_f64(w, s, block):
 def nibbles(words):
     """GPTQ qweight words [..., in/8, out] -> the 4-bit values [..., in, out] (row 8r + j in
     bits 4j..4j+3 of word r)."""
-    q = (words.view(np.uint32)[..., :, None, :] >> (np.arange(8, dtype=np.uint32)[:, None] * 4)) & 15
+    shifts = np.arange(8, dtype=np.uint32)[:, None] * 4
+    q = (words.view(np.uint32)[..., :, None, :] >> shifts) & 15
     return q.reshape(*words.shape[:-2], -1, words.shape[-1])
 
 
@@ -215,7 +217,8 @@ def test_gptq_zero_bias_and_modules_in_block(tmp_path):
               for p in ("gate_proj", "up_proj", "down_proj")]]
     write(tmp_path, c, QWEN, "gptq", 32, tensors=t, modules_in_block_to_quantize=names)
     load_checkpoint(str(tmp_path), progress=False)
-    write(tmp_path, c, QWEN, "gptq", 32, tensors=t, modules_in_block_to_quantize=names[:1] + names[2:])
+    write(tmp_path, c, QWEN, "gptq", 32, tensors=t,
+          modules_in_block_to_quantize=names[:1] + names[2:])
     with pytest.raises(CheckpointError, match=r"modules_in_block_to_quantize does not name "
                                               r"'self_attn.o_proj', but the files hold "
                                               r"model.layers.0.self_attn.o_proj.qweight"):
