@@ -8,6 +8,11 @@ every config.json field is honoured, refused with its value, or known to have no
 logits (`FIELDS`, `IGNORED_FIELDS`; the transformers 4 and 5 spellings are both read), and a
 tensor in the files that the load does not read is an error.
 
+Quantized checkpoints (FP8 block-scaled as Qwen3-30B-A3B-FP8, 4-bit GPTQ as
+Qwen3-30B-A3B-GPTQ-Int4; `QUANT_FIELDS`): the routed experts keep the checkpoint's format
+(`ModelConfig.expert_format`, `strata_jax.formats`), every other quantized linear is dequantized
+to the parameter dtype on load.
+
 Non-expert weights come back as a flat dict of NumPy arrays (model layout: projections as
 [in, out]); routed experts as a `CheckpointExperts`, checked but left in the files until used:
 a streaming engine reads them straight into its host store (`Engine(..., experts=
@@ -20,15 +25,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import struct
 from typing import Iterator, Mapping
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy so safe_open can return BF16 tensors
+import ml_dtypes  # also registers bfloat16 with NumPy so safe_open can return BF16 tensors
 import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from strata_jax.config import ModelConfig, _DTYPES
 from strata_jax.experts import ExpertWeights, blob_size, unpack_expert_blobs_np
+from strata_jax.formats import INT4_PER_WORD, INT4_ZERO, ExpertFormat
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 
@@ -117,7 +124,8 @@ FIELDS: dict[str, dict[str, str]] = {
     "dtype": _each("honoured: parameter dtype (param_dtype= overrides)"),
     "torch_dtype": _each("honoured: parameter dtype (4.x spelling)"),
     "router_jitter_noise": _each("no effect (training only)", (_MIXTRAL,)),
-    "quantization_config": _each("refused (quantized weights are not implemented)"),
+    "quantization_config": _each("honoured: fp8 (block-scaled e4m3) and gptq (4-bit, "
+                                 "symmetric); its own fields in the next table"),
     "pruned_heads": _each("refused unless empty"),
     "is_encoder_decoder": _each("refused unless false"),
     "add_cross_attention": _each("refused unless false"),
@@ -165,6 +173,206 @@ def fields_markdown() -> str:
     lines.append(f"| {', '.join(f'`{f}`' for f in sorted(IGNORED_FIELDS))} | "
                  + " | ".join([NO_EFFECT] * len(_ALL)) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ---- quantization_config: the FP8 and GPTQ checkpoints, in one place -----------------------------
+
+_FP8, _GPTQ = "fp8", "gptq"
+
+# quantization_config field -> quant_method -> how the loader treats it (as FIELDS). Routed experts
+# keep the checkpoint's format in the engine's store (`strata_jax.formats`: ModelConfig
+# expert_format "fp8" / "int4", expert_block the block or group); every other quantized linear is
+# dequantized to the parameter dtype on load (one float32 product, then one cast), since only the
+# routed experts stream. docs/CHECKPOINTS.md shows this table.
+QUANT_FIELDS: dict[str, dict[str, str]] = {
+    "quant_method": {_FP8: "honoured: fp8 (experts stored as fp8)",
+                     _GPTQ: "honoured: gptq (experts stored as int4)"},
+    "fmt": {_FP8: "refused unless e4m3 (float8_e4m3fn weights)"},
+    "weight_block_size": {_FP8: "honoured: a square block [b, b] of float32 `weight_scale_inv` "
+                                "(experts: expert_block = b); non-square and absent (per-tensor "
+                                "scales) refused"},
+    "activation_scheme": {_FP8: "honoured: dynamic, as weight-only quantization (activations stay "
+                                "in the parameter dtype; FP8 kernels would round them to e4m3 per "
+                                "token group: a deliberate difference); static refused"},
+    "modules_to_not_convert": {_FP8: "honoured: the linears it names (whole dotted components, "
+                                     "e.g. `model.layers.0.mlp.gate`) stay unquantized; lm_head "
+                                     "always does"},
+    "ignored_layers": {_FP8: "honoured: as modules_to_not_convert (vLLM's spelling; refused if "
+                             "both are given and differ)"},
+    "bits": {_GPTQ: "refused unless 4"},
+    "group_size": {_GPTQ: "honoured: the scales' group along the input dim (experts: "
+                          "expert_block); -1 (one group per column) refused"},
+    "sym": {_GPTQ: "refused unless true (zero-points are not implemented): every `qzeros` must "
+                   "hold the implicit zero 8"},
+    "desc_act": {_GPTQ: "refused unless false (act-order); a `g_idx` other than k // group is "
+                        "refused too"},
+    "checkpoint_format": {_GPTQ: "honoured: gptq (v1, qzeros stored minus one: 7) and gptq_v2 "
+                                 "(stored as is: 8); marlin and others refused"},
+    "pack_dtype": {_GPTQ: "refused unless int32"},
+    "lm_head": {_GPTQ: "refused unless false (a quantized lm_head is not implemented)"},
+    "dynamic": {_GPTQ: "refused unless empty (per-module bits or groups)"},
+    "is_marlin_format": {_GPTQ: "refused unless false"},
+    "modules_in_block_to_quantize": {_GPTQ: "honoured: checked against the tensors (a linear "
+                                            "with `qweight` is quantized, one with `weight` not)"},
+    **{k: {_GPTQ: "no effect (how the weights were calibrated, or which kernel runs them)"}
+       for k in ("damp_percent", "damp_auto_increment", "true_sequential", "static_groups",
+                 "model_name_or_path", "model_file_base_name", "quantizer", "meta", "dataset",
+                 "tokenizer", "use_exllama", "exllama_config", "use_cuda_fp16",
+                 "max_input_length", "cache_block_outputs", "batch_size", "backend",
+                 "module_name_preceding_first_block", "block_name_to_quantize")},
+}
+
+
+def quant_fields_markdown() -> str:
+    """The quantization_config table of docs/CHECKPOINTS.md, from `QUANT_FIELDS`."""
+    lines = ["| field | fp8 | gptq |", "|---|---|---|"]
+    for field, per in QUANT_FIELDS.items():
+        cells = [per.get(m, "refused (not a field)") for m in (_FP8, _GPTQ)]
+        lines.append(f"| `{field}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Quant:
+    """A checkpoint's quantization_config, read and checked.
+
+    Attributes:
+        method: "fp8" or "gptq".
+        block: fp8's square scale block side, or GPTQ's group.
+        not_converted: fp8: the modules modules_to_not_convert / ignored_layers name.
+        zero_stored: gptq: the value every 4-bit `qzeros` entry must hold (7 in v1, 8 in v2).
+        in_block: gptq: modules_in_block_to_quantize flattened (names within a layer), or None.
+    """
+
+    method: str
+    block: int
+    not_converted: frozenset[str] = frozenset()
+    zero_stored: int = 0
+    in_block: frozenset[str] | None = None
+
+    @property
+    def expert_format(self) -> str:
+        """The routed experts' store format when they are quantized."""
+        return "fp8" if self.method == _FP8 else "int4"
+
+    def fp8(self, module: str) -> bool:
+        """fp8: whether linear `module` (a Hugging Face module name) is quantized per the config:
+        not lm_head, and no entry of modules_to_not_convert is a run of its dotted components."""
+        if module == "lm_head":
+            return False
+        parts = module.split(".")
+        return not any(".".join(parts[i:j]) in self.not_converted
+                       for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
+
+
+def _quant_refuse(field: str, value, why: str) -> CheckpointError:
+    return CheckpointError(f"config.json quantization_config {field}={value!r}: {why}")
+
+
+def _quantization(hf: Mapping) -> _Quant | None:
+    """config.json's quantization_config read (`QUANT_FIELDS`), or None for a plain checkpoint."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, Mapping):
+        raise _refuse("quantization_config", q, "expected an object of fields")
+    method = q.get("quant_method")
+    if method not in (_FP8, _GPTQ):
+        raise _quant_refuse("quant_method", method, "implemented: fp8 (block-scaled e4m3, as "
+                            "Qwen3-30B-A3B-FP8) and gptq (4-bit, as Qwen3-30B-A3B-GPTQ-Int4)")
+    unknown = sorted(k for k in q if method not in QUANT_FIELDS.get(k, {}))
+    if unknown:
+        shown = ", ".join(f"{k}={q[k]!r}" for k in unknown[:8])
+        raise CheckpointError(
+            f"config.json quantization_config field(s) {shown} are not {method} fields this "
+            "loader knows; it refuses what it cannot tell has no effect (see "
+            "docs/CHECKPOINTS.md)")
+
+    def only(key, allowed, why, default=None):
+        value = q.get(key, default)
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            raise _quant_refuse(key, value, why)
+        return value
+
+    def size(key, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _quant_refuse(key, q.get(key), "expected a positive integer")
+        return value
+
+    if method == _FP8:
+        only("fmt", ("e4m3",), "only e4m3 (float8_e4m3fn) weights are implemented", "e4m3")
+        only("activation_scheme", ("dynamic",), "static activation scales are not "
+             "implemented (dynamic is read as weight-only)", "dynamic")
+        block = q.get("weight_block_size")
+        if block is None:
+            raise _quant_refuse("weight_block_size", block, "per-tensor FP8 scales are not "
+                                "implemented; expected a square block such as [128, 128]")
+        if not isinstance(block, (list, tuple)) or len(block) != 2:
+            raise _quant_refuse("weight_block_size", block, "expected [b, b]")
+        side = size("weight_block_size", block[0])
+        if size("weight_block_size", block[1]) != side:
+            raise _quant_refuse("weight_block_size", block, "non-square scale blocks are not "
+                                "implemented")
+        lists = {}
+        for key in ("modules_to_not_convert", "ignored_layers"):
+            value = q.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise _quant_refuse(key, value, "expected a list of module names")
+            lists[key] = frozenset(value)
+        if len(set(lists.values())) > 1:
+            raise CheckpointError("config.json quantization_config modules_to_not_convert and "
+                                  "ignored_layers disagree")
+        return _Quant(_FP8, side, next(iter(lists.values()), frozenset()))
+    if isinstance(q.get("bits"), bool) or q.get("bits") != 4:
+        raise _quant_refuse("bits", q.get("bits"), "only 4-bit GPTQ is implemented")
+    group = q.get("group_size")
+    if group == -1:
+        raise _quant_refuse("group_size", group, "one group per input column is not implemented")
+    group = size("group_size", group)
+    only("sym", (True,), "asymmetric GPTQ (zero-points) is not implemented", True)
+    only("desc_act", (False,), "act-order (a permuted g_idx) is not implemented", False)
+    fmt = only("checkpoint_format", ("gptq", "gptq_v2"), "implemented: gptq (v1) and gptq_v2",
+               "gptq")
+    only("pack_dtype", ("int32",), "only int32 packing is implemented", "int32")
+    only("lm_head", (False,), "a quantized lm_head is not implemented", False)
+    only("is_marlin_format", (False,), "Marlin's repacked layout is not implemented", False)
+    if q.get("dynamic") not in (None, {}):
+        raise _quant_refuse("dynamic", q["dynamic"], "per-module overrides are not implemented")
+    in_block = q.get("modules_in_block_to_quantize")
+    if in_block is not None:
+        flat = [n for part in in_block for n in ([part] if isinstance(part, str) else part)]
+        if not all(isinstance(n, str) for n in flat):
+            raise _quant_refuse("modules_in_block_to_quantize", in_block,
+                                "expected lists of module names")
+        in_block = frozenset(flat)
+    zero = INT4_ZERO - 1 if fmt == "gptq" else INT4_ZERO
+    return _Quant(_GPTQ, group, zero_stored=zero, in_block=in_block)
+
+
+def _expert_format(quant: _Quant | None, arch: _Arch, n_layers: int, n_experts: int) -> str:
+    """The routed experts' store format: the checkpoint's, unless the config leaves every routed
+    expert unquantized ("plain"); some quantized and some not is refused (one store format)."""
+    if quant is None:
+        return "plain"
+    if quant.method == _FP8:
+        if not quant.not_converted:
+            return quant.expert_format
+        flags = {}
+        for l in range(n_layers):
+            for e in range(n_experts):
+                for name in arch.expert_names:
+                    m = f"model.layers.{l}.{arch.moe_prefix}.experts.{e}.{name}"
+                    flags.setdefault(quant.fp8(m), m)
+        if len(flags) > 1:
+            raise CheckpointError(
+                f"config.json quantization_config modules_to_not_convert leaves {flags[False]!r} "
+                f"unquantized but not {flags[True]!r}: routed experts are all quantized or none")
+        return quant.expert_format if True in flags else "plain"
+    if quant.in_block is not None and not any(".experts." in n for n in quant.in_block):
+        return "plain"
+    return quant.expert_format
 
 
 def _architecture(hf: Mapping) -> str:
@@ -335,9 +543,11 @@ def _sliding_window(f: _Fields) -> int | None:
 def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfig:
     """Builds a `ModelConfig` from a Hugging Face config.json dict.
 
-    Every field is honoured, refused or known to have no effect (`FIELDS`, `IGNORED_FIELDS`);
-    both spellings of transformers 4 and 5 are read (rope_theta / rope_scaling and
-    rope_parameters; num_experts and num_local_experts; torch_dtype and dtype).
+    Every field is honoured, refused or known to have no effect (`FIELDS`, `IGNORED_FIELDS`,
+    and `QUANT_FIELDS` inside quantization_config); both spellings of transformers 4 and 5 are
+    read (rope_theta / rope_scaling and rope_parameters; num_experts and num_local_experts;
+    torch_dtype and dtype). A quantized checkpoint's routed experts keep its format
+    (`expert_format` "fp8" or "int4", `expert_block` its block or group).
 
     Args:
         hf: parsed config.json.
@@ -353,7 +563,6 @@ def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfi
     f.only("model_type", (a.model_type,), f"{arch} checkpoints have model_type {a.model_type!r}")
     f.only("hidden_act", ("silu", "swish"), "only SiLU-gated experts (silu, swish) are "
                                             "implemented")
-    f.only("quantization_config", (None,), "quantized checkpoints are not implemented")
     f.only("pruned_heads", ({}, None), "pruned attention heads are not implemented")
     f.only("is_encoder_decoder", (False,), "a decoder-only model has no encoder")
     f.only("add_cross_attention", (False,), "cross-attention is not implemented")
@@ -379,12 +588,15 @@ def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfi
     hidden = f.need("hidden_size")
     max_position = int(f.get("max_position_embeddings", a.max_position_embeddings))
     theta, scaling, longest = _rope(f, max_position)
+    quant = _quantization(hf)
+    n_layers = f.need("num_hidden_layers")
+    expert_format = _expert_format(quant, a, n_layers, n_experts)
     try:
         return ModelConfig(
             name=str(f.get("_name_or_path") or f.get("model_type") or arch),
             vocab_size=f.need("vocab_size"),
             hidden_size=hidden,
-            n_layers=f.need("num_hidden_layers"),
+            n_layers=n_layers,
             n_heads=heads,
             n_kv_heads=f.get("num_key_value_heads", heads),
             head_dim=f.get("head_dim", hidden // heads),
@@ -401,6 +613,8 @@ def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfi
             tie_embeddings=bool(f.get("tie_word_embeddings", False)),
             max_seq_len=longest,
             param_dtype=dtype,
+            expert_format=expert_format,
+            expert_block=quant.block if expert_format != "plain" else 0,
         )
     except ValueError as e:
         raise CheckpointError(f"config.json describes a model this engine cannot build: {e}"
@@ -458,45 +672,90 @@ class HostExpertStore:
         return {l: self.layer(l) for l in self.layers}
 
 
+# safetensors dtype names -> NumPy dtypes, for the tensors read here byte by byte (safe_open's NumPy
+# reader has no float8 type).
+_ST_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "BF16": np.dtype(ml_dtypes.bfloat16),
+              "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
+              "F64": np.dtype(np.float64), "I32": np.dtype(np.int32),
+              "I64": np.dtype(np.int64), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+              "U8": np.dtype(np.uint8)}
+
+
+def _st_header(path: str) -> tuple[int, dict]:
+    """(offset of the data, header) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return 8 + n, json.loads(f.read(n))
+
+
+def _st_read(f, start: int, info: Mapping) -> np.ndarray:
+    """One tensor of an open safetensors file (`info`: its header entry), read byte by byte."""
+    if info["dtype"] not in _ST_DTYPES:
+        raise CheckpointError(f"safetensors dtype {info['dtype']} is not read by this loader")
+    dtype = _ST_DTYPES[info["dtype"]]
+    lo, hi = info["data_offsets"]
+    f.seek(start + lo)
+    return np.fromfile(f, dtype=dtype, count=(hi - lo) // dtype.itemsize).reshape(info["shape"])
+
+
+# Each plane of an expert format: (matrix, the Hugging Face tensor's suffix, transposed on load).
+# fp8: `weight` [out, in] and `weight_scale_inv` [out / b, in / b], both transposed; GPTQ:
+# `qweight` [in / 8, out] and `scales` [in / group, out], already [in, out].
+_PLANE_SOURCES = {
+    "plain": {m: (m, "weight", True) for m in ExpertWeights._fields},
+    "fp8": {**{m: (m, "weight", True) for m in ExpertWeights._fields},
+            **{f"{m}_scale": (m, "weight_scale_inv", True) for m in ExpertWeights._fields}},
+    "int4": {**{m: (m, "qweight", False) for m in ExpertWeights._fields},
+             **{f"{m}_scale": (m, "scales", False) for m in ExpertWeights._fields}},
+}
+
+
 class CheckpointExperts(Mapping[str, np.ndarray]):
     """A checkpoint's routed experts, read from its safetensors files when asked for.
 
-    name -> tensor in the model's layout ("layers.3.mlp.gate": [E, H, I], "...up": [E, H, I],
-    "...down": [E, I, H]), read when asked for and not kept. `fill(name, out)` reads each
-    expert's tensor straight into `out`, transposed from the file's [out, in] one expert at a
+    name -> tensor in the model's layout, one per plane of the config's expert format
+    (`model.expert_plane_names`): plain, "layers.3.mlp.gate": [E, H, I], "...up": [E, H, I],
+    "...down": [E, I, H] in the parameter dtype; fp8 (`ModelConfig.expert_format`), each matrix
+    in float8_e4m3fn and "...gate_scale" etc. float32 [E, ceil(in/b), ceil(out/b)] (the
+    checkpoint's `weight` and `weight_scale_inv`, transposed); int4, GPTQ's `qweight` int32
+    [E, in/8, out] and `scales` float16 [E, in/group, out] as they are. Read when asked for and
+    not kept. `fill(name, out)` reads each expert's tensor straight into `out`, one expert at a
     time: how an engine's host store takes them (`as_mapping`, `strata_jax.weights`), so no
     copy of every expert exists outside the store. Each read opens the files it needs and
     closes them after: a held safetensors handle keeps every page it has read mapped in the
     process (its resident set would grow by the checkpoint's size).
 
-    Made by `load_checkpoint`, which has checked every expert tensor's name and shape.
+    Made by `load_checkpoint`, which has checked every expert tensor's name, shape and (in a
+    quantized checkpoint) dtype.
     """
 
     def __init__(self, config: ModelConfig, arch: _Arch, files: Mapping[str, str]):
-        from strata_jax.model import expert_param_names  # deferred: keeps this module light
+        from strata_jax.model import expert_plane_names  # deferred: keeps this module light
 
         self.config = config
+        self.format = ExpertFormat.of(config)
         self._arch = arch
         self._files = dict(files)  # Hugging Face name -> the file that holds it
-        self._names = {n: (l, f) for l in config.moe_layers
-                       for f, n in zip(ExpertWeights._fields, expert_param_names(config, l))}
+        self._headers: dict[str, tuple[int, dict]] = {}
+        self._names = {n: (l, p) for l in config.moe_layers
+                       for p, n in expert_plane_names(config, l).items()}
 
     @staticmethod
-    def hf_names(config: ModelConfig, arch: _Arch, layer: int, field: str) -> list[str]:
+    def hf_names(config: ModelConfig, arch: _Arch, layer: int, field: str,
+                 suffix: str = "weight") -> list[str]:
         """The Hugging Face names of `layer`'s `field` ("gate", "up", "down") tensors, one per
-        expert, each [out, in]: gate and up [I, H], down [H, I]."""
+        expert: `<module>.<suffix>` (plain: `weight`, [out, in]: gate and up [I, H], down
+        [H, I])."""
         hf = dict(zip(ExpertWeights._fields, arch.expert_names))[field]
         base = f"model.layers.{layer}.{arch.moe_prefix}.experts."
-        return [f"{base}{e}.{hf}.weight" for e in range(config.n_experts)]
+        return [f"{base}{e}.{hf}.{suffix}" for e in range(config.n_experts)]
 
-    def _shape(self, field: str) -> tuple[int, int, int]:
-        c = self.config
-        return ((c.n_experts, c.expert_intermediate, c.hidden_size) if field == "down" else
-                (c.n_experts, c.hidden_size, c.expert_intermediate))
+    def _shape(self, plane: str) -> tuple[int, ...]:
+        return (self.config.n_experts, *self.format.plane(plane).shape)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        _, field = self._names[name]
-        out = np.empty(self._shape(field), self.config.dtype)
+        _, plane = self._names[name]
+        out = np.empty(self._shape(plane), self.format.plane(plane).dtype)
         self.fill(name, out)
         return out
 
@@ -510,19 +769,35 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
         return len(self._names)
 
     def fill(self, name: str, out: np.ndarray) -> None:
-        """Reads tensor `name` into `out` ([E, H, I], or [E, I, H] for down; cast to its
-        dtype), one expert at a time, each file opened once."""
-        layer, field = self._names[name]
-        if tuple(out.shape) != self._shape(field):
-            raise ValueError(f"parameter {name!r} has shape {self._shape(field)}; the array to "
+        """Reads tensor `name` into `out` ([E, *plane shape]: plain [E, H, I], or [E, I, H] for
+        down, cast to its dtype; a quantized plane in its own dtype), one expert at a time, each
+        file opened once."""
+        layer, plane = self._names[name]
+        if tuple(out.shape) != self._shape(plane):
+            raise ValueError(f"parameter {name!r} has shape {self._shape(plane)}; the array to "
                              f"fill has {tuple(out.shape)}")
+        kind = self.format.kind
+        field, suffix, transpose = _PLANE_SOURCES[kind][plane]
+        want = self.format.plane(plane).dtype
+        if kind != "plain" and np.dtype(out.dtype) != want:
+            raise ValueError(f"parameter {name!r} is {want} (a {kind} plane: a cast would drop "
+                             f"its scale); the array to fill is {np.dtype(out.dtype)}")
         by_file: dict[str, list[tuple[int, str]]] = {}
-        for e, hf in enumerate(self.hf_names(self.config, self._arch, layer, field)):
+        for e, hf in enumerate(self.hf_names(self.config, self._arch, layer, field, suffix)):
             by_file.setdefault(self._files[hf], []).append((e, hf))
         for path, items in by_file.items():
-            with safe_open(path, framework="numpy") as handle:
+            if kind == "plain":
+                with safe_open(path, framework="numpy") as handle:
+                    for e, hf in items:
+                        out[e] = handle.get_tensor(hf).T  # [out, in] -> [in, out]
+                continue
+            if path not in self._headers:
+                self._headers[path] = _st_header(path)
+            start, header = self._headers[path]
+            with open(path, "rb") as f:
                 for e, hf in items:
-                    out[e] = handle.get_tensor(hf).T  # [out, in] -> [in, out]
+                    value = _st_read(f, start, header[hf])
+                    out[e] = value.T if transpose else value
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -531,30 +806,45 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every expert in the parameter dtype (what a host store of them holds)."""
+        """Bytes of every expert in its store format (what a host store of them holds)."""
         return self.config.expert_bytes_total
 
-    def layer(self, layer: int) -> ExpertWeights:
-        """`layer`'s experts read now (new arrays)."""
-        from strata_jax.model import expert_param_names
+    def planes(self, layer: int) -> dict[str, np.ndarray]:
+        """`layer`'s planes read now (new arrays): plane name -> [E, *shape]."""
+        from strata_jax.model import expert_plane_names
 
-        return ExpertWeights(*(self[n] for n in expert_param_names(self.config, layer)))
+        return {p: self[n] for p, n in expert_plane_names(self.config, layer).items()}
+
+    def layer(self, layer: int) -> ExpertWeights:
+        """`layer`'s experts read now (new arrays), in the parameter dtype: dequantized from a
+        quantized format (`ExpertFormat.dequantize_np`)."""
+        planes = self.planes(layer)
+        if self.format.kind == "plain":
+            return ExpertWeights(*(planes[m] for m in ExpertWeights._fields))
+        return ExpertWeights(*(self.format.dequantize_np(planes, m)
+                               for m in ExpertWeights._fields))
 
     def blobs(self, layer: int) -> np.ndarray:
-        """`layer`'s experts read now into new [E, 3*H*I] blobs (`strata_jax.experts`)."""
+        """`layer`'s experts read now into new blobs (`strata_jax.formats`): plain [E, 3*H*I]
+        in the parameter dtype (`strata_jax.experts`), quantized [E, blob_bytes] uint8."""
         c = self.config
-        out = np.empty((c.n_experts, blob_size(c.hidden_size, c.expert_intermediate)), c.dtype)
-        self.as_mapping()[layer].fill(
-            unpack_expert_blobs_np(out, c.hidden_size, c.expert_intermediate))
+        if self.format.kind == "plain":
+            out = np.empty((c.n_experts, blob_size(c.hidden_size, c.expert_intermediate)),
+                           c.dtype)
+            self.as_mapping()[layer].fill(
+                unpack_expert_blobs_np(out, c.hidden_size, c.expert_intermediate))
+            return out
+        out = np.zeros((c.n_experts, self.format.blob_bytes), np.uint8)
+        self.as_mapping()[layer].fill(self.format.split_np(out))
         return out
 
     def as_mapping(self) -> dict:
-        """layer -> `weights.LazyExperts` (read when used), for `Engine(experts=...)` and
-        `build_model(..., experts=...)`."""
-        from strata_jax.model import expert_param_names
+        """layer -> `weights.LazyExperts` over the format's planes (read when used), for
+        `Engine(experts=...)` and `build_model(..., experts=...)`."""
+        from strata_jax.model import expert_plane_names
         from strata_jax.weights import LazyExperts
 
-        return {l: LazyExperts(self, expert_param_names(self.config, l)) for l in self.layers}
+        return {l: LazyExperts(self, expert_plane_names(self.config, l)) for l in self.layers}
 
 
 @dataclasses.dataclass
@@ -595,6 +885,7 @@ class _Tensors:
                 f"{directory}: neither model.safetensors.index.json nor model.safetensors exists")
         self._directory = directory
         self._handles = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # path -> _st_header, read when needed
         self._where: dict[str, str] = {}
         self._taken: set[str] = set()
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
@@ -607,24 +898,44 @@ class _Tensors:
             for key in handle.keys():
                 self._where[key] = name
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _check(self, name: str, shape: tuple[int, ...], dtype: str | None) -> str:
+        """The tensor's safetensors dtype, after checking it exists, its shape and (`dtype`
+        given) its dtype; a float8 tensor where none is expected is refused."""
         if name not in self._where:
-            raise CheckpointError(f"missing tensor {name!r} (expected shape {shape})")
-        handle = self._handles[self._where[name]]
-        actual = tuple(handle.get_slice(name).get_shape())
+            what = f"{dtype} " if dtype else ""
+            raise CheckpointError(f"missing tensor {name!r} (expected {what}shape {shape})")
+        piece = self._handles[self._where[name]].get_slice(name)
+        actual = tuple(piece.get_shape())
         if actual != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {actual}, expected {tuple(shape)}")
-        self._taken.add(name)
-        return handle.get_tensor(name)
+        stored = piece.get_dtype()
+        if dtype is not None and stored != dtype:
+            raise CheckpointError(f"tensor {name!r} is {stored}, expected {dtype}")
+        if dtype is None and stored.startswith("F8"):
+            raise CheckpointError(
+                f"tensor {name!r} is {stored} (float8), but config.json's quantization_config "
+                "leaves it unquantized (no quantization_config, or modules_to_not_convert names "
+                "it)")
+        return stored
 
-    def path(self, name: str, shape: tuple[int, ...]) -> str:
+    def get(self, name: str, shape: tuple[int, ...], dtype: str | None = None) -> np.ndarray:
+        """Tensor `name`, checked (shape; its safetensors dtype where `dtype` is given) and
+        counted as read."""
+        stored = self._check(name, shape, dtype)
+        self._taken.add(name)
+        if stored in _ST_DTYPES and stored.startswith("F8"):  # no NumPy float8 in safe_open
+            path = os.path.join(self._directory, self._where[name])
+            if path not in self._headers:
+                self._headers[path] = _st_header(path)
+            start, header = self._headers[path]
+            with open(path, "rb") as f:
+                return _st_read(f, start, header[name])
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def path(self, name: str, shape: tuple[int, ...], dtype: str | None = None) -> str:
         """The file that holds tensor `name`, checked and counted as `get` does, without
         reading the tensor (`CheckpointExperts` reads it when it is used)."""
-        if name not in self._where:
-            raise CheckpointError(f"missing tensor {name!r} (expected shape {shape})")
-        actual = tuple(self._handles[self._where[name]].get_slice(name).get_shape())
-        if actual != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {actual}, expected {tuple(shape)}")
+        self._check(name, shape, dtype)
         self._taken.add(name)
         return os.path.join(self._directory, self._where[name])
 
@@ -690,6 +1001,134 @@ def _check_rope_buffers(tensors: _Tensors, c: ModelConfig) -> None:
                     f"(rope_theta={c.rope_theta}, rope_scaling={c.rope_scaling})")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _unpack_int4(words: np.ndarray, axis: int) -> np.ndarray:
+    """GPTQ's packing undone: each int32 word holds eight 4-bit values, value j in bits
+    4j..4j+3, consecutive along `axis` (qweight: the input dim, 0; qzeros: the output dim, 1)."""
+    shifts = np.arange(INT4_PER_WORD, dtype=np.uint32) * 4
+    u = np.moveaxis(words.view(np.uint32), axis, -1)[..., None]  # [..., n, 1]
+    vals = ((u >> shifts) & 15).reshape(*u.shape[:-2], -1)  # [..., 8n]
+    return np.moveaxis(vals, -1, axis).astype(np.int32)
+
+
+def _gptq_shapes(quant: _Quant, module: str, k: int, n: int) -> dict[str, tuple[int, ...]]:
+    """The GPTQ tensors of a linear of input width `k` and output width `n`: qweight, scales,
+    qzeros, g_idx (refused where the widths do not suit the packing or the group)."""
+    g = quant.block
+    if k % g or k % INT4_PER_WORD or n % INT4_PER_WORD:
+        raise CheckpointError(
+            f"GPTQ linear {module!r} is [{n}, {k}] ([out, in]): its input width must be a "
+            f"multiple of group_size={g} and of 8, its output width of 8 (the packed layout)")
+    return {"qweight": (k // INT4_PER_WORD, n), "scales": (k // g, n),
+            "qzeros": (k // g, n // INT4_PER_WORD), "g_idx": (k,)}
+
+
+def _gptq_quantized(tensors: "_Tensors", quant: _Quant, module: str) -> bool:
+    """Whether GPTQ linear `module` is quantized: it has a `qweight` (else a `weight`),
+    cross-checked against modules_in_block_to_quantize where config.json gives it."""
+    has = tensors.has(f"{module}.qweight")
+    if quant.in_block is not None and module.startswith("model.layers."):
+        rel = module.split(".", 3)[3]  # the name within the layer: "self_attn.q_proj"
+        if (rel in quant.in_block) != has:
+            said = "names" if rel in quant.in_block else "does not name"
+            raise CheckpointError(
+                f"config.json quantization_config modules_in_block_to_quantize {said} {rel!r}, "
+                f"but the files hold {module}.{'qweight' if has else 'weight'}")
+    return has
+
+
+def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
+                biased: bool) -> None:
+    """Reads and checks a GPTQ linear's side tensors: every `qzeros` entry the implicit zero
+    (symmetric), `g_idx` (where present) k // group, and a `bias` the model has no place for
+    all zero (`biased`: the model reads the linear's bias itself)."""
+    shapes = _gptq_shapes(quant, module, k, n)
+    zeros = _unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"), axis=1)
+    bad = np.argwhere(zeros != quant.zero_stored)
+    if bad.size:
+        at = tuple(int(i) for i in bad[0])
+        v1 = ", minus one in checkpoint_format gptq" if quant.zero_stored != INT4_ZERO else ""
+        raise CheckpointError(
+            f"tensor '{module}.qzeros' holds the zero-point {int(zeros[at])} at {list(at)}; "
+            f"symmetric GPTQ (sym=true) stores {quant.zero_stored} everywhere (the zero "
+            f"{INT4_ZERO}{v1}): zero-points are not implemented")
+    if tensors.has(f"{module}.g_idx"):
+        g_idx = tensors.get(f"{module}.g_idx", shapes["g_idx"], "I32")
+        if not np.array_equal(g_idx, np.arange(k) // quant.block):
+            raise CheckpointError(
+                f"tensor '{module}.g_idx' is not k // group_size (group {quant.block}): "
+                "act-order (a permuted g_idx) is not implemented")
+    if not biased and tensors.has(f"{module}.bias"):
+        bias = tensors.get(f"{module}.bias", (n,))
+        if np.any(bias != 0):
+            raise CheckpointError(f"tensor '{module}.bias' is not zero, and the model's "
+                                  f"{module.rsplit('.', 1)[-1]} has no bias")
+
+
+def _linear(tensors: "_Tensors", quant: _Quant, module: str, shape: tuple[int, int],
+            dtype: np.dtype, biased: bool) -> np.ndarray:
+    """Linear `module` ([out, in] = `shape` in the files) in the model's [in, out] layout and
+    the parameter dtype: a quantized one dequantized (one float32 product per value, one cast,
+    as `formats.ExpertFormat.dequantize_np` does)."""
+    n, k = shape
+    if quant.method == _FP8:
+        if not quant.fp8(module):
+            return np.ascontiguousarray(tensors.get(f"{module}.weight", shape).T.astype(dtype))
+        b = quant.block
+        w = tensors.get(f"{module}.weight", shape, "F8_E4M3")
+        s = tensors.get(f"{module}.weight_scale_inv", (_cdiv(n, b), _cdiv(k, b)), "F32")
+        full = np.repeat(np.repeat(s, b, axis=0), b, axis=1)[:n, :k]
+        return np.ascontiguousarray((w.astype(np.float32) * full).astype(dtype).T)
+    if not _gptq_quantized(tensors, quant, module):
+        return np.ascontiguousarray(tensors.get(f"{module}.weight", shape).T.astype(dtype))
+    shapes = _gptq_shapes(quant, module, k, n)
+    _gptq_check(tensors, quant, module, k, n, biased)
+    q = _unpack_int4(tensors.get(f"{module}.qweight", shapes["qweight"], "I32"), axis=0)
+    s = tensors.get(f"{module}.scales", shapes["scales"], "F16").astype(np.float32)
+    return ((q - INT4_ZERO).astype(np.float32) * np.repeat(s, quant.block, axis=0)).astype(dtype)
+
+
+def _expert_files(tensors: "_Tensors", quant: _Quant | None, c: ModelConfig, arch: _Arch,
+                  layer: int) -> dict[str, str]:
+    """Checks `layer`'s routed expert tensors (names, shapes, dtypes; GPTQ's side tensors read
+    and checked) and returns Hugging Face name -> file of those its `CheckpointExperts` reads."""
+    files: dict[str, str] = {}
+    fmt = ExpertFormat.of(c)
+    for field in ExpertWeights._fields:
+        k, n = fmt.matrix_shape(field)  # [in, out]
+        weights = CheckpointExperts.hf_names(c, arch, layer, field)
+        modules = [w[:-len(".weight")] for w in weights]
+        if fmt.kind == "plain":
+            for w, module in zip(weights, modules):
+                if quant is not None and quant.method == _GPTQ and _gptq_quantized(
+                        tensors, quant, module):
+                    raise CheckpointError(
+                        f"routed expert {module!r} is GPTQ-quantized (it has a qweight), but "
+                        "modules_in_block_to_quantize names no routed expert")
+                files[w] = tensors.path(w, (n, k))
+        elif fmt.kind == "fp8":
+            b = fmt.block
+            for module in modules:
+                files[f"{module}.weight"] = tensors.path(f"{module}.weight", (n, k), "F8_E4M3")
+                files[f"{module}.weight_scale_inv"] = tensors.path(
+                    f"{module}.weight_scale_inv", (_cdiv(n, b), _cdiv(k, b)), "F32")
+        else:
+            shapes = _gptq_shapes(quant, modules[0], k, n)
+            for module in modules:
+                if not _gptq_quantized(tensors, quant, module):
+                    raise CheckpointError(
+                        f"routed expert {module!r} has no qweight (a {module}.weight instead?): "
+                        "a GPTQ checkpoint's routed experts are all quantized or none")
+                for suffix, dt in (("qweight", "I32"), ("scales", "F16")):
+                    files[f"{module}.{suffix}"] = tensors.path(f"{module}.{suffix}",
+                                                               shapes[suffix], dt)
+                _gptq_check(tensors, quant, module, k, n, False)
+    return files
+
+
 def load_checkpoint(directory: str, *, param_dtype: str | None = None,
                     progress: bool = True) -> LoadedCheckpoint:
     """Loads a Hugging Face safetensors checkpoint directory: the non-expert weights into host
@@ -715,10 +1154,15 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
         hf = json.load(f)
     config = config_from_hf(hf, param_dtype=param_dtype)
     arch = ARCHITECTURES[_architecture(hf)]
+    quant = _quantization(hf)
     tensors = _Tensors(directory)
     dtype = config.dtype
 
     def take(hf_name: str, shape, transpose: bool) -> np.ndarray:
+        if transpose and quant is not None:  # a linear, perhaps quantized: [in, out]
+            module = hf_name[:-len(".weight")]
+            return _linear(tensors, quant, module, shape, dtype,
+                           config.attention_bias and ".self_attn." in module)
         value = tensors.get(hf_name, shape)
         value = value.T if transpose else value
         return np.ascontiguousarray(value.astype(dtype, copy=False))
@@ -728,25 +1172,22 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
         "embed": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), False),
         "final_norm.weight": take("model.norm.weight", (c.hidden_size,), False),
     }
-    if not c.tie_embeddings:
-        params["lm_head"] = take("lm_head.weight", (c.vocab_size, c.hidden_size), True)
+    if not c.tie_embeddings:  # lm_head is never quantized (a quantized one is refused)
+        params["lm_head"] = np.ascontiguousarray(tensors.get(
+            "lm_head.weight", (c.vocab_size, c.hidden_size)).T.astype(dtype, copy=False))
     elif tensors.has("lm_head.weight"):
         _check_tied_head(tensors, params["embed"], c)
     _check_rope_buffers(tensors, c)
-    # The experts are only checked here (names, shapes: the file headers) and read when used:
-    # an engine's host store takes them straight from the files (CheckpointExperts).
+    # The experts are only checked here (names, shapes, dtypes: the file headers; GPTQ's small
+    # qzeros and g_idx read) and read when used: an engine's host store takes them straight
+    # from the files (CheckpointExperts), in their format.
     files: dict[str, str] = {}
-    shapes = {"gate": (c.expert_intermediate, c.hidden_size),
-              "up": (c.expert_intermediate, c.hidden_size),
-              "down": (c.hidden_size, c.expert_intermediate)}
     bar = tqdm(range(c.n_layers), desc="loading layers", unit="layer", disable=not progress)
     for layer in bar:
         for ours, hf_name, shape, transpose in _layer_plan(c, arch, layer):
             params[ours] = take(hf_name, shape, transpose)
         if layer in c.moe_layers:
-            for field, shape in shapes.items():
-                for hf_name in CheckpointExperts.hf_names(c, arch, layer, field):
-                    files[hf_name] = tensors.path(hf_name, shape)
+            files.update(_expert_files(tensors, quant, c, arch, layer))
     tensors.check_all_taken()
     return LoadedCheckpoint(config, params, CheckpointExperts(config, arch, files))
 
@@ -764,6 +1205,6 @@ def load_model(directory: str, *, resident_experts: bool = True, param_dtype: st
 
 __all__: list[str] = [
     "ARCHITECTURES", "CheckpointError", "CheckpointExperts", "FIELDS", "HostExpertStore",
-    "IGNORED_FIELDS", "LoadedCheckpoint", "config_from_hf", "fields_markdown",
-    "load_checkpoint", "load_model",
+    "IGNORED_FIELDS", "LoadedCheckpoint", "QUANT_FIELDS", "config_from_hf", "fields_markdown",
+    "load_checkpoint", "load_model", "quant_fields_markdown",
 ]

@@ -1,5 +1,6 @@
 """Test helpers: one tolerance table and a finite-first closeness check; Hugging Face
-checkpoints written from a model's params; a chunked read of a model against its one-shot logits.
+checkpoints written from a model's params (plain, FP8 and GPTQ layouts); a chunked read of a
+model against its one-shot logits.
 
 Guards against tolerances drifting test by test and against NaN passing a loose comparison
 (`assert_allclose` with NaN on both sides, or an infinite error hidden by a large atol).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import pathlib
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -104,6 +106,117 @@ def hf_tensors(c, params, preset):
     return {k: np.ascontiguousarray(v) for k, v in t.items()}
 
 
+# ---- quantized Hugging Face checkpoints, written by hand in the published layouts ---------------
+
+# NumPy dtype -> safetensors dtype name, for `save_safetensors`.
+_ST_NAMES = {np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.bfloat16): "BF16",
+             np.dtype(np.float16): "F16", np.dtype(np.float32): "F32",
+             np.dtype(np.float64): "F64", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
+             np.dtype(np.uint8): "U8"}
+
+
+def save_safetensors(tensors, path) -> None:
+    """Writes `tensors` (name -> NumPy array) as safetensors file `path` (the argument order of
+    `safetensors.numpy.save_file`), byte by byte: an 8-byte
+    little-endian header length, the JSON header (dtype, shape, data offsets per tensor), the
+    data. safetensors.numpy has no float8 or bfloat16 writer."""
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        raw = a.tobytes()
+        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blobs.append(raw)
+    head = json.dumps(header).encode()
+    pathlib.Path(path).write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def _quantized_linears(tensors, keep) -> list[str]:
+    """The modules `hf_quantize` quantizes: attention q/k/v/o and routed experts, less `keep`."""
+    out = []
+    for name in sorted(tensors):
+        module = name[:-len(".weight")]
+        if name.endswith(".weight") and module not in keep and (
+                ".self_attn." in name and name.endswith("_proj.weight") or ".experts." in name):
+            out.append(module)
+    return out
+
+
+def fp8_block_quantize(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """A [out, in] weight as an FP8 checkpoint stores it: (`weight` float8_e4m3fn [out, in],
+    `weight_scale_inv` float32 [ceil(out/b), ceil(in/b)]), per b x b block scale = amax / 448
+    (1 for a zero block) in float32, weight = e4m3(w / scale) rounded to nearest; w is about
+    weight * scale."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = np.zeros((nb * block, kb * block), np.float32)
+    padded[:n, :k] = np.abs(w)
+    amax = padded.reshape(nb, block, kb, block).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:n, :k]
+    q = np.clip(w.astype(np.float32) / full, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False) -> dict[str, np.ndarray]:
+    """A [out, in] weight as a symmetric 4-bit GPTQ checkpoint stores it (round to nearest, no
+    calibration): per group of `group` inputs and output column scale = 2 amax / 15 (1 for a
+    zero group) in float16, q = clamp(round(w / scale) + 8, 0, 15) with that float16 scale;
+    `qweight` int32 [in/8, out] (input row 8r + j in bits 4j..4j+3 of word r), `scales` float16
+    [in/group, out], `qzeros` int32 [in/group, out/8] (the zero 8 in every nibble, stored minus
+    one in checkpoint_format gptq, as is in gptq_v2), `g_idx` int32 [in] = k // group."""
+    wt = w.T.astype(np.float32)  # [in, out]
+    k, n = wt.shape
+    amax = np.abs(wt).reshape(k // group, group, n).max(axis=1)
+    scale = np.where(amax > 0, 2 * amax / 15, 1).astype(np.float16)
+    full = np.repeat(scale.astype(np.float32), group, axis=0)  # GPTQ packs with the fp16 scale
+    q = np.clip(np.round(wt / full) + 8, 0, 15).astype(np.uint32)
+    shifts = np.arange(8, dtype=np.uint32) * 4
+    qweight = np.bitwise_or.reduce(q.reshape(k // 8, 8, n) << shifts[:, None], axis=1)
+    zero = np.full((k // group, n // 8, 8), 8 if v2 else 7, np.uint32)
+    qzeros = np.bitwise_or.reduce(zero << shifts, axis=2)
+    out = {"qweight": qweight.view(np.int32), "scales": scale,
+           "qzeros": qzeros.view(np.int32), "g_idx": (np.arange(k) // group).astype(np.int32)}
+    return {name: np.ascontiguousarray(a) for name, a in out.items()}
+
+
+def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False):
+    """`hf_tensors`' checkpoint as an FP8 ("fp8", as Qwen/Qwen3-30B-A3B-FP8) or 4-bit GPTQ
+    ("gptq", as Qwen/Qwen3-30B-A3B-GPTQ-Int4) one: every attention projection and routed
+    expert quantized (but the modules in `keep`), with `block` the FP8 block side or the GPTQ
+    group; the routers, norms, embedding and lm_head as they were."""
+    out = dict(tensors)
+    for module in _quantized_linears(tensors, keep):
+        w = out.pop(f"{module}.weight")
+        if method == "fp8":
+            q, scale = fp8_block_quantize(w, block)
+            out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = q, scale
+        else:
+            out.update({f"{module}.{k}": v for k, v in gptq_quantize(w, block, v2=v2).items()})
+    return out
+
+
+def hf_quantization_config(c, preset, method: str, block: int, *, keep=(), **fields) -> dict:
+    """The quantization_config of `hf_quantize(..., method, block, keep=keep)`'s checkpoint, as
+    those checkpoints write it (FP8: modules_to_not_convert lists lm_head and each layer's
+    norms and router), with `fields` over it (None removes)."""
+    if method == "fp8":
+        moe = HF_ARCH[preset][1]
+        skip = ["lm_head", *keep]
+        for l in range(c.n_layers):
+            skip += [f"model.layers.{l}.{n}" for n in ("input_layernorm", f"{moe}.gate",
+                                                       "post_attention_layernorm")]
+        q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+             "weight_block_size": [block, block], "modules_to_not_convert": skip}
+    else:
+        q = {"bits": 4, "checkpoint_format": "gptq", "damp_percent": 0.01, "desc_act": False,
+             "group_size": block, "lm_head": False, "quant_method": "gptq",
+             "static_groups": False, "sym": True, "true_sequential": True}
+    q.update(fields)
+    return {k: v for k, v in q.items() if v is not None}
+
+
 def write_hf_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
     """Writes tensors in `shards` files and config.json (hf_config with `fields` over it; a
     field given as None is removed)."""
@@ -112,10 +225,15 @@ def write_hf_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
     path = pathlib.Path(path)
     names = sorted(tensors)
     weight_map = {}
+    # safetensors.numpy writes no float8 or bfloat16: those checkpoints are written by hand.
+    raw = any(np.dtype(t.dtype) in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.bfloat16))
+              for t in tensors.values())
     for s in range(shards):
         part = names[s::shards]
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(path / fname))
+        # save_file writes an array's memory as it lies: C order first.
+        (save_safetensors if raw else save_file)(
+            {n: np.ascontiguousarray(tensors[n]) for n in part}, str(path / fname))
         weight_map.update({n: fname for n in part})
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     cfg = hf_config(c, HF_ARCH[preset][0])
