@@ -471,8 +471,9 @@ class Engine:
         attention on the path it runs (`attention.attention_bytes`), the router's logits and
         routing, and the experts' sorted inputs and outputs ([T*k, H]) with their gate/up
         activations ([T*k, I], float32 and the parameter dtype). A streamed engine's fetch adds
-        one layer's expert weights (the packed ring's outputs). The module's `chunk_bytes`,
-        which the CLI checks a plan with before an engine exists."""
+        one layer's expert weights (the packed ring's outputs), and a quantized expert format
+        one layer's experts dequantized. The module's `chunk_bytes`, which the CLI checks a
+        plan with before an engine exists."""
         return chunk_bytes(self.config, chunk, self.capacity if capacity is None else capacity,
                            first=first, platform=self.device.platform,
                            streamed=self.streamer is not None,

@@ -93,7 +93,8 @@ def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool =
     """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
     `capacity` positions on a `platform` device with the `attention` path requested
     (`Kernels.attention`; `Engine.chunk_bytes` says what is counted); `streamed` adds one
-    layer's expert weights (the packed ring's outputs)."""
+    layer's expert weights (the packed ring's outputs). A quantized expert format adds one
+    layer's experts dequantized to the parameter dtype (what the expert math reads)."""
     c = config
     it = np.dtype(c.dtype).itemsize
     qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
@@ -102,7 +103,8 @@ def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool =
     hidden = 4 * chunk * c.hidden_size * it
     routing = chunk * c.top_k * 8
     fetched = c.n_experts * c.expert_bytes if streamed else 0
-    return int(qkv + attn + hidden + routing + expert_bytes(c, chunk) + fetched)
+    dequantized = c.n_experts * c.expert_params * it if c.expert_format != "plain" else 0
+    return int(qkv + attn + hidden + routing + expert_bytes(c, chunk) + fetched + dequantized)
 
 
 def chunk_candidates(max_context: int) -> list[int]:
