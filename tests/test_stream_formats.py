@@ -61,12 +61,17 @@ def _bytes(a) -> np.ndarray:
     return a.reshape(a.shape[0], -1).view(np.uint8)
 
 
-def _streamer(config, planes, routed: bool):
+def _streamer(config, planes, routed: bool, backend: str = "cpu", **tuning):
     from strata_jax import stream as S
 
     return S.NativeStreamer(config, _experts(config, planes), StreamConfig(
-        routed=routed, depth=1, resident_per_layer=RESIDENT,
-        tuning=StreamTuning(stream_floor=1, **SLOW)))
+        routed=routed, depth=1, resident_per_layer=RESIDENT, backend=backend,
+        tuning=StreamTuning(stream_floor=1, **{**SLOW, **tuning})))
+
+
+# The CUDA backend too (pinned store, device ring, strided copies per plane, the split kernel),
+# on the GPU machine.
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _chunk(eng, fmt, mode: int, pieces: int = 1):
@@ -98,13 +103,14 @@ def _chunk(eng, fmt, mode: int, pieces: int = 1):
     return np.asarray(stats), out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 @pytest.mark.parametrize("routed", [False, True])
-def test_quantized_planes_stream_byte_for_byte(kind, routed):
+def test_quantized_planes_stream_byte_for_byte(kind, routed, backend):
     config = CONFIGS[kind]
     fmt = ExpertFormat.of(config)
     planes = _planes(config, seed=1)
-    eng = _streamer(config, planes, routed)
+    eng = _streamer(config, planes, routed, backend)
     try:
         assert eng.blob_bytes == fmt.blob_bytes and eng.blob_elems is None
         for l in config.moe_layers:
@@ -139,15 +145,16 @@ def test_quantized_planes_stream_byte_for_byte(kind, routed):
                 else:  # what the walk skipped is what fetch zeroed, never a routed expert
                     assert stats[l, 1] == len(zeroed) and not zeroed & routed_rows, what
                     assert stats[l, 0] + stats[l, 1] == E - RESIDENT, what
-            if routed and mode != 1:
+            if routed and mode != 1 and backend == "cpu":
                 assert stats[:, 1].sum() > 0  # the slow link let the walk skip some
         assert not eng.walk_active()
     finally:
         eng.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_model_reads_the_dequantized_planes(kind):
+def test_model_reads_the_dequantized_planes(kind, backend):
     # What StreamedExperts hands the expert math: fmt.expert_weights of the fetched planes in the
     # parameter dtype, the NumPy reference's bits, whole and in pieces (the tail layer), packed
     # and through the frames; residents and streamed experts alike.
@@ -159,15 +166,22 @@ def test_model_reads_the_dequantized_planes(kind):
     config = CONFIGS[kind]
     fmt = ExpertFormat.of(config)
     planes = _planes(config, seed=2)
-    eng = _streamer(config, planes, routed=False)
+    eng = _streamer(config, planes, routed=False, backend=backend)
     last = max(config.moe_layers)
     want = {l: [fmt.dequantize_np(planes[l], m, config.dtype) for m in ExpertWeights._fields]
             for l in config.moe_layers}
     try:
-        for mode in (0, 2):
-            def run():
+        # Packed; frames copied out by fetch (frames=None); frames read in place where the
+        # backend has views of them (CUDA).
+        arms = [(2, None), (0, None)] + ([(0, eng.frames)] if backend == "cuda" else [])
+        for mode, frames in arms:
+            if frames is not None:  # the ring's planes, float8 ones as uint8
+                assert isinstance(frames[0], dict) and set(frames[0]) == set(planes[0])
+
+            def run(frames):
                 src = StreamedExperts(eng.id, mode, config, eng.resident_blobs,
-                                      jnp.zeros((), jnp.int32), tail_pieces=2, tail_layer=last)
+                                      jnp.zeros((), jnp.int32), frames=frames,
+                                      frame_of=eng.frame_of, tail_pieces=2, tail_layer=last)
                 assert src.format == fmt
                 got = {}
                 for l in config.moe_layers:
@@ -185,7 +199,7 @@ def test_model_reads_the_dequantized_planes(kind):
                     src.release(l, w.gate.sum())
                 return src.finish(), got
 
-            stats, got = jax.jit(run)()
+            stats, got = jax.jit(run)(frames)
             assert f"{last}:1" in got  # the tail layer ran in pieces
             for key, w in got.items():
                 l = int(key.split(":")[0])
