@@ -52,7 +52,9 @@ class CudaEngine final : public Engine, public PublishSink {
   explicit CudaEngine(const EngineOptions& opt)
       : Engine(opt),
         pub_(static_cast<PublishMode>(opt.publish_mode), opt.n_layers,
-             opt.n_experts, this) {}
+             opt.n_experts, this) {
+    DescribePlanes();
+  }
 
   ~CudaEngine() override {
     Abort();
@@ -505,7 +507,6 @@ class CudaEngine final : public Engine, public PublishSink {
   // Ring, copy stream and events first: the ring is the allocation most
   // likely to fail, and pinning a large store before finding out is wasted.
   Status Allocate() {
-    DescribePlanes();
     const int64_t blob = opt_.blob_bytes;
     const int64_t ring_bytes = RingBytes();
     size_t free_bytes = 0, total_bytes = 0;
