@@ -28,7 +28,7 @@ E = BASE.n_experts
 COUNTS = {0: np.array([3, 0, 2, 0, 0, 1, 4, 2], np.int32),
           1: np.array([0, 2, 0, 5, 1, 0, 3, 1], np.int32)}
 RESIDENT = 2
-SLOW = dict(sim_bandwidth=20e6, sim_latency=200e-6)  # routing lands before most copies
+SLOW = {"sim_bandwidth": 20e6, "sim_latency": 200e-6}  # routing lands before most copies
 
 
 def _planes(config, seed: int) -> dict[int, dict[str, np.ndarray]]:
@@ -135,7 +135,8 @@ def test_quantized_planes_stream_byte_for_byte(kind, routed, backend):
                     g, w = _bytes(got), _bytes(want)
                     for e in range(E):
                         if e in routed_rows or (mode != 1 and not routed):
-                            np.testing.assert_array_equal(g[e], w[e], err_msg=f"{what} {p.name} {e}")
+                            np.testing.assert_array_equal(g[e], w[e],
+                                                          err_msg=f"{what} {p.name} {e}")
                         elif not np.array_equal(g[e], w[e]):  # skipped: zero
                             assert not g[e].any(), f"{what} {p.name} expert {e}"
                             zeroed.add(e)
@@ -178,7 +179,7 @@ def test_model_reads_the_dequantized_planes(kind, backend):
             if frames is not None:  # the ring's planes, float8 ones as uint8
                 assert isinstance(frames[0], dict) and set(frames[0]) == set(planes[0])
 
-            def run(frames):
+            def run(frames, mode=mode):
                 src = StreamedExperts(eng.id, mode, config, eng.resident_blobs,
                                       jnp.zeros((), jnp.int32), frames=frames,
                                       frame_of=eng.frame_of, tail_pieces=2, tail_layer=last)
@@ -313,7 +314,7 @@ def test_fetch_outputs_must_match_the_plane_table():
                                     r"8 bytes\)"}
     try:
         for name, fmt in other.items():
-            def run():
+            def run(fmt=fmt):
                 tok, _ = S.begin(eng.id, 2, jnp.zeros((), jnp.int32))
                 tok = S.publish(eng.id, 0, tok, jnp.asarray(COUNTS[0]))
                 w, tok = S.fetch(eng.id, 0, tok, eng.resident_blobs[0], E, fmt)
@@ -339,8 +340,8 @@ def test_experts_in_a_form_the_format_does_not_take_are_refused():
     wrong_dtype = {**planes[1], "gate_scale": planes[1]["gate_scale"].astype(np.float32)}
     cases = [(w, TypeError, "quantize them with ExpertFormat.quantize_np"),
              ({k: v for k, v in planes[1].items() if k != "up"}, ValueError, r"missing \['up'\]"),
-             (wrong_dtype, ValueError, "gate_scale is float32; the int4 format stores it as "
-                                       "float16"),
+             (wrong_dtype, ValueError, ("gate_scale is float32; the int4 format stores it "
+                                        "as float16")),
              (np.zeros((E, fmt.blob_bytes), np.float16), ValueError,
               rf"blobs are float16 \({E}, {fmt.blob_bytes}\); expected uint8")]
     for bad, error, pattern in cases:

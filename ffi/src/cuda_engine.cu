@@ -1,9 +1,10 @@
 // The CUDA backend's engine: a ring of layer frames in one region per plane of
-// the expert blob (the model reads a layer's experts in its frame), one copy stream with a `copied` event
-// per slot and a `used` event per frame, and the issuer thread running the
-// shared walk. Where the copies read the host store from (pinned, or staged
-// through bounce buffers) is cuda_store's, how a layer's routing reaches the
-// gate is cuda_publish's, and its kernels are cuda_kernels'.
+// the expert blob (the model reads a layer's experts in its frame), one copy
+// stream with a `copied` event per slot and a `used` event per frame, and the
+// issuer thread running the shared walk. Where the copies read the host store
+// from (pinned, or staged through bounce buffers) is cuda_store's, how a
+// layer's routing reaches the gate is cuda_publish's, and its kernels are
+// cuda_kernels'.
 //
 // The failures it guards against: a copy landing in a frame a layer's expert
 // math is still reading (every copy into a frame waits on its `used` event,

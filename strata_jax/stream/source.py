@@ -7,7 +7,7 @@ MoE layer of a long streamed chunk.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 

@@ -12,7 +12,8 @@ import dataclasses
 import os
 import warnings
 import weakref
-from typing import Callable, Mapping, Sequence
+from collections.abc import Mapping
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -23,8 +24,14 @@ from ..experts import ExpertWeights
 from ..formats import ExpertFormat
 from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
 from ..memory import check_host_bytes, device_memory
-from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
-                     _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
+from .config import (
+    _MODE_ROUTED_ONLY,
+    _MODE_STREAM,
+    _MODE_STREAM_PACKED,
+    _PUBLISH_MODES,
+    _STREAM_MODES,
+    StreamConfig,
+)
 from .plan import plan_stream
 
 # The native engine's host store on CUDA (EngineOptions.pin_mode): a pinned arena, with the
@@ -622,7 +629,9 @@ def _frame_arrays(frame) -> list:
 def _dlpack_dtype(dtype: np.dtype) -> np.dtype:
     """`dtype`, or the unsigned int of its width where DLPack has no code for it (float8)."""
     dtype = np.dtype(dtype)
-    return dtype if dtype.kind in "fiu" or dtype.name == "bfloat16" else np.dtype(f"u{dtype.itemsize}")
+    if dtype.kind in "fiu" or dtype.name == "bfloat16":
+        return dtype
+    return np.dtype(f"u{dtype.itemsize}")
 
 
 def _destroy(handle, pid: int) -> None:
