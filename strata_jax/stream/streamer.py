@@ -24,14 +24,8 @@ from ..experts import ExpertWeights
 from ..formats import ExpertFormat
 from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
 from ..memory import check_host_bytes, device_memory
-from .config import (
-    _MODE_ROUTED_ONLY,
-    _MODE_STREAM,
-    _MODE_STREAM_PACKED,
-    _PUBLISH_MODES,
-    _STREAM_MODES,
-    StreamConfig,
-)
+from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
+                     _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
 
 # The native engine's host store on CUDA (EngineOptions.pin_mode): a pinned arena, with the
