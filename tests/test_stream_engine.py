@@ -1007,9 +1007,8 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
         tok, _ = S.begin(eng.id, eng.chunk_mode(eng.tuning.stream_floor), jnp.zeros((), jnp.int32))
         outs = []
         so_far = None
-        w = ExpertWeights(*(jax.ShapeDtypeStruct(s, eng.dtype) for s in (
-            (CFG.n_experts, CFG.hidden_size, CFG.expert_intermediate),) * 2 + (
-            (CFG.n_experts, CFG.expert_intermediate, CFG.hidden_size),)))
+        w = {p.name: jax.ShapeDtypeStruct((CFG.n_experts, *p.shape), p.dtype)
+             for p in eng.format.planes}
         for i, call in steps:
             if i == "end":
                 break
@@ -1017,8 +1016,8 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
             if call == "fetch":
                 tok = S.publish(eng.id, l, tok, counts)
                 w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
-                                 CFG.hidden_size, CFG.expert_intermediate)
-                outs.append(w.gate.sum())
+                                 eng.format)
+                outs.append(w["gate"].sum())
             elif call.startswith("piece:"):
                 p, n = map(int, call[len("piece:"):].split("/"))
                 if p == 0:
@@ -1028,11 +1027,11 @@ def test_frames_are_fetched_and_released_in_layer_order(steps, pattern, ring):
                     so_far = jax.tree_util.tree_map(jnp.zeros_like, w)
                 rows = CFG.n_experts  # one token per expert
                 w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
-                                 CFG.hidden_size, CFG.expert_intermediate, piece=p, pieces=n,
+                                 eng.format, piece=p, pieces=n,
                                  rows=(p * rows // n, (p + 1) * rows // n), so_far=so_far,
                                  after=outs[-1] if p > 0 and outs else tok)
                 so_far = w
-                outs.append(w.gate.sum())
+                outs.append(w["gate"].sum())
             else:
                 tok = S.release(eng.id, l, tok, outs[-1] if outs else tok)
         return S.end(eng.id, tok, CFG.n_layers), outs
@@ -1071,9 +1070,8 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
         outs = []
         for l in layers[:n_fetched]:
             tok = S.publish(eng.id, l, tok, counts)
-            w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts,
-                             CFG.hidden_size, CFG.expert_intermediate)
-            outs.append(w.gate.sum())
+            w, tok = S.fetch(eng.id, l, tok, eng.resident_blobs[l], CFG.n_experts, eng.format)
+            outs.append(w["gate"].sum())
             tok = S.release(eng.id, l, tok, outs[-1])
         return S.end(eng.id, tok, CFG.n_layers), outs
 

@@ -1,5 +1,5 @@
-// The CPU backend ("simulated device"): the ring (three planes of layer
-// frames, as on the GPU) is host memory, the link is
+// The CPU backend ("simulated device"): the ring (the planes' regions of layer
+// frames, or packed blobs, as on the GPU) is host memory, the link is
 // SimLink's copy worker (in order, with a configurable bandwidth, latency and
 // jitter) and events are per-slot sequence numbers. It runs the real walk with
 // real threads and atomics, so CI exercises the whole engine without a GPU.
@@ -26,7 +26,7 @@ class CpuEngine final : public Engine {
     if (in_chunk_) return "cannot prepare during a chunk";
     if (Status s = CheckStores(); !s.empty()) return s;
     if (link_) link_->Shutdown();
-    ring_.assign(static_cast<size_t>(opt_.ring * opt_.blob_bytes), 0);
+    ring_.assign(static_cast<size_t>(RingBytes()), 0);
     SimLinkOptions lo;
     lo.bandwidth = opt_.sim_bandwidth;
     lo.latency = opt_.sim_latency;
@@ -34,7 +34,7 @@ class CpuEngine final : public Engine {
     lo.seed = opt_.seed;
     link_ = std::make_unique<SimLink>(
         [this](const StreamEntry& e) { return HostBlob(e.layer, e.expert); },
-        opt_.blob_bytes, ring_.data(), opt_.ring, lo, kParts);
+        opt_.blob_bytes, ring_.data(), opt_.ring, lo);
     link_->SetNeed(&need_);
     prepared_ = true;
     return {};
@@ -45,7 +45,11 @@ class CpuEngine final : public Engine {
     // Each chunk lays the ring out its own way (packed blobs or frame planes).
     // Nothing of the last chunk reads the ring any more: its fetches copied
     // what they read out before their handlers returned.
-    link_->BeginChunk(&state_, mode == ChunkMode::kStreamPacked ? 1 : kParts);
+    std::vector<RingPlane> planes;
+    if (mode != ChunkMode::kStreamPacked)
+      for (int p = 0; p < n_planes(); ++p)
+        planes.push_back({plane_offset(p), plane_bytes(p), PlaneRegion(p)});
+    link_->BeginChunk(&state_, std::move(planes));
     return {};
   }
 
@@ -86,8 +90,8 @@ class CpuEngine final : public Engine {
   }
 
   Status CopyRows(const Rows& src, int64_t n, const Rows& dst, void*) override {
-    for (int p = 0; p < kParts; ++p)
-      std::memcpy(dst.part[p], src.part[p], static_cast<size_t>(n * part_bytes()));
+    for (int p = 0; p < n_planes(); ++p)
+      std::memcpy(dst.plane[p], src.plane[p], static_cast<size_t>(n * plane_bytes(p)));
     return {};
   }
 
@@ -114,8 +118,8 @@ class CpuEngine final : public Engine {
   }
 
   Status ZeroRows(const Rows& dst, int64_t n, void*) override {
-    for (uint8_t* p : dst.part)
-      std::memset(p, 0, static_cast<size_t>(n * part_bytes()));
+    for (int p = 0; p < n_planes(); ++p)
+      std::memset(dst.plane[p], 0, static_cast<size_t>(n * plane_bytes(p)));
     return {};
   }
 
@@ -142,11 +146,11 @@ class CpuEngine final : public Engine {
  private:
   // n packed blobs at `src` into n rows of each plane.
   void Split(const uint8_t* src, int64_t n, const Rows& dst) const {
-    const int64_t part = part_bytes();
     for (int64_t j = 0; j < n; ++j)
-      for (int p = 0; p < kParts; ++p)
-        std::memcpy(dst.part[p] + j * part, src + j * opt_.blob_bytes + p * part,
-                    static_cast<size_t>(part));
+      for (int p = 0; p < n_planes(); ++p)
+        std::memcpy(dst.plane[p] + j * plane_bytes(p),
+                    src + j * opt_.blob_bytes + plane_offset(p),
+                    static_cast<size_t>(plane_bytes(p)));
   }
 
   std::vector<uint8_t> ring_;

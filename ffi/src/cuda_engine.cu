@@ -1,9 +1,10 @@
-// The CUDA backend's engine: a ring of layer frames in three planes (the model
-// reads a layer's experts in its frame), one copy stream with a `copied` event
-// per slot and a `used` event per frame, and the issuer thread running the
-// shared walk. Where the copies read the host store from (pinned, or staged
-// through bounce buffers) is cuda_store's, how a layer's routing reaches the
-// gate is cuda_publish's, and its kernels are cuda_kernels'.
+// The CUDA backend's engine: a ring of layer frames in one region per plane of
+// the expert blob (the model reads a layer's experts in its frame), one copy
+// stream with a `copied` event per slot and a `used` event per frame, and the
+// issuer thread running the shared walk. Where the copies read the host store
+// from (pinned, or staged through bounce buffers) is cuda_store's, how a
+// layer's routing reaches the gate is cuda_publish's, and its kernels are
+// cuda_kernels'.
 //
 // The failures it guards against: a copy landing in a frame a layer's expert
 // math is still reading (every copy into a frame waits on its `used` event,
@@ -52,7 +53,9 @@ class CudaEngine final : public Engine, public PublishSink {
   explicit CudaEngine(const EngineOptions& opt)
       : Engine(opt),
         pub_(static_cast<PublishMode>(opt.publish_mode), opt.n_layers,
-             opt.n_experts, this) {}
+             opt.n_experts, this) {
+    DescribePlanes();
+  }
 
   ~CudaEngine() override {
     Abort();
@@ -151,13 +154,13 @@ class CudaEngine final : public Engine, public PublishSink {
                              ? stager_.WaitFilled(k, kIssuerPoll)
                              : SourceBlob(e.layer, e.expert);
     // Packed blobs: one copy per run, split by fetch. Frames: split into the
-    // three planes as it crosses the link, in as few copies as the layout
-    // allows: each copy costs the link a few microseconds, a visible share of
-    // a routed chunk's link time at three copies per expert. One expert is
-    // one strided copy whose rows are its three parts (plane to plane: the
-    // ring's plane stride); a run of n adjacent experts is one strided copy
-    // per plane, rows of a third of a blob.
-    const size_t part = static_cast<size_t>(part_bytes());
+    // planes as it crosses the link, in as few copies as the layout allows:
+    // each copy costs the link a few microseconds, a visible share of a routed
+    // chunk's link time at one copy per plane and expert. Where the planes are
+    // equal, evenly spaced in the blob and in the ring (the plain format), one
+    // expert is one strided copy whose rows are its planes; otherwise, and for
+    // a run of n adjacent experts, one strided copy per plane, n rows of the
+    // plane's bytes (source pitch a blob).
     const Rows dst = SlotRows(slot0);
     if (packed()) {
       STRATA_CUDA_THROW(
@@ -165,19 +168,23 @@ class CudaEngine final : public Engine, public PublishSink {
           cudaMemcpyAsync, PackedSlot(slot0), src,
           static_cast<size_t>(n * opt_.blob_bytes), cudaMemcpyHostToDevice,
           copy_stream_);
-    } else if (n == 1) {
-      STRATA_CUDA_THROW(Entry(slot0, e), cudaMemcpy2DAsync, dst.part[0],
-                        static_cast<size_t>(opt_.ring) * part, src, part, part,
-                        static_cast<size_t>(kParts), cudaMemcpyHostToDevice,
+    } else if (n == 1 && uniform_planes_) {
+      const size_t bytes = static_cast<size_t>(plane_bytes(0));
+      STRATA_CUDA_THROW(Entry(slot0, e), cudaMemcpy2DAsync, dst.plane[0],
+                        static_cast<size_t>(uniform_dst_pitch_), src + plane_offset(0),
+                        static_cast<size_t>(uniform_src_pitch_), bytes,
+                        static_cast<size_t>(n_planes()), cudaMemcpyHostToDevice,
                         copy_stream_);
     } else {
-      for (int p = 0; p < kParts; ++p)
+      for (int p = 0; p < n_planes(); ++p) {
+        const size_t bytes = static_cast<size_t>(plane_bytes(p));
         STRATA_CUDA_THROW(
-            Entry(slot0, e) + " and the next " + std::to_string(n - 1) +
+            Entry(slot0, e) + (n > 1 ? " and the next " + std::to_string(n - 1) : "") +
                 ", plane " + std::to_string(p),
-            cudaMemcpy2DAsync, dst.part[p], part, src + p * part,
-            static_cast<size_t>(opt_.blob_bytes), part, static_cast<size_t>(n),
+            cudaMemcpy2DAsync, dst.plane[p], bytes, src + plane_offset(p),
+            static_cast<size_t>(opt_.blob_bytes), bytes, static_cast<size_t>(n),
             cudaMemcpyHostToDevice, copy_stream_);
+      }
     }
     for (int64_t j = 0; j < n; ++j)
       STRATA_CUDA_THROW(Entry(slot0 + j, stream_[k + j]), cudaEventRecord,
@@ -327,9 +334,9 @@ class CudaEngine final : public Engine, public PublishSink {
   Status CopyRows(const Rows& src, int64_t n, const Rows& dst,
                   void* stream) override {
     STRATA_ENTER_DEVICE(dev);
-    for (int p = 0; p < kParts; ++p)
-      STRATA_CUDA_RETURN("plane " + std::to_string(p), cudaMemcpyAsync, dst.part[p],
-                         src.part[p], static_cast<size_t>(n * part_bytes()),
+    for (int p = 0; p < n_planes(); ++p)
+      STRATA_CUDA_RETURN("plane " + std::to_string(p), cudaMemcpyAsync, dst.plane[p],
+                         src.plane[p], static_cast<size_t>(n * plane_bytes(p)),
                          cudaMemcpyDeviceToDevice,
                          static_cast<cudaStream_t>(stream));
     return {};
@@ -365,9 +372,10 @@ class CudaEngine final : public Engine, public PublishSink {
 
   Status ZeroRows(const Rows& dst, int64_t n, void* stream) override {
     STRATA_ENTER_DEVICE(dev);
-    for (uint8_t* p : dst.part)
-      STRATA_CUDA_RETURN("rows of skipped experts", cudaMemsetAsync, p, 0,
-                         static_cast<size_t>(n * part_bytes()),
+    for (int p = 0; p < n_planes(); ++p)
+      STRATA_CUDA_RETURN("rows of skipped experts, plane " + std::to_string(p),
+                         cudaMemsetAsync, dst.plane[p], 0,
+                         static_cast<size_t>(n * plane_bytes(p)),
                          static_cast<cudaStream_t>(stream));
     return {};
   }
@@ -462,7 +470,7 @@ class CudaEngine final : public Engine, public PublishSink {
   };
   // Longest run of adjacent experts queued together: long enough that the
   // link's per-copy cost is negligible (16 experts of Qwen3-30B are 151 MB in
-  // three copies, one per plane), short enough to stay an eighth of a layer.
+  // one copy per plane), short enough to stay an eighth of a layer.
   static constexpr int kMaxRun = 16;
 
   static constexpr std::chrono::microseconds kIssuerPoll{10};
@@ -471,7 +479,26 @@ class CudaEngine final : public Engine, public PublishSink {
   // (SplitIntoPlanes).
   Status Split(const uint8_t* src, int64_t n, const Rows& dst,
                cudaMemcpyKind kind, cudaStream_t st) const {
-    return SplitIntoPlanes(src, n, dst, opt_.blob_bytes, part_bytes(), kind, st);
+    return SplitIntoPlanes(src, n, dst, opt_.blob_bytes, table_, kind, st);
+  }
+
+  // The plane table as SplitIntoPlanes reads it, and whether one strided copy
+  // moves an expert into a frames ring: every plane of one size, at one
+  // stride in the blob (uniform_src_pitch_) and in the ring
+  // (uniform_dst_pitch_).
+  void DescribePlanes() {
+    table_.n = n_planes();
+    for (int p = 0; p < n_planes(); ++p) {
+      table_.offset[p] = plane_offset(p);
+      table_.bytes[p] = plane_bytes(p);
+    }
+    uniform_planes_ = true;
+    uniform_src_pitch_ = n_planes() > 1 ? plane_offset(1) - plane_offset(0) : plane_bytes(0);
+    uniform_dst_pitch_ = n_planes() > 1 ? PlaneRegion(1) - PlaneRegion(0) : plane_bytes(0);
+    for (int p = 1; p < n_planes(); ++p)
+      uniform_planes_ = uniform_planes_ && plane_bytes(p) == plane_bytes(0) &&
+                        plane_offset(p) - plane_offset(p - 1) == uniform_src_pitch_ &&
+                        PlaneRegion(p) - PlaneRegion(p - 1) == uniform_dst_pitch_;
   }
 
   const uint8_t* SourceBlob(int layer, int expert) const {
@@ -482,7 +509,7 @@ class CudaEngine final : public Engine, public PublishSink {
   // likely to fail, and pinning a large store before finding out is wasted.
   Status Allocate() {
     const int64_t blob = opt_.blob_bytes;
-    const int64_t ring_bytes = opt_.ring * blob;
+    const int64_t ring_bytes = RingBytes();
     size_t free_bytes = 0, total_bytes = 0;
     STRATA_CUDA_RETURN("device " + std::to_string(opt_.device), cudaMemGetInfo,
                        &free_bytes, &total_bytes);
@@ -568,6 +595,9 @@ class CudaEngine final : public Engine, public PublishSink {
 
   uint8_t* ring_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;
+  PlaneTable table_{};  // DescribePlanes
+  bool uniform_planes_ = false;
+  int64_t uniform_src_pitch_ = 0, uniform_dst_pitch_ = 0;
   std::vector<cudaEvent_t> copied_;  // per slot, recorded on copy_stream_
   std::vector<cudaEvent_t> used_;    // per frame, recorded on XLA's stream
   // The layout of the last chunk that began, and whether the next copy must

@@ -62,30 +62,38 @@ Status LaunchWrites(const int32_t* host, void* out, int64_t n, void* stream) {
   return {};
 }
 
-// Device-to-device split of n packed blobs into the three planes: one launch
-// for all of them instead of a strided cudaMemcpy2DAsync per plane, three
-// copies of short rows that take longer than this kernel's streaming of the
-// same bytes. Each block copies 16-byte words of one (row, plane) piece; the
-// caller checks that `part` and every pointer are 16-byte aligned.
+// Device-to-device split of n packed blobs into their planes: one launch for
+// all of them instead of a strided cudaMemcpy2DAsync per plane, copies of
+// short rows that take longer than this kernel's streaming of the same bytes.
+// Each block copies one (row, plane) piece: 16-byte words where the plane is
+// `wide` (the caller checks that its offset, size, the blob and every pointer
+// are 16-byte aligned), else bytes.
 struct SplitArgs {
   const uint8_t* src;
-  uint8_t* dst[3];
-  int64_t blob;  // bytes from one packed blob to the next
-  int64_t part;  // bytes of one plane's row
+  uint8_t* dst[kMaxPlanes];
+  int64_t offset[kMaxPlanes];  // of each plane in a blob
+  int64_t bytes[kMaxPlanes];   // of each plane's row
+  int32_t wide[kMaxPlanes];    // 1: copy in 16-byte words
+  int64_t blob;                // bytes from one packed blob to the next
+  int32_t planes;
 };
 
 __global__ void SplitBlobs(SplitArgs a, int64_t blocks_per_piece) {
-  const int64_t piece = blockIdx.x / blocks_per_piece;  // row * 3 + plane
-  const int64_t row = piece / 3;
-  const int plane = static_cast<int>(piece % 3);
-  const uint4* src =
-      reinterpret_cast<const uint4*>(a.src + row * a.blob + plane * a.part);
-  uint4* dst = reinterpret_cast<uint4*>(a.dst[plane] + row * a.part);
-  const int64_t words = a.part / 16;
+  const int64_t piece = blockIdx.x / blocks_per_piece;  // row * planes + plane
+  const int64_t row = piece / a.planes;
+  const int plane = static_cast<int>(piece % a.planes);
+  const uint8_t* src = a.src + row * a.blob + a.offset[plane];
+  uint8_t* dst = a.dst[plane] + row * a.bytes[plane];
   const int64_t stride = blocks_per_piece * blockDim.x;
-  for (int64_t w = (blockIdx.x % blocks_per_piece) * blockDim.x + threadIdx.x;
-       w < words; w += stride)
-    dst[w] = src[w];
+  const int64_t first = (blockIdx.x % blocks_per_piece) * blockDim.x + threadIdx.x;
+  if (a.wide[plane]) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int64_t w = first, words = a.bytes[plane] / 16; w < words; w += stride)
+      d[w] = s[w];
+  } else {
+    for (int64_t b = first; b < a.bytes[plane]; b += stride) dst[b] = src[b];
+  }
 }
 
 }  // namespace
@@ -98,39 +106,49 @@ Status LaunchIntWrites(const int32_t* host, void* out, int64_t n,
 }
 
 Status SplitIntoPlanes(const uint8_t* src, int64_t n, const Rows& dst,
-                       int64_t blob, int64_t part_bytes, cudaMemcpyKind kind,
-                       cudaStream_t st) {
-  static_assert(kParts == 3, "SplitBlobs copies three planes");
-  const size_t part = static_cast<size_t>(part_bytes);
+                       int64_t blob, const PlaneTable& planes,
+                       cudaMemcpyKind kind, cudaStream_t st) {
   auto aligned = [](const void* p) {
     return reinterpret_cast<uintptr_t>(p) % 16 == 0;
   };
-  if (kind == cudaMemcpyDeviceToDevice && n > 0 && part % 16 == 0 &&
-      blob % 16 == 0 && aligned(src) && aligned(dst.part[0]) &&
-      aligned(dst.part[1]) && aligned(dst.part[2])) {
-    SplitArgs a{src, {dst.part[0], dst.part[1], dst.part[2]},
-                blob, static_cast<int64_t>(part)};
+  if (n <= 0) return {};
+  if (kind == cudaMemcpyDeviceToDevice) {
+    SplitArgs a{};
+    a.src = src;
+    a.blob = blob;
+    a.planes = planes.n;
+    int64_t widest = 0;  // bytes of the largest plane
+    for (int p = 0; p < planes.n; ++p) {
+      a.dst[p] = dst.plane[p];
+      a.offset[p] = planes.offset[p];
+      a.bytes[p] = planes.bytes[p];
+      a.wide[p] = blob % 16 == 0 && planes.offset[p] % 16 == 0 &&
+                  planes.bytes[p] % 16 == 0 && aligned(src) && aligned(dst.plane[p]);
+      widest = std::max(widest, planes.bytes[p]);
+    }
     constexpr int kThreads = 256;
-    // About 64 KiB of words per block: enough blocks to fill the device
-    // even for one row, few enough to keep each block streaming.
-    const int64_t words = static_cast<int64_t>(part) / 16;
+    // About 64 KiB of words per block of the largest plane: enough blocks to
+    // fill the device even for one row, few enough to keep each block
+    // streaming.
     const int64_t per_piece =
-        std::max<int64_t>(1, std::min<int64_t>(64, words / 4096));
-    const int64_t blocks = n * kParts * per_piece;
+        std::max<int64_t>(1, std::min<int64_t>(64, widest / 16 / 4096));
+    const int64_t blocks = n * planes.n * per_piece;
     void* args[] = {&a, const_cast<int64_t*>(&per_piece)};
-    STRATA_CUDA_RETURN(std::to_string(n) + " rows, 3 planes",
+    STRATA_CUDA_RETURN(std::to_string(n) + " rows, " + std::to_string(planes.n) + " planes",
                        cudaLaunchKernel,
                        reinterpret_cast<const void*>(&SplitBlobs),
                        dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
                        args, size_t{0}, st);
     return {};
   }
-  for (int p = 0; p < kParts; ++p)
+  for (int p = 0; p < planes.n; ++p) {
+    const size_t bytes = static_cast<size_t>(planes.bytes[p]);
     STRATA_CUDA_RETURN("plane " + std::to_string(p) + ", " + std::to_string(n) +
                            " rows",
-                       cudaMemcpy2DAsync, dst.part[p], part, src + p * part,
-                       static_cast<size_t>(blob), part,
+                       cudaMemcpy2DAsync, dst.plane[p], bytes, src + planes.offset[p],
+                       static_cast<size_t>(blob), bytes,
                        static_cast<size_t>(n), kind, st);
+  }
   return {};
 }
 

@@ -1,6 +1,6 @@
 // The CUDA backend's device kernels, reached through their launch helpers:
 // int32 writes whose values travel as kernel arguments (a chunk's stats and
-// token ids), and the split of packed expert blobs into the three planes.
+// token ids), and the split of packed expert blobs into their planes.
 // CUDA builds only; each helper queues its work on the stream it is given and
 // returns a Status.
 #pragma once
@@ -22,12 +22,21 @@ namespace STRATA_INTERNAL cuda {
 Status LaunchIntWrites(const int32_t* host, void* out, int64_t n,
                        bool large_args, void* stream);
 
-// n packed blobs at `src` (blob bytes apart) into n rows of each plane (part
-// bytes each): on the device one SplitBlobs launch where everything is 16-byte
-// aligned, else (and from the host) one strided copy per plane.
+// The plane table as the split reads it: plane p's `bytes[p]` at
+// `offset[p]` in each blob, for the first `n` planes.
+struct PlaneTable {
+  int n;
+  int64_t offset[kMaxPlanes];
+  int64_t bytes[kMaxPlanes];
+};
+
+// n packed blobs at `src` (blob bytes apart) into n rows of each plane of
+// `planes` (plane p's rows bytes[p] apart at dst.plane[p]): on the device one
+// SplitBlobs launch (16-byte words for a plane where it and its rows are
+// 16-byte aligned, else bytes), from the host one strided copy per plane.
 Status SplitIntoPlanes(const uint8_t* src, int64_t n, const Rows& dst,
-                       int64_t blob, int64_t part, cudaMemcpyKind kind,
-                       cudaStream_t st);
+                       int64_t blob, const PlaneTable& planes,
+                       cudaMemcpyKind kind, cudaStream_t st);
 
 }  // namespace cuda
 }  // namespace strata

@@ -14,8 +14,45 @@ namespace strata {
 
 std::atomic<bool> Engine::depth_line_printed_{false};
 
+Status ValidatePlanes(const EngineOptions& opt) {
+  const size_t n = opt.plane_bytes.size();
+  if (opt.plane_offsets.size() != n)
+    return "plane table: " + std::to_string(opt.plane_offsets.size()) +
+           " plane offsets for " + std::to_string(n) +
+           " plane sizes (one offset and one size per plane)";
+  if (n < 1 || n > static_cast<size_t>(kMaxPlanes))
+    return "plane table of " + std::to_string(n) + " planes: an expert blob has 1 to " +
+           std::to_string(kMaxPlanes);
+  int64_t end = 0;  // of the plane before
+  for (size_t p = 0; p < n; ++p) {
+    const int64_t o = opt.plane_offsets[p], b = opt.plane_bytes[p];
+    const std::string name = "plane " + std::to_string(p);
+    if (b < 1) return name + " has " + std::to_string(b) + " bytes; a plane needs at least one";
+    if (o < end)
+      return name + " starts at byte " + std::to_string(o) +
+             (p == 0 ? std::string(", before the blob")
+                     : ", inside plane " + std::to_string(p - 1) + " (which ends at " +
+                           std::to_string(end) +
+                           "): planes are in blob order and do not overlap");
+    if (b > opt.blob_bytes - o)
+      return name + " (bytes " + std::to_string(o) + ".." + std::to_string(o + b) +
+             ") passes the end of the " + std::to_string(opt.blob_bytes) + "-byte blob";
+    end = o + b;
+  }
+  return {};
+}
+
 Engine::Engine(const EngineOptions& opt) : opt_(opt) {
   depth_ = ClampDepth(opt.depth);
+  // A frames ring: plane p's region [ring, plane_bytes[p]] after plane p-1's,
+  // at the next multiple of kPlaneAlign.
+  region_.assign(opt.plane_bytes.size(), 0);
+  int64_t at = 0;
+  for (size_t p = 0; p < opt.plane_bytes.size(); ++p) {
+    region_[p] = at;
+    at = (at + opt.ring * opt.plane_bytes[p] + kPlaneAlign - 1) / kPlaneAlign * kPlaneAlign;
+  }
+  ring_bytes_ = std::max(at, opt.ring * opt.blob_bytes);
   stores_.assign(static_cast<size_t>(opt.n_layers), nullptr);
   resident_.assign(static_cast<size_t>(opt.n_layers), {});
   gate_.Reset(opt.n_layers, opt.n_experts);
@@ -272,8 +309,8 @@ int LayerOfOrd(const std::vector<int64_t>& ord, int64_t o) {
 }  // namespace
 
 Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
-                     void* const* out, const int64_t* out_bytes, void* stream,
-                     const FetchPiece& piece) {
+                     void* const* out, const int64_t* out_bytes, int n_out,
+                     void* stream, const FetchPiece& piece) {
   const bool whole = piece.pieces == 1;
   const std::string where =
       "fetch, layer " + std::to_string(layer) +
@@ -281,7 +318,8 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
              : ", piece " + std::to_string(piece.piece) + " of " +
                    std::to_string(piece.pieces)) +
       ": ";
-  if (Status s = CheckFetch(where, layer, resident_bytes, out, out_bytes, piece);
+  if (Status s = CheckFetch(where, layer, resident_bytes, out, out_bytes, n_out,
+                            piece);
       !s.empty())
     return s;
   if (Status s = CheckFetchMayRun(where, layer, out, piece); !s.empty())
@@ -316,7 +354,8 @@ Status Engine::Fetch(int layer, const void* resident, int64_t resident_bytes,
 
 Status Engine::CheckFetch(const std::string& where, int layer,
                           int64_t resident_bytes, void* const* out,
-                          const int64_t* out_bytes, const FetchPiece& piece) {
+                          const int64_t* out_bytes, int n_out,
+                          const FetchPiece& piece) {
   const bool whole = piece.pieces == 1;
   if (!in_chunk_) return where + "outside a chunk (begin_chunk not run)";
   if (layer < 0 || layer >= opt_.n_layers)
@@ -331,14 +370,16 @@ Status Engine::CheckFetch(const std::string& where, int layer,
   if (!whole && !Streams(mode_))
     return Fail(where + "a routed-only chunk fetches each layer whole");
   const int64_t blob = opt_.blob_bytes;
-  static const char* const kPartNames[kParts] = {"gate", "up", "down"};
-  for (int p = 0; out && p < kParts; ++p)
-    if (out_bytes[p] != part_bytes() * opt_.n_experts)
-      return Fail(where + kPartNames[p] + " output of " +
+  if (out && n_out != n_planes())
+    return Fail(where + std::to_string(n_out) + " outputs; the plane table has " +
+                std::to_string(n_planes()) + " planes (one output per plane)");
+  for (int p = 0; out && p < n_planes(); ++p)
+    if (out_bytes[p] != plane_bytes(p) * opt_.n_experts)
+      return Fail(where + "plane " + std::to_string(p) + " output of " +
                   std::to_string(out_bytes[p]) + " bytes; expected " +
-                  std::to_string(part_bytes() * opt_.n_experts) + " (" +
+                  std::to_string(plane_bytes(p) * opt_.n_experts) + " (" +
                   std::to_string(opt_.n_experts) + " experts x " +
-                  std::to_string(part_bytes()) + " bytes)");
+                  std::to_string(plane_bytes(p)) + " bytes)");
   const int64_t o = ord_[layer];
   if (o < 0)
     return Fail(where + "the stream plan has no experts for this layer (a "
@@ -403,10 +444,10 @@ Engine::FetchRows Engine::FetchTargets(int64_t o, void* const* out,
   rows.frame = SlotRows((o % frames()) * opt_.n_experts);
   rows.base = rows.frame;
   if (packed())
-    for (int p = 0; p < kParts; ++p) rows.base.part[p] = static_cast<uint8_t*>(out[p]);
+    for (int p = 0; p < n_planes(); ++p) rows.base.plane[p] = static_cast<uint8_t*>(out[p]);
   rows.outs = Rows{};
   if (out)
-    for (int p = 0; p < kParts; ++p) rows.outs.part[p] = static_cast<uint8_t*>(out[p]);
+    for (int p = 0; p < n_planes(); ++p) rows.outs.plane[p] = static_cast<uint8_t*>(out[p]);
   rows.copy_out = out && !packed() && !whole;  // frames, row by row
   return rows;
 }

@@ -34,9 +34,9 @@ enum class Backend : int32_t { kCpu = 0, kCuda = 1 };
 // ring's layer frames, routed-only, or streamed through the packed ring. The
 // ring's bytes are the same either way; a chunk chooses how it lays them out
 // (StreamConfig.layout):
-// - frames: three planes (see kParts), each expert split into them as it
-//   crosses the link (one strided copy per expert or per plane of a run), read
-//   in place where the model can (fetch_frame);
+// - frames: one region per plane of the blob (EngineOptions' plane table),
+//   each expert split into them as it crosses the link (strided copies, per
+//   plane of a run), read in place where the model can (fetch_frame);
 // - packed: whole blobs, slot s at s * blob_bytes, one copy per run of
 //   adjacent experts on the link, which fetch splits into outputs of its own
 //   on the device as each run lands. Fewer copies on the link, more work on
@@ -76,18 +76,31 @@ struct EngineOptions {
   // after the counts' copy, polled by the issuer, which fills the row. The
   // default is StreamConfig's (publish="event").
   int32_t publish_mode = 1;
+  // The plane table: each plane of an expert's blob (its gate, up and down
+  // matrices, and their scales in a quantized format), in blob order: its
+  // byte offset in the blob and its bytes. Ascending, not overlapping, within
+  // blob_bytes, 1 to kMaxPlanes of them (ValidatePlanes).
+  std::vector<int64_t> plane_offsets;
+  std::vector<int64_t> plane_bytes;
 };
 
-// An expert's host blob is its gate, up and down matrices back to back, each
-// blob / kParts bytes. A frames chunk holds them in three planes, [ring, part] each,
-// split as they are copied in: `ring` slots are `ring / E` layer frames of E
-// rows, a layer's expert e in row e of its frame, so each plane of a frame is
-// one [E, ...] matrix of the layer, read where it landed.
-inline constexpr int kParts = 3;
+// An expert's host blob is its planes (EngineOptions' plane table) at their
+// offsets. A frames chunk holds each plane p in a region of its own,
+// [ring, plane_bytes[p]], the regions back to back in the ring, each starting
+// at a multiple of kPlaneAlign bytes; the planes are split out as they are
+// copied in: `ring` slots are `ring / E` layer frames of E rows, a layer's
+// expert e in row e of its frame, so each plane of a frame is one [E, ...]
+// array of the layer, read where it landed.
+inline constexpr int kMaxPlanes = 16;
+inline constexpr int64_t kPlaneAlign = 256;
 
-// Where rows go: each plane's row of one expert. Advance with Engine::At.
+// An error naming what is wrong with `opt`'s plane table, or empty.
+Status ValidatePlanes(const EngineOptions& opt);
+
+// Where rows go: each plane's row of one expert (planes past the engine's
+// count unused). Advance with Engine::At.
 struct Rows {
-  uint8_t* part[kParts];
+  uint8_t* plane[kMaxPlanes];
 };
 
 // Per layer and chunk, as returned to Python.
@@ -160,15 +173,16 @@ class Engine {
   Status Publish(int layer, const void* counts, void* stream);
   // Readies `layer`'s frame on `stream`: its resident experts copied in from
   // the cache, its skipped rows zeroed, its copies waited for. `out` and
-  // `out_bytes`: null (the model reads the frame itself, FramePlanes), or the
-  // three planes (gate, up, down), [E, part] each, to copy the frame into
+  // `out_bytes`: null (the model reads the frame itself, FramePlanes), or one
+  // output per plane, [E, plane_bytes[p]] each, to copy the frame into
   // (a packed chunk requires them: residents, zeros and the split of each
   // copied run go straight there).
   // Layers fetch in order, each after the one before released its frame.
   // `piece`: the part of the layer this call readies (FetchPiece).
+  // `n_out`: the outputs given (n_planes() of them, else an error).
   Status Fetch(int layer, const void* resident, int64_t resident_bytes,
-               void* const* out, const int64_t* out_bytes, void* stream,
-               const FetchPiece& piece = {});
+               void* const* out, const int64_t* out_bytes, int n_out,
+               void* stream, const FetchPiece& piece = {});
   // After `layer`'s expert math on `stream`: its frame may take the layer
   // `frames()` later.
   Status Release(int layer, void* stream);
@@ -229,9 +243,15 @@ class Engine {
                ? ord_[layer] % frames()
                : -1;
   }
-  // The ring's three planes (gate, up, down) after Prepare, each
-  // [ring, part]: frame f's rows start at row f * n_experts.
+  // The ring's plane regions after Prepare, plane p [ring, plane_bytes(p)]:
+  // frame f's rows start at row f * n_experts.
   Rows FramePlanes() const { return SlotRows(0); }
+  int n_planes() const { return static_cast<int>(opt_.plane_bytes.size()); }
+  int64_t plane_bytes(int p) const { return opt_.plane_bytes[p]; }
+  int64_t plane_offset(int p) const { return opt_.plane_offsets[p]; }
+  // Bytes the ring needs: ring whole blobs (packed), or the plane regions
+  // (frames), whichever is more.
+  int64_t RingBytes() const { return ring_bytes_; }
 
  protected:
   // Backend hooks.
@@ -276,16 +296,17 @@ class Engine {
   virtual void BackendAbort() = 0;
   virtual std::string Describe() const = 0;
 
-  int64_t part_bytes() const { return opt_.blob_bytes / kParts; }
   // This chunk lays its copies out in the packed ring (else in frames).
   bool packed() const { return mode_ == ChunkMode::kStreamPacked; }
-  // Ring slot `slot` in a frames chunk: its row in each plane ([ring, part]
-  // each, plane-major). All null before Prepare.
+  // Byte offset of plane p's region ([ring, plane_bytes(p)]) in the ring.
+  int64_t PlaneRegion(int p) const { return region_[p]; }
+  // Ring slot `slot` in a frames chunk: its row in each plane's region. All
+  // null before Prepare.
   Rows SlotRows(int64_t slot) const {
     Rows r{};
     if (uint8_t* base = RingBase())
-      for (int p = 0; p < kParts; ++p)
-        r.part[p] = base + (p * opt_.ring + slot) * part_bytes();
+      for (int p = 0; p < n_planes(); ++p)
+        r.plane[p] = base + region_[p] + slot * plane_bytes(p);
     return r;
   }
   // Ring slot `slot` in a packed chunk: its whole blob.
@@ -295,7 +316,7 @@ class Engine {
   // `base` advanced by `expert` rows.
   Rows At(const Rows& base, int64_t expert) const {
     Rows r = base;
-    for (uint8_t*& p : r.part) p += expert * part_bytes();
+    for (int p = 0; p < n_planes(); ++p) r.plane[p] += expert * plane_bytes(p);
     return r;
   }
   const uint8_t* HostBlob(int layer, int expert) const {
@@ -336,6 +357,9 @@ class Engine {
 
   EngineOptions opt_;
   int depth_ = kDefaultDepth;
+  // Each plane's region in a frames ring (PlaneRegion), and the ring's bytes.
+  std::vector<int64_t> region_;
+  int64_t ring_bytes_ = 0;
   std::vector<const uint8_t*> stores_;         // per layer [E, blob]
   std::vector<StreamEntry> stream_;            // the chunk's stream list
   std::vector<int64_t> layer_begin_;           // first entry of each layer
@@ -402,7 +426,7 @@ class Engine {
   // Checks the call against the chunk, the model, the plan and the pieces
   // fetched before it, and the resident operand's size.
   Status CheckFetch(const std::string& where, int layer, int64_t resident_bytes,
-                    void* const* out, const int64_t* out_bytes,
+                    void* const* out, const int64_t* out_bytes, int n_out,
                     const FetchPiece& piece);
   // Fires a fault injected for this layer, then fails the fetch of a stopped
   // walk, and that of a packed chunk without outputs.

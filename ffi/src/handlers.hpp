@@ -155,27 +155,53 @@ struct Handlers {
     });
   }
 
-  // fetch: the layer's frame copied into outputs of fetch's own.
-  static ffi::Error Fetch(Stream stream, Buffer, Buffer resident, Out gate,
-                          Out up, Out down, Out, FetchAttrs a) {
+  // fetch: the layer's frame copied into outputs of fetch's own, one per
+  // plane of the engine's plane table, then the token (`rets`).
+  static ffi::Error Fetch(Stream stream, Buffer, Buffer resident,
+                          ffi::RemainingRets rets, FetchAttrs a) {
     return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
-      void* const out[kParts] = {gate->untyped_data(), up->untyped_data(),
-                                 down->untyped_data()};
-      const int64_t bytes[kParts] = {static_cast<int64_t>(gate->size_bytes()),
-                                     static_cast<int64_t>(up->size_bytes()),
-                                     static_cast<int64_t>(down->size_bytes())};
-      return e->Fetch(a.layer, resident.untyped_data(),
-                      static_cast<int64_t>(resident.size_bytes()), out, bytes,
-                      Queue(stream), a.Piece());
+      return FetchInto(e, stream, resident, rets, a);
     });
   }
 
-  // fetch_piece: a later piece of fetch. The weights so far and `after` only
-  // order the call: fetch writes the outputs, which XLA aliases to them.
-  static ffi::Error FetchPiece(Stream stream, Buffer token, Buffer resident,
-                               Buffer, Buffer, Buffer, Buffer, Out gate, Out up,
-                               Out down, Out out_token, FetchAttrs a) {
-    return Fetch(stream, token, resident, gate, up, down, out_token, a);
+  // fetch_piece: a later piece of fetch. The planes so far and `after` (the
+  // last of `args`) only order the call: fetch writes the outputs, which XLA
+  // aliases to them.
+  static ffi::Error FetchPiece(Stream stream, Buffer, Buffer resident,
+                               ffi::RemainingArgs args, ffi::RemainingRets rets,
+                               FetchAttrs a) {
+    return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
+      if (args.size() != rets.size())
+        return "fetch, layer " + std::to_string(a.layer) + ": fetch_piece takes " +
+               std::to_string(args.size() - (args.size() > 0)) +
+               " planes so far and `after`, and returns " +
+               std::to_string(rets.size() - (rets.size() > 0)) +
+               " planes and the token: one plane so far per plane returned";
+      return FetchInto(e, stream, resident, rets, a);
+    });
+  }
+
+  // fetch's and fetch_piece's work: `rets` is the planes, then the token.
+  static Status FetchInto(Engine* e, Stream stream, const Buffer& resident,
+                          const ffi::RemainingRets& rets, const FetchAttrs& a) {
+    const std::string where = "fetch, layer " + std::to_string(a.layer) + ": ";
+    const size_t n = rets.size() > 0 ? rets.size() - 1 : 0;  // the last is the token
+    if (n < 1 || n > static_cast<size_t>(kMaxPlanes))
+      return where + std::to_string(rets.size()) +
+             " results; fetch returns one per plane (1 to " +
+             std::to_string(kMaxPlanes) + "), then the token";
+    void* out[kMaxPlanes];
+    int64_t bytes[kMaxPlanes];
+    for (size_t p = 0; p < n; ++p) {
+      auto r = rets.get<Buffer>(p);
+      if (r.has_error())
+        return where + "plane " + std::to_string(p) + " output: " + r.error().message();
+      out[p] = r.value()->untyped_data();
+      bytes[p] = static_cast<int64_t>(r.value()->size_bytes());
+    }
+    return e->Fetch(a.layer, resident.untyped_data(),
+                    static_cast<int64_t>(resident.size_bytes()), out, bytes,
+                    static_cast<int>(n), Queue(stream), a.Piece());
   }
 
   // fetch_frame: the layer's frame readied in the ring, where the model reads it.
@@ -184,7 +210,7 @@ struct Handlers {
     return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
       return e->Fetch(a.layer, resident.untyped_data(),
                       static_cast<int64_t>(resident.size_bytes()), nullptr,
-                      nullptr, Queue(stream), a.Piece());
+                      nullptr, 0, Queue(stream), a.Piece());
     });
   }
 
@@ -232,11 +258,8 @@ struct Handlers {
   static auto FetchBinding() {
     return Bind()
         .template Arg<Buffer>()   // token
-        .template Arg<Buffer>()   // resident: [R, blob] of the layer
-        .template Ret<Buffer>()   // gate: [E, H, I]
-        .template Ret<Buffer>()   // up: [E, H, I]
-        .template Ret<Buffer>()   // down: [E, I, H]
-        .template Ret<Buffer>()   // token
+        .template Arg<Buffer>()   // resident: uint8 [R, blob] of the layer
+        .RemainingRets()          // each plane [E, *plane shape], then the token
         .template Attrs<FetchAttrs>();
   }
   // fetch_piece: fetch's later pieces, which add their rows to the outputs of
@@ -247,21 +270,16 @@ struct Handlers {
   static auto FetchPieceBinding() {
     return Bind()
         .template Arg<Buffer>()   // token
-        .template Arg<Buffer>()   // resident: [R, blob] of the layer
-        .template Arg<Buffer>()   // gate so far (aliased to the result)
-        .template Arg<Buffer>()   // up so far
-        .template Arg<Buffer>()   // down so far
-        .template Arg<Buffer>()   // after: an output of the piece before's math
-        .template Ret<Buffer>()   // gate: [E, H, I]
-        .template Ret<Buffer>()   // up: [E, H, I]
-        .template Ret<Buffer>()   // down: [E, I, H]
-        .template Ret<Buffer>()   // token
+        .template Arg<Buffer>()   // resident: uint8 [R, blob] of the layer
+        .RemainingArgs()          // each plane so far (aliased to its result),
+                                  // then after: an output of the piece before's math
+        .RemainingRets()          // each plane [E, *plane shape], then the token
         .template Attrs<FetchAttrs>();
   }
   static auto FetchFrameBinding() {
     return Bind()
         .template Arg<Buffer>()   // token
-        .template Arg<Buffer>()   // resident: [R, blob] of the layer
+        .template Arg<Buffer>()   // resident: uint8 [R, blob] of the layer
         .template Ret<Buffer>()   // token
         .template Attrs<FetchAttrs>();
   }

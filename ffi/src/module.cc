@@ -33,7 +33,7 @@ namespace strata {
 namespace {
 
 // strata_jax/native.py refuses a module of another version: a stale build.
-constexpr int kApiVersion = 1;
+constexpr int kApiVersion = 2;
 
 using HostBytes = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using Int32s = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -62,9 +62,8 @@ void CheckOptions(const EngineOptions& opt) {
   else if (opt.n_experts > 0 && opt.ring % opt.n_experts != 0)
     s = "a ring of " + std::to_string(opt.ring) + " slots is not a whole number of "
         "layer frames of " + std::to_string(opt.n_experts) + " experts";
-  else if (opt.blob_bytes % kParts != 0)
-    s = "expert blob of " + std::to_string(opt.blob_bytes) + " bytes is not " +
-        std::to_string(kParts) + " equal parts (gate, up, down)";
+  else
+    s = ValidatePlanes(opt);
   if (!s.empty()) throw std::invalid_argument("strata engine: " + s);
 }
 
@@ -369,8 +368,11 @@ NB_MODULE(_native, m) {
           [](Streamer* self, int32_t backend, int32_t n_layers, int32_t n_experts,
              bool routed, int64_t blob_bytes, int64_t ring, int32_t depth, bool trace,
              double sim_bandwidth, double sim_latency, double sim_jitter, uint64_t seed,
-             int32_t pin_mode, int32_t device, int32_t publish_mode) {
+             int32_t pin_mode, int32_t device, int32_t publish_mode,
+             std::vector<int64_t> plane_offsets, std::vector<int64_t> plane_bytes) {
             EngineOptions opt;
+            opt.plane_offsets = std::move(plane_offsets);
+            opt.plane_bytes = std::move(plane_bytes);
             opt.backend = backend;
             opt.n_layers = n_layers;
             opt.n_experts = n_experts;
@@ -394,7 +396,8 @@ NB_MODULE(_native, m) {
           nb::arg("sim_bandwidth") = d.sim_bandwidth, nb::arg("sim_latency") = d.sim_latency,
           nb::arg("sim_jitter") = d.sim_jitter, nb::arg("seed") = d.seed,
           nb::arg("pin_mode") = d.pin_mode, nb::arg("device") = d.device,
-          nb::arg("publish_mode") = d.publish_mode, Release())
+          nb::arg("publish_mode") = d.publish_mode, nb::arg("plane_offsets"),
+          nb::arg("plane_bytes"), Release())
       .def_prop_ro("id", &Streamer::id, "The engine's id, which the FFI calls carry.")
       .def_prop_ro("closed", &Streamer::closed)
       .def("set_store", &Streamer::SetStore, nb::arg("layer"), nb::arg("store").noconvert(),
@@ -464,14 +467,13 @@ NB_MODULE(_native, m) {
               throw std::runtime_error("strata engine " + std::to_string(self.id()) +
                                        ": no ring frames (engine closed?)");
             const strata::Rows r = e->FramePlanes();
-            return nb::make_tuple(
-                nb::make_tuple(reinterpret_cast<uintptr_t>(r.part[0]),
-                               reinterpret_cast<uintptr_t>(r.part[1]),
-                               reinterpret_cast<uintptr_t>(r.part[2])),
-                e->frames());
+            nb::list planes;
+            for (int p = 0; p < e->n_planes(); ++p)
+              planes.append(reinterpret_cast<uintptr_t>(r.plane[p]));
+            return nb::make_tuple(planes, e->frames());
           },
-          "((gate, up, down), frames): the ring's plane addresses ([ring, part] each, "
-          "frame f at row f * n_experts) and its frame count.")
+          "([plane addresses], frames): the address of each plane's region of the ring "
+          "([ring, plane bytes] each, frame f at row f * n_experts) and its frame count.")
       .def(
           "inject_fault",
           [](const Streamer& self, int32_t layer, int32_t kind) {

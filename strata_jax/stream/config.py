@@ -48,10 +48,11 @@ class StreamTuning:
             `StreamConfig.ring_budget_gib`.
         layout: How a streamed chunk lays its copies out in the ring (the same memory either
             way; each chunk chooses, and end_chunk's trace and `ChunkStats.layout` say which):
-            "frames": each expert split into the frame's three planes (gate, up, down) as it
-            crosses the link, and on CUDA the model reads a layer's experts where they landed
-            (JAX arrays over the ring's memory, by DLPack): nothing is copied on XLA's stream,
-            but the link makes up to three copies per run of adjacent experts. Best where
+            "frames": each expert split into the frame's planes (those of the expert format:
+            gate, up, down, and their scales in a quantized one) as it crosses the link, and on
+            CUDA the model reads a layer's experts where they landed (JAX arrays over the
+            ring's memory, by DLPack): nothing is copied on XLA's stream, but the link makes up
+            to one copy per plane per run of adjacent experts. Best where
             compute sets the pace. The CPU backend, whose XLA may run independent ops
             concurrently so that only a data dependency orders a read after fetch, reads a
             copy of the frame. "packed": whole blobs, one copy per run of adjacent experts on

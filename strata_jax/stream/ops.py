@@ -14,7 +14,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from .. import native
-from ..experts import ExpertWeights
+from ..formats import ExpertFormat
 
 
 # The four calls are one primitive whose custom call carries has_side_effect in the HLO, so XLA
@@ -100,30 +100,34 @@ def publish(engine_id: int, layer: int, token: jax.Array, counts: jax.Array) -> 
 
 
 def fetch(engine_id: int, layer: int, token: jax.Array, resident: jax.Array, n_experts: int,
-          hidden: int, intermediate: int, *, piece: int = 0, pieces: int = 1,
-          rows: tuple[int, int] = (0, 0), so_far: ExpertWeights | None = None,
-          after: jax.Array | None = None) -> tuple[ExpertWeights, jax.Array]:
-    """The layer's expert weights, gate/up [E, H, I] and down [E, I, H] in the resident blobs'
-    dtype: fetch splits each packed blob into the three matrices as it copies it, so the model
-    reads them with no further copy.
+          fmt: ExpertFormat, *, piece: int = 0, pieces: int = 1,
+          rows: tuple[int, int] = (0, 0), so_far: dict[str, jax.Array] | None = None,
+          after: jax.Array | None = None) -> tuple[dict[str, jax.Array], jax.Array]:
+    """The layer's expert planes, {plane name: [E, *plane.shape] in the plane's dtype} for
+    every plane of `fmt` (the engine's plane table): fetch splits each blob into its planes as
+    it copies it, so the model reads them with no further copy. `resident`: the layer's
+    resident blobs, uint8 [R, blob_bytes] (`NativeStreamer.resident_blobs`).
 
     In pieces (`piece` of `pieces`, `rows` the piece's sorted rows [begin, end)): each call
     readies the experts with rows in its range (and those before); piece 0 makes the outputs,
     each later piece adds its experts to the outputs of the piece before (`so_far`, whose
-    buffers it writes in place: fetch_piece) after that piece's math (`after`, one of its
-    outputs)."""
-    h, i, dt = hidden, intermediate, resident.dtype
-    shapes = [((n_experts, h, i), dt), ((n_experts, h, i), dt), ((n_experts, i, h), dt),
-              ((), jnp.int32)]
+    buffers it writes in place: fetch_piece aliases every plane) after that piece's math
+    (`after`, one of its outputs)."""
+    shapes = [((n_experts, *p.shape), p.dtype) for p in fmt.planes] + [((), jnp.int32)]
     attrs = _fetch_attrs(engine_id, layer, piece, pieces, rows)
     if so_far is None:
-        gate, up, down, tok = _call("fetch", shapes, token, resident, **attrs)
+        *planes, tok = _call("fetch", shapes, token, resident, **attrs)
     else:
         if after is None:
             raise ValueError("fetch: a later piece needs `after` (the piece before's output)")
-        gate, up, down, tok = _call("fetch_piece", shapes, token, resident, *so_far, after,
-                                    aliases=((2, 0), (3, 1), (4, 2)), **attrs)
-    return ExpertWeights(gate, up, down), tok
+        missing = [p.name for p in fmt.planes if p.name not in so_far]
+        if missing:
+            raise ValueError(f"fetch: the planes so far lack {missing} of the {fmt.name} format")
+        *planes, tok = _call("fetch_piece", shapes, token, resident,
+                             *(so_far[p.name] for p in fmt.planes), after,
+                             aliases=tuple((2 + i, i) for i in range(len(fmt.planes))),
+                             **attrs)
+    return {p.name: a for p, a in zip(fmt.planes, planes)}, tok
 
 
 def fetch_frame(engine_id: int, layer: int, token: jax.Array, resident: jax.Array, *,

@@ -7,10 +7,13 @@ MoE layer of a long streamed chunk.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 
 from ..config import ModelConfig
 from ..experts import ExpertWeights
+from ..formats import ExpertFormat
 from ..grouped_matmul import row_pieces
 from .config import _MODE_STREAM_PACKED, _STREAM_MODES
 from .ops import begin, end, fetch, fetch_frame, publish, release
@@ -26,6 +29,11 @@ class StreamedExperts:
     blobs) and, after the layer's expert math, `release` (its frame may take a later layer);
     `finish` returns end_chunk's per-layer (copied, skipped).
 
+    The stream moves the experts in the config's expert format (`fmt`, default
+    `ExpertFormat.of(config)`): fetch gives the layer's planes, and the model gets them as an
+    ExpertWeights in the parameter dtype, `fmt.expert_weights` of them (dequantized for fp8
+    and int4; for a plain format the fetched arrays themselves, with no op added).
+
     `tail_pieces` > 1 (a streamed chunk; StreamTuning.tail_pieces): the layer `tail_layer`
     (the last MoE layer) is fetched in that many pieces of its sorted rows (`row_pieces`,
     `expert_weights_piece`), so that its expert math runs as its copies land and only the
@@ -34,9 +42,9 @@ class StreamedExperts:
 
     def __init__(self, engine_id: int, mode: int, config: ModelConfig,
                  resident_blobs: dict[int, jax.Array], token: jax.Array, n_ids: int = 0,
-                 frames: tuple[ExpertWeights, ...] | None = None,
+                 frames: tuple[ExpertWeights | Mapping[str, jax.Array], ...] | None = None,
                  frame_of: dict[int, int] | None = None, *, tail_pieces: int = 1,
-                 tail_layer: int | None = None):
+                 tail_layer: int | None = None, fmt: ExpertFormat | None = None):
         if frames is not None and frame_of is None:
             raise ValueError("frames need frame_of (NativeStreamer.frame_of)")
         if tail_pieces < 1:
@@ -46,13 +54,14 @@ class StreamedExperts:
                              "fetches each layer whole)")
         self.engine_id = engine_id
         self.config = config
+        self.format = fmt or ExpertFormat.of(config)
         self.resident_blobs = resident_blobs
         # A packed chunk's layers come out of fetch; a frames chunk reads its frames.
         self.frames = None if mode == _MODE_STREAM_PACKED else frames
         self.frame_of = frame_of
         self.tail_pieces = tail_pieces
         self.tail_layer = tail_layer
-        self._so_far: ExpertWeights | None = None  # a packed layer's outputs, piece by piece
+        self._so_far: dict[str, jax.Array] | None = None  # a layer's planes, piece by piece
         self.token, self.ids = begin(engine_id, mode, token, n_ids)
 
     def expert_weights(self, layer: int, counts: jax.Array,
@@ -91,22 +100,36 @@ class StreamedExperts:
     def _fetch(self, layer: int, piece: int, pieces: int, rows: tuple[int, int],
                after: jax.Array | None = None) -> ExpertWeights:
         attrs = {"piece": piece, "pieces": pieces, "rows": rows}
+        fmt = self.format
         if self.frames is None:
-            w, self.token = fetch(self.engine_id, layer, self.token, self.resident_blobs[layer],
-                                  self.config.n_experts, self.config.hidden_size,
-                                  self.config.expert_intermediate,
-                                  so_far=self._so_far if piece > 0 else None,
-                                  after=after if piece > 0 else None, **attrs)
-            self._so_far = w if piece + 1 < pieces else None
-            return w
+            planes, self.token = fetch(self.engine_id, layer, self.token,
+                                       self.resident_blobs[layer], self.config.n_experts, fmt,
+                                       so_far=self._so_far if piece > 0 else None,
+                                       after=after if piece > 0 else None, **attrs)
+            self._so_far = planes if piece + 1 < pieces else None
+            return self._weights(planes)
         if piece > 0:  # the frame is read in place: the order is all this needs
             _, self.token = jax.lax.optimization_barrier((after, self.token))
         tok = fetch_frame(self.engine_id, layer, self.token, self.resident_blobs[layer],
                           **attrs)
+        frame = self.frames[self.frame_of[layer]]
+        if isinstance(frame, ExpertWeights):
+            frame = frame._asdict()
         # The frame is a program input: the barrier makes every read of it wait for fetch.
-        w, self.token = jax.lax.optimization_barrier(
-            (tuple(self.frames[self.frame_of[layer]]), tok))
-        return ExpertWeights(*w)
+        views, self.token = jax.lax.optimization_barrier(
+            (tuple(frame[p.name] for p in fmt.planes), tok))
+        planes = {}
+        for p, v in zip(fmt.planes, views):
+            # A plane DLPack cannot name (float8) is viewed as unsigned ints of its width.
+            planes[p.name] = v if v.dtype == p.dtype else jax.lax.bitcast_convert_type(v, p.dtype)
+        return self._weights(planes)
+
+    def _weights(self, planes: dict[str, jax.Array]) -> ExpertWeights:
+        """The ExpertWeights the expert math reads: a plain format's planes as they are (no
+        op), else `fmt.expert_weights` (dequantized to the parameter dtype)."""
+        if self.format.kind == "plain":
+            return ExpertWeights(planes["gate"], planes["up"], planes["down"])
+        return self.format.expert_weights(planes, self.config.dtype)
 
     def release(self, layer: int, outs):
         """After the layer's expert math: `outs` (its outputs, any pytree of arrays) come back

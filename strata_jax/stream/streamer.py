@@ -12,6 +12,7 @@ import dataclasses
 import os
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Callable, Sequence
 
 import jax
@@ -112,10 +113,13 @@ class NativeStreamer:
 
     Args:
         config: The model config.
-        experts: Per model layer, that layer's routed experts (numpy ExpertWeights, [E,
-            3*H*I] blobs, or a `weights.LazyExperts` whose tensors are made as they are
-            written into the store), or None for dense layers. Each layer is taken once, in
-            order, and written straight into the host store, one tensor at a time.
+        experts: Per model layer, that layer's routed experts in the config's expert format
+            (`ExpertFormat.of(config)`), or None for dense layers: uint8 [E, blob_bytes]
+            blobs (a plain format's also [E, blob_elems] in its dtype), a Mapping plane name
+            -> [E, *plane.shape] array, an ExpertWeights (plain formats), or an object whose
+            `fill(views)` writes {plane name: numpy view of the store} (a
+            `weights.LazyExperts`, its tensors made as they are written). Each layer is taken
+            once, in order, and written straight into the host store, one tensor at a time.
         stream: StreamConfig (environment overrides applied here, once).
         progress: Called as progress(done_layers, total_layers) as each MoE layer's experts
             are written into the host store (long for a full-size model).
@@ -150,7 +154,7 @@ class NativeStreamer:
         self.dtype = np.dtype(config.dtype)
         # The layout of an expert's blob: the store's rows, the ring's slots and frame planes.
         self.format = ExpertFormat.of(config)
-        self.blob_elems = self.format.blob_elems
+        self.blob_elems = self.format.blob_elems if self.format.uniform is not None else None
         self.blob_bytes = self.format.blob_bytes
         self.moe_layers = tuple(config.moe_layers)
         # The plan (plan_stream): residents, the stream order, the ring. The device check of a
@@ -216,7 +220,8 @@ class NativeStreamer:
                 seed=self.tuning.seed,
                 pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
                 publish_mode=_PUBLISH_MODES[self.tuning.publish],
-                device=self.stream.device)
+                device=self.stream.device, plane_offsets=list(self.format.offsets),
+                plane_bytes=[p.nbytes for p in self.format.planes])
         except BaseException:
             self._stores = [None] * L
             self._pinned = None
@@ -240,11 +245,14 @@ class NativeStreamer:
         self.frames_note = ""
         self._frames = self._frame_views()
 
-    def _frame_views(self) -> tuple[ExpertWeights, ...] | None:
-        """The ring's layer frames as JAX arrays over the ring's memory, frame f's gate/up
-        [E, H, I] and down [E, I, H]: what the model reads a layer's experts from in a frames
-        chunk (StreamTuning.layout, CUDA). None where fetch copies the frame out instead (or
-        no chunk uses frames), with the reason in `frames_note`."""
+    def _frame_views(self) -> tuple[ExpertWeights | dict[str, jax.Array], ...] | None:
+        """The ring's layer frames as JAX arrays over the ring's memory: per frame f, each
+        plane of the format, [E, *plane.shape], an ExpertWeights (gate/up [E, H, I], down
+        [E, I, H]) for a plain format, else a dict plane name -> array (a plane whose dtype
+        DLPack cannot name, float8, as unsigned ints of its width: the model bitcasts it).
+        What the model reads a layer's experts from in a frames chunk (StreamTuning.layout,
+        CUDA). None where fetch copies the frame out instead (or no chunk uses frames), with
+        the reason in `frames_note`."""
         if self.tuning.layout == "packed" and self.tuning.stream_floor <= 1:
             self.frames_note = "every chunk uses the packed ring: fetch splits its blobs out"
             return None
@@ -253,17 +261,19 @@ class NativeStreamer:
             return None
         E = self.config.n_experts
         planes, n = self.handle.frames()
-        # A frame's plane p: E rows of the format's plane p, [ring, plane bytes] per plane.
+        # A frame's plane p: E rows of the format's plane p, in the ring's region of plane p
+        # ([ring, plane bytes]).
         fp = self.format.planes
         frames = []
         try:
             for f in range(n):
-                frames.append(ExpertWeights(*(
-                    _dlpack.view(planes[p] + f * E * fp[p].nbytes, (E, *fp[p].shape),
-                                 fp[p].dtype, self.jax_device) for p in range(len(fp)))))
+                views = {p.name: _dlpack.view(planes[i] + f * E * p.nbytes, (E, *p.shape),
+                                              _dlpack_dtype(p.dtype), self.jax_device)
+                         for i, p in enumerate(fp)}
+                frames.append(ExpertWeights(**views) if self.format.kind == "plain" else views)
         except (RuntimeError, TypeError) as e:
             for w in frames:
-                for a in w:
+                for a in _frame_arrays(w):
                     a.delete()
             self.frames_note = f"fetch copies each frame out: {e}"
             warnings.warn(f"strata: the model cannot read the ring in place, so fetch copies "
@@ -273,7 +283,7 @@ class NativeStreamer:
         return tuple(frames)
 
     @property
-    def frames(self) -> tuple[ExpertWeights, ...] | None:
+    def frames(self) -> tuple[ExpertWeights | dict[str, jax.Array], ...] | None:
         """The ring's frames as JAX arrays read in place (`_frame_views`), or None."""
         return self._frames
 
@@ -322,28 +332,54 @@ class NativeStreamer:
 
     def _fill(self, layer: int, w, store: np.ndarray) -> None:
         """Writes MoE layer `layer`'s experts `w` into `store` (its [E, blob bytes] uint8 rows
-        of the host store) in the blob layout, one tensor at a time and with no packed copy
-        between: `w` is [E, 3*H*I] blobs, an ExpertWeights, or a `weights.LazyExperts` (its
-        tensors made as they are written, `fill`)."""
-        E = self.config.n_experts
-        blobs = store.view(self.dtype)  # [E, 3*H*I]
+        of the host store) in the format's blob layout, one tensor at a time and with no packed
+        copy between: `w` is blobs, a Mapping of planes, an ExpertWeights (plain formats) or
+        an object with `fill(views)` (see the class's `experts`)."""
+        E, fmt = self.config.n_experts, self.format
         if isinstance(w, np.ndarray):
-            if w.shape != (E, self.blob_elems):
-                raise ValueError(f"layer {layer} blobs have shape {w.shape}; "
-                                 f"expected ({E}, {self.blob_elems})")
-            blobs[...] = w
+            if w.dtype == np.uint8 and w.shape == (E, self.blob_bytes):
+                store[...] = w
+            elif fmt.uniform is not None and w.dtype == fmt.uniform and \
+                    w.shape == (E, self.blob_elems):
+                store.view(fmt.uniform)[...] = w
+            else:
+                plain = (f" or {fmt.uniform.name} ({E}, {self.blob_elems})"
+                         if fmt.uniform is not None else "")
+                raise ValueError(f"layer {layer} blobs are {w.dtype} {w.shape}; expected uint8 "
+                                 f"({E}, {self.blob_bytes}){plain} for the {fmt.name} format")
             return
-        views = ExpertWeights(**self.format.split_np(blobs))
-        if hasattr(w, "fill"):
+        views = fmt.split_np(store)  # plane name -> [E, *shape] view in the plane's dtype
+        if not isinstance(w, Mapping) and hasattr(w, "fill"):
             w.fill(views)
             return
-        shapes = {p.name: (E, *p.shape) for p in self.format.planes}
-        for name, want in shapes.items():
-            got = tuple(np.shape(getattr(w, name)))
-            if got != want:
-                raise ValueError(f"layer {layer} expert {name} has shape {got}; expected {want}")
-        for name in shapes:
-            getattr(views, name)[...] = np.asarray(getattr(w, name))
+        if isinstance(w, Mapping):
+            planes = w
+        elif fmt.kind == "plain" and all(hasattr(w, m) for m in ExpertWeights._fields):
+            planes = {m: getattr(w, m) for m in ExpertWeights._fields}
+        else:
+            raise TypeError(
+                f"layer {layer} experts are a {type(w).__name__}; the {fmt.name} format takes "
+                "blobs, a Mapping plane name -> array, an object with fill(views)"
+                + (" or an ExpertWeights" if fmt.kind == "plain" else
+                   " (ExpertWeights are plain: quantize them with ExpertFormat.quantize_np)"))
+        missing = [p.name for p in fmt.planes if p.name not in planes]
+        extra = sorted(set(planes) - set(views))
+        if missing or extra:
+            raise ValueError(f"layer {layer} experts: the {fmt.name} format's planes "
+                             f"{[p.name for p in fmt.planes]}; missing {missing}, not in the "
+                             f"format {extra}")
+        for p in fmt.planes:
+            got = planes[p.name]
+            want = (E, *p.shape)
+            if tuple(np.shape(got)) != want:
+                raise ValueError(f"layer {layer} expert {p.name} has shape "
+                                 f"{tuple(np.shape(got))}; expected {want}")
+            # A plain format casts its matrices; a quantized plane's bits are not cast.
+            if fmt.kind != "plain" and np.dtype(got.dtype) != p.dtype:
+                raise ValueError(f"layer {layer} expert {p.name} is {np.dtype(got.dtype)}; "
+                                 f"the {fmt.name} format stores it as {p.dtype}")
+        for p in fmt.planes:
+            views[p.name][...] = np.asarray(planes[p.name])
 
     def _device_memory_bytes(self) -> int | None:
         """Total memory of the device the residents go to, where the backend reports it."""
@@ -355,7 +391,7 @@ class NativeStreamer:
         device = self.jax_device
         out = {}
         for l in self.moe_layers:
-            rows = self._stores[l][self.resident[l]].view(self.dtype)  # [R, blob]
+            rows = self._stores[l][self.resident[l]]  # uint8 [R, blob_bytes]
             out[l] = jax.device_put(np.ascontiguousarray(rows), device)
         return out
 
@@ -371,6 +407,8 @@ class NativeStreamer:
 
     @property
     def resident_blobs(self) -> dict[int, jax.Array]:
+        """Per MoE layer its resident experts' blobs on the device, uint8 [R, blob_bytes] (in
+        every format), in the plan's order (`resident`): what fetch copies residents from."""
         return self._resident_blobs
 
     def walk_active(self) -> bool:
@@ -504,7 +542,7 @@ class NativeStreamer:
         # The frame views go before the ring they view (the engine's teardown synchronizes
         # the device first, so no program still reads them).
         for w in getattr(self, "_frames", None) or ():
-            for a in w:
+            for a in _frame_arrays(w):
                 if not a.is_deleted():
                     a.delete()
         self._frames = None
@@ -576,6 +614,19 @@ class NativeStreamer:
             tail_pieces=tail_pieces,
             streamed=streamed.copy(), copied=copied, skipped=skipped, unrouted=unrouted,
             bytes=copied * self.blob_bytes)
+
+def _frame_arrays(frame) -> list:
+    """A frame's arrays (`NativeStreamer._frame_views`: an ExpertWeights or a dict)."""
+    return list(frame.values() if isinstance(frame, dict) else frame)
+
+
+def _dlpack_dtype(dtype: np.dtype) -> np.dtype:
+    """`dtype`, or the unsigned int of its width where DLPack has no code for it (float8)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "fiu" or dtype.name == "bfloat16":
+        return dtype
+    return np.dtype(f"u{dtype.itemsize}")
+
 
 def _destroy(handle, pid: int) -> None:
     if os.getpid() != pid:

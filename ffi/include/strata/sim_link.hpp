@@ -32,6 +32,14 @@
 
 namespace strata {
 
+// One plane of a ring laid out in planes: each blob's `bytes` at `src` go to
+// slot s's row of the plane's region, ring + region + s * bytes.
+struct RingPlane {
+  int64_t src;
+  int64_t bytes;
+  int64_t region;
+};
+
 struct SimLinkOptions {
   double bandwidth = 0.0;  // bytes per second; 0 or less means unlimited
   double latency = 0.0;    // seconds added to every copy
@@ -44,16 +52,14 @@ class SimLink {
   // `source(entry)` returns the host blob of an entry (blob_bytes long).
   using Source = std::function<const uint8_t*(const StreamEntry&)>;
 
-  // `parts` > 1: the ring is that many planes, plane-major (plane p of slot s
-  // at ring + (p * ring_slots + s) * blob_bytes / parts), and each copy
-  // splits its blob into them, as the engine's layer frames are laid out.
+  // The ring holds whole blobs, slot s at ring + s * blob_bytes, unless a
+  // chunk lays it out in planes (BeginChunk).
   SimLink(Source source, int64_t blob_bytes, uint8_t* ring, int64_t ring_slots,
-          SimLinkOptions options, int parts = 1)
+          SimLinkOptions options)
       : source_(std::move(source)),
         blob_bytes_(blob_bytes),
         ring_(ring),
         ring_slots_(ring_slots),
-        parts_(parts < 1 ? 1 : parts),
         opt_(options),
         rng_(options.seed),
         copied_(static_cast<size_t>(ring_slots)),
@@ -68,12 +74,13 @@ class SimLink {
 
   // Prepares for a chunk: forgets slot history, starts the worker if needed.
   // `state` is notified whenever a copy lands, so waits wake promptly.
-  // `parts` > 0 lays the ring out anew for this chunk (see the constructor).
-  void BeginChunk(WalkState* state, int parts = 0) {
+  // `planes`: this chunk's layout of the ring, each copy split into these
+  // planes as it lands (the engine's layer frames); none: whole blobs.
+  void BeginChunk(WalkState* state, std::vector<RingPlane> planes = {}) {
     Drain();
     std::lock_guard<std::mutex> lock(mu_);
     state_ = state;
-    if (parts > 0) parts_ = parts;
+    planes_ = std::move(planes);
     for (auto& c : copied_) c.store(0, std::memory_order_relaxed);
     for (auto& u : used_) u.store(0, std::memory_order_relaxed);
     std::fill(occupant_.begin(), occupant_.end(), -1);
@@ -219,14 +226,14 @@ class SimLink {
       if (used_[job.slot].load(std::memory_order_acquire) <= job.previous &&
           job.previous >= 0)
         ++slot_violations_;
-      if (parts_ == 1) {
+      // planes_ changes only in BeginChunk, after Drain: no copy runs then.
+      if (planes_.empty()) {
         std::memcpy(ring_ + job.slot * blob_bytes_, job.src,
                     static_cast<size_t>(blob_bytes_));
       } else {
-        const int64_t part = blob_bytes_ / parts_;
-        for (int p = 0; p < parts_; ++p)
-          std::memcpy(ring_ + (p * ring_slots_ + job.slot) * part,
-                      job.src + p * part, static_cast<size_t>(part));
+        for (const RingPlane& p : planes_)
+          std::memcpy(ring_ + p.region + job.slot * p.bytes, job.src + p.src,
+                      static_cast<size_t>(p.bytes));
       }
       // Count the landing before publishing it: the walk may issue the next
       // copy as soon as it sees landed_upto_, and the queue-depth check must
@@ -249,7 +256,7 @@ class SimLink {
   int64_t blob_bytes_;
   uint8_t* ring_;
   int64_t ring_slots_;
-  int parts_;
+  std::vector<RingPlane> planes_;  // this chunk's; empty: whole blobs
   const std::vector<int64_t>* need_ = nullptr;
   SimLinkOptions opt_;
   std::mt19937_64 rng_;
