@@ -168,3 +168,33 @@ def test_cli_quantize_reads_a_quantized_model():
     rc, _, err = _cli(["prefill", *MODEL, "--quantize", "int4", "--quant-block", "7",
                        "--no-stream"])
     assert rc == 2 and "--quantize int4" in err and "multiple of 8" in err
+
+
+@pytest.mark.parametrize("kind,every", [("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
+                                        pytest.param("int4", True, marks=pytest.mark.slow)])
+def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
+    # For a given format: resident, stream-all and routed (packed and frames rings, the last
+    # layer in pieces) read the same logits and KV cache, in chunks and on a follow-up turn;
+    # the streamed arms copy the format's bytes. The default run reads three of the arms.
+    from strata_jax.stream import StreamConfig, StreamTuning
+
+    cfg = FORMATS[kind]
+    params = QuantizedParams(plain_params, cfg)
+    toks, more = _tokens(40), _tokens(12, seed=6)
+    arms = {"resident": None}
+    for layout in ("packed", "frames"):
+        tuning = StreamTuning(layout=layout, tail_pieces=2, tail_from=16, stream_floor=1)
+        for routed in (False, True):
+            if every or routed == (layout == "frames"):
+                arms[f"{'routed' if routed else 'stream-all'} {layout}"] = StreamConfig(
+                    routed=routed, backend="cpu", tuning=tuning)
+    got = {}
+    for arm, stream in arms.items():
+        with Engine(cfg, params, stream, max_context=64, chunk_size=16) as eng:
+            r = eng.prefill(toks)
+            r2 = eng.prefill(more, session=r.session)
+            got[arm] = (r.logits_sha256(), r.kv_sha256(), r2.logits_sha256(), r2.kv_sha256())
+            if stream is not None:
+                tot = r.totals()
+                assert tot["bytes"] == tot["copied"] * cfg.expert_bytes > 0
+    assert len(set(got.values())) == 1, got
