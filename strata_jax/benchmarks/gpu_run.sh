@@ -37,7 +37,8 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
 fi
 if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert format, compared
   files=""
-  for F in ${FORMATS:-bf16,fp8,int4}; do F=${F// /}
+  FMTS=${FORMATS:-bf16,fp8,int4}
+  for F in ${FMTS//,/ }; do
     Q=""; [ "$F" = bf16 ] || Q="--quantize $F"
     timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
       --layers ${LAYERS:-8} --lengths ${LENGTHS:-1024,2048,4096,8192} --parts sweep --skew ${SKEW:-0} \
