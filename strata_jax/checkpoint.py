@@ -628,6 +628,11 @@ class HostExpertStore:
     """
 
     def __init__(self, config: ModelConfig, blobs: Mapping[int, np.ndarray]):
+        if config.expert_format != "plain":
+            raise ValueError(
+                f"HostExpertStore holds plain blobs, not {config.expert_format} experts: a "
+                "quantized checkpoint's experts go straight into the engine's store "
+                "(Engine(..., experts=ckpt.experts.as_mapping()))")
         self.config = config
         self._blobs = dict(blobs)
 

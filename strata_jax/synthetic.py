@@ -102,6 +102,11 @@ class SyntheticParams(Mapping[str, np.ndarray]):
                  tile: int | None = None):
         from strata_jax.model import expert_param_names, param_shapes  # deferred: light import
 
+        if config.expert_format != "plain":
+            raise ValueError(
+                f"SyntheticParams draws plain experts, not {config.expert_format}: draw them for "
+                "config.replace(expert_format='plain', expert_block=0) and quantize them as the "
+                "engine takes them with strata_jax.weights.QuantizedParams(params, config)")
         if routing_skew < 0:
             raise ValueError(f"routing_skew must be >= 0, got {routing_skew}")
         if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):

@@ -134,6 +134,13 @@ def test_quantized_formats_refuse_what_they_do_not_implement(plain_params):
         expert_param_names(FORMATS["fp8"], 1)
     with pytest.raises(ValueError, match="QuantizedParams: config.expert_format is 'plain'"):
         QuantizedParams(plain_params, PLAIN)
+    with pytest.raises(ValueError, match="SyntheticParams draws plain experts, not int4.*"
+                                         "QuantizedParams"):
+        SyntheticParams(FORMATS["int4"], 0)
+    from strata_jax.checkpoint import HostExpertStore
+
+    with pytest.raises(ValueError, match="HostExpertStore holds plain blobs, not fp8"):
+        HostExpertStore.empty(FORMATS["fp8"])
     from flax import nnx
 
     from strata_jax.model import MoETransformer
