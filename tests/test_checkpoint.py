@@ -16,7 +16,7 @@ from strata_jax.config import get_preset
 from strata_jax.rope import RopeScaling, rope_frequencies
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import HF_ARCH as ARCH
-from strata_jax.testing import hf_config, hf_tensors
+from strata_jax.testing import QWEN3_30B_A3B_HF_CONFIG, hf_config, hf_tensors
 from strata_jax.testing import write_hf_checkpoint as write_checkpoint
 
 def small(preset):
@@ -132,12 +132,7 @@ def test_missing_files(tmp_path):
 
 def test_config_from_real_hf_keys():
     # Keys as published for Qwen3-30B-A3B's config.json.
-    hf = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
-          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-          "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-          "norm_topk_prob": True, "vocab_size": 151936, "rope_theta": 1000000.0,
-          "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-          "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": []}
+    hf = dict(QWEN3_30B_A3B_HF_CONFIG)
     c = config_from_hf(hf)
     assert c.expert_bytes_total == get_preset("qwen3-30b-a3b").expert_bytes_total
 

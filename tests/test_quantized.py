@@ -37,7 +37,7 @@ def plain_params():
     return SyntheticParams(PLAIN, 3, 1.0)
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4"])
 def test_quantized_model_matches_float64_reference(plain_params, kind):
     # The resident engine's logits at every position against the float64 forward of the
     # dequantized planes, within the parameter dtype's tolerance.
@@ -182,7 +182,8 @@ def test_cli_quantize_reads_a_quantized_model():
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
     # For a given format: resident, stream-all and routed (packed and frames rings, the last
     # layer in pieces) read the same logits and KV cache, in chunks and on a follow-up turn;
-    # the streamed arms copy the format's bytes. The default run reads three of the arms.
+    # the streamed arms copy the format's bytes. The default run reads resident and routed
+    # (frames, pieces) in one chunk, without the follow-up.
     from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg = FORMATS[kind]
@@ -192,15 +193,17 @@ def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, e
     for layout in ("packed", "frames"):
         tuning = StreamTuning(layout=layout, tail_pieces=2, tail_from=16, stream_floor=1)
         for routed in (False, True):
-            if every or routed == (layout == "frames"):
+            if every or (routed and layout == "frames"):
                 arms[f"{'routed' if routed else 'stream-all'} {layout}"] = StreamConfig(
                     routed=routed, backend="cpu", tuning=tuning)
     got = {}
     for arm, stream in arms.items():
-        with Engine(cfg, params, stream, max_context=64, chunk_size=16) as eng:
+        with Engine(cfg, params, stream, max_context=64, chunk_size=16 if every else 64) as eng:
             r = eng.prefill(toks)
-            r2 = eng.prefill(more, session=r.session)
-            got[arm] = (r.logits_sha256(), r.kv_sha256(), r2.logits_sha256(), r2.kv_sha256())
+            got[arm] = (r.logits_sha256(), r.kv_sha256())
+            if every:
+                r2 = eng.prefill(more, session=r.session)
+                got[arm] += (r2.logits_sha256(), r2.kv_sha256())
             if stream is not None:
                 tot = r.totals()
                 assert tot["bytes"] == tot["copied"] * cfg.expert_bytes > 0

@@ -14,8 +14,9 @@ from strata_jax.experts import ExpertWeights
 from strata_jax.formats import ExpertFormat
 from strata_jax.model import expert_plane_names
 from strata_jax.synthetic import init_synthetic
-from strata_jax.testing import (HF_ARCH, assert_close, hf_config, hf_quantization_config,
-                                hf_quantize, hf_tensors, write_hf_checkpoint)
+from strata_jax.testing import (HF_ARCH, QWEN3_30B_A3B_HF_CONFIG, assert_close, hf_config,
+                                hf_quantization_config, hf_quantize, hf_tensors,
+                                write_hf_checkpoint)
 
 QWEN = "qwen3-30b-a3b"
 
@@ -336,12 +337,7 @@ def test_docs_show_the_quantization_table():
 def test_config_from_real_quantized_keys():
     """quantization_config as Qwen3-30B-A3B-FP8 and -GPTQ-Int4 publish it: experts in fp8 /
     int4 with the 128 block, one byte / half a byte per weight plus their scales."""
-    hf = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
-          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-          "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-          "norm_topk_prob": True, "vocab_size": 151936, "rope_theta": 1000000.0,
-          "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-          "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": []}
+    hf = dict(QWEN3_30B_A3B_HF_CONFIG)
     skip = ["lm_head"] + [f"model.layers.{l}.{n}" for l in range(48)
                           for n in ("input_layernorm", "mlp.gate", "post_attention_layernorm")]
     fp8 = config_from_hf({**hf, "quantization_config": {
