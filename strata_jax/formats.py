@@ -249,15 +249,20 @@ class ExpertFormat:
                 f"expert blobs have shape {tuple(shape)}, expected [E, {width}] ({unit}) for the "
                 f"{self.name} format with hidden={self.hidden}, intermediate={self.intermediate}")
 
+    def _uniform_planes(self, blobs):
+        """The planes of [E, blob_elems] blobs in the format's one dtype (NumPy views or JAX
+        slices): element offsets, no bitcast."""
+        n, it = blobs.shape[0], self.uniform.itemsize
+        return {p.name: blobs[:, o // it:o // it + p.size].reshape(n, *p.shape)
+                for p, o in zip(self.planes, self.offsets)}
+
     def split_np(self, blobs: np.ndarray) -> dict[str, np.ndarray]:
         """Views (no copy) of each plane, [E, *shape] in its dtype, of NumPy blobs: [E,
         blob_bytes] uint8, or for a plain format [E, blob_elems] in its dtype."""
         self._check_blobs(blobs.shape, blobs.dtype)
         n = blobs.shape[0]
         if self.uniform is not None and blobs.dtype == self.uniform:
-            it = self.uniform.itemsize
-            return {p.name: blobs[:, o // it:o // it + p.size].reshape(n, *p.shape)
-                    for p, o in zip(self.planes, self.offsets)}
+            return self._uniform_planes(blobs)
         return {p.name: blobs[:, o:o + p.nbytes].view(p.dtype).reshape(n, *p.shape)
                 for p, o in zip(self.planes, self.offsets)}
 
@@ -266,9 +271,7 @@ class ExpertFormat:
         self._check_blobs(blobs.shape, blobs.dtype)
         n = blobs.shape[0]
         if self.uniform is not None and blobs.dtype == self.uniform:
-            it = self.uniform.itemsize
-            return {p.name: blobs[:, o // it:o // it + p.size].reshape(n, *p.shape)
-                    for p, o in zip(self.planes, self.offsets)}
+            return self._uniform_planes(blobs)
         out = {}
         for p, o in zip(self.planes, self.offsets):
             raw = blobs[:, o:o + p.nbytes]

@@ -95,11 +95,16 @@ class SyntheticParams(Mapping[str, np.ndarray]):
             other tensors come from one generator in order, as with None but without the
             experts' draws between them. A full-size model's experts are then mostly copies.
 
+        keep_dense: keep each non-expert tensor once made (the default). False: drop it once
+            returned and draw it again from its recorded state if asked again (the same bits),
+            for one engine of a model whose dense weights would not fit in host RAM beside its
+            expert store.
+
     A lock serialises the draws of calls from several threads.
     """
 
     def __init__(self, config: ModelConfig, seed: int = 0, routing_skew: float = 0.0, *,
-                 tile: int | None = None):
+                 tile: int | None = None, keep_dense: bool = True):
         from strata_jax.model import expert_param_names, param_shapes  # deferred: light import
 
         if config.expert_format != "plain":
@@ -115,6 +120,7 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         self.seed = seed
         self.routing_skew = routing_skew
         self.tile = tile
+        self.keep_dense = bool(keep_dense)
         self._specs = param_shapes(config)
         self._names = list(self._specs)
         self._order = {n: i for i, n in enumerate(self._names)}
@@ -191,10 +197,11 @@ class SyntheticParams(Mapping[str, np.ndarray]):
             i = self._index[name]
             self._advance(i)
             kept = self._kept.get(name)
-            if kept is None:
+            if kept is None:  # not drawn yet, or drawn and dropped (keep_dense=False)
                 rng = self._rng(i)
                 kept = self._keep(name, rng)
-                self._states.append(rng.bit_generator.state)
+                if len(self._states) == i + 1:
+                    self._states.append(rng.bit_generator.state)
         return kept
 
     def _rng(self, i: int) -> np.random.Generator:
@@ -220,7 +227,8 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         value = _dense_value(self.config, name, tuple(spec.shape), rng, self.routing_skew)
         value = value.astype(spec.dtype)
         value.flags.writeable = False
-        self._kept[name] = value
+        if self.keep_dense:
+            self._kept[name] = value
         return value
 
     def _draw_experts(self, name: str, rng: np.random.Generator, out: np.ndarray | None) -> None:
@@ -242,11 +250,29 @@ class SyntheticParams(Mapping[str, np.ndarray]):
                 value *= _residual_scale(self.config)
             out[e] = value
 
-    def _fill_tiled(self, name: str, out: np.ndarray) -> None:
+    def tile_of(self, name: str) -> np.ndarray:
+        """Experts 0..t-1 ([t, ...], t = min(tile, E)) of routed expert tensor `name`, drawn
+        alone: the same bits as those rows of `self[name]`, of which every expert e is expert
+        e % t. Only with `tile`.
+
+        Raises:
+            ValueError: no `tile`, or `name` is not a routed expert tensor.
+        """
+        if self.tile is None or name not in self._experts:
+            raise ValueError(f"tile_of({name!r}): only a routed expert tensor of tiled weights "
+                             "(SyntheticParams(tile=t)) has a tile")
+        shape = tuple(self._specs[name].shape)
+        out = np.empty((min(self.tile, shape[0]), *shape[1:]), self._specs[name].dtype)
+        with self._lock:
+            self._fill_tiled(name, out, copy=False)
+        return out
+
+    def _fill_tiled(self, name: str, out: np.ndarray, copy: bool = True) -> None:
         """`tile` experts of tensor `name`, each drawn by its own generator on a thread of its
-        own into `out`, then copied over the rest (expert e = expert e % tile). Every step
-        runs without the GIL: the draws and float32 arithmetic, the cast to bfloat16 by integer
-        rounding (`_bfloat16_bits`), the copies as unsigned integers."""
+        own into `out`, then copied over the rest (expert e = expert e % tile; `copy=False`:
+        `out` holds the tile only). Every step runs without the GIL: the draws and float32
+        arithmetic, the cast to bfloat16 by integer rounding (`_bfloat16_bits`), the copies as
+        unsigned integers."""
         shape = tuple(self._specs[name].shape)
         n = min(self.tile, shape[0])
         scale = np.float32(1.0 / np.sqrt(shape[-2])
@@ -262,12 +288,13 @@ class SyntheticParams(Mapping[str, np.ndarray]):
             else:
                 out[k] = x
 
-        def copy(k: int) -> None:
+        def copy_rest(k: int) -> None:
             raw[n + k::n] = raw[k]
 
         with ThreadPoolExecutor(max(1, min(n, os.cpu_count() or 1))) as pool:
             list(pool.map(draw, range(n)))
-            list(pool.map(copy, range(n)))
+            if copy:
+                list(pool.map(copy_rest, range(n)))
 
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)

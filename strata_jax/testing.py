@@ -251,3 +251,13 @@ def read_in_chunks(model, tokens, bounds, cache):
     for lo, hi in itertools.pairwise(bounds):
         logits, cache, _ = forward(model, tokens[lo:hi], cache, lo)
         yield lo, hi, logits
+
+
+# config.json of Qwen3-30B-A3B as published (its keys and values), for loader tests.
+QWEN3_30B_A3B_HF_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "vocab_size": 151936, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": []}

@@ -21,6 +21,8 @@ A lazy mapping answers `name in params` and iterates its names without making an
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Collection, Iterator, Mapping
 
 import numpy as np
@@ -212,7 +214,9 @@ class QuantizedParams(Mapping):
 
     def __getitem__(self, name: str):
         if name in self._source:
-            return self._plane(name)
+            value = self._plane(name)
+            e = self.config.n_experts
+            return value if value.shape[0] == e else np.resize(value, (e, *value.shape[1:]))
         if name in self._plain:
             raise KeyError(name)  # served as its planes
         return self.params[name]
@@ -246,25 +250,30 @@ class QuantizedParams(Mapping):
         """Writes tensor `name` into `out` (a plane: quantized now, or kept from its pair's)."""
         if name in self._source:
             value = self._plane(name)
-            if tuple(value.shape) != tuple(out.shape):
-                raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}; the "
-                                 f"array to fill has {tuple(out.shape)}")
-            out[...] = value
+            want = (self.config.n_experts, *value.shape[1:])
+            if tuple(out.shape) != want:
+                raise ValueError(f"parameter {name!r} has shape {want}; the array to fill has "
+                                 f"{tuple(out.shape)}")
+            t = value.shape[0]  # the tile (or every expert), repeated over the experts
+            for k in range(0, want[0], t):
+                out[k:k + t] = value[:want[0] - k]
             return
         fill_tensor(self.params, name, out)
 
     def _plane(self, name: str) -> np.ndarray:
+        """Plane `name`: [E, ...], or [t, ...] where the experts repeat a tile of t."""
         kept = self._pending.pop(name, None)
         if kept is not None:
             return kept
         src, matrix = self._source[name]
-        x = self.params[src]  # [E, in, out], plain
-        e = x.shape[0]
-        t = self.tile if self.tile is not None and self.tile < e else None
-        planes = self.format.quantize_matrix_np(matrix, x[:t] if t else x)
+        t = self.tile if self.tile is not None and self.tile < self.config.n_experts else None
+        if t and hasattr(self.params, "tile_of"):
+            x = self.params.tile_of(src)  # [t, in, out]: the tile alone
+        else:
+            x = self.params[src]  # [E, in, out], plain
+            x = x[:t] if t else x
+        planes = _quantize_experts(self.format, matrix, x)
         del x
-        if t:
-            planes = {k: np.resize(v, (e, *v.shape[1:])) for k, v in planes.items()}
         prefix = src.rsplit(".", 1)[0]
         out = None
         for plane, value in planes.items():
@@ -274,3 +283,17 @@ class QuantizedParams(Mapping):
             else:
                 self._pending[flat] = value
         return out
+
+
+def _quantize_experts(fmt, matrix: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    """`fmt.quantize_matrix_np(matrix, x)` with x [E, in, out] split over experts on a thread
+    each (each expert's scales are its own, so the same bits; NumPy's array work runs without
+    the GIL)."""
+    n = min(len(x), os.cpu_count() or 1)
+    if n <= 1:
+        return fmt.quantize_matrix_np(matrix, x)
+    bounds = np.linspace(0, len(x), n + 1).astype(int)
+    with ThreadPoolExecutor(n) as pool:
+        parts = list(pool.map(lambda ab: fmt.quantize_matrix_np(matrix, x[ab[0]:ab[1]]),
+                              zip(bounds[:-1], bounds[1:])))
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

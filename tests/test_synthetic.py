@@ -62,3 +62,29 @@ def test_progress_reports_every_byte_once_and_leaves_weights_unchanged():
     assert dones == sorted(dones) and dones[-1] == total
     for name in plain:
         np.testing.assert_array_equal(with_progress[name], plain[name])
+
+
+def test_dropped_dense_tensors_come_back_as_the_same_bits():
+    # keep_dense=False keeps no non-expert tensor, and one asked for again (or out of order)
+    # is drawn again from its recorded state: the same bits as the default's.
+    from strata_jax.synthetic import SyntheticParams
+
+    c = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2)
+    kept, dropped = SyntheticParams(c, 4, tile=3), SyntheticParams(c, 4, tile=3, keep_dense=False)
+    names = [n for n in kept if not kept.is_expert(n)]
+    for n in names[::-1] + names:  # out of order, then again
+        np.testing.assert_array_equal(dropped[n], kept[n])
+    assert not dropped._kept and len(kept._kept) == len(names)
+
+
+def test_a_tile_alone_is_the_first_rows_of_the_tiled_tensor():
+    from strata_jax.synthetic import SyntheticParams
+
+    c = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2)
+    p = SyntheticParams(c, 2, tile=3)
+    name = next(n for n in p if p.is_expert(n))
+    full = p[name]
+    np.testing.assert_array_equal(p.tile_of(name), full[:3])
+    np.testing.assert_array_equal(full[3:6], full[:3])
+    with pytest.raises(ValueError, match="only a routed expert tensor of tiled weights"):
+        SyntheticParams(c, 2).tile_of(name)

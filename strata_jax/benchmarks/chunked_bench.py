@@ -394,6 +394,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps-prefill", type=int, default=3)
     ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
                     help="the experts in this format (stored, streamed and read quantized)")
+    ap.add_argument("--drop-dense", action="store_true",
+                    help="keep no dense weight in host memory once on the device (each engine "
+                         "draws them again): for a model whose dense weights do not fit in host "
+                         "RAM beside its expert store")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
@@ -427,7 +431,7 @@ def main(argv=None) -> int:
         from strata_jax.synthetic import SyntheticParams
 
         # Nothing is drawn here: each engine draws the experts into its store or the device.
-        params = SyntheticParams(cfg, 0, 0.0, tile=TILE)
+        params = SyntheticParams(cfg, 0, 0.0, tile=TILE, keep_dense=not args.drop_dense)
         cfg, params = quantized(cfg, params, args.quantize)
         print(f"experts {cfg.expert_bytes_total / 1e9:.2f} GB ({len(cfg.moe_layers)} MoE "
               f"layers), made as each engine takes them", flush=True)
