@@ -53,15 +53,20 @@ def _dense_value(config: ModelConfig, name: str, shape: tuple, rng: np.random.Ge
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "router":
         return _router(config, routing_skew, rng)
+    return _from_normals(config, leaf, rng.standard_normal(shape, dtype=np.float32))
+
+
+def _from_normals(config: ModelConfig, leaf: str, z: np.ndarray) -> np.ndarray:
+    """A non-router parameter from its standard normal draws z (float32, its shape)."""
     if leaf == "selection_bias":
-        return 0.02 * rng.standard_normal(shape, dtype=np.float32)
+        return 0.02 * z
     if leaf == "weight":  # norms: near one so a wrong norm weight shows up in tests
-        return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        return 1.0 + 0.1 * z
     if leaf == "embed":
-        return rng.standard_normal(shape, dtype=np.float32)
+        return z
     if leaf in ("q_bias", "k_bias", "v_bias", "o_bias"):  # attention biases
-        return 0.2 * rng.standard_normal(shape, dtype=np.float32)
-    value = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-2])  # fan-in
+        return 0.2 * z
+    value = z / np.sqrt(z.shape[-2])  # fan-in
     if leaf in ("o_proj", "down"):
         value *= _residual_scale(config)
     return value
@@ -91,9 +96,10 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         tile: None: `init_synthetic`'s weights. An int t: other weights, for benchmarks, whose
             timing does not depend on the values, made fast: each routed expert tensor repeats
             t experts (expert e is expert e % t), each drawn by a generator of its own (seeded
-            by the seed, the tensor and the expert) on a thread of its own, then copied; the
-            other tensors come from one generator in order, as with None but without the
-            experts' draws between them. A full-size model's experts are then mostly copies.
+            by the seed, the tensor and the expert) on a thread of its own, then copied; every
+            other tensor is drawn by generators of its own (seeded by the seed, the tensor and
+            a block of its values), its blocks on threads. A full-size model's experts are then
+            mostly copies, and any tensor can be made alone.
 
         keep_dense: keep each non-expert tensor once made (the default). False: drop it once
             returned and draw it again from its recorded state if asked again (the same bits),
@@ -193,7 +199,11 @@ class SyntheticParams(Mapping[str, np.ndarray]):
     def _dense(self, name: str) -> np.ndarray:
         """The kept non-expert tensor `name`, drawn first where it was not yet."""
         kept = self._kept.get(name)
-        if kept is None:
+        if kept is None and self.tile is not None:
+            kept = self._dense_tiled(name)
+            if self.keep_dense:
+                self._kept[name] = kept
+        elif kept is None:
             i = self._index[name]
             self._advance(i)
             kept = self._kept.get(name)
@@ -203,6 +213,32 @@ class SyntheticParams(Mapping[str, np.ndarray]):
                 if len(self._states) == i + 1:
                     self._states.append(rng.bit_generator.state)
         return kept
+
+    def _dense_tiled(self, name: str) -> np.ndarray:
+        """`tile` mode's non-expert tensor `name`: its standard normals drawn in blocks of
+        _DENSE_BLOCK values, each by a generator of its own (seeded by the seed, the tensor and
+        the block) on a thread of its own; a router, by one generator of its own."""
+        spec = self._specs[name]
+        shape, leaf = tuple(spec.shape), name.rsplit(".", 1)[-1]
+        key = [self.seed, self._order[name]]
+        if leaf == "router":
+            value = _router(self.config, self.routing_skew, np.random.default_rng(key))
+        else:
+            size = int(np.prod(shape))
+            z = np.empty(size, np.float32)
+
+            def draw(b: int) -> None:
+                at = b * _DENSE_BLOCK
+                np.random.default_rng(key + [b]).standard_normal(
+                    out=z[at:at + _DENSE_BLOCK], dtype=np.float32)
+
+            blocks = -(-size // _DENSE_BLOCK)
+            with ThreadPoolExecutor(max(1, min(blocks, os.cpu_count() or 1))) as pool:
+                list(pool.map(draw, range(blocks)))
+            value = _from_normals(self.config, leaf, z.reshape(shape))
+        value = value.astype(spec.dtype)
+        value.flags.writeable = False
+        return value
 
     def _rng(self, i: int) -> np.random.Generator:
         rng = np.random.Generator(np.random.PCG64())
@@ -298,6 +334,7 @@ class SyntheticParams(Mapping[str, np.ndarray]):
 
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_DENSE_BLOCK = 1 << 22  # values per generator of a tiled model's dense tensor
 
 
 def _bfloat16_bits(x: np.ndarray, out: np.ndarray) -> None:

@@ -64,13 +64,16 @@ def test_progress_reports_every_byte_once_and_leaves_weights_unchanged():
         np.testing.assert_array_equal(with_progress[name], plain[name])
 
 
-def test_dropped_dense_tensors_come_back_as_the_same_bits():
+@pytest.mark.parametrize("tile", [None, 3])
+def test_dropped_dense_tensors_come_back_as_the_same_bits(tile):
     # keep_dense=False keeps no non-expert tensor, and one asked for again (or out of order)
-    # is drawn again from its recorded state: the same bits as the default's.
+    # is drawn again (from its recorded state, or its own generators with a tile): the same
+    # bits as the default's.
     from strata_jax.synthetic import SyntheticParams
 
     c = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2)
-    kept, dropped = SyntheticParams(c, 4, tile=3), SyntheticParams(c, 4, tile=3, keep_dense=False)
+    kept = SyntheticParams(c, 4, tile=tile)
+    dropped = SyntheticParams(c, 4, tile=tile, keep_dense=False)
     names = [n for n in kept if not kept.is_expert(n)]
     for n in names[::-1] + names:  # out of order, then again
         np.testing.assert_array_equal(dropped[n], kept[n])
@@ -88,3 +91,25 @@ def test_a_tile_alone_is_the_first_rows_of_the_tiled_tensor():
     np.testing.assert_array_equal(full[3:6], full[:3])
     with pytest.raises(ValueError, match="only a routed expert tensor of tiled weights"):
         SyntheticParams(c, 2).tile_of(name)
+
+
+def test_tiled_dense_tensors_are_drawn_alone_in_blocks(monkeypatch):
+    # With a tile, a dense tensor comes from generators of its own, block by block: the same
+    # bits whatever else was drawn before, and in many blocks (on threads) still its own
+    # _dense_value transform (an embedding: plain standard normals).
+    from strata_jax import synthetic
+    from strata_jax.synthetic import SyntheticParams
+
+    c = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2)
+    a, b = SyntheticParams(c, 1, tile=2), SyntheticParams(c, 1, tile=2)
+    names = [n for n in a if not a.is_expert(n)]
+    last = a[names[-1]]  # drawn first, alone
+    for n in names:
+        b[n]
+    np.testing.assert_array_equal(b[names[-1]], last)
+    monkeypatch.setattr(synthetic, "_DENSE_BLOCK", 1000)  # many blocks, many threads
+    emb = SyntheticParams(c, 1, tile=2)["embed"].astype(np.float32)
+    assert emb.shape == (c.vocab_size, c.hidden_size) and np.isfinite(emb).all()
+    assert abs(emb.mean()) < 0.05 and 0.9 < emb.std() < 1.1
+    assert len(np.unique(emb[:, 0])) > c.vocab_size // 2  # the blocks are not copies
+    assert not np.array_equal(SyntheticParams(c, 2, tile=2)["embed"], a["embed"])
