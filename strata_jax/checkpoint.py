@@ -282,11 +282,7 @@ def _quantization(hf: Mapping) -> _Quant | None:
                             "Qwen3-30B-A3B-FP8) and gptq (4-bit, as Qwen3-30B-A3B-GPTQ-Int4)")
     unknown = sorted(k for k in q if method not in QUANT_FIELDS.get(k, {}))
     if unknown:
-        shown = ", ".join(f"{k}={q[k]!r}" for k in unknown[:8])
-        raise CheckpointError(
-            f"config.json quantization_config field(s) {shown} are not {method} fields this "
-            "loader knows; it refuses what it cannot tell has no effect (see "
-            "docs/CHECKPOINTS.md)")
+        raise _unknown_fields(q, unknown, "quantization_config field(s)", f"{method} fields")
 
     def only(key, allowed, why, default=None):
         value = q.get(key, default)
@@ -414,6 +410,16 @@ def _has_type(value, expected: str) -> bool:
     return isinstance(value, int) or (expected == "a number" and isinstance(value, float))
 
 
+def _unknown_fields(fields: Mapping, unknown: list, what: str, whose: str,
+                    advice: str = "") -> CheckpointError:
+    """The error for config.json `fields` (its top level or its quantization_config) holding
+    `unknown` keys: the first 8 named with their values."""
+    shown = ", ".join(f"{k}={fields[k]!r}" for k in unknown[:8])
+    return CheckpointError(
+        f"config.json {what} {shown} are not {whose} this loader knows; it refuses what it "
+        f"cannot tell has no effect (see docs/CHECKPOINTS.md){advice}")
+
+
 def _refuse(field: str, value, why: str) -> CheckpointError:
     return CheckpointError(f"config.json {field}={value!r}: {why}")
 
@@ -426,11 +432,9 @@ class _Fields:
         unknown = sorted(k for k in hf if k not in IGNORED_FIELDS
                          and arch not in FIELDS.get(k, {}))
         if unknown:
-            shown = ", ".join(f"{k}={hf[k]!r}" for k in unknown[:8])
-            raise CheckpointError(
-                f"config.json field(s) {shown} are not fields of {arch} this loader knows; it "
-                "refuses what it cannot tell has no effect (see docs/CHECKPOINTS.md). If they do "
-                "not change the model's math, remove them from config.json")
+            raise _unknown_fields(hf, unknown, "field(s)", f"fields of {arch}",
+                                  ". If they do not change the model's math, remove them from "
+                                  "config.json")
         for k, expected in _TYPED_FIELDS.items():
             if hf.get(k) is not None and not _has_type(hf[k], expected):
                 raise _refuse(k, hf[k], f"expected {expected}")

@@ -179,7 +179,8 @@ class ExpertFormat:
             if k % group:
                 raise ValueError(
                     f"int4 experts need the {m} matrix's input width {k} to be a multiple of "
-                    f"the group {group} (GPTQ's layout); pick a group that divides {k} (ModelConfig.expert_block)")
+                    f"the group {group} (GPTQ's layout); pick a group that divides {k} "
+                    "(ModelConfig.expert_block)")
             planes += [Plane(m, np.int32, (k // INT4_PER_WORD, n)),
                        Plane(f"{m}_scale", np.float16, (k // group, n))]
         return cls("int4", "int4", tuple(planes), np.dtype(dtype), int(hidden),
@@ -360,8 +361,8 @@ class ExpertFormat:
         float32 products and cast, so the same bits."""
         dtype = np.dtype(dtype or self.dtype)
         q = planes[matrix]
-        if self.kind == "plain":
-            return q.astype(dtype)
+        if self.kind == "plain":  # the planes are the weights: no op where the dtype is theirs
+            return q if q.dtype == dtype else q.astype(dtype)
         s = planes[f"{matrix}_scale"].astype(jnp.float32)
         k, n = self.matrix_shape(matrix)
         if self.kind == "fp8":
@@ -373,7 +374,8 @@ class ExpertFormat:
         return (vals.astype(jnp.float32) * jnp.repeat(s, self.block, axis=-2)).astype(dtype)
 
     def expert_weights(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
-        """The dequantized ExpertWeights (JAX) of a layer's planes."""
+        """The ExpertWeights (JAX) the expert math reads from a layer's planes: dequantized,
+        or for a plain format in its own dtype the planes themselves (no op)."""
         return ExpertWeights(*(self.dequantize(planes, m, dtype) for m in MATRICES))
 
 

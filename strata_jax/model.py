@@ -459,9 +459,7 @@ class MoE(nnx.Module):
         """The layer's own expert parameters, or None when built without them."""
         if self.gate is None:
             return None
-        if self.config.expert_format == "plain":
-            return ExpertWeights(self.gate[...], self.up[...], self.down[...])
-        fmt = expert_format(self.config)
+        fmt = expert_format(self.config)  # plain: the params as they are, no op
         with jax.named_scope("dequantize"):
             return fmt.expert_weights({p.name: getattr(self, p.name)[...] for p in fmt.planes},
                                       self.config.dtype)
@@ -802,13 +800,9 @@ def param_shapes(config: ModelConfig, *, resident_experts: bool = True
     return {".".join(map(str, path)): _get(v) for path, v in nnx.to_flat_state(state)}
 
 
+@functools.lru_cache(maxsize=64)
 def expert_format(config: ModelConfig):
     """The config's `strata_jax.formats.ExpertFormat` (cached per config)."""
-    return _expert_format(config)
-
-
-@functools.lru_cache(maxsize=64)
-def _expert_format(config: ModelConfig):
     from strata_jax.formats import ExpertFormat
 
     return ExpertFormat.of(config)

@@ -132,8 +132,9 @@ class SyntheticParams(Mapping[str, np.ndarray]):
         self._order = {n: i for i, n in enumerate(self._names)}
         self._experts = frozenset(n for l in config.moe_layers
                                   for n in expert_param_names(config, l))
-        # The tensors one generator draws in order (tiled experts have generators of their own).
-        self._seq = [n for n in self._names if tile is None or n not in self._experts]
+        # The tensors one generator draws in order (with a tile, every tensor has generators
+        # of its own: none).
+        self._seq = self._names if tile is None else []
         self._index = {n: i for i, n in enumerate(self._seq)}
         self._states = [np.random.default_rng(seed).bit_generator.state]  # before _seq[i]
         self._kept: dict[str, np.ndarray] = {}

@@ -202,11 +202,13 @@ class QuantizedParams(Mapping):
         self.config = config
         self.format = expert_format(config)
         self._source: dict[str, tuple[str, str]] = {}  # plane name -> (plain name, matrix)
+        self._planes_of: dict[str, list[str]] = {}  # plain name -> its planes' names
         for layer in config.moe_layers:
             for plane, name in expert_plane_names(config, layer).items():
                 matrix = plane.removesuffix("_scale")
-                self._source[name] = (f"layers.{layer}.mlp.{matrix}", matrix)
-        self._plain = {src for src, _ in self._source.values()}
+                src = f"layers.{layer}.mlp.{matrix}"
+                self._source[name] = (src, matrix)
+                self._planes_of.setdefault(src, []).append(name)
         self._pending: dict[str, np.ndarray] = {}
         self.tile = tile if tile is not None else getattr(params, "tile", None)
         if self.tile is not None and (isinstance(self.tile, bool) or self.tile < 1):
@@ -215,26 +217,24 @@ class QuantizedParams(Mapping):
     def __getitem__(self, name: str):
         if name in self._source:
             value = self._plane(name)
-            e = self.config.n_experts
-            return value if value.shape[0] == e else np.resize(value, (e, *value.shape[1:]))
-        if name in self._plain:
+            if value.shape[0] == self.config.n_experts:
+                return value
+            out = np.empty((self.config.n_experts, *value.shape[1:]), value.dtype)
+            _repeat_into(value, out)
+            return out
+        if name in self._planes_of:
             raise KeyError(name)  # served as its planes
         return self.params[name]
 
     def __contains__(self, name) -> bool:
-        return name in self._source or (name not in self._plain and name in self.params)
+        return name in self._source or (name not in self._planes_of and name in self.params)
 
     def __iter__(self) -> Iterator[str]:
         for name in self.params:
-            if name in self._plain:
-                layer_prefix, matrix = name.rsplit(".", 1)
-                yield f"{layer_prefix}.{matrix}"
-                yield f"{layer_prefix}.{matrix}_scale"
-            else:
-                yield name
+            yield from self._planes_of.get(name, (name,))
 
     def __len__(self) -> int:
-        return len(self.params) + len(self._plain)
+        return len(self.params) - len(self._planes_of) + len(self._source)
 
     def is_expert(self, name: str) -> bool:
         return name in self._source
@@ -254,9 +254,7 @@ class QuantizedParams(Mapping):
             if tuple(out.shape) != want:
                 raise ValueError(f"parameter {name!r} has shape {want}; the array to fill has "
                                  f"{tuple(out.shape)}")
-            t = value.shape[0]  # the tile (or every expert), repeated over the experts
-            for k in range(0, want[0], t):
-                out[k:k + t] = value[:want[0] - k]
+            _repeat_into(value, out)
             return
         fill_tensor(self.params, name, out)
 
@@ -283,6 +281,14 @@ class QuantizedParams(Mapping):
             else:
                 self._pending[flat] = value
         return out
+
+
+def _repeat_into(value: np.ndarray, out: np.ndarray) -> None:
+    """`out` [E, ...] filled with `value` [t, ...] repeated over the experts (expert e is
+    value[e % t]; t = E: a copy)."""
+    t, e = value.shape[0], out.shape[0]
+    for k in range(0, e, t):
+        out[k:k + t] = value[:e - k]
 
 
 def _quantize_experts(fmt, matrix: str, x: np.ndarray) -> dict[str, np.ndarray]:

@@ -193,6 +193,14 @@ def test_depth_environment_is_clamped_with_warning(monkeypatch):
         StreamConfig().resolved()
 
 
+def _refused_by_name(bad: StreamConfig, message: str) -> None:
+    """Resolving `bad` and planning with it both raise the ValueError `message`."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bad.resolved()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan_stream(CFG, bad)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("depth", "abc", "depth='abc': expected an integer 1..256"),
     ("depth", 2.7, "depth=2.7: expected an integer 1..256"),  # not "outside 1..256; using 2"
@@ -207,11 +215,7 @@ def test_depth_environment_is_clamped_with_warning(monkeypatch):
 def test_integer_options_given_other_things_name_the_option(field, value, message):
     # int()'s or a comparison's own message ("invalid literal for int() with base 10") said
     # nothing of which option was wrong.
-    bad = _config(**{field: value})
-    with pytest.raises(ValueError, match=re.escape(message)):
-        bad.resolved()
-    with pytest.raises(ValueError, match=re.escape(message)):
-        plan_stream(CFG, bad)
+    _refused_by_name(_config(**{field: value}), message)
     assert StreamConfig(depth=np.int64(8),
                         tuning=StreamTuning(ring=None)).resolved().depth == 8  # numpy ints are fine
 
@@ -227,11 +231,7 @@ def test_integer_options_given_other_things_name_the_option(field, value, messag
 def test_switches_and_budgets_given_other_things_name_the_option(field, value, message):
     # Before: "no" switched routing (and tracing) on, float() said "could not convert string
     # to float: 'x'" and an infinite budget "cannot convert float infinity to integer".
-    bad = StreamConfig(**{field: value})
-    with pytest.raises(ValueError, match=re.escape(message)):
-        bad.resolved()
-    with pytest.raises(ValueError, match=re.escape(message)):
-        plan_stream(CFG, bad)
+    _refused_by_name(StreamConfig(**{field: value}), message)
     ok = StreamConfig(routed=np.bool_(False), trace=None, ring_budget_gib=np.float32(2),
                       resident_budget_gib=1).resolved()  # numpy bools and numbers are fine
     assert (ok.routed, ok.ring_budget_gib, ok.resident_budget_gib) == (False, 2.0, 1)

@@ -125,10 +125,8 @@ class StreamedExperts:
         return self._weights(planes)
 
     def _weights(self, planes: dict[str, jax.Array]) -> ExpertWeights:
-        """The ExpertWeights the expert math reads: a plain format's planes as they are (no
-        op), else `fmt.expert_weights` (dequantized to the parameter dtype)."""
-        if self.format.kind == "plain":
-            return ExpertWeights(planes["gate"], planes["up"], planes["down"])
+        """The ExpertWeights the expert math reads (`fmt.expert_weights`: a plain format's
+        planes as they are, no op; else dequantized to the parameter dtype)."""
         return self.format.expert_weights(planes, self.config.dtype)
 
     def release(self, layer: int, outs):
