@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|diag|timeline|chunked|score|all][,...]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|diag|timeline|chunked|score|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); SKIP_BUILD=1
 # reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS,
 # SCORE_ARGS).
@@ -48,6 +48,11 @@ if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert for
     files="$files $OUT/stream_quant_$F.json"
   done
   $PY -m strata_jax.benchmarks.quant_summary $files --json "$OUT/quant_summary.json" || rc=1
+fi
+if [ "$STAGE" = qmm ]; then  # issue 21: the fused quantized grouped matmul against bf16
+  timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.quant_matmul_bench ${QMM_ARGS:-} \
+    --json "$OUT/quant_matmul.json" 2>&1 | tee "$OUT/quant_matmul.log" | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "$STAGE" = timeline ]; then
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.timeline \

@@ -1,0 +1,133 @@
+"""The experts' grouped matmuls with quantized weights: fused kernel vs dequantize-then-matmul
+vs bf16, all experts resident.
+
+For a Qwen3-30B-A3B-shaped MoE layer (H 2048, I 768, 128 experts, top-8, uniform routing) it
+times one layer's expert math (gate and up [M,H]x[H,I], silu(gate) * up, down [M,I]x[I,H]; M =
+tokens * top_k rows sorted by expert) in three ways per format:
+    bf16        the bf16 weights through `grouped_matmul` (the plain model's path);
+    dequantize  the quantized planes dequantized to bf16, then the bf16 grouped matmuls (the
+                quantized model's path without the fused kernel);
+    fused       `fused_grouped_matmul` on the planes, for each tiling given (`--tiles`).
+It reports each time over bf16's, and the fused output's largest difference from the
+dequantize path's relative to the output's largest magnitude (both read the same quantized
+values; they differ by float32 summation order and one bf16 rounding).
+
+    python -m strata_jax.benchmarks.quant_matmul_bench --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.benchmarks.grouped_matmul_bench import _time, uniform_group_sizes
+from strata_jax.config import get_preset
+from strata_jax.experts import ExpertWeights
+from strata_jax.formats import MATRICES, ExpertFormat
+from strata_jax.grouped_matmul import grouped_matmul
+from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
+                                     fused_supports, tiles_for)
+
+
+def _swiglu(x, w, sizes, mm):
+    g = mm(x, w.gate, sizes)
+    u = mm(x, w.up, sizes)
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+    return mm(h, w.down, sizes)
+
+
+def parse_tiles(spec: str) -> Tiles:
+    """"bm,bn,warps,stages[,unpack]" -> Tiles."""
+    parts = spec.split(",")
+    return Tiles(*(int(p) for p in parts[:4]), *(parts[4:5] or []))
+
+
+def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
+              repeats: int) -> list[dict]:
+    m = tokens * config.top_k
+    h, i, e = config.hidden_size, config.expert_intermediate, config.n_experts
+    sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, h), np.float32), jnp.bfloat16)
+    fmt = ExpertFormat.make(kind, h, i, jnp.bfloat16)
+    shapes = {"gate": (h, i), "up": (h, i), "down": (i, h)}
+    w32 = ExpertWeights(*(rng.standard_normal((e, *shapes[mt]), np.float32) * 0.02
+                          for mt in MATRICES))
+    planes = {k: jnp.asarray(v) for k, v in fmt.quantize_np(w32).items()}
+    wq = ExpertWeights(*(QuantizedMatrix(planes[mt], planes[f"{mt}_scale"], kind, fmt.block,
+                                         shapes[mt], np.dtype(jnp.bfloat16)) for mt in MATRICES))
+    wb = ExpertWeights(*(jnp.asarray(a, jnp.bfloat16) for a in w32))
+    del w32
+
+    bf16 = jax.jit(lambda x, w, s: _swiglu(x, w, s, grouped_matmul))
+    deq = jax.jit(lambda x, w, s: _swiglu(
+        x, ExpertWeights(*(a.dequantize() for a in w)), s, grouped_matmul))
+    t_bf16 = _time(bf16, (x, wb, sizes), warmup, repeats)
+    want = deq(x, wq, sizes)
+    t_deq = _time(deq, (x, wq, sizes), warmup, repeats)
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    flops = 2 * m * h * i * 3
+    rows = [dict(kind=kind, tokens=tokens, path="bf16", ms=t_bf16 * 1e3, over_bf16=1.0,
+                 tflops=flops / t_bf16 / 1e12),
+            dict(kind=kind, tokens=tokens, path="dequantize", ms=t_deq * 1e3,
+                 over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
+    for tiles in tilings:
+        t = tiles or tiles_for(kind, m, e)
+        if not all(fused_supports(a, t) for a in wq):
+            rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=str(t),
+                             error="unsupported"))
+            continue
+        fused = jax.jit(lambda x, w, s, t=t: _swiglu(
+            x, w, s, lambda a, b, c: fused_grouped_matmul(a, b, c, tiles=t)))
+        try:
+            got = fused(x, wq, sizes)
+            diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            finite = bool(jnp.all(jnp.isfinite(got)))
+            tf = _time(fused, (x, wq, sizes), warmup, repeats)
+        except Exception as ex:  # noqa: BLE001 - a tiling that does not compile is reported
+            rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=str(t),
+                             default=tiles is None, error=f"{type(ex).__name__}: {ex}"[:300]))
+            continue
+        rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=str(t),
+                         default=tiles is None, ms=tf * 1e3, over_bf16=tf / t_bf16,
+                         over_dequantize=tf / t_deq, tflops=flops / tf / 1e12,
+                         finite=finite, max_diff_over_max=diff / scale))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", default="1024,4096,8192")
+    p.add_argument("--formats", default="fp8,int4")
+    p.add_argument("--tiles", action="append", default=[],
+                   help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
+                        "default tiling is always timed")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    config = get_preset(a.preset)
+    tilings = [None] + [parse_tiles(s) for s in a.tiles]
+    rows = []
+    print(f"jax {jax.__version__} {jax.devices()}; default tiles {TILES}", flush=True)
+    for kind in a.formats.split(","):
+        for tokens in (int(t) for t in a.tokens.split(",")):
+            for r in bench_one(tokens, config, kind, tilings, warmup=a.warmup,
+                               repeats=a.repeats):
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Grouped matmul over quantized expert planes, dequantizing tiles inside the kernel.
+
+`QuantizedMatrix` is one matrix of a layer's experts as its planes hold it (fp8: e4m3 values
+and 128 x 128 block scales; int4: GPTQ words and group scales; `strata_jax.formats`). The expert
+math gets one for each of gate, up and down of a quantized format and hands it to
+`grouped_matmul`, which either dequantizes the whole matrix to the parameter dtype first and
+runs the bf16 grouped matmul ("dequantize"), or runs `fused_grouped_matmul` ("fused"): a Pallas
+Triton kernel that reads the quantized tiles of the routed experts, converts each to bf16 in
+registers and accumulates in float32 with the scale applied to each block's partial product.
+The layer is never written out in bf16, so the fused path adds no pass over the weights.
+
+The fused kernel (one program per (column block, visit)):
+    rows are sorted by expert; a visit is one (row tile, expert) pair with rows of that expert
+    in the tile (`group_metadata`): a tile that holds the end of one expert's rows and the start
+    of the next is visited once per expert, each visit storing only its own rows. An expert with
+    no rows owns no visit, so its weights are never read (streamed experts with no token may be
+    stale or garbage). Rows past the last expert are zeros.
+
+    fp8   acc += dot(x[:, kblk], bf16(q[kblk, nblk])) * scale[kblk, nblk]   (e4m3 is exact in
+          bf16; with the column block inside one scale block the scale is one number a step)
+    int4  acc += dot(x'[:, group], bf16(q'[group, nblk] - 8)) * scale[group, nblk]  (one step a
+          scale group; q' unpacks a group's words nibble-major: row j * (group / 8) + r is
+          nibble j of word r, which is GPTQ's input row 8 r + j, so x' is x with each group's
+          columns in that order, a permutation made once per matmul input)
+
+The result equals dequantize-then-matmul up to float32 summation order (tests compare both with
+the float64 reference within the dtype's tolerance); between the resident and streamed arms it
+is the same kernel on the same bytes, so the same bits.
+
+On the CPU the kernel runs in Pallas' interpret mode (tests); on a GPU through Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+FUSED_KINDS = ("fp8", "int4")
+QUANTIZED_MATMULS = ("auto", "fused", "dequantize")
+_INT4_ZERO = 8
+_PER_WORD = 8
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"],
+                   meta_fields=["kind", "block", "shape", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedMatrix:
+    """One matrix of a layer's experts in a quantized format (`strata_jax.formats`).
+
+    Attributes:
+        q: fp8: float8_e4m3fn [E, K, N]; int4: int32 [E, K/8, N] (GPTQ `qweight` words).
+        scale: fp8: float32 [E, ceil(K/b), ceil(N/b)]; int4: float16 [E, K/b, N].
+        kind: "fp8" or "int4".
+        block: fp8's scale block side, int4's group (b).
+        shape: (K, N), the matrix's [in, out] shape.
+        dtype: the dtype the expert math reads (`dequantize` gives it).
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    kind: str
+    block: int
+    shape: tuple[int, int]
+    dtype: np.dtype
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """[E, K, N] in `dtype` (default `self.dtype`): each value one float32 product and one
+        cast, as `ExpertFormat.dequantize` (which calls this)."""
+        return dequantize_matrix(self.kind, self.block, self.shape, self.q, self.scale,
+                                 dtype or self.dtype)
+
+    def select(self, keep: jax.Array) -> "QuantizedMatrix":
+        """This matrix with the experts where bool `keep` [E] is False replaced by zeros."""
+        return dataclasses.replace(
+            self, q=jnp.where(keep[:, None, None], self.q, jnp.zeros((), self.q.dtype)),
+            scale=jnp.where(keep[:, None, None], self.scale, jnp.zeros((), self.scale.dtype)))
+
+
+def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,
+                      scale: jax.Array, dtype) -> jax.Array:
+    """A quantized matrix's values in `dtype`: fp8 float(q) * scale[k // b, n // b]; int4
+    (nibble - 8) * scale[k // b, n]; one float32 product and one cast each."""
+    k, n = shape
+    s = scale.astype(jnp.float32)
+    if kind == "fp8":
+        s = jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :k, :n]
+        return (q.astype(jnp.float32) * s).astype(dtype)
+    if kind != "int4":
+        raise ValueError(f"quantized matrix kind {kind!r}: expected one of {FUSED_KINDS}")
+    shifts = (jnp.arange(_PER_WORD, dtype=jnp.int32) * 4)[:, None]  # [8, 1]
+    vals = (q[..., :, None, :] >> shifts) & 15  # [E, K/8, 8, N]; & 15 drops the sign fill
+    vals = vals.reshape(*q.shape[:-2], k, n) - _INT4_ZERO
+    return (vals.astype(jnp.float32) * jnp.repeat(s, block, axis=-2)).astype(dtype)
+
+
+def dense(w):
+    """`w` (a matrix or an ExpertWeights of them) with every QuantizedMatrix dequantized."""
+    if isinstance(w, QuantizedMatrix):
+        return w.dequantize()
+    if isinstance(w, tuple) and hasattr(w, "_fields"):
+        return type(w)(*(dense(a) for a in w))
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles.
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The fused kernel's tiling: rows a tile, columns a tile, Triton warps and stages, and
+    for int4 how a group's words unpack ("tile": one [group, BN] tile and one dot a group;
+    "split": eight [group / 8, BN] nibble planes, eight dots)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    unpack: str = "tile"
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Tiles({name}={v}): a power of two, at least 16")
+        if self.unpack not in ("tile", "split"):
+            raise ValueError(f"Tiles(unpack={self.unpack!r}): expected 'tile' or 'split'")
+
+
+# The tiling for each kind (chosen by quant_matmul_bench; BENCHMARKS.md). Fewer rows a tile
+# when an expert has few rows on average: a tile shared by two experts is computed twice.
+TILES = {"fp8": Tiles(128, 128, 8, 3), "int4": Tiles(128, 128, 8, 3, "tile")}
+SMALL_TILES = {"fp8": Tiles(64, 128, 4, 3), "int4": Tiles(64, 128, 4, 3, "tile")}
+SMALL_ROWS_PER_EXPERT = 256
+
+
+def tiles_for(kind: str, m: int, experts: int) -> Tiles:
+    """The default tiling for `m` sorted rows over `experts` experts."""
+    small = m < SMALL_ROWS_PER_EXPERT * experts
+    return (SMALL_TILES if small else TILES)[kind]
+
+
+def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:
+    """Whether the fused kernel can tile `w` (else `grouped_matmul` dequantizes first)."""
+    if w.kind not in FUSED_KINDS:
+        return False
+    k, n = w.shape
+    t = tiles or TILES[w.kind]
+    b = w.block
+    if n % t.block_n:
+        return False
+    if w.kind == "fp8":
+        # Row steps of min(b, 128), column blocks inside one scale block: one scale a step.
+        bk = min(b, 128)
+        return _pow2(bk) and bk >= 16 and b % bk == 0 and k % bk == 0 and b % t.block_n == 0
+    words = b // _PER_WORD
+    return _pow2(words) and b >= 16 and k % b == 0 and (t.unpack == "tile" or words >= 16)
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """The kernel's visits for rows sorted by group: int32 [4, V] of (group, row tile, first
+    row, end row) per visit, V = ceil(m / block_m) + G - 1 (an upper bound on the visits; the
+    unused ones have first row == end row and do nothing).
+
+    Group g with rows [start, end) visits each row tile that holds one of its rows, storing
+    rows [max(start, tile start), min(end, tile end)). Groups with no rows have no visit."""
+    g = group_sizes.shape[0]
+    tiles = -(-m // block_m)
+    v = max(tiles + g - 1, 1)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // block_m
+    n_visits = jnp.where(sizes > 0, (ends - 1) // block_m - first + 1, 0)
+    visit_end = jnp.cumsum(n_visits)
+    visit_start = visit_end - n_visits
+    i = jnp.arange(v, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(visit_end, i, side="right"), g - 1).astype(jnp.int32)
+    valid = i < visit_end[-1]
+    tile = first[group] + i - visit_start[group]
+    lo = jnp.maximum(starts[group], tile * block_m)
+    hi = jnp.minimum(ends[group], (tile + 1) * block_m)
+    zero = jnp.zeros_like(i)
+    return jnp.stack([jnp.where(valid, group, zero), jnp.where(valid, tile, zero),
+                      jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)]).astype(jnp.int32)
+
+
+def int4_columns(x: jax.Array, group: int) -> jax.Array:
+    """x [M, K] with each group's columns nibble-major (the order the fused int4 kernel
+    unpacks a group's words in): column g * group + j * group / 8 + r holds x's column
+    g * group + 8 r + j."""
+    m, k = x.shape
+    words = group // _PER_WORD
+    return x.reshape(m, k // group, words, _PER_WORD).swapaxes(2, 3).reshape(m, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+
+
+def _kernel(meta_ref, x_ref, q_ref, s_ref, o_ref, *, kind, block, k, tiles, dot):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    bm, bn = tiles.block_m, tiles.block_n
+    nb = pl.program_id(0)
+    visit = pl.program_id(1)
+    g = meta_ref[0, visit]
+    row0 = meta_ref[1, visit] * bm
+    lo = meta_ref[2, visit]
+    hi = meta_ref[3, visit]
+    n0 = nb * bn
+
+    @pl.when(hi > lo)
+    def _():
+        if kind == "fp8":
+            bk = min(block, 128)
+
+            def step(i, acc):
+                k0 = i * bk
+                xt = x_ref[pl.ds(row0, bm), pl.ds(k0, bk)]
+                wt = q_ref[g, pl.ds(k0, bk), pl.ds(n0, bn)].astype(xt.dtype)
+                s = s_ref[g, k0 // block, n0 // block]
+                return acc + dot(xt, wt) * s
+
+            steps = k // bk
+        else:
+            words = block // _PER_WORD
+
+            def step(i, acc):
+                k0 = i * block
+                packed = q_ref[g, pl.ds(i * words, words), pl.ds(n0, bn)]  # [words, BN] int32
+                s = s_ref[g, i, pl.ds(n0, bn)].astype(jnp.float32)[None, :]
+                if tiles.unpack == "tile":
+                    rep = jnp.broadcast_to(packed[None], (_PER_WORD, words, bn))
+                    rep = rep.reshape(block, bn)
+                    shift = (lax.broadcasted_iota(jnp.int32, (block, bn), 0) // words) * 4
+                    wt = (((rep >> shift) & 15) - _INT4_ZERO).astype(x_ref.dtype)
+                    part = dot(x_ref[pl.ds(row0, bm), pl.ds(k0, block)], wt)
+                else:
+                    part = jnp.zeros((bm, bn), jnp.float32)
+                    for j in range(_PER_WORD):
+                        wt = (((packed >> (4 * j)) & 15) - _INT4_ZERO).astype(x_ref.dtype)
+                        part = part + dot(x_ref[pl.ds(row0, bm), pl.ds(k0 + j * words, words)],
+                                          wt)
+                return acc + part * s
+
+            steps = k // block
+        acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+        rows = row0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+        out = o_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)]
+        plt.store(out, acc.astype(o_ref.dtype), mask=(rows >= lo) & (rows < hi))
+
+
+def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Array, *,
+                         tiles: Tiles | None = None, interpret: bool | None = None) -> jax.Array:
+    """Rows of x [M, K] sorted by expert times their expert's quantized matrix -> [M, N] in
+    x.dtype (float32 accumulation; rows past the groups are zeros).
+
+    Args:
+        x: [M, K] in the matrix's dtype (bf16 or fp16).
+        w: the experts' matrix, [E, ...] planes (`QuantizedMatrix`).
+        group_sizes: int32 [E], summing to at most M.
+        tiles: the tiling (default `tiles_for`); it must satisfy `fused_supports`.
+        interpret: run in Pallas' interpret mode (default: on a non-GPU backend).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    m, k = x.shape
+    e = w.q.shape[0]
+    n = w.shape[1]
+    if (k, n) != tuple(w.shape):
+        raise ValueError(f"fused_grouped_matmul: x is [M, {k}] but the matrix is {w.shape}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"fused_grouped_matmul: group_sizes has shape {group_sizes.shape}, "
+                         f"expected ({e},)")
+    tiles = tiles or tiles_for(w.kind, m, e)
+    if not fused_supports(w, tiles):
+        raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "
+                         f"{w.block} cannot be tiled by {tiles}; use grouped_matmul, which "
+                         "dequantizes such a matrix first")
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    bm = tiles.block_m
+    m_pad = -(-m // bm) * bm
+    xp = int4_columns(x, w.block) if w.kind == "int4" else x
+    if m_pad != m:
+        xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
+    meta = group_metadata(group_sizes, m, bm)
+    dot = _interpret_dot if interpret else plt.dot
+    kernel = functools.partial(_kernel, kind=w.kind, block=w.block, k=k, tiles=tiles, dot=dot)
+    call = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
+        grid=(n // tiles.block_n, meta.shape[1]), interpret=interpret,
+        compiler_params=None if interpret else plt.CompilerParams(
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        name=f"grouped_matmul_{w.kind}")
+    with jax.named_scope(f"grouped_matmul_{w.kind}"):
+        out = call(meta, xp, w.q, w.scale)[:m]
+        rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+        return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+
+
+def _interpret_dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def fused_reference(x, w: QuantizedMatrix, group_sizes) -> np.ndarray:
+    """NumPy float64: x times each group's matrix dequantized in float64 from its planes (rows
+    past the groups zero)."""
+    from .grouped_matmul import grouped_matmul_reference
+
+    q, s = np.asarray(w.q), np.asarray(w.scale, np.float64)
+    k, n = w.shape
+    if w.kind == "fp8":
+        s = np.repeat(np.repeat(s, w.block, axis=-2), w.block, axis=-1)[..., :k, :n]
+        deq = q.astype(np.float64) * s
+    else:
+        words = q.view(np.uint32)[..., :, None, :]  # [E, K/8, 1, N]
+        nib = (words >> (np.arange(_PER_WORD, dtype=np.uint32)[:, None] * 4)) & 15
+        deq = (nib.reshape(*q.shape[:-2], k, n).astype(np.float64) - _INT4_ZERO) \
+            * np.repeat(s, w.block, axis=-2)
+    return grouped_matmul_reference(np.asarray(x, np.float64), deq, group_sizes)
