@@ -50,6 +50,7 @@ import numpy as np
 
 from .config import EXPERT_FORMATS
 from .experts import ExpertWeights
+from .quant_matmul import QuantizedMatrix
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -357,26 +358,34 @@ class ExpertFormat:
         return (vals.astype(np.float32) * np.repeat(s, self.block, axis=-2)).astype(dtype)
 
     def dequantize(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None) -> jax.Array:
-        """JAX `dequantize_np` (what the device runs before the grouped matmul): the same
+        """JAX `dequantize_np` (what the device runs before a bf16 grouped matmul): the same
         float32 products and cast, so the same bits."""
         dtype = np.dtype(dtype or self.dtype)
         q = planes[matrix]
         if self.kind == "plain":  # the planes are the weights: no op where the dtype is theirs
             return q if q.dtype == dtype else q.astype(dtype)
-        s = planes[f"{matrix}_scale"].astype(jnp.float32)
-        k, n = self.matrix_shape(matrix)
-        if self.kind == "fp8":
-            s = jnp.repeat(jnp.repeat(s, self.block, axis=-2), self.block, axis=-1)[..., :k, :n]
-            return (q.astype(jnp.float32) * s).astype(dtype)
-        shifts = (jnp.arange(INT4_PER_WORD, dtype=jnp.int32) * 4)[:, None]  # [8, 1]
-        vals = (q[..., :, None, :] >> shifts) & 15  # [E, K/8, 8, N]; & 15 drops the sign fill
-        vals = vals.reshape(*q.shape[:-2], k, n) - INT4_ZERO
-        return (vals.astype(jnp.float32) * jnp.repeat(s, self.block, axis=-2)).astype(dtype)
+        return self.matrix(planes, matrix, dtype).dequantize()
+
+    def matrix(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None):
+        """One matrix of a quantized format's planes as a `QuantizedMatrix` (not dequantized:
+        the grouped matmul reads it, `strata_jax.quant_matmul`)."""
+        if self.kind == "plain":
+            raise ValueError(f"{self.name} is a plain format: its planes are the weights")
+        return QuantizedMatrix(planes[matrix], planes[f"{matrix}_scale"], self.kind, self.block,
+                               self.matrix_shape(matrix), np.dtype(dtype or self.dtype))
 
     def expert_weights(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
-        """The ExpertWeights (JAX) the expert math reads from a layer's planes: dequantized,
-        or for a plain format in its own dtype the planes themselves (no op)."""
+        """The ExpertWeights (JAX) of a layer's planes, dequantized; for a plain format in its
+        own dtype the planes themselves (no op)."""
         return ExpertWeights(*(self.dequantize(planes, m, dtype) for m in MATRICES))
+
+    def expert_matrices(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
+        """What the expert math reads from a layer's planes: for a quantized format one
+        `QuantizedMatrix` per matrix (the grouped matmul dequantizes it, or reads it in a
+        fused kernel: `Kernels.quantized_matmul`); for a plain format `expert_weights`."""
+        if self.kind == "plain":
+            return self.expert_weights(planes, dtype)
+        return ExpertWeights(*(self.matrix(planes, m, dtype) for m in MATRICES))
 
 
 def _fp8_quantize_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

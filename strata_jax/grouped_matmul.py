@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
+from .quant_matmul import QuantizedMatrix, fused_grouped_matmul, resolve_quantized
 
 # The Mosaic kernel's row block for MoE shapes (chosen by grouped_matmul_bench; BENCHMARKS.md).
 MOSAIC_BLOCK_M = 128
@@ -78,21 +79,36 @@ def resolve_implementation(impl: str | None = None) -> str:
     return impl
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                   impl: str | None = None) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: jax.Array, *,
+                   impl: str | None = None, quantized: str | None = None,
+                   layer_rows: int | None = None) -> jax.Array:
     """Multiplies row groups of `x` by their group's matrix.
 
     Args:
         x: [M, K] rows sorted by group: rows 0..group_sizes[0]-1 belong to group 0, and so on.
-        w: [G, K, N] one matrix per group, same dtype as `x`.
+        w: [G, K, N] one matrix per group, same dtype as `x`; or a `QuantizedMatrix` (fp8/int4
+            planes) whose dtype is x's.
         group_sizes: int32 [G]; sum(group_sizes) <= M. Rows past the sum (padding, which the
             model routes to no group) come back as zeros in every implementation; rows inside the
             groups are the same whether or not such rows exist.
         impl: auto|mosaic|lax|tiled (`Kernels.grouped_matmul`); None: auto.
+        quantized: for a QuantizedMatrix, auto|fused|dequantize (`Kernels.quantized_matmul`);
+            None: auto.
+        layer_rows: the rows of the whole layer's matmul when `x` is one piece of it: "auto"
+            chooses by those, so every piece of a layer takes the path the whole would.
 
     Returns:
         [M, N] in `x.dtype`, accumulated in float32.
     """
+    if isinstance(w, QuantizedMatrix):
+        if w.dtype != x.dtype:
+            raise ValueError(f"grouped_matmul: x dtype {x.dtype} != the quantized matrix's "
+                             f"dtype {w.dtype}")
+        rows = x.shape[0] if layer_rows is None else layer_rows
+        if resolve_quantized(quantized, w, rows) == "fused":
+            return fused_grouped_matmul(x, w, group_sizes)
+        with jax.named_scope("dequantize"):
+            w = w.dequantize()
     m, k = x.shape
     g, k2, n = w.shape
     if k != k2:

@@ -6,6 +6,12 @@ another (jit keys on it). Nothing is read from the environment.
 
     grouped_matmul  "auto" | "mosaic" | "lax" | "tiled"  (`strata_jax.grouped_matmul`; auto: the
                     Mosaic GPU kernel on Hopper, row tiles on other GPUs, lax.ragged_dot on CPU)
+    quantized_matmul  "auto" | "fused" | "dequantize"  (`strata_jax.quant_matmul`: how a grouped
+                    matmul reads fp8/int4 expert planes; fused: a kernel that dequantizes tiles
+                    as it multiplies, dequantize: the whole matrix to bf16 first, then
+                    grouped_matmul; auto: fused for fp8 on a Hopper GPU up to
+                    `quant_matmul.FUSED_MAX_ROWS` sorted rows, where it is the faster one,
+                    dequantize elsewhere)
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`strata_jax.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)
@@ -18,22 +24,25 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Kernels", "GROUPED_MATMULS", "ATTENTION_PATHS"]
+__all__ = ["Kernels", "GROUPED_MATMULS", "QUANTIZED_MATMULS", "ATTENTION_PATHS"]
 
 GROUPED_MATMULS = ("auto", "mosaic", "lax", "tiled")
+QUANTIZED_MATMULS = ("auto", "fused", "dequantize")
 ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The grouped matmul and attention a model's programs use (see the module docstring)."""
+    """The grouped matmuls and attention a model's programs use (see the module docstring)."""
 
     grouped_matmul: str = "auto"
     attention: str = "auto"
+    quantized_matmul: str = "auto"
 
     def __post_init__(self):
         for field, allowed in (("grouped_matmul", GROUPED_MATMULS),
-                               ("attention", ATTENTION_PATHS)):
+                               ("attention", ATTENTION_PATHS),
+                               ("quantized_matmul", QUANTIZED_MATMULS)):
             value = getattr(self, field)
             if not isinstance(value, str) or value.lower() not in allowed:
                 raise ValueError(f"Kernels({field}={value!r}): expected one of "

@@ -28,6 +28,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 from strata_jax.kernels import Kernels
+from strata_jax.quant_matmul import QuantizedMatrix
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 _INIT_STD = 0.02
@@ -334,28 +335,33 @@ def sort_order(expert_ids: jax.Array) -> jax.Array:
 
 
 def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array,
-                   impl: str | None = None) -> jax.Array:
+                   impl: str | None = None, quantized: str | None = None,
+                   layer_rows: int | None = None) -> jax.Array:
     """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
 
     Args:
         x_sorted: [T*k, H].
-        w: gate/up [E, H, I], down [E, I, H]; rows of experts with count 0 are never read.
+        w: gate/up [E, H, I], down [E, I, H] (arrays, or `QuantizedMatrix`es of a quantized
+            format); rows of experts with count 0 are never read.
         counts: int32 [E] group sizes.
         impl: the grouped matmul (`Kernels.grouped_matmul`); None: auto.
+        quantized: how quantized matrices are read (`Kernels.quantized_matmul`); None: auto.
+        layer_rows: the whole layer's rows where x_sorted is one piece of them.
 
     Returns:
         [T*k, H] in x_sorted.dtype.
     """
+    mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized, layer_rows=layer_rows)
     with jax.named_scope("experts"):
-        g = grouped_matmul(x_sorted, w.gate, counts, impl=impl)  # [T*k, I]
-        u = grouped_matmul(x_sorted, w.up, counts, impl=impl)  # [T*k, I]
+        g = mm(x_sorted, w.gate, counts)  # [T*k, I]
+        u = mm(x_sorted, w.up, counts)  # [T*k, I]
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_sorted.dtype)
-        return grouped_matmul(h, w.down, counts, impl=impl)  # [T*k, H]
+        return mm(h, w.down, counts)  # [T*k, H]
 
 
 def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Array,
                           bounds: tuple[int, ...], weights_for_piece,
-                          impl: str | None = None) -> jax.Array:
+                          impl: str | None = None, quantized: str | None = None) -> jax.Array:
     """`experts_swiglu` over the sorted rows in pieces [bounds[p], bounds[p+1]), each with the
     weights `weights_for_piece(p, after)` gives (`after`: the piece before's output, None for
     piece 0), so a piece's math can start once its own experts are there. Each row keeps its
@@ -373,13 +379,15 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
         with jax.named_scope(f"experts_piece_{p}"):
             w = _in_dtype(weights_for_piece(p, after), x.dtype)
             x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted
-            after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b), impl)
+            after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b), impl,
+                                   quantized, layer_rows=bounds[-1])
             ys.append(after)
     return jnp.concatenate(ys)
 
 
 def _in_dtype(w: ExpertWeights, dtype) -> ExpertWeights:
-    return ExpertWeights(*(a.astype(dtype) for a in w))
+    """The arrays of `w` in `dtype` (a QuantizedMatrix already reads as the model's dtype)."""
+    return ExpertWeights(*(a if isinstance(a, QuantizedMatrix) else a.astype(dtype) for a in w))
 
 
 def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
@@ -441,7 +449,7 @@ class MoE(nnx.Module):
             self.down = nnx.Param(_normal(rngs, (e, i, h), dt))  # [E, I, H]
         else:
             # A quantized format's planes (gate, gate_scale, up, ...: [E, *plane shape] each
-            # in its storage dtype), dequantized before the expert math (`resident_weights`).
+            # in its storage dtype), read by the expert math as one QuantizedMatrix per matrix.
             if rngs is not None:
                 raise ValueError(
                     f"random initialisation of {c.expert_format} experts is not implemented: "
@@ -456,13 +464,13 @@ class MoE(nnx.Module):
                             if c.shared_expert_gate else None)  # [H, 1]
 
     def resident_weights(self) -> ExpertWeights | None:
-        """The layer's own expert parameters, or None when built without them."""
+        """The layer's own expert parameters, or None when built without them (a quantized
+        format's as `QuantizedMatrix`es: `ExpertFormat.expert_matrices`)."""
         if self.gate is None:
             return None
         fmt = expert_format(self.config)  # plain: the params as they are, no op
-        with jax.named_scope("dequantize"):
-            return fmt.expert_weights({p.name: getattr(self, p.name)[...] for p in fmt.planes},
-                                      self.config.dtype)
+        return fmt.expert_matrices({p.name: getattr(self, p.name)[...] for p in fmt.planes},
+                                   self.config.dtype)
 
     def route_tokens(self, x: jax.Array, valid: jax.Array | None = None) -> Routing:
         """Steps 1-2: the router's choices for x [T, H] (padding, where `valid` is False, routes
@@ -490,13 +498,15 @@ class MoE(nnx.Module):
         if pieces is None:
             x_sorted, order = permute(x, routing.expert_ids)
             y_sorted = experts_swiglu(x_sorted, _in_dtype(w, x.dtype), routing.counts,
-                                      self.kernels.grouped_matmul)
+                                      self.kernels.grouped_matmul,
+                                      self.kernels.quantized_matmul)
         else:
             order = sort_order(routing.expert_ids)
             with jax.named_scope("experts"):
                 y_sorted = experts_swiglu_pieces(x, order, routing.expert_ids.shape[1],
                                                  routing.counts, *pieces,
-                                                 impl=self.kernels.grouped_matmul)
+                                                 impl=self.kernels.grouped_matmul,
+                                                 quantized=self.kernels.quantized_matmul)
         out = unpermute(y_sorted, order, routing.weights)
         if self.shared is not None:
             with jax.named_scope("shared_expert"):

@@ -41,7 +41,6 @@ import numpy as np
 from jax import lax
 
 FUSED_KINDS = ("fp8", "int4")
-QUANTIZED_MATMULS = ("auto", "fused", "dequantize")
 _INT4_ZERO = 8
 _PER_WORD = 8
 
@@ -132,17 +131,41 @@ class Tiles:
             raise ValueError(f"Tiles(unpack={self.unpack!r}): expected 'tile' or 'split'")
 
 
-# The tiling for each kind (chosen by quant_matmul_bench; BENCHMARKS.md). Fewer rows a tile
-# when an expert has few rows on average: a tile shared by two experts is computed twice.
-TILES = {"fp8": Tiles(128, 128, 8, 3), "int4": Tiles(128, 128, 8, 3, "tile")}
-SMALL_TILES = {"fp8": Tiles(64, 128, 4, 3), "int4": Tiles(64, 128, 4, 3, "tile")}
-SMALL_ROWS_PER_EXPERT = 256
+# The tiling for each kind, and the sorted rows up to which "auto" picks the fused kernel: the
+# fastest of quant_matmul_bench's sweep on the H200 (BENCHMARKS.md, "A fused kernel"). There the
+# fused fp8 kernel beats dequantize-then-matmul up to 4K tokens (32K rows at top-8) and loses
+# above; the fused int4 kernel loses at every length, so "auto" never picks it.
+TILES = {"fp8": Tiles(64, 128, 4, 3), "int4": Tiles(128, 128, 8, 3)}
+FUSED_MAX_ROWS = {"fp8": 32768, "int4": 0}
 
 
-def tiles_for(kind: str, m: int, experts: int) -> Tiles:
-    """The default tiling for `m` sorted rows over `experts` experts."""
-    small = m < SMALL_ROWS_PER_EXPERT * experts
-    return (SMALL_TILES if small else TILES)[kind]
+def tiles_for(w: QuantizedMatrix, m: int) -> Tiles:
+    """The tiling for `m` sorted rows by `w`: the kind's `TILES`, with columns a tile halved
+    (down to 16) until they divide the matrix's N and, for fp8, its scale block."""
+    del m  # one tiling per kind at every length
+    t = TILES[w.kind]
+    bn, n = t.block_n, w.shape[1]
+    while bn > 16 and (n % bn or (w.kind == "fp8" and w.block % bn)):
+        bn //= 2
+    return dataclasses.replace(t, block_n=bn)
+
+
+def resolve_quantized(impl: str | None, w: QuantizedMatrix, m: int,
+                      device: jax.Device | None = None) -> str:
+    """"fused" or "dequantize" for `impl` (`Kernels.quantized_matmul`; None: auto) on a matmul
+    of `m` sorted rows by `w`. A matrix the fused kernel cannot tile is dequantized."""
+    from .grouped_matmul import is_hopper
+
+    impl = (impl or "auto").lower()
+    if impl not in ("auto", "fused", "dequantize"):
+        raise ValueError(f"quantized matmul {impl!r}: expected one of auto|fused|dequantize")
+    if impl == "auto":
+        device = device or jax.devices()[0]
+        impl = "fused" if is_hopper(device) and m <= FUSED_MAX_ROWS.get(w.kind, 0) else \
+            "dequantize"
+    if impl == "fused" and not fused_supports(w, tiles_for(w, m)):
+        impl = "dequantize"
+    return impl
 
 
 def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:
@@ -284,7 +307,7 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
     if group_sizes.shape != (e,):
         raise ValueError(f"fused_grouped_matmul: group_sizes has shape {group_sizes.shape}, "
                          f"expected ({e},)")
-    tiles = tiles or tiles_for(w.kind, m, e)
+    tiles = tiles or tiles_for(w, m)
     if not fused_supports(w, tiles):
         raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "
                          f"{w.block} cannot be tiled by {tiles}; use grouped_matmul, which "

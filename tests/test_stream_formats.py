@@ -15,6 +15,7 @@ import pytest
 from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights
 from strata_jax.formats import ExpertFormat
+from strata_jax.quant_matmul import dense
 from strata_jax.stream import StreamConfig, StreamTuning
 
 BASE = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,
@@ -189,11 +190,11 @@ def test_model_reads_the_dequantized_planes(kind, backend):
                     counts = jnp.asarray(COUNTS[l])
                     bounds = src.row_pieces(l, int(COUNTS[l].sum()))
                     if bounds is None:
-                        w = src.expert_weights(l, counts, None)
+                        w = dense(src.expert_weights(l, counts, None))
                     else:
                         w, after = None, None
                         for p in range(len(bounds) - 1):
-                            w = src.expert_weights_piece(l, counts, bounds, p, after)
+                            w = dense(src.expert_weights_piece(l, counts, bounds, p, after))
                             after = w.gate.sum()
                             got[f"{l}:{p}"] = w
                     got[f"{l}"] = w
@@ -224,7 +225,7 @@ def test_model_reads_the_dequantized_planes(kind, backend):
                                   frame_of={l: i for i, l in enumerate(config.moe_layers)})
             got = {}
             for l in config.moe_layers:
-                got[l] = src.expert_weights(l, jnp.asarray(COUNTS[l]), None)
+                got[l] = dense(src.expert_weights(l, jnp.asarray(COUNTS[l]), None))
                 src.release(l, got[l].gate.sum())
             return src.finish(), got
 

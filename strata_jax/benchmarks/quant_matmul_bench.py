@@ -77,13 +77,13 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             dict(kind=kind, tokens=tokens, path="dequantize", ms=t_deq * 1e3,
                  over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
     for tiles in tilings:
-        t = tiles or tiles_for(kind, m, e)
-        if not all(fused_supports(a, t) for a in wq):
+        t = tiles or tiles_for(wq.gate, m)
+        if not all(fused_supports(a, tiles or tiles_for(a, m)) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=str(t),
                              error="unsupported"))
             continue
-        fused = jax.jit(lambda x, w, s, t=t: _swiglu(
-            x, w, s, lambda a, b, c: fused_grouped_matmul(a, b, c, tiles=t)))
+        fused = jax.jit(lambda x, w, s, tiles=tiles: _swiglu(
+            x, w, s, lambda a, b, c: fused_grouped_matmul(a, b, c, tiles=tiles)))
         try:
             got = fused(x, wq, sizes)
             diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))

@@ -30,9 +30,9 @@ class StreamedExperts:
     `finish` returns end_chunk's per-layer (copied, skipped).
 
     The stream moves the experts in the config's expert format (`fmt`, default
-    `ExpertFormat.of(config)`): fetch gives the layer's planes, and the model gets them as an
-    ExpertWeights in the parameter dtype, `fmt.expert_weights` of them (dequantized for fp8
-    and int4; for a plain format the fetched arrays themselves, with no op added).
+    `ExpertFormat.of(config)`): fetch gives the layer's planes, and the model gets them as
+    `fmt.expert_matrices` of them (for fp8 and int4 one QuantizedMatrix a matrix, which the
+    grouped matmul reads; for a plain format the fetched arrays themselves, no op added).
 
     `tail_pieces` > 1 (a streamed chunk; StreamTuning.tail_pieces): the layer `tail_layer`
     (the last MoE layer) is fetched in that many pieces of its sorted rows (`row_pieces`,
@@ -125,9 +125,10 @@ class StreamedExperts:
         return self._weights(planes)
 
     def _weights(self, planes: dict[str, jax.Array]) -> ExpertWeights:
-        """The ExpertWeights the expert math reads (`fmt.expert_weights`: a plain format's
-        planes as they are, no op; else dequantized to the parameter dtype)."""
-        return self.format.expert_weights(planes, self.config.dtype)
+        """The ExpertWeights the expert math reads (`fmt.expert_matrices`: a plain format's
+        planes as they are, no op; a quantized format's as one QuantizedMatrix a matrix, as
+        the resident layer gives them)."""
+        return self.format.expert_matrices(planes, self.config.dtype)
 
     def release(self, layer: int, outs):
         """After the layer's expert math: `outs` (its outputs, any pytree of arrays) come back

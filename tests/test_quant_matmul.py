@@ -1,0 +1,187 @@
+"""The fused grouped matmul over quantized planes (`strata_jax.quant_matmul`): its visits, its
+numerics against the float64 reference, its rows in pieces, the choice between it and
+dequantize-then-matmul, and the model's arms reading it. On the CPU the kernel runs in Pallas'
+interpret mode; the gpu-marked tests run it through Triton."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax.formats import ExpertFormat
+from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes, row_pieces
+from strata_jax.kernels import Kernels
+from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
+                                     fused_reference, fused_supports, group_metadata,
+                                     int4_columns, resolve_quantized, tiles_for)
+from strata_jax.testing import assert_close
+
+SIZES = [50, 0, 130, 20, 0]  # an empty expert between two, one at the end
+
+
+def _matrix(kind, e=5, k=256, n=128, block=128, seed=0, nan_experts=()):
+    rng = np.random.default_rng(seed)
+    fmt = ExpertFormat.make(kind, k, n, jnp.bfloat16, block=block)
+    w = rng.standard_normal((e, k, n)).astype(np.float32) * 0.05
+    planes = fmt.quantize_matrix_np("gate", w)
+    q, s = planes["gate"], planes["gate_scale"].copy()
+    for i in nan_experts:  # garbage in an unrouted expert's planes must not reach any row
+        s[i] = np.nan
+    return QuantizedMatrix(jnp.asarray(q), jnp.asarray(s), kind, block, (k, n),
+                           np.dtype(jnp.bfloat16))
+
+
+def _x(m, k, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), jnp.bfloat16)
+
+
+def test_visits_cover_every_row_of_every_group_once():
+    for sizes, bm in (([50, 0, 130, 20, 0], 64), ([0, 0, 0], 16), ([7], 16),
+                      ([64, 64, 1, 0, 63], 64), ([3, 200, 5], 32)):
+        m = sum(sizes) + 9  # rows past the groups
+        meta = np.asarray(jax.jit(group_metadata, static_argnums=(1, 2))(
+            jnp.asarray(sizes, jnp.int32), m, bm))
+        assert meta.shape == (4, -(-m // bm) + len(sizes) - 1)
+        owner = np.full(m, -1)
+        for g, tile, lo, hi in meta.T:
+            if hi > lo:
+                assert tile * bm <= lo < hi <= (tile + 1) * bm and sizes[g] > 0
+                assert (owner[lo:hi] == -1).all()
+                owner[lo:hi] = g
+        want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(9, -1)])
+        np.testing.assert_array_equal(owner, want, err_msg=f"{sizes} {bm}")
+
+
+def test_int4_columns_put_each_group_in_nibble_order():
+    x = jnp.arange(2 * 32, dtype=jnp.int32).reshape(2, 32)
+    got = np.asarray(int4_columns(x, 16))  # 2 groups of 16: words r = 0..1, nibbles j = 0..7
+    for g in range(2):
+        for j in range(8):
+            for r in range(2):
+                assert got[0, g * 16 + j * 2 + r] == g * 16 + 8 * r + j
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_fused_kernel_matches_the_float64_reference(kind):
+    # Rows of an empty expert and rows past the groups: zeros; an unrouted expert's NaN
+    # scales reach no row; every routed row within the bf16 tolerance of float64.
+    w = _matrix(kind, nan_experts=(1, 4))
+    x = _x(sum(SIZES) + 7, 256)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    got = np.asarray(fused_grouped_matmul(x, w, sizes, interpret=True), np.float64)
+    assert_close(got, fused_reference(x, w, sizes), jnp.bfloat16)
+    assert (got[sum(SIZES):] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_fused_rows_in_pieces_are_the_whole_matmuls_rows(kind):
+    # A layer's last matmul in row pieces (tail_pieces) gives each row the bits the whole
+    # matmul gives it; with 16-row tiles the pieces cut tiles other than the whole's.
+    w = _matrix(kind)
+    x = _x(sum(SIZES), 256)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    tiles = dataclasses.replace(TILES[kind], block_m=16)
+    whole = np.asarray(fused_grouped_matmul(x, w, sizes, tiles=tiles, interpret=True))
+    bounds = row_pieces(x.shape[0], 3, align=1)
+    parts = [np.asarray(fused_grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b),
+                                             tiles=tiles, interpret=True))
+             for a, b in zip(bounds, bounds[1:])]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_the_path_each_choice_takes():
+    w8, w4 = _matrix("fp8"), _matrix("int4")
+    assert resolve_quantized("dequantize", w8, 10) == "dequantize"
+    assert resolve_quantized("fused", w4, 10) == "fused"
+    if jax.devices()[0].platform == "cpu":
+        assert resolve_quantized(None, w8, 10) == "dequantize"  # auto: no fused kernel on CPU
+    with pytest.raises(ValueError, match="quantized matmul 'triton'"):
+        resolve_quantized("triton", w8, 10)
+    with pytest.raises(ValueError, match="Kernels\\(quantized_matmul='x'\\)"):
+        Kernels(quantized_matmul="x")
+    # A matrix the kernel cannot tile (N not a multiple of 16) is dequantized instead.
+    odd = dataclasses.replace(w8, shape=(256, 120))
+    assert not fused_supports(odd, tiles_for(odd, 10))
+    assert resolve_quantized("fused", odd, 10) == "dequantize"
+    with pytest.raises(ValueError, match="cannot be tiled"):
+        fused_grouped_matmul(_x(4, 256), w8, jnp.asarray([4, 0, 0, 0, 0], jnp.int32),
+                             tiles=Tiles(block_n=256))
+    with pytest.raises(ValueError, match="unpack"):
+        Tiles(unpack="rows")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_grouped_matmul_reads_a_quantized_matrix_either_way(kind):
+    # The same products within bf16 rounding whether the matrix is dequantized first or read
+    # by the fused kernel; dequantize-then-matmul gives dequantize's bits exactly.
+    w = _matrix(kind)
+    x = _x(sum(SIZES), 256)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    deq = grouped_matmul(x, w, sizes, quantized="dequantize")
+    np.testing.assert_array_equal(np.asarray(deq),
+                                  np.asarray(grouped_matmul(x, w.dequantize(), sizes)))
+    fused = grouped_matmul(x, w, sizes, quantized="fused")
+    want = fused_reference(x, w, sizes)
+    assert_close(np.asarray(fused, np.float64), want, jnp.bfloat16)
+    assert_close(np.asarray(deq, np.float64), want, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_fused_kernel_on_the_gpu(kind):
+    # Through Triton at a Qwen3-30B-A3B expert shape: the float64 reference's values, and a
+    # layer in pieces gives the whole layer's bits.
+    e, k, n = 8, 2048, 768
+    w = _matrix(kind, e=e, k=k, n=n, nan_experts=(3,))
+    sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
+    m = int(sizes.sum()) + 5
+    x = _x(m, k)
+    got = fused_grouped_matmul(x, w, sizes, interpret=False)
+    assert_close(np.asarray(got, np.float64), fused_reference(x, w, sizes), jnp.bfloat16)
+    bounds = row_pieces(m, 4)
+    parts = [fused_grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b), interpret=False)
+             for a, b in zip(bounds, bounds[1:])]
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
+
+
+@pytest.mark.parametrize("kind,backend", [
+    pytest.param("fp8", "cpu", marks=pytest.mark.slow),
+    pytest.param("int4", "cpu", marks=pytest.mark.slow),
+    pytest.param("fp8", "cuda", marks=pytest.mark.gpu),
+    pytest.param("int4", "cuda", marks=pytest.mark.gpu)])
+def test_model_arms_read_the_fused_kernel_alike(kind, backend):
+    # With Kernels(quantized_matmul="fused") the resident, routed (frames ring, the last layer
+    # in pieces) and stream-all (packed ring) arms give the same bits, and the logits stay
+    # within the tolerance of the float64 forward of the same planes.
+    from strata_jax.engine import Engine
+    from strata_jax.reference import reference_forward
+    from strata_jax.stream import StreamConfig, StreamTuning
+    from strata_jax.synthetic import SyntheticParams
+    from strata_jax.weights import QuantizedParams
+    from test_quantized import FORMATS, PLAIN, _tokens
+
+    cfg = FORMATS[kind]
+    fmt = ExpertFormat.of(cfg)
+    params = QuantizedParams(SyntheticParams(PLAIN, 3, 1.0), cfg)
+    toks = _tokens(40)
+    planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
+    assert all(resolve_quantized("fused", w, 80) == "fused"
+               for w in fmt.expert_matrices(planes))  # the kernel, not the fallback
+    kernels = Kernels(quantized_matmul="fused")
+    arms = {"resident": None}
+    for arm, routed, layout in (("routed", True, "frames"), ("stream-all", False, "packed")):
+        arms[arm] = StreamConfig(routed=routed, backend=backend, tuning=StreamTuning(
+            layout=layout, tail_pieces=2, tail_from=16, stream_floor=1))
+    got = {}
+    for arm, stream in arms.items():
+        with Engine(cfg, params, stream, max_context=64, chunk_size=64, kernels=kernels) as eng:
+            r = eng.prefill(toks)
+            got[arm] = (r.logits_sha256(), r.kv_sha256())
+            logits = np.asarray(r.logits)
+    assert len(set(got.values())) == 1, got
+    want, _ = reference_forward(cfg, {n: params[n] for n in params}, toks)
+    assert_close(logits, want[-1], cfg.dtype)
