@@ -203,6 +203,58 @@ class Engine {
   }
   void Uncancel() { cancelled_.store(false, std::memory_order_release); }
 
+  // A group member (several devices, RegisterGroup) whose peer's chunk
+  // failed: stops this engine's current walk, as Cancel does but for this
+  // chunk only (its next fetch fails, naming `why`). Safe from any thread.
+  void StopByPeer(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(group_mu_);
+      peer_stop_ = why;
+    }
+    state_.RequestStop();
+  }
+  // A group member's handlers defer their errors to end_chunk (handlers.hpp:
+  // the program runs on, so every device reaches the same collectives): the
+  // chunk's first error is kept here. Defer returns whether `s` is the first.
+  bool Defer(const Status& s) {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    if (!deferred_.empty()) return false;
+    deferred_ = s;
+    return true;
+  }
+  // The chunk's first deferred error (empty: none), for its end_chunk; kept
+  // as last_error() until the next begin_chunk (StartDeferred).
+  Status TakeDeferred() {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    Status s;
+    s.swap(deferred_);
+    if (!s.empty()) last_error_ = s;
+    return s;
+  }
+  void StartDeferred() {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    deferred_.clear();  // an earlier chunk's, whose end_chunk never ran
+    last_error_.clear();
+  }
+  // The error a group member's last chunk ended with (its end_chunk's), or
+  // empty: each device's own cause, where the program reports one of them.
+  std::string last_error() {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    return last_error_;
+  }
+  // The device ordinal this engine serves in its group (RegisterGroup), or
+  // -1: not in a group. Set once, before any chunk; the trace lines name it.
+  int32_t group_ordinal() const { return group_ordinal_.load(std::memory_order_acquire); }
+  void JoinGroup(int32_t ordinal) { group_ordinal_.store(ordinal, std::memory_order_release); }
+  // begin_chunk handlers run so far on this engine (programs' chunks, whether
+  // they began well or not): a group's members count the same chunks.
+  int64_t CountProgramChunk() { return ++program_chunks_; }
+  int64_t program_chunks() const { return program_chunks_.load(); }
+  // The last ended chunk's ring entries, copied and skipped (all layers).
+  void LastTotals(int64_t out[3]) const {
+    for (int i = 0; i < 3; ++i) out[i] = last_totals_[i];
+  }
+
   void InjectFault(int layer, Fault fault) {
     fault_layer_ = layer;
     fault_.store(static_cast<int32_t>(fault));
@@ -407,6 +459,17 @@ class Engine {
   std::vector<int32_t> ids_;    // staged ids, under ids_mu_
   int64_t ids_next_ = 0;        // the next one to take, under ids_mu_
   static std::atomic<bool> depth_line_printed_;
+  // Group members (StopByPeer, Defer): the reason a peer stopped this chunk's
+  // walk and the chunk's first deferred error, under group_mu_.
+  std::mutex group_mu_;
+  std::string peer_stop_;
+  Status deferred_;
+  std::string last_error_;
+  std::atomic<int64_t> program_chunks_{0};
+  std::atomic<int32_t> group_ordinal_{-1};
+  int64_t last_totals_[3] = {0, 0, 0};
+  // "the walk was stopped", with the peer's reason where a peer stopped it.
+  std::string StoppedMessage();
 
  private:
   // Fetch's steps, in the order it runs them. Each takes `where`, the prefix
@@ -466,5 +529,29 @@ std::unique_ptr<Engine> MakeCudaEngine(const EngineOptions& opt, Status* err);
 int64_t RegisterEngine(std::unique_ptr<Engine> engine);
 Engine* FindEngine(int64_t id);
 bool DestroyEngine(int64_t id);
+
+// Engine groups: several devices, one engine each (its own host store, ring,
+// link, issuer and gate). A group has an id of its own, from the engines'
+// counter, which the FFI calls of a program run on every device carry (under
+// shard_map one custom call runs once per device); each call reaches the
+// member of the device it runs on, by the device ordinal in XLA's FFI call
+// context. `ordinals[i]` is engine `engines[i]`'s device. The members must
+// agree on layers, experts and blob bytes (one program's shapes serve all).
+// Returns the group's id, or 0 with `err`.
+int64_t RegisterGroup(const std::vector<int64_t>& engines,
+                      const std::vector<int32_t>& ordinals, std::string* err);
+bool DestroyGroup(int64_t id);
+// The engine an FFI call with attribute `id` reaches on device `ordinal`:
+// engine `id` itself, whatever the device (one engine, as before groups), or
+// group `id`'s member on that device (`grouped` true). Null with `why`.
+Engine* FindEngineOn(int64_t id, int32_t ordinal, bool* grouped, std::string* why);
+// Stops the current walk of every member of group `id` but the one on
+// `ordinal` (whose chunk failed with `why`).
+void StopGroup(int64_t id, int32_t ordinal, const std::string& why);
+// Member `ordinal` of group `id` ended its `chunk`-th program chunk with
+// `totals` (ring entries, copied, skipped): once every member has, the group's
+// summed trace line is printed (trace on).
+void GroupChunkEnded(int64_t id, int32_t ordinal, int64_t chunk,
+                     const int64_t totals[3]);
 
 }  // namespace strata
