@@ -96,6 +96,57 @@ def test_an_engine_over_an_expert_range_refuses_a_bad_range():
                            expert_range=rng)
 
 
+def test_an_engine_over_an_expert_range_holds_and_plans_its_slice():
+    # One device's engine of a group, on the one CPU device: its store holds exactly its slice
+    # of every layer, in every form the experts come in; its plan is the slice's (residents per
+    # device, the stream hottest first by the profile's columns of the slice).
+    import numpy as np
+
+    from strata_jax.config import get_preset
+    from strata_jax.formats import ExpertFormat
+    from strata_jax.profile import ExpertProfile
+    from strata_jax.stream import NativeStreamer, StreamConfig, StreamTuning, plan_stream
+    from strata_jax.stream.streamer import local_config
+    from strata_jax.synthetic import init_synthetic, split_experts
+
+    cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,
+                                             expert_intermediate=16, param_dtype="bfloat16")
+    _, experts = split_experts(cfg, init_synthetic(cfg, seed=1))
+    fmt = ExpertFormat.of(cfg)
+    counts = np.random.default_rng(2).integers(0, 100, (cfg.n_layers, cfg.n_experts))
+    prof = ExpertProfile(counts, model=cfg.name, top_k=cfg.top_k)
+    sc = StreamConfig(backend="cpu", resident_per_layer=1, profile=prof,
+                      tuning=StreamTuning(sim_bandwidth=0, sim_latency=0))
+    lo, hi = 4, 8
+    blobs = {l: np.ascontiguousarray(fmt.pack_np(experts[l]._asdict())).view(np.uint8)
+             for l in cfg.moe_layers}
+    forms = {
+        "ExpertWeights": [experts.get(l) for l in range(cfg.n_layers)],
+        "blobs": [blobs.get(l) for l in range(cfg.n_layers)],
+        "planes": [experts[l]._asdict() if l in experts else None
+                   for l in range(cfg.n_layers)],
+    }
+    for form, given in forms.items():
+        with NativeStreamer(cfg, given, sc, expert_range=(lo, hi)) as eng:
+            assert eng.config.n_experts == hi - lo and eng.full_config is cfg, form
+            for l in cfg.moe_layers:
+                assert np.array_equal(eng._stores[l], blobs[l][lo:hi]), (form, l)
+                # The stream and the residents: the slice's own, hottest first.
+                order = sorted(range(hi - lo), key=lambda e: (-counts[l, lo + e], e))
+                assert eng.resident[l] == [order[0]], (form, l)
+                assert [e for ll, e in eng.stream_list if ll == l] == order[1:], (form, l)
+            want = plan_stream(local_config(cfg, lo, hi), dataclasses_replace(
+                sc, profile=counts[:, lo:hi]))
+            assert eng.plan == want
+            assert eng.ring == 2 * (hi - lo)
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
 # -- the child process ------------------------------------------------------------------------
 
 
@@ -213,6 +264,27 @@ def _main(scenario: str) -> None:
                 for seed in (0, 1):
                     check_chunk(g, run, counts_with_idle(seed + 10 * mode), mode)
                 assert not g.walk_active() and g.last_errors() == ("", "")
+            # A chunk begun from the host on every device (prestart), adopted by each
+            # device's begin_chunk.
+            run = program(g, 2)
+            for m in g.streamers:
+                m.handle.prestart(2)
+            assert g.hold() > 0
+            check_chunk(g, run, counts_with_idle(7), 2)
+            assert g.hold() == 0 and not g.walk_active()
+            # Staged ids: each device's begin_chunk writes the next ones staged with it.
+            ids = np.arange(-3, 9, dtype=np.int32)
+
+            def take(token):
+                tok, got = S.begin(g.id, 1, token, 4)
+                return S.end(g.id, tok, L), got
+
+            take = jax.jit(jax.shard_map(take, mesh=mesh, in_specs=P(), out_specs=P("expert")))
+            g.stage_ids(ids)
+            for i in range(3):
+                got = np.asarray(take(jnp.zeros((), jnp.int32))[1]).reshape(N_DEVICES, 4)
+                assert (got == ids[4 * i:4 * i + 4]).all(), (i, got)
+            g.clear_ids()
             steady = threads()  # each engine's parked issuer and its link's worker
             assert steady > base
             # A failure on device 1: both devices' chunks end in error, each with its own

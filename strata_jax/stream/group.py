@@ -162,6 +162,10 @@ class StreamerGroup:
         self.format, self.blob_bytes = first.format, first.blob_bytes
         self.moe_layers = first.moe_layers
         self.local_config = first.config  # each device's view: E/G experts
+        if any(s.frame_of != first.frame_of for s in self.streamers):
+            self.close()
+            raise RuntimeError(f"the devices' engines put the MoE layers in different ring "
+                               f"frames: {[s.frame_of for s in self.streamers]}")
 
     # -- the members ----------------------------------------------------------------------------
 
@@ -276,6 +280,17 @@ class StreamerGroup:
 
     def layout(self, n_tokens: int) -> str:
         return self.streamers[0].layout(n_tokens)
+
+    @property
+    def tail_layer(self) -> int | None:
+        """The last MoE layer (`NativeStreamer.tail_layer`)."""
+        return self.streamers[0].tail_layer
+
+    @property
+    def frame_of(self) -> dict[int, int]:
+        """The ring frame each MoE layer lands in: the same on every device (each device's
+        plan fetches every MoE layer)."""
+        return self.streamers[0].frame_of
 
     def check_process(self) -> None:
         self.streamers[0].check_process()
