@@ -301,6 +301,35 @@ def _main(scenario: str) -> None:
             assert not g.walk_active() and threads() == steady
             check_chunk(g, run, counts_with_idle(6), 2)
             assert g.last_errors() == ("", "")
+            # A failure reaches a device that has not begun the chunk yet: device 0 runs
+            # the chunk alone and fails; device 1's chunk, run after, fails at its first
+            # fetch, naming device 0's cause. Then both serve chunks again.
+            El = g.n_local_experts
+
+            def alone(res, counts):
+                tok, _ = S.begin(g.id, 2, jnp.zeros((), jnp.int32))
+                for i, l in enumerate(layers):
+                    tok = S.publish(g.id, l, tok, counts[i])
+                    w, tok = S.fetch(g.id, l, tok, res[l], El, g.format)
+                    tok = S.release(g.id, l, tok, w["gate"].sum())
+                return S.end(g.id, tok, L)
+
+            alone = jax.jit(alone)
+            counts = counts_with_idle(8)
+            g.inject_fault(0, layers[1], "error")
+            for d, want in ((0, f"device 0: fetch, layer {layers[1]}: injected fault"),
+                            (1, f"device 1: fetch, layer {layers[0]}: the walk was stopped: "
+                                f"device 0: fetch, layer {layers[1]}: injected fault")):
+                dev = jax.devices()[d]
+                lo, hi = g.slices[d]
+                try:
+                    alone(g[d].resident_blobs,
+                          jax.device_put(counts[:, lo:hi], dev)).block_until_ready()
+                    raise AssertionError(f"device {d}'s chunk ran")
+                except Exception as e:  # noqa: BLE001
+                    assert want in str(e), (d, e)
+                assert g.last_errors()[d] == want, g.last_errors()
+            check_chunk(g, run, counts_with_idle(9), 2)
         assert threads() == base
         # A group's calls reach only its devices: a program on another device is refused.
         with S.StreamerGroup(cfg, per_layer, S.StreamConfig(backend="cpu", routed=True),

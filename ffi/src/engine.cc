@@ -159,6 +159,42 @@ void Engine::Abort() {
   in_chunk_ = false;
 }
 
+void Engine::StopByPeer(int64_t chunk, const std::string& why) {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  if (chunk < program_chunks_.load()) return;  // that chunk has ended here
+  if (chunk == begun_chunk_) {
+    peer_stop_ = why;
+    state_.RequestStop();
+  } else {  // not begun, or its begin_chunk is running: BegunProgramChunk
+    peer_stops_ahead_.emplace(chunk, why);
+  }
+}
+
+int64_t Engine::EnterProgramChunk() {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  deferred_.clear();  // an earlier chunk's, whose end_chunk never ran
+  last_error_.clear();
+  return ++program_chunks_;
+}
+
+void Engine::BegunProgramChunk(int64_t chunk) {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  begun_chunk_ = chunk;
+  for (auto it = peer_stops_ahead_.begin();
+       it != peer_stops_ahead_.end() && it->first <= chunk;) {
+    if (it->first == chunk) {
+      peer_stop_ = it->second;
+      state_.RequestStop();
+    }
+    it = peer_stops_ahead_.erase(it);
+  }
+}
+
+void Engine::ClearPeerStops() {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  peer_stops_ahead_.clear();
+}
+
 std::string Engine::StoppedMessage() {
   std::lock_guard<std::mutex> lock(group_mu_);
   return peer_stop_.empty() ? std::string("the walk was stopped")
@@ -848,13 +884,13 @@ Engine* FindEngineOn(int64_t id, int32_t ordinal, bool* grouped, std::string* wh
   return e;
 }
 
-void StopGroup(int64_t id, int32_t ordinal, const std::string& why) {
+void StopGroup(int64_t id, int32_t ordinal, int64_t chunk, const std::string& why) {
   std::lock_guard<std::mutex> lock(g_registry_mu);
   auto g = Groups().find(id);
   if (g == Groups().end() || g->second.pid != getpid()) return;
   for (const auto& [o, engine] : g->second.member)
     if (o != ordinal)
-      if (Engine* e = FindLocked(engine)) e->StopByPeer(why);
+      if (Engine* e = FindLocked(engine)) e->StopByPeer(chunk, why);
 }
 
 void GroupChunkEnded(int64_t id, int32_t ordinal, int64_t chunk,

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -203,16 +204,23 @@ class Engine {
   }
   void Uncancel() { cancelled_.store(false, std::memory_order_release); }
 
-  // A group member (several devices, RegisterGroup) whose peer's chunk
-  // failed: stops this engine's current walk, as Cancel does but for this
-  // chunk only (its next fetch fails, naming `why`). Safe from any thread.
-  void StopByPeer(const std::string& why) {
-    {
-      std::lock_guard<std::mutex> lock(group_mu_);
-      peer_stop_ = why;
-    }
-    state_.RequestStop();
-  }
+  // Group members (several devices, RegisterGroup) count their programs'
+  // chunks: every device runs every program of the group, so chunk n is the
+  // same chunk on every member. A member whose chunk n failed stops chunk n
+  // on the others (StopGroup): StopByPeer stops this engine's walk now where
+  // chunk n is the one running, at its begin_chunk where it has not begun,
+  // and not at all where it has ended; its next fetch fails naming `why`.
+  // Safe from any thread.
+  void StopByPeer(int64_t chunk, const std::string& why);
+  // The begin_chunk handler of a group member: Enter before Begin (returns
+  // the chunk's number, and forgets the last chunk's errors), Begun after it
+  // (applies a peer's stop of the chunk that came before its begin).
+  int64_t EnterProgramChunk();
+  void BegunProgramChunk(int64_t chunk);
+  // Drops peers' stops of chunks that have not begun (the host's abort: the
+  // chunks it dispatched have all ended).
+  void ClearPeerStops();
+  int64_t program_chunks() const { return program_chunks_.load(); }
   // A group member's handlers defer their errors to end_chunk (handlers.hpp:
   // the program runs on, so every device reaches the same collectives): the
   // chunk's first error is kept here. Defer returns whether `s` is the first.
@@ -223,18 +231,13 @@ class Engine {
     return true;
   }
   // The chunk's first deferred error (empty: none), for its end_chunk; kept
-  // as last_error() until the next begin_chunk (StartDeferred).
+  // as last_error() until the next begin_chunk (EnterProgramChunk).
   Status TakeDeferred() {
     std::lock_guard<std::mutex> lock(group_mu_);
     Status s;
     s.swap(deferred_);
     if (!s.empty()) last_error_ = s;
     return s;
-  }
-  void StartDeferred() {
-    std::lock_guard<std::mutex> lock(group_mu_);
-    deferred_.clear();  // an earlier chunk's, whose end_chunk never ran
-    last_error_.clear();
   }
   // The error a group member's last chunk ended with (its end_chunk's), or
   // empty: each device's own cause, where the program reports one of them.
@@ -246,10 +249,6 @@ class Engine {
   // -1: not in a group. Set once, before any chunk; the trace lines name it.
   int32_t group_ordinal() const { return group_ordinal_.load(std::memory_order_acquire); }
   void JoinGroup(int32_t ordinal) { group_ordinal_.store(ordinal, std::memory_order_release); }
-  // begin_chunk handlers run so far on this engine (programs' chunks, whether
-  // they began well or not): a group's members count the same chunks.
-  int64_t CountProgramChunk() { return ++program_chunks_; }
-  int64_t program_chunks() const { return program_chunks_.load(); }
   // The last ended chunk's ring entries, copied and skipped (all layers).
   void LastTotals(int64_t out[3]) const {
     for (int i = 0; i < 3; ++i) out[i] = last_totals_[i];
@@ -459,13 +458,18 @@ class Engine {
   std::vector<int32_t> ids_;    // staged ids, under ids_mu_
   int64_t ids_next_ = 0;        // the next one to take, under ids_mu_
   static std::atomic<bool> depth_line_printed_;
-  // Group members (StopByPeer, Defer): the reason a peer stopped this chunk's
-  // walk and the chunk's first deferred error, under group_mu_.
+  // Group members (StopByPeer, Defer), under group_mu_: the reason a peer
+  // stopped this chunk's walk, peers' stops of chunks not begun yet (by
+  // number), the chunk's first deferred error and the last chunk's; the
+  // program chunks entered (begin_chunk handlers run, whether they began
+  // well or not) and begun.
   std::mutex group_mu_;
   std::string peer_stop_;
+  std::map<int64_t, std::string> peer_stops_ahead_;
   Status deferred_;
   std::string last_error_;
   std::atomic<int64_t> program_chunks_{0};
+  int64_t begun_chunk_ = 0;
   std::atomic<int32_t> group_ordinal_{-1};
   int64_t last_totals_[3] = {0, 0, 0};
   // "the walk was stopped", with the peer's reason where a peer stopped it.
@@ -545,9 +549,9 @@ bool DestroyGroup(int64_t id);
 // engine `id` itself, whatever the device (one engine, as before groups), or
 // group `id`'s member on that device (`grouped` true). Null with `why`.
 Engine* FindEngineOn(int64_t id, int32_t ordinal, bool* grouped, std::string* why);
-// Stops the current walk of every member of group `id` but the one on
-// `ordinal` (whose chunk failed with `why`).
-void StopGroup(int64_t id, int32_t ordinal, const std::string& why);
+// Stops program chunk `chunk` (Engine::StopByPeer) on every member of group
+// `id` but the one on `ordinal`, whose chunk failed with `why`.
+void StopGroup(int64_t id, int32_t ordinal, int64_t chunk, const std::string& why);
 // Member `ordinal` of group `id` ended its `chunk`-th program chunk with
 // `totals` (ring entries, copied, skipped): once every member has, the group's
 // summed trace line is printed (trace on).

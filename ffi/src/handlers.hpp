@@ -117,13 +117,14 @@ using Out = ffi::Result<ffi::AnyBuffer>;
 // of the mesh reaches the same collectives and ends its program; a device
 // whose call failed while another waited in a collective for it would hang
 // both. The first error also stops every other member's walk, whose next
-// fetch then fails (deferred likewise). begin_chunk starts a chunk afresh.
+// fetch then fails (deferred likewise), or, where it has not begun the chunk,
+// its begin_chunk's (Engine::StopByPeer). begin_chunk starts a chunk afresh.
 inline ffi::Error GroupAnswer(const char* call, int64_t id, int32_t ordinal, Engine* e,
                               Status s) {
   const bool end = std::string(call) == "end_chunk";
   if (!s.empty()) {
     s = "device " + std::to_string(ordinal) + ": " + s;
-    if (e->Defer(s)) StopGroup(id, ordinal, s);
+    if (e->Defer(s)) StopGroup(id, ordinal, e->program_chunks(), s);
   }
   if (!end) return ffi::Error::Success();
   s = e->TakeDeferred();
@@ -142,23 +143,24 @@ template <class Fn>
 ffi::Error WithEngine(const char* call, int64_t id, int32_t ordinal, Fn fn) {
   Engine* e = nullptr;
   bool grouped = false;
+  int64_t chunk = 0;  // a group member's begin_chunk: the chunk's number
   try {
     std::string why;
     e = FindEngineOn(id, ordinal, &grouped, &why);
     if (!e) return ffi::Error::Internal("strata: " + why);
-    if (grouped && std::string(call) == "begin_chunk") {
-      e->StartDeferred();
-      e->CountProgramChunk();
-    }
+    if (grouped && std::string(call) == "begin_chunk") chunk = e->EnterProgramChunk();
     const Status s = fn(e);
+    if (chunk) e->BegunProgramChunk(chunk);
     if (grouped) return GroupAnswer(call, id, ordinal, e, s);
     return s.empty() ? ffi::Error::Success() : ffi::Error::Internal("strata: " + s);
   } catch (const std::exception& ex) {
     const std::string s = std::string(call) + ": " + ex.what();
+    if (chunk) e->BegunProgramChunk(chunk);
     if (grouped && e) return GroupAnswer(call, id, ordinal, e, s);
     return ffi::Error::Internal("strata: " + s);
   } catch (...) {
     const std::string s = std::string(call) + ": unknown exception";
+    if (chunk) e->BegunProgramChunk(chunk);
     if (grouped && e) return GroupAnswer(call, id, ordinal, e, s);
     return ffi::Error::Internal("strata: " + s);
   }

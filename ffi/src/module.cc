@@ -436,7 +436,10 @@ NB_MODULE(_native, m) {
       .def(
           "abort",
           [](Streamer& self) {
-            if (strata::Engine* e = self.Find()) e->Abort();
+            if (strata::Engine* e = self.Find()) {
+              e->Abort();
+              e->ClearPeerStops();
+            }
           },
           Release())
       .def(
