@@ -25,10 +25,13 @@ import pytest
 N_DEVICES = 2
 
 
-def _child(scenario: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "STRATA_TRACE": "0"}
+def _child(scenario: str, backend: str = "cpu",
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    # The parent may hold most of a GPU's memory (XLA preallocates): the child takes what
+    # it needs.
+    env = {**os.environ, "STRATA_TRACE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), scenario],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), scenario, backend],
                           capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0 and f"ok {scenario}" in proc.stdout, (
         f"child {scenario} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
@@ -45,6 +48,19 @@ def test_each_device_reaches_its_own_engine_on_a_mesh():
     for d in range(N_DEVICES):
         assert f"cpu simulated link, device {d}): ring entries" in err, err[-3000:]
     assert f"{N_DEVICES} devices summed: ring entries" in err, err[-3000:]
+
+
+@pytest.mark.gpu
+def test_each_gpu_reaches_its_own_engine_on_a_mesh():
+    # The same checks with the CUDA backend, one engine per GPU (the first two GPUs).
+    import jax
+
+    if len(jax.devices("gpu")) < N_DEVICES:
+        pytest.skip(f"needs {N_DEVICES} GPUs")
+    proc = _child("basic", "cuda")
+    for d in range(N_DEVICES):
+        assert f"cuda device {d}, " in proc.stderr, proc.stderr[-3000:]
+    assert f"{N_DEVICES} devices summed: ring entries" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -150,10 +166,12 @@ def dataclasses_replace(obj, **changes):
 # -- the child process ------------------------------------------------------------------------
 
 
-def _main(scenario: str) -> None:
+def _main(scenario: str, backend: str) -> None:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", N_DEVICES)
+    platform = "gpu" if backend == "cuda" else "cpu"
+    if platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", N_DEVICES)
     import functools
 
     import jax.numpy as jnp
@@ -163,15 +181,17 @@ def _main(scenario: str) -> None:
 
     from strata_jax import stream as S
     from strata_jax.config import get_preset
+    from strata_jax.stream.streamer import device_ordinal
     from strata_jax.synthetic import init_synthetic, split_experts
 
-    assert len(jax.devices()) == N_DEVICES, jax.devices()
+    devices = jax.devices(platform)[:N_DEVICES]
+    assert len(devices) == N_DEVICES, jax.devices()
     cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
                                              expert_intermediate=32, param_dtype="bfloat16")
     _, experts = split_experts(cfg, init_synthetic(cfg, seed=3))
     per_layer = [experts.get(l) for l in range(cfg.n_layers)]
     layers = list(cfg.moe_layers)
-    mesh = Mesh(np.array(jax.devices()), ("expert",))
+    mesh = Mesh(np.array(devices), ("expert",))
     E, L = cfg.n_experts, cfg.n_layers
 
     def threads() -> int:
@@ -188,9 +208,9 @@ def _main(scenario: str) -> None:
         tuning = {"sim_bandwidth": 0, "sim_latency": 0, **tuning}
         return S.StreamerGroup(cfg, per_layer,
                                S.StreamConfig(routed=routed, resident_per_layer=resident,
-                                              trace=trace, backend="cpu",
+                                              trace=trace, backend=backend,
                                               tuning=S.StreamTuning(**tuning)),
-                               devices=N_DEVICES)
+                               devices=devices)
 
     def program(g, mode):
         """One chunk by hand on every device: begin, then per MoE layer publish (the device's
@@ -253,9 +273,11 @@ def _main(scenario: str) -> None:
         return st
 
     base = threads()
+    if scenario == "failures" and backend != "cpu":
+        raise SystemExit("the failures scenario times the simulated link: cpu only")
     if scenario == "basic":
         with group(routed=True, trace=True) as g:
-            assert g.ordinals == (0, 1) and g.slices == ((0, 8), (8, 16))
+            assert g.slices == ((0, 8), (8, 16)) and len(set(g.ordinals)) == N_DEVICES
             g.check_mesh(mesh)
             # Each device keeps its own slice's lowest ids resident, as local ids.
             assert all(g[d].resident[l] == [0, 1] for d in range(2) for l in layers)
@@ -320,7 +342,7 @@ def _main(scenario: str) -> None:
             for d, want in ((0, f"device 0: fetch, layer {layers[1]}: injected fault"),
                             (1, f"device 1: fetch, layer {layers[0]}: the walk was stopped: "
                                 f"device 0: fetch, layer {layers[1]}: injected fault")):
-                dev = jax.devices()[d]
+                dev = devices[d]
                 lo, hi = g.slices[d]
                 try:
                     alone(g[d].resident_blobs,
@@ -332,17 +354,19 @@ def _main(scenario: str) -> None:
             check_chunk(g, run, counts_with_idle(9), 2)
         assert threads() == base
         # A group's calls reach only its devices: a program on another device is refused.
-        with S.StreamerGroup(cfg, per_layer, S.StreamConfig(backend="cpu", routed=True),
-                             devices=[jax.devices()[1]]) as g1:
+        with S.StreamerGroup(cfg, per_layer, S.StreamConfig(backend=backend, routed=True),
+                             devices=[devices[1]]) as g1:
             def on_device_0(token):
                 tok, _ = S.begin(g1.id, 1, token)
                 return S.end(g1.id, tok, L)
-            token = jax.device_put(np.zeros((), np.int32), jax.devices()[0])
+            token = jax.device_put(np.zeros((), np.int32), devices[0])
             try:
                 jax.jit(on_device_0)(token).block_until_ready()
                 raise AssertionError("a call on a device outside the group ran")
             except Exception as e:  # noqa: BLE001
-                assert "has no engine on device ordinal 0 (its devices: 1)" in str(e), e
+                want = (f"has no engine on device ordinal {device_ordinal(devices[0])} (its "
+                        f"devices: {g1.ordinals[0]})")
+                assert want in str(e), e
     elif scenario == "failures":
         # A slow link (each copy ~20 ms): a chunk's walk takes ~0.5 s per device unless
         # stopped. A failure, or a stop, at one device's second layer stops the other's walk
@@ -397,4 +421,4 @@ def _main(scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")
