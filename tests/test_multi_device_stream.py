@@ -116,6 +116,8 @@ def test_an_engine_over_an_expert_range_holds_and_plans_its_slice():
     # One device's engine of a group, on the one CPU device: its store holds exactly its slice
     # of every layer, in every form the experts come in; its plan is the slice's (residents per
     # device, the stream hottest first by the profile's columns of the slice).
+    import dataclasses
+
     import numpy as np
 
     from strata_jax.config import get_preset
@@ -151,16 +153,10 @@ def test_an_engine_over_an_expert_range_holds_and_plans_its_slice():
                 order = sorted(range(hi - lo), key=lambda e: (-counts[l, lo + e], e))
                 assert eng.resident[l] == [order[0]], (form, l)
                 assert [e for ll, e in eng.stream_list if ll == l] == order[1:], (form, l)
-            want = plan_stream(local_config(cfg, lo, hi), dataclasses_replace(
-                sc, profile=counts[:, lo:hi]))
+            want = plan_stream(local_config(cfg, lo, hi),
+                               dataclasses.replace(sc, profile=counts[:, lo:hi]))
             assert eng.plan == want
             assert eng.ring == 2 * (hi - lo)
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 # -- the child process ------------------------------------------------------------------------
@@ -172,8 +168,6 @@ def _main(scenario: str, backend: str) -> None:
     platform = "gpu" if backend == "cuda" else "cpu"
     if platform == "cpu":
         jax.config.update("jax_num_cpu_devices", N_DEVICES)
-    import functools
-
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
@@ -416,7 +410,6 @@ def _main(scenario: str, backend: str) -> None:
         assert threads() == base
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    del functools
     print(f"ok {scenario}")
 
 

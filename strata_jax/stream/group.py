@@ -10,9 +10,11 @@ own experts and its issuer skips its own unrouted entries.
 
 A failure on one device ends every device's walk: the group's calls defer their errors to the
 chunk's end_chunk (the program runs on, so that every device reaches the same collectives) and
-the first one stops every other member's walk, whose next fetch fails likewise; each
-end_chunk then fails, naming the device and the cause (ffi/src/handlers.hpp). No thread
-outlives the chunk and the group is usable afterwards.
+the first one stops the chunk on every other member (at once where it runs, at its begin_chunk
+where it has not begun), whose next fetch fails likewise; each end_chunk then fails, naming
+the device and the cause (ffi/src/handlers.hpp; `last_errors` has each device's). No thread
+outlives the chunk and the group is usable afterwards. Every program of the group runs on all
+its devices: the members number their chunks alike.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ import numpy as np
 from .. import native
 from ..config import ModelConfig
 from .config import StreamConfig
-from .streamer import ChunkStats, NativeStreamer, choose_backend, device_ordinal, \
-    stream_platform
+from .streamer import ChunkStats, NativeStreamer, choose_backend, stream_platform
 
 __all__ = ["StreamerGroup", "GroupChunkStats", "expert_slices", "group_devices"]
 
