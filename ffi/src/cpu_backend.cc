@@ -76,8 +76,7 @@ class CpuEngine final : public Engine {
   Status WaitCopied(int64_t k, int64_t slot, void*) override {
     // The link lands copies in order: entry k's landing implies the earlier.
     if (!link_->WaitCopied(k, slot, state_))
-      return "the walk was stopped while entry " + std::to_string(k) +
-             " was in flight";
+      return "entry " + std::to_string(k) + " was in flight: " + StoppedMessage();
     return {};
   }
 
@@ -141,7 +140,11 @@ class CpuEngine final : public Engine {
     if (link_) link_->Abort();
   }
 
-  std::string Describe() const override { return "cpu simulated link"; }
+  std::string Describe() const override {
+    const int32_t d = group_ordinal();
+    return d < 0 ? std::string("cpu simulated link")
+                 : "cpu simulated link, device " + std::to_string(d);
+  }
 
  private:
   // n packed blobs at `src` into n rows of each plane.

@@ -410,8 +410,8 @@ class CudaEngine final : public Engine, public PublishSink {
         std::chrono::microseconds(5));
     if (!error.empty()) return error;
     if (!ok)
-      return "the chunk was stopped while waiting for the routing of layer " +
-             std::to_string(layer);
+      return "waiting for the routing of layer " + std::to_string(layer) + ": " +
+             StoppedMessage();
     if (late)
       return "routing of layer " + std::to_string(layer) +
              " was not published within " +

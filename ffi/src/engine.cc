@@ -159,6 +159,48 @@ void Engine::Abort() {
   in_chunk_ = false;
 }
 
+void Engine::StopByPeer(int64_t chunk, const std::string& why) {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  if (chunk < program_chunks_.load()) return;  // that chunk has ended here
+  if (chunk == begun_chunk_) {
+    peer_stop_ = why;
+    state_.RequestStop();
+  } else {  // not begun, or its begin_chunk is running: BegunProgramChunk
+    peer_stops_ahead_.emplace(chunk, why);
+  }
+}
+
+int64_t Engine::EnterProgramChunk() {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  deferred_.clear();  // an earlier chunk's, whose end_chunk never ran
+  last_error_.clear();
+  return ++program_chunks_;
+}
+
+void Engine::BegunProgramChunk(int64_t chunk) {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  begun_chunk_ = chunk;
+  for (auto it = peer_stops_ahead_.begin();
+       it != peer_stops_ahead_.end() && it->first <= chunk;) {
+    if (it->first == chunk) {
+      peer_stop_ = it->second;
+      state_.RequestStop();
+    }
+    it = peer_stops_ahead_.erase(it);
+  }
+}
+
+void Engine::ClearPeerStops() {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  peer_stops_ahead_.clear();
+}
+
+std::string Engine::StoppedMessage() {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  return peer_stop_.empty() ? std::string("the walk was stopped")
+                            : "the walk was stopped: " + peer_stop_;
+}
+
 Status Engine::Fail(Status s) {
   Abort();
   return s;
@@ -265,6 +307,10 @@ Status Engine::BeginChunk(ChunkMode mode, void* stream, bool prestart) {
   piece_k_ = 0;
   walk_failed_ = false;
   walk_error_.clear();
+  {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    peer_stop_.clear();  // a peer's stop of an earlier chunk
+  }
   walk_result_ = WalkResult{};
   stats_.assign(static_cast<size_t>(opt_.n_layers), LayerStats{});
   for (int l = 0; l < opt_.n_layers; ++l)
@@ -428,7 +474,7 @@ Status Engine::CheckFetchMayRun(const std::string& where, int layer,
   // walk had already issued this layer: the caller asked for it to end.
   if (state_.Stopped())
     return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
-                                      : std::string("the walk was stopped")));
+                                      : StoppedMessage()));
   if (packed() && !out)
     return Fail(where + "a packed chunk is read through fetch's outputs, not in place "
                         "(fetch_frame is for frames chunks)");
@@ -513,7 +559,7 @@ Status Engine::ReadStreamed(const std::string& where, int layer, int64_t k_end,
   // copy. Packed: each run split out as soon as it lands.
   if (k_end > kb && !state_.WaitIssued(k_end - 1))
     return Fail(where + (walk_failed_ ? "the issuer failed: " + walk_error_
-                                      : std::string("the walk was stopped")));
+                                      : StoppedMessage()));
   int64_t last = -1;
   for (int64_t k = kb; k < k_end;) {
     const bool copied = state_.entry_state(k) == EntryState::kCopied;
@@ -657,13 +703,16 @@ Status Engine::End(int32_t* stats_host, void* stats_out, void* stream) {
   if (!s.empty()) return Fail("end_chunk: " + s);
   ++chunks_;
   host_end_ = HostNow();
+  int64_t n = 0, copied = 0, skipped = 0;
+  for (const LayerStats& ls : stats_) {
+    n += ls.streamed;
+    copied += ls.copied;
+    skipped += ls.skipped;
+  }
+  last_totals_[0] = n;
+  last_totals_[1] = copied;
+  last_totals_[2] = skipped;
   if (opt_.trace) {
-    int64_t n = 0, copied = 0, skipped = 0;
-    for (const LayerStats& ls : stats_) {
-      n += ls.streamed;
-      copied += ls.copied;
-      skipped += ls.skipped;
-    }
     std::fprintf(stderr,
                  "strata: chunk %lld (%s%s, %s): ring entries %lld, copied "
                  "%lld, skipped %lld\n",
@@ -706,6 +755,167 @@ void GuardRegistryAcrossFork() {
   });
 }
 }  // namespace
+
+namespace {
+// A group (RegisterGroup): its members' engine ids by device ordinal, and the
+// summed trace line's tally per program chunk: members ended, their totals.
+struct Group {
+  std::map<int32_t, int64_t> member;  // ordinal -> engine id
+  pid_t pid;
+  bool trace = false;
+  struct Tally {
+    size_t ended = 0;
+    int64_t totals[3] = {0, 0, 0};
+  };
+  std::map<int64_t, Tally> tally;  // by program chunk
+};
+std::map<int64_t, Group>& Groups() {
+  static auto* g = new std::map<int64_t, Group>();
+  return *g;
+}
+// A live engine of this process, with the registry's mutex held.
+Engine* FindLocked(int64_t id) {
+  auto it = Registry().find(id);
+  if (it == Registry().end() || it->second.pid != getpid()) return nullptr;
+  return it->second.engine.get();
+}
+}  // namespace
+
+int64_t RegisterGroup(const std::vector<int64_t>& engines,
+                      const std::vector<int32_t>& ordinals, std::string* err) {
+  GuardRegistryAcrossFork();
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  if (engines.empty() || engines.size() != ordinals.size()) {
+    *err = "an engine group takes one engine per device: " +
+           std::to_string(engines.size()) + " engines for " +
+           std::to_string(ordinals.size()) + " device ordinals";
+    return 0;
+  }
+  Group g;
+  g.pid = getpid();
+  const Engine* first = nullptr;
+  for (size_t i = 0; i < engines.size(); ++i) {
+    Engine* e = FindLocked(engines[i]);
+    const std::string name = "engine " + std::to_string(engines[i]);
+    if (!e) {
+      *err = name + " does not exist (closed, or made in another process)";
+      return 0;
+    }
+    if (ordinals[i] < 0) {
+      *err = name + ": device ordinal " + std::to_string(ordinals[i]) + " is negative";
+      return 0;
+    }
+    if (!g.member.emplace(ordinals[i], engines[i]).second) {
+      *err = "device ordinal " + std::to_string(ordinals[i]) +
+             " is given twice: one engine per device";
+      return 0;
+    }
+    if (e->group_ordinal() >= 0) {
+      *err = name + " is in a group already (device " +
+             std::to_string(e->group_ordinal()) + ")";
+      return 0;
+    }
+    for (size_t j = 0; j < i; ++j)
+      if (engines[j] == engines[i]) {
+        *err = name + " is given twice: one engine per device";
+        return 0;
+      }
+    const EngineOptions& o = e->options();
+    if (first && (o.n_layers != first->options().n_layers ||
+                  o.n_experts != first->options().n_experts ||
+                  o.blob_bytes != first->options().blob_bytes ||
+                  o.plane_bytes != first->options().plane_bytes ||
+                  o.plane_offsets != first->options().plane_offsets)) {
+      *err = name + " has " + std::to_string(o.n_layers) + " layers of " +
+             std::to_string(o.n_experts) + " experts of " + std::to_string(o.blob_bytes) +
+             " bytes, engine " + std::to_string(engines[0]) + " " +
+             std::to_string(first->options().n_layers) + " of " +
+             std::to_string(first->options().n_experts) + " of " +
+             std::to_string(first->options().blob_bytes) +
+             " (or other planes): a group's members hold the same shapes";
+      return 0;
+    }
+    if (!first) first = e;
+    g.trace = g.trace || o.trace != 0;
+  }
+  for (size_t i = 0; i < engines.size(); ++i) FindLocked(engines[i])->JoinGroup(ordinals[i]);
+  const int64_t id = g_next_id++;
+  Groups()[id] = std::move(g);
+  return id;
+}
+
+bool DestroyGroup(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = Groups().find(id);
+  if (it == Groups().end()) return false;
+  if (it->second.pid == getpid())
+    for (const auto& [ordinal, engine] : it->second.member)
+      if (Engine* e = FindLocked(engine)) e->JoinGroup(-1);
+  Groups().erase(it);
+  return true;
+}
+
+Engine* FindEngineOn(int64_t id, int32_t ordinal, bool* grouped, std::string* why) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  *grouped = false;
+  if (Engine* e = FindLocked(id)) return e;
+  auto g = Groups().find(id);
+  if (g == Groups().end() || g->second.pid != getpid()) {
+    *why = "no engine with id " + std::to_string(id) +
+           " (closed, or made in another process)";
+    return nullptr;
+  }
+  *grouped = true;
+  auto m = g->second.member.find(ordinal);
+  if (m == g->second.member.end()) {
+    std::string have;
+    for (const auto& [o, engine] : g->second.member)
+      have += (have.empty() ? "" : ", ") + std::to_string(o);
+    *why = "engine group " + std::to_string(id) + " has no engine on device ordinal " +
+           std::to_string(ordinal) + " (its devices: " + have +
+           "): run the program on the group's devices";
+    return nullptr;
+  }
+  Engine* e = FindLocked(m->second);
+  if (!e)
+    *why = "engine group " + std::to_string(id) + ": the engine of device ordinal " +
+           std::to_string(ordinal) + " (id " + std::to_string(m->second) +
+           ") was closed";
+  return e;
+}
+
+void StopGroup(int64_t id, int32_t ordinal, int64_t chunk, const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto g = Groups().find(id);
+  if (g == Groups().end() || g->second.pid != getpid()) return;
+  for (const auto& [o, engine] : g->second.member)
+    if (o != ordinal)
+      if (Engine* e = FindLocked(engine)) e->StopByPeer(chunk, why);
+}
+
+void GroupChunkEnded(int64_t id, int32_t ordinal, int64_t chunk,
+                     const int64_t totals[3]) {
+  (void)ordinal;
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = Groups().find(id);
+  if (it == Groups().end() || !it->second.trace) return;
+  Group& g = it->second;
+  Group::Tally& t = g.tally[chunk];
+  ++t.ended;
+  for (int i = 0; i < 3; ++i) t.totals[i] += totals[i];
+  if (t.ended == g.member.size()) {
+    std::fprintf(stderr,
+                 "strata: chunk %lld, %zu devices summed: ring entries %lld, copied "
+                 "%lld, skipped %lld\n",
+                 static_cast<long long>(chunk), g.member.size(),
+                 static_cast<long long>(t.totals[0]), static_cast<long long>(t.totals[1]),
+                 static_cast<long long>(t.totals[2]));
+    g.tally.erase(chunk);
+  }
+  // A chunk that failed on some member never completes its tally.
+  while (!g.tally.empty() && g.tally.begin()->first < chunk - 64)
+    g.tally.erase(g.tally.begin());
+}
 
 int64_t RegisterEngine(std::unique_ptr<Engine> engine) {
   GuardRegistryAcrossFork();

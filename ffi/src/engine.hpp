@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -202,6 +203,56 @@ class Engine {
     state_.RequestStop();
   }
   void Uncancel() { cancelled_.store(false, std::memory_order_release); }
+
+  // Group members (several devices, RegisterGroup) count their programs'
+  // chunks: every device runs every program of the group, so chunk n is the
+  // same chunk on every member. A member whose chunk n failed stops chunk n
+  // on the others (StopGroup): StopByPeer stops this engine's walk now where
+  // chunk n is the one running, at its begin_chunk where it has not begun,
+  // and not at all where it has ended; its next fetch fails naming `why`.
+  // Safe from any thread.
+  void StopByPeer(int64_t chunk, const std::string& why);
+  // The begin_chunk handler of a group member: Enter before Begin (returns
+  // the chunk's number, and forgets the last chunk's errors), Begun after it
+  // (applies a peer's stop of the chunk that came before its begin).
+  int64_t EnterProgramChunk();
+  void BegunProgramChunk(int64_t chunk);
+  // Drops peers' stops of chunks that have not begun (the host's abort: the
+  // chunks it dispatched have all ended).
+  void ClearPeerStops();
+  int64_t program_chunks() const { return program_chunks_.load(); }
+  // A group member's handlers defer their errors to end_chunk (handlers.hpp:
+  // the program runs on, so every device reaches the same collectives): the
+  // chunk's first error is kept here. Defer returns whether `s` is the first.
+  bool Defer(const Status& s) {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    if (!deferred_.empty()) return false;
+    deferred_ = s;
+    return true;
+  }
+  // The chunk's first deferred error (empty: none), for its end_chunk; kept
+  // as last_error() until the next begin_chunk (EnterProgramChunk).
+  Status TakeDeferred() {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    Status s;
+    s.swap(deferred_);
+    if (!s.empty()) last_error_ = s;
+    return s;
+  }
+  // The error a group member's last chunk ended with (its end_chunk's), or
+  // empty: each device's own cause, where the program reports one of them.
+  std::string last_error() {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    return last_error_;
+  }
+  // The device ordinal this engine serves in its group (RegisterGroup), or
+  // -1: not in a group. Set once, before any chunk; the trace lines name it.
+  int32_t group_ordinal() const { return group_ordinal_.load(std::memory_order_acquire); }
+  void JoinGroup(int32_t ordinal) { group_ordinal_.store(ordinal, std::memory_order_release); }
+  // The last ended chunk's ring entries, copied and skipped (all layers).
+  void LastTotals(int64_t out[3]) const {
+    for (int i = 0; i < 3; ++i) out[i] = last_totals_[i];
+  }
 
   void InjectFault(int layer, Fault fault) {
     fault_layer_ = layer;
@@ -407,6 +458,22 @@ class Engine {
   std::vector<int32_t> ids_;    // staged ids, under ids_mu_
   int64_t ids_next_ = 0;        // the next one to take, under ids_mu_
   static std::atomic<bool> depth_line_printed_;
+  // Group members (StopByPeer, Defer), under group_mu_: the reason a peer
+  // stopped this chunk's walk, peers' stops of chunks not begun yet (by
+  // number), the chunk's first deferred error and the last chunk's; the
+  // program chunks entered (begin_chunk handlers run, whether they began
+  // well or not) and begun.
+  std::mutex group_mu_;
+  std::string peer_stop_;
+  std::map<int64_t, std::string> peer_stops_ahead_;
+  Status deferred_;
+  std::string last_error_;
+  std::atomic<int64_t> program_chunks_{0};
+  int64_t begun_chunk_ = 0;
+  std::atomic<int32_t> group_ordinal_{-1};
+  int64_t last_totals_[3] = {0, 0, 0};
+  // "the walk was stopped", with the peer's reason where a peer stopped it.
+  std::string StoppedMessage();
 
  private:
   // Fetch's steps, in the order it runs them. Each takes `where`, the prefix
@@ -466,5 +533,29 @@ std::unique_ptr<Engine> MakeCudaEngine(const EngineOptions& opt, Status* err);
 int64_t RegisterEngine(std::unique_ptr<Engine> engine);
 Engine* FindEngine(int64_t id);
 bool DestroyEngine(int64_t id);
+
+// Engine groups: several devices, one engine each (its own host store, ring,
+// link, issuer and gate). A group has an id of its own, from the engines'
+// counter, which the FFI calls of a program run on every device carry (under
+// shard_map one custom call runs once per device); each call reaches the
+// member of the device it runs on, by the device ordinal in XLA's FFI call
+// context. `ordinals[i]` is engine `engines[i]`'s device. The members must
+// agree on layers, experts and blob bytes (one program's shapes serve all).
+// Returns the group's id, or 0 with `err`.
+int64_t RegisterGroup(const std::vector<int64_t>& engines,
+                      const std::vector<int32_t>& ordinals, std::string* err);
+bool DestroyGroup(int64_t id);
+// The engine an FFI call with attribute `id` reaches on device `ordinal`:
+// engine `id` itself, whatever the device (one engine, as before groups), or
+// group `id`'s member on that device (`grouped` true). Null with `why`.
+Engine* FindEngineOn(int64_t id, int32_t ordinal, bool* grouped, std::string* why);
+// Stops program chunk `chunk` (Engine::StopByPeer) on every member of group
+// `id` but the one on `ordinal`, whose chunk failed with `why`.
+void StopGroup(int64_t id, int32_t ordinal, int64_t chunk, const std::string& why);
+// Member `ordinal` of group `id` ended its `chunk`-th program chunk with
+// `totals` (ring entries, copied, skipped): once every member has, the group's
+// summed trace line is printed (trace on).
+void GroupChunkEnded(int64_t id, int32_t ordinal, int64_t chunk,
+                     const int64_t totals[3]);
 
 }  // namespace strata

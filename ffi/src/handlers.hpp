@@ -15,8 +15,14 @@
 // ones strata_jax/stream/ops.py writes, and a call must carry exactly its
 // struct's attributes.
 //
+// Every call also decodes the device ordinal it runs on (XLA's FFI call
+// context, set on the CPU and the GPU alike): a call whose `engine` attribute
+// names an engine group reaches that group's engine of its device (several
+// devices, one custom call under shard_map; engine.hpp, RegisterGroup).
+//
 // Every engine error comes back as an ffi::Error naming the call and the
-// layer; nothing throws across the FFI boundary.
+// layer (a group member's at its chunk's end_chunk); nothing throws across
+// the FFI boundary.
 #pragma once
 
 #include <array>
@@ -104,22 +110,59 @@ namespace strata::handlers {
 using Buffer = ffi::AnyBuffer;
 using Out = ffi::Result<ffi::AnyBuffer>;
 
-// Runs `fn(Engine*)` for engine `id`: a missing engine, an engine error and
-// an exception all become an ffi::Error naming `call`.
+// A group member's call (`id` names a group, FindEngineOn): `s` is what the
+// engine answered. Its errors are deferred to the chunk's end_chunk, which
+// fails with the chunk's first: the program runs on (a failed chunk's later
+// calls answer at once, and its outputs are not read), so that every device
+// of the mesh reaches the same collectives and ends its program; a device
+// whose call failed while another waited in a collective for it would hang
+// both. The first error also stops every other member's walk, whose next
+// fetch then fails (deferred likewise), or, where it has not begun the chunk,
+// its begin_chunk's (Engine::StopByPeer). begin_chunk starts a chunk afresh.
+inline ffi::Error GroupAnswer(const char* call, int64_t id, int32_t ordinal, Engine* e,
+                              Status s) {
+  const bool end = std::string(call) == "end_chunk";
+  if (!s.empty()) {
+    s = "device " + std::to_string(ordinal) + ": " + s;
+    if (e->Defer(s)) StopGroup(id, ordinal, e->program_chunks(), s);
+  }
+  if (!end) return ffi::Error::Success();
+  s = e->TakeDeferred();
+  if (!s.empty()) return ffi::Error::Internal("strata: " + s);
+  int64_t totals[3];
+  e->LastTotals(totals);
+  GroupChunkEnded(id, ordinal, e->program_chunks(), totals);
+  return ffi::Error::Success();
+}
+
+// Runs `fn(Engine*)` for the engine that attribute `id` names on device
+// `ordinal` (FindEngineOn: engine `id`, or group `id`'s member there): a
+// missing engine, an engine error and an exception all become an ffi::Error
+// naming `call`; a group member's errors wait for end_chunk (GroupAnswer).
 template <class Fn>
-ffi::Error WithEngine(const char* call, int64_t id, Fn fn) {
+ffi::Error WithEngine(const char* call, int64_t id, int32_t ordinal, Fn fn) {
+  Engine* e = nullptr;
+  bool grouped = false;
+  int64_t chunk = 0;  // a group member's begin_chunk: the chunk's number
   try {
-    Engine* e = FindEngine(id);
-    if (!e)
-      return ffi::Error::Internal("strata: no engine with id " + std::to_string(id) +
-                                  " (closed, or made in another process)");
+    std::string why;
+    e = FindEngineOn(id, ordinal, &grouped, &why);
+    if (!e) return ffi::Error::Internal("strata: " + why);
+    if (grouped && std::string(call) == "begin_chunk") chunk = e->EnterProgramChunk();
     const Status s = fn(e);
+    if (chunk) e->BegunProgramChunk(chunk);
+    if (grouped) return GroupAnswer(call, id, ordinal, e, s);
     return s.empty() ? ffi::Error::Success() : ffi::Error::Internal("strata: " + s);
   } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string("strata: ") + call + ": " + ex.what());
+    const std::string s = std::string(call) + ": " + ex.what();
+    if (chunk) e->BegunProgramChunk(chunk);
+    if (grouped && e) return GroupAnswer(call, id, ordinal, e, s);
+    return ffi::Error::Internal("strata: " + s);
   } catch (...) {
-    return ffi::Error::Internal(std::string("strata: ") + call +
-                                ": unknown exception");
+    const std::string s = std::string(call) + ": unknown exception";
+    if (chunk) e->BegunProgramChunk(chunk);
+    if (grouped && e) return GroupAnswer(call, id, ordinal, e, s);
+    return ffi::Error::Internal("strata: " + s);
   }
 }
 
@@ -130,8 +173,8 @@ struct Handlers {
 
   static void* Queue(Stream stream) { return static_cast<void*>(stream); }
 
-  static ffi::Error Begin(Stream stream, Buffer, Out, Out ids, BeginAttrs a) {
-    return WithEngine("begin_chunk", a.engine, [&](Engine* e) -> Status {
+  static ffi::Error Begin(Stream stream, int32_t ordinal, Buffer, Out, Out ids, BeginAttrs a) {
+    return WithEngine("begin_chunk", a.engine, ordinal, [&](Engine* e) -> Status {
       ChunkMode m;
       if (!ParseChunkMode(a.mode, &m))
         return "begin_chunk: mode " + std::to_string(a.mode) +
@@ -143,9 +186,9 @@ struct Handlers {
     });
   }
 
-  static ffi::Error Publish(Stream stream, Buffer, Buffer counts, Out,
+  static ffi::Error Publish(Stream stream, int32_t ordinal, Buffer, Buffer counts, Out,
                             LayerAttrs a) {
-    return WithEngine("publish", a.engine, [&](Engine* e) -> Status {
+    return WithEngine("publish", a.engine, ordinal, [&](Engine* e) -> Status {
       if (counts.element_type() != ffi::DataType::S32 ||
           counts.element_count() != static_cast<size_t>(e->options().n_experts))
         return "publish, layer " + std::to_string(a.layer) +
@@ -157,9 +200,9 @@ struct Handlers {
 
   // fetch: the layer's frame copied into outputs of fetch's own, one per
   // plane of the engine's plane table, then the token (`rets`).
-  static ffi::Error Fetch(Stream stream, Buffer, Buffer resident,
+  static ffi::Error Fetch(Stream stream, int32_t ordinal, Buffer, Buffer resident,
                           ffi::RemainingRets rets, FetchAttrs a) {
-    return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
+    return WithEngine("fetch", a.engine, ordinal, [&](Engine* e) -> Status {
       return FetchInto(e, stream, resident, rets, a);
     });
   }
@@ -167,10 +210,10 @@ struct Handlers {
   // fetch_piece: a later piece of fetch. The planes so far and `after` (the
   // last of `args`) only order the call: fetch writes the outputs, which XLA
   // aliases to them.
-  static ffi::Error FetchPiece(Stream stream, Buffer, Buffer resident,
+  static ffi::Error FetchPiece(Stream stream, int32_t ordinal, Buffer, Buffer resident,
                                ffi::RemainingArgs args, ffi::RemainingRets rets,
                                FetchAttrs a) {
-    return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
+    return WithEngine("fetch", a.engine, ordinal, [&](Engine* e) -> Status {
       if (args.size() != rets.size())
         return "fetch, layer " + std::to_string(a.layer) + ": fetch_piece takes " +
                std::to_string(args.size() - (args.size() > 0)) +
@@ -205,9 +248,9 @@ struct Handlers {
   }
 
   // fetch_frame: the layer's frame readied in the ring, where the model reads it.
-  static ffi::Error FetchFrame(Stream stream, Buffer, Buffer resident, Out,
+  static ffi::Error FetchFrame(Stream stream, int32_t ordinal, Buffer, Buffer resident, Out,
                                FetchAttrs a) {
-    return WithEngine("fetch", a.engine, [&](Engine* e) -> Status {
+    return WithEngine("fetch", a.engine, ordinal, [&](Engine* e) -> Status {
       return e->Fetch(a.layer, resident.untyped_data(),
                       static_cast<int64_t>(resident.size_bytes()), nullptr,
                       nullptr, 0, Queue(stream), a.Piece());
@@ -215,16 +258,16 @@ struct Handlers {
   }
 
   // `after`: any output of the layer's expert math, so this runs after it.
-  static ffi::Error Release(Stream stream, Buffer, Buffer after, Out,
+  static ffi::Error Release(Stream stream, int32_t ordinal, Buffer, Buffer after, Out,
                             LayerAttrs a) {
     (void)after;
-    return WithEngine("release", a.engine, [&](Engine* e) -> Status {
+    return WithEngine("release", a.engine, ordinal, [&](Engine* e) -> Status {
       return e->Release(a.layer, Queue(stream));
     });
   }
 
-  static ffi::Error End(Stream stream, Buffer, Out stats, EndAttrs a) {
-    return WithEngine("end_chunk", a.engine, [&](Engine* e) -> Status {
+  static ffi::Error End(Stream stream, int32_t ordinal, Buffer, Out stats, EndAttrs a) {
+    return WithEngine("end_chunk", a.engine, ordinal, [&](Engine* e) -> Status {
       const int64_t want = 2LL * e->options().n_layers * 4;
       if (static_cast<int64_t>(stats->size_bytes()) != want)
         return "end_chunk: stats output must be int32[" +
@@ -234,10 +277,13 @@ struct Handlers {
     });
   }
 
-  // Bindings: the platform's context, then one .Arg/.Ret per line in the
-  // handler's order, then the call's attribute struct.
+  // Bindings: the platform's context and the device ordinal, then one
+  // .Arg/.Ret per line in the handler's order, then the call's attribute
+  // struct.
   static auto Bind() {
-    return ffi::Ffi::Bind().template Ctx<typename P::StreamCtx>();
+    return ffi::Ffi::Bind()
+        .template Ctx<typename P::StreamCtx>()
+        .template Ctx<ffi::DeviceOrdinal>();  // the device the call runs on
   }
   static auto BeginBinding() {
     return Bind()

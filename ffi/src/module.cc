@@ -33,7 +33,7 @@ namespace strata {
 namespace {
 
 // strata_jax/native.py refuses a module of another version: a stale build.
-constexpr int kApiVersion = 2;
+constexpr int kApiVersion = 3;
 
 using HostBytes = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using Int32s = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -320,6 +320,20 @@ double MeasureLinkFrom(int32_t device, uintptr_t address, int64_t nbytes, int32_
   return gbps;
 }
 
+// An engine group over the engines `ids` (Streamer.id), engine i serving
+// device ordinal `ordinals[i]` (engine.hpp, RegisterGroup): its id, which the
+// FFI calls of a program run on every device carry.
+int64_t RegisterGroupPy(const std::vector<int64_t>& ids, const std::vector<int32_t>& ordinals) {
+  std::string err;
+  int64_t id = 0;
+  {
+    nb::gil_scoped_release unlocked;
+    id = RegisterGroup(ids, ordinals, &err);
+  }
+  if (!id) throw std::invalid_argument("strata engine group: " + err);
+  return id;
+}
+
 // {platform: {target: capsule}}: "cpu", and "CUDA" in a CUDA build.
 nb::dict Registrations() {
   auto table = [](const handlers::Registrations& regs) {
@@ -422,7 +436,10 @@ NB_MODULE(_native, m) {
       .def(
           "abort",
           [](Streamer& self) {
-            if (strata::Engine* e = self.Find()) e->Abort();
+            if (strata::Engine* e = self.Find()) {
+              e->Abort();
+              e->ClearPeerStops();
+            }
           },
           Release())
       .def(
@@ -485,6 +502,14 @@ NB_MODULE(_native, m) {
           },
           nb::arg("layer"), nb::arg("kind"))
       .def(
+          "last_error",
+          [](const Streamer& self) -> std::string {
+            strata::Engine* e = self.Find();
+            return e ? e->last_error() : std::string();
+          },
+          "The error this engine's last chunk ended with, as a group member (its "
+          "end_chunk's; empty: none, or not in a group).")
+      .def(
           "host_times",
           [](const Streamer& self) {
             double out[2] = {0.0, 0.0};
@@ -522,6 +547,12 @@ NB_MODULE(_native, m) {
           },
           "The memory as a uint8 numpy array, which keeps this buffer alive.");
 
+  m.def("register_group", &strata::RegisterGroupPy, nb::arg("ids"), nb::arg("ordinals"),
+        "Groups engines, one per device ordinal: the group's id, which the FFI calls carry "
+        "(each call reaches the member of the device it runs on).");
+  m.def(
+      "destroy_group", [](int64_t id) { return strata::DestroyGroup(id); }, nb::arg("id"),
+      Release(), "Ends a group (its engines stay); False when there was none.");
   m.def("dlpack_tensor", &strata::DlpackTensor, nb::arg("data"), nb::arg("shape"),
         nb::arg("code"), nb::arg("bits"), nb::arg("device_type"), nb::arg("device_id"),
         "A 'dltensor' capsule over `data` (row-major `shape`), for jax.dlpack.from_dlpack.");

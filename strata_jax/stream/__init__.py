@@ -22,6 +22,9 @@ One module per stage:
             the environment switches, the publish/chunk modes
   plan      StreamPlan and plan_stream (pure: no device, no native library)
   streamer  NativeStreamer (the native engine's handle), stream_platform, ChunkStats
+  group     StreamerGroup: one NativeStreamer per device of an expert-parallel mesh, each
+            over its slice of every layer's experts, one native group the calls reach by
+            device
   ops       the JAX primitive and its FFI custom calls: begin, publish, fetch,
             fetch_frame, release, end
   source    StreamedExperts, the model's expert source inside a jitted chunk
@@ -33,6 +36,7 @@ from .ops import begin, end, fetch, fetch_frame, publish, release  # noqa: F401
 from .plan import StreamPlan, plan_stream
 from .source import StreamedExperts
 from .streamer import ChunkStats, NativeStreamer, stream_platform  # noqa: F401
+from .group import GroupChunkStats, StreamerGroup, expert_slices
 
 __all__ = [
     "StreamConfig",
@@ -42,6 +46,9 @@ __all__ = [
     "NativeStreamer",
     "StreamedExperts",
     "ChunkStats",
+    "StreamerGroup",
+    "GroupChunkStats",
+    "expert_slices",
     "DEPTH_MIN",
     "DEPTH_MAX",
 ]

@@ -123,6 +123,15 @@ class NativeStreamer:
         stream: StreamConfig (environment overrides applied here, once).
         progress: Called as progress(done_layers, total_layers) as each MoE layer's experts
             are written into the host store (long for a full-size model).
+        device: The JAX device this engine serves (its residents, its ring and the model's
+            program there); default: the GPU of ordinal `StreamConfig.device` on CUDA, the
+            first CPU device on the simulated link. An engine of a `StreamerGroup`, one per
+            device.
+        expert_range: (lo, hi): the engine holds experts lo..hi-1 of every MoE layer only, as
+            experts 0..hi-lo-1 of its own (expert parallelism: `StreamerGroup` gives device d
+            the d-th contiguous slice). `experts` are still the whole layers; the engine's
+            `config` is the slice's (`local_config`), its plan, stats and fetch are over the
+            slice, and `full_config` is the model's. Default: every expert.
 
     Raises:
         HostMemoryError: the host store (on the CPU backend with the simulated device's ring
@@ -141,13 +150,32 @@ class NativeStreamer:
     def __init__(self, config: ModelConfig,
                  experts: Sequence[ExpertWeights | np.ndarray | None],
                  stream: StreamConfig | None = None, *,
-                 progress: Callable[[int, int], object] | None = None):
+                 progress: Callable[[int, int], object] | None = None,
+                 device: jax.Device | None = None,
+                 expert_range: tuple[int, int] | None = None):
         native.register_targets()
+        stream = stream or StreamConfig()
+        self.full_config = config
+        self.expert_range = (0, config.n_experts)
+        if expert_range is not None:
+            self.expert_range = _check_range(config, expert_range)
+            config = local_config(config, *self.expert_range)
+            stream = dataclasses.replace(
+                stream, profile=_local_profile(self.full_config, stream.profile,
+                                               *self.expert_range, config.top_k))
         self.config = config
-        self.stream = (stream or StreamConfig()).resolved()
+        self.stream = stream.resolved()
         self.tuning = self.stream.tuning
         self.backend = choose_backend(self.stream.backend)
         self.platform = stream_platform(self.backend)
+        self._device = device
+        if device is not None and device.platform != self.platform:
+            raise ValueError(f"device={device}: the {self.backend} stream backend runs on a "
+                             f"{self.platform} device")
+        # The device's ordinal: the CUDA device the engine copies to, and what XLA's FFI call
+        # context names the device by (a group's calls find their engine by it).
+        self.device_ordinal = (device_ordinal(device) if device is not None
+                               else self.stream.device)
         L, E = config.n_layers, config.n_experts
         if len(experts) != L:
             raise ValueError(f"experts has {len(experts)} layers; the model has {L}")
@@ -220,7 +248,7 @@ class NativeStreamer:
                 seed=self.tuning.seed,
                 pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
                 publish_mode=_PUBLISH_MODES[self.tuning.publish],
-                device=self.stream.device, plane_offsets=list(self.format.offsets),
+                device=self.device_ordinal, plane_offsets=list(self.format.offsets),
                 plane_bytes=[p.nbytes for p in self.format.planes])
         except BaseException:
             self._stores = [None] * L
@@ -335,7 +363,19 @@ class NativeStreamer:
         of the host store) in the format's blob layout, one tensor at a time and with no packed
         copy between: `w` is blobs, a Mapping of planes, an ExpertWeights (plain formats) or
         an object with `fill(views)` (see the class's `experts`)."""
-        E, fmt = self.config.n_experts, self.format
+        lo, hi = self.expert_range
+        if (lo, hi) != (0, self.full_config.n_experts):
+            # The slice of the whole layer: written whole into one layer of scratch host
+            # memory (each engine of a group makes the layer once), its rows lo..hi-1 kept.
+            whole = np.empty((self.full_config.n_experts, self.blob_bytes), np.uint8)
+            self._fill_rows(layer, w, whole, self.full_config.n_experts)
+            store[...] = whole[lo:hi]
+            return
+        self._fill_rows(layer, w, store, self.config.n_experts)
+
+    def _fill_rows(self, layer: int, w, store: np.ndarray, E: int) -> None:
+        """`_fill` into `store`, the [E, blob bytes] rows of E experts."""
+        fmt = self.format
         if isinstance(w, np.ndarray):
             if w.dtype == np.uint8 and w.shape == (E, self.blob_bytes):
                 store[...] = w
@@ -385,7 +425,7 @@ class NativeStreamer:
         """Total memory of the device the residents go to, where the backend reports it."""
         if self.backend != "cuda":
             return None  # the simulated device is host memory: no device-size check
-        return device_memory("gpu", self.stream.device)[0]
+        return device_memory("gpu", self.device_ordinal)[0]
 
     def _put_resident(self) -> dict[int, jax.Array]:
         device = self.jax_device
@@ -399,8 +439,11 @@ class NativeStreamer:
 
     @property
     def jax_device(self) -> jax.Device:
-        """The JAX device the residents and the ring are on, where the model must run: the GPU
-        of ordinal `StreamConfig.device` on CUDA, the CPU device on the simulated link."""
+        """The JAX device the residents and the ring are on, where the model must run: the
+        `device` given, else the GPU of ordinal `StreamConfig.device` on CUDA, the CPU device
+        on the simulated link."""
+        if self._device is not None:
+            return self._device
         if self.backend == "cuda":
             return jax.devices("gpu")[self.stream.device]
         return jax.devices("cpu")[0]
@@ -527,7 +570,14 @@ class NativeStreamer:
                                "link with it; call it between prefills")
         size = len(self.moe_layers) * self.config.n_experts * self.blob_bytes
         return native.measure_h2d_from(self._pinned.address, min(int(nbytes), size), reps,
-                                       device=self.stream.device)
+                                       device=self.device_ordinal)
+
+    def last_error(self) -> str:
+        """The error this engine's last chunk ended with as a member of a `StreamerGroup`
+        (its device's own cause, e.g. "device 0: fetch, layer 2: the walk was stopped: device
+        1: ..."), until its next chunk begins; "" when it ended well (or the engine is in no
+        group: its errors reach the caller as they happen)."""
+        return "" if self.closed else self.handle.last_error()
 
     def host_times(self) -> tuple[float, float]:
         """Host clock (time.monotonic seconds) at which the last chunk began (its begin_chunk
@@ -614,6 +664,45 @@ class NativeStreamer:
             tail_pieces=tail_pieces,
             streamed=streamed.copy(), copied=copied, skipped=skipped, unrouted=unrouted,
             bytes=copied * self.blob_bytes)
+
+def device_ordinal(device: jax.Device) -> int:
+    """The ordinal XLA's FFI call context gives a call running on `device` (the handlers'
+    `DeviceOrdinal`): its local hardware id (the CUDA ordinal on a GPU), else its id."""
+    hw = getattr(device, "local_hardware_id", None)
+    return int(hw) if hw is not None else int(device.id)
+
+
+def local_config(config: ModelConfig, lo: int, hi: int) -> ModelConfig:
+    """`config` as one engine of a group sees it: experts lo..hi-1 of every MoE layer as its
+    experts 0..hi-lo-1 (`n_experts` = hi - lo; `top_k` at most that, routing groups off: the
+    engine moves experts and does no routing). Everything else is the model's."""
+    n = hi - lo
+    return dataclasses.replace(config, n_experts=n, top_k=min(config.top_k, n), n_groups=1,
+                               topk_groups=1)
+
+
+def _check_range(config: ModelConfig, expert_range) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in expert_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"expert_range={expert_range!r}: expected (lo, hi), two ints") from None
+    if not 0 <= lo < hi <= config.n_experts:
+        raise ValueError(f"expert_range=({lo}, {hi}): expected 0 <= lo < hi <= "
+                         f"{config.n_experts} (the model's experts per layer)")
+    return lo, hi
+
+
+def _local_profile(config: ModelConfig, profile, lo: int, hi: int, top_k: int):
+    """StreamConfig.profile (an ExpertProfile or its counts) over experts lo..hi-1 only."""
+    from ..profile import ExpertProfile
+    from .plan import _as_profile
+
+    prof = _as_profile(config, profile)  # checked against the whole model
+    if prof is None:
+        return None
+    return ExpertProfile(prof.counts[:, lo:hi], model=config.name, top_k=top_k,
+                         tokens=prof.tokens)
+
 
 def _frame_arrays(frame) -> list:
     """A frame's arrays (`NativeStreamer._frame_views`: an ExpertWeights or a dict)."""
