@@ -61,8 +61,8 @@ from .config import ModelConfig
 from .experts import ExpertWeights
 from .kernels import Kernels
 from .model import KVCache, build_model, expert_format, expert_plane_names, validate_inputs
-from .parallel import (ExpertParallel, ShardedExperts, check_mesh, expert_mesh, replicated,
-                       set_parallel, state_shardings)
+from .parallel import (EXPERT_AXIS, ExpertParallel, ShardedExperts, check_mesh, device_rows,
+                       expert_mesh, replicated, set_parallel, state_shardings)
 from .profile import ExpertProfile
 from .weights import LazyExperts, ParamsView
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
@@ -172,6 +172,7 @@ class PrefillResult:
             with its memory figures (Engine(chunk_size=None)).
         expert_rows: layer-major only: the rows each router/expert call ran on (a multiple of
             the sub-chunk, at most the engine's chunk: `Engine.layer_major_rows`); else 0.
+        devices: the devices the experts were split over (`Engine(mesh=)`; 1 without a mesh).
     """
 
     logits: jax.Array
@@ -189,6 +190,14 @@ class PrefillResult:
     chunk_size: int = 0
     chunk_choice: str = "given"
     expert_rows: int = 0
+    devices: int = 1
+
+    def per_device(self) -> dict:
+        """Per device of the expert split: "rows", the token copies its experts computed
+        (routing counts summed over its expert slice and the MoE layers)."""
+        if self.counts is None:
+            return {"rows": [0] * self.devices}
+        return {"rows": [int(x) for x in device_rows(self.counts, self.devices).sum(0)]}
 
     @property
     def prompt_ms(self) -> float:
@@ -248,6 +257,8 @@ class PrefillResult:
             "chunk_size": self.chunk_size,
             "chunk_choice": self.chunk_choice,
             "expert_rows": self.expert_rows,
+            "devices": self.devices,
+            "per_device": self.per_device(),
             "experts_streamed": t["streamed"],
             "copied": t["copied"],
             "skipped": t["skipped"],
@@ -674,6 +685,11 @@ class Engine:
     # -- public API -----------------------------------------------------------------------------
 
     @property
+    def n_devices(self) -> int:
+        """The devices the experts are split over: the mesh's expert axis, else 1."""
+        return 1 if self.mesh is None else int(self.mesh.shape[EXPERT_AXIS])
+
+    @property
     def mode(self) -> str:
         if self.streamer is None:
             return "resident"
@@ -976,7 +992,7 @@ class Engine:
             mode=self.mode, n_layers=self.config.n_layers,
             chunk_size=(self.layer_major_shape(arr.size)[1] if order == "layer-major"
                         else chunk),
-            chunk_choice=self.chunk_choice, expert_rows=rows, **extra)
+            chunk_choice=self.chunk_choice, expert_rows=rows, devices=self.n_devices, **extra)
         self._profile.record(counts_total, tokens=int(arr.size))
         return result
 
