@@ -60,7 +60,7 @@ from flax import nnx
 from .config import ModelConfig
 from .experts import ExpertWeights
 from .kernels import Kernels
-from .model import KVCache, build_model, expert_format, expert_plane_names, validate_inputs
+from .model import KVCache, build_model, expert_plane_names, validate_inputs
 from .parallel import (EXPERT_AXIS, ExpertParallel, ShardedExperts, check_mesh, device_rows,
                        expert_mesh, replicated, set_parallel, state_shardings)
 from .profile import ExpertProfile
@@ -449,8 +449,7 @@ class Engine:
                 model = build_model(config, dense, resident_experts=False, kernels=self.kernels)
         self._graphdef, state = nnx.split(model)
         if self.mesh is not None:
-            planes = {p.name for p in expert_format(config).planes}
-            state = jax.device_put(state, state_shardings(state, self.mesh, planes))
+            state = jax.device_put(state, state_shardings(state, config, self.mesh))
         else:
             state = jax.device_put(state, self.device)
         if chunk_size is None:

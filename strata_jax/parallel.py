@@ -233,10 +233,12 @@ def local_routing(expert_ids: jax.Array, weights: jax.Array, counts: jax.Array, 
 # ---- placing a model on the mesh -------------------------------------------------------------------
 
 
-def is_routed_expert_leaf(path: tuple, planes) -> bool:
-    """Whether a flat model path ("layers", N, "mlp", plane) is a routed expert's parameter
-    (never the shared expert's, "layers", N, "mlp", "shared", ...)."""
-    return len(path) == 4 and path[0] == "layers" and path[2] == "mlp" and path[3] in planes
+def is_routed_expert_leaf(path: tuple, planes, moe_layers) -> bool:
+    """Whether a flat model path ("layers", N, "mlp", plane) is a routed expert's parameter:
+    N an MoE layer (a dense layer's MLP has gate/up/down too), never the shared expert's
+    ("layers", N, "mlp", "shared", ...)."""
+    return (len(path) == 4 and path[0] == "layers" and path[2] == "mlp" and path[3] in planes
+            and int(path[1]) in moe_layers)
 
 
 def set_parallel(model, parallel: ExpertParallel | None) -> None:
@@ -247,13 +249,18 @@ def set_parallel(model, parallel: ExpertParallel | None) -> None:
             layer.mlp.parallel = parallel
 
 
-def state_shardings(state, mesh: Mesh, planes, *, axis: str = EXPERT_AXIS):
-    """The shardings of a model's nnx state on `mesh`: routed expert planes split over `axis`,
-    everything else replicated. `planes`: the expert format's plane names."""
+def state_shardings(state, config, mesh: Mesh, *, axis: str = EXPERT_AXIS):
+    """The shardings of a model's nnx state on `mesh`: the MoE layers' routed expert planes
+    split over `axis`, everything else replicated."""
     from flax import nnx
 
+    from .model import expert_format
+
+    planes = {p.name for p in expert_format(config).planes}
+    moe = set(config.moe_layers)
     split, rep = expert_sharded(mesh, axis), replicated(mesh)
-    flat = [(path, split if is_routed_expert_leaf(tuple(str(p) for p in path), planes) else rep)
+    flat = [(path, split if is_routed_expert_leaf(tuple(str(p) for p in path), planes, moe)
+             else rep)
             for path, _ in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)
 

@@ -275,3 +275,24 @@ def test_cli_prefill_on_two_devices():
     # Token copies summed over the 2 MoE layers of 100 tokens, top-8.
     assert one["per_device"]["rows"] == [2 * 100 * 8]
     assert len(two["per_device"]["rows"]) == 2 and sum(two["per_device"]["rows"]) == 2 * 100 * 8
+
+
+def test_only_the_moe_layers_routed_experts_are_split():
+    # DeepSeek-V3's shape: a dense first layer (its MLP has gate/up/down too) and shared
+    # experts (layers.N.mlp.shared.gate ...): both stay replicated; fp8 scales split with
+    # their experts.
+    from flax import nnx
+
+    from strata_jax.model import abstract_model
+
+    cfg = get_preset("deepseek-v3").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
+                                           expert_intermediate=32)
+    for c in (cfg, cfg.replace(expert_format="fp8", expert_block=32)):
+        _, state = nnx.split(abstract_model(c))
+        shardings = parallel.state_shardings(state, c, parallel.expert_mesh(1))
+        split = sorted(".".join(map(str, path)) for path, s in nnx.to_flat_state(shardings)
+                       if s.spec == jax.sharding.PartitionSpec("expert"))
+        planes = ["down", "gate", "up"] if c.expert_format == "plain" else [
+            "down", "down_scale", "gate", "gate_scale", "up", "up_scale"]
+        assert c.dense_layers == (0,)
+        assert split == [f"layers.{l}.mlp.{p}" for l in c.moe_layers for p in planes]
