@@ -152,7 +152,7 @@ def device_rows(counts, devices: int) -> np.ndarray:
     return counts.reshape(*counts.shape[:-1], devices, e // devices).sum(-1)
 
 
-# ---- the expert-parallel layer ---------------------------------------------------------------------
+# ---- the expert-parallel layer -------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,7 @@ def local_routing(expert_ids: jax.Array, weights: jax.Array, counts: jax.Array, 
     return ids, jnp.where(mine, weights, 0.0), lax.dynamic_slice_in_dim(counts, base, per)
 
 
-# ---- placing a model on the mesh -------------------------------------------------------------------
+# ---- placing a model on the mesh -----------------------------------------------------------------
 
 
 def is_routed_expert_leaf(path: tuple, planes, moe_layers) -> bool:
