@@ -413,14 +413,12 @@ def _simulated_cpu_devices(n: int) -> None:
     """Asks JAX for n CPU devices where its backends are not started yet (the CPU's devices
     of --devices N) and XLA_FLAGS does not set their count already."""
     import jax
-    from jax._src import xla_bridge
 
-    if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-            or xla_bridge.backends_are_initialized()):
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     try:
         jax.config.update("jax_num_cpu_devices", n)
-    except (RuntimeError, AttributeError):  # started meanwhile, or a jax without the option
+    except (RuntimeError, AttributeError):  # JAX started already, or has no such option
         pass
 
 
