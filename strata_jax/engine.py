@@ -61,6 +61,8 @@ from .config import ModelConfig
 from .experts import ExpertWeights
 from .kernels import Kernels
 from .model import KVCache, build_model, expert_plane_names, validate_inputs
+from .parallel import (EXPERT_AXIS, ExpertParallel, ShardedExperts, check_mesh, device_rows,
+                       expert_mesh, replicated, set_parallel, state_shardings)
 from .profile import ExpertProfile
 from .weights import LazyExperts, ParamsView
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
@@ -170,6 +172,7 @@ class PrefillResult:
             with its memory figures (Engine(chunk_size=None)).
         expert_rows: layer-major only: the rows each router/expert call ran on (a multiple of
             the sub-chunk, at most the engine's chunk: `Engine.layer_major_rows`); else 0.
+        devices: the devices the experts were split over (`Engine(mesh=)`; 1 without a mesh).
     """
 
     logits: jax.Array
@@ -187,6 +190,14 @@ class PrefillResult:
     chunk_size: int = 0
     chunk_choice: str = "given"
     expert_rows: int = 0
+    devices: int = 1
+
+    def per_device(self) -> dict:
+        """Per device of the expert split: "rows", the token copies its experts computed
+        (routing counts summed over its expert slice and the MoE layers)."""
+        if self.counts is None:
+            return {"rows": [0] * self.devices}
+        return {"rows": [int(x) for x in device_rows(self.counts, self.devices).sum(0)]}
 
     @property
     def prompt_ms(self) -> float:
@@ -246,6 +257,8 @@ class PrefillResult:
             "chunk_size": self.chunk_size,
             "chunk_choice": self.chunk_choice,
             "expert_rows": self.expert_rows,
+            "devices": self.devices,
+            "per_device": self.per_device(),
             "experts_streamed": t["streamed"],
             "copied": t["copied"],
             "skipped": t["skipped"],
@@ -346,6 +359,11 @@ class Engine:
             device (the long part of making an engine for a full-size model).
         kernels: The grouped matmul and attention the engine's programs use (`Kernels`;
             default: the measured best on the device).
+        mesh: Expert parallelism (resident experts only): a `jax.sharding.Mesh` with an
+            "expert" axis, or a device count N (the first N devices: `parallel.expert_mesh`).
+            Each device holds its slice of every MoE layer's experts (experts E*d/G ..
+            E*(d+1)/G), and the rest is replicated; each layer's partial outputs are summed
+            across the devices (docs/DESIGN.md, "Several devices"). None: one device.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -356,7 +374,7 @@ class Engine:
                  layer_major_limit_bytes: int | None = None,
                  device: "jax.Device | str | None" = None,
                  progress: Callable[[int, int], object] | None = None,
-                 kernels: Kernels | None = None):
+                 kernels: Kernels | None = None, mesh=None):
         if kernels is not None and not isinstance(kernels, Kernels):
             raise TypeError(f"kernels must be a strata_jax.Kernels, got {type(kernels).__name__}")
         self.kernels = kernels if kernels is not None else Kernels()
@@ -399,7 +417,15 @@ class Engine:
 
         wanted = _device(device)
         self.streamer: NativeStreamer | None = None
-        if stream is None:
+        self.mesh = _mesh(mesh, config, stream, wanted)
+        if self.mesh is not None:
+            self.device = _first_local(self.mesh)
+            with jax.default_device(self.device):
+                model = build_model(config, dense, experts=_on_mesh(
+                    _counted(host_experts, progress), self.mesh),
+                    resident_experts=True, kernels=self.kernels)
+            set_parallel(model, ExpertParallel(self.mesh))
+        elif stream is None:
             self.device = wanted if wanted is not None else jax.devices()[0]
             with jax.default_device(self.device):
                 model = build_model(config, dense, experts=_counted(host_experts, progress),
@@ -422,7 +448,10 @@ class Engine:
             with jax.default_device(self.device):
                 model = build_model(config, dense, resident_experts=False, kernels=self.kernels)
         self._graphdef, state = nnx.split(model)
-        state = jax.device_put(state, self.device)
+        if self.mesh is not None:
+            state = jax.device_put(state, state_shardings(state, config, self.mesh))
+        else:
+            state = jax.device_put(state, self.device)
         if chunk_size is None:
             jax.block_until_ready(state)
             chunk, self.chunk_choice = self._choose_chunk()
@@ -432,10 +461,11 @@ class Engine:
         self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
         # One dispatch for a new session's cache instead of one per array (new_cache); a
         # prefill's first chunk makes its zeros inside its own program instead.
-        on_device = jax.sharding.SingleDeviceSharding(self.device)
+        on_device = (jax.sharding.SingleDeviceSharding(self.device) if self.mesh is None
+                     else replicated(self.mesh))
         self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
         self.compilations = 0
-        self._info_sharding = _info_sharding(self.device)
+        self._info_sharding = _info_sharding(self.device, self.mesh)
         self._jit = jax.jit(self._prefill_fn,
                             static_argnames=("first", "mode", "sub", "rows", "width",
                                              "score"),
@@ -652,6 +682,11 @@ class Engine:
                 info[n_stats + n_counts:].view(np.float32))
 
     # -- public API -----------------------------------------------------------------------------
+
+    @property
+    def n_devices(self) -> int:
+        """The devices the experts are split over: the mesh's expert axis, else 1."""
+        return 1 if self.mesh is None else int(self.mesh.shape[EXPERT_AXIS])
 
     @property
     def mode(self) -> str:
@@ -956,7 +991,7 @@ class Engine:
             mode=self.mode, n_layers=self.config.n_layers,
             chunk_size=(self.layer_major_shape(arr.size)[1] if order == "layer-major"
                         else chunk),
-            chunk_choice=self.chunk_choice, expert_rows=rows, **extra)
+            chunk_choice=self.chunk_choice, expert_rows=rows, devices=self.n_devices, **extra)
         self._profile.record(counts_total, tokens=int(arr.size))
         return result
 
@@ -1001,18 +1036,60 @@ def _settle(arrays) -> None:
             pass
 
 
-def _info_sharding(device: jax.Device) -> jax.sharding.Sharding:
+def _info_sharding(device: jax.Device, mesh=None) -> jax.sharding.Sharding:
     """Where each compiled call's `info` (end_chunk's stats and the router counts, a few KiB)
     lands: the device's pinned host memory, written by the program's own last copy, so it is in
     host memory when the call ends; a device without pinned host memory keeps it in device
-    memory, and `_dispatch` starts its copy to the host."""
+    memory, and `_dispatch` starts its copy to the host. On a mesh: replicated on its devices,
+    in pinned host memory where each of them has it."""
+    pinned = all("pinned_host" in _memory_kinds(d)
+                 for d in (mesh.devices.flat if mesh is not None else [device]))
+    kind = "pinned_host" if pinned else None
+    if mesh is not None:
+        return replicated(mesh, kind)
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+
+def _memory_kinds(device: jax.Device) -> set:
     try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 - a backend without memory spaces
-        kinds = set()
-    if "pinned_host" in kinds:
-        return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    return jax.sharding.SingleDeviceSharding(device)
+        return {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - a backend without memory spaces, another process's device
+        return set()
+
+
+def _mesh(mesh, config: ModelConfig, stream, device):
+    """Engine(mesh=...) as a checked jax.sharding.Mesh (None stays None); refused with a
+    stream (not implemented yet) or a device (the mesh says where the model runs)."""
+    if mesh is None:
+        return None
+    if stream is not None:
+        raise ValueError(
+            "mesh= with a StreamConfig: streamed experts on several devices (one ring and "
+            "copy issuer per device) are not implemented yet; pass stream=None to keep every "
+            "expert resident, split over the mesh, or drop mesh= to stream on one device")
+    if device is not None:
+        raise ValueError(f"device={_name(device)} and mesh= both say where the model runs; "
+                         "give one (the mesh's devices, or device= for one device)")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        mesh = expert_mesh(mesh)
+    check_mesh(mesh, config.n_experts)
+    return mesh
+
+
+def _first_local(mesh) -> jax.Device:
+    """The mesh's first device of this process (where weights land before placement and
+    whose memory the engine's estimates read)."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if not local:
+        raise ValueError(f"the mesh has no device of this process (process "
+                         f"{jax.process_index()}); each process must hold part of the mesh")
+    return local[0]
+
+
+def _on_mesh(experts: dict, mesh) -> dict:
+    """Each layer's expert planes put on `mesh` one at a time, split over its expert axis."""
+    return {l: ShardedExperts(w if not isinstance(w, ExpertWeights) else w._asdict(), mesh)
+            for l, w in experts.items()}
 
 
 def _name(device: jax.Device) -> str:

@@ -219,7 +219,7 @@ def _streamed_note(config, plan, extra: int, ring_streaming: int) -> str | None:
 
 def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
                 resident_per_layer: int | None = None, ring_gib: float = 4.0,
-                device_bytes: int | None = None) -> dict:
+                device_bytes: int | None = None, devices: int = 1) -> dict:
     """Bytes on the device and the host for a model streamed with a resident budget.
 
     The host store (every expert, pinned host RAM) is `host_store_bytes`. The residents and the
@@ -232,11 +232,20 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     with nearly every expert resident the streamed plan takes more than every expert
     resident; `streamed_note` then says so and why (else it is None).
 
+    `devices` > 1: expert parallelism (`Engine(mesh=)`, every expert resident): `per_device`
+    holds what each of them needs, the dense weights and the KV cache replicated and
+    1/devices of the experts (`experts_per_layer`, `expert_bytes`, `device_bytes_all_resident`
+    and, with `device_bytes`, `fits_all_resident`).
+
     Raises:
         ValueError: what plan_stream refuses (a negative budget, more residents per layer than
-            a layer has experts).
+            a layer has experts); a device count below 1 or not dividing the experts.
     """
     from .stream import StreamConfig, plan_stream  # not at the top: the stream imports this
+
+    if devices < 1 or config.n_experts % devices:
+        raise ValueError(f"devices={devices} does not divide the {config.n_experts} experts "
+                         f"of a layer; use a device count that divides {config.n_experts}")
 
     n_moe = len(config.moe_layers)
     dense = param_bytes(config, resident_experts=False)
@@ -275,6 +284,13 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         out["fits_streamed"] = bool(plan.ring_fits_budget and streamed_plan <= device_bytes)
         out["fits_all_resident"] = bool(resident_all <= device_bytes)
         out["max_resident_gib"] = max(0.0, (device_bytes - dense - kv - ring_none) / 2**30)
+    out["devices"] = devices
+    per_device = dense + kv + config.expert_bytes_total // devices
+    out["per_device"] = {"experts_per_layer": config.n_experts // devices,
+                         "expert_bytes": config.expert_bytes_total // devices,
+                         "device_bytes_all_resident": per_device}
+    if device_bytes is not None:
+        out["per_device"]["fits_all_resident"] = bool(per_device <= device_bytes)
     return out
 
 

@@ -462,6 +462,9 @@ class MoE(nnx.Module):
                        if c.shared_expert_intermediate else None)
         self.shared_gate = (nnx.Param(_normal(rngs, (c.hidden_size, 1), dt))
                             if c.shared_expert_gate else None)  # [H, 1]
+        # Static: None (one device), or a `strata_jax.parallel.ExpertParallel` that splits the
+        # routed experts over a mesh (steps 4-6 on each device's own experts, then a psum).
+        self.parallel = None
 
     def resident_weights(self) -> ExpertWeights | None:
         """The layer's own expert parameters, or None when built without them (a quantized
@@ -495,7 +498,9 @@ class MoE(nnx.Module):
         pieces: None, or (bounds, weights_for_piece) to run step 5 in row pieces as the source
             supplies each piece's weights (`experts_swiglu_pieces`; `w` is then unused).
         """
-        if pieces is None:
+        if self.parallel is not None:
+            out = self.parallel.routed_experts(self, x, routing, w, pieces)
+        elif pieces is None:
             x_sorted, order = permute(x, routing.expert_ids)
             y_sorted = experts_swiglu(x_sorted, _in_dtype(w, x.dtype), routing.counts,
                                       self.kernels.grouped_matmul,
@@ -507,7 +512,8 @@ class MoE(nnx.Module):
                                                  routing.counts, *pieces,
                                                  impl=self.kernels.grouped_matmul,
                                                  quantized=self.kernels.quantized_matmul)
-        out = unpermute(y_sorted, order, routing.weights)
+        if self.parallel is None:
+            out = unpermute(y_sorted, order, routing.weights)
         if self.shared is not None:
             with jax.named_scope("shared_expert"):
                 shared = self.shared(x)

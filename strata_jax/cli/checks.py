@@ -39,7 +39,7 @@ def _check_stream_budget(args, cfg, platform: str) -> None:
 
 
 def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
-                sub_chunk: int | None, backend: str, stream) -> None:
+                sub_chunk: int | None, backend: str, stream, devices: int = 1) -> None:
     """UsageError when the prefill cannot fit the memory of the device it will run on: its
     two KV caches and the activations of its smallest chunk (memory.chunk_memory, the
     estimate an Engine chooses its chunk by; `chunk`, else the smallest an automatic choice
@@ -50,6 +50,10 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     weights there are the dense ones and the residents, or every one with `stream` None;
     the ring is the native engine's own allocation, outside that limit) or the CPU (available
     host RAM; the weights there are all of them, and a streamed run's simulated ring).
+
+    `devices` > 1 (expert parallel, every expert resident): each GPU holds the dense weights,
+    1/devices of the experts, the KV caches and the activations; the CPU's simulated devices
+    share its RAM, so it holds `devices` copies of all but the experts.
     """
     from ..stream import plan_stream
 
@@ -69,12 +73,22 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
     weights = memory.weight_bytes(cfg, plan, platform)
+    copies = 1
+    if devices > 1:
+        if cfg.n_experts % devices:
+            raise UsageError(f"--devices {devices}: the {cfg.n_experts} experts of a layer do "
+                             f"not split evenly over {devices} devices; use a count that "
+                             f"divides {cfg.n_experts}")
+        dense = memory.param_bytes(cfg, resident_experts=False)
+        copies = devices if platform == "cpu" else 1
+        weights = copies * dense + cfg.expert_bytes_total // (1 if copies > 1 else devices)
 
     def need(context: int) -> tuple[int, int, int, int, int]:
         """(bytes in all, activations, KV caches, their capacity, chunk) for `context`."""
-        return memory.prefill_bytes(cfg, weights, context, max_context=max_context,
-                                    n_tokens=n_tokens, chunk=chunk, sub_chunk=sub_chunk,
-                                    platform=platform, streamed=stream is not None)
+        total, act, kv, cap, c = memory.prefill_bytes(
+            cfg, weights, context, max_context=max_context, n_tokens=n_tokens, chunk=chunk,
+            sub_chunk=sub_chunk, platform=platform, streamed=stream is not None)
+        return total + (copies - 1) * (total - weights), act, kv, cap, c
 
     total, act, kv, cap, c = need(max_context)
     if total <= have:

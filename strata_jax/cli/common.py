@@ -391,11 +391,53 @@ def _resident_device(requested: str):
 
 def _backends(args) -> tuple[str, object]:
     """(stream backend, resident device): the backend of a streamed run ('cpu' or 'cuda'), or
-    for --no-stream the device its resident arm runs on (the backend is then its platform's)."""
+    for --no-stream the device its resident arm runs on (the backend is then its platform's;
+    with --devices N, the first of the N, `_devices` checks they are there)."""
+    n = getattr(args, "devices", 1)
+    if n > 1 and args.stream:
+        raise UsageError(f"--devices {n}: streamed experts on several devices (one ring and "
+                         "copy issuer per device) are not implemented yet; add --no-stream to "
+                         f"keep every expert resident, split over the {n} devices, or drop "
+                         "--devices to stream on one device")
     if args.stream:
         return _resolve_backend(args.backend), None
+    if n > 1:
+        _simulated_cpu_devices(n)
     device = _resident_device(args.backend)
+    if n > 1:
+        _devices(args, device)
     return ("cuda" if device.platform == "gpu" else "cpu"), device
+
+
+def _simulated_cpu_devices(n: int) -> None:
+    """Asks JAX for n CPU devices where its backends are not started yet (the CPU's devices
+    of --devices N) and XLA_FLAGS does not set their count already."""
+    import jax
+
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except (RuntimeError, AttributeError):  # JAX started already, or has no such option
+        pass
+
+
+def _devices(args, device) -> list:
+    """The --devices N devices of `device`'s platform (the first N); UsageError where JAX has
+    fewer."""
+    import jax
+
+    n = getattr(args, "devices", 1)
+    have = jax.devices(device.platform)
+    if len(have) < n:
+        hint = (f" (for N simulated CPU devices set XLA_FLAGS=--xla_force_host_platform_"
+                f"device_count={n} before the command starts)" if device.platform == "cpu"
+                else "")
+        raise UsageError(f"--devices {n}: JAX sees {len(have)} {device.platform} device"
+                         f"{'s' if len(have) != 1 else ''}; use at most {len(have)}{hint}")
+    if n > 1:
+        return list(have[:n])
+    return [device]
 
 
 # ---- prompts, profile, stream, engine -----------------------------------------------------------
@@ -486,6 +528,10 @@ def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, dev
 
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
                   order=args.order, device=device)
+    if getattr(args, "devices", 1) > 1:  # expert parallel: the mesh says where it runs
+        from ..parallel import expert_mesh
+
+        kwargs.update(device=None, mesh=expert_mesh(_devices(args, device)))
     if args.sub_chunk is not None:
         kwargs["sub_chunk"] = args.sub_chunk
     where = "the host store" if stream is not None else "the device"

@@ -63,7 +63,8 @@ def cmd_info(args, log: _Log) -> int:
             plan = memory.memory_plan(cfg, max_context=max_context,
                                       resident_gib=args.resident_gib,
                                       resident_per_layer=args.resident_per_layer,
-                                      ring_gib=args.ring_gib, device_bytes=device_bytes)
+                                      ring_gib=args.ring_gib, device_bytes=device_bytes,
+                                      devices=args.devices)
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
         plan["device"] = device_what
@@ -112,6 +113,14 @@ def cmd_info(args, log: _Log) -> int:
                   f"{p['max_resident_gib']:.1f} GiB of resident experts fit beside the rest")
         else:
             print(f"  {p['device']}: size unknown")
+        if p["devices"] > 1:
+            d = p["per_device"]
+            fits = ("" if "fits_all_resident" not in d else
+                    ": fits" if d["fits_all_resident"] else ": does NOT fit")
+            print(f"  over {p['devices']} devices, every expert resident: "
+                  f"{d['experts_per_layer']} experts per layer each "
+                  f"({_size(d['expert_bytes'])} of experts), {_size(d['device_bytes_all_resident'])} per "
+                  f"device with the dense weights and KV cache replicated{fits}")
         if host_total:
             fits = p["host_store_bytes"] <= host_total
             print(f"  host store: {_size(p['host_store_bytes'])} of experts in {_gib(host_total)} "

@@ -237,10 +237,20 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                         "arm runs: auto: JAX's default device; cpu: the CPU; cuda: the GPU")
     g.add_argument("--sim-bandwidth", type=_float, default=bandwidth_default, metavar="GBPS",
                    help="simulated link bandwidth in GB/s (cpu backend; 0: unlimited)")
+    _devices_option(g)
     g.add_argument("--sim-latency", type=_float, default=20.0, metavar="US",
                    help="simulated per-copy latency in microseconds (cpu backend)")
     g.add_argument("--trace", action="store_true",
                    help="per-chunk 'ring entries, copied, skipped' lines from the engine (stderr)")
+
+
+def _devices_option(g) -> None:
+    g.add_argument("--devices", type=_positive_int, default=1, metavar="N",
+                   help="expert parallelism: split every MoE layer's experts over N devices of "
+                        "the --backend platform (each holds 1/N of them; attention and dense "
+                        "weights are replicated); on the CPU, N simulated devices. Needs "
+                        "--no-stream for now: streamed experts on several devices are not "
+                        "implemented yet")
 
 
 def _output_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
@@ -372,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="device memory the ring may take")
     ig.add_argument("--no-measure", action="store_true",
                     help="skip the link bandwidth measurement")
+    ig.add_argument("--devices", type=_positive_int, default=1, metavar="N",
+                    help="plan for N devices sharing the experts (expert parallelism): the "
+                         "plan's per_device figures")
     _output_options(info, json_help="print one JSON object on stdout: jax, devices, native, "
                                     "link, plan")
     return ap

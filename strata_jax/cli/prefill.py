@@ -39,6 +39,9 @@ def _arm(args) -> str:
 
 
 def _backend_text(args, backend: str, device=None) -> str:
+    if not args.stream and getattr(args, "devices", 1) > 1:
+        return (f"resident, experts split over {args.devices} {device.platform} devices "
+                f"({device.device_kind})")
     if not args.stream:
         return f"resident on {device.platform}:{device.id} ({device.device_kind})"
     if backend == "cuda":
@@ -132,7 +135,8 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
     depth = _routed_depth(stream)
     model.check_host_memory(streamed=stream is not None)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
-                sub_chunk=args.sub_chunk, backend=backend, stream=stream)
+                sub_chunk=args.sub_chunk, backend=backend, stream=stream,
+                devices=args.devices)
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
     if not args.json:
         print(model.describe())
@@ -158,7 +162,7 @@ def _run_fields(args, read: _Read, engine) -> dict:
     """The JSON keys that say how the read ran (arm, backend, model, compilations, depth)."""
     streamer = engine.streamer
     return dict(arm=_arm(args), backend=read.backend if args.stream else "resident",
-                model=read.model.summary(), profile=args.profile,
+                model=read.model.summary(), profile=args.profile, devices=args.devices,
                 compilations=int(engine.compilations),
                 depth=(int(streamer.stream.depth)
                        if streamer is not None and streamer.stream.routed else None))
@@ -196,6 +200,9 @@ def cmd_prefill(args, log: _Log) -> int:
     print(first.summary())
     _print_notes(first, out["compiled"], read.depth)
     print(_layer_table(out, cfg.moe_layers))
+    if first.devices > 1:
+        rows = first.per_device()["rows"]
+        print(f"  token copies per device's experts: {rows} (all {sum(rows)})")
     print(f"logits sha256 {out['logits_sha256'][:16]}..., kv sha256 {out['kv_sha256'][:16]}...")
     if follow is not None:
         print(f"follow-up: {follow.summary()}")

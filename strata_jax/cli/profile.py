@@ -42,7 +42,8 @@ def cmd_profile(args, log: _Log) -> int:
     stream = _stream_config(args, backend, base)
     model.check_host_memory(streamed=stream is not None)
     _check_plan(model, max_context=max_context, n_tokens=sum(sizes), chunk=args.chunk,
-                sub_chunk=args.sub_chunk, backend=backend, stream=stream)
+                sub_chunk=args.sub_chunk, backend=backend, stream=stream,
+                devices=args.devices)
     prompts = prompts or _read_prompts(args, model, many=True)
 
     if not args.json:
