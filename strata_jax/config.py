@@ -167,6 +167,12 @@ class ModelConfig:
         if self.n_experts % self.n_groups:
             raise ValueError(
                 f"n_experts={self.n_experts} is not a multiple of n_groups={self.n_groups}")
+        if self.n_groups > 1 and self.n_experts // self.n_groups < 2:
+            raise ValueError(
+                f"n_groups={self.n_groups} leaves {self.n_experts // self.n_groups} expert per "
+                f"group of n_experts={self.n_experts}: a group's score is the sum of its two best "
+                "experts' (DeepSeek-V3's group-limited routing), so each group needs at least "
+                "two; use fewer groups (n_groups=1 turns group-limited routing off)")
         if self.topk_groups > self.n_groups:
             raise ValueError(f"topk_groups={self.topk_groups} exceeds n_groups={self.n_groups}")
         if self.n_groups > 1 and self.top_k > self.topk_groups * (self.n_experts // self.n_groups):
@@ -313,7 +319,9 @@ class ModelConfig:
         heads = n_heads or kv * min(self.n_heads // self.n_kv_heads, 4)
         dense = min(self.n_dense_layers, 1)
         experts = n_experts or self.n_experts
-        groups = self.n_groups if experts % self.n_groups == 0 else 1
+        # Group-limited routing survives where the experts still split into groups of two or more.
+        groups = (self.n_groups if experts % self.n_groups == 0 and experts >= 2 * self.n_groups
+                  else 1)
         depth = n_layers or dense + 2
         types = (None if self.layer_types is None else
                  tuple(self.layer_types[(i + 1) * self.n_layers // depth - 1]

@@ -62,6 +62,17 @@ def test_scaled_keeps_structure(name):
     assert small.expert_bytes < full.expert_bytes
 
 
+def test_group_limited_routing_needs_two_experts_a_group():
+    # A group's score sums its two best experts: one expert a group is refused by name, and
+    # scaling a model to fewer experts than two a group turns the grouping off.
+    ds = get_preset("deepseek-v3")
+    with pytest.raises(ValueError, match="n_groups=8 leaves 1 expert per group"):
+        dataclasses.replace(ds, n_experts=8, top_k=4)
+    small = ds.scaled(n_experts=8)
+    assert (small.n_groups, small.topk_groups) == (1, 1)
+    assert ds.scaled(n_experts=16).n_groups == 8
+
+
 def test_unknown_preset_lists_names():
     with pytest.raises(ValueError, match="qwen3-30b-a3b.*deepseek-v3"):
         get_preset("gpt-5")
