@@ -147,6 +147,8 @@ class ChunkRecord:
             out["ring_layout"] = self.stats.layout
             out["tail_pieces"] = self.stats.tail_pieces
             out.update(self.stats.totals())
+            if hasattr(self.stats, "device_totals"):  # a streamed mesh's (GroupChunkStats)
+                out["per_device"] = self.stats.device_totals()
         return out
 
 
@@ -195,10 +197,18 @@ class PrefillResult:
 
     def per_device(self) -> dict:
         """Per device of the expert split: "rows", the token copies its experts computed
-        (routing counts summed over its expert slice and the MoE layers)."""
-        if self.counts is None:
-            return {"rows": [0] * self.devices}
-        return {"rows": [int(x) for x in device_rows(self.counts, self.devices).sum(0)]}
+        (routing counts summed over its expert slice and the MoE layers); a streamed mesh's
+        also "streamed", each device's stream totals (streamed, copied, skipped, unrouted,
+        bytes) summed over the chunks."""
+        out = {"rows": [0] * self.devices}
+        if self.counts is not None:
+            out["rows"] = [int(x) for x in device_rows(self.counts, self.devices).sum(0)]
+        per = [c.stats.device_totals() for c in self.chunks
+               if c.stats is not None and hasattr(c.stats, "device_totals")]
+        if per:
+            out["streamed"] = [{k: sum(p[d][k] for p in per) for k in _STAT_KEYS}
+                               for d in range(self.devices)]
+        return out
 
     @property
     def prompt_ms(self) -> float:

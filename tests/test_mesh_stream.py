@@ -1,0 +1,230 @@
+"""Streamed experts on a mesh (issue 22): `Engine(cfg, params, StreamConfig(...), mesh=...)`.
+
+One native engine per device (`StreamerGroup`), each chunk's program under `shard_map` over the
+expert axis: each device's StreamedExperts begins the chunk, publishes its own experts' counts,
+fetches its slice's planes and ends the chunk on its own engine; each MoE layer's partial
+outputs are summed across the devices. Within one mesh, resident, stream-all and routed give
+the same bits (logits, KV) in one chunk, in several and on a follow-up turn, in every layout;
+against the one-device engine they agree within the tolerance table. A failure or a stop on
+one device ends every device's walk, names the device, leaves no thread and a usable engine.
+
+Simulated CPU devices need XLA's device count before JAX starts, so the checks run in a child
+process (this file run as a script: `python tests/test_mesh_stream.py <scenario>`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+N_DEVICES = 2
+
+
+def _child(scenario: str, backend: str = "cpu", timeout: float = 600) -> dict:
+    env = {**os.environ, "STRATA_TRACE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), scenario, backend],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0 and f"ok {scenario}" in proc.stdout, (
+        f"child {scenario} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
+        f"{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-2])
+
+
+def test_streamed_mesh_matches_resident_and_survives_a_device_failure():
+    # The default run's check: resident, stream-all and routed on 2 devices give the same bits
+    # (two chunks, a follow-up turn), per-device stats sum to the chunk's, and an injected
+    # failure on device 1 ends the prefill naming it, with the engine usable afterwards.
+    out = _child("basic")
+    assert out["arms"] == ["resident", "routed", "stream-all"]
+
+
+@pytest.mark.slow  # four layouts and orders, float32 and bfloat16, one device and two
+def test_streamed_mesh_layouts_orders_and_one_device():
+    out = _child("full")
+    assert out["checked"] >= 6, out
+
+
+@pytest.mark.gpu
+def test_streamed_mesh_on_two_gpus_matches_resident():
+    import jax
+
+    if len(jax.devices("gpu")) < N_DEVICES:
+        pytest.skip(f"needs {N_DEVICES} GPUs")
+    out = _child("basic", "cuda")
+    assert out["arms"] == ["resident", "routed", "stream-all"]
+
+
+# -- the child process ------------------------------------------------------------------------
+
+
+def _threads() -> int:
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sum(n.startswith("strata-") for n in names)
+
+
+def _main(scenario: str, backend: str) -> None:
+    import jax
+
+    platform = "gpu" if backend == "cuda" else "cpu"
+    if platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", N_DEVICES)
+    import numpy as np
+
+    from strata_jax import parallel
+    from strata_jax.config import get_preset
+    from strata_jax.engine import Engine
+    from strata_jax.stream import StreamConfig, StreamTuning
+    from strata_jax.synthetic import init_synthetic
+    from strata_jax.testing import assert_close
+
+    devices = jax.devices(platform)[:N_DEVICES]
+    assert len(devices) == N_DEVICES, jax.devices()
+    mesh = parallel.expert_mesh(devices)
+    base = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=8, top_k=2, hidden_size=32,
+                                              expert_intermediate=16, param_dtype="bfloat16")
+
+    def stream(routed: bool, **tuning) -> StreamConfig:
+        sim = {"sim_bandwidth": 0, "sim_latency": 0} if backend == "cpu" else {}
+        return StreamConfig(backend=backend, routed=routed, resident_per_layer=1,
+                            tuning=StreamTuning(**{**sim, **tuning}))
+
+    def run(eng, toks, **kw) -> dict:
+        """Hashes of the arms: two chunks, one chunk, two turns."""
+        chunked = eng.prefill(toks, chunk_size=32, **kw)
+        one = eng.prefill(toks[:32], **kw)
+        first = eng.prefill(toks[:20], chunk_size=16, **kw)
+        second = eng.prefill(toks[20:], first.session, chunk_size=16, **kw)
+        return {"chunked": (chunked.logits_sha256(), chunked.kv_sha256()),
+                "one_chunk": (one.logits_sha256(), one.kv_sha256()),
+                "two_turns": (second.logits_sha256(), second.kv_sha256()),
+                "result": chunked}
+
+    def check_stats(eng, r) -> None:
+        g = eng.streamer
+        for c in r.chunks:
+            st = c.stats
+            assert len(st.devices) == N_DEVICES
+            for f in ("streamed", "copied", "skipped", "unrouted", "bytes"):
+                assert np.array_equal(getattr(st, f), sum(getattr(d, f) for d in st.devices)), f
+            for d, (lo, hi) in enumerate(g.slices):
+                ds = st.devices[d]
+                assert np.array_equal(ds.copied + ds.skipped, ds.streamed), d
+                assert (ds.skipped <= ds.unrouted).all(), d
+            assert c.to_dict()["per_device"] == st.device_totals()
+        per = r.per_device()
+        assert len(per["rows"]) == N_DEVICES and len(per["streamed"]) == N_DEVICES
+        assert sum(d["copied"] for d in per["streamed"]) == r.totals()["copied"]
+
+    report: dict = {}
+    if scenario == "basic":
+        params = init_synthetic(base, seed=1, routing_skew=1.0)
+        toks = np.random.default_rng(5).integers(0, base.vocab_size, 40)
+        hashes = {}
+        steady = None
+        for arm, sc in (("resident", None), ("stream-all", stream(False, stream_floor=32)),
+                        ("routed", stream(True, stream_floor=32))):
+            with Engine(base, params, sc, max_context=64, chunk_size=32, mesh=mesh) as eng:
+                assert eng.mode == arm and eng.n_devices == N_DEVICES
+                got = run(eng, toks)
+                r = got.pop("result")
+                hashes[arm] = got
+                assert r.devices == N_DEVICES
+                if sc is None:
+                    continue
+                check_stats(eng, r)
+                modes = [c.stats.mode for c in r.chunks]
+                assert modes == ["stream", "routed-only"], modes
+                if arm == "routed":
+                    # A failure on device 1 mid-prefill: every device's walk ends, the error
+                    # names the device, no thread is left and the engine reads on.
+                    steady = _threads()
+                    layer = base.moe_layers[1]
+                    eng.streamer.inject_fault(1, layer, "error")
+                    try:
+                        eng.prefill(toks, chunk_size=32)
+                        raise AssertionError("the injected fault did not fail the prefill")
+                    except Exception as e:  # noqa: BLE001 - XLA's error type
+                        assert "device 1" in str(e), e
+                    errors = eng.streamer.last_errors()
+                    assert f"device 1: fetch, layer {layer}: injected fault" in errors[1], errors
+                    assert not eng.streamer.walk_active() and _threads() == steady
+                    again = eng.prefill(toks, chunk_size=32)
+                    assert (again.logits_sha256(), again.kv_sha256()) == hashes[arm]["chunked"]
+        assert _threads() == 0
+        for arm in ("stream-all", "routed"):
+            assert hashes[arm] == hashes["resident"], (arm, hashes)
+        report["arms"] = sorted(hashes)
+    elif scenario == "full":
+        checked = 0
+        for dtype in ("bfloat16", "float32"):
+            cfg = base.replace(param_dtype=dtype)
+            params = init_synthetic(cfg, seed=2, routing_skew=1.0)
+            toks = np.random.default_rng(6).integers(0, cfg.vocab_size, 40)
+            with Engine(cfg, params, None, max_context=64, chunk_size=32) as eng:
+                one = eng.prefill(toks, chunk_size=32)
+            arms = {"resident": None}
+            for layout in ("packed", "frames"):
+                arms[f"stream-all {layout}"] = stream(False, layout=layout, stream_floor=1)
+                arms[f"routed {layout}"] = stream(True, layout=layout, stream_floor=1)
+            # The last MoE layer in 2 row pieces on each device.
+            arms["stream-all tail"] = stream(False, layout="packed", stream_floor=1,
+                                             tail_pieces=2, tail_from=16)
+            arms["routed-only"] = stream(True, stream_floor=64)
+            hashes, lm = {}, {}
+            for arm, sc in arms.items():
+                with Engine(cfg, params, sc, max_context=64, chunk_size=32, mesh=mesh) as eng:
+                    got = run(eng, toks)
+                    r = got.pop("result")
+                    hashes[arm] = got
+                    lmr = eng.prefill(toks, order="layer-major")
+                    lm[arm] = (lmr.logits_sha256(), lmr.kv_sha256())
+                    if sc is not None:
+                        check_stats(eng, r)
+                        if "tail" in arm:
+                            assert r.chunks[0].stats.tail_pieces == 2, r.chunks[0].stats
+                        if arm.startswith("routed"):
+                            assert all(c.stats.skipped.sum() == c.stats.unrouted.sum()
+                                       for c in r.chunks if c.stats.mode == "routed-only")
+                    else:
+                        np.testing.assert_array_equal(r.counts, one.counts)
+                        assert_close(r.logits, one.logits, dtype, err_msg=f"{dtype} mesh")
+                        kv1 = one.session.valid_cache()
+                        for x, y in zip(r.session.valid_cache().keys, kv1.keys):
+                            assert_close(x, y, dtype, err_msg=f"{dtype} keys")
+                checked += 1
+            for arm in arms:
+                assert hashes[arm] == hashes["resident"], (dtype, arm)
+                assert lm[arm] == lm["resident"], (dtype, arm)
+        # A stop on device 0 ends the prefill too; then the engine reads on.
+        with Engine(base, params_bf16 := init_synthetic(base, seed=1), stream(False),
+                    max_context=64, chunk_size=32, mesh=mesh) as eng:
+            good = eng.prefill(toks[:30])
+            eng.streamer.inject_fault(0, base.moe_layers[0], "stop")
+            try:
+                eng.prefill(toks[:30])
+                raise AssertionError("the injected stop did not fail the prefill")
+            except Exception as e:  # noqa: BLE001
+                assert "device 0" in str(e), e
+            assert eng.prefill(toks[:30]).logits_sha256() == good.logits_sha256()
+            del params_bf16
+        assert _threads() == 0
+        report["checked"] = checked
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    print(json.dumps(report))
+    print(f"ok {scenario}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")
