@@ -370,11 +370,14 @@ class Engine:
             device (the long part of making an engine for a full-size model).
         kernels: The grouped matmul and attention the engine's programs use (`Kernels`;
             default: the measured best on the device).
-        mesh: Expert parallelism (resident experts only): a `jax.sharding.Mesh` with an
-            "expert" axis, or a device count N (the first N devices: `parallel.expert_mesh`).
-            Each device holds its slice of every MoE layer's experts (experts E*d/G ..
-            E*(d+1)/G), and the rest is replicated; each layer's partial outputs are summed
-            across the devices (docs/DESIGN.md, "Several devices"). None: one device.
+        mesh: Expert parallelism: a `jax.sharding.Mesh` with an "expert" axis, or a device
+            count N (the first N devices: `parallel.expert_mesh`; with a stream, of the
+            stream backend's platform). Each device holds its slice of every MoE layer's
+            experts (experts E*d/G .. E*(d+1)/G), and the rest is replicated; each layer's
+            partial outputs are summed across the devices (docs/DESIGN.md, "Several
+            devices"). With a `stream`, each device streams its slice through its own native
+            engine (`StreamerGroup`: its residents, ring and link; the budgets per device)
+            and each chunk runs under `shard_map`. None: one device.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -1124,6 +1127,12 @@ def _mesh(mesh, config: ModelConfig, stream, device):
         raise ValueError(f"device={_name(device)} and mesh= both say where the model runs; "
                          "give one (the mesh's devices, or device= for one device)")
     if not isinstance(mesh, jax.sharding.Mesh):
+        if stream is not None and isinstance(mesh, (int, np.integer)) \
+                and not isinstance(mesh, bool) and mesh >= 1:
+            # A count: the first devices of the stream's platform (its engines' devices).
+            from .stream.group import group_devices
+
+            mesh = list(group_devices(mesh, stream_platform(stream.backend)))
         mesh = expert_mesh(mesh)
     check_mesh(mesh, config.n_experts)
     return mesh

@@ -49,6 +49,12 @@ def test_streamed_mesh_layouts_orders_and_one_device():
     assert out["checked"] >= 6, out
 
 
+@pytest.mark.slow  # the command line on 2 devices: resident, routed and stream-all
+def test_cli_streams_on_two_devices():
+    out = _child("cli")
+    assert out["arms"] == ["--no-stream", "--routed off", "--routed on"]
+
+
 @pytest.mark.gpu
 def test_streamed_mesh_on_two_gpus_matches_resident():
     import jax
@@ -222,7 +228,7 @@ def _main(scenario: str, backend: str) -> None:
             arms["stream-all tail"] = stream(False, layout="packed", stream_floor=1,
                                              tail_pieces=2, tail_from=16)
             arms["routed-only"] = stream(True, stream_floor=64)
-            hashes, lm = {}, {}
+            hashes, lm, scores = {}, {}, {}
             for arm, sc in arms.items():
                 with Engine(cfg, params, sc, max_context=64, chunk_size=32, mesh=mesh) as eng:
                     got = run(eng, toks)
@@ -230,6 +236,8 @@ def _main(scenario: str, backend: str) -> None:
                     hashes[arm] = got
                     lmr = eng.prefill(toks, order="layer-major")
                     lm[arm] = (lmr.logits_sha256(), lmr.kv_sha256())
+                    if arm in ("resident", "routed packed", "stream-all tail"):
+                        scores[arm] = eng.score(toks, chunk_size=32).logprobs_sha256()
                     if sc is not None:
                         check_stats(eng, r)
                         if "tail" in arm:
@@ -247,6 +255,7 @@ def _main(scenario: str, backend: str) -> None:
             for arm in arms:
                 assert hashes[arm] == hashes["resident"], (dtype, arm)
                 assert lm[arm] == lm["resident"], (dtype, arm)
+            assert len(set(scores.values())) == 1, (dtype, scores)
         # A stop on device 0 ends the prefill too; then the engine reads on.
         with Engine(base, params_bf16 := init_synthetic(base, seed=1), stream(False),
                     max_context=64, chunk_size=32, mesh=mesh) as eng:
@@ -261,6 +270,30 @@ def _main(scenario: str, backend: str) -> None:
             del params_bf16
         assert _threads() == 0
         report["checked"] = checked
+    elif scenario == "cli":
+        import contextlib
+        import io
+
+        from strata_jax.cli import main
+
+        res = {}
+        streamed = ["--resident-per-layer", "2", "--sim-bandwidth", "0", "--sim-latency", "0"]
+        for extra in (["--no-stream"], ["--routed", "on", *streamed],
+                      ["--routed", "off", *streamed]):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                assert main(["prefill", "--preset", "qwen3-30b-a3b", "--scale", "tiny",
+                             "--tokens", "100", "--devices", str(N_DEVICES), "--backend",
+                             backend, "--json", "-q", *extra]) == 0
+            res[" ".join(extra[:2])] = json.loads(buf.getvalue())
+        for k, r in res.items():
+            assert r["devices"] == N_DEVICES and r["read"] == 100, (k, r)
+        hashes = {k: (r["logits_sha256"], r["kv_sha256"]) for k, r in res.items()}
+        assert len(set(hashes.values())) == 1, hashes
+        per = res["--routed on"]["per_device"]
+        assert len(per["streamed"]) == N_DEVICES
+        assert sum(d["copied"] for d in per["streamed"]) == res["--routed on"]["copied"]
+        report["arms"] = sorted(res)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     print(json.dumps(report))
