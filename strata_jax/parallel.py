@@ -185,8 +185,10 @@ class ExpertParallel:
 
     def routed_experts(self, moe, x: jax.Array, routing, w, pieces=None) -> jax.Array:
         """Steps 4-6 of `moe` (model.MoE) for x [T, H] with its routing and the layer's expert
-        weights `w` (ExpertWeights of [E, ...] arrays split over the axis), on every device's
-        own experts; returns the combined [T, H] in x.dtype, replicated.
+        weights `w` (ExpertWeights of [E, ...] arrays split over the axis; with `manual`, the
+        device's own [E/G, ...]), on every device's own experts; returns the combined [T, H]
+        in x.dtype, replicated. `pieces` (a streamed tail's row pieces, `MoE.apply_experts`)
+        only with `manual`: each device runs its sorted rows in those pieces.
 
         Each device maps the routing to its slice (`local_routing`), runs the model's permute,
         `experts_swiglu` and the float32 weighted combine of `unpermute` on it, and the partial
