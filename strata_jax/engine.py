@@ -430,13 +430,19 @@ class Engine:
         dense = ParamsView(params, expert_names)
 
         wanted = _device(device)
-        self.streamer: NativeStreamer | None = None
+        self.streamer: NativeStreamer | StreamerGroup | None = None
         self.mesh = _mesh(mesh, config, stream, wanted)
         # A streamed mesh runs each chunk under shard_map (`_manual`): every device's stream
         # calls reach its own engine of the group.
         self._manual = self.mesh is not None and stream is not None
         if self._manual:
             self.device = _first_local(self.mesh)
+            if any(d.process_index != jax.process_index() for d in self.mesh.devices.flat):
+                raise ValueError(
+                    "a streamed mesh over several processes' devices is not implemented (each "
+                    "process would stream its own devices' slices); use a mesh of this "
+                    "process's devices, or stream=None to keep every expert resident on a "
+                    "mesh over several processes")
             self.streamer = StreamerGroup(
                 config, [host_experts.get(l) for l in range(config.n_layers)], stream,
                 devices=list(self.mesh.devices.flat), progress=progress)
