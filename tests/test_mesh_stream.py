@@ -149,8 +149,12 @@ def _main(scenario: str, backend: str) -> None:
                             tuning=StreamTuning(**{**sim, **tuning}))
 
     def run(eng, toks) -> dict:
-        """Hashes of the arms: two chunks, one chunk, two turns."""
+        """Hashes of the arms: two chunks (also unsynced: each chunk dispatched while the one
+        before runs), one chunk, two turns."""
         chunked = eng.prefill(toks, chunk_size=32)
+        unsynced = eng.prefill(toks, chunk_size=32, sync_chunks=False)
+        assert (unsynced.logits_sha256(), unsynced.kv_sha256()) == \
+            (chunked.logits_sha256(), chunked.kv_sha256())
         one = eng.prefill(toks[:32])
         first = eng.prefill(toks[:20], chunk_size=16)
         second = eng.prefill(toks[20:], first.session, chunk_size=16)
