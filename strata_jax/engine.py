@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import threading
@@ -62,14 +63,14 @@ from .experts import ExpertWeights
 from .kernels import Kernels
 from .model import KVCache, build_model, expert_plane_names, validate_inputs
 from .parallel import (EXPERT_AXIS, ExpertParallel, ShardedExperts, check_mesh, device_rows,
-                       expert_mesh, replicated, set_parallel, state_shardings)
+                       expert_mesh, replicated, set_parallel, shard_map, state_shardings)
 from .profile import ExpertProfile
 from .weights import LazyExperts, ParamsView
 from .memory import (  # noqa: F401 - the estimates, re-exported here as before
     CHUNK_HEADROOM, MIN_BUCKET, TOKEN_ID_BYTES, chunk_bytes, chunk_candidates, chunk_memory,
     attention_working_bytes, expert_bytes, free_memory, host_memory, kv_cache_bytes)
 from .stream import (_STREAM_MODES, ChunkStats, StreamConfig, StreamedExperts, NativeStreamer,
-                     stream_platform)
+                     StreamerGroup, stream_platform)
 
 __all__ = ["Engine", "Session", "PrefillResult", "ScoreResult", "ChunkRecord",
            "ORDERS", "MIN_BUCKET", "compile_buckets", "sha256_of"]
@@ -146,6 +147,8 @@ class ChunkRecord:
             out["ring_layout"] = self.stats.layout
             out["tail_pieces"] = self.stats.tail_pieces
             out.update(self.stats.totals())
+            if hasattr(self.stats, "device_totals"):  # a streamed mesh's (GroupChunkStats)
+                out["per_device"] = self.stats.device_totals()
         return out
 
 
@@ -194,10 +197,18 @@ class PrefillResult:
 
     def per_device(self) -> dict:
         """Per device of the expert split: "rows", the token copies its experts computed
-        (routing counts summed over its expert slice and the MoE layers)."""
-        if self.counts is None:
-            return {"rows": [0] * self.devices}
-        return {"rows": [int(x) for x in device_rows(self.counts, self.devices).sum(0)]}
+        (routing counts summed over its expert slice and the MoE layers); a streamed mesh's
+        also "streamed", each device's stream totals (streamed, copied, skipped, unrouted,
+        bytes) summed over the chunks."""
+        out = {"rows": [0] * self.devices}
+        if self.counts is not None:
+            out["rows"] = [int(x) for x in device_rows(self.counts, self.devices).sum(0)]
+        per = [c.stats.device_totals() for c in self.chunks
+               if c.stats is not None and hasattr(c.stats, "device_totals")]
+        if per:
+            out["streamed"] = [{k: sum(p[d][k] for p in per) for k in _STAT_KEYS}
+                               for d in range(self.devices)]
+        return out
 
     @property
     def prompt_ms(self) -> float:
@@ -359,11 +370,14 @@ class Engine:
             device (the long part of making an engine for a full-size model).
         kernels: The grouped matmul and attention the engine's programs use (`Kernels`;
             default: the measured best on the device).
-        mesh: Expert parallelism (resident experts only): a `jax.sharding.Mesh` with an
-            "expert" axis, or a device count N (the first N devices: `parallel.expert_mesh`).
-            Each device holds its slice of every MoE layer's experts (experts E*d/G ..
-            E*(d+1)/G), and the rest is replicated; each layer's partial outputs are summed
-            across the devices (docs/DESIGN.md, "Several devices"). None: one device.
+        mesh: Expert parallelism: a `jax.sharding.Mesh` with an "expert" axis, or a device
+            count N (the first N devices: `parallel.expert_mesh`; with a stream, of the
+            stream backend's platform). Each device holds its slice of every MoE layer's
+            experts (experts E*d/G .. E*(d+1)/G), and the rest is replicated; each layer's
+            partial outputs are summed across the devices (docs/DESIGN.md, "Several
+            devices"). With a `stream`, each device streams its slice through its own native
+            engine (`StreamerGroup`: its residents, ring and link; the budgets per device)
+            and each chunk runs under `shard_map`. None: one device.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -416,9 +430,32 @@ class Engine:
         dense = ParamsView(params, expert_names)
 
         wanted = _device(device)
-        self.streamer: NativeStreamer | None = None
+        self.streamer: NativeStreamer | StreamerGroup | None = None
         self.mesh = _mesh(mesh, config, stream, wanted)
-        if self.mesh is not None:
+        # A streamed mesh runs each chunk under shard_map (`_manual`): every device's stream
+        # calls reach its own engine of the group.
+        self._manual = self.mesh is not None and stream is not None
+        if self._manual:
+            self.device = _first_local(self.mesh)
+            if any(d.process_index != jax.process_index() for d in self.mesh.devices.flat):
+                raise ValueError(
+                    "a streamed mesh over several processes' devices is not implemented (each "
+                    "process would stream its own devices' slices); use a mesh of this "
+                    "process's devices, or stream=None to keep every expert resident on a "
+                    "mesh over several processes")
+            self.streamer = StreamerGroup(
+                config, [host_experts.get(l) for l in range(config.n_layers)], stream,
+                devices=list(self.mesh.devices.flat), progress=progress)
+            try:
+                self._stream_inputs = (self.streamer.sharded_resident_blobs(self.mesh), None)
+                with jax.default_device(self.device):
+                    model = build_model(config, dense, resident_experts=False,
+                                        kernels=self.kernels)
+            except BaseException:
+                self.streamer.close()
+                raise
+            set_parallel(model, ExpertParallel(self.mesh, manual=True))
+        elif self.mesh is not None:
             self.device = _first_local(self.mesh)
             with jax.default_device(self.device):
                 model = build_model(config, dense, experts=_on_mesh(
@@ -445,6 +482,7 @@ class Engine:
                     f"device={_name(wanted)} but the stream's residents and ring are on "
                     f"{_name(self.device)} (StreamConfig.device={self.streamer.stream.device}); "
                     "pass device=None, or the stream's device")
+            self._stream_inputs = (self.streamer.resident_blobs, self.streamer.frames)
             with jax.default_device(self.device):
                 model = build_model(config, dense, resident_experts=False, kernels=self.kernels)
         self._graphdef, state = nnx.split(model)
@@ -465,8 +503,8 @@ class Engine:
                      else replicated(self.mesh))
         self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
         self.compilations = 0
-        self._info_sharding = _info_sharding(self.device, self.mesh)
-        self._jit = jax.jit(self._prefill_fn,
+        self._info_sharding = _info_sharding(self.device, self.mesh, split=self._manual)
+        self._jit = jax.jit(self._prefill_on_mesh if self._manual else self._prefill_fn,
                             static_argnames=("first", "mode", "sub", "rows", "width",
                                              "score"),
                             out_shardings=(on_device, on_device, self._info_sharding))
@@ -567,10 +605,13 @@ class Engine:
             # before the issuer and the link are started, wherever XLA would schedule it.
             blobs, frames = resident
             pieces = self._tail_pieces(mode, bucket, layer_major=bool(sub))
-            source = StreamedExperts(self.streamer.id, mode, self.config, blobs,
-                                     jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
-                                     frame_of=self.streamer.frame_of, tail_pieces=pieces,
-                                     tail_layer=self.streamer.tail_layer)
+            source = StreamedExperts(
+                self.streamer.id, mode,
+                self.streamer.local_config if self._manual else self.config, blobs,
+                jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
+                frame_of=self.streamer.frame_of, tail_pieces=pieces,
+                tail_layer=self.streamer.tail_layer,
+                expert_axis=EXPERT_AXIS if self._manual else None)
             ids = source.ids
         tokens, start, n_valid = ids[:bucket], ids[-2], ids[-1]
         start = 0 if first else start
@@ -592,6 +633,21 @@ class Engine:
             parts.append(jax.lax.bitcast_convert_type(scores, jnp.int32))
         info = jnp.concatenate(parts)
         return logits, cache, info
+
+    def _prefill_on_mesh(self, state_leaves, resident, ids, cache, **static):
+        """`_prefill_fn` of a streamed engine on a mesh: the whole chunk under `shard_map`
+        over the expert axis, so that each device's stream calls (begin, publish, fetch,
+        release, end) run on it and reach its own engine of the group. The weights, the ids,
+        the cache and the outputs are replicated (each device computes the same); the resident
+        blobs are split (each device's its own); each MoE layer sums its devices' partial
+        outputs (`ExpertParallel(manual=True)`). `info` comes back per device, [G * width]:
+        each device's end_chunk stats, then the (same) counts and scores."""
+        spec = jax.sharding.PartitionSpec
+        body = functools.partial(self._prefill_fn, **static)
+        return shard_map(body, mesh=self.mesh,
+                         in_specs=(spec(), (spec(EXPERT_AXIS), spec()), spec(), spec()),
+                         out_specs=(spec(), spec(), spec(EXPERT_AXIS)), check=False)(
+            state_leaves, resident, ids, cache)
 
     def _tail_pieces(self, mode: int, bucket: int, *, layer_major: bool) -> int:
         """The pieces a chunk's program runs its last MoE layer in (StreamTuning.tail_pieces),
@@ -653,8 +709,7 @@ class Engine:
         if prestart and self.streamer is not None and mode in _STREAM_MODES \
                 and key in self._launched:
             self.streamer.prestart(piece.size)
-        resident = ((self.streamer.resident_blobs, self.streamer.frames)
-                    if self.streamer is not None else {})
+        resident = self._stream_inputs if self.streamer is not None else {}
         # Numpy ids (the resident engine's) are copied by the compiled call on its C++ path (a
         # separate jax.device_put would cost host time before the launch). That
         # copy is the engine's own, so a caller's transfer guard does not forbid it. A streamed
@@ -671,12 +726,19 @@ class Engine:
         return logits, cache, info
 
     def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(end_chunk stats [L, 2] or [0, 2], counts [n_moe, E], a scored call's per-row
-        log-probabilities float32 [bucket] or [0]) from a call's info, read once."""
+        """(end_chunk stats [L, 2] or [0, 2] (on a streamed mesh every device's, [G, L, 2]),
+        counts [n_moe, E], a scored call's per-row log-probabilities float32 [bucket] or [0])
+        from a call's info, read once."""
         c = self.config
         n_stats = 2 * c.n_layers if self.streamer is not None else 0
         n_counts = len(c.moe_layers) * c.n_experts
         info = np.asarray(info)
+        if self._manual:  # [G * width]: each device's stats, then the same counts and scores
+            per = info.reshape(self.n_devices, -1)
+            info = per[0]
+            return (per[:, :n_stats].reshape(self.n_devices, -1, 2),
+                    info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts),
+                    info[n_stats + n_counts:].view(np.float32))
         return (info[:n_stats].reshape(-1, 2),
                 info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts),
                 info[n_stats + n_counts:].view(np.float32))
@@ -1036,15 +1098,20 @@ def _settle(arrays) -> None:
             pass
 
 
-def _info_sharding(device: jax.Device, mesh=None) -> jax.sharding.Sharding:
+def _info_sharding(device: jax.Device, mesh=None, *,
+                   split: bool = False) -> jax.sharding.Sharding:
     """Where each compiled call's `info` (end_chunk's stats and the router counts, a few KiB)
     lands: the device's pinned host memory, written by the program's own last copy, so it is in
     host memory when the call ends; a device without pinned host memory keeps it in device
     memory, and `_dispatch` starts its copy to the host. On a mesh: replicated on its devices,
-    in pinned host memory where each of them has it."""
+    in pinned host memory where each of them has it (`split`: each device's own, a
+    streamed mesh's, split over the expert axis)."""
     pinned = all("pinned_host" in _memory_kinds(d)
                  for d in (mesh.devices.flat if mesh is not None else [device]))
     kind = "pinned_host" if pinned else None
+    if split:
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(EXPERT_AXIS),
+                                          memory_kind=kind)
     if mesh is not None:
         return replicated(mesh, kind)
     return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
@@ -1059,18 +1126,19 @@ def _memory_kinds(device: jax.Device) -> set:
 
 def _mesh(mesh, config: ModelConfig, stream, device):
     """Engine(mesh=...) as a checked jax.sharding.Mesh (None stays None); refused with a
-    stream (not implemented yet) or a device (the mesh says where the model runs)."""
+    device (the mesh says where the model runs)."""
     if mesh is None:
         return None
-    if stream is not None:
-        raise ValueError(
-            "mesh= with a StreamConfig: streamed experts on several devices (one ring and "
-            "copy issuer per device) are not implemented yet; pass stream=None to keep every "
-            "expert resident, split over the mesh, or drop mesh= to stream on one device")
     if device is not None:
         raise ValueError(f"device={_name(device)} and mesh= both say where the model runs; "
                          "give one (the mesh's devices, or device= for one device)")
     if not isinstance(mesh, jax.sharding.Mesh):
+        if stream is not None and isinstance(mesh, (int, np.integer)) \
+                and not isinstance(mesh, bool) and mesh >= 1:
+            # A count: the first devices of the stream's platform (its engines' devices).
+            from .stream.group import group_devices
+
+            mesh = list(group_devices(mesh, stream_platform(stream.backend)))
         mesh = expert_mesh(mesh)
     check_mesh(mesh, config.n_experts)
     return mesh

@@ -232,10 +232,14 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     with nearly every expert resident the streamed plan takes more than every expert
     resident; `streamed_note` then says so and why (else it is None).
 
-    `devices` > 1: expert parallelism (`Engine(mesh=)`, every expert resident): `per_device`
-    holds what each of them needs, the dense weights and the KV cache replicated and
-    1/devices of the experts (`experts_per_layer`, `expert_bytes`, `device_bytes_all_resident`
-    and, with `device_bytes`, `fits_all_resident`).
+    `devices` > 1: expert parallelism (`Engine(mesh=)`): `per_device` holds what each of them
+    needs, the dense weights and the KV cache replicated and 1/devices of the experts
+    (`experts_per_layer`, `expert_slices`, `expert_bytes`, `device_bytes_all_resident` and,
+    with `device_bytes`, `fits_all_resident`); streamed, each device's own plan over its
+    slice (`plan_stream(devices=)`: the budgets are per device) with its residents and ring
+    (`resident_per_layer`, `resident_bytes`, `ring_slots`, `ring_frames`, `ring_bytes`,
+    `device_bytes_streamed`, with `device_bytes` `fits_streamed`); the host store is one
+    (every expert once, each device's engine copying from its slice).
 
     Raises:
         ValueError: what plan_stream refuses (a negative budget, more residents per layer than
@@ -286,11 +290,26 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         out["max_resident_gib"] = max(0.0, (device_bytes - dense - kv - ring_none) / 2**30)
     out["devices"] = devices
     per_device = dense + kv + config.expert_bytes_total // devices
-    out["per_device"] = {"experts_per_layer": config.n_experts // devices,
+    per = config.n_experts // devices
+    # Without a profile every device's plan has the same shape: device 0's stands for all.
+    local = plan_stream(config, stream, check_ring_budget=False, devices=devices)
+    streamed_dev = dense + kv + local.resident_bytes + local.ring_bytes
+    out["per_device"] = {"experts_per_layer": per,
+                         "expert_slices": [[d * per, (d + 1) * per] for d in range(devices)],
                          "expert_bytes": config.expert_bytes_total // devices,
-                         "device_bytes_all_resident": per_device}
+                         "device_bytes_all_resident": per_device,
+                         "resident_per_layer": max((len(local.resident[l])
+                                                    for l in config.moe_layers), default=0),
+                         "resident_bytes": local.resident_bytes,
+                         "ring_slots": local.ring,
+                         "ring_frames": local.frames,
+                         "ring_bytes": local.ring_bytes,
+                         "ring_fits_budget": local.ring_fits_budget,
+                         "device_bytes_streamed": streamed_dev}
     if device_bytes is not None:
         out["per_device"]["fits_all_resident"] = bool(per_device <= device_bytes)
+        out["per_device"]["fits_streamed"] = bool(local.ring_fits_budget
+                                                  and streamed_dev <= device_bytes)
     return out
 
 

@@ -36,9 +36,19 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
     from jax.experimental.shard_map import shard_map as _shard_map
 
 
-def shard_map(f, *, mesh: Mesh, in_specs, out_specs):
-    """`jax.shard_map` (or `jax.experimental.shard_map.shard_map` where only that exists)."""
-    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+def shard_map(f, *, mesh: Mesh, in_specs, out_specs, check: bool = True):
+    """`jax.shard_map` (or `jax.experimental.shard_map.shard_map` where only that exists).
+    check=False: no check that the outputs given out_specs P() are the same on every device
+    (a streamed chunk's outputs flow from its custom calls, which the check cannot see
+    through; each device's copy of them is the same by construction)."""
+    if check:
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    try:
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                          check_vma=False)
+    except TypeError:  # pragma: no cover - older releases name it check_rep
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                          check_rep=False)
 
 
 # ---- the mesh -----------------------------------------------------------------------------------
@@ -163,6 +173,11 @@ class ExpertParallel:
 
     mesh: Mesh
     axis: str = EXPERT_AXIS
+    # True: the layer is already traced once per device (the whole chunk runs under
+    # `shard_map`, as a streamed engine's does: each device's stream calls reach its own
+    # engine), so `routed_experts` gets the device's own [E/G, ...] weights and sums its
+    # partial output across the axis itself; False: the layer makes its own shard_map.
+    manual: bool = False
 
     @property
     def size(self) -> int:
@@ -170,8 +185,10 @@ class ExpertParallel:
 
     def routed_experts(self, moe, x: jax.Array, routing, w, pieces=None) -> jax.Array:
         """Steps 4-6 of `moe` (model.MoE) for x [T, H] with its routing and the layer's expert
-        weights `w` (ExpertWeights of [E, ...] arrays split over the axis), on every device's
-        own experts; returns the combined [T, H] in x.dtype, replicated.
+        weights `w` (ExpertWeights of [E, ...] arrays split over the axis; with `manual`, the
+        device's own [E/G, ...]), on every device's own experts; returns the combined [T, H]
+        in x.dtype, replicated. `pieces` (a streamed tail's row pieces, `MoE.apply_experts`)
+        only with `manual`: each device runs its sorted rows in those pieces.
 
         Each device maps the routing to its slice (`local_routing`), runs the model's permute,
         `experts_swiglu` and the float32 weighted combine of `unpermute` on it, and the partial
@@ -181,26 +198,43 @@ class ExpertParallel:
         """
         from . import model as m  # the model imports this module's users, not this module
 
-        if pieces is not None:
-            raise NotImplementedError(
-                "expert parallelism with an expert source that runs a layer in row pieces "
-                "(a streamed tail) is not implemented; stream with tail_pieces=1 or use "
-                "resident experts on the mesh")
         n_experts = moe.config.n_experts
         check_mesh(self.mesh, n_experts, axis=self.axis)
         per = n_experts // self.size
         impl, quantized = moe.kernels.grouped_matmul, moe.kernels.quantized_matmul
         axis = self.axis
+        k = routing.expert_ids.shape[1]
 
         def local(x, expert_ids, weights, counts, w):
             ids, wts, cnt = local_routing(expert_ids, weights, counts, per,
                                           lax.axis_index(axis))
-            x_sorted, order = m.permute(x, ids)
-            y_sorted = m.experts_swiglu(x_sorted, m._in_dtype(w, x.dtype), cnt, impl, quantized)
+            if pieces is None:
+                x_sorted, order = m.permute(x, ids)
+                y_sorted = m.experts_swiglu(x_sorted, m._in_dtype(w, x.dtype), cnt, impl,
+                                            quantized)
+            else:
+                # The device's sorted rows: its own copies first (its slice's groups), the
+                # other devices' after them (the sentinel, no group). Each piece readies the
+                # device's experts with rows in the piece's range, as on one device.
+                bounds, weights_for_piece = pieces
+                order = m.sort_order(ids)
+                with jax.named_scope("experts"):
+                    y_sorted = m.experts_swiglu_pieces(x, order, k, cnt, bounds,
+                                                       weights_for_piece, impl=impl,
+                                                       quantized=quantized)
             partial = m.unpermute(y_sorted.astype(jnp.float32), order, wts)  # [T, H] float32
             with jax.named_scope("combine"):
                 return lax.psum(partial, axis)
 
+        if self.manual:
+            with jax.named_scope("expert_parallel"):
+                out = local(x, routing.expert_ids, routing.weights, routing.counts, w)
+            return out.astype(x.dtype)
+        if pieces is not None:
+            raise NotImplementedError(
+                "row pieces on a mesh run only where the whole chunk is traced per device "
+                "(ExpertParallel(manual=True), a streamed engine's); this layer makes its own "
+                "shard_map")
         spec_w = type(w)(*(P(axis) for _ in w)) if isinstance(w, tuple) else \
             {k: P(axis) for k in w}
         with jax.named_scope("expert_parallel"):

@@ -105,11 +105,10 @@ def test_bad_meshes_are_refused():
     assert parallel.check_mesh(parallel.expert_mesh(1), 8) == 1
 
 
-def test_engine_refuses_a_mesh_with_a_stream_or_a_device():
+def test_engine_refuses_a_mesh_with_a_device():
     params = init_synthetic(TINY, seed=1)
-    with pytest.raises(ValueError, match="streamed experts on several devices .* not "
-                                         "implemented yet; pass stream=None"):
-        Engine(TINY, params, StreamConfig(backend="cpu"), max_context=64, mesh=1)
+    with pytest.raises(ValueError, match="device=cpu:0 and mesh= both say where"):
+        Engine(TINY, params, StreamConfig(backend="cpu"), max_context=64, mesh=1, device="cpu")
     with pytest.raises(ValueError, match="device=cpu:0 and mesh= both say where"):
         Engine(TINY, params, None, max_context=64, mesh=1, device="cpu")
     with pytest.raises(ValueError, match=f"devices={len(jax.devices()) + 1}: JAX sees"):
@@ -118,13 +117,18 @@ def test_engine_refuses_a_mesh_with_a_stream_or_a_device():
         Engine(TINY, params, None, max_context=64, mesh="expert")
 
 
-def test_cli_refuses_devices_with_a_stream_and_uneven_splits(capsys):
+def test_cli_refuses_missing_devices_and_uneven_splits(capsys):
     from strata_jax.cli import main
 
     base = ["prefill", "--preset", "qwen3-30b-a3b", "--scale", "tiny", "--tokens", "20", "-q"]
-    assert main(base + ["--devices", "2"]) == 2
-    assert ("--devices 2: streamed experts on several devices (one ring and copy issuer per "
-            "device) are not implemented yet; add --no-stream") in capsys.readouterr().err
+    n = len(jax.devices("cpu"))
+    # Streamed or resident, N devices must be there (JAX started with this process's count).
+    for extra in ([], ["--no-stream"]):
+        assert main(base + extra + ["--backend", "cpu", "--devices", str(n + 1)]) == 2
+        assert f"--devices {n + 1}: JAX sees {n} cpu device" in capsys.readouterr().err
+    assert main(base + ["--backend", "cpu", "--devices", "1", "--resident-per-layer",
+                        "33"]) == 2
+    assert "exceeds the 32 experts of a layer" in capsys.readouterr().err
     assert main(["info", "--preset", "qwen3-30b-a3b", "--scale", "tiny", "--no-measure",
                  "--devices", "3", "-q"]) == 2
     assert "devices=3 does not divide the 32 experts" in capsys.readouterr().err
@@ -143,6 +147,17 @@ def test_memory_plan_per_device():
     assert d["device_bytes_all_resident"] == (param_bytes(cfg, resident_experts=False)
                                               + one["kv_bytes"] + d["expert_bytes"])
     assert (one["per_device"]["fits_all_resident"], d["fits_all_resident"]) == (False, True)
+    # Streamed: each device's own plan over its slice (the budgets are per device).
+    four = memory_plan(cfg, max_context=4096, device_bytes=80 * 2**30, devices=8,
+                       resident_per_layer=4)
+    d = four["per_device"]
+    assert d["expert_slices"][:2] == [[0, 16], [16, 32]] and len(d["expert_slices"]) == 8
+    assert d["resident_per_layer"] == 4
+    assert d["resident_bytes"] == 4 * len(cfg.moe_layers) * four["expert_bytes"]
+    assert d["ring_slots"] == 2 * 16 and d["ring_frames"] == 2
+    assert d["device_bytes_streamed"] == (four["dense_bytes"] + four["kv_bytes"]
+                                          + d["resident_bytes"] + d["ring_bytes"])
+    assert d["fits_streamed"]
     with pytest.raises(ValueError, match="devices=3 does not divide the 128 experts"):
         memory_plan(cfg, max_context=4096, devices=3)
 

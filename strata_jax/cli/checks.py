@@ -26,9 +26,14 @@ def _check_stream_budget(args, cfg, platform: str) -> None:
     ("gpu" or "cpu": host RAM, the cpu backend's simulated device)."""
     if args.ring_gib <= 0:
         raise UsageError(f"--ring-gib {args.ring_gib}: the ring needs a positive budget")
-    if args.resident_per_layer is not None and args.resident_per_layer > cfg.n_experts:
+    devices = getattr(args, "devices", 1)
+    per = cfg.n_experts // devices if devices > 1 and cfg.n_experts % devices == 0 \
+        else cfg.n_experts
+    if args.resident_per_layer is not None and args.resident_per_layer > per:
+        where = (f" on each of the {devices} devices (its slice)" if per != cfg.n_experts
+                 else "")
         raise UsageError(f"--resident-per-layer {args.resident_per_layer} exceeds the "
-                         f"{cfg.n_experts} experts of a layer; use 0..{cfg.n_experts}")
+                         f"{per} experts of a layer{where}; use 0..{per}")
     if args.resident_gib is not None:
         if args.resident_gib < 0:
             raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
@@ -51,9 +56,11 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     the ring is the native engine's own allocation, outside that limit) or the CPU (available
     host RAM; the weights there are all of them, and a streamed run's simulated ring).
 
-    `devices` > 1 (expert parallel, every expert resident): each GPU holds the dense weights,
-    1/devices of the experts, the KV caches and the activations; the CPU's simulated devices
-    share its RAM, so it holds `devices` copies of all but the experts.
+    `devices` > 1 (expert parallel): each GPU holds the dense weights, the KV caches, the
+    activations and 1/devices of the experts (every expert resident), or streamed its slice's
+    residents (`plan_stream(devices=)`); the CPU's simulated devices share its RAM, so it
+    holds `devices` copies of all but the experts (streamed: the host store once, each
+    device's residents and simulated ring).
     """
     from ..stream import plan_stream
 
@@ -81,7 +88,16 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
                              f"divides {cfg.n_experts}")
         dense = memory.param_bytes(cfg, resident_experts=False)
         copies = devices if platform == "cpu" else 1
-        weights = copies * dense + cfg.expert_bytes_total // (1 if copies > 1 else devices)
+        if stream is None:
+            weights = copies * dense + cfg.expert_bytes_total // (1 if copies > 1 else devices)
+        else:
+            try:
+                local = plan_stream(cfg, stream, check_ring_budget=False, devices=devices)
+            except ValueError as e:
+                raise UsageError(str(e).splitlines()[0]) from None
+            weights = (dense + local.resident_bytes if platform == "gpu" else
+                       copies * dense + cfg.expert_bytes_total
+                       + devices * (local.resident_bytes + local.ring_bytes))
 
     def need(context: int) -> tuple[int, int, int, int, int]:
         """(bytes in all, activations, KV caches, their capacity, chunk) for `context`."""

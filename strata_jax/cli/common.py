@@ -394,19 +394,24 @@ def _backends(args) -> tuple[str, object]:
     for --no-stream the device its resident arm runs on (the backend is then its platform's;
     with --devices N, the first of the N, `_devices` checks they are there)."""
     n = getattr(args, "devices", 1)
-    if n > 1 and args.stream:
-        raise UsageError(f"--devices {n}: streamed experts on several devices (one ring and "
-                         "copy issuer per device) are not implemented yet; add --no-stream to "
-                         f"keep every expert resident, split over the {n} devices, or drop "
-                         "--devices to stream on one device")
-    if args.stream:
-        return _resolve_backend(args.backend), None
-    if n > 1:
+    if n > 1:  # before anything starts JAX's backends
         _simulated_cpu_devices(n)
+    if args.stream:
+        backend = _resolve_backend(args.backend)
+        if n > 1:  # one engine per device of the stream's platform
+            _devices(args, _stream_device(backend))
+        return backend, None
     device = _resident_device(args.backend)
     if n > 1:
         _devices(args, device)
     return ("cuda" if device.platform == "gpu" else "cpu"), device
+
+
+def _stream_device(backend: str):
+    """The first device of a stream backend's platform ("cpu": the CPU, "cuda": the GPU)."""
+    import jax
+
+    return jax.devices("gpu" if backend == "cuda" else "cpu")[0]
 
 
 def _simulated_cpu_devices(n: int) -> None:
@@ -531,6 +536,8 @@ def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, dev
     if getattr(args, "devices", 1) > 1:  # expert parallel: the mesh says where it runs
         from ..parallel import expert_mesh
 
+        if device is None:  # streamed: the stream backend's devices
+            device = _stream_device("cuda" if stream.backend == "cuda" else "cpu")
         kwargs.update(device=None, mesh=expert_mesh(_devices(args, device)))
     if args.sub_chunk is not None:
         kwargs["sub_chunk"] = args.sub_chunk

@@ -121,6 +121,14 @@ def cmd_info(args, log: _Log) -> int:
                   f"{d['experts_per_layer']} experts per layer each "
                   f"({_size(d['expert_bytes'])} of experts), {_size(d['device_bytes_all_resident'])} per "
                   f"device with the dense weights and KV cache replicated{fits}")
+            fits = ("" if "fits_streamed" not in d else
+                    ": fits" if d["fits_streamed"] else ": does NOT fit")
+            print(f"  over {p['devices']} devices, streamed: each device its slice's "
+                  f"{d['resident_per_layer']} resident experts per layer "
+                  f"({_size(d['resident_bytes'])}) and a ring of {d['ring_slots']} slots "
+                  f"({d['ring_frames']} frame{'s' if d['ring_frames'] != 1 else ''}, "
+                  f"{_size(d['ring_bytes'])}), {_size(d['device_bytes_streamed'])} per device"
+                  f"{fits}; slices {', '.join(f'{lo}..{hi - 1}' for lo, hi in d['expert_slices'])}")
         if host_total:
             fits = p["host_store_bytes"] <= host_total
             print(f"  host store: {_size(p['host_store_bytes'])} of experts in {_gib(host_total)} "

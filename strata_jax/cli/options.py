@@ -248,9 +248,9 @@ def _devices_option(g) -> None:
     g.add_argument("--devices", type=_positive_int, default=1, metavar="N",
                    help="expert parallelism: split every MoE layer's experts over N devices of "
                         "the --backend platform (each holds 1/N of them; attention and dense "
-                        "weights are replicated); on the CPU, N simulated devices. Needs "
-                        "--no-stream for now: streamed experts on several devices are not "
-                        "implemented yet")
+                        "weights are replicated); on the CPU, N simulated devices. Streamed, "
+                        "each device has its own engine over its slice: its residents "
+                        "(--resident-per-layer / --resident-gib are per device), ring and link")
 
 
 def _output_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
@@ -384,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the link bandwidth measurement")
     ig.add_argument("--devices", type=_positive_int, default=1, metavar="N",
                     help="plan for N devices sharing the experts (expert parallelism): the "
-                         "plan's per_device figures")
+                         "plan's per_device figures, resident and streamed (each device's "
+                         "slice, residents and ring)")
     _output_options(info, json_help="print one JSON object on stdout: jax, devices, native, "
                                     "link, plan")
     return ap

@@ -44,9 +44,12 @@ def _backend_text(args, backend: str, device=None) -> str:
                 f"({device.device_kind})")
     if not args.stream:
         return f"resident on {device.platform}:{device.id} ({device.device_kind})"
+    n = getattr(args, "devices", 1)
+    over = f", one engine on each of {n} devices" if n > 1 else ""
     if backend == "cuda":
-        return "cuda (pinned host store, device ring)"
-    return (f"cpu (simulated link {args.sim_bandwidth:g} GB/s, {args.sim_latency:g} us per copy)")
+        return f"cuda (pinned host store, device ring{over})"
+    return (f"cpu (simulated link {args.sim_bandwidth:g} GB/s, {args.sim_latency:g} us per "
+            f"copy{over})")
 
 
 def _prefill(engine, tokens, session, log: _Log, desc: str):
@@ -201,8 +204,13 @@ def cmd_prefill(args, log: _Log) -> int:
     _print_notes(first, out["compiled"], read.depth)
     print(_layer_table(out, cfg.moe_layers))
     if first.devices > 1:
-        rows = first.per_device()["rows"]
+        per = first.per_device()
+        rows = per["rows"]
         print(f"  token copies per device's experts: {rows} (all {sum(rows)})")
+        if "streamed" in per:
+            print("  streamed per device: " + "; ".join(
+                f"{d}: copied {t['copied']}, skipped {t['skipped']} of {t['unrouted']} "
+                f"unrouted" for d, t in enumerate(per["streamed"])))
     print(f"logits sha256 {out['logits_sha256'][:16]}..., kv sha256 {out['kv_sha256'][:16]}...")
     if follow is not None:
         print(f"follow-up: {follow.summary()}")

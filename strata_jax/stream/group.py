@@ -106,6 +106,21 @@ class GroupChunkStats:
         """The summed totals (ChunkStats.totals)."""
         return self.summed.totals()
 
+    def device_totals(self) -> list[dict]:
+        """Each device's totals (ChunkStats.totals), in mesh order."""
+        return [d.totals() for d in self.devices]
+
+    # Read as a ChunkStats (Engine's records and sums): the summed chunk's fields.
+    tokens = property(lambda self: self.summed.tokens)
+    mode = property(lambda self: self.summed.mode)
+    layout = property(lambda self: self.summed.layout)
+    tail_pieces = property(lambda self: self.summed.tail_pieces)
+    streamed = property(lambda self: self.summed.streamed)
+    copied = property(lambda self: self.summed.copied)
+    skipped = property(lambda self: self.summed.skipped)
+    unrouted = property(lambda self: self.summed.unrouted)
+    bytes = property(lambda self: self.summed.bytes)
+
 
 class StreamerGroup:
     """One `NativeStreamer` per device: device d holds `expert_slices(E, G)[d]` of every MoE
@@ -286,6 +301,18 @@ class StreamerGroup:
     def tail_layer(self) -> int | None:
         """The last MoE layer (`NativeStreamer.tail_layer`)."""
         return self.streamers[0].tail_layer
+
+    def tail_pieces(self, mode: int, n_tokens: int, grouped_matmul: str = "auto") -> int:
+        """`NativeStreamer.tail_pieces` (the same on every device)."""
+        return self.streamers[0].tail_pieces(mode, n_tokens, grouped_matmul)
+
+    # A frames chunk on a mesh reads each device's frame through fetch's copy: the ring's
+    # in-place views (`NativeStreamer.frames`, CUDA) are per-device arrays, and a program
+    # under shard_map would need them as one array sharded over the mesh.
+    frames = None
+    read_in_place = False
+    frames_note = ("layer frames, read through a copy on each device (in-place views of "
+                   "several devices' rings are not built)")
 
     @property
     def frame_of(self) -> dict[int, int]:

@@ -96,7 +96,8 @@ def _as_profile(config: ModelConfig, prof) -> "ExpertProfile | None":
 
 def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
                 blob_bytes: int | None = None, *, device_bytes: int | None = None,
-                check_ring_budget: bool = True) -> StreamPlan:
+                check_ring_budget: bool = True, devices: int = 1,
+                device: int = 0) -> StreamPlan:
     """The stream plan of a model: resident experts, the stream order and the ring.
 
     Pure: reads neither the environment nor a device, and needs no native library. A
@@ -126,6 +127,11 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
         check_ring_budget: False returns a plan whose ring budget cannot hold one layer's
             streamed experts (with `ring_fits_budget=False` and a one-layer ring) instead of
             raising, for reports such as `strata-jax info`.
+        devices, device: Expert parallelism over `devices` devices (`StreamerGroup`): the plan
+            of device number `device`, over its slice [E*d/G, E*(d+1)/G) of every MoE layer in
+            its own ids 0..E/G-1 (the profile's columns of the slice), with the resident
+            budgets and the ring its own (each device has its own memory): the plan that
+            device's engine follows.
 
     Raises:
         ValueError: a profile of another model (or not integer counts); a negative
@@ -134,6 +140,19 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
             streamed experts; a ring budget that cannot hold one layer frame.
     """
     sc = StreamConfig() if stream is None else stream
+    if devices != 1 or device != 0:
+        from .group import expert_slices  # not at the top: the group imports the streamer
+        from .streamer import _local_profile, local_config
+
+        slices = expert_slices(config.n_experts, devices)
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)) \
+                or not 0 <= device < devices:
+            raise ValueError(f"device={device!r}: expected 0..{devices - 1}, one of the "
+                             f"{devices} devices")
+        lo, hi = slices[device]
+        sc = dataclasses.replace(sc, profile=_local_profile(config, sc.profile, lo, hi,
+                                                            min(config.top_k, hi - lo)))
+        config = local_config(config, lo, hi)
     L, E = config.n_layers, config.n_experts
     moe_layers = tuple(config.moe_layers)
     if blob_bytes is None:

@@ -38,13 +38,19 @@ class StreamedExperts:
     (the last MoE layer) is fetched in that many pieces of its sorted rows (`row_pieces`,
     `expert_weights_piece`), so that its expert math runs as its copies land and only the
     last piece's math follows the chunk's last copy.
+
+    `expert_axis` (several devices, `StreamerGroup`): the source runs under `shard_map` over
+    that mesh axis, one device's engine per device (the group's id: each call reaches its
+    device's engine); `config` is one device's (`StreamerGroup.local_config`, E/G experts),
+    and each device publishes its own slice [d*E/G, (d+1)*E/G) of the model's counts.
     """
 
     def __init__(self, engine_id: int, mode: int, config: ModelConfig,
                  resident_blobs: dict[int, jax.Array], token: jax.Array, n_ids: int = 0,
                  frames: tuple[ExpertWeights | Mapping[str, jax.Array], ...] | None = None,
                  frame_of: dict[int, int] | None = None, *, tail_pieces: int = 1,
-                 tail_layer: int | None = None, fmt: ExpertFormat | None = None):
+                 tail_layer: int | None = None, fmt: ExpertFormat | None = None,
+                 expert_axis: str | None = None):
         if frames is not None and frame_of is None:
             raise ValueError("frames need frame_of (NativeStreamer.frame_of)")
         if tail_pieces < 1:
@@ -61,6 +67,7 @@ class StreamedExperts:
         self.frame_of = frame_of
         self.tail_pieces = tail_pieces
         self.tail_layer = tail_layer
+        self.expert_axis = expert_axis
         self._so_far: dict[str, jax.Array] | None = None  # a layer's planes, piece by piece
         self.token, self.ids = begin(engine_id, mode, token, n_ids)
 
@@ -73,6 +80,10 @@ class StreamedExperts:
 
     def _publish(self, layer: int, counts: jax.Array) -> None:
         with jax.named_scope(f"stream_publish_{layer}"):
+            if self.expert_axis is not None:  # this device's experts' counts
+                per = self.config.n_experts
+                counts = jax.lax.dynamic_slice_in_dim(
+                    counts, jax.lax.axis_index(self.expert_axis) * per, per)
             self.token = publish(self.engine_id, layer, self.token, counts)
 
     def row_pieces(self, layer: int, n_rows: int) -> tuple[int, ...] | None:
