@@ -24,10 +24,12 @@ import pytest
 N_DEVICES = 2
 
 
-def _child(scenario: str, backend: str = "cpu", timeout: float = 600) -> dict:
+def _child(scenario: str, backend: str = "cpu", timeout: float = 600,
+           devices: int = N_DEVICES) -> dict:
     env = {**os.environ, "STRATA_TRACE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), scenario, backend],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), scenario, backend,
+                           str(devices)],
                           capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0 and f"ok {scenario}" in proc.stdout, (
         f"child {scenario} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
@@ -63,6 +65,16 @@ def test_streamed_mesh_on_two_gpus_matches_resident():
         pytest.skip(f"needs {N_DEVICES} GPUs")
     out = _child("full", "cuda")
     assert out["checked"] >= 6, out
+
+
+@pytest.mark.gpu
+def test_streamed_mesh_of_one_gpu_matches_resident():
+    # The group path on CUDA with the one GPU a machine may have: the custom calls under
+    # shard_map reach the group's engine by the device ordinal XLA gives them; resident,
+    # stream-all (packed, frames, the tail in pieces) and routed give the same bits, chunked,
+    # in one chunk and over two turns; a stop ends the prefill and the engine reads on.
+    out = _child("light", "cuda", devices=1)
+    assert out["checked"] >= 4, out
 
 
 def test_plan_stream_per_device_is_each_engines_plan():
@@ -219,9 +231,10 @@ def _main(scenario: str, backend: str) -> None:
         assert _threads() == no_threads
         assert hashes["routed"] == hashes["resident"], hashes
         report["arms"] = sorted(hashes)
-    elif scenario == "full":
+    elif scenario in ("full", "light"):
+        light = scenario == "light"  # bfloat16, four arms, no layer-major or scores
         checked = 0
-        for dtype in ("bfloat16", "float32"):
+        for dtype in ("bfloat16",) if light else ("bfloat16", "float32"):
             cfg = base.replace(param_dtype=dtype)
             params = init_synthetic(cfg, seed=2, routing_skew=1.0)
             toks = np.random.default_rng(6).integers(0, cfg.vocab_size, 40)
@@ -235,15 +248,19 @@ def _main(scenario: str, backend: str) -> None:
             arms["stream-all tail"] = stream(False, layout="packed", stream_floor=1,
                                              tail_pieces=2, tail_from=16)
             arms["routed-only"] = stream(True, stream_floor=64)
+            if light:
+                arms = {k: arms[k] for k in ("resident", "routed packed", "stream-all frames",
+                                             "stream-all tail")}
             hashes, lm, scores = {}, {}, {}
             for arm, sc in arms.items():
                 with Engine(cfg, params, sc, max_context=64, chunk_size=32, mesh=mesh) as eng:
                     got = run(eng, toks)
                     r = got.pop("result")
                     hashes[arm] = got
-                    lmr = eng.prefill(toks, order="layer-major")
-                    lm[arm] = (lmr.logits_sha256(), lmr.kv_sha256())
-                    if arm in ("resident", "routed packed", "stream-all tail"):
+                    if not light:
+                        lmr = eng.prefill(toks, order="layer-major")
+                        lm[arm] = (lmr.logits_sha256(), lmr.kv_sha256())
+                    if arm in ("resident", "routed packed", "stream-all tail") and not light:
                         scores[arm] = eng.score(toks, chunk_size=32).logprobs_sha256()
                     if sc is not None:
                         check_stats(eng, r)
@@ -263,8 +280,8 @@ def _main(scenario: str, backend: str) -> None:
                 checked += 1
             for arm in arms:
                 assert hashes[arm] == hashes["resident"], (dtype, arm)
-                assert lm[arm] == lm["resident"], (dtype, arm)
-            assert len(set(scores.values())) == 1, (dtype, scores)
+                assert lm.get(arm) == lm.get("resident"), (dtype, arm)
+            assert len(set(scores.values())) <= 1, (dtype, scores)
         # A stop on device 0 ends the prefill too; then the engine reads on.
         with Engine(base, params_bf16 := init_synthetic(base, seed=1), stream(False),
                     max_context=64, chunk_size=32, mesh=mesh) as eng:
@@ -310,4 +327,6 @@ def _main(scenario: str, backend: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3:
+        N_DEVICES = int(sys.argv[3])
     _main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")
