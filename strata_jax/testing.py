@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import pathlib
 import struct
 
@@ -261,3 +262,21 @@ QWEN3_30B_A3B_HF_CONFIG = {
     "norm_topk_prob": True, "vocab_size": 151936, "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "max_position_embeddings": 40960,
     "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def thread_names() -> dict[str, str]:
+    """This process's threads, id -> name (Linux: /proc/self/task/*/comm). The library names
+    its own strata-issuer, strata-stager and strata-simlink."""
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[tid] = f.read().strip()
+        except OSError:  # the thread ended while we looked
+            pass
+    return names
+
+
+def library_threads() -> int:
+    """How many of this process's threads are the library's (named strata-*)."""
+    return sum(n.startswith("strata-") for n in thread_names().values())

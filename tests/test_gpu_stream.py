@@ -9,7 +9,6 @@ memory. Run with STRATA_REQUIRE_GPU=1 on the GPU machine.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import numpy as np
@@ -53,14 +52,9 @@ def _setup():
 def _threads() -> Counter:
     """The process's threads by name (Linux: /proc/self/task/*/comm); the library names its own
     strata-issuer, strata-stager and strata-simlink."""
-    names = Counter()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names[f.read().strip()] += 1
-        except OSError:  # the thread ended while we looked
-            pass
-    return names
+    from strata_jax.testing import thread_names
+
+    return Counter(thread_names().values())
 
 
 def _library_threads(names: Counter) -> dict:

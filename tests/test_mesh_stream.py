@@ -121,14 +121,9 @@ def _blob(cfg) -> int:
 
 
 def _threads() -> int:
-    names = []
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:
-            pass
-    return sum(n.startswith("strata-") for n in names)
+    from strata_jax.testing import library_threads
+
+    return library_threads()
 
 
 def _main(scenario: str, backend: str) -> None:
@@ -283,7 +278,7 @@ def _main(scenario: str, backend: str) -> None:
                 assert lm.get(arm) == lm.get("resident"), (dtype, arm)
             assert len(set(scores.values())) <= 1, (dtype, scores)
         # A stop on device 0 ends the prefill too; then the engine reads on.
-        with Engine(base, params_bf16 := init_synthetic(base, seed=1), stream(False),
+        with Engine(base, init_synthetic(base, seed=1), stream(False),
                     max_context=64, chunk_size=32, mesh=mesh) as eng:
             good = eng.prefill(toks[:30])
             eng.streamer.inject_fault(0, base.moe_layers[0], "stop")
@@ -293,7 +288,6 @@ def _main(scenario: str, backend: str) -> None:
             except Exception as e:  # noqa: BLE001
                 assert "device 0" in str(e), e
             assert eng.prefill(toks[:30]).logits_sha256() == good.logits_sha256()
-            del params_bf16
         assert _threads() == no_threads
         report["checked"] = checked
     elif scenario == "cli":

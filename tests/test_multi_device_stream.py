@@ -188,15 +188,7 @@ def _main(scenario: str, backend: str) -> None:
     mesh = Mesh(np.array(devices), ("expert",))
     E, L = cfg.n_experts, cfg.n_layers
 
-    def threads() -> int:
-        names = []
-        for t in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{t}/comm") as f:
-                    names.append(f.read().strip())
-            except OSError:
-                pass
-        return sum(n.startswith("strata-") for n in names)
+    from strata_jax.testing import library_threads as threads
 
     def group(routed=True, resident=2, trace=False, **tuning):
         tuning = {"sim_bandwidth": 0, "sim_latency": 0, **tuning}

@@ -19,7 +19,6 @@ import pytest
 
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
-from strata_jax.experts import ExpertWeights
 from strata_jax.stream import StreamConfig, StreamTuning, plan_stream
 from strata_jax.synthetic import init_synthetic
 
@@ -340,15 +339,9 @@ def test_failure_mid_chunk_leaves_no_thread_and_engine_usable(routing, fault):
 
 
 def _issuer_tids() -> list[str]:
-    out = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == "strata-issuer":
-                    out.append(tid)
-        except OSError:  # the thread ended while we looked
-            pass
-    return out
+    from strata_jax.testing import thread_names
+
+    return [tid for tid, name in thread_names().items() if name == "strata-issuer"]
 
 
 def test_one_issuer_thread_serves_every_chunk():
@@ -936,7 +929,6 @@ def test_prefill_program_has_no_jax_effects():
     # jax.ffi.ffi_call(has_side_effect=True) adds) sends every call of the jitted prefill down
     # JAX's Python dispatch path, milliseconds per call before the device starts.
     import jax
-    import jax.numpy as jnp
 
     params = init_synthetic(CFG, seed=3)
     with Engine(CFG, params, StreamConfig(routed=True,

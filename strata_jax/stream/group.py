@@ -30,7 +30,7 @@ import numpy as np
 from .. import native
 from ..config import ModelConfig
 from .config import StreamConfig
-from .streamer import ChunkStats, NativeStreamer, choose_backend, stream_platform
+from .streamer import ChunkStats, Closable, NativeStreamer, choose_backend, stream_platform
 
 __all__ = ["StreamerGroup", "GroupChunkStats", "expert_slices", "group_devices"]
 
@@ -122,7 +122,7 @@ class GroupChunkStats:
     bytes = property(lambda self: self.summed.bytes)
 
 
-class StreamerGroup:
+class StreamerGroup(Closable):
     """One `NativeStreamer` per device: device d holds `expert_slices(E, G)[d]` of every MoE
     layer, with its own residents, ring, link and issuer, all in one native group (`id`).
 
@@ -359,15 +359,6 @@ class StreamerGroup:
         for s in self.streamers:
             s.close()
 
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _destroy(group_id: int, streamers, pid: int) -> None:

@@ -108,7 +108,27 @@ def stream_platform(backend: str) -> str:
     return "gpu" if backend == "cuda" else "cpu"
 
 
-class NativeStreamer:
+class Closable:
+    """`closed` and the context manager of an object whose `close()` runs its
+    `_finalizer` (a weakref.finalize that frees its native resources once)."""
+
+    _finalizer: weakref.finalize
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class NativeStreamer(Closable):
     """A native streaming engine for one model: host store, ring, issuer, gate.
 
     Args:
@@ -607,16 +627,6 @@ class NativeStreamer:
                 f"this engine's stream was made in process {self.pid}; this is process "
                 f"{os.getpid()}, forked from it, and the stream's threads did not come along. "
                 "Make a new Engine in this process (or start workers with the 'spawn' method).")
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def chunk_mode(self, n_tokens: int) -> int:
         """begin_chunk's mode for a chunk of `n_tokens` tokens: routed-only below the stream
