@@ -4,6 +4,7 @@ sessions: every part of stream_bench, its identity lane, and the plots made from
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import pytest
@@ -332,6 +333,48 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     assert row["over_resident_one"] == pytest.approx(row["ms"] / reads[("resident", "one")]["ms"])
     assert row["identical_to_resident"] is True  # against the first run's resident read
     assert row["kv_sha256"] == reads[("resident", "layer-major")]["kv_sha256"]
+
+
+def test_chunked_bench_link_floor_of_a_mesh_is_its_slowest_device():
+    # One device: the copied bytes over the link. A mesh: each device's bytes over its own
+    # ceiling, the floor the slowest device's, and each link's fraction of its ceiling.
+    from types import SimpleNamespace
+
+    from strata_jax.benchmarks.chunked_bench import _link_rows
+
+    one = SimpleNamespace(devices=1, totals=lambda: {"bytes": 50e9})
+    row = _link_rows(one, 2000.0, [50.0])
+    assert row["link_floor_ms"] == pytest.approx(1000.0) and row["over_link_floor"] == 2.0
+    two = SimpleNamespace(devices=2, totals=lambda: {"bytes": 80e9}, per_device=lambda: {
+        "streamed": [{"bytes": 30e9}, {"bytes": 50e9}]})
+    row = _link_rows(two, 1250.0, [60.0, 50.0])
+    assert row["link_floor_ms"] == pytest.approx(1000.0)  # device 1: 50 GB at 50 GB/s
+    assert row["over_link_floor"] == pytest.approx(1.25)
+    assert row["device_link_fraction"] == pytest.approx([0.4, 0.8])
+    assert _link_rows(two, 1.0, None)["link_floor_ms"] is None
+
+
+@pytest.mark.slow
+def test_chunked_bench_on_two_simulated_devices(tmp_path):
+    # --devices 2 on the CPU (simulated devices, asked for before JAX starts, so in a process
+    # of its own): the resident and streamed arms split the experts over the mesh, and every
+    # streamed read equals the mesh's resident read.
+    import subprocess
+    import sys
+
+    out = tmp_path / "mesh.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata_jax.benchmarks.chunked_bench", "--tiny", "--layers", "2",
+         "--parts", "prefill", "--long", "256", "--chunk", "128", "--arms", "routed,stream-all",
+         "--orders", "one,chunked", "--resident-orders", "one,chunked", "--reps-prefill", "1",
+         "--devices", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "prefill"]
+    assert {(r["arm"], r["read"]) for r in rows} == {
+        (a, o) for a in ("resident", "routed", "stream-all") for o in ("one", "chunked")}
+    assert all(r["devices"] == 2 and r["identical_to_resident"] is True for r in rows), rows
 
 
 def _sweep_result(fmt: str, scale: float, identical: bool = True) -> dict:

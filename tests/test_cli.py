@@ -106,6 +106,7 @@ def test_routed_off_skips_nothing_and_routed_on_skips(arms):
     assert arms["routed"]["skipped"] <= arms["routed"]["unrouted"]
 
 
+@pytest.mark.slow  # a prefill of its own under the environment override
 def test_depth_reported_is_the_one_that_runs(arms, monkeypatch):
     assert (arms["routed"]["depth"], arms["stream-all"]["depth"], arms["resident"]["depth"]) == (
         16, None, None)  # --depth's default; no depth where the routed switch is off

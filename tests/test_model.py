@@ -211,6 +211,7 @@ def test_blob_roundtrip():
         unpack_expert_blobs_np(blobs, h, i + 1)
 
 
+@pytest.mark.slow  # the einsum path is a reference for comparisons, not a default
 def test_einsum_attention_matches_xla():
     c = small("mixtral-8x7b")
     model, params = built(c)

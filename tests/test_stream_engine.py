@@ -106,11 +106,12 @@ ARMS = {
 }
 
 
-# The default run's arms, one routing each: both layouts (frames in the layout chosen per
-# chunk), the tail pieces, a jittery link and a ring of three layers (stream-all, residents and
-# the floor: test_engine's arms). Every arm under both routings runs in the slow run.
+# The default run's arms, one routing each: the packed layout, the tail pieces, a jittery link
+# and a ring of three layers (the frames layout, which "auto" picks per chunk, stream-all,
+# residents and the floor: test_engine's arms and test_quantized's routed frames). Every arm
+# under both routings, the layout changing between chunks among them, runs in the slow run.
 DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery"),
-                ("skewed", "auto-frames-then-packed"), ("skewed", "pieces-packed-routed-jittery")}
+                ("skewed", "pieces-packed-routed-jittery")}
 
 
 def _arm_cases():

@@ -77,17 +77,47 @@ def _engine(cfg, params, stream, **kwargs):
     where = "the host store" if stream is not None else "the device"
     with tqdm(total=len(cfg.moe_layers), desc=f"experts into {where}", unit="layer",
               file=sys.stderr) as bar:
-        return Engine(cfg, params, stream, progress=lambda done, total: bar.update(1),
-                      **kwargs)
+        def update(done: int, total: int) -> None:  # a mesh's streamed engine: every device's
+            bar.total = total
+            bar.update(done - bar.n)
+
+        return Engine(cfg, params, stream, progress=update, **kwargs)
 
 
-def _link_gbps(eng) -> float | None:
-    """The link ceiling from the engine's own store (`NativeStreamer.measure_link`); None
-    where it cannot be measured (the simulated link, a staged store)."""
+def _link_gbps(eng) -> list[float] | None:
+    """The link ceiling of each device's store (`NativeStreamer.measure_link`; one device:
+    one figure, a mesh: one per device in mesh order); None where it cannot be measured (the
+    simulated link, a staged store)."""
+    s = eng.streamer
+    if s is None:
+        return None
     try:
-        return eng.streamer.measure_link() if eng.streamer is not None else None
+        return [m.measure_link() for m in getattr(s, "streamers", [s])]
     except RuntimeError:
         return None
+
+
+def _link_rows(r, ms: float, link: list[float] | None) -> dict:
+    """A streamed read's time against its link floor: the floor is the slowest device's bytes
+    over its own ceiling (one device: the copied bytes over the link), and each device's link
+    fraction is its bytes over the read's time and its ceiling."""
+    if not link:
+        return {"link_gbps": None, "link_floor_ms": None, "over_link_floor": None}
+    per = r.per_device().get("streamed") if r.devices > 1 else None
+    dev_bytes = [d["bytes"] for d in per] if per else [r.totals()["bytes"]]
+    floor = max(b / (g * 1e9) for b, g in zip(dev_bytes, link)) * 1e3
+    out = {"link_gbps": link[0] if len(link) == 1 else link, "link_floor_ms": floor,
+           "over_link_floor": ms / floor if floor else None}
+    if len(link) > 1:
+        out["device_bytes"] = dev_bytes
+        out["device_link_fraction"] = [b / (ms / 1e3) / (g * 1e9)
+                                       for b, g in zip(dev_bytes, link)]
+    return out
+
+
+def _mesh(args):
+    """Engine(mesh=) for --devices: None for one device."""
+    return args.devices if args.devices > 1 else None
 
 
 def _median_ms(fn, *args, reps: int = 10, warm: int = 2) -> float:
@@ -239,8 +269,8 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
         a for a in args.arms.split(",") if a != "resident"]
     for arm in arms:
         if arm == "jax-pinned-host":
-            if jax.devices()[0].platform != "gpu":
-                continue
+            if jax.devices()[0].platform != "gpu" or args.devices > 1:
+                continue  # a one-GPU arm
             for row in _pinned_host_rows(args, cfg, params, prompts, args.orders.split(","),
                                          hashes, resident_one):
                 result["rows"].append(row)
@@ -252,7 +282,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
         own = args.engine_chunk or arm == "resident"
         t0 = time.perf_counter()
         with _engine(cfg, params, sc, max_context=n, chunk_size=None if own else n,
-                     sub_chunk=args.chunk) as eng:
+                     sub_chunk=args.chunk, mesh=_mesh(args)) as eng:
             made_s = time.perf_counter() - t0
             link = _link_gbps(eng)
             # Each order's row is saved as it ends: a long run keeps what finished.
@@ -285,10 +315,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                        "prompt": len(prompts) - 1, "logits_sha256": h[0], "kv_sha256": h[1],
                        "expert_rows": r.expert_rows, "engine_s": made_s,
                        "chunk_choice": r.chunk_choice, "fallback": r.fallback,
-                       "link_gbps": link,
-                       "link_floor_ms": (tot["bytes"] / (link * 1e9) * 1e3 if link else None),
-                       "over_link_floor": (ms / (tot["bytes"] / (link * 1e9) * 1e3)
-                                           if link and tot["bytes"] else None),
+                       "devices": r.devices, **_link_rows(r, ms, link),
                        "peak_rss_bytes": peak_rss_bytes(),
                        "peak_rss_over_experts": _over_experts(cfg)}
                 result["rows"].append(row)
@@ -314,7 +341,8 @@ def follow_up_part(args, cfg, params, result):
     for arm in ["resident"] + [a for a in args.arms.split(",") if a in ("routed", "stream-all")]:
         sc = None if arm == "resident" else _stream(args, arm == "routed")
         # The engine's own chunk (chunk_size=None): the first turn in as few chunks as fit.
-        with _engine(cfg, params, sc, max_context=t1 + t2, chunk_size=None) as eng:
+        with _engine(cfg, params, sc, max_context=t1 + t2, chunk_size=None,
+                     mesh=_mesh(args)) as eng:
             if arm == "resident":  # a first chunk of turn2 tokens
                 eng.prefill(seconds[0])
                 first_ms = statistics.median(_timed(eng, p)[0] for p in seconds[1:])
@@ -398,8 +426,18 @@ def main(argv=None) -> int:
                     help="keep no dense weight in host memory once on the device (each engine "
                          "draws them again): for a model whose dense weights do not fit in host "
                          "RAM beside its expert store")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="split every MoE layer's experts over the first N devices "
+                         "(Engine(mesh=N)): the resident and streamed arms; the pure-JAX arm "
+                         "is one device's and is left out. On the CPU, N simulated devices.")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.devices < 1:
+        ap.error(f"--devices {args.devices}: expected at least 1")
+    if args.devices > 1:
+        from strata_jax.cli.common import _simulated_cpu_devices
+
+        _simulated_cpu_devices(args.devices)
     parts = args.parts.split(",")
     unknown = set(parts) - {"attention", "prefill", "follow-up"}
     if unknown:
