@@ -451,3 +451,38 @@ def test_cuda_blocked_attention_matches_xla():
                                                     k, v, start, p, "xla"))(q, k, v, positions)
     got = jax.jit(M.blocked_attention, static_argnums=4)(q, k, v, positions, 256)
     assert_close(got, want, ml_dtypes.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_pinned_store_on_the_gpus_numa_node():
+    # The pinned store is allocated preferring the GPU's host NUMA node (NumaScope): where the
+    # device has one, every page checked is on it; either way the allocating thread's memory
+    # policy is put back.
+    import ctypes
+    import platform
+
+    from strata_jax import native
+
+    number = {"x86_64": 239, "aarch64": 236}.get(platform.machine())
+    if number is None:
+        pytest.skip(f"get_mempolicy's syscall number on {platform.machine()} is not listed")
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def policy() -> int:
+        mode = ctypes.c_int(-1)
+        assert libc.syscall(number, ctypes.byref(mode), None, ctypes.c_ulong(0), None,
+                            ctypes.c_ulong(0)) == 0, ctypes.get_errno()
+        return mode.value
+
+    before = policy()
+    size = 64 << 20
+    buf = native.module().PinnedBuffer(size, device=0)
+    assert policy() == before
+    if buf.numa_node >= 0:
+        node = ctypes.c_int(-1)
+        for off in (0, size // 2, size - 4096):
+            assert libc.syscall(number, ctypes.byref(node), None, ctypes.c_ulong(0),
+                                ctypes.c_void_p(buf.address + off),
+                                ctypes.c_ulong(1 | 2)) == 0  # MPOL_F_NODE | MPOL_F_ADDR
+            assert node.value == buf.numa_node, (off, node.value, buf.numa_node)
+    del buf

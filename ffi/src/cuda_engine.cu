@@ -443,7 +443,10 @@ class CudaEngine final : public Engine, public PublishSink {
         s += "not prepared";
         break;
       case PinPath::kArena:
-        s += "pinned arena (cudaHostAlloc)";
+        s += "pinned arena (cudaHostAlloc";
+        if (store_.numa_node() >= 0)
+          s += ", NUMA node " + std::to_string(store_.numa_node());
+        s += ")";
         break;
       case PinPath::kStaged:
         s += "staged (pageable, " + std::to_string(stager_.buffers()) +

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "numa_scope.hpp"
 #include "strata/thread_name.hpp"
 
 namespace strata {
@@ -188,8 +189,10 @@ Status HostStore::Pin(const EngineOptions& opt,
     const int64_t total = layers * bytes;
     cudaError_t err = cudaSuccess;
     if (total > 0) {
+      NumaScope near(opt.device);  // the arena on the GPU's host node
       err = cudaHostAlloc(reinterpret_cast<void**>(&arena_),
                           static_cast<size_t>(total), cudaHostAllocDefault);
+      numa_node_ = near.node();
       if (err != cudaSuccess) {
         cudaGetLastError();
         arena_ = nullptr;
@@ -231,6 +234,7 @@ void HostStore::Reset() {
   src_.clear();
   pin_path_ = PinPath::kNone;
   pin_note_.clear();
+  numa_node_ = -1;
   staging_ = false;
 }
 

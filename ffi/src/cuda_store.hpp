@@ -124,6 +124,8 @@ class HostStore {
   bool staging() const { return staging_; }
   PinPath path() const { return pin_path_; }
   const std::string& note() const { return pin_note_; }
+  // The host NUMA node Pin's arena was allocated on (NumaScope), or -1.
+  int numa_node() const { return numa_node_; }
   // Where the copies read `expert` of `layer` from.
   const uint8_t* Blob(int layer, int expert, int64_t blob_bytes) const {
     return src_[layer] + static_cast<int64_t>(expert) * blob_bytes;
@@ -134,6 +136,7 @@ class HostStore {
   std::string pin_note_;
   std::vector<const uint8_t*> src_;  // per layer: where copies read from
   uint8_t* arena_ = nullptr;
+  int numa_node_ = -1;
   bool staging_ = false;
 };
 

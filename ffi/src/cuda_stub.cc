@@ -21,8 +21,9 @@ Status MeasureH2D(int, int64_t, int64_t, int, ProbeHost, bool, double*) { return
 
 Status MeasureH2DFrom(int, const void*, int64_t, int, double*) { return kNoCuda; }
 
-Status PinnedAlloc(int64_t, void** out) {
+Status PinnedAlloc(int64_t, void** out, int, int* numa_node) {
   *out = nullptr;
+  if (numa_node) *numa_node = -1;
   return kNoCuda;
 }
 

@@ -8,6 +8,8 @@
 // event per expert), so the probe says what the copy engine gives for it.
 #include "link_probe.hpp"
 
+#include "numa_scope.hpp"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -126,8 +128,10 @@ Status MeasureH2DFrom(int device, const void* host, int64_t bytes, int reps,
 // Pinned host memory for the expert store: Python packs the blobs straight
 // into it, so the engine copies from it in place (pin mode "arena") without
 // registering or duplicating the store.
-Status PinnedAlloc(int64_t bytes, void** out) {
+Status PinnedAlloc(int64_t bytes, void** out, int device, int* numa_node) {
   *out = nullptr;
+  NumaScope near(device);  // on the GPU's host node where device >= 0
+  if (numa_node) *numa_node = near.node();
   const cudaError_t e = cudaHostAlloc(out, static_cast<size_t>(bytes), cudaHostAllocPortable);
   if (e != cudaSuccess) {
     *out = nullptr;

@@ -26,8 +26,10 @@ Status MeasureH2DFrom(int device, const void* host, int64_t bytes, int reps,
                       double* gbps);
 
 // `bytes` of pinned host memory (cudaHostAlloc, portable) into `out`, which
-// PinnedFree gives back.
-Status PinnedAlloc(int64_t bytes, void** out);
+// PinnedFree gives back. With `device` >= 0, allocated preferring that GPU's
+// host NUMA node (NumaScope); `numa_node` (if given) gets the node, or -1.
+Status PinnedAlloc(int64_t bytes, void** out, int device = -1,
+                   int* numa_node = nullptr);
 void PinnedFree(void* p);
 
 }  // namespace strata

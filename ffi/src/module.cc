@@ -33,7 +33,7 @@ namespace strata {
 namespace {
 
 // strata_jax/native.py refuses a module of another version: a stale build.
-constexpr int kApiVersion = 3;
+constexpr int kApiVersion = 4;
 
 using HostBytes = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using Int32s = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -199,14 +199,16 @@ void StageIds(Streamer& self, const Int32s& ids, bool reset) {
 }
 
 // Pinned host memory (PinnedAlloc) for the expert store, freed when this
-// object goes, which the arrays over it (`array()`) keep alive.
+// object goes, which the arrays over it (`array()`) keep alive. With a CUDA
+// device ordinal, allocated on that GPU's host NUMA node where it has one.
 class PinnedBuffer {
  public:
-  explicit PinnedBuffer(int64_t nbytes) : nbytes_(nbytes), pid_(getpid()) {
+  explicit PinnedBuffer(int64_t nbytes, int device = -1)
+      : nbytes_(nbytes), pid_(getpid()) {
     if (nbytes < 1)
       throw std::invalid_argument("pinned buffer of " + std::to_string(nbytes) +
                                   " bytes: needs at least one byte");
-    const Status s = PinnedAlloc(nbytes, &data_);
+    const Status s = PinnedAlloc(nbytes, &data_, device, &numa_node_);
     if (!s.empty()) throw std::runtime_error(s);
   }
   ~PinnedBuffer() {
@@ -221,10 +223,12 @@ class PinnedBuffer {
 
   void* data() const { return data_; }
   int64_t nbytes() const { return nbytes_; }
+  int numa_node() const { return numa_node_; }
 
  private:
   void* data_ = nullptr;
   int64_t nbytes_;
+  int numa_node_ = -1;
   pid_t pid_;
 };
 
@@ -533,7 +537,9 @@ NB_MODULE(_native, m) {
 
   nb::class_<strata::PinnedBuffer>(m, "PinnedBuffer",
                                    "Pinned host memory, freed when the last reference goes.")
-      .def(nb::init<int64_t>(), nb::arg("nbytes"), Release())
+      .def(nb::init<int64_t, int>(), nb::arg("nbytes"), nb::arg("device") = -1, Release())
+      .def_prop_ro("numa_node", &strata::PinnedBuffer::numa_node,
+                   "The host NUMA node the memory was allocated on (the device's), or -1.")
       .def_prop_ro("address",
                    [](const strata::PinnedBuffer& b) {
                      return reinterpret_cast<uintptr_t>(b.data());

@@ -219,8 +219,9 @@ class NativeStreamer(Closable):
         self.streamed_per_layer = self.plan.streamed_per_layer
         self.ring = self.plan.ring
         self._stores: list[np.ndarray | None] = [None] * L
-        # On CUDA every layer is written straight into one pinned block, which the engine then
-        # copies from in place (no second host copy). Where that block cannot be allocated, the
+        # On CUDA every layer is written straight into one pinned block (on the GPU's host NUMA
+        # node where the machine has several: `numa_node`), which the engine then copies from
+        # in place (no second host copy). Where that block cannot be allocated, the
         # engine copies the store into a pinned arena of its own, else stages it through pinned
         # bounce buffers (such entries are never skipped); the trace says which.
         self._pinned = None  # the pinned block (native PinnedBuffer), freed with its last view
@@ -349,13 +350,21 @@ class NativeStreamer(Closable):
             return "packed"
         return "frames"
 
+    @property
+    def numa_node(self) -> int | None:
+        """The host NUMA node the pinned store was allocated on (its GPU's, `PinnedBuffer`),
+        or None where none was chosen (one node, a GPU without a host node, the CPU backend, a
+        store the engine pinned itself: its trace line names that node)."""
+        node = self._pinned.numa_node if self._pinned is not None else -1
+        return node if node >= 0 else None
+
     def _pinned_arena(self, nbytes: int) -> np.ndarray | None:
         """One pinned host block of `nbytes` as a uint8 array, or None (the engine then pins
         or stages the packed arrays itself, and says which in its trace)."""
         if nbytes == 0:
             return None
         try:
-            self._pinned = native.module().PinnedBuffer(nbytes)
+            self._pinned = native.module().PinnedBuffer(nbytes, device=self.device_ordinal)
         except RuntimeError as e:
             warnings.warn(f"pinned arena of {nbytes / 2**30:.2f} GiB not allocated ({e}); the "
                           "engine will pin or stage the store instead", stacklevel=3)
