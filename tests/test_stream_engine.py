@@ -106,12 +106,12 @@ ARMS = {
 }
 
 
-# The default run's arms, one routing each: the packed layout, the tail pieces, a jittery link
-# and a ring of three layers (the frames layout, which "auto" picks per chunk, stream-all,
-# residents and the floor: test_engine's arms and test_quantized's routed frames). Every arm
-# under both routings, the layout changing between chunks among them, runs in the slow run.
-DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery"),
-                ("skewed", "pieces-packed-routed-jittery")}
+# The default run's arm: the packed layout, a jittery link and a ring of three layers (the
+# frames layout, which "auto" picks per chunk, stream-all, residents and the floor:
+# test_engine's arms; the tail pieces and routed frames: test_quantized's and test_cli's).
+# Every arm under both routings, the layout changing between chunks among them, runs in the
+# slow run.
+DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery")}
 
 
 def _arm_cases():
@@ -169,6 +169,7 @@ def test_arms_are_byte_identical(routing_name, arm):
                 "skewed routing on a slow link skipped nothing"
 
 
+@pytest.mark.slow  # the documented switch; a streamed engine of its own per routing
 def test_switch_off_by_environment(monkeypatch, routing):
     _, params, logits_hash, _ = routing
     monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "0")
