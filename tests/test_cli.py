@@ -74,6 +74,7 @@ def arms():
     }
 
 
+@pytest.mark.slow  # the `arms` fixture: three prefills through the command
 def test_json_has_every_documented_key(arms):
     for name, d in arms.items():
         missing = [k for k in REQUIRED if k not in d]
@@ -84,6 +85,7 @@ def test_json_has_every_documented_key(arms):
         assert d["arm"] == name
 
 
+@pytest.mark.slow  # the `arms` fixture: three prefills through the command
 def test_streamed_counts_add_up(arms):
     for name in ("stream-all", "routed"):
         d = arms[name]
@@ -99,6 +101,7 @@ def test_streamed_counts_add_up(arms):
         assert d["unrouted"] > 0  # skewed top-2 routing leaves experts idle in every chunk
 
 
+@pytest.mark.slow  # the `arms` fixture: three prefills through the command
 def test_routed_off_skips_nothing_and_routed_on_skips(arms):
     assert arms["stream-all"]["skipped"] == 0
     assert arms["stream-all"]["copied"] == arms["stream-all"]["experts_streamed"]
@@ -144,6 +147,7 @@ def test_garbage_profile_is_one_line_naming_the_file_once(tmp_path):
         "`strata-jax profile` or ExpertProfile.save (not an .npz archive)"]
 
 
+@pytest.mark.slow  # the `arms` fixture: three prefills through the command
 def test_every_arm_gives_the_same_bytes(arms):
     assert arms["resident"]["experts_streamed"] == 0
     hashes = {(d["logits_sha256"], d["kv_sha256"]) for d in arms.values()}
@@ -163,6 +167,7 @@ def test_last_layer_in_pieces_gives_the_same_bytes(arms):
         assert [(c["ring_layout"], c["tail_pieces"]) for c in d["chunks"]] == [(layout, 3)] * 2
 
 
+@pytest.mark.slow  # the `arms` fixture: three prefills through the command
 def test_follow_up_reuses_the_session(arms):
     f = arms["routed"]["follow_up"]
     assert (f["tokens"], f["reused"], f["read"]) == (160, 128, 32)
@@ -170,6 +175,7 @@ def test_follow_up_reuses_the_session(arms):
     assert f["logits_sha256"] != arms["routed"]["logits_sha256"]
 
 
+@pytest.mark.slow  # the `arms` fixture: three prefills through the command
 def test_compiled_says_what_each_call_compiled(arms):
     # A first call's prompt_ms includes compiling its programs: the first chunk's and a later
     # chunk's of 64 tokens; the follow-up of 32 tokens compiles its own bucket.

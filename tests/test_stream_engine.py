@@ -108,7 +108,7 @@ ARMS = {
 
 # The default run's arm: the packed layout, a jittery link and a ring of three layers (the
 # frames layout, which "auto" picks per chunk, stream-all, residents and the floor:
-# test_engine's arms; the tail pieces and routed frames: test_quantized's and test_cli's).
+# test_engine's arms; the tail pieces and routed frames: test_quantized's).
 # Every arm under both routings, the layout changing between chunks among them, runs in the
 # slow run.
 DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery")}
@@ -346,6 +346,7 @@ def _issuer_tids() -> list[str]:
     return [tid for tid, name in thread_names().items() if name == "strata-issuer"]
 
 
+@pytest.mark.slow  # a streamed engine of its own
 def test_one_issuer_thread_serves_every_chunk():
     # The walk runs on a thread the engine keeps: no thread is made per chunk (its creation
     # was on the critical path between begin_chunk and the first copy).
@@ -580,6 +581,7 @@ def test_a_prefill_after_a_prestart_nobody_adopted(routing):
         assert not eng.streamer.walk_active()
 
 
+@pytest.mark.slow  # a streamed engine of its own
 def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
     _, params, logits_hash, kv_hash = routing
     sc = StreamConfig(routed=True, tuning=StreamTuning(ring=16, stream_floor=CHUNK, **SLOW))
