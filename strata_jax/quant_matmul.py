@@ -73,12 +73,6 @@ class QuantizedMatrix:
         return dequantize_matrix(self.kind, self.block, self.shape, self.q, self.scale,
                                  dtype or self.dtype)
 
-    def select(self, keep: jax.Array) -> "QuantizedMatrix":
-        """This matrix with the experts where bool `keep` [E] is False replaced by zeros."""
-        return dataclasses.replace(
-            self, q=jnp.where(keep[:, None, None], self.q, jnp.zeros((), self.q.dtype)),
-            scale=jnp.where(keep[:, None, None], self.scale, jnp.zeros((), self.scale.dtype)))
-
 
 def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,
                       scale: jax.Array, dtype) -> jax.Array:
@@ -341,18 +335,10 @@ def _interpret_dot(a, b):
 
 
 def fused_reference(x, w: QuantizedMatrix, group_sizes) -> np.ndarray:
-    """NumPy float64: x times each group's matrix dequantized in float64 from its planes (rows
-    past the groups zero)."""
+    """NumPy float64: x times each group's matrix dequantized in float64 from its planes by the
+    reference's published formulas (rows past the groups zero)."""
     from .grouped_matmul import grouped_matmul_reference
+    from .reference import dequantized64
 
-    q, s = np.asarray(w.q), np.asarray(w.scale, np.float64)
-    k, n = w.shape
-    if w.kind == "fp8":
-        s = np.repeat(np.repeat(s, w.block, axis=-2), w.block, axis=-1)[..., :k, :n]
-        deq = q.astype(np.float64) * s
-    else:
-        words = q.view(np.uint32)[..., :, None, :]  # [E, K/8, 1, N]
-        nib = (words >> (np.arange(_PER_WORD, dtype=np.uint32)[:, None] * 4)) & 15
-        deq = (nib.reshape(*q.shape[:-2], k, n).astype(np.float64) - _INT4_ZERO) \
-            * np.repeat(s, w.block, axis=-2)
+    deq = dequantized64(w.kind, w.block, w.shape, w.q, w.scale)
     return grouped_matmul_reference(np.asarray(x, np.float64), deq, group_sizes)

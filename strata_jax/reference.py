@@ -162,17 +162,23 @@ def _dequantized(c: ModelConfig, params, prefix: str, matrix: str) -> np.ndarray
     from strata_jax.model import expert_format
 
     fmt = expert_format(c)
-    q = np.asarray(params[prefix + matrix])
-    s = np.asarray(params[prefix + matrix + "_scale"]).astype(np.float64)
-    k, n = fmt.matrix_shape(matrix)
-    b = fmt.block
-    if fmt.kind == "fp8":
-        rows, cols = np.arange(k) // b, np.arange(n) // b
+    return dequantized64(fmt.kind, fmt.block, fmt.matrix_shape(matrix),
+                         params[prefix + matrix], params[prefix + matrix + "_scale"])
+
+
+def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale) -> np.ndarray:
+    """Float64 [E, K, N] of one quantized matrix's planes q and scale by the published
+    formulas (`_dequantized`), `block` the fp8 block side or the int4 group."""
+    q = np.asarray(q)
+    s = np.asarray(scale).astype(np.float64)
+    k, n = shape
+    if kind == "fp8":
+        rows, cols = np.arange(k) // block, np.arange(n) // block
         return q.astype(np.float64) * s[:, rows][:, :, cols]
     words = q.view(np.uint32)  # [E, K/8, N]
     vals = np.stack([(words >> np.uint32(4 * j)) & np.uint32(15) for j in range(8)], axis=2)
     vals = vals.reshape(q.shape[0], k, n).astype(np.float64) - 8.0
-    return vals * s[:, np.arange(k) // b, :]
+    return vals * s[:, np.arange(k) // block, :]
 
 
 def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,
