@@ -33,6 +33,7 @@ from jax import lax
 
 from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
 from .quant_matmul import QuantizedMatrix, fused_grouped_matmul, resolve_quantized
+from .quant_mosaic import mosaic_fp8
 
 # The Mosaic kernel's row block for MoE shapes (chosen by grouped_matmul_bench; BENCHMARKS.md).
 MOSAIC_BLOCK_M = 128
@@ -80,8 +81,7 @@ def resolve_implementation(impl: str | None = None) -> str:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: jax.Array, *,
-                   impl: str | None = None, quantized: str | None = None,
-                   layer_rows: int | None = None) -> jax.Array:
+                   impl: str | None = None, quantized: str | None = None) -> jax.Array:
     """Multiplies row groups of `x` by their group's matrix.
 
     Args:
@@ -92,10 +92,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
             model routes to no group) come back as zeros in every implementation; rows inside the
             groups are the same whether or not such rows exist.
         impl: auto|mosaic|lax|tiled (`Kernels.grouped_matmul`); None: auto.
-        quantized: for a QuantizedMatrix, auto|fused|dequantize (`Kernels.quantized_matmul`);
-            None: auto.
-        layer_rows: the rows of the whole layer's matmul when `x` is one piece of it: "auto"
-            chooses by those, so every piece of a layer takes the path the whole would.
+        quantized: for a QuantizedMatrix, auto|fused|dequantize (`Kernels.quantized_matmul`,
+            `quant_matmul.resolve_quantized`); None: auto.
 
     Returns:
         [M, N] in `x.dtype`, accumulated in float32.
@@ -104,8 +102,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
         if w.dtype != x.dtype:
             raise ValueError(f"grouped_matmul: x dtype {x.dtype} != the quantized matrix's "
                              f"dtype {w.dtype}")
-        rows = x.shape[0] if layer_rows is None else layer_rows
-        if resolve_quantized(quantized, w, rows) == "fused":
+        path = resolve_quantized(quantized, w)
+        if path == "mosaic":
+            return mosaic_fp8(x, w, group_sizes.astype(jnp.int32))
+        if path == "triton":
             return fused_grouped_matmul(x, w, group_sizes)
         with jax.named_scope("dequantize"):
             w = w.dequantize()

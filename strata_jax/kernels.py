@@ -6,12 +6,12 @@ another (jit keys on it). Nothing is read from the environment.
 
     grouped_matmul  "auto" | "mosaic" | "lax" | "tiled"  (`strata_jax.grouped_matmul`; auto: the
                     Mosaic GPU kernel on Hopper, row tiles on other GPUs, lax.ragged_dot on CPU)
-    quantized_matmul  "auto" | "fused" | "dequantize"  (`strata_jax.quant_matmul`: how a grouped
-                    matmul reads fp8/int4 expert planes; fused: a kernel that dequantizes tiles
-                    as it multiplies, dequantize: the whole matrix to bf16 first, then
-                    grouped_matmul; auto: fused for fp8 on a Hopper GPU up to
-                    `quant_matmul.FUSED_MAX_ROWS` sorted rows, where it is the faster one,
-                    dequantize elsewhere)
+    quantized_matmul  "auto" | "fused" | "dequantize"  (`quant_matmul.resolve_quantized`: how a
+                    grouped matmul reads fp8/int4 expert planes; fused: a kernel that
+                    dequantizes tiles as it multiplies (the Mosaic GPU fp8 kernel on Hopper,
+                    `quant_mosaic`, else the Pallas Triton one), dequantize: the whole matrix to
+                    bf16 first, then grouped_matmul; auto: the Mosaic kernel for fp8 on a
+                    Hopper GPU, which gives dequantize's bits faster, dequantize elsewhere)
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`strata_jax.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)

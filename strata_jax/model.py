@@ -335,8 +335,7 @@ def sort_order(expert_ids: jax.Array) -> jax.Array:
 
 
 def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array,
-                   impl: str | None = None, quantized: str | None = None,
-                   layer_rows: int | None = None) -> jax.Array:
+                   impl: str | None = None, quantized: str | None = None) -> jax.Array:
     """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
 
     Args:
@@ -346,12 +345,11 @@ def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array,
         counts: int32 [E] group sizes.
         impl: the grouped matmul (`Kernels.grouped_matmul`); None: auto.
         quantized: how quantized matrices are read (`Kernels.quantized_matmul`); None: auto.
-        layer_rows: the whole layer's rows where x_sorted is one piece of them.
 
     Returns:
         [T*k, H] in x_sorted.dtype.
     """
-    mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized, layer_rows=layer_rows)
+    mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized)
     with jax.named_scope("experts"):
         g = mm(x_sorted, w.gate, counts)  # [T*k, I]
         u = mm(x_sorted, w.up, counts)  # [T*k, I]
@@ -380,7 +378,7 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
             w = _in_dtype(weights_for_piece(p, after), x.dtype)
             x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted
             after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b), impl,
-                                   quantized, layer_rows=bounds[-1])
+                                   quantized)
             ys.append(after)
     return jnp.concatenate(ys)
 

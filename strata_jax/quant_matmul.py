@@ -125,17 +125,14 @@ class Tiles:
             raise ValueError(f"Tiles(unpack={self.unpack!r}): expected 'tile' or 'split'")
 
 
-# The tiling for each kind, and the sorted rows up to which "auto" picks the fused kernel: the
-# fastest of quant_matmul_bench's sweep on the H200 (BENCHMARKS.md, "A fused kernel"). There the
-# fused fp8 kernel beats dequantize-then-matmul up to 4K tokens (32K rows at top-8) and loses
-# above; the fused int4 kernel loses at every length, so "auto" never picks it.
+# The Triton kernel's tiling for each kind: the fastest of quant_matmul_bench's sweep on the H200
+# (BENCHMARKS.md, "A fused kernel").
 TILES = {"fp8": Tiles(64, 128, 4, 3), "int4": Tiles(128, 128, 8, 3)}
-FUSED_MAX_ROWS = {"fp8": 32768, "int4": 0}
 
 
 def tiles_for(w: QuantizedMatrix, m: int) -> Tiles:
-    """The tiling for `m` sorted rows by `w`: the kind's `TILES`, with columns a tile halved
-    (down to 16) until they divide the matrix's N and, for fp8, its scale block."""
+    """The Triton tiling for `m` sorted rows by `w`: the kind's `TILES`, with columns a tile
+    halved (down to 16) until they divide the matrix's N and, for fp8, its scale block."""
     del m  # one tiling per kind at every length
     t = TILES[w.kind]
     bn, n = t.block_n, w.shape[1]
@@ -144,22 +141,29 @@ def tiles_for(w: QuantizedMatrix, m: int) -> Tiles:
     return dataclasses.replace(t, block_n=bn)
 
 
-def resolve_quantized(impl: str | None, w: QuantizedMatrix, m: int,
+def resolve_quantized(impl: str | None, w: QuantizedMatrix,
                       device: jax.Device | None = None) -> str:
-    """"fused" or "dequantize" for `impl` (`Kernels.quantized_matmul`; None: auto) on a matmul
-    of `m` sorted rows by `w`. A matrix the fused kernel cannot tile is dequantized."""
+    """The kernel that reads `w` for `impl` (`Kernels.quantized_matmul`; None: auto):
+    "mosaic" (`quant_mosaic`, fp8 on a Hopper GPU), "triton" (`fused_grouped_matmul`) or
+    "dequantize" (the matrix to its dtype first, then the plain grouped matmul).
+
+    auto: mosaic where it reads the matrix, else dequantize (the Triton kernel is slower than
+    dequantize-then-matmul for int4 at every length measured); fused: mosaic where it reads the
+    matrix, else triton, else dequantize."""
     from .grouped_matmul import is_hopper
+    from .quant_mosaic import MOSAIC_TILES, mosaic_supports
 
     impl = (impl or "auto").lower()
     if impl not in ("auto", "fused", "dequantize"):
         raise ValueError(f"quantized matmul {impl!r}: expected one of auto|fused|dequantize")
-    if impl == "auto":
-        device = device or jax.devices()[0]
-        impl = "fused" if is_hopper(device) and m <= FUSED_MAX_ROWS.get(w.kind, 0) else \
-            "dequantize"
-    if impl == "fused" and not fused_supports(w, tiles_for(w, m)):
-        impl = "dequantize"
-    return impl
+    if impl == "dequantize":
+        return impl
+    device = device or jax.devices()[0]
+    if is_hopper(device) and mosaic_supports(w, MOSAIC_TILES):
+        return "mosaic"
+    if impl == "fused" and fused_supports(w, tiles_for(w, 0)):
+        return "triton"
+    return "dequantize"
 
 
 def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:

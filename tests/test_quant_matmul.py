@@ -1,7 +1,8 @@
-"""The fused grouped matmul over quantized planes (`strata_jax.quant_matmul`): its visits, its
-numerics against the float64 reference, its rows in pieces, the choice between it and
+"""The Triton grouped matmul over quantized planes (`strata_jax.quant_matmul`): its visits, its
+numerics against the float64 reference, its rows in pieces, the choice between the kernels and
 dequantize-then-matmul, and the model's arms reading it. On the CPU the kernel runs in Pallas'
-interpret mode; the gpu-marked tests run it through Triton."""
+interpret mode; the gpu-marked tests run it through Triton. The Mosaic fp8 kernel has
+tests/test_quant_mosaic.py."""
 
 from __future__ import annotations
 
@@ -95,18 +96,20 @@ def test_fused_rows_in_pieces_are_the_whole_matmuls_rows(kind):
 
 def test_the_path_each_choice_takes():
     w8, w4 = _matrix("fp8"), _matrix("int4")
-    assert resolve_quantized("dequantize", w8, 10) == "dequantize"
-    assert resolve_quantized("fused", w4, 10) == "fused"
+    assert resolve_quantized("dequantize", w8) == "dequantize"
+    assert resolve_quantized("fused", w4) == "triton"
+    assert resolve_quantized(None, w4) == "dequantize"  # the Triton int4 kernel loses
     if jax.devices()[0].platform == "cpu":
-        assert resolve_quantized(None, w8, 10) == "dequantize"  # auto: no fused kernel on CPU
+        assert resolve_quantized(None, w8) == "dequantize"  # auto: no fused kernel on CPU
+        assert resolve_quantized("fused", w8) == "triton"
     with pytest.raises(ValueError, match="quantized matmul 'triton'"):
-        resolve_quantized("triton", w8, 10)
+        resolve_quantized("triton", w8)
     with pytest.raises(ValueError, match="Kernels\\(quantized_matmul='x'\\)"):
         Kernels(quantized_matmul="x")
     # A matrix the kernel cannot tile (N not a multiple of 16) is dequantized instead.
     odd = dataclasses.replace(w8, shape=(256, 120))
     assert not fused_supports(odd, tiles_for(odd, 10))
-    assert resolve_quantized("fused", odd, 10) == "dequantize"
+    assert resolve_quantized("fused", odd) == "dequantize"
     with pytest.raises(ValueError, match="cannot be tiled"):
         fused_grouped_matmul(_x(4, 256), w8, jnp.asarray([4, 0, 0, 0, 0], jnp.int32),
                              tiles=Tiles(block_n=256))
@@ -169,7 +172,7 @@ def test_model_arms_read_the_fused_kernel_alike(kind, backend):
     params = QuantizedParams(SyntheticParams(PLAIN, 3, 1.0), cfg)
     toks = _tokens(40)
     planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
-    assert all(resolve_quantized("fused", w, 80) == "fused"
+    assert all(resolve_quantized("fused", w) == "triton"
                for w in fmt.expert_matrices(planes))  # the kernel, not the fallback
     kernels = Kernels(quantized_matmul="fused")
     arms = {"resident": None}

@@ -18,6 +18,7 @@ values; they differ by float32 summation order and one bf16 rounding).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -32,6 +33,7 @@ from strata_jax.formats import MATRICES, ExpertFormat
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
                                      fused_supports, tiles_for)
+from strata_jax.quant_mosaic import MosaicTiles, mosaic_grouped_matmul, mosaic_supports
 
 
 def _swiglu(x, w, sizes, mm):
@@ -47,8 +49,13 @@ def parse_tiles(spec: str) -> Tiles:
     return Tiles(*(int(p) for p in parts[:4]), *(parts[4:5] or []))
 
 
+def parse_mosaic(spec: str) -> MosaicTiles:
+    """"bm,bn,bk,stages,grid_block_n[,per_sm]" -> MosaicTiles."""
+    return MosaicTiles(*(int(p) for p in spec.split(",")))
+
+
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
-              repeats: int) -> list[dict]:
+              repeats: int, mosaic: list[MosaicTiles] = ()) -> list[dict]:
     m = tokens * config.top_k
     h, i, e = config.hidden_size, config.expert_intermediate, config.n_experts
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
@@ -97,6 +104,28 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                          default=tiles is None, ms=tf * 1e3, over_bf16=tf / t_bf16,
                          over_dequantize=tf / t_deq, tflops=flops / tf / 1e12,
                          finite=finite, max_diff_over_max=diff / scale))
+    for tiles in mosaic:
+        name = ",".join(str(v) for v in dataclasses.astuple(tiles))
+        if not all(mosaic_supports(a, tiles) for a in wq):
+            rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
+                             error="unsupported"))
+            continue
+        fused = jax.jit(lambda x, w, s, tiles=tiles: _swiglu(
+            x, w, s, lambda a, b, c: mosaic_grouped_matmul(a, b, c, tiles=tiles)))
+        try:
+            got = fused(x, wq, sizes)
+            diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            same = bool(jnp.all(got == want))
+            finite = bool(jnp.all(jnp.isfinite(got)))
+            tf = _time(fused, (x, wq, sizes), warmup, repeats)
+        except Exception as ex:  # noqa: BLE001 - a tiling that does not compile is reported
+            rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
+                             error=f"{type(ex).__name__}: {ex}"[:600]))
+            continue
+        rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name, ms=tf * 1e3,
+                         over_bf16=tf / t_bf16, over_dequantize=tf / t_deq,
+                         tflops=flops / tf / 1e12, finite=finite, same_bits=same,
+                         max_diff_over_max=diff / scale))
     return rows
 
 
@@ -108,18 +137,23 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", action="append", default=[],
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
                         "default tiling is always timed")
+    p.add_argument("--mosaic", action="append", default=[],
+                   help='a Mosaic fp8 kernel tiling "bm,bn,bk,stages,grid_block_n[,per_sm]" '
+                        "(repeatable)")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     config = get_preset(a.preset)
-    tilings = [None] + [parse_tiles(s) for s in a.tiles]
+    tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
+    mosaic = [parse_mosaic(s) for s in a.mosaic]
     rows = []
     print(f"jax {jax.__version__} {jax.devices()}; default tiles {TILES}", flush=True)
     for kind in a.formats.split(","):
         for tokens in (int(t) for t in a.tokens.split(",")):
             for r in bench_one(tokens, config, kind, tilings, warmup=a.warmup,
-                               repeats=a.repeats):
+                               repeats=a.repeats, mosaic=mosaic):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     if a.json:

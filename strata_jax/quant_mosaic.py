@@ -1,0 +1,204 @@
+"""A Mosaic GPU grouped matmul over fp8 expert planes (Hopper), dequantizing each weight tile in
+registers between its TMA load and the tensor-core product.
+
+The structure is a persistent ragged matmul: `per_sm` programs per SM walk the (visit, column
+tile) pairs, where a visit is one (row tile, expert) pair with rows of that expert in the tile
+(`quant_matmul.group_metadata`); an expert with no rows owns no visit, so its weights are never
+read (a streamed expert no token routes to may be stale). A visit's k steps run through a TMA
+pipeline of `stages` buffers, and the rows it owns are stored by a ladder of power-of-two row
+copies (a copy's row count must be static). Rows past the last expert are zeros.
+
+A k step (e4m3 values, one float32 scale per block x block):
+    w = bf16(float32(q[k0:k0+bk, n0:n0+bn]) * scale[k0 // block, n0 // block])   registers
+    w_smem[slot] = w;  acc += x[rows, k0:k0+bk] @ w_smem[slot]                    wgmma, f32
+The weights come out exactly as `QuantizedMatrix.dequantize` makes them (one float32 product and
+one cast), and at the tiling of the bf16 Mosaic kernel (`grouped_matmul.MOSAIC_*`) the products
+accumulate in the same order, so the result has the bits of dequantize-then-matmul (the GPU
+tests check it); the layer is never written out in bf16. wgmma's B operand must be in shared
+memory, hence the two-slot bf16 buffer: step k writes slot k % 2, which step k - 2's product
+read, and each step waits for the previous step's product before its buffers are released.
+
+On the CPU the kernel runs in Pallas' Mosaic GPU interpret mode (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """The Mosaic kernel's tiling: rows and columns a tile, inputs a k step, pipeline stages,
+    column tiles a row tile's sweep covers before moving on (`planar_snake`'s width), and
+    programs per SM (two let one program's dequantization overlap the other's products)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    grid_block_n: int = 2
+    per_sm: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MosaicTiles({name}={v}): a power of two, at least 16")
+        if self.block_m % 64:
+            raise ValueError(f"MosaicTiles(block_m={self.block_m}): a multiple of 64 (one "
+                             "warpgroup's wgmma rows)")
+        if min(self.stages, self.grid_block_n, self.per_sm) < 1:
+            raise ValueError(f"MosaicTiles(stages={self.stages}, grid_block_n="
+                             f"{self.grid_block_n}, per_sm={self.per_sm}): each at least 1")
+
+
+# The tiling `grouped_matmul` reads fp8 experts with: the fastest of quant_matmul_bench's sweep on
+# the H200 (BENCHMARKS.md, "A fused kernel"); rows, columns and k step as the bf16 Mosaic
+# kernel's, so the products accumulate in its order.
+MOSAIC_TILES = MosaicTiles(128, 128, 64, 4, 4, 1)
+
+
+def mosaic_supports(w, tiles: MosaicTiles) -> bool:
+    """Whether the Mosaic kernel reads quantized matrix `w` with `tiles`: fp8 whose k steps
+    and column tiles lie inside one scale block (one scale a step), read as bf16 or fp16."""
+    k, n = w.shape
+    b = w.block
+    return (w.kind == "fp8" and n % tiles.block_n == 0 and k % tiles.block_k == 0
+            and b % tiles.block_k == 0 and b % tiles.block_n == 0
+            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
+                          tiles: MosaicTiles | None = None, interpret: bool | None = None,
+                          num_sms: int | None = None) -> jax.Array:
+    """Rows of x [M, K] sorted by expert times their expert's fp8 matrix `w` (a
+    `QuantizedMatrix`) -> [M, N] in x.dtype, float32 accumulation, rows past the groups zero.
+
+    Args:
+        x: [M, K] in the matrix's dtype (bf16 or fp16).
+        w: the experts' matrix, [E, K, N] e4m3 values and [E, K/b, N/b] float32 scales.
+        group_sizes: int32 [E], summing to at most M.
+        tiles: the tiling (default `MosaicTiles()`); it must satisfy `mosaic_supports`.
+        interpret: run in Pallas' Mosaic GPU interpret mode (default: on a non-GPU backend).
+        num_sms: the SMs to spread programs over (default: the device's).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .quant_matmul import group_metadata
+
+    tiles = tiles or MosaicTiles()
+    m, k = x.shape
+    e = w.q.shape[0]
+    n = w.shape[1]
+    if (k, n) != tuple(w.shape):
+        raise ValueError(f"mosaic_grouped_matmul: x is [M, {k}] but the matrix is {w.shape}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"mosaic_grouped_matmul: group_sizes has shape {group_sizes.shape}, "
+                         f"expected ({e},)")
+    if not mosaic_supports(w, tiles):
+        raise ValueError(f"mosaic_grouped_matmul: {w.kind} matrix {w.shape} with block "
+                         f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles}; "
+                         "use grouped_matmul, which dequantizes such a matrix first")
+    if x.dtype != w.dtype:
+        raise ValueError(f"mosaic_grouped_matmul: x dtype {x.dtype} != the matrix's {w.dtype}")
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    if num_sms is None:
+        num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    block = w.block
+    dtype = x.dtype
+    m_pad = -(-m // bm) * bm
+    xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
+    meta = group_metadata(group_sizes, m, bm)  # [4, V]: (expert, row tile, first, end row)
+    grid_m = meta.shape[1]
+    grid_n = n // bn
+    gbn = tiles.grid_block_n if grid_n % tiles.grid_block_n == 0 else 1
+
+    def body(meta_ref, x_gmem, q_gmem, s_gmem, o_gmem, w_smem):
+        def visit(gid, ni, row0, first, rows):
+            def acc_scope(acc_ref):
+                def step(idx, x_smem, q_smem):
+                    (kk,) = idx
+                    scale = s_gmem[gid, (kk * bk) // block, (ni * bn) // block]
+                    wt = (q_smem[...].astype(jnp.float32) * scale).astype(dtype)
+                    slot = lax.rem(kk, 2)
+                    w_smem[slot] = wt
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
+                    # The previous step's product is done: its x buffer (released after this
+                    # step) and its weight slot (written next step) are free.
+                    plgpu.wgmma_wait(1)
+
+                plgpu.emit_pipeline(
+                    step, grid=(k // bk,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk),
+                                              delay_release=1),
+                              plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni))],
+                    max_concurrent_steps=tiles.stages)(x_gmem, q_gmem.at[gid])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=dtype))
+            def _store(o_smem):
+                o_smem[...] = acc.astype(dtype)
+                plgpu.commit_smem()
+                start = first
+                left = min(bm, m_pad)
+                while left > 0:  # the visit's rows as a sum of powers of two, largest first
+                    count = 1 << int(math.log2(left))
+                    left //= 2
+
+                    @pl.when(rows & count != 0)
+                    def _():
+                        plgpu.copy_smem_to_gmem(
+                            o_smem.at[pl.ds(start, count)],
+                            o_gmem.at[pl.ds(row0 + start, count), pl.ds(ni * bn, bn)])
+
+                    start += rows & count
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        def _tiles(info):
+            mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
+            row0 = meta_ref[1, mi] * bm
+            lo = meta_ref[2, mi]
+            rows = meta_ref[3, mi] - lo
+
+            @pl.when(rows > 0)  # the visits past the last one hold no rows
+            def _():
+                visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
+
+    extra = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        extra["interpret"] = InterpretGPUParams()
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m_pad, n), dtype), grid=(num_sms * tiles.per_sm,),
+        grid_names=("sm",), scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
+    with jax.named_scope("grouped_matmul_fp8_mosaic"):
+        out = kernel(meta, xp, w.q, w.scale.astype(jnp.float32))[:m]
+        # Rows past the last group belong to no visit and are never stored.
+        rows_ = jnp.arange(m, dtype=jnp.int32)[:, None]
+        return jnp.where(rows_ < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+
+
+# Through a jit of its own, a program lowers the kernel once per shape rather than once per
+# call site (three a MoE layer), as `grouped_matmul._mosaic_jit` does for the bf16 kernel.
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def mosaic_fp8(x: jax.Array, w, group_sizes: jax.Array,
+               tiles: MosaicTiles = MOSAIC_TILES) -> jax.Array:
+    """`mosaic_grouped_matmul` at `tiles` (default `MOSAIC_TILES`) on the device's SMs."""
+    return mosaic_grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=False)

@@ -1,0 +1,120 @@
+"""The Mosaic GPU grouped matmul over fp8 planes (`strata_jax.quant_mosaic`): its numerics
+against the float64 reference (Pallas' Mosaic GPU interpret mode on the CPU), what it refuses,
+and on a Hopper GPU the bits of dequantize-then-matmul, from the kernel and from the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
+from strata_jax.quant_matmul import fused_reference, resolve_quantized
+from strata_jax.quant_mosaic import (MOSAIC_TILES, MosaicTiles, mosaic_grouped_matmul,
+                                     mosaic_supports)
+from strata_jax.testing import assert_close
+from test_quant_matmul import _matrix, _x
+
+# An empty expert between two, one expert's rows crossing a 64-row tile, an empty one last;
+# expert 1's and 4's scales are NaN: an expert with no rows must not reach any output.
+SIZES = [50, 0, 130, 20, 0]
+
+
+def test_interpreted_kernel_matches_the_float64_reference():
+    w = _matrix("fp8", nan_experts=(1, 4))
+    m = sum(SIZES) + 7  # rows past the groups come back as zeros
+    x = _x(m, 256)
+    got = np.asarray(mosaic_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32),
+                                           tiles=MosaicTiles(64, 128, 64, 2, 1),
+                                           interpret=True), np.float64)
+    want = fused_reference(x, w, SIZES)
+    assert_close(got[:200], want[:200], jnp.bfloat16)
+    assert (got[200:] == 0).all()
+
+
+def test_what_the_kernel_reads_and_refuses():
+    w8, w4 = _matrix("fp8"), _matrix("int4")
+    assert mosaic_supports(w8, MOSAIC_TILES)
+    assert not mosaic_supports(w4, MOSAIC_TILES)  # int4 is dequantized (or read by Triton)
+    assert not mosaic_supports(dataclasses.replace(w8, shape=(256, 120)), MOSAIC_TILES)
+    assert not mosaic_supports(_matrix("fp8", block=32), MOSAIC_TILES)  # k step > scale block
+    assert not mosaic_supports(dataclasses.replace(w8, dtype=np.dtype(np.float32)),
+                               MOSAIC_TILES)
+    with pytest.raises(ValueError, match="cannot be read by"):
+        mosaic_grouped_matmul(_x(8, 256), w4, jnp.asarray([8, 0, 0, 0, 0], jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes has shape"):
+        mosaic_grouped_matmul(_x(8, 256), w8, jnp.asarray([8], jnp.int32))
+    for bad in (dict(block_m=96), dict(block_k=48), dict(stages=0), dict(per_sm=0)):
+        with pytest.raises(ValueError, match="MosaicTiles"):
+            MosaicTiles(**bad)
+    if not is_hopper():
+        # Off Hopper "auto" dequantizes and "fused" takes the Triton kernel.
+        assert resolve_quantized(None, w8) == "dequantize"
+        assert resolve_quantized("fused", w8) == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(2048, 768), (768, 2048)])
+def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n):
+    # At Qwen3-30B-A3B expert shapes: the bits of the dequantized matrix through the bf16
+    # Mosaic kernel, the float64 reference's values, and a layer in pieces the whole's bits.
+    if not is_hopper():
+        pytest.skip("the Mosaic kernel needs a Hopper GPU")
+    e = 8
+    w = _matrix("fp8", e=e, k=k, n=n, nan_experts=(1, 3))
+    sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
+    m = int(sizes.sum()) + 5
+    x = _x(m, k)
+    assert resolve_quantized(None, w) == "mosaic"
+    got = grouped_matmul(x, w, sizes)
+    deq = grouped_matmul(x, w.dequantize(), sizes, impl="mosaic")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(deq))
+    assert_close(np.asarray(got, np.float64), fused_reference(x, w, sizes), jnp.bfloat16)
+    bounds = row_pieces(m, 4)
+    parts = [grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b))
+             for a, b in zip(bounds, bounds[1:])]
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
+    for tiles in (MosaicTiles(128, 128, 64, 2, 1, 2), MosaicTiles(128, 128, 128, 3, 4)):
+        other = mosaic_grouped_matmul(x, w, sizes, tiles=tiles)
+        assert_close(np.asarray(other, np.float64), fused_reference(x, w, sizes),
+                     jnp.bfloat16, err_msg=str(tiles))
+
+
+@pytest.mark.gpu
+def test_model_reads_fp8_experts_through_the_kernel_with_dequantize_bits():
+    # A model whose expert matrices the kernel reads: every arm with "auto" (the Mosaic
+    # kernel on Hopper) gives the bits of the resident model with "dequantize".
+    from strata_jax.config import get_preset
+    from strata_jax.engine import Engine
+    from strata_jax.formats import ExpertFormat
+    from strata_jax.kernels import Kernels
+    from strata_jax.stream import StreamConfig, StreamTuning
+    from strata_jax.synthetic import SyntheticParams
+    from strata_jax.weights import QuantizedParams
+
+    if not is_hopper():
+        pytest.skip("the Mosaic kernel needs a Hopper GPU")
+    plain = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2, hidden_size=128,
+                                                expert_intermediate=128)
+    cfg = plain.replace(expert_format="fp8", expert_block=128)
+    fmt = ExpertFormat.of(cfg)
+    planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
+    assert all(resolve_quantized(None, w) == "mosaic" for w in fmt.expert_matrices(planes))
+    params = QuantizedParams(SyntheticParams(plain, 3, 1.0), cfg)
+    toks = np.random.default_rng(5).integers(0, cfg.vocab_size, 200)
+    got = {}
+    for name, kernels, stream in (
+            ("dequantize", Kernels(quantized_matmul="dequantize"), None),
+            ("resident", Kernels(), None),
+            ("routed", Kernels(), StreamConfig(routed=True, tuning=StreamTuning(
+                layout="frames", tail_pieces=2, tail_from=16, stream_floor=1))),
+            ("stream-all", Kernels(), StreamConfig(routed=False, tuning=StreamTuning(
+                layout="packed")))):
+        with Engine(cfg, params, stream, max_context=256, chunk_size=256,
+                    kernels=kernels) as eng:
+            r = eng.prefill(toks)
+            got[name] = (r.logits_sha256(), r.kv_sha256())
+    assert len(set(got.values())) == 1, got
