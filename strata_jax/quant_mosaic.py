@@ -61,7 +61,7 @@ class MosaicTiles:
 # The tiling `grouped_matmul` reads fp8 experts with: the fastest of quant_matmul_bench's sweep on
 # the H200 (BENCHMARKS.md, "A fused kernel"); rows, columns and k step as the bf16 Mosaic
 # kernel's, so the products accumulate in its order.
-MOSAIC_TILES = MosaicTiles(128, 128, 64, 4, 4, 1)
+MOSAIC_TILES = MosaicTiles(128, 128, 64, 4, 8, 1)
 
 
 def mosaic_supports(w, tiles: MosaicTiles) -> bool:

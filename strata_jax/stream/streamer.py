@@ -35,6 +35,9 @@ _PIN_ARENA, _PIN_STAGED = 1, 2
 # path on a machine where pinning succeeds).
 _STAGE_HOST_STORE = False
 
+# The byte alignment XLA requires of a buffer a program takes as input on the GPU.
+_XLA_ALIGN = 256
+
 
 @dataclasses.dataclass
 class ChunkStats:
@@ -313,6 +316,14 @@ class NativeStreamer(Closable):
         # A frame's plane p: E rows of the format's plane p, in the ring's region of plane p
         # ([ring, plane bytes]).
         fp = self.format.planes
+        odd = [f"{p.name} ({E * p.nbytes} bytes)" for p in fp if (E * p.nbytes) % _XLA_ALIGN]
+        if odd and n > 1:
+            # Frames lie back to back in each plane's region: where a frame's plane is not a
+            # multiple of XLA's buffer alignment, later frames start misaligned and XLA
+            # refuses them as inputs. Only small models' scale planes come out this way.
+            self.frames_note = (f"fetch copies each frame out: a frame's {', '.join(odd)} is "
+                                f"not a multiple of {_XLA_ALIGN} bytes, XLA's buffer alignment")
+            return None
         frames = []
         try:
             for f in range(n):
