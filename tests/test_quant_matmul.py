@@ -78,7 +78,9 @@ def test_fused_kernel_matches_the_float64_reference(kind):
     assert (got[sum(SIZES):] == 0).all()
 
 
-@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4"])
+# In the slow run: the gpu-marked kernel tests check pieces of both kinds through Triton.
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_fused_rows_in_pieces_are_the_whole_matmuls_rows(kind):
     # A layer's last matmul in row pieces (tail_pieces) gives each row the bits the whole
     # matmul gives it; with 16-row tiles the pieces cut tiles other than the whole's.

@@ -216,8 +216,10 @@ def windowed():
     return c, params, toks, ref
 
 
-@pytest.mark.parametrize("path", ["split", pytest.param("xla", marks=pytest.mark.slow),
-                                  pytest.param("blocked", marks=pytest.mark.slow)])
+# In the slow run: the engine's windowed tests (test_engine.py) read windowed layers in chunks
+# in the default run.
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["split", "xla", "blocked"])
 def test_chunked_prompt_and_follow_up_match_reference(windowed, path):
     c, params, toks, ref = windowed
     model = M.build_model(c, params, kernels=Kernels(attention=path))
