@@ -297,14 +297,7 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    m, k = x.shape
-    e = w.q.shape[0]
-    n = w.shape[1]
-    if (k, n) != tuple(w.shape):
-        raise ValueError(f"fused_grouped_matmul: x is [M, {k}] but the matrix is {w.shape}")
-    if group_sizes.shape != (e,):
-        raise ValueError(f"fused_grouped_matmul: group_sizes has shape {group_sizes.shape}, "
-                         f"expected ({e},)")
+    m, k, n = check_operands("fused_grouped_matmul", x, w, group_sizes)
     tiles = tiles or tiles_for(w, m)
     if not fused_supports(w, tiles):
         raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "
@@ -332,6 +325,20 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
         out = call(meta, xp, w.q, w.scale)[:m]
         rows = jnp.arange(m, dtype=jnp.int32)[:, None]
         return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+
+
+def check_operands(name: str, x: jax.Array, w: QuantizedMatrix,
+                   group_sizes: jax.Array) -> tuple[int, int, int]:
+    """(M, K, N) of a grouped matmul of x [M, K] by `w`'s [E, K, N] with group_sizes [E];
+    a ValueError naming `name` where the shapes disagree."""
+    m, k = x.shape
+    e = w.q.shape[0]
+    n = w.shape[1]
+    if (k, n) != tuple(w.shape):
+        raise ValueError(f"{name}: x is [M, {k}] but the matrix is {w.shape}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({e},)")
+    return m, k, n
 
 
 def _interpret_dot(a, b):

@@ -91,17 +91,10 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .quant_matmul import group_metadata
+    from .quant_matmul import check_operands, group_metadata
 
     tiles = tiles or MosaicTiles()
-    m, k = x.shape
-    e = w.q.shape[0]
-    n = w.shape[1]
-    if (k, n) != tuple(w.shape):
-        raise ValueError(f"mosaic_grouped_matmul: x is [M, {k}] but the matrix is {w.shape}")
-    if group_sizes.shape != (e,):
-        raise ValueError(f"mosaic_grouped_matmul: group_sizes has shape {group_sizes.shape}, "
-                         f"expected ({e},)")
+    m, k, n = check_operands("mosaic_grouped_matmul", x, w, group_sizes)
     if not mosaic_supports(w, tiles):
         raise ValueError(f"mosaic_grouped_matmul: {w.kind} matrix {w.shape} with block "
                          f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles}; "

@@ -118,3 +118,20 @@ def test_model_reads_fp8_experts_through_the_kernel_with_dequantize_bits():
             r = eng.prefill(toks)
             got[name] = (r.logits_sha256(), r.kv_sha256())
     assert len(set(got.values())) == 1, got
+
+
+@pytest.mark.slow
+def test_quant_matmul_bench_rows_on_a_small_layer():
+    # The benchmark's rows on a small layer: bf16, dequantize, a Triton and a Mosaic tiling
+    # (both interpreted on the CPU), each finite and near the dequantize path's output.
+    from strata_jax.benchmarks.quant_matmul_bench import bench_one, parse_mosaic, parse_tiles
+    from strata_jax.config import get_preset
+
+    cfg = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2, hidden_size=256,
+                                              expert_intermediate=128)
+    rows = bench_one(64, cfg, "fp8", [parse_tiles("64,128,4,3")], warmup=0, repeats=1,
+                     mosaic=[parse_mosaic("64,128,64,2,1")])
+    assert [r["path"] for r in rows] == ["bf16", "dequantize", "fused", "mosaic"]
+    for r in rows[2:]:
+        assert "error" not in r, r
+        assert r["finite"] and r["max_diff_over_max"] < 0.02, r

@@ -1,16 +1,18 @@
-"""The experts' grouped matmuls with quantized weights: fused kernel vs dequantize-then-matmul
+"""The experts' grouped matmuls with quantized weights: fused kernels vs dequantize-then-matmul
 vs bf16, all experts resident.
 
 For a Qwen3-30B-A3B-shaped MoE layer (H 2048, I 768, 128 experts, top-8, uniform routing) it
 times one layer's expert math (gate and up [M,H]x[H,I], silu(gate) * up, down [M,I]x[I,H]; M =
-tokens * top_k rows sorted by expert) in three ways per format:
+tokens * top_k rows sorted by expert) in these ways per format:
     bf16        the bf16 weights through `grouped_matmul` (the plain model's path);
-    dequantize  the quantized planes dequantized to bf16, then the bf16 grouped matmuls (the
-                quantized model's path without the fused kernel);
-    fused       `fused_grouped_matmul` on the planes, for each tiling given (`--tiles`).
-It reports each time over bf16's, and the fused output's largest difference from the
-dequantize path's relative to the output's largest magnitude (both read the same quantized
-values; they differ by float32 summation order and one bf16 rounding).
+    dequantize  the quantized planes dequantized to bf16, then the bf16 grouped matmuls;
+    fused       the Triton kernel `fused_grouped_matmul` on the planes, at its default tiling and
+                each one given (`--tiles`; `--no-triton` skips it);
+    mosaic      the Mosaic GPU fp8 kernel `quant_mosaic.mosaic_grouped_matmul`, at each tiling
+                given (`--mosaic`).
+It reports each time over bf16's and dequantize's, whether a kernel's output has exactly the
+dequantize path's bits, and its largest difference from them relative to the output's largest
+magnitude (both read the same quantized values).
 
     python -m strata_jax.benchmarks.quant_matmul_bench --json out.json
 """
@@ -83,35 +85,10 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                  tflops=flops / t_bf16 / 1e12),
             dict(kind=kind, tokens=tokens, path="dequantize", ms=t_deq * 1e3,
                  over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
-    for tiles in tilings:
-        t = tiles or tiles_for(wq.gate, m)
-        if not all(fused_supports(a, tiles or tiles_for(a, m)) for a in wq):
-            rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=str(t),
-                             error="unsupported"))
-            continue
-        fused = jax.jit(lambda x, w, s, tiles=tiles: _swiglu(
-            x, w, s, lambda a, b, c: fused_grouped_matmul(a, b, c, tiles=tiles)))
-        try:
-            got = fused(x, wq, sizes)
-            diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-            finite = bool(jnp.all(jnp.isfinite(got)))
-            tf = _time(fused, (x, wq, sizes), warmup, repeats)
-        except Exception as ex:  # noqa: BLE001 - a tiling that does not compile is reported
-            rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=str(t),
-                             default=tiles is None, error=f"{type(ex).__name__}: {ex}"[:300]))
-            continue
-        rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=str(t),
-                         default=tiles is None, ms=tf * 1e3, over_bf16=tf / t_bf16,
-                         over_dequantize=tf / t_deq, tflops=flops / tf / 1e12,
-                         finite=finite, max_diff_over_max=diff / scale))
-    for tiles in mosaic:
-        name = ",".join(str(v) for v in dataclasses.astuple(tiles))
-        if not all(mosaic_supports(a, tiles) for a in wq):
-            rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
-                             error="unsupported"))
-            continue
-        fused = jax.jit(lambda x, w, s, tiles=tiles: _swiglu(
-            x, w, s, lambda a, b, c: mosaic_grouped_matmul(a, b, c, tiles=tiles)))
+    def timed(path, name, mm, **extra):
+        """The row of one fused kernel (`mm(x, w, sizes)` for each matrix) on the layer."""
+        fused = jax.jit(lambda x, w, s: _swiglu(x, w, s, mm))
+        base = dict(kind=kind, tokens=tokens, path=path, tiles=name, **extra)
         try:
             got = fused(x, wq, sizes)
             diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
@@ -119,13 +96,27 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             finite = bool(jnp.all(jnp.isfinite(got)))
             tf = _time(fused, (x, wq, sizes), warmup, repeats)
         except Exception as ex:  # noqa: BLE001 - a tiling that does not compile is reported
-            rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
-                             error=f"{type(ex).__name__}: {ex}"[:600]))
+            return dict(base, error=f"{type(ex).__name__}: {ex}"[:600])
+        return dict(base, ms=tf * 1e3, over_bf16=tf / t_bf16, over_dequantize=tf / t_deq,
+                    tflops=flops / tf / 1e12, finite=finite, same_bits=same,
+                    max_diff_over_max=diff / scale)
+
+    for tiles in tilings:
+        name = str(tiles or tiles_for(wq.gate, m))
+        if not all(fused_supports(a, tiles or tiles_for(a, m)) for a in wq):
+            rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=name,
+                             error="unsupported"))
             continue
-        rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name, ms=tf * 1e3,
-                         over_bf16=tf / t_bf16, over_dequantize=tf / t_deq,
-                         tflops=flops / tf / 1e12, finite=finite, same_bits=same,
-                         max_diff_over_max=diff / scale))
+        rows.append(timed("fused", name, lambda a, b, c, tiles=tiles: fused_grouped_matmul(
+            a, b, c, tiles=tiles), default=tiles is None))
+    for tiles in mosaic:
+        name = ",".join(str(v) for v in dataclasses.astuple(tiles))
+        if not all(mosaic_supports(a, tiles) for a in wq):
+            rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
+                             error="unsupported"))
+            continue
+        rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles: mosaic_grouped_matmul(
+            a, b, c, tiles=tiles)))
     return rows
 
 
