@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
-from .quant_matmul import QuantizedMatrix, fused_grouped_matmul, resolve_quantized
+from .quant_matmul import (QuantizedMatrix, fused_grouped_matmul, resolve_quantized,
+                           zero_rows_past_groups)
 from .quant_mosaic import mosaic_fp8
 
 # The Mosaic kernel's row block for MoE shapes (chosen by grouped_matmul_bench; BENCHMARKS.md).
@@ -239,8 +240,7 @@ def _mosaic(x, w, group_sizes):
         out = out[:m] if pad else out
         # The kernel never stores rows past the last group (their tiles own no rows), so those
         # rows of its output buffer are uninitialised: zero them, as lax and tiled do.
-        rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-        return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+        return zero_rows_past_groups(out, group_sizes)
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per call

@@ -126,14 +126,14 @@ class Tiles:
 
 
 # The Triton kernel's tiling for each kind: the fastest of quant_matmul_bench's sweep on the H200
-# (BENCHMARKS.md, "A fused kernel").
+# (BENCHMARKS.md, "Fused kernels").
 TILES = {"fp8": Tiles(64, 128, 4, 3), "int4": Tiles(128, 128, 8, 3)}
 
 
-def tiles_for(w: QuantizedMatrix, m: int) -> Tiles:
-    """The Triton tiling for `m` sorted rows by `w`: the kind's `TILES`, with columns a tile
-    halved (down to 16) until they divide the matrix's N and, for fp8, its scale block."""
-    del m  # one tiling per kind at every length
+def tiles_for(w: QuantizedMatrix) -> Tiles:
+    """The Triton tiling for `w` (one per kind at every length): the kind's `TILES`, with
+    columns a tile halved (down to 16) until they divide the matrix's N and, for fp8, its
+    scale block."""
     t = TILES[w.kind]
     bn, n = t.block_n, w.shape[1]
     while bn > 16 and (n % bn or (w.kind == "fp8" and w.block % bn)):
@@ -161,7 +161,7 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     device = device or jax.devices()[0]
     if is_hopper(device) and mosaic_supports(w, MOSAIC_TILES):
         return "mosaic"
-    if impl == "fused" and fused_supports(w, tiles_for(w, 0)):
+    if impl == "fused" and fused_supports(w, tiles_for(w)):
         return "triton"
     return "dequantize"
 
@@ -298,7 +298,7 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
     from jax.experimental.pallas import triton as plt
 
     m, k, n = check_operands("fused_grouped_matmul", x, w, group_sizes)
-    tiles = tiles or tiles_for(w, m)
+    tiles = tiles or tiles_for(w)
     if not fused_supports(w, tiles):
         raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "
                          f"{w.block} cannot be tiled by {tiles}; use grouped_matmul, which "
@@ -323,8 +323,7 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
         name=f"grouped_matmul_{w.kind}")
     with jax.named_scope(f"grouped_matmul_{w.kind}"):
         out = call(meta, xp, w.q, w.scale)[:m]
-        rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-        return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+        return zero_rows_past_groups(out, group_sizes)
 
 
 def check_operands(name: str, x: jax.Array, w: QuantizedMatrix,
@@ -339,6 +338,13 @@ def check_operands(name: str, x: jax.Array, w: QuantizedMatrix,
     if group_sizes.shape != (e,):
         raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({e},)")
     return m, k, n
+
+
+def zero_rows_past_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`out` [M, N] with the rows past the last group zeroed: a ragged kernel never stores them
+    (they belong to no group), so its output buffer holds whatever was there."""
+    rows = jnp.arange(out.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
 
 
 def _interpret_dot(a, b):

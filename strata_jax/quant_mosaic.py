@@ -36,7 +36,7 @@ from jax import lax
 class MosaicTiles:
     """The Mosaic kernel's tiling: rows and columns a tile, inputs a k step, pipeline stages,
     column tiles a row tile's sweep covers before moving on (`planar_snake`'s width), and
-    programs per SM (two let one program's dequantization overlap the other's products)."""
+    programs per SM (more than one where their shared memory fits beside each other)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -59,7 +59,7 @@ class MosaicTiles:
 
 
 # The tiling `grouped_matmul` reads fp8 experts with: the fastest of quant_matmul_bench's sweep on
-# the H200 (BENCHMARKS.md, "A fused kernel"); rows, columns and k step as the bf16 Mosaic
+# the H200 (BENCHMARKS.md, "Fused kernels"); rows, columns and k step as the bf16 Mosaic
 # kernel's, so the products accumulate in its order.
 MOSAIC_TILES = MosaicTiles(128, 128, 64, 4, 8, 1)
 
@@ -84,16 +84,16 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         x: [M, K] in the matrix's dtype (bf16 or fp16).
         w: the experts' matrix, [E, K, N] e4m3 values and [E, K/b, N/b] float32 scales.
         group_sizes: int32 [E], summing to at most M.
-        tiles: the tiling (default `MosaicTiles()`); it must satisfy `mosaic_supports`.
+        tiles: the tiling (default `MOSAIC_TILES`); it must satisfy `mosaic_supports`.
         interpret: run in Pallas' Mosaic GPU interpret mode (default: on a non-GPU backend).
         num_sms: the SMs to spread programs over (default: the device's).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .quant_matmul import check_operands, group_metadata
+    from .quant_matmul import check_operands, group_metadata, zero_rows_past_groups
 
-    tiles = tiles or MosaicTiles()
+    tiles = tiles or MOSAIC_TILES
     m, k, n = check_operands("mosaic_grouped_matmul", x, w, group_sizes)
     if not mosaic_supports(w, tiles):
         raise ValueError(f"mosaic_grouped_matmul: {w.kind} matrix {w.shape} with block "
@@ -183,9 +183,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
     with jax.named_scope("grouped_matmul_fp8_mosaic"):
         out = kernel(meta, xp, w.q, w.scale.astype(jnp.float32))[:m]
-        # Rows past the last group belong to no visit and are never stored.
-        rows_ = jnp.arange(m, dtype=jnp.int32)[:, None]
-        return jnp.where(rows_ < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+        return zero_rows_past_groups(out, group_sizes)  # they belong to no visit
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per

@@ -110,7 +110,7 @@ def test_the_path_each_choice_takes():
         Kernels(quantized_matmul="x")
     # A matrix the kernel cannot tile (N not a multiple of 16) is dequantized instead.
     odd = dataclasses.replace(w8, shape=(256, 120))
-    assert not fused_supports(odd, tiles_for(odd, 10))
+    assert not fused_supports(odd, tiles_for(odd))
     assert resolve_quantized("fused", odd) == "dequantize"
     with pytest.raises(ValueError, match="cannot be tiled"):
         fused_grouped_matmul(_x(4, 256), w8, jnp.asarray([4, 0, 0, 0, 0], jnp.int32),

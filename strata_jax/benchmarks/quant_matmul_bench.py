@@ -102,8 +102,8 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                     max_diff_over_max=diff / scale)
 
     for tiles in tilings:
-        name = str(tiles or tiles_for(wq.gate, m))
-        if not all(fused_supports(a, tiles or tiles_for(a, m)) for a in wq):
+        name = str(tiles or tiles_for(wq.gate))
+        if not all(fused_supports(a, tiles or tiles_for(a)) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=name,
                              error="unsupported"))
             continue
