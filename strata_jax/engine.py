@@ -653,7 +653,8 @@ class Engine:
         """The pieces a chunk's program runs its last MoE layer in (StreamTuning.tail_pieces),
         chunk-major only: a layer-major prompt's layers run once over all of its sub-chunks."""
         return 1 if layer_major else self.streamer.tail_pieces(
-            mode, bucket, grouped_matmul=self.kernels.grouped_matmul)
+            mode, bucket, grouped_matmul=self.kernels.grouped_matmul,
+            quantized=self.kernels.quantized_matmul)
 
     @staticmethod
     def _chunk_ids(piece: np.ndarray, bucket: int, start: int,

@@ -166,6 +166,18 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     return "dequantize"
 
 
+def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> str:
+    """`resolve_quantized` over the matrices of expert format `fmt` (a quantized
+    `formats.ExpertFormat`): "dequantize" if any of them is dequantized first, else the kernel
+    that reads them ("mosaic" where it reads them all, else "triton")."""
+    paths = {resolve_quantized(impl, QuantizedMatrix(None, None, fmt.kind, fmt.block,
+                                                     fmt.matrix_shape(m), fmt.dtype), device)
+             for m in ("gate", "up", "down")}
+    if "dequantize" in paths:
+        return "dequantize"
+    return "mosaic" if paths == {"mosaic"} else "triton"
+
+
 def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:
     """Whether the fused kernel can tile `w` (else `grouped_matmul` dequantizes first)."""
     if w.kind not in FUSED_KINDS:

@@ -181,7 +181,8 @@ def add_stream_args(ap) -> None:
                     help="StreamTuning.tail_pieces (default 4): the last MoE layer's expert "
                          "math in this many row pieces; 1 runs it whole")
     ap.add_argument("--tail-from", type=int, default=None,
-                    help="StreamTuning.tail_from (default 8,192): the shortest chunk in pieces")
+                    help="StreamTuning.tail_from (default: 8,192 for bf16 experts or dequantized "
+                         "ones, 1,024 for the quantized kernels): the shortest chunk in pieces")
 
 
 def _layout(args) -> str:

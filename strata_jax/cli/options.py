@@ -220,7 +220,8 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                         "it whole (default: StreamTuning.tail_pieces, 4)")
     g.add_argument("--tail-from", type=_positive_int, metavar="N",
                    help="the shortest chunk, in tokens, whose last MoE layer runs in "
-                        "--tail-pieces pieces (default: StreamTuning.tail_from, 8192)")
+                        "--tail-pieces pieces (default: StreamTuning.tail_from: 8192 for bf16 or "
+                        "dequantized experts, 1024 for the quantized kernels)")
     g.add_argument("--profile", metavar="FILE",
                    help="expert profile saved by `strata-jax profile`: orders each layer's "
                         "stream hottest first and chooses the resident experts")

@@ -29,6 +29,10 @@ _PUBLISH_MODES = {"callback": 0, "event": 1}
 _MODE_STREAM, _MODE_ROUTED_ONLY, _MODE_STREAM_PACKED = 0, 1, 2
 _STREAM_MODES = (_MODE_STREAM, _MODE_STREAM_PACKED)
 _LAYOUTS = ("auto", "frames", "packed")
+# StreamTuning.tail_from's defaults: where every piece pays per-expert tiles again, and where a
+# kernel visits only the experts with rows (a piece costs its boundary tiles).
+TAIL_FROM_TILED = 8192
+TAIL_FROM_VISITS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +71,16 @@ class StreamTuning:
             layer's expert math runs in this many pieces of its rows (sorted by expert), each
             after a fetch that waits only for the copies of the experts with rows in it, so
             that only the last piece's math follows the chunk's last copy (1: the layer whole).
-            The pieces give the same bits (each row keeps its expert and its math). Each piece
-            costs the Mosaic grouped matmul's per-expert tiles again, hence a floor on the
-            length, and at most one piece per `n_experts` row tiles (128 rows) of the chunk
-            there (`NativeStreamer.tail_pieces`).
+            The pieces give the same bits (each row keeps its expert and its math). With the
+            bf16 grouped matmul each piece costs its per-expert tiles again, hence a floor on
+            the length, and with the Mosaic kernel at most one piece per `n_experts` row tiles
+            (128 rows) of the chunk (`NativeStreamer.tail_pieces`).
         tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
-            `tail_pieces` pieces.
+            `tail_pieces` pieces. None (the default): `TAIL_FROM_TILED` (8,192) where the
+            expert math pays per-expert tiles per piece (bf16 experts, or quantized ones
+            dequantized first), `TAIL_FROM_VISITS` (1,024) where a kernel visits only the
+            experts with rows (the quantized Mosaic and Triton kernels: a piece costs its
+            boundary tiles).
         stream_floor: Chunks shorter than this many tokens use routed-only fetch (wait for
             the routing, copy only the routed experts).
         publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded
@@ -91,7 +99,7 @@ class StreamTuning:
     layout: str = "auto"
     frames_from: int = 24576
     tail_pieces: int = 4
-    tail_from: int = 8192
+    tail_from: int | None = None
     stream_floor: int = 1024
     publish: str = "event"
     sim_bandwidth: float = 2e9
@@ -114,7 +122,7 @@ class StreamTuning:
         if self.tail_pieces < 1:
             raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
                              f"last MoE layer whole)")
-        if self.tail_from < 1:
+        if self.tail_from is not None and self.tail_from < 1:
             raise ValueError(f"tail_from={self.tail_from}: must be at least 1 (a chunk length "
                              f"in tokens)")
         for name in ("sim_bandwidth", "sim_latency", "sim_jitter"):
@@ -231,7 +239,7 @@ _TUNING_INT_FIELDS = {
     "ring": "an integer (ring slots) or None",
     "frames_from": "an integer >= 1 (tokens)",
     "tail_pieces": "an integer >= 1",
-    "tail_from": "an integer >= 1 (tokens)",
+    "tail_from": "an integer >= 1 (tokens) or None",
     "stream_floor": "an integer >= 1 (tokens)",
     "seed": "an integer",
 }
@@ -242,7 +250,7 @@ def _check_int_fields(obj, fields: dict[str, str]) -> None:
     a bool), instead of int()'s or a comparison's bare message."""
     for name, expected in fields.items():
         value = getattr(obj, name)
-        if value is None and name == "ring":
+        if value is None and name in ("ring", "tail_from"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name}={value!r}: expected {expected}")

@@ -302,9 +302,10 @@ class StreamerGroup(Closable):
         """The last MoE layer (`NativeStreamer.tail_layer`)."""
         return self.streamers[0].tail_layer
 
-    def tail_pieces(self, mode: int, n_tokens: int, grouped_matmul: str = "auto") -> int:
+    def tail_pieces(self, mode: int, n_tokens: int, grouped_matmul: str = "auto",
+                    quantized: str = "auto") -> int:
         """`NativeStreamer.tail_pieces` (the same on every device)."""
-        return self.streamers[0].tail_pieces(mode, n_tokens, grouped_matmul)
+        return self.streamers[0].tail_pieces(mode, n_tokens, grouped_matmul, quantized)
 
     # A frames chunk on a mesh reads each device's frame through fetch's copy: the ring's
     # in-place views (`NativeStreamer.frames`, CUDA) are per-device arrays, and a program

@@ -23,8 +23,9 @@ from ..config import ModelConfig
 from ..experts import ExpertWeights
 from ..formats import ExpertFormat
 from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
+from ..quant_matmul import resolve_format
 from ..memory import check_host_bytes, device_memory
-from .config import (_MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
+from .config import (TAIL_FROM_TILED, TAIL_FROM_VISITS, _MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
                      _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
 
@@ -655,19 +656,33 @@ class NativeStreamer(Closable):
             return _MODE_ROUTED_ONLY
         return _MODE_STREAM_PACKED if self.layout(n_tokens) == "packed" else _MODE_STREAM
 
-    def tail_pieces(self, mode: int, n_tokens: int, grouped_matmul: str = "auto") -> int:
+    def tail_pieces(self, mode: int, n_tokens: int, grouped_matmul: str = "auto",
+                    quantized: str = "auto") -> int:
         """Pieces the last MoE layer runs in, in a chunk of `mode` compiled for `n_tokens`
         tokens (its bucket; StreamTuning.tail_pieces): 1 for routed-only or short chunks.
+        `grouped_matmul`, `quantized`: the model's `Kernels`, which decide what a piece costs.
 
-        With the Mosaic grouped matmul, whose grid holds E - 1 tiles more than the rows' own
-        whatever the rows, at most one piece per E row tiles of the chunk: a piece must hold
-        at least as many tiles of its own as it adds (Qwen3-30B-A3B, 128 experts top-8: all
-        four pieces from 8,192 tokens; 512 experts top-10: two from 13,108 tokens, four from
-        26,215)."""
-        if mode not in _STREAM_MODES or n_tokens < self.tuning.tail_from or not self.moe_layers:
+        A kernel that visits only the experts with rows (the quantized Mosaic and Triton
+        kernels, `quant_matmul.resolve_format`) costs a piece its boundary tiles: pieces from
+        `tail_from` tokens, by default 1,024 (`TAIL_FROM_VISITS`). The bf16 grouped matmul
+        (and a quantized format dequantized first) pays per-expert tiles again in every piece:
+        pieces from `tail_from` tokens, by default 8,192 (`TAIL_FROM_TILED`); with the Mosaic
+        kernel, whose grid holds E - 1 tiles more than the rows' own whatever the rows, at
+        most one piece per E row tiles of the chunk: a piece must hold at least as many tiles
+        of its own as it adds (Qwen3-30B-A3B, 128 experts top-8: all four pieces from 8,192
+        tokens; 512 experts top-10: two from 13,108 tokens, four from 26,215)."""
+        if mode not in _STREAM_MODES or not self.moe_layers:
             return 1
         pieces = self.tuning.tail_pieces
-        if pieces > 1 and resolve_implementation(grouped_matmul) == "mosaic":
+        fmt = self.format
+        visits = fmt.kind != "plain" and resolve_format(
+            quantized, fmt, self.jax_device) in ("mosaic", "triton")
+        floor = self.tuning.tail_from
+        if floor is None:
+            floor = TAIL_FROM_VISITS if visits else TAIL_FROM_TILED
+        if n_tokens < floor:
+            return 1
+        if pieces > 1 and not visits and resolve_implementation(grouped_matmul) == "mosaic":
             tiles = n_tokens * self.config.top_k // MOSAIC_BLOCK_M
             pieces = min(pieces, tiles // self.config.n_experts)
         return max(pieces, 1)
