@@ -220,9 +220,10 @@ def test_timeline_traces_a_prompt_of_several_chunks(tmp_path):
 
     out = tmp_path / "tl"
     assert timeline.main(["--tiny", "--layers", "2", "--tokens", "64", "--chunk", "32",
-                          "--arms", "routed", "--out", str(out)]) == 0
+                          "--arms", "routed", "--quantize", "fp8", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["chunk"] == 32 and summary["arms"]["routed"]["plain"]["call_ms"] > 0
+    assert summary["expert_format"] == "fp8"
     with pytest.raises(SystemExit):
         timeline.main(["--tiny", "--tokens", "64", "--chunk", "65", "--out", str(out)])
 

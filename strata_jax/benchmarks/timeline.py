@@ -163,13 +163,15 @@ def main(argv=None) -> int:
                          "alive through the call (hash-hold), then gc.collect() before the "
                          "call, as stream_bench's timed calls do (hash-hold-gc)")
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
+    ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
+                    help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--out", required=True, help="folder for summary.json and raw events")
     args = ap.parse_args(argv)
     if args.chunk is not None and not 0 < args.chunk <= args.tokens:
         ap.error(f"--chunk {args.chunk}: must be in 1..--tokens ({args.tokens})")
 
     from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, fast_params,
-                                                    model_config)
+                                                    model_config, quantized)
     from strata_jax.engine import Engine
     from strata_jax.grouped_matmul import resolve_implementation
 
@@ -179,11 +181,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown arms {sorted(unknown)}")
     os.makedirs(args.out, exist_ok=True)
     cfg = model_config(args.preset, args.layers, args.vocab, args.tokens, tiny=args.tiny)
-    params = fast_params(cfg, 0, 0.0)
+    cfg, params = quantized(cfg, fast_params(cfg, 0, 0.0), args.quantize)
     rng = np.random.default_rng(1)
     summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,
                "preset": args.preset, "layers": args.layers,
-               "between": args.between,
+               "between": args.between, "expert_format": cfg.expert_format,
                "grouped_matmul": resolve_implementation(), "arms": {}}
     for arm in arms:
         stream = None if arm == "resident" else _stream_config(args, arm == "routed")
