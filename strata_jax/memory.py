@@ -245,6 +245,7 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         ValueError: what plan_stream refuses (a negative budget, more residents per layer than
             a layer has experts); a device count below 1 or not dividing the experts.
     """
+    from .parallel import expert_slices
     from .stream import StreamConfig, plan_stream  # not at the top: the stream imports this
 
     if devices < 1 or config.n_experts % devices:
@@ -295,7 +296,8 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     local = plan_stream(config, stream, check_ring_budget=False, devices=devices)
     streamed_dev = dense + kv + local.resident_bytes + local.ring_bytes
     out["per_device"] = {"experts_per_layer": per,
-                         "expert_slices": [[d * per, (d + 1) * per] for d in range(devices)],
+                         "expert_slices": [list(s) for s in expert_slices(config.n_experts,
+                                                                          devices)],
                          "expert_bytes": config.expert_bytes_total // devices,
                          "device_bytes_all_resident": per_device,
                          "resident_per_layer": max((len(local.resident[l])

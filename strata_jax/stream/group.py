@@ -28,31 +28,12 @@ import jax
 import numpy as np
 
 from .. import native
+from ..parallel import expert_slices  # noqa: F401 - the stream package exports it
 from ..config import ModelConfig
 from .config import StreamConfig
 from .streamer import ChunkStats, Closable, NativeStreamer, choose_backend, stream_platform
 
 __all__ = ["StreamerGroup", "GroupChunkStats", "expert_slices", "group_devices"]
-
-
-def expert_slices(n_experts: int, n_devices: int) -> tuple[tuple[int, int], ...]:
-    """Device d's experts of every MoE layer, [E*d/G, E*(d+1)/G), for d in 0..G-1.
-
-    Raises:
-        ValueError: G is not a positive int, or E is not a multiple of G (every device holds
-            as many experts, so one program's shapes serve them all).
-    """
-    if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)) \
-            or n_devices < 1:
-        raise ValueError(f"{n_devices!r} devices: expected a positive int")
-    if n_experts % n_devices:
-        divisors = [g for g in range(1, n_experts + 1) if n_experts % g == 0]
-        raise ValueError(
-            f"{n_experts} experts per layer do not split evenly over {n_devices} devices: "
-            f"each device holds an equal slice of every layer; use a device count that "
-            f"divides {n_experts} ({', '.join(map(str, divisors))})")
-    per = n_experts // n_devices
-    return tuple((d * per, (d + 1) * per) for d in range(n_devices))
 
 
 def group_devices(devices: int | Sequence[jax.Device], platform: str) -> tuple[jax.Device, ...]:
