@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from .. import native
-from ..parallel import expert_slices  # noqa: F401 - the stream package exports it
 from ..config import ModelConfig
+from ..parallel import expert_slices
 from .config import StreamConfig
 from .streamer import ChunkStats, Closable, NativeStreamer, choose_backend, stream_platform
 
