@@ -322,7 +322,7 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
                for r in follow)
     # Host memory is reported; the simulated link has no ceiling to measure.
     assert all(r["peak_rss_bytes"] > 0 and r["peak_rss_over_experts"] > 0 for r in reads.values())
-    assert all(r["link_gbps"] is None for r in reads.values())
+    assert all(r["link_gbps"] is None and r["link_gbps_after"] is None for r in reads.values())
     # A run without the resident arm divides by the first run's resident one-chunk time.
     again = tmp_path / "again.json"
     rc = chunked_bench.main(["--tiny", "--layers", "2", "--parts", "prefill", "--long", "256",

@@ -294,6 +294,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                     print(json.dumps(row), flush=True)
                     continue
                 ms, r = read
+                after = _link_gbps(eng)  # again after the reads: the link can drift by a few %
                 if arm == "resident" and order == "one":
                     resident_one = ms
                 h = _hashes(r)
@@ -316,6 +317,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                        "expert_rows": r.expert_rows, "engine_s": made_s,
                        "chunk_choice": r.chunk_choice, "fallback": r.fallback,
                        "devices": r.devices, **_link_rows(r, ms, link),
+                       "link_gbps_after": after[0] if after and len(after) == 1 else after,
                        "peak_rss_bytes": peak_rss_bytes(),
                        "peak_rss_over_experts": _over_experts(cfg)}
                 result["rows"].append(row)
