@@ -23,10 +23,10 @@ from ..config import ModelConfig
 from ..experts import ExpertWeights
 from ..formats import ExpertFormat
 from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
-from ..quant_matmul import resolve_format
 from ..memory import check_host_bytes, device_memory
-from .config import (TAIL_FROM_TILED, TAIL_FROM_VISITS, _MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED,
-                     _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
+from ..quant_matmul import resolve_format
+from .config import (TAIL_FROM_TILED, TAIL_FROM_VISITS, _MODE_ROUTED_ONLY, _MODE_STREAM,
+                     _MODE_STREAM_PACKED, _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
 
 # The native engine's host store on CUDA (EngineOptions.pin_mode): a pinned arena, with the
