@@ -101,6 +101,60 @@ def dense(w):
 
 
 # ---------------------------------------------------------------------------------------------
+# Dequantizing ahead, on a second stream.
+
+# Rows a chunk from which "auto" dequantizes resident experts ahead where a fused kernel would
+# read them: below it the layer's attention is too short to hide the dequantization, and the
+# fused kernel, which converts only the tiles it visits, is faster (BENCHMARKS.md, "Quantized
+# experts on the link").
+DEQUANTIZE_AHEAD_FROM = 4096
+
+
+def dequantize_ahead(mode: str | None, quantized: str | None, w: QuantizedMatrix, rows: int,
+                     device: jax.Device | None = None) -> bool:
+    """Whether a layer whose experts are all resident (`w`: one of its matrices) dequantizes
+    them ahead, on a second stream, for `mode` (`Kernels.dequantize_ahead`; None: auto),
+    `quantized` (`Kernels.quantized_matmul`) and a chunk of `rows` rows.
+
+    auto: on a GPU, where `resolve_quantized` would dequantize the matrix anyway, or from
+    `DEQUANTIZE_AHEAD_FROM` rows; on: always; off: never."""
+    mode = (mode or "auto").lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"dequantize_ahead {mode!r}: expected one of auto|on|off")
+    if mode != "auto":
+        return mode == "on"
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    return (resolve_quantized(quantized, w, device) == "dequantize"
+            or rows >= DEQUANTIZE_AHEAD_FROM)
+
+
+def dequantize_beside(anchor: jax.Array, w):
+    """`dense(w)` (an ExpertWeights of QuantizedMatrix) computed on a second GPU stream
+    (`jax.experimental.compute_on("gpu_stream:1")`), started once `anchor` exists.
+
+    An optimization barrier ties the planes to `anchor` (the layer's input), so XLA cannot
+    start the dequantization before the layer does (it would hold more than one layer's
+    dequantized weights at once); the layer's attention, which does not read them, then runs
+    beside it on the compute stream until the expert math waits for it. The values are
+    `dense(w)`'s: the same float32 product and cast per value, whichever stream runs them. On
+    other backends the annotation is ignored and it runs in line."""
+    _, w = lax.optimization_barrier((anchor, w))
+    with jax.named_scope("dequantize_ahead"):
+        return _dense_on_side_stream()(w)
+
+
+@functools.cache
+def _dense_on_side_stream():
+    try:
+        from jax.experimental.compute_on import compute_on
+    except ImportError:  # a jax without stream annotations: in line
+        return dense
+    return compute_on("gpu_stream:1")(jax.jit(dense))
+
+
+# ---------------------------------------------------------------------------------------------
 # Tiles.
 
 

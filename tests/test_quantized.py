@@ -238,3 +238,67 @@ def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, e
                 tot = r.totals()
                 assert tot["bytes"] == tot["copied"] * cfg.expert_bytes > 0
     assert len(set(got.values())) == 1, got
+
+
+@pytest.mark.parametrize("kind", ["fp8", pytest.param("int4", marks=pytest.mark.slow)])
+def test_dequantizing_ahead_gives_the_same_bits(plain_params, kind):
+    # Kernels(dequantize_ahead="on") dequantizes a resident layer's experts in a call annotated
+    # for a second GPU stream (on the CPU it runs in line): the same logits and KV cache as
+    # reading the planes in the expert math, chunk-major and layer-major; the program carries
+    # one annotated call per MoE layer, and none with "off".
+    import jax
+
+    from strata_jax.kernels import Kernels
+
+    cfg = FORMATS[kind]
+    params = QuantizedParams(plain_params, cfg)
+    toks = _tokens(40)
+    got, annotated = {}, {}
+    for mode in ("off", "on"):
+        with Engine(cfg, params, max_context=64, chunk_size=16,
+                    kernels=Kernels(dequantize_ahead=mode)) as eng:
+            for order in ("chunk-major", "layer-major"):
+                r = eng.prefill(toks, order=order)
+                got[mode, order] = (r.logits_sha256(), r.kv_sha256())
+            hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub", "width")).lower(
+                eng._state_leaves, {}, eng._chunk_ids(toks[:16], 16, 0, None), None,
+                first=True, mode=0, sub=0, width=18).as_text()
+            annotated[mode] = sum("call @" in line and '_xla_stream_annotation = "1"' in line
+                                  for line in hlo.splitlines())
+    for order in ("chunk-major", "layer-major"):
+        assert got["on", order] == got["off", order], order
+    assert annotated == {"off": 0, "on": len(cfg.moe_layers)}
+
+
+def test_dequantize_ahead_follows_the_kernel_and_the_rows():
+    # auto: never off a GPU; on a GPU where the matrix is dequantized anyway (int4, or any
+    # matrix with quantized_matmul="dequantize"), and from DEQUANTIZE_AHEAD_FROM rows where a
+    # fused kernel reads it (fp8 on Hopper). on/off: as asked, on any device.
+    import types
+
+    import jax
+
+    from strata_jax.kernels import Kernels
+    from strata_jax.quant_matmul import DEQUANTIZE_AHEAD_FROM, QuantizedMatrix, dequantize_ahead
+
+    h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                                 compute_capability="9.0")
+    a100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB",
+                                 compute_capability="8.0")
+    cpu = jax.devices("cpu")[0]
+    import jax.numpy as jnp
+    fp8 = QuantizedMatrix(None, None, "fp8", 128, (2048, 768), jnp.dtype(jnp.bfloat16))
+    int4 = QuantizedMatrix(None, None, "int4", 128, (2048, 768), jnp.dtype(jnp.bfloat16))
+    few, many = DEQUANTIZE_AHEAD_FROM - 1, DEQUANTIZE_AHEAD_FROM
+    assert not dequantize_ahead("auto", "auto", int4, many, cpu)
+    assert dequantize_ahead("on", "auto", fp8, 1, cpu)
+    assert not dequantize_ahead("off", "auto", int4, many, h100)
+    assert dequantize_ahead(None, None, int4, 1, h100)
+    assert not dequantize_ahead("auto", "auto", fp8, few, h100)  # the Mosaic kernel reads it
+    assert dequantize_ahead("auto", "auto", fp8, many, h100)
+    assert dequantize_ahead("auto", "dequantize", fp8, few, h100)
+    assert dequantize_ahead("auto", "auto", fp8, few, a100)  # no Mosaic kernel: dequantized
+    with pytest.raises(ValueError, match="dequantize_ahead 'x'"):
+        dequantize_ahead("x", "auto", fp8, 1, cpu)
+    with pytest.raises(ValueError, match=r"Kernels\(dequantize_ahead='sometimes'\)"):
+        Kernels(dequantize_ahead="sometimes")
