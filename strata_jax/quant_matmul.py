@@ -147,11 +147,15 @@ def dequantize_beside(anchor: jax.Array, w):
 
 @functools.cache
 def _dense_on_side_stream():
+    # jax 0.10 names the function form `compute_on2`; later versions `compute_on`, with the
+    # same arguments (the outputs stay in device memory).
     try:
-        from jax.experimental.compute_on import compute_on
+        from jax.experimental import compute_on as api
     except ImportError:  # a jax without stream annotations: in line
         return dense
-    return compute_on("gpu_stream:1")(jax.jit(dense))
+    wrap = getattr(api, "compute_on2", None) or api.compute_on
+    return wrap(jax.jit(dense), compute_type="gpu_stream:1",
+                out_memory_spaces=jax.memory.Space.Device)
 
 
 # ---------------------------------------------------------------------------------------------
