@@ -153,9 +153,10 @@ def _dense_on_side_stream():
         from jax.experimental import compute_on as api
     except ImportError:  # a jax without stream annotations: in line
         return dense
+    # `dense` itself, not a jit of it: a call nested in the annotated call would carry the
+    # annotation too, and XLA finds no stream for an annotated call inside another one.
     wrap = getattr(api, "compute_on2", None) or api.compute_on
-    return wrap(jax.jit(dense), compute_type="gpu_stream:1",
-                out_memory_spaces=jax.memory.Space.Device)
+    return wrap(dense, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
 
 
 # ---------------------------------------------------------------------------------------------
