@@ -12,13 +12,6 @@ another (jit keys on it). Nothing is read from the environment.
                     `quant_mosaic`, else the Pallas Triton one), dequantize: the whole matrix to
                     bf16 first, then grouped_matmul; auto: the Mosaic kernel for fp8 on a
                     Hopper GPU, which gives dequantize's bits faster, dequantize elsewhere)
-    dequantize_ahead  "auto" | "on" | "off"  (`quant_matmul.dequantize_ahead`: a layer whose
-                    quantized experts are all resident dequantizes them to the parameter dtype on
-                    a second GPU stream, started with the layer, so it runs beside the layer's
-                    attention; then the plain grouped matmul, with the bits of the other paths.
-                    auto: on a GPU where the matrices would be dequantized anyway, or from
-                    `DEQUANTIZE_AHEAD_FROM` rows a chunk, where the attention is long enough to
-                    hide it; on: always (on the CPU it runs in line); off: never)
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`strata_jax.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)
@@ -31,12 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Kernels", "GROUPED_MATMULS", "QUANTIZED_MATMULS", "DEQUANTIZE_AHEAD",
-           "ATTENTION_PATHS"]
+__all__ = ["Kernels", "GROUPED_MATMULS", "QUANTIZED_MATMULS", "ATTENTION_PATHS"]
 
 GROUPED_MATMULS = ("auto", "mosaic", "lax", "tiled")
 QUANTIZED_MATMULS = ("auto", "fused", "dequantize")
-DEQUANTIZE_AHEAD = ("auto", "on", "off")
 ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
 
 
@@ -47,13 +38,11 @@ class Kernels:
     grouped_matmul: str = "auto"
     attention: str = "auto"
     quantized_matmul: str = "auto"
-    dequantize_ahead: str = "auto"
 
     def __post_init__(self):
         for field, allowed in (("grouped_matmul", GROUPED_MATMULS),
                                ("attention", ATTENTION_PATHS),
-                               ("quantized_matmul", QUANTIZED_MATMULS),
-                               ("dequantize_ahead", DEQUANTIZE_AHEAD)):
+                               ("quantized_matmul", QUANTIZED_MATMULS)):
             value = getattr(self, field)
             if not isinstance(value, str) or value.lower() not in allowed:
                 raise ValueError(f"Kernels({field}={value!r}): expected one of "

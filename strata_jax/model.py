@@ -28,7 +28,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 from strata_jax.kernels import Kernels
-from strata_jax.quant_matmul import QuantizedMatrix, dequantize_ahead, dequantize_beside
+from strata_jax.quant_matmul import QuantizedMatrix
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 _INIT_STD = 0.02
@@ -479,33 +479,11 @@ class MoE(nnx.Module):
         bias = self.selection_bias[...] if self.selection_bias is not None else None
         return route(x, self.router[...], bias, self.config, valid)
 
-    def fetch_weights(self, counts: jax.Array, expert_source: ExpertSource | None = None,
-                      ahead: ExpertWeights | None = None) -> ExpertWeights:
-        """Step 3: the layer's expert weights from the source, for routing counts int32 [E]
-        (`ahead`, where `weights_ahead` gave them)."""
-        if ahead is not None:
-            return ahead
+    def fetch_weights(self, counts: jax.Array,
+                      expert_source: ExpertSource | None = None) -> ExpertWeights:
+        """Step 3: the layer's expert weights from the source, for routing counts int32 [E]."""
         source = expert_source if expert_source is not None else ResidentExperts()
         return source.expert_weights(self.layer, counts, self.resident_weights())
-
-    def weights_ahead(self, anchor: jax.Array, expert_source: ExpertSource | None,
-                      rows: int) -> ExpertWeights | None:
-        """The layer's resident quantized experts dequantized on a second GPU stream, started
-        once `anchor` (the layer's input) exists, so that it runs beside the layer's attention
-        (`quant_matmul.dequantize_beside`), where `Kernels.dequantize_ahead` asks for it for a
-        chunk of `rows` rows; else None (the expert math reads the experts as `fetch_weights`
-        gives them). Only for experts all resident on one device: a streamed layer's arrive
-        with its copies."""
-        if (self.gate is None or self.parallel is not None
-                or not (expert_source is None or isinstance(expert_source, ResidentExperts))):
-            return None
-        w = self.resident_weights()
-        if not isinstance(w.gate, QuantizedMatrix):
-            return None
-        if not dequantize_ahead(self.kernels.dequantize_ahead, self.kernels.quantized_matmul,
-                                w.gate, rows):
-            return None
-        return dequantize_beside(anchor, w)
 
     def apply_experts(self, x: jax.Array, routing: Routing, w: ExpertWeights | None,
                       valid: jax.Array | None = None, *, pieces=None) -> jax.Array:
@@ -547,14 +525,14 @@ class MoE(nnx.Module):
         return out
 
     def __call__(self, x: jax.Array, expert_source: ExpertSource | None = None,
-                 valid: jax.Array | None = None, ahead: ExpertWeights | None = None):
-        """x [T, H] -> ([T, H], counts int32 [E]); `ahead`: from `weights_ahead`, or None."""
+                 valid: jax.Array | None = None):
+        """x [T, H] -> ([T, H], counts int32 [E])."""
         routing = self.route_tokens(x, valid)
         row_pieces = getattr(expert_source, "row_pieces", None)
         bounds = (row_pieces(self.layer, routing.expert_ids.size)
                   if row_pieces is not None else None)
         if bounds is None:
-            w = self.fetch_weights(routing.counts, expert_source, ahead)
+            w = self.fetch_weights(routing.counts, expert_source)
             out = self.apply_experts(x, routing, w, valid)
         else:
             def weights_for_piece(p, after):
@@ -590,12 +568,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cache_k, cache_v, start, positions, expert_source, valid=None):
         with jax.named_scope(f"layer_{self.layer}"):
-            ahead = (self.mlp.weights_ahead(x, expert_source, x.shape[0]) if self.is_moe
-                     else None)
             x, cache_k, cache_v = self.attention_block(x, cache_k, cache_v, start, positions)
             counts = None
             if self.is_moe:
-                h, counts = self.mlp(self.post_attn_norm(x), expert_source, valid, ahead)
+                h, counts = self.mlp(self.post_attn_norm(x), expert_source, valid)
             else:
                 h = self.mlp(self.post_attn_norm(x))
             return x + h, cache_k, cache_v, counts
@@ -730,8 +706,6 @@ class MoETransformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             k, v = cache.keys[i], cache.values[i]
             with jax.named_scope(f"layer_{layer.layer}"):
-                ahead = (layer.mlp.weights_ahead(xs[0], expert_source, p) if layer.is_moe
-                         else None)
                 for j in range(n_sub):
                     xs[j], k, v = layer.attention_block(xs[j], k, v, starts[j], pos[j])
                 if layer.is_moe:
@@ -741,7 +715,7 @@ class MoETransformer(nnx.Module):
                     total = routings[0].counts
                     for r in routings[1:]:
                         total = total + r.counts
-                    w = layer.mlp.fetch_weights(total, expert_source, ahead)
+                    w = layer.mlp.fetch_weights(total, expert_source)
                     ys = [layer.mlp.apply_experts(h, r, w, v)
                           for h, r, v in zip(normed, routings, gval)]
                     ys = release_experts(expert_source, layer.layer, ys)

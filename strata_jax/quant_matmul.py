@@ -101,65 +101,6 @@ def dense(w):
 
 
 # ---------------------------------------------------------------------------------------------
-# Dequantizing ahead, on a second stream.
-
-# Rows a chunk from which "auto" dequantizes resident experts ahead where a fused kernel would
-# read them: below it the layer's attention is too short to hide the dequantization, and the
-# fused kernel, which converts only the tiles it visits, is faster (BENCHMARKS.md, "Quantized
-# experts on the link").
-DEQUANTIZE_AHEAD_FROM = 4096
-
-
-def dequantize_ahead(mode: str | None, quantized: str | None, w: QuantizedMatrix, rows: int,
-                     device: jax.Device | None = None) -> bool:
-    """Whether a layer whose experts are all resident (`w`: one of its matrices) dequantizes
-    them ahead, on a second stream, for `mode` (`Kernels.dequantize_ahead`; None: auto),
-    `quantized` (`Kernels.quantized_matmul`) and a chunk of `rows` rows.
-
-    auto: on a GPU, where `resolve_quantized` would dequantize the matrix anyway, or from
-    `DEQUANTIZE_AHEAD_FROM` rows; on: always; off: never."""
-    mode = (mode or "auto").lower()
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"dequantize_ahead {mode!r}: expected one of auto|on|off")
-    if mode != "auto":
-        return mode == "on"
-    device = device or jax.devices()[0]
-    if device.platform != "gpu":
-        return False
-    return (resolve_quantized(quantized, w, device) == "dequantize"
-            or rows >= DEQUANTIZE_AHEAD_FROM)
-
-
-def dequantize_beside(anchor: jax.Array, w):
-    """`dense(w)` (an ExpertWeights of QuantizedMatrix) computed on a second GPU stream
-    (`jax.experimental.compute_on("gpu_stream:1")`), started once `anchor` exists.
-
-    An optimization barrier ties the planes to `anchor` (the layer's input), so XLA cannot
-    start the dequantization before the layer does (it would hold more than one layer's
-    dequantized weights at once); the layer's attention, which does not read them, then runs
-    beside it on the compute stream until the expert math waits for it. The values are
-    `dense(w)`'s: the same float32 product and cast per value, whichever stream runs them. On
-    other backends the annotation is ignored and it runs in line."""
-    _, w = lax.optimization_barrier((anchor, w))
-    with jax.named_scope("dequantize_ahead"):
-        return _dense_on_side_stream()(w)
-
-
-@functools.cache
-def _dense_on_side_stream():
-    # jax 0.10 names the function form `compute_on2`; later versions `compute_on`, with the
-    # same arguments (the outputs stay in device memory).
-    try:
-        from jax.experimental import compute_on as api
-    except ImportError:  # a jax without stream annotations: in line
-        return dense
-    # `dense` itself, not a jit of it: a call nested in the annotated call would carry the
-    # annotation too, and XLA finds no stream for an annotated call inside another one.
-    wrap = getattr(api, "compute_on2", None) or api.compute_on
-    return wrap(dense, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
-
-
-# ---------------------------------------------------------------------------------------------
 # Tiles.
 
 

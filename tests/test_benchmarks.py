@@ -124,20 +124,14 @@ def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
         assert r["device_time_over_floor"] == pytest.approx(2.0 / r["floor_ms"])
 
 
-def test_stream_bench_resident_arms_of_each_dequantize_ahead(tmp_path):
-    # --dequantize-ahead off,on: the resident arm reads with the first, a second resident arm
-    # with the other, the same prompts hashed equal; --arms resident runs no streamed arm.
-    out = tmp_path / "ahead.json"
+def test_stream_bench_resident_arm_alone(tmp_path):
+    # --arms resident: the resident rows only, no streamed engine built.
+    out = tmp_path / "resident.json"
     assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",
                               "--blocks", "1", "--quantize", "int4", "--arms", "resident",
-                              "--dequantize-ahead", "off,on", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    rows = [r for r in res["rows"] if r["part"] == "sweep"]
-    assert [(r["arm"], r["dequantize_ahead"]) for r in rows] == [
-        ("resident", "off"), ("resident:dequantize_ahead=on", "on")]
-    assert rows[1]["identical_to_resident"] is True and res["identical"] is True
-    with pytest.raises(SystemExit, match="--dequantize-ahead 'on,sometimes'"):
-        stream_bench.main(["--tiny", "--dequantize-ahead", "on,sometimes"])
+                              "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "sweep"]
+    assert [(r["arm"], r["tokens"]) for r in rows] == [("resident", 40)]
 
 
 def test_schedule_repeats_order_and_pairs_stay_in_their_block():
@@ -438,17 +432,3 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quant_summary.main([paths[0], paths[1], str(bad)])
     assert "two results for expert format 'fp8'" in capsys.readouterr().err
-    # a resident arm of another Kernels.dequantize_ahead: over bf16's resident, and its bits
-    ahead = _sweep_result("int4", 0.26)
-    ahead["rows"].append({"part": "sweep", "arm": "resident:dequantize_ahead=on",
-                          "tokens": 8192, "ms": 10.2, "identical_to_resident": True})
-    p = tmp_path / "ahead.json"
-    p.write_text(json.dumps(ahead))
-    assert quant_summary.main([paths[0], str(p), "--json", str(out)]) == 0
-    rows = {(r["format"], r["tokens"]): r for r in json.loads(out.read_text())["rows"]}
-    assert rows[("int4", 8192)]["resident_variants"] == {
-        "dequantize_ahead=on": {"ms": 10.2, "over_bf16": pytest.approx(1.02), "identical": True}}
-    assert "resident_variants" not in rows[("int4", 1024)]
-    ahead["rows"][-1]["identical_to_resident"] = False
-    p.write_text(json.dumps(ahead))
-    assert quant_summary.main([paths[0], str(p)]) == 1

@@ -108,9 +108,7 @@ def test_model_reads_fp8_experts_through_the_kernel_with_dequantize_bits():
     got = {}
     for name, kernels, stream in (
             ("dequantize", Kernels(quantized_matmul="dequantize"), None),
-            ("resident", Kernels(dequantize_ahead="off"), None),
-            # dequantized on a second stream beside each layer's attention, then bf16 Mosaic
-            ("resident, dequantized ahead", Kernels(dequantize_ahead="on"), None),
+            ("resident", Kernels(), None),
             ("routed", Kernels(), StreamConfig(routed=True, tuning=StreamTuning(
                 layout="frames", tail_pieces=2, tail_from=16, stream_floor=1))),
             ("stream-all", Kernels(), StreamConfig(routed=False, tuning=StreamTuning(

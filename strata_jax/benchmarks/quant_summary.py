@@ -12,8 +12,6 @@ arms, and gives per format and length:
     resident_over_bf16      the all-resident prefill's time over bf16's: what dequantizing
                             adds to the compute (target <= 1.05 at 8K)
     identical               every streamed read equal to the resident read of its format
-    resident_variants       with `stream_bench --dequantize-ahead off,on`: each other resident
-                            arm's time over bf16's, and whether it read the same bits
 
     python -m strata_jax.benchmarks.quant_summary bf16.json fp8.json int4.json --json q.json
 """
@@ -59,15 +57,6 @@ def summarize(results: list[dict]) -> dict:
                 continue
             row = {"format": fmt, "tokens": n, "resident_ms": r["ms"],
                    "resident_over_bf16": r["ms"] / brows[("resident", n)]["ms"]}
-            if r.get("dequantize_ahead"):
-                row["dequantize_ahead"] = r["dequantize_ahead"]
-            for (other, m), o in rows.items():  # resident arms of other Kernels.dequantize_ahead
-                if m == n and other.startswith("resident:"):
-                    row.setdefault("resident_variants", {})[other.split(":", 1)[1]] = {
-                        "ms": o["ms"], "over_bf16": o["ms"] / brows[("resident", n)]["ms"],
-                        "identical": o.get("identical_to_resident")}
-                    row["identical"] = (row.get("identical", True)
-                                        and bool(o.get("identical_to_resident")))
             for a, key in (("routed", "routed"), ("stream-all", "stream_all")):
                 got, ref = rows.get((a, n)), brows.get((a, n))
                 if got is None:

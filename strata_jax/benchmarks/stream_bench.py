@@ -212,13 +212,13 @@ def _nonce_prompts(cfg, lengths, seed: int, slots: int = len(ORDER)) -> dict:
 
 
 def _resident_reference(cfg, params, ctx: int, lengths, prompts,
-                        slots: int = len(ORDER), kernels=None) -> tuple[dict, dict]:
+                        slots: int = len(ORDER)) -> tuple[dict, dict]:
     """The all-resident arm reads every prompt: its median time per length, and the hashes
     every streamed repetition of the same prompt must equal, keyed (length, repetition)."""
     from strata_jax.engine import Engine
 
     resident_ms, hashes = {}, {}
-    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx, kernels=kernels) as eng:
+    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
         for n in lengths:
             eng.prefill(prompts[n][-1])  # compile
             times = []
@@ -229,19 +229,6 @@ def _resident_reference(cfg, params, ctx: int, lengths, prompts,
                 del r  # see _drop_note
             resident_ms[n] = statistics.median(times)
     return resident_ms, hashes
-
-
-def _ahead_modes(args) -> list[str]:
-    """--dequantize-ahead's values: the first is the resident arm's, each other one a resident
-    arm of its own (`resident:dequantize_ahead=<mode>`)."""
-    from strata_jax.kernels import DEQUANTIZE_AHEAD
-
-    modes = [m.strip() for m in args.dequantize_ahead.split(",") if m.strip()]
-    bad = [m for m in modes if m not in DEQUANTIZE_AHEAD]
-    if not modes or bad or len(set(modes)) != len(modes):
-        raise SystemExit(f"--dequantize-ahead {args.dequantize_ahead!r}: distinct values of "
-                         f"{'|'.join(DEQUANTIZE_AHEAD)}, comma-separated")
-    return modes
 
 
 def _pair_ratios(times) -> tuple[list, float, list]:
@@ -347,28 +334,11 @@ def sweep(args, cfg, params, link, result):
     # which gives its time and the hashes every streamed repetition must equal.
     slots = len(schedule(args.blocks))
     prompts = _nonce_prompts(cfg, lengths, 1234, slots)
-    from strata_jax.kernels import Kernels
-
-    modes = _ahead_modes(args)
-    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts, slots,
-                                              Kernels(dequantize_ahead=modes[0]))
+    resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts, slots)
     for n in lengths:
         result["rows"].append({"part": "sweep", "arm": "resident", "tokens": n,
-                               "ms": resident_ms[n], "reps": slots,
-                               "dequantize_ahead": modes[0]})
+                               "ms": resident_ms[n], "reps": slots})
         print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {slots})", flush=True)
-    for mode in modes[1:]:  # the same prompts, each repetition's hashes against the first's
-        other_ms, other = _resident_reference(cfg, params, ctx, lengths, prompts, slots,
-                                              Kernels(dequantize_ahead=mode))
-        for n in lengths:
-            same = [other[(n, i)] == hashes[(n, i)] for i in range(slots)]
-            row = {"part": "sweep", "arm": f"resident:dequantize_ahead={mode}", "tokens": n,
-                   "ms": other_ms[n], "reps": slots, "dequantize_ahead": mode,
-                   "over_resident": other_ms[n] / resident_ms[n],
-                   "identical_to_resident": all(same)}
-            result["rows"].append(row)
-            result["identical"] = result.get("identical", True) and all(same)
-            print(json.dumps(row), flush=True)
 
     if "jax-pinned-host" in args.arms and jax.devices()[0].platform == "gpu":
         try:
@@ -722,9 +692,6 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
                     help="the experts in this format (stored, streamed and read quantized)")
-    ap.add_argument("--dequantize-ahead", default="auto",
-                    help="Kernels.dequantize_ahead of the resident arm (auto|on|off); a comma "
-                         "list adds a resident arm for each value after the first")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.blocks < 1:
