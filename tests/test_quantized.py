@@ -179,8 +179,8 @@ def test_cli_quantize_reads_a_quantized_model():
 
 def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):
     # The quantized kernels visit only the experts with rows, so the last layer runs in pieces
-    # from 1,024 tokens; a format dequantized first pays per-expert tiles in every piece, as
-    # bf16 does (from 8,192). An explicit tail_from holds for every kernel.
+    # from 1,024 tokens; a format dequantized first dequantizes the whole layer in every piece
+    # (from 16,384). An explicit tail_from holds for every kernel.
     import strata_jax.stream.streamer as stream_module
     from strata_jax.grouped_matmul import is_hopper
     from strata_jax.quant_matmul import resolve_format
@@ -191,20 +191,20 @@ def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):
     assert resolve_format("dequantize", fmt) == "dequantize"
     if not is_hopper():
         assert resolve_format(None, fmt) == "dequantize"
-    lengths = (512, 1024, 4096, 8192)
+    lengths = (512, 1024, 4096, 8192, 16384)
     with Engine(cfg, QuantizedParams(plain_params, cfg), StreamConfig(routed=True, backend="cpu"),
                 max_context=64, chunk_size=64) as eng:
         streamer = eng.streamer
         assert streamer.tuning.tail_from is None
-        for path, want in (("mosaic", [1, 4, 4, 4]), ("triton", [1, 4, 4, 4]),
-                           ("dequantize", [1, 1, 1, 4])):
+        for path, want in (("mosaic", [1, 4, 4, 4, 4]), ("triton", [1, 4, 4, 4, 4]),
+                           ("dequantize", [1, 1, 1, 1, 4])):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(stream_module, "resolve_format", lambda *_, path=path: path)
                 mp.setattr(stream_module, "resolve_implementation", lambda _: "lax")
                 assert [streamer.tail_pieces(0, n) for n in lengths] == want, path
                 assert streamer.tail_pieces(1, 8192) == 1  # routed-only: whole layers
                 mp.setattr(streamer, "tuning", StreamTuning(tail_from=4096))
-                assert [streamer.tail_pieces(0, n) for n in lengths] == [1, 1, 4, 4], path
+                assert [streamer.tail_pieces(0, n) for n in lengths] == [1, 1, 4, 4, 4], path
 
 
 @pytest.mark.parametrize("kind,every", [("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),

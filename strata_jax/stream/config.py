@@ -29,10 +29,12 @@ _PUBLISH_MODES = {"callback": 0, "event": 1}
 _MODE_STREAM, _MODE_ROUTED_ONLY, _MODE_STREAM_PACKED = 0, 1, 2
 _STREAM_MODES = (_MODE_STREAM, _MODE_STREAM_PACKED)
 _LAYOUTS = ("auto", "frames", "packed")
-# StreamTuning.tail_from's defaults: where every piece pays per-expert tiles again, and where a
-# kernel visits only the experts with rows (a piece costs its boundary tiles).
+# StreamTuning.tail_from's defaults: where every piece pays per-expert tiles again (bf16), where
+# a kernel visits only the experts with rows (a piece costs its boundary tiles), and where every
+# piece dequantizes the whole layer again (a quantized format dequantized first).
 TAIL_FROM_TILED = 8192
 TAIL_FROM_VISITS = 1024
+TAIL_FROM_DEQUANTIZED = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +79,11 @@ class StreamTuning:
             (128 rows) of the chunk (`NativeStreamer.tail_pieces`).
         tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
             `tail_pieces` pieces. None (the default): `TAIL_FROM_TILED` (8,192) where the
-            expert math pays per-expert tiles per piece (bf16 experts, or quantized ones
-            dequantized first), `TAIL_FROM_VISITS` (1,024) where a kernel visits only the
-            experts with rows (the quantized Mosaic and Triton kernels: a piece costs its
-            boundary tiles).
+            expert math pays per-expert tiles per piece (bf16 experts),
+            `TAIL_FROM_VISITS` (1,024) where a kernel visits only the experts with rows (the
+            quantized Mosaic and Triton kernels: a piece costs its boundary tiles), and
+            `TAIL_FROM_DEQUANTIZED` (16,384) for quantized experts dequantized first, where
+            each piece dequantizes the whole layer again.
         stream_floor: Chunks shorter than this many tokens use routed-only fetch (wait for
             the routing, copy only the routed experts).
         publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded

@@ -25,7 +25,8 @@ from ..formats import ExpertFormat
 from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
 from ..memory import check_host_bytes, device_memory
 from ..quant_matmul import resolve_format
-from .config import (TAIL_FROM_TILED, TAIL_FROM_VISITS, _MODE_ROUTED_ONLY, _MODE_STREAM,
+from .config import (TAIL_FROM_DEQUANTIZED, TAIL_FROM_TILED, TAIL_FROM_VISITS,
+                     _MODE_ROUTED_ONLY, _MODE_STREAM,
                      _MODE_STREAM_PACKED, _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
 
@@ -664,9 +665,11 @@ class NativeStreamer(Closable):
 
         A kernel that visits only the experts with rows (the quantized Mosaic and Triton
         kernels, `quant_matmul.resolve_format`) costs a piece its boundary tiles: pieces from
-        `tail_from` tokens, by default 1,024 (`TAIL_FROM_VISITS`). The bf16 grouped matmul
-        (and a quantized format dequantized first) pays per-expert tiles again in every piece:
-        pieces from `tail_from` tokens, by default 8,192 (`TAIL_FROM_TILED`); with the Mosaic
+        `tail_from` tokens, by default 1,024 (`TAIL_FROM_VISITS`). A quantized format
+        dequantized first dequantizes the whole layer again in every piece: pieces from
+        16,384 tokens (`TAIL_FROM_DEQUANTIZED`). The bf16 grouped matmul pays per-expert tiles
+        again in every piece: pieces from `tail_from` tokens, by default 8,192
+        (`TAIL_FROM_TILED`); with the Mosaic
         kernel, whose grid holds E - 1 tiles more than the rows' own whatever the rows, at
         most one piece per E row tiles of the chunk: a piece must hold at least as many tiles
         of its own as it adds (Qwen3-30B-A3B, 128 experts top-8: all four pieces from 8,192
@@ -675,11 +678,13 @@ class NativeStreamer(Closable):
             return 1
         pieces = self.tuning.tail_pieces
         fmt = self.format
-        visits = fmt.kind != "plain" and resolve_format(
-            quantized, fmt, self.jax_device) in ("mosaic", "triton")
+        path = (resolve_format(quantized, fmt, self.jax_device) if fmt.kind != "plain"
+                else "plain")
+        visits = path in ("mosaic", "triton")
         floor = self.tuning.tail_from
         if floor is None:
-            floor = TAIL_FROM_VISITS if visits else TAIL_FROM_TILED
+            floor = {"mosaic": TAIL_FROM_VISITS, "triton": TAIL_FROM_VISITS,
+                     "dequantize": TAIL_FROM_DEQUANTIZED}.get(path, TAIL_FROM_TILED)
         if n_tokens < floor:
             return 1
         if pieces > 1 and not visits and resolve_implementation(grouped_matmul) == "mosaic":
