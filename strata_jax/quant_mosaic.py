@@ -18,7 +18,19 @@ tests check it); the layer is never written out in bf16. wgmma's B operand must 
 memory, hence the two-slot bf16 buffer: step k writes slot k % 2, which step k - 2's product
 read, and each step waits for the previous step's product before its buffers are released.
 
-On the CPU the kernel runs in Pallas' Mosaic GPU interpret mode (tests).
+int4 (`mosaic_int4_grouped_matmul`, the same skeleton): a k step is one scale group of 128
+inputs, read as a [64, bn] byte tile whose low nibbles are the group's first 64 rows and high
+nibbles its last 64 (`int4_halves`, a repacking of GPTQ's words: a 16-row tile of words, one
+group's, has no layout Mosaic can infer), plus the group's float16 scale row:
+    v = int32(byte);  w_lo = bf16(float32((v & 15) - 8) * scale[g, n0:n0+bn])    registers
+    w_hi = bf16(float32((v >> 4) - 8) * scale[g, n0:n0+bn])
+    w_smem[slot] = [w_lo; w_hi];  acc += x[rows, k0:k0+128] @ w_smem[slot]          wgmma, f32
+The 8-bit values are upcast before the shifts (Mosaic does only bitwise operations on 8-bit
+vectors) and the scale row is laid out as a column vector of the products' layout, then
+broadcast over the rows. It is not on the model's path yet: the model's int4 planes are GPTQ's
+words (BENCHMARKS.md says what is measured).
+
+On the CPU the kernels run in Pallas' Mosaic GPU interpret mode (tests).
 """
 
 from __future__ import annotations
@@ -88,10 +100,9 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         interpret: run in Pallas' Mosaic GPU interpret mode (default: on a non-GPU backend).
         num_sms: the SMs to spread programs over (default: the device's).
     """
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .quant_matmul import check_operands, group_metadata, zero_rows_past_groups
+    from .quant_matmul import check_operands
 
     tiles = tiles or MOSAIC_TILES
     m, k, n = check_operands("mosaic_grouped_matmul", x, w, group_sizes)
@@ -107,8 +118,40 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         interpret = jax.devices()[0].platform != "gpu"
     if num_sms is None:
         num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
-    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    bn, bk = tiles.block_n, tiles.block_k
     block = w.block
+    dtype = x.dtype
+
+    def convert(kk, gid, ni, q_smem, s_gmem, w_slot):
+        scale = s_gmem[gid, (kk * bk) // block, (ni * bn) // block]
+        w_slot[...] = (q_smem[...].astype(jnp.float32) * scale).astype(dtype)
+
+    with jax.named_scope("grouped_matmul_fp8_mosaic"):
+        return _ragged_kernel(
+            x, group_sizes, n, k, tiles, interpret, num_sms, bk=bk,
+            plane_specs=[plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))],
+            pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert)
+
+
+def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
+                   num_sms: int, *, bk: int, plane_specs, pipelined, resident, convert):
+    """The persistent ragged kernel both formats share: rows of x [M, K] sorted by group,
+    times their group's matrix, read as `convert` makes it from the planes, [M, N] in
+    x.dtype with the rows past the groups zero.
+
+    pipelined: [E, ...] planes a k step reads through the TMA pipeline, each by its entry of
+        `plane_specs` (index map (k step, column tile) -> block indices, in the plane's own
+        rows); resident: [E, ...] planes the conversion reads straight from global memory.
+    convert(kk, gid, ni, *pipelined step refs, *resident refs, w_slot): writes k step kk's
+        [bk, bn] weights of group gid, column tile ni, in x.dtype into w_slot (shared memory),
+        which the step then multiplies by its x tile with wgmma."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .quant_matmul import group_metadata, zero_rows_past_groups
+
+    m = x.shape[0]
+    bm, bn = tiles.block_m, tiles.block_n
     dtype = x.dtype
     m_pad = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
@@ -116,28 +159,33 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     grid_m = meta.shape[1]
     grid_n = n // bn
     gbn = tiles.grid_block_n if grid_n % tiles.grid_block_n == 0 else 1
+    n_pipe = len(pipelined)
 
-    def body(meta_ref, x_gmem, q_gmem, s_gmem, o_gmem, w_smem):
+    def body(meta_ref, x_gmem, *refs, w_smem):
+        planes, o_gmem = refs[:-1], refs[-1]
+        pipe_gmem, res_gmem = planes[:n_pipe], planes[n_pipe:]
+
         def visit(gid, ni, row0, first, rows):
             def acc_scope(acc_ref):
-                def step(idx, x_smem, q_smem):
+                def step(idx, x_smem, *plane_smem):
                     (kk,) = idx
-                    scale = s_gmem[gid, (kk * bk) // block, (ni * bn) // block]
-                    wt = (q_smem[...].astype(jnp.float32) * scale).astype(dtype)
                     slot = lax.rem(kk, 2)
-                    w_smem[slot] = wt
+                    convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
                     # The previous step's product is done: its x buffer (released after this
                     # step) and its weight slot (written next step) are free.
                     plgpu.wgmma_wait(1)
 
+                specs = [plgpu.BlockSpec(spec.block_shape,
+                                         lambda kk, f=spec.index_map: f(kk, ni))
+                         for spec in plane_specs]
                 plgpu.emit_pipeline(
                     step, grid=(k // bk,),
                     in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk),
-                                              delay_release=1),
-                              plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni))],
-                    max_concurrent_steps=tiles.stages)(x_gmem, q_gmem.at[gid])
+                                              delay_release=1), *specs],
+                    max_concurrent_steps=tiles.stages)(
+                        x_gmem, *(p.at[gid] for p in pipe_gmem))
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
@@ -181,9 +229,96 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         grid_names=("sm",), scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
-    with jax.named_scope("grouped_matmul_fp8_mosaic"):
-        out = kernel(meta, xp, w.q, w.scale.astype(jnp.float32))[:m]
-        return zero_rows_past_groups(out, group_sizes)  # they belong to no visit
+    out = kernel(meta, xp, *pipelined, *resident)[:m]
+    return zero_rows_past_groups(out, group_sizes)  # they belong to no visit
+
+
+# int4: one k step a scale group of 128 inputs, whose 64-row byte tile holds the group's first
+# half in its low nibbles and its second half in its high nibbles (`int4_halves`); columns,
+# stages and sweep as fp8's.
+INT4_GROUP = 128
+MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP, 3, 8, 1)
+
+
+def int4_halves(q: jax.Array, group: int = INT4_GROUP) -> jax.Array:
+    """GPTQ words int32 [..., K/8, N] (eight 4-bit values along the input dim a word) as the
+    int4 Mosaic kernel reads them: uint8 [..., K/2, N] where byte row r of group g holds input
+    row g * group + r in its low nibble and g * group + group / 2 + r in its high one."""
+    k8, n = q.shape[-2:]
+    k = k8 * 8
+    if k % group or group % 2:
+        raise ValueError(f"int4_halves: {k} inputs are not whole groups of {group}")
+    shifts = (jnp.arange(8, dtype=jnp.int32) * 4)[:, None]  # [8, 1]
+    vals = (q[..., :, None, :] >> shifts) & 15  # [..., K/8, 8, N]; & 15 drops the sign fill
+    vals = vals.reshape(*q.shape[:-2], k // group, 2, group // 2, n)
+    halves = vals[..., 0, :, :] | (vals[..., 1, :, :] << 4)
+    return halves.reshape(*q.shape[:-2], k // 2, n).astype(jnp.uint8)
+
+
+def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
+    """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
+    of 128 (one group a k step), whole column tiles, read as bf16 or fp16."""
+    k, n = w.shape
+    return (w.kind == "int4" and w.block == INT4_GROUP and tiles.block_k == INT4_GROUP
+            and k % INT4_GROUP == 0 and n % tiles.block_n == 0
+            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
+                               tiles: MosaicTiles | None = None, halves: jax.Array | None = None,
+                               interpret: bool | None = None,
+                               num_sms: int | None = None) -> jax.Array:
+    """`mosaic_grouped_matmul` for an int4 matrix `w` (GPTQ words, float16 group scales,
+    symmetric): each k step TMA-loads one group's [64, N-tile] byte tile (`int4_halves`) and
+    its scale row, unpacks the two nibble halves in registers, (nibble - 8) times the scale
+    in float32, cast to x.dtype (the dequantize path's arithmetic), into the bf16 slot the
+    step's wgmma reads.
+
+    Not chosen by `grouped_matmul` yet (the model's int4 experts are stored as GPTQ words and
+    dequantized): a kernel to measure against dequantize-then-matmul
+    (`quant_matmul_bench --mosaic-int4`). halves: `int4_halves(w.q)`, made here if None (an
+    XLA pass over the layer's bytes)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .quant_matmul import check_operands
+
+    tiles = tiles or MOSAIC_INT4_TILES
+    m, k, n = check_operands("mosaic_int4_grouped_matmul", x, w, group_sizes)
+    if not mosaic_int4_supports(w, tiles):
+        raise ValueError(f"mosaic_int4_grouped_matmul: {w.kind} matrix {w.shape} with block "
+                         f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles} "
+                         f"(int4 in groups of {INT4_GROUP}, block_k {INT4_GROUP})")
+    if x.dtype != w.dtype:
+        raise ValueError(f"mosaic_int4_grouped_matmul: x dtype {x.dtype} != the matrix's "
+                         f"{w.dtype}")
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    if num_sms is None:
+        num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    if halves is None:
+        halves = int4_halves(w.q)
+    half = INT4_GROUP // 2
+    bn = tiles.block_n
+    dtype = x.dtype
+
+    def convert(kk, gid, ni, q_smem, s_smem, w_slot):
+        del kk, gid, ni
+        q = q_smem[...].astype(jnp.int32)  # [64, bn]: 8-bit values upcast before the shifts
+        s = s_smem[0].astype(jnp.float32)  # [bn]: the group's scale per column
+        if not interpret:  # the interpreter has no layouts
+            s = plgpu.layout_cast(s, plgpu.Layout.WGMMA.reduce(0))
+        s = lax.broadcast_in_dim(s, (half, bn), (1,))
+        w_slot[:half] = (((q & 15) - 8).astype(jnp.float32) * s).astype(dtype)
+        w_slot[half:] = (((q >> 4) - 8).astype(jnp.float32) * s).astype(dtype)
+
+    with jax.named_scope("grouped_matmul_int4_mosaic"):
+        return _ragged_kernel(
+            x, group_sizes, n, k, tiles, interpret, num_sms, bk=INT4_GROUP,
+            plane_specs=[plgpu.BlockSpec((half, bn), lambda kk, ni: (kk, ni)),
+                         plgpu.BlockSpec((1, bn), lambda kk, ni: (kk, ni))],
+            pipelined=[halves, w.scale], resident=[], convert=convert)
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per

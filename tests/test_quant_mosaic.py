@@ -13,8 +13,9 @@ import pytest
 
 from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.quant_matmul import fused_reference, resolve_quantized
-from strata_jax.quant_mosaic import (MOSAIC_TILES, MosaicTiles, mosaic_grouped_matmul,
-                                     mosaic_supports)
+from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MosaicTiles, int4_halves,
+                                     mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
+                                     mosaic_int4_supports, mosaic_supports)
 from strata_jax.testing import assert_close
 from test_quant_matmul import _matrix, _x
 
@@ -35,10 +36,60 @@ def test_interpreted_kernel_matches_the_float64_reference():
     assert (got[200:] == 0).all()
 
 
+def test_int4_halves_put_each_group_in_two_nibble_halves():
+    # Byte row r of group g: input row g*128 + r in the low nibble, g*128 + 64 + r in the
+    # high one; the values are the GPTQ words' own.
+    w = _matrix("int4", e=2, k=256, n=128)
+    nib = np.asarray((w.q[..., :, None, :] >> (np.arange(8) * 4)[:, None]) & 15)
+    nib = nib.reshape(2, 256, 128)  # [E, K, N], row 8i + j from word i's nibble j
+    h = np.asarray(int4_halves(w.q))
+    assert h.dtype == np.uint8 and h.shape == (2, 128, 128)
+    for g in range(2):
+        rows = h[:, g * 64:(g + 1) * 64]
+        np.testing.assert_array_equal(rows & 15, nib[:, g * 128:g * 128 + 64])
+        np.testing.assert_array_equal(rows >> 4, nib[:, g * 128 + 64:(g + 1) * 128])
+    with pytest.raises(ValueError, match="whole groups of 128"):
+        int4_halves(w.q[:, :8])
+
+
+def test_interpreted_int4_kernel_matches_the_float64_reference():
+    # As the fp8 kernel's: experts 1 and 4 have NaN scales and no rows, rows past the groups
+    # are zeros; the nibble halves times each column's group scale.
+    w = _matrix("int4", nan_experts=(1, 4))
+    m = sum(SIZES) + 7
+    x = _x(m, 256)
+    got = np.asarray(mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32),
+                                                tiles=MosaicTiles(64, 128, 128, 2, 1),
+                                                interpret=True), np.float64)
+    assert np.isfinite(got).all()
+    assert_close(got[:200], fused_reference(x, w, SIZES)[:200], jnp.bfloat16)
+    assert (got[200:] == 0).all()
+
+
+def test_kernels_lower_for_cuda():
+    # Mosaic's lowering for a GPU (layout inference included) runs on the CPU: both kernels at
+    # their default tilings and Qwen3-30B-A3B's expert shapes.
+    sizes = jnp.full((8,), 128, jnp.int32)
+    for kind, fn, tiles in (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
+                            ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES)):
+        for k, n in ((2048, 768), (768, 2048)):
+            w = _matrix(kind, e=8, k=k, n=n)
+            f = jax.jit(lambda x, w, s, fn=fn, tiles=tiles: fn(x, w, s, tiles=tiles,
+                                                              interpret=False, num_sms=132))
+            jax.export.export(f, platforms=["cuda"], disabled_checks=[
+                jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu")])(_x(1024, k), w, sizes)
+
+
 def test_what_the_kernel_reads_and_refuses():
     w8, w4 = _matrix("fp8"), _matrix("int4")
     assert mosaic_supports(w8, MOSAIC_TILES)
     assert not mosaic_supports(w4, MOSAIC_TILES)  # int4 is dequantized (or read by Triton)
+    assert mosaic_int4_supports(w4, MOSAIC_INT4_TILES)
+    assert not mosaic_int4_supports(w4, MOSAIC_TILES)  # a k step must be one scale group
+    assert not mosaic_int4_supports(w8, MOSAIC_INT4_TILES)
+    assert not mosaic_int4_supports(_matrix("int4", block=64), MOSAIC_INT4_TILES)
+    with pytest.raises(ValueError, match="int4 in groups of 128"):
+        mosaic_int4_grouped_matmul(_x(8, 256), w8, jnp.asarray([8, 0, 0, 0, 0], jnp.int32))
     assert not mosaic_supports(dataclasses.replace(w8, shape=(256, 120)), MOSAIC_TILES)
     assert not mosaic_supports(_matrix("fp8", block=32), MOSAIC_TILES)  # k step > scale block
     assert not mosaic_supports(dataclasses.replace(w8, dtype=np.dtype(np.float32)),
@@ -81,6 +132,30 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n):
         other = mosaic_grouped_matmul(x, w, sizes, tiles=tiles)
         assert_close(np.asarray(other, np.float64), fused_reference(x, w, sizes),
                      jnp.bfloat16, err_msg=str(tiles))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(2048, 768), (768, 2048)])
+def test_int4_kernel_on_hopper(k, n):
+    # At Qwen3-30B-A3B expert shapes: finite, the float64 reference's values, a layer in
+    # pieces the whole's bits, and the prepacked byte tiles the same bits as packing in the
+    # call. (Not chosen by grouped_matmul: whether it has the dequantize path's bits, and
+    # its speed, are quant_matmul_bench's to report.)
+    if not is_hopper():
+        pytest.skip("the Mosaic kernel needs a Hopper GPU")
+    w = _matrix("int4", e=8, k=k, n=n, nan_experts=(1, 3))
+    sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
+    m = int(sizes.sum()) + 5
+    x = _x(m, k)
+    got = mosaic_int4_grouped_matmul(x, w, sizes)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert_close(np.asarray(got, np.float64), fused_reference(x, w, sizes), jnp.bfloat16)
+    again = mosaic_int4_grouped_matmul(x, w, sizes, halves=int4_halves(w.q))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+    bounds = row_pieces(m, 4)
+    parts = [mosaic_int4_grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b))
+             for a, b in zip(bounds, bounds[1:])]
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
 
 
 @pytest.mark.gpu
@@ -135,3 +210,13 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
     for r in rows[2:]:
         assert "error" not in r, r
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
+    # int4: the Mosaic kernel at block_k 128, repacked in the call and beforehand; a tiling
+    # with another k step is reported unsupported
+    rows = bench_one(64, cfg, "int4", [], warmup=0, repeats=1,
+                     mosaic=[parse_mosaic("64,128,128,2,1"), parse_mosaic("64,128,64,2,1")])
+    assert [r["path"] for r in rows] == ["bf16", "dequantize", "mosaic", "mosaic-prepacked",
+                                         "mosaic"]
+    for r in rows[2:4]:
+        assert "error" not in r, r
+        assert r["finite"] and r["max_diff_over_max"] < 0.02, r
+    assert "unsupported" in rows[4]["error"]

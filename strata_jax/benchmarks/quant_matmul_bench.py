@@ -8,8 +8,11 @@ tokens * top_k rows sorted by expert) in these ways per format:
     dequantize  the quantized planes dequantized to bf16, then the bf16 grouped matmuls;
     fused       the Triton kernel `fused_grouped_matmul` on the planes, at its default tiling and
                 each one given (`--tiles`; `--no-triton` skips it);
-    mosaic      the Mosaic GPU fp8 kernel `quant_mosaic.mosaic_grouped_matmul`, at each tiling
-                given (`--mosaic`).
+    mosaic      the Mosaic GPU kernel at each tiling given (`--mosaic`): fp8
+                `quant_mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
+                (block_k 128: one scale group a step), its byte tiles repacked from GPTQ's
+                words in each call ("mosaic") and made once beforehand ("mosaic-prepacked",
+                what a store holding that layout would cost).
 It reports each time over bf16's and dequantize's, whether a kernel's output has exactly the
 dequantize path's bits, and its largest difference from them relative to the output's largest
 magnitude (both read the same quantized values).
@@ -35,7 +38,9 @@ from strata_jax.formats import MATRICES, ExpertFormat
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
                                      fused_supports, tiles_for)
-from strata_jax.quant_mosaic import MosaicTiles, mosaic_grouped_matmul, mosaic_supports
+from strata_jax.quant_mosaic import (MosaicTiles, int4_halves, mosaic_grouped_matmul,
+                                     mosaic_int4_grouped_matmul, mosaic_int4_supports,
+                                     mosaic_supports)
 
 
 def _swiglu(x, w, sizes, mm):
@@ -85,16 +90,17 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                  tflops=flops / t_bf16 / 1e12),
             dict(kind=kind, tokens=tokens, path="dequantize", ms=t_deq * 1e3,
                  over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
-    def timed(path, name, mm, **extra):
-        """The row of one fused kernel (`mm(x, w, sizes)` for each matrix) on the layer."""
+    def timed(path, name, mm, weights=wq, **extra):
+        """The row of one fused kernel (`mm(x, w, sizes)` for each matrix of `weights`) on
+        the layer."""
         fused = jax.jit(lambda x, w, s: _swiglu(x, w, s, mm))
         base = dict(kind=kind, tokens=tokens, path=path, tiles=name, **extra)
         try:
-            got = fused(x, wq, sizes)
+            got = fused(x, weights, sizes)
             diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             same = bool(jnp.all(got == want))
             finite = bool(jnp.all(jnp.isfinite(got)))
-            tf = _time(fused, (x, wq, sizes), warmup, repeats)
+            tf = _time(fused, (x, weights, sizes), warmup, repeats)
         except Exception as ex:  # noqa: BLE001 - a tiling that does not compile is reported
             return dict(base, error=f"{type(ex).__name__}: {ex}"[:600])
         return dict(base, ms=tf * 1e3, over_bf16=tf / t_bf16, over_dequantize=tf / t_deq,
@@ -109,8 +115,22 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             continue
         rows.append(timed("fused", name, lambda a, b, c, tiles=tiles: fused_grouped_matmul(
             a, b, c, tiles=tiles), default=tiles is None))
+    halves = (ExpertWeights(*((a, int4_halves(a.q)) for a in wq)) if kind == "int4"
+              else None)
     for tiles in mosaic:
         name = ",".join(str(v) for v in dataclasses.astuple(tiles))
+        if kind == "int4":
+            if not all(mosaic_int4_supports(a, tiles) for a in wq):
+                rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
+                                 error="unsupported (int4 reads block_k 128)"))
+                continue
+            rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles:
+                              mosaic_int4_grouped_matmul(a, b, c, tiles=tiles)))
+            rows.append(timed("mosaic-prepacked", name, lambda a, b, c, tiles=tiles:
+                              mosaic_int4_grouped_matmul(a, b[0], c, tiles=tiles,
+                                                         halves=b[1]),
+                              weights=halves))
+            continue
         if not all(mosaic_supports(a, tiles) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
                              error="unsupported"))
@@ -129,8 +149,8 @@ def main(argv=None) -> int:
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
                         "default tiling is always timed")
     p.add_argument("--mosaic", action="append", default=[],
-                   help='a Mosaic fp8 kernel tiling "bm,bn,bk,stages,grid_block_n[,per_sm]" '
-                        "(repeatable)")
+                   help='a Mosaic kernel tiling "bm,bn,bk,stages,grid_block_n[,per_sm]" '
+                        "(repeatable; int4 takes those with bk 128)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
