@@ -158,7 +158,10 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     meta = group_metadata(group_sizes, m, bm)  # [4, V]: (expert, row tile, first, end row)
     grid_m = meta.shape[1]
     grid_n = n // bn
-    gbn = tiles.grid_block_n if grid_n % tiles.grid_block_n == 0 else 1
+    # Each band of `gbn` column tiles is swept one row tile after another, so the programs
+    # working at once share a row tile's x: a band narrower than the matrix reads x again for
+    # each band. The last band may be narrower (planar_snake).
+    gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
 
     def body(meta_ref, x_gmem, *refs, w_smem):

@@ -36,6 +36,20 @@ def test_interpreted_kernel_matches_the_float64_reference():
     assert (got[200:] == 0).all()
 
 
+def test_column_bands_that_do_not_divide_the_columns_give_the_same_bits():
+    # Three column tiles swept in bands of two (the last band one tile): every (visit, column
+    # tile) pair once, the bits of a one-tile band (the order of the work, not of the sums).
+    w = _matrix("fp8", k=128, n=384, nan_experts=(1, 4))
+    x = _x(sum(SIZES) + 7, 128)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    got = [np.asarray(mosaic_grouped_matmul(x, w, sizes, tiles=MosaicTiles(64, 128, 64, 2, g),
+                                            interpret=True)) for g in (2, 1, 8)]
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_array_equal(got[2], got[1])
+    assert_close(got[0][:200].astype(np.float64), fused_reference(x, w, SIZES)[:200],
+                 jnp.bfloat16)
+
+
 def test_int4_halves_put_each_group_in_two_nibble_halves():
     # Byte row r of group g: input row g*128 + r in the low nibble, g*128 + 64 + r in the
     # high one; the values are the GPTQ words' own.
