@@ -221,7 +221,10 @@ def _mosaic_supports(k: int, n: int, dtype) -> bool:
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-def _mosaic(x, w, group_sizes):
+def _mosaic(x, w, group_sizes, grid_block_n: int | None = None):
+    """The bf16 Mosaic kernel; grid_block_n: its column bands (None: MOSAIC_GRID_BLOCK_N where
+    it divides the column tiles, else 1; a number: at most that many, the last band narrower
+    where it does not divide; grouped_matmul_bench --grid-block-n)."""
     with jax.named_scope("grouped_matmul_mosaic"):
         module = _mosaic_module()
         m, _ = x.shape
@@ -231,7 +234,11 @@ def _mosaic(x, w, group_sizes):
         pad = (-m) % MOSAIC_BLOCK_M
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
-        grid_block_n = MOSAIC_GRID_BLOCK_N if n % (MOSAIC_BLOCK_N * MOSAIC_GRID_BLOCK_N) == 0 else 1
+        if grid_block_n is None:
+            grid_block_n = (MOSAIC_GRID_BLOCK_N if n % (MOSAIC_BLOCK_N * MOSAIC_GRID_BLOCK_N) == 0
+                            else 1)
+        else:
+            grid_block_n = max(1, min(grid_block_n, -(-n // MOSAIC_BLOCK_N)))
         kwargs = dict(group_sizes=group_sizes, block_m=MOSAIC_BLOCK_M, block_n=MOSAIC_BLOCK_N,
                       block_k=MOSAIC_BLOCK_K, max_concurrent_steps=MOSAIC_STAGES,
                       grid_block_n=grid_block_n)
@@ -246,7 +253,7 @@ def _mosaic(x, w, group_sizes):
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per call
 # site (a model calls it three times per MoE layer): lowering a Mosaic kernel takes about half a
 # second of Python, 12 s per program for eight layers otherwise. Same HLO inside, same bits.
-_mosaic_jit = jax.jit(_mosaic)
+_mosaic_jit = jax.jit(_mosaic, static_argnames=("grid_block_n",))
 
 
 def grouped_matmul_reference(x, w, group_sizes):

@@ -432,3 +432,18 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quant_summary.main([paths[0], paths[1], str(bad)])
     assert "two results for expert format 'fp8'" in capsys.readouterr().err
+
+
+def test_grouped_matmul_bench_rows_and_its_band_option(tmp_path, capsys):
+    # A tiny layer on the CPU (lax): one row per length; --grid-block-n names the Mosaic
+    # kernel's bands, refused by name where the grouped matmul is not that kernel.
+    from strata_jax.benchmarks import grouped_matmul_bench
+
+    out = tmp_path / "gmm.json"
+    small = ["--tokens", "64", "--hidden", "128", "--intermediate", "128", "--experts", "4",
+             "--top-k", "2", "--repeats", "1", "--warmup", "0"]
+    assert grouped_matmul_bench.main([*small, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["rows"] == 128 and row["grid_block_n"] is None and row["grouped_ms"] > 0
+    with pytest.raises(SystemExit, match="--grid-block-n needs the Mosaic kernel"):
+        grouped_matmul_bench.main([*small, "--grid-block-n", "2", "8"])

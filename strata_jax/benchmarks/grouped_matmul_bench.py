@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.config import get_preset
-from strata_jax.grouped_matmul import grouped_matmul, resolve_implementation
+from strata_jax.grouped_matmul import _mosaic_jit, grouped_matmul, resolve_implementation
 
 
 def uniform_group_sizes(tokens: int, n_experts: int, top_k: int, seed: int = 0) -> np.ndarray:
@@ -46,8 +46,10 @@ def _time(fn, args, warmup: int, repeats: int) -> float:
 
 
 def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, *,
-              impl: str | None, warmup: int, repeats: int, dtype=jnp.bfloat16) -> dict:
-    """Times grouped and dense SwiGLU projections for one token count."""
+              impl: str | None, warmup: int, repeats: int, dtype=jnp.bfloat16,
+              grid_block_n: int | None = None) -> dict:
+    """Times grouped and dense SwiGLU projections for one token count (grid_block_n: the
+    Mosaic kernel's column bands, None for the default)."""
     m = tokens * top_k
     sizes = jnp.asarray(uniform_group_sizes(tokens, n_experts, top_k))
     keys = jax.random.split(jax.random.key(0), 8)
@@ -58,10 +60,20 @@ def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, 
     wd = (jax.random.normal(keys[4], (n_experts, inter, hidden), dtype) * 0.02).astype(dtype)
     dg, du, dd = wg[0], wu[0], wd[0]
 
+    if grid_block_n is None:
+        def mm(a, b, s):
+            return grouped_matmul(a, b, s, impl=impl)
+    else:
+        if resolve_implementation(impl) != "mosaic":
+            raise SystemExit(f"--grid-block-n needs the Mosaic kernel (impl {impl!r} resolves "
+                             f"to {resolve_implementation(impl)!r})")
+
+        def mm(a, b, s):
+            return _mosaic_jit(a, b, s, grid_block_n=grid_block_n)
+
     @jax.jit
     def grouped(x, h, wg, wu, wd, sizes):
-        return (grouped_matmul(x, wg, sizes, impl=impl), grouped_matmul(x, wu, sizes, impl=impl),
-                grouped_matmul(h, wd, sizes, impl=impl))
+        return mm(x, wg, sizes), mm(x, wu, sizes), mm(h, wd, sizes)
 
     @jax.jit
     def dense(x, h, dg, du, dd):
@@ -73,7 +85,7 @@ def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, 
     t_grouped = _time(grouped, (x, h, wg, wu, wd, sizes), warmup, repeats)
     t_dense = _time(dense, (x, h, dg, du, dd), warmup, repeats)
     return dict(tokens=tokens, rows=m, hidden=hidden, intermediate=inter, experts=n_experts,
-                top_k=top_k, flops=flops, grouped_ms=t_grouped * 1e3, dense_ms=t_dense * 1e3,
+                top_k=top_k, grid_block_n=grid_block_n, flops=flops, grouped_ms=t_grouped * 1e3, dense_ms=t_dense * 1e3,
                 grouped_tflops=flops / t_grouped / 1e12, dense_tflops=flops / t_dense / 1e12,
                 ratio=t_dense / t_grouped)
 
@@ -89,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=preset.n_experts)
     p.add_argument("--top-k", type=int, default=preset.top_k)
     p.add_argument("--impl", default=None, help="auto|mosaic|lax|tiled (default: auto)")
+    p.add_argument("--grid-block-n", type=int, nargs="+", default=[None],
+                   help="the Mosaic kernel's column bands to time (each a row per length; "
+                        "default: the kernel's own choice)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--min-ratio", type=float, default=0.0,
@@ -103,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'tokens':>7} {'rows':>8} {'grouped ms':>11} {'TFLOP/s':>8} {'dense ms':>9} "
           f"{'TFLOP/s':>8} {'ratio':>6}")
     for tokens in args.tokens:
-        r = bench_one(tokens, args.hidden, args.intermediate, args.experts, args.top_k,
-                      impl=args.impl, warmup=args.warmup, repeats=args.repeats)
-        results.append(r)
-        print(f"{r['tokens']:>7} {r['rows']:>8} {r['grouped_ms']:>11.3f} {r['grouped_tflops']:>8.1f}"
-              f" {r['dense_ms']:>9.3f} {r['dense_tflops']:>8.1f} {r['ratio']:>6.2f}")
+        for gbn in args.grid_block_n:
+            r = bench_one(tokens, args.hidden, args.intermediate, args.experts, args.top_k,
+                          impl=args.impl, warmup=args.warmup, repeats=args.repeats,
+                          grid_block_n=gbn)
+            results.append(r)
+            print(f"{r['tokens']:>7} {r['rows']:>8} {r['grouped_ms']:>11.3f} "
+                  f"{r['grouped_tflops']:>8.1f} {r['dense_ms']:>9.3f} {r['dense_tflops']:>8.1f} "
+                  f"{r['ratio']:>6.2f}" + (f"  (grid_block_n {gbn})" if gbn else ""))
     report = dict(device=str(getattr(device, "device_kind", device.platform)),
                   platform=device.platform, jax=jax.__version__, impl=impl,
                   warmup=args.warmup, repeats=args.repeats, statistic="median", results=results)
