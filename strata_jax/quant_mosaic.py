@@ -279,8 +279,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     Not chosen by `grouped_matmul` yet (the model's int4 experts are stored as GPTQ words and
     dequantized): a kernel to measure against dequantize-then-matmul
-    (`quant_matmul_bench --mosaic-int4`). halves: `int4_halves(w.q)`, made here if None (an
-    XLA pass over the layer's bytes)."""
+    (`quant_matmul_bench --mosaic` with block_k 128). halves: `int4_halves(w.q)`, made here if
+    None (an XLA pass over the layer's bytes)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .quant_matmul import check_operands
