@@ -114,10 +114,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         raise ValueError(f"mosaic_grouped_matmul: x dtype {x.dtype} != the matrix's {w.dtype}")
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
-    if interpret is None:
-        interpret = jax.devices()[0].platform != "gpu"
-    if num_sms is None:
-        num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    interpret, num_sms = _launch(interpret, num_sms)
     bn, bk = tiles.block_n, tiles.block_k
     block = w.block
     dtype = x.dtype
@@ -131,6 +128,16 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
             x, group_sizes, n, k, tiles, interpret, num_sms, bk=bk,
             plane_specs=[plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))],
             pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert)
+
+
+def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
+    """(interpret, num_sms) with their defaults: interpret off a GPU; the device's SMs (two
+    interpreted programs)."""
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    if num_sms is None:
+        num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    return interpret, num_sms
 
 
 def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
@@ -296,10 +303,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                          f"{w.dtype}")
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
-    if interpret is None:
-        interpret = jax.devices()[0].platform != "gpu"
-    if num_sms is None:
-        num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    interpret, num_sms = _launch(interpret, num_sms)
     if halves is None:
         halves = int4_halves(w.q)
     half = INT4_GROUP // 2
