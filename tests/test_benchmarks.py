@@ -134,6 +134,27 @@ def test_stream_bench_resident_arm_alone(tmp_path):
     assert [(r["arm"], r["tokens"]) for r in rows] == [("resident", 40)]
 
 
+def test_stream_bench_probes_the_link_before_and_after_each_length(tmp_path, monkeypatch):
+    # With a probed link (CUDA), each length's rows are against the ceiling probed before its
+    # calls; the probe after them is recorded beside it, with the fraction it would give.
+    probes = iter([({"fresh": 50.0}, {}), ({"fresh": 40.0}, {})])
+    monkeypatch.setattr(stream_bench, "_probes_link", lambda engines: True)
+    monkeypatch.setattr(stream_bench, "_ceiling_probes", lambda engines: next(probes))
+    out = tmp_path / "probes.json"
+    assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",
+                              "--blocks", "1", "--arms", "resident,stream-all,routed",
+                              "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["link_probes"] == {"40": {"fresh": 50.0}}
+    assert res["link_probes_after"] == {"40": {"fresh": 40.0}}
+    rows = [r for r in res["rows"] if r["arm"] in ("stream-all", "routed")]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["link_ceiling_gbps"] == 50.0 and r["link_ceiling_after_gbps"] == 40.0
+        assert r["link_fraction"] == pytest.approx(r["gbps"] / 50.0)
+        assert r["link_fraction_after"] == pytest.approx(r["gbps"] / 40.0)
+
+
 def test_schedule_repeats_order_and_pairs_stay_in_their_block():
     assert stream_bench.schedule(1) == stream_bench.ORDER
     two = stream_bench.schedule(2)
@@ -394,7 +415,8 @@ def _sweep_result(fmt: str, scale: float, identical: bool = True) -> dict:
         rows.append({"part": "sweep", "arm": "resident", "tokens": n, "ms": 10.0 * (1 + (fmt != "plain") * 0.04)})
         for arm, ms in (("stream-all", 100.0), ("routed", 80.0)):
             rows.append({"part": "sweep", "arm": arm, "tokens": n, "ms": ms * scale,
-                         "link_fraction": 0.98, "time_over_floor": 1.02,
+                         "link_fraction": 0.98, "link_fraction_after": 0.99,
+                         "time_over_floor": 1.02,
                          "bytes_copied": 1e9 * scale, "identical_to_resident": identical})
         rows.append({"part": "sweep", "arm": "pairs", "tokens": n, "median": 1.2})
     return {"expert_format": fmt, "preset": "p", "layers": 8, "skew": 0.0,
@@ -421,6 +443,7 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
     assert fp8["resident_over_bf16"] == pytest.approx(1.04)
     assert rows[("int4", 1024)]["routed_over_bf16"] == pytest.approx(0.26)
     assert fp8["identical"] and fp8["link_fraction"] == 0.98
+    assert fp8["link_fraction_after"] == 0.99
     # a streamed read unequal to its resident read fails the summary
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(_sweep_result("fp8", 0.5, identical=False)))

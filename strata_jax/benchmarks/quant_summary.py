@@ -8,7 +8,8 @@ arms, and gives per format and length:
                             int4 <= 0.32 at 1K-4K)
     stream_all_over_bf16    the same for stream-all
     link_fraction           stream-all's bytes actually moved over its time, as a fraction of
-                            the link ceiling (target >= 0.97)
+                            the link ceiling (target >= 0.97); link_fraction_after against the
+                            ceiling probed after the length's calls (how far the link moved)
     resident_over_bf16      the all-resident prefill's time over bf16's: what dequantizing
                             adds to the compute (target <= 1.05 at 8K)
     identical               every streamed read equal to the resident read of its format
@@ -69,6 +70,8 @@ def summarize(results: list[dict]) -> dict:
                 row["identical"] &= bool(got.get("identical_to_resident"))
                 if a == "stream-all":
                     row["link_fraction"] = got.get("link_fraction")
+                    if "link_fraction_after" in got:  # against the ceiling probed after
+                        row["link_fraction_after"] = got["link_fraction_after"]
                     row["bytes_copied"] = got.get("bytes_copied")
             out["rows"].append(row)
     return out

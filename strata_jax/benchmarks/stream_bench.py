@@ -30,7 +30,10 @@ The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run,
 parts and again after them (`link_pinned_gbps_end`, to show its drift). On the GPU the sweep
 probes it again before each length's streamed calls, from a fresh pinned buffer and from each
 engine's own store (`link_probes`); that length's rows, the JAX arm's included, are stated
-against the highest of those and the first probe (`link_ceiling_gbps`).
+against the highest of those and the first probe (`link_ceiling_gbps`), and the probes are
+taken again after the length's calls (`link_probes_after`; each streamed row's
+`link_ceiling_after_gbps` and `link_fraction_after`), so a row says whether the link itself
+moved under it.
 
     python -m strata_jax.benchmarks.stream_bench --preset qwen3-30b-a3b --layers 8 \\
         --lengths 950,1024,2048,4096,6144 --parts sweep --json out.json
@@ -383,9 +386,10 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
         for n in lengths:
             engines[arm].prefill(prompts[n][-1])  # compile
     identical = True
+    cuda = _probes_link(engines)
     for n in lengths:
         ceiling = link
-        if engines["stream-all"].streamer.backend == "cuda":
+        if cuda:
             probes, errors = _ceiling_probes(engines)
             ceiling = max(link, *probes.values())
             result.setdefault("link_probes", {})[str(n)] = probes
@@ -410,6 +414,11 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
             meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host,
                          r.chunks[0].stats.layout, r.chunks[0].stats.tail_pieces))
             del r  # see _drop_note
+        after = None
+        if cuda:  # the ceiling again after the timed calls: how far it moved under them
+            probes, _ = _ceiling_probes(engines)
+            after = max(probes.values())
+            result.setdefault("link_probes_after", {})[str(n)] = probes
         for arm in ("stream-all", "routed"):
             rows = [m for m in meas if m[0] == arm]
             ms = statistics.median(m[1] for m in rows)
@@ -425,6 +434,11 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                    "identical_to_resident": all(m[4] for m in rows),
                    "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows),
                    "host_call_to_begin_each": [round(m[6][0], 3) for m in rows]}
+            if after is not None:
+                # The rows' ceiling is the one probed before the calls (BENCHMARK.md); this
+                # says whether the link itself moved while they ran.
+                row["link_ceiling_after_gbps"] = after
+                row["link_fraction_after"] = row["gbps"] / after
             timed = [m for m in rows if m[3] is not None and m[3][1] > 0]
             if timed:
                 row["device_chunk_ms"] = statistics.median(m[3][0] for m in timed)
@@ -458,6 +472,12 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
     for e in engines.values():
         e.close()
     result["identical"] = result.get("identical", True) and bool(identical)
+
+
+def _probes_link(engines) -> bool:
+    """Whether the sweep probes the link around each length (a CUDA stream: the CPU backend's
+    simulated link has the configured rate)."""
+    return engines["stream-all"].streamer.backend == "cuda"
 
 
 def _ceiling_probes(engines) -> dict:
