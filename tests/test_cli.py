@@ -744,3 +744,26 @@ def test_score_refuses_what_it_cannot_score_before_any_work(argv, words, no_work
 
 
     assert "score" in cli.build_parser().format_help()
+
+
+def test_kernel_options_reach_the_engine(monkeypatch):
+    # --grouped-matmul / --quantized-matmul / --attention build the engine's Kernels; a choice
+    # the kernels do not have is refused by argparse, naming the choices.
+    from strata_jax import engine as engine_module
+
+    seen = []
+    real = engine_module.Engine.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("kernels"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", spy)
+    d = run_json(["prefill", *MODEL, "--tokens", "32", "--no-stream", "--quantize", "int4",
+                  "--grouped-matmul", "tiled", "--quantized-matmul", "dequantize",
+                  "--attention", "xla"])
+    assert d["tokens"] == 32
+    (k,) = seen
+    assert (k.grouped_matmul, k.quantized_matmul, k.attention) == ("tiled", "dequantize", "xla")
+    rc, out, err = run(["prefill", *MODEL, "--quantized-matmul", "fast"])
+    assert (rc, out) == (2, "") and "invalid choice: 'fast'" in err and "dequantize" in err

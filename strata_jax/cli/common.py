@@ -530,9 +530,12 @@ def _stream_config(args, backend: str, profile):
 def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None,
                  what: str = "experts"):
     from ..engine import Engine
+    from ..kernels import Kernels
 
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
-                  order=args.order, device=device)
+                  order=args.order, device=device,
+                  kernels=Kernels(grouped_matmul=args.grouped_matmul, attention=args.attention,
+                                  quantized_matmul=args.quantized_matmul))
     if getattr(args, "devices", 1) > 1:  # expert parallel: the mesh says where it runs
         from ..parallel import expert_mesh
 

@@ -220,8 +220,9 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                         "it whole (default: StreamTuning.tail_pieces, 4)")
     g.add_argument("--tail-from", type=_positive_int, metavar="N",
                    help="the shortest chunk, in tokens, whose last MoE layer runs in "
-                        "--tail-pieces pieces (default: StreamTuning.tail_from: 8192 for bf16 or "
-                        "dequantized experts, 1024 for the quantized kernels)")
+                        "--tail-pieces pieces (default: StreamTuning.tail_from: 8192 for bf16 "
+                        "experts, 1024 for quantized ones read by a fused kernel, 16384 for "
+                        "quantized ones dequantized first)")
     g.add_argument("--profile", metavar="FILE",
                    help="expert profile saved by `strata-jax profile`: orders each layer's "
                         "stream hottest first and chooses the resident experts")
@@ -243,6 +244,25 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                    help="simulated per-copy latency in microseconds (cpu backend)")
     g.add_argument("--trace", action="store_true",
                    help="per-chunk 'ring entries, copied, skipped' lines from the engine (stderr)")
+    _kernel_options(p)
+
+
+def _kernel_options(p: argparse.ArgumentParser) -> None:
+    from ..kernels import ATTENTION_PATHS, GROUPED_MATMULS, QUANTIZED_MATMULS
+
+    g = p.add_argument_group("kernels (strata_jax.Kernels; each choice reads the same bits in "
+                             "every arm)")
+    g.add_argument("--grouped-matmul", choices=GROUPED_MATMULS, default="auto",
+                   help="the experts' grouped matmul (auto: the Mosaic GPU kernel on Hopper, "
+                        "row tiles on other GPUs, lax.ragged_dot on the CPU)")
+    g.add_argument("--quantized-matmul", choices=QUANTIZED_MATMULS, default="auto",
+                   help="how fp8/int4 experts are read (--quantize or a quantized checkpoint): "
+                        "fused kernels that dequantize tiles as they multiply, or the layer "
+                        "dequantized first (auto: the Mosaic kernel for fp8 on Hopper, else "
+                        "dequantize)")
+    g.add_argument("--attention", choices=ATTENTION_PATHS, default="auto",
+                   help="the attention path (auto: fused cuDNN for bf16/fp16 on a GPU, exact "
+                        "XLA paths elsewhere)")
 
 
 def _devices_option(g) -> None:
