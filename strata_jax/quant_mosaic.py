@@ -125,7 +125,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     with jax.named_scope("grouped_matmul_fp8_mosaic"):
         return _ragged_kernel(
-            x, group_sizes, n, k, tiles, interpret, num_sms, bk=bk,
+            x, group_sizes, n, k, tiles, interpret, num_sms,
             plane_specs=[plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))],
             pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert)
 
@@ -141,7 +141,7 @@ def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
 
 
 def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
-                   num_sms: int, *, bk: int, plane_specs, pipelined, resident, convert):
+                   num_sms: int, *, plane_specs, pipelined, resident, convert):
     """The persistent ragged kernel both formats share: rows of x [M, K] sorted by group,
     times their group's matrix, read as `convert` makes it from the planes, [M, N] in
     x.dtype with the rows past the groups zero.
@@ -158,7 +158,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     from .quant_matmul import group_metadata, zero_rows_past_groups
 
     m = x.shape[0]
-    bm, bn = tiles.block_m, tiles.block_n
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     dtype = x.dtype
     m_pad = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
@@ -322,7 +322,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     with jax.named_scope("grouped_matmul_int4_mosaic"):
         return _ragged_kernel(
-            x, group_sizes, n, k, tiles, interpret, num_sms, bk=INT4_GROUP,
+            x, group_sizes, n, k, tiles, interpret, num_sms,
             plane_specs=[plgpu.BlockSpec((half, bn), lambda kk, ni: (kk, ni)),
                          plgpu.BlockSpec((1, bn), lambda kk, ni: (kk, ni))],
             pipelined=[halves, w.scale], resident=[], convert=convert)

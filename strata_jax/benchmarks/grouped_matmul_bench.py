@@ -85,7 +85,8 @@ def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, 
     t_grouped = _time(grouped, (x, h, wg, wu, wd, sizes), warmup, repeats)
     t_dense = _time(dense, (x, h, dg, du, dd), warmup, repeats)
     return dict(tokens=tokens, rows=m, hidden=hidden, intermediate=inter, experts=n_experts,
-                top_k=top_k, grid_block_n=grid_block_n, flops=flops, grouped_ms=t_grouped * 1e3, dense_ms=t_dense * 1e3,
+                top_k=top_k, grid_block_n=grid_block_n, flops=flops,
+                grouped_ms=t_grouped * 1e3, dense_ms=t_dense * 1e3,
                 grouped_tflops=flops / t_grouped / 1e12, dense_tflops=flops / t_dense / 1e12,
                 ratio=t_dense / t_grouped)
 

@@ -115,8 +115,8 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             continue
         rows.append(timed("fused", name, lambda a, b, c, tiles=tiles: fused_grouped_matmul(
             a, b, c, tiles=tiles), default=tiles is None))
-    halves = (ExpertWeights(*((a, int4_halves(a.q)) for a in wq)) if kind == "int4"
-              else None)
+    halves = (ExpertWeights(*((a, int4_halves(a.q)) for a in wq))
+              if kind == "int4" and mosaic else None)  # each matrix with its byte tiles
     for tiles in mosaic:
         name = ",".join(str(v) for v in dataclasses.astuple(tiles))
         if kind == "int4":

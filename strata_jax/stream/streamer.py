@@ -26,8 +26,8 @@ from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
 from ..memory import check_host_bytes, device_memory
 from ..quant_matmul import resolve_format
 from .config import (TAIL_FROM_DEQUANTIZED, TAIL_FROM_TILED, TAIL_FROM_VISITS,
-                     _MODE_ROUTED_ONLY, _MODE_STREAM,
-                     _MODE_STREAM_PACKED, _PUBLISH_MODES, _STREAM_MODES, StreamConfig)
+                     _MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED, _PUBLISH_MODES,
+                     _STREAM_MODES, StreamConfig)
 from .plan import plan_stream
 
 # The native engine's host store on CUDA (EngineOptions.pin_mode): a pinned arena, with the
@@ -683,8 +683,8 @@ class NativeStreamer(Closable):
         visits = path in ("mosaic", "triton")
         floor = self.tuning.tail_from
         if floor is None:
-            floor = {"mosaic": TAIL_FROM_VISITS, "triton": TAIL_FROM_VISITS,
-                     "dequantize": TAIL_FROM_DEQUANTIZED}.get(path, TAIL_FROM_TILED)
+            floor = (TAIL_FROM_VISITS if visits else
+                     TAIL_FROM_DEQUANTIZED if path == "dequantize" else TAIL_FROM_TILED)
         if n_tokens < floor:
             return 1
         if pieces > 1 and not visits and resolve_implementation(grouped_matmul) == "mosaic":
