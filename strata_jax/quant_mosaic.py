@@ -12,9 +12,10 @@ A k step (e4m3 values, one float32 scale per block x block):
     w = bf16(float32(q[k0:k0+bk, n0:n0+bn]) * scale[k0 // block, n0 // block])   registers
     w_smem[slot] = w;  acc += x[rows, k0:k0+bk] @ w_smem[slot]                    wgmma, f32
 The weights come out exactly as `QuantizedMatrix.dequantize` makes them (one float32 product and
-one cast), and at the tiling of the bf16 Mosaic kernel (`grouped_matmul.MOSAIC_*`) the products
-accumulate in the same order, so the result has the bits of dequantize-then-matmul (the GPU
-tests check it); the layer is never written out in bf16. wgmma's B operand must be in shared
+one cast), and with the rows and columns of the bf16 Mosaic kernel (`grouped_matmul.MOSAIC_*`)
+the products accumulate in the same order (a step's wgmma adds its 16-input slices into the
+float32 accumulator one after another, whatever the k step: 64 and 128 both give the bits), so
+the result has the bits of dequantize-then-matmul (the GPU tests check it); the layer is never written out in bf16. wgmma's B operand must be in shared
 memory, hence the two-slot bf16 buffer: step k writes slot k % 2, which step k - 2's product
 read, and each step waits for the previous step's product before its buffers are released.
 
@@ -71,9 +72,9 @@ class MosaicTiles:
 
 
 # The tiling `grouped_matmul` reads fp8 experts with: the fastest of quant_matmul_bench's sweep on
-# the H200 (BENCHMARKS.md, "Fused kernels"); rows, columns and k step as the bf16 Mosaic
-# kernel's, so the products accumulate in its order.
-MOSAIC_TILES = MosaicTiles(128, 128, 64, 4, 8, 1)
+# the H200 (BENCHMARKS.md, "Fused kernels"): rows and columns as the bf16 Mosaic kernel's, a
+# k step of one scale block (128; four stages of it do not fit in shared memory).
+MOSAIC_TILES = MosaicTiles(128, 128, 128, 3, 8, 1)
 
 
 def mosaic_supports(w, tiles: MosaicTiles) -> bool:

@@ -99,7 +99,7 @@ def test_what_the_kernel_reads_and_refuses():
     assert mosaic_supports(w8, MOSAIC_TILES)
     assert not mosaic_supports(w4, MOSAIC_TILES)  # int4 is dequantized (or read by Triton)
     assert mosaic_int4_supports(w4, MOSAIC_INT4_TILES)
-    assert not mosaic_int4_supports(w4, MOSAIC_TILES)  # a k step must be one scale group
+    assert not mosaic_int4_supports(w4, MosaicTiles(block_k=64))  # a k step: one scale group
     assert not mosaic_int4_supports(w8, MOSAIC_INT4_TILES)
     assert not mosaic_int4_supports(_matrix("int4", block=64), MOSAIC_INT4_TILES)
     with pytest.raises(ValueError, match="int4 in groups of 128"):
