@@ -41,7 +41,9 @@ MOSAIC_BLOCK_M = 128
 MOSAIC_BLOCK_N = 128
 MOSAIC_BLOCK_K = 64
 MOSAIC_STAGES = 4
-MOSAIC_GRID_BLOCK_N = 2
+# Column tiles a row tile's sweep covers (at most; fewer where the matrix has fewer): wider bands
+# read each x tile fewer times (grouped_matmul_bench --grid-block-n; BENCHMARKS.md).
+MOSAIC_GRID_BLOCK_N = 8
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
 
@@ -222,9 +224,9 @@ def _mosaic_supports(k: int, n: int, dtype) -> bool:
 
 
 def _mosaic(x, w, group_sizes, grid_block_n: int | None = None):
-    """The bf16 Mosaic kernel; grid_block_n: its column bands (None: MOSAIC_GRID_BLOCK_N where
-    it divides the column tiles, else 1; a number: at most that many, the last band narrower
-    where it does not divide; grouped_matmul_bench --grid-block-n)."""
+    """The bf16 Mosaic kernel; grid_block_n: its column bands, at most that many column tiles
+    (None: MOSAIC_GRID_BLOCK_N), the last band narrower where it does not divide them
+    (grouped_matmul_bench --grid-block-n)."""
     with jax.named_scope("grouped_matmul_mosaic"):
         module = _mosaic_module()
         m, _ = x.shape
@@ -235,10 +237,8 @@ def _mosaic(x, w, group_sizes, grid_block_n: int | None = None):
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
         if grid_block_n is None:
-            grid_block_n = (MOSAIC_GRID_BLOCK_N if n % (MOSAIC_BLOCK_N * MOSAIC_GRID_BLOCK_N) == 0
-                            else 1)
-        else:
-            grid_block_n = max(1, min(grid_block_n, -(-n // MOSAIC_BLOCK_N)))
+            grid_block_n = MOSAIC_GRID_BLOCK_N
+        grid_block_n = max(1, min(grid_block_n, -(-n // MOSAIC_BLOCK_N)))
         kwargs = dict(group_sizes=group_sizes, block_m=MOSAIC_BLOCK_M, block_n=MOSAIC_BLOCK_N,
                       block_k=MOSAIC_BLOCK_K, max_concurrent_steps=MOSAIC_STAGES,
                       grid_block_n=grid_block_n)
