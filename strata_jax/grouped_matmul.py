@@ -223,10 +223,12 @@ def _mosaic_supports(k: int, n: int, dtype) -> bool:
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-def _mosaic(x, w, group_sizes, grid_block_n: int | None = None):
+def _mosaic(x, w, group_sizes, grid_block_n: int | None = None, block_k: int | None = None,
+            stages: int | None = None):
     """The bf16 Mosaic kernel; grid_block_n: its column bands, at most that many column tiles
-    (None: MOSAIC_GRID_BLOCK_N), the last band narrower where it does not divide them
-    (grouped_matmul_bench --grid-block-n)."""
+    (None: MOSAIC_GRID_BLOCK_N), the last band narrower where it does not divide them;
+    block_k and stages: its k step and pipeline depth (None: MOSAIC_BLOCK_K, MOSAIC_STAGES).
+    grouped_matmul_bench --grid-block-n / --block-k / --stages time the others."""
     with jax.named_scope("grouped_matmul_mosaic"):
         module = _mosaic_module()
         m, _ = x.shape
@@ -240,7 +242,8 @@ def _mosaic(x, w, group_sizes, grid_block_n: int | None = None):
             grid_block_n = MOSAIC_GRID_BLOCK_N
         grid_block_n = max(1, min(grid_block_n, -(-n // MOSAIC_BLOCK_N)))
         kwargs = dict(group_sizes=group_sizes, block_m=MOSAIC_BLOCK_M, block_n=MOSAIC_BLOCK_N,
-                      block_k=MOSAIC_BLOCK_K, max_concurrent_steps=MOSAIC_STAGES,
+                      block_k=block_k or MOSAIC_BLOCK_K,
+                      max_concurrent_steps=stages or MOSAIC_STAGES,
                       grid_block_n=grid_block_n)
         accepted = inspect.signature(module.ragged_dot).parameters
         out = module.ragged_dot(x, w, **{k: v for k, v in kwargs.items() if k in accepted})
@@ -253,7 +256,7 @@ def _mosaic(x, w, group_sizes, grid_block_n: int | None = None):
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per call
 # site (a model calls it three times per MoE layer): lowering a Mosaic kernel takes about half a
 # second of Python, 12 s per program for eight layers otherwise. Same HLO inside, same bits.
-_mosaic_jit = jax.jit(_mosaic, static_argnames=("grid_block_n",))
+_mosaic_jit = jax.jit(_mosaic, static_argnames=("grid_block_n", "block_k", "stages"))
 
 
 def grouped_matmul_reference(x, w, group_sizes):

@@ -468,5 +468,10 @@ def test_grouped_matmul_bench_rows_and_its_band_option(tmp_path, capsys):
     assert grouped_matmul_bench.main([*small, "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["rows"] == 128 and row["grid_block_n"] is None and row["grouped_ms"] > 0
-    with pytest.raises(SystemExit, match="--grid-block-n needs the Mosaic kernel"):
-        grouped_matmul_bench.main([*small, "--grid-block-n", "2", "8"])
+    assert row["block_k"] is None and row["stages"] is None
+    for option in (["--grid-block-n", "2", "8"], ["--block-k", "128"], ["--stages", "3"]):
+        with pytest.raises(SystemExit, match="--block-k and --stages need the Mosaic kernel"):
+            grouped_matmul_bench.main([*small, *option])
+    with pytest.raises(SystemExit):
+        grouped_matmul_bench.main([*small, "--block-k", "48"])
+    assert "--block-k 48: a power of two" in capsys.readouterr().err

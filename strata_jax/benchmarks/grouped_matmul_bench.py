@@ -13,6 +13,7 @@ The bar on the H200 is grouped >= 50% of dense.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -47,9 +48,11 @@ def _time(fn, args, warmup: int, repeats: int) -> float:
 
 def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, *,
               impl: str | None, warmup: int, repeats: int, dtype=jnp.bfloat16,
-              grid_block_n: int | None = None) -> dict:
-    """Times grouped and dense SwiGLU projections for one token count (grid_block_n: the
-    Mosaic kernel's column bands, None for the default)."""
+              grid_block_n: int | None = None, block_k: int | None = None,
+              stages: int | None = None) -> dict:
+    """Times grouped and dense SwiGLU projections for one token count (grid_block_n, block_k,
+    stages: the Mosaic kernel's column bands, k step and pipeline depth, None for its
+    defaults)."""
     m = tokens * top_k
     sizes = jnp.asarray(uniform_group_sizes(tokens, n_experts, top_k))
     keys = jax.random.split(jax.random.key(0), 8)
@@ -60,16 +63,17 @@ def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, 
     wd = (jax.random.normal(keys[4], (n_experts, inter, hidden), dtype) * 0.02).astype(dtype)
     dg, du, dd = wg[0], wu[0], wd[0]
 
-    if grid_block_n is None:
+    tiling = dict(grid_block_n=grid_block_n, block_k=block_k, stages=stages)
+    if all(v is None for v in tiling.values()):
         def mm(a, b, s):
             return grouped_matmul(a, b, s, impl=impl)
     else:
         if resolve_implementation(impl) != "mosaic":
-            raise SystemExit(f"--grid-block-n needs the Mosaic kernel (impl {impl!r} resolves "
-                             f"to {resolve_implementation(impl)!r})")
+            raise SystemExit(f"--grid-block-n, --block-k and --stages need the Mosaic kernel "
+                             f"(impl {impl!r} resolves to {resolve_implementation(impl)!r})")
 
         def mm(a, b, s):
-            return _mosaic_jit(a, b, s, grid_block_n=grid_block_n)
+            return _mosaic_jit(a, b, s, **tiling)
 
     @jax.jit
     def grouped(x, h, wg, wu, wd, sizes):
@@ -85,7 +89,8 @@ def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, 
     t_grouped = _time(grouped, (x, h, wg, wu, wd, sizes), warmup, repeats)
     t_dense = _time(dense, (x, h, dg, du, dd), warmup, repeats)
     return dict(tokens=tokens, rows=m, hidden=hidden, intermediate=inter, experts=n_experts,
-                top_k=top_k, grid_block_n=grid_block_n, flops=flops,
+                top_k=top_k, grid_block_n=grid_block_n, block_k=block_k, stages=stages,
+                flops=flops,
                 grouped_ms=t_grouped * 1e3, dense_ms=t_dense * 1e3,
                 grouped_tflops=flops / t_grouped / 1e12, dense_tflops=flops / t_dense / 1e12,
                 ratio=t_dense / t_grouped)
@@ -105,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid-block-n", type=int, nargs="+", default=[None],
                    help="the Mosaic kernel's column bands to time (each a row per length; "
                         "default: the kernel's own choice)")
+    p.add_argument("--block-k", type=int, nargs="+", default=[None],
+                   help="the Mosaic kernel's k steps to time (a power of two >= 16)")
+    p.add_argument("--stages", type=int, nargs="+", default=[None],
+                   help="the Mosaic kernel's pipeline depths to time")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--min-ratio", type=float, default=0.0,
@@ -118,15 +127,22 @@ def main(argv: list[str] | None = None) -> int:
           f"H {args.hidden}, I {args.intermediate}, E {args.experts}, top-{args.top_k}")
     print(f"{'tokens':>7} {'rows':>8} {'grouped ms':>11} {'TFLOP/s':>8} {'dense ms':>9} "
           f"{'TFLOP/s':>8} {'ratio':>6}")
+    for bk in args.block_k:
+        if bk is not None and (bk < 16 or bk & (bk - 1)):
+            p.error(f"--block-k {bk}: a power of two, at least 16")
+    if any(st is not None and st < 1 for st in args.stages):
+        p.error("--stages: each at least 1")
     for tokens in args.tokens:
-        for gbn in args.grid_block_n:
+        for gbn, bk, st in itertools.product(args.grid_block_n, args.block_k, args.stages):
             r = bench_one(tokens, args.hidden, args.intermediate, args.experts, args.top_k,
                           impl=args.impl, warmup=args.warmup, repeats=args.repeats,
-                          grid_block_n=gbn)
+                          grid_block_n=gbn, block_k=bk, stages=st)
             results.append(r)
+            tiling = ", ".join(f"{k} {v}" for k, v in
+                               (("grid_block_n", gbn), ("block_k", bk), ("stages", st)) if v)
             print(f"{r['tokens']:>7} {r['rows']:>8} {r['grouped_ms']:>11.3f} "
                   f"{r['grouped_tflops']:>8.1f} {r['dense_ms']:>9.3f} {r['dense_tflops']:>8.1f} "
-                  f"{r['ratio']:>6.2f}" + (f"  (grid_block_n {gbn})" if gbn else ""))
+                  f"{r['ratio']:>6.2f}" + (f"  ({tiling})" if tiling else ""))
     report = dict(device=str(getattr(device, "device_kind", device.platform)),
                   platform=device.platform, jax=jax.__version__, impl=impl,
                   warmup=args.warmup, repeats=args.repeats, statistic="median", results=results)
