@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from strata_jax.config import ModelConfig, _DTYPES
 from strata_jax.experts import ExpertWeights, blob_size, unpack_expert_blobs_np
-from strata_jax.formats import INT4_PER_WORD, INT4_ZERO, ExpertFormat
+from strata_jax.formats import INT4_PER_WORD, INT4_ZERO, ExpertFormat, gptq_halves_np
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 
@@ -709,7 +709,8 @@ def _st_read(f, start: int, info: Mapping) -> np.ndarray:
 
 # Each plane of an expert format: (matrix, the Hugging Face tensor's suffix, transposed on load).
 # fp8: `weight` [out, in] and `weight_scale_inv` [out / b, in / b], both transposed; GPTQ:
-# `qweight` [in / 8, out] and `scales` [in / group, out], already [in, out].
+# `qweight` [in / 8, out] (its words' values rearranged into the format's group halves) and
+# `scales` [in / group, out], already [in, out].
 _PLANE_SOURCES = {
     "plain": {m: (m, "weight", True) for m in ExpertWeights._fields},
     "fp8": {**{m: (m, "weight", True) for m in ExpertWeights._fields},
@@ -727,7 +728,9 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
     "...down": [E, I, H] in the parameter dtype; fp8 (`ModelConfig.expert_format`), each matrix
     in float8_e4m3fn and "...gate_scale" etc. float32 [E, ceil(in/b), ceil(out/b)] (the
     checkpoint's `weight` and `weight_scale_inv`, transposed); int4, GPTQ's `qweight` int32
-    [E, in/8, out] and `scales` float16 [E, in/group, out] as they are. Read when asked for and
+    [in/8, out] words rearranged into the format's group halves, uint8 [E, in/2, out]
+    (`formats.gptq_halves_np`, the same bytes), and `scales` float16 [E, in/group, out] as
+    they are. Read when asked for and
     not kept. `fill(name, out)` reads each expert's tensor straight into `out`, one expert at a
     time: how an engine's host store takes them (`as_mapping`, `strata_jax.weights`), so no
     copy of every expert exists outside the store. Each read opens the files it needs and
@@ -806,7 +809,10 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
             with open(path, "rb") as f:
                 for e, hf in items:
                     value = _st_read(f, start, header[hf])
-                    out[e] = value.T if transpose else value
+                    if kind == "int4" and suffix == "qweight":
+                        out[e] = gptq_halves_np(value, self.format.block)
+                    else:
+                        out[e] = value.T if transpose else value
 
     @property
     def layers(self) -> tuple[int, ...]:

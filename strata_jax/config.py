@@ -80,8 +80,8 @@ class ModelConfig:
         param_dtype: Parameter and activation dtype name ("bfloat16", "float32", ...).
         expert_format: How the routed experts are stored, on the host, over the link and in
             device memory (`strata_jax.formats`): "plain" (the parameter dtype), "fp8" (e4m3
-            with block scales) or "int4" (GPTQ-layout, group scales). The expert math reads
-            them dequantized to the parameter dtype.
+            with block scales) or "int4" (GPTQ's 4-bit values and group scales). The expert
+            math reads them (`Kernels.quantized_matmul`).
         expert_block: fp8's scale block side or int4's group along the input dim; 0 means the
             checkpoints' 128.
     """

@@ -16,10 +16,14 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         w[k, n] = float(m[k, n]) * m_scale[k // 128, n // 128]. The checkpoint stores
         `weight` [N, K] ([out, in]) and `weight_scale_inv` [ceil(N/128), ceil(K/128)]; both
         are transposed into this orientation on load (a transposed block grid is a block grid).
-    int4   GPTQ's layout, symmetric, group 128 along the input dim:
-        per matrix m of shape [K, N]: m int32 [K/8, N] (GPTQ `qweight`: row 8r + j of the
-        unsigned 4-bit values q in bits 4j..4j+3 of word [r, n]), then m_scale float16
-        [K/128, N] (GPTQ `scales`): w[k, n] = (q[k, n] - 8) * m_scale[k // 128, n].
+    int4   GPTQ's values and scales, symmetric, group G = 128 along the input dim, the 4-bit
+        values in group halves: per matrix m of shape [K, N]: m uint8 [K/2, N], byte row r of
+        group g (rows g*G/2 .. g*G/2 + G/2 - 1) holding input row g*G + r in its low nibble
+        and g*G + G/2 + r in its high one, then m_scale float16 [K/G, N] (GPTQ `scales`):
+        w[k, n] = (q[k, n] - 8) * m_scale[k // G, n]. The bytes are GPTQ `qweight`'s (int32
+        [K/8, N], row 8r + j in bits 4j..4j+3 of word [r, n]) rearranged within each group
+        (`gptq_halves_np`, on load): a group's byte tile is what the fused Mosaic kernel
+        reads a k step (a 16-row tile of words has no layout it can unpack).
         GPTQ's [in, out] is already the model's orientation. Zero-points (GPTQ `qzeros`, int32
         [K/128, N/8], eight 4-bit zeros per word along N, stored minus one in GPTQ's v1
         checkpoints) would be a third plane per matrix, m_zero, with w = (q - z) * scale in
@@ -60,7 +64,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size [128, 128]
 INT4_GROUP = 128  # GPTQ group_size
 INT4_ZERO = 8  # the implicit zero-point of symmetric GPTQ
-INT4_PER_WORD = 8  # 4-bit values per int32 word of qweight
+INT4_PER_WORD = 8  # 4-bit values per int32 word of GPTQ's qweight
 KINDS = EXPERT_FORMATS  # ("plain", "fp8", "int4")
 
 
@@ -171,8 +175,8 @@ class ExpertFormat:
     @classmethod
     def int4(cls, hidden: int, intermediate: int, dtype,
              group: int = INT4_GROUP) -> "ExpertFormat":
-        """GPTQ-layout symmetric int4: int32 words of 8 values along the input dim, float16
-        scales per `group` inputs."""
+        """Symmetric int4 with GPTQ's values and float16 scales per `group` inputs, the
+        values of each group in two nibble halves of a [group/2, N] byte tile."""
         if group < 1 or group % INT4_PER_WORD:
             raise ValueError(f"int4 group={group} must be a positive multiple of {INT4_PER_WORD}")
         planes = []
@@ -180,9 +184,9 @@ class ExpertFormat:
             if k % group:
                 raise ValueError(
                     f"int4 experts need the {m} matrix's input width {k} to be a multiple of "
-                    f"the group {group} (GPTQ's layout); pick a group that divides {k} "
+                    f"the group {group} (GPTQ's grouping); pick a group that divides {k} "
                     "(ModelConfig.expert_block)")
-            planes += [Plane(m, np.int32, (k // INT4_PER_WORD, n)),
+            planes += [Plane(m, np.uint8, (k // 2, n)),
                        Plane(f"{m}_scale", np.float16, (k // group, n))]
         return cls("int4", "int4", tuple(planes), np.dtype(dtype), int(hidden),
                    int(intermediate), int(group))
@@ -352,9 +356,7 @@ class ExpertFormat:
         if self.kind == "fp8":
             s = np.repeat(np.repeat(s, self.block, axis=-2), self.block, axis=-1)[..., :k, :n]
             return (q.astype(np.float32) * s).astype(dtype)
-        shifts = np.arange(INT4_PER_WORD, dtype=np.uint32)[:, None] * 4  # [8, 1]
-        vals = (q.view(np.uint32)[..., :, None, :] >> shifts) & 15  # [E, K/8, 8, N]
-        vals = vals.reshape(*q.shape[:-2], k, n).astype(np.int32) - INT4_ZERO
+        vals = int4_values_np(q, self.block).astype(np.int32) - INT4_ZERO  # [E, K, N]
         return (vals.astype(np.float32) * np.repeat(s, self.block, axis=-2)).astype(dtype)
 
     def dequantize(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None) -> jax.Array:
@@ -402,8 +404,41 @@ def _fp8_quantize_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]
     return y.astype(ml_dtypes.float8_e4m3fn), scale
 
 
+def int4_halves_np(values: np.ndarray, group: int) -> np.ndarray:
+    """4-bit values [..., K, N] (0..15) -> the int4 plane's bytes uint8 [..., K/2, N]: byte
+    row r of group g holds row g*group + r in its low nibble, g*group + group/2 + r in its
+    high one."""
+    *lead, k, n = values.shape
+    if k % group or group % 2:
+        raise ValueError(f"int4 halves: {k} inputs are not whole groups of {group}")
+    v = np.asarray(values).astype(np.uint8).reshape(*lead, k // group, 2, group // 2, n)
+    return (v[..., 0, :, :] | (v[..., 1, :, :] << 4)).reshape(*lead, k // 2, n)
+
+
+def int4_values_np(q: np.ndarray, group: int) -> np.ndarray:
+    """The int4 plane's bytes uint8 [..., K/2, N] -> its 4-bit values uint8 [..., K, N]
+    (`int4_halves_np` undone)."""
+    q = np.asarray(q)
+    *lead, k2, n = q.shape
+    half = group // 2
+    if k2 % half:
+        raise ValueError(f"int4 plane of {k2} byte rows: not whole groups of {group}")
+    b = q.reshape(*lead, k2 // half, 1, half, n)
+    return np.concatenate([b & 15, b >> 4], axis=-3).reshape(*lead, 2 * k2, n)
+
+
+def gptq_halves_np(qweight: np.ndarray, group: int) -> np.ndarray:
+    """GPTQ `qweight` int32 [..., K/8, N] (row 8r + j in bits 4j..4j+3 of word r) -> the int4
+    plane's bytes uint8 [..., K/2, N] (`int4_halves_np`): the same values, rearranged."""
+    words = np.asarray(qweight).view(np.uint32)
+    shifts = np.arange(INT4_PER_WORD, dtype=np.uint32)[:, None] * 4  # [8, 1]
+    vals = (words[..., :, None, :] >> shifts) & 15  # [..., K/8, 8, N]
+    *lead, k8, _, n = vals.shape
+    return int4_halves_np(vals.reshape(*lead, k8 * INT4_PER_WORD, n), group)
+
+
 def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """[E, K, N] -> (int32 [E, K/8, N] GPTQ words, float16 scales [E, K/group, N]):
+    """[E, K, N] -> (uint8 [E, K/2, N] values in group halves, float16 scales [E, K/group, N]):
     scale = amax(group) / 7.5 rounded up to a float16 (1 for an all-zero group), so |x| /
     scale <= 7.5; q = clip(round(x / scale) + 8, 0, 15), ties to even."""
     e, k, n = x.shape
@@ -417,8 +452,5 @@ def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     scale[low] = np.nextafter(scale[low], np.float16(np.inf))
     scale[amax == 0] = 1
     full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
-    q = np.clip(np.round(x.astype(np.float32) / full) + INT4_ZERO, 0, 15).astype(np.uint32)
-    q = q.reshape(e, k // INT4_PER_WORD, INT4_PER_WORD, n)
-    shifts = np.arange(INT4_PER_WORD, dtype=np.uint32)[:, None] * 4
-    words = np.bitwise_or.reduce(q << shifts, axis=2)  # [E, K/8, N]
-    return words.astype(np.uint32).view(np.int32), scale
+    q = np.clip(np.round(x.astype(np.float32) / full) + INT4_ZERO, 0, 15).astype(np.uint8)
+    return int4_halves_np(q, group), scale

@@ -8,10 +8,11 @@ another (jit keys on it). Nothing is read from the environment.
                     Mosaic GPU kernel on Hopper, row tiles on other GPUs, lax.ragged_dot on CPU)
     quantized_matmul  "auto" | "fused" | "dequantize"  (`quant_matmul.resolve_quantized`: how a
                     grouped matmul reads fp8/int4 expert planes; fused: a kernel that
-                    dequantizes tiles as it multiplies (the Mosaic GPU fp8 kernel on Hopper,
-                    `quant_mosaic`, else the Pallas Triton one), dequantize: the whole matrix to
-                    bf16 first, then grouped_matmul; auto: the Mosaic kernel for fp8 on a
-                    Hopper GPU, which gives dequantize's bits faster, dequantize elsewhere)
+                    dequantizes tiles as it multiplies (the Mosaic GPU fp8 and int4 kernels on
+                    Hopper, `quant_mosaic`, else the Pallas Triton one), dequantize: the whole
+                    matrix to bf16 first, then grouped_matmul; auto: the Mosaic kernels on a
+                    Hopper GPU where they read the matrix (they give dequantize's bits),
+                    dequantize elsewhere)
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`strata_jax.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)

@@ -1,7 +1,8 @@
 """Grouped matmul over quantized expert planes, dequantizing tiles inside the kernel.
 
 `QuantizedMatrix` is one matrix of a layer's experts as its planes hold it (fp8: e4m3 values
-and 128 x 128 block scales; int4: GPTQ words and group scales; `strata_jax.formats`). The expert
+and 128 x 128 block scales; int4: 4-bit values in group halves and group scales;
+`strata_jax.formats`). The expert
 math gets one for each of gate, up and down of a quantized format and hands it to
 `grouped_matmul`, which either dequantizes the whole matrix to the parameter dtype first and
 runs the bf16 grouped matmul ("dequantize"), or runs `fused_grouped_matmul` ("fused"): a Pallas
@@ -18,10 +19,9 @@ The fused kernel (one program per (column block, visit)):
 
     fp8   acc += dot(x[:, kblk], bf16(q[kblk, nblk])) * scale[kblk, nblk]   (e4m3 is exact in
           bf16; with the column block inside one scale block the scale is one number a step)
-    int4  acc += dot(x'[:, group], bf16(q'[group, nblk] - 8)) * scale[group, nblk]  (one step a
-          scale group; q' unpacks a group's words nibble-major: row j * (group / 8) + r is
-          nibble j of word r, which is GPTQ's input row 8 r + j, so x' is x with each group's
-          columns in that order, a permutation made once per matmul input)
+    int4  acc += dot(x[:, group], bf16(q'[group, nblk] - 8)) * scale[group, nblk]  (one step a
+          scale group; q' unpacks the group's [group / 2, BN] byte tile: its low nibbles are
+          the group's first half of rows, its high nibbles the second)
 
 The result equals dequantize-then-matmul up to float32 summation order (tests compare both with
 the float64 reference within the dtype's tolerance); between the resident and streamed arms it
@@ -42,7 +42,6 @@ from jax import lax
 
 FUSED_KINDS = ("fp8", "int4")
 _INT4_ZERO = 8
-_PER_WORD = 8
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"],
@@ -52,7 +51,8 @@ class QuantizedMatrix:
     """One matrix of a layer's experts in a quantized format (`strata_jax.formats`).
 
     Attributes:
-        q: fp8: float8_e4m3fn [E, K, N]; int4: int32 [E, K/8, N] (GPTQ `qweight` words).
+        q: fp8: float8_e4m3fn [E, K, N]; int4: uint8 [E, K/2, N] (each group's values in
+            two nibble halves, `formats.int4_halves_np`).
         scale: fp8: float32 [E, ceil(K/b), ceil(N/b)]; int4: float16 [E, K/b, N].
         kind: "fp8" or "int4".
         block: fp8's scale block side, int4's group (b).
@@ -85,10 +85,21 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
         return (q.astype(jnp.float32) * s).astype(dtype)
     if kind != "int4":
         raise ValueError(f"quantized matrix kind {kind!r}: expected one of {FUSED_KINDS}")
-    shifts = (jnp.arange(_PER_WORD, dtype=jnp.int32) * 4)[:, None]  # [8, 1]
-    vals = (q[..., :, None, :] >> shifts) & 15  # [E, K/8, 8, N]; & 15 drops the sign fill
-    vals = vals.reshape(*q.shape[:-2], k, n) - _INT4_ZERO
+    _check_int4_plane(q, shape, block)
+    b = q.astype(jnp.int32).reshape(*q.shape[:-2], k // block, 1, block // 2, n)
+    vals = jnp.concatenate([b & 15, b >> 4], axis=-3).reshape(*q.shape[:-2], k, n) - _INT4_ZERO
     return (vals.astype(jnp.float32) * jnp.repeat(s, block, axis=-2)).astype(dtype)
+
+
+def _check_int4_plane(q, shape: tuple[int, int], block: int) -> None:
+    """A ValueError unless `q` is an int4 plane as the formats make it: uint8 [..., K/2, N],
+    each group's values in two nibble halves (not GPTQ's int32 words)."""
+    k, n = shape
+    if np.dtype(q.dtype) != np.uint8 or tuple(q.shape[-2:]) != (k // 2, n):
+        raise ValueError(
+            f"int4 plane {np.dtype(q.dtype).name} {tuple(q.shape)}: expected uint8 "
+            f"[..., {k // 2}, {n}] (each group of {block} values in two nibble halves); "
+            "GPTQ's int32 words convert with strata_jax.formats.gptq_halves_np")
 
 
 def dense(w):
@@ -107,8 +118,8 @@ def dense(w):
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """The fused kernel's tiling: rows a tile, columns a tile, Triton warps and stages, and
-    for int4 how a group's words unpack ("tile": one [group, BN] tile and one dot a group;
-    "split": eight [group / 8, BN] nibble planes, eight dots)."""
+    for int4 how a group's byte tile unpacks ("tile": one [group, BN] tile and one dot a
+    group; "split": its two [group / 2, BN] nibble halves, two dots)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -144,14 +155,16 @@ def tiles_for(w: QuantizedMatrix) -> Tiles:
 def resolve_quantized(impl: str | None, w: QuantizedMatrix,
                       device: jax.Device | None = None) -> str:
     """The kernel that reads `w` for `impl` (`Kernels.quantized_matmul`; None: auto):
-    "mosaic" (`quant_mosaic`, fp8 on a Hopper GPU), "triton" (`fused_grouped_matmul`) or
-    "dequantize" (the matrix to its dtype first, then the plain grouped matmul).
+    "mosaic" (`quant_mosaic`, fp8 and int4 on a Hopper GPU), "triton"
+    (`fused_grouped_matmul`) or "dequantize" (the matrix to its dtype first, then the plain
+    grouped matmul).
 
     auto: mosaic where it reads the matrix, else dequantize (the Triton kernel is slower than
     dequantize-then-matmul for int4 at every length measured); fused: mosaic where it reads the
     matrix, else triton, else dequantize."""
     from .grouped_matmul import is_hopper
-    from .quant_mosaic import MOSAIC_TILES, mosaic_supports
+    from .quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, mosaic_int4_supports,
+                               mosaic_supports)
 
     impl = (impl or "auto").lower()
     if impl not in ("auto", "fused", "dequantize"):
@@ -159,7 +172,8 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     if impl == "dequantize":
         return impl
     device = device or jax.devices()[0]
-    if is_hopper(device) and mosaic_supports(w, MOSAIC_TILES):
+    if is_hopper(device) and (mosaic_supports(w, MOSAIC_TILES)
+                              or mosaic_int4_supports(w, MOSAIC_INT4_TILES)):
         return "mosaic"
     if impl == "fused" and fused_supports(w, tiles_for(w)):
         return "triton"
@@ -191,8 +205,7 @@ def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:
         # Row steps of min(b, 128), column blocks inside one scale block: one scale a step.
         bk = min(b, 128)
         return _pow2(bk) and bk >= 16 and b % bk == 0 and k % bk == 0 and b % t.block_n == 0
-    words = b // _PER_WORD
-    return _pow2(words) and b >= 16 and k % b == 0 and (t.unpack == "tile" or words >= 16)
+    return _pow2(b) and b >= 16 and k % b == 0 and (t.unpack == "tile" or b // 2 >= 16)
 
 
 def _pow2(v: int) -> bool:
@@ -227,15 +240,6 @@ def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
                       jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)]).astype(jnp.int32)
 
 
-def int4_columns(x: jax.Array, group: int) -> jax.Array:
-    """x [M, K] with each group's columns nibble-major (the order the fused int4 kernel
-    unpacks a group's words in): column g * group + j * group / 8 + r holds x's column
-    g * group + 8 r + j."""
-    m, k = x.shape
-    words = group // _PER_WORD
-    return x.reshape(m, k // group, words, _PER_WORD).swapaxes(2, 3).reshape(m, k)
-
-
 # ---------------------------------------------------------------------------------------------
 # The kernel.
 
@@ -267,23 +271,22 @@ def _kernel(meta_ref, x_ref, q_ref, s_ref, o_ref, *, kind, block, k, tiles, dot)
 
             steps = k // bk
         else:
-            words = block // _PER_WORD
+            half = block // 2
 
             def step(i, acc):
                 k0 = i * block
-                packed = q_ref[g, pl.ds(i * words, words), pl.ds(n0, bn)]  # [words, BN] int32
+                packed = q_ref[g, pl.ds(i * half, half), pl.ds(n0, bn)].astype(jnp.int32)
                 s = s_ref[g, i, pl.ds(n0, bn)].astype(jnp.float32)[None, :]
                 if tiles.unpack == "tile":
-                    rep = jnp.broadcast_to(packed[None], (_PER_WORD, words, bn))
-                    rep = rep.reshape(block, bn)
-                    shift = (lax.broadcasted_iota(jnp.int32, (block, bn), 0) // words) * 4
+                    rep = jnp.broadcast_to(packed[None], (2, half, bn)).reshape(block, bn)
+                    shift = (lax.broadcasted_iota(jnp.int32, (block, bn), 0) // half) * 4
                     wt = (((rep >> shift) & 15) - _INT4_ZERO).astype(x_ref.dtype)
                     part = dot(x_ref[pl.ds(row0, bm), pl.ds(k0, block)], wt)
                 else:
                     part = jnp.zeros((bm, bn), jnp.float32)
-                    for j in range(_PER_WORD):
+                    for j in range(2):
                         wt = (((packed >> (4 * j)) & 15) - _INT4_ZERO).astype(x_ref.dtype)
-                        part = part + dot(x_ref[pl.ds(row0, bm), pl.ds(k0 + j * words, words)],
+                        part = part + dot(x_ref[pl.ds(row0, bm), pl.ds(k0 + j * half, half)],
                                           wt)
                 return acc + part * s
 
@@ -321,7 +324,7 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
         return jnp.zeros((0, n), x.dtype)
     bm = tiles.block_m
     m_pad = -(-m // bm) * bm
-    xp = int4_columns(x, w.block) if w.kind == "int4" else x
+    xp = x
     if m_pad != m:
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
     meta = group_metadata(group_sizes, m, bm)
@@ -349,6 +352,8 @@ def check_operands(name: str, x: jax.Array, w: QuantizedMatrix,
         raise ValueError(f"{name}: x is [M, {k}] but the matrix is {w.shape}")
     if group_sizes.shape != (e,):
         raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({e},)")
+    if w.kind == "int4":
+        _check_int4_plane(w.q, w.shape, w.block)
     return m, k, n
 
 

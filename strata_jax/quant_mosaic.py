@@ -15,21 +15,23 @@ The weights come out exactly as `QuantizedMatrix.dequantize` makes them (one flo
 one cast), and with the rows and columns of the bf16 Mosaic kernel (`grouped_matmul.MOSAIC_*`)
 the products accumulate in the same order (a step's wgmma adds its 16-input slices into the
 float32 accumulator one after another, whatever the k step: 64 and 128 both give the bits), so
-the result has the bits of dequantize-then-matmul (the GPU tests check it); the layer is never written out in bf16. wgmma's B operand must be in shared
-memory, hence the two-slot bf16 buffer: step k writes slot k % 2, which step k - 2's product
-read, and each step waits for the previous step's product before its buffers are released.
+the result has the bits of dequantize-then-matmul (the GPU tests check it); the layer is never
+written out in bf16. wgmma's B operand must be in shared memory, hence the two-slot bf16
+buffer: step k writes slot k % 2, which step k - 2's product read, and each step waits for the
+previous step's product before its buffers are released.
 
 int4 (`mosaic_int4_grouped_matmul`, the same skeleton): a k step is one scale group of 128
-inputs, read as a [64, bn] byte tile whose low nibbles are the group's first 64 rows and high
-nibbles its last 64 (`int4_halves`, a repacking of GPTQ's words: a 16-row tile of words, one
-group's, has no layout Mosaic can infer), plus the group's float16 scale row:
+inputs, read as the plane's [64, bn] byte tile whose low nibbles are the group's first 64 rows
+and high nibbles its last 64 (the int4 format stores GPTQ's values that way,
+`formats.int4_halves_np`: a 16-row tile of GPTQ's words has no layout Mosaic can infer), plus
+the group's float16 scale row:
     v = int32(byte);  w_lo = bf16(float32((v & 15) - 8) * scale[g, n0:n0+bn])    registers
     w_hi = bf16(float32((v >> 4) - 8) * scale[g, n0:n0+bn])
     w_smem[slot] = [w_lo; w_hi];  acc += x[rows, k0:k0+128] @ w_smem[slot]          wgmma, f32
 The 8-bit values are upcast before the shifts (Mosaic does only bitwise operations on 8-bit
 vectors) and the scale row is laid out as a column vector of the products' layout, then
-broadcast over the rows. It is not on the model's path yet: the model's int4 planes are GPTQ's
-words (BENCHMARKS.md says what is measured).
+broadcast over the rows. The weights come out as the dequantize path's, so the result has its
+bits too (GPU tests).
 
 On the CPU the kernels run in Pallas' Mosaic GPU interpret mode (tests).
 """
@@ -245,25 +247,10 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
 
 
 # int4: one k step a scale group of 128 inputs, whose 64-row byte tile holds the group's first
-# half in its low nibbles and its second half in its high nibbles (`int4_halves`); columns,
-# stages and sweep as fp8's.
+# half in its low nibbles and its second half in its high nibbles (the int4 plane's layout);
+# columns, stages and sweep as fp8's.
 INT4_GROUP = 128
 MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP, 3, 8, 1)
-
-
-def int4_halves(q: jax.Array, group: int = INT4_GROUP) -> jax.Array:
-    """GPTQ words int32 [..., K/8, N] (eight 4-bit values along the input dim a word) as the
-    int4 Mosaic kernel reads them: uint8 [..., K/2, N] where byte row r of group g holds input
-    row g * group + r in its low nibble and g * group + group / 2 + r in its high one."""
-    k8, n = q.shape[-2:]
-    k = k8 * 8
-    if k % group or group % 2:
-        raise ValueError(f"int4_halves: {k} inputs are not whole groups of {group}")
-    shifts = (jnp.arange(8, dtype=jnp.int32) * 4)[:, None]  # [8, 1]
-    vals = (q[..., :, None, :] >> shifts) & 15  # [..., K/8, 8, N]; & 15 drops the sign fill
-    vals = vals.reshape(*q.shape[:-2], k // group, 2, group // 2, n)
-    halves = vals[..., 0, :, :] | (vals[..., 1, :, :] << 4)
-    return halves.reshape(*q.shape[:-2], k // 2, n).astype(jnp.uint8)
 
 
 def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
@@ -276,19 +263,13 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
 
 
 def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
-                               tiles: MosaicTiles | None = None, halves: jax.Array | None = None,
-                               interpret: bool | None = None,
+                               tiles: MosaicTiles | None = None, interpret: bool | None = None,
                                num_sms: int | None = None) -> jax.Array:
-    """`mosaic_grouped_matmul` for an int4 matrix `w` (GPTQ words, float16 group scales,
-    symmetric): each k step TMA-loads one group's [64, N-tile] byte tile (`int4_halves`) and
-    its scale row, unpacks the two nibble halves in registers, (nibble - 8) times the scale
-    in float32, cast to x.dtype (the dequantize path's arithmetic), into the bf16 slot the
-    step's wgmma reads.
-
-    Not chosen by `grouped_matmul` yet (the model's int4 experts are stored as GPTQ words and
-    dequantized): a kernel to measure against dequantize-then-matmul
-    (`quant_matmul_bench --mosaic` with block_k 128). halves: `int4_halves(w.q)`, made here if
-    None (an XLA pass over the layer's bytes)."""
+    """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
+    symmetric): each k step TMA-loads one group's [64, N-tile] byte tile and its scale row,
+    unpacks the two nibble halves in registers, (nibble - 8) times the scale in float32, cast
+    to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
+    What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .quant_matmul import check_operands
@@ -305,8 +286,6 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
     interpret, num_sms = _launch(interpret, num_sms)
-    if halves is None:
-        halves = int4_halves(w.q)
     half = INT4_GROUP // 2
     bn = tiles.block_n
     dtype = x.dtype
@@ -326,7 +305,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
             x, group_sizes, n, k, tiles, interpret, num_sms,
             plane_specs=[plgpu.BlockSpec((half, bn), lambda kk, ni: (kk, ni)),
                          plgpu.BlockSpec((1, bn), lambda kk, ni: (kk, ni))],
-            pipelined=[halves, w.scale], resident=[], convert=convert)
+            pipelined=[w.q, w.scale], resident=[], convert=convert)
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per
@@ -336,3 +315,11 @@ def mosaic_fp8(x: jax.Array, w, group_sizes: jax.Array,
                tiles: MosaicTiles = MOSAIC_TILES) -> jax.Array:
     """`mosaic_grouped_matmul` at `tiles` (default `MOSAIC_TILES`) on the device's SMs."""
     return mosaic_grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=False)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def mosaic_int4(x: jax.Array, w, group_sizes: jax.Array,
+                tiles: MosaicTiles = MOSAIC_INT4_TILES) -> jax.Array:
+    """`mosaic_int4_grouped_matmul` at `tiles` (default `MOSAIC_INT4_TILES`) on the device's
+    SMs."""
+    return mosaic_int4_grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=False)

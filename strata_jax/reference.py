@@ -157,8 +157,8 @@ def reference_route(c: ModelConfig, logits: np.ndarray, bias: np.ndarray | None)
 def _dequantized(c: ModelConfig, params, prefix: str, matrix: str) -> np.ndarray:
     """Float64 [E, in, out] of a quantized expert matrix from its planes (the published
     formulas: fp8 w = q * scale[k // b, n // b]; GPTQ int4 w = (q - 8) * scale[k // g, n],
-    q the 4-bit values of qweight's words, eight per word along the input dim, low bits
-    first)."""
+    q the 4-bit values, each group's first half of rows in the low nibbles of its byte rows
+    and its second half in the high nibbles)."""
     from strata_jax.model import expert_format
 
     fmt = expert_format(c)
@@ -175,10 +175,13 @@ def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale) -> np
     if kind == "fp8":
         rows, cols = np.arange(k) // block, np.arange(n) // block
         return q.astype(np.float64) * s[:, rows][:, :, cols]
-    words = q.view(np.uint32)  # [E, K/8, N]
-    vals = np.stack([(words >> np.uint32(4 * j)) & np.uint32(15) for j in range(8)], axis=2)
-    vals = vals.reshape(q.shape[0], k, n).astype(np.float64) - 8.0
-    return vals * s[:, np.arange(k) // block, :]
+    vals = np.empty((q.shape[0], k, n), np.float64)  # byte row r of group g: rows g*b + r
+    half = block // 2                                 # (low nibble) and g*b + b/2 + r (high)
+    for g in range(k // block):
+        rows = q[:, g * half:(g + 1) * half].astype(np.int64)
+        vals[:, g * block:g * block + half] = rows % 16
+        vals[:, g * block + half:(g + 1) * block] = rows // 16
+    return (vals - 8.0) * s[:, np.arange(k) // block, :]
 
 
 def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,

@@ -12,7 +12,8 @@ import pytest
 
 from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights, pack_expert_blobs_np, unpack_expert_blobs_np
-from strata_jax.formats import ExpertFormat, Plane
+from strata_jax.formats import (ExpertFormat, Plane, gptq_halves_np, int4_halves_np,
+                                int4_values_np)
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -78,11 +79,11 @@ def test_formats_of_qwen3_30b_a3b():
         ("down_scale", np.dtype(np.float32), (i // 128, h // 128))]
     assert fp8.blob_bytes == 3 * (h * i + 16 * 6 * 4) == 4_719_744
     assert [(p.name, p.dtype, p.shape) for p in int4.planes] == [
-        ("gate", np.dtype(np.int32), (h // 8, i)),
+        ("gate", np.dtype(np.uint8), (h // 2, i)),
         ("gate_scale", np.dtype(np.float16), (h // 128, i)),
-        ("up", np.dtype(np.int32), (h // 8, i)),
+        ("up", np.dtype(np.uint8), (h // 2, i)),
         ("up_scale", np.dtype(np.float16), (h // 128, i)),
-        ("down", np.dtype(np.int32), (i // 8, h)),
+        ("down", np.dtype(np.uint8), (i // 2, h)),
         ("down_scale", np.dtype(np.float16), (i // 128, h))]
     assert int4.blob_bytes == 3 * (h * i // 2 + 16 * i * 2) == 2_433_024
     # fp8: half of bf16 plus its scales; int4: a quarter plus its scales.
@@ -146,7 +147,7 @@ def test_fp8_round_trip_within_its_bound():
 
 
 def test_int4_round_trip_within_its_bound():
-    """Symmetric group-wise int4 (GPTQ layout): the float16 scale s >= amax(group) / 7.5, so
+    """Symmetric group-wise int4 (GPTQ's values): the float16 scale s >= amax(group) / 7.5, so
     every |x| / s <= 7.5 and q - 8 = round(x / s) in [-8, 7] lands within s / 2 of x / s."""
     e, h, i, g = 2, 256, 128, 64
     fmt = ExpertFormat.int4(h, i, np.float32, group=g)
@@ -163,11 +164,36 @@ def test_int4_round_trip_within_its_bound():
         assert np.all(err <= s / 2 + np.abs(x) * 2**-22), m
         assert err.max() > 0
     assert np.all(got["gate"][0, :g] == 0)
-    # GPTQ's packing: row 8r + j of q in bits 4j..4j+3 of word r.
-    q = (planes["down"].view(np.uint32)[:, :, None, :] >> (4 * np.arange(8, dtype=np.uint32))
-         [:, None]) & 15
-    q = q.reshape(e, i, h).astype(np.float64) - 8
+    # The group halves: byte row r of group j holds row j*g + r in its low nibble and
+    # j*g + g/2 + r in its high one.
+    b = planes["down"].reshape(e, i // g, g // 2, h).astype(np.int64)
+    q = np.concatenate([b % 16, b // 16], axis=2).reshape(e, i, h).astype(np.float64) - 8
     np.testing.assert_array_equal(q * np.repeat(planes["down_scale"], g, 1), got["down"])
+
+
+def test_int4_halves_are_gptq_words_rearranged():
+    # GPTQ's qweight (row 8r + j in bits 4j..4j+3 of word r) and the format's group halves
+    # hold the same values: each group's first half in the low nibbles of its byte rows, its
+    # second half in the high nibbles; `int4_values_np` undoes either packing's values.
+    rng = np.random.default_rng(5)
+    e, k, n, g = 2, 256, 24, 128
+    vals = rng.integers(0, 16, (e, k, n), dtype=np.uint8)
+    words = np.bitwise_or.reduce(vals.reshape(e, k // 8, 8, n).astype(np.uint32)
+                                 << (4 * np.arange(8, dtype=np.uint32))[:, None], axis=2)
+    words = words.view(np.int32)
+    halves = gptq_halves_np(words, g)
+    assert halves.dtype == np.uint8 and halves.shape == (e, k // 2, n)
+    np.testing.assert_array_equal(halves, int4_halves_np(vals, g))
+    for j in range(k // g):
+        rows = halves[:, j * g // 2:(j + 1) * g // 2]
+        np.testing.assert_array_equal(rows & 15, vals[:, j * g:j * g + g // 2])
+        np.testing.assert_array_equal(rows >> 4, vals[:, j * g + g // 2:(j + 1) * g])
+    np.testing.assert_array_equal(int4_values_np(halves, g), vals)
+    np.testing.assert_array_equal(int4_values_np(gptq_halves_np(words[0], g), g), vals[0])
+    with pytest.raises(ValueError, match="not whole groups of 128"):
+        int4_halves_np(vals[:, :64], g)
+    with pytest.raises(ValueError, match="not whole groups of 128"):
+        int4_values_np(halves[:, :32], g)
 
 
 @pytest.mark.parametrize("kind", ["plain", "fp8", "int4"])

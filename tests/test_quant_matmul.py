@@ -18,7 +18,7 @@ from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes, row_pie
 from strata_jax.kernels import Kernels
 from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
                                      fused_reference, fused_supports, group_metadata,
-                                     int4_columns, resolve_quantized, tiles_for)
+                                     resolve_quantized, tiles_for)
 from strata_jax.testing import assert_close
 
 SIZES = [50, 0, 130, 20, 0]  # an empty expert between two, one at the end
@@ -57,15 +57,6 @@ def test_visits_cover_every_row_of_every_group_once():
         np.testing.assert_array_equal(owner, want, err_msg=f"{sizes} {bm}")
 
 
-def test_int4_columns_put_each_group_in_nibble_order():
-    x = jnp.arange(2 * 32, dtype=jnp.int32).reshape(2, 32)
-    got = np.asarray(int4_columns(x, 16))  # 2 groups of 16: words r = 0..1, nibbles j = 0..7
-    for g in range(2):
-        for j in range(8):
-            for r in range(2):
-                assert got[0, g * 16 + j * 2 + r] == g * 16 + 8 * r + j
-
-
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_fused_kernel_matches_the_float64_reference(kind):
     # Rows of an empty expert and rows past the groups: zeros; an unrouted expert's NaN
@@ -73,9 +64,12 @@ def test_fused_kernel_matches_the_float64_reference(kind):
     w = _matrix(kind, nan_experts=(1, 4))
     x = _x(sum(SIZES) + 7, 256)
     sizes = jnp.asarray(SIZES, jnp.int32)
-    got = np.asarray(fused_grouped_matmul(x, w, sizes, interpret=True), np.float64)
-    assert_close(got, fused_reference(x, w, sizes), jnp.bfloat16)
-    assert (got[sum(SIZES):] == 0).all()
+    for unpack in ("tile", "split") if kind == "int4" else ("tile",):
+        tiles = dataclasses.replace(tiles_for(w), unpack=unpack)
+        got = np.asarray(fused_grouped_matmul(x, w, sizes, tiles=tiles, interpret=True),
+                         np.float64)
+        assert_close(got, fused_reference(x, w, sizes), jnp.bfloat16)
+        assert (got[sum(SIZES):] == 0).all()
 
 
 # In the slow run: the gpu-marked kernel tests check pieces of both kinds through Triton.
@@ -100,10 +94,15 @@ def test_the_path_each_choice_takes():
     w8, w4 = _matrix("fp8"), _matrix("int4")
     assert resolve_quantized("dequantize", w8) == "dequantize"
     assert resolve_quantized("fused", w4) == "triton"
-    assert resolve_quantized(None, w4) == "dequantize"  # the Triton int4 kernel loses
     if jax.devices()[0].platform == "cpu":
-        assert resolve_quantized(None, w8) == "dequantize"  # auto: no fused kernel on CPU
+        assert resolve_quantized(None, w4) == "dequantize"  # auto: no fused kernel on CPU
+        assert resolve_quantized(None, w8) == "dequantize"
         assert resolve_quantized("fused", w8) == "triton"
+    # Groups of 64: no Mosaic kernel reads them; auto dequantizes (the Triton int4 kernel
+    # loses to it), fused takes Triton.
+    w64 = _matrix("int4", block=64)
+    assert resolve_quantized(None, w64) == "dequantize"
+    assert resolve_quantized("fused", w64) == "triton"
     with pytest.raises(ValueError, match="quantized matmul 'triton'"):
         resolve_quantized("triton", w8)
     with pytest.raises(ValueError, match="Kernels\\(quantized_matmul='x'\\)"):
@@ -117,6 +116,13 @@ def test_the_path_each_choice_takes():
                              tiles=Tiles(block_n=256))
     with pytest.raises(ValueError, match="unpack"):
         Tiles(unpack="rows")
+    # An int4 plane in GPTQ's int32 words (not the format's group halves) is refused by name.
+    words = dataclasses.replace(_matrix("int4"), q=jnp.zeros((5, 32, 128), jnp.int32))
+    for read in (lambda: words.dequantize(),
+                 lambda: fused_grouped_matmul(_x(4, 256), words,
+                                              jnp.asarray([4, 0, 0, 0, 0], jnp.int32))):
+        with pytest.raises(ValueError, match="int4 plane int32 .*gptq_halves_np"):
+            read()
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])

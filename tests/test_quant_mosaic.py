@@ -1,6 +1,7 @@
-"""The Mosaic GPU grouped matmul over fp8 planes (`strata_jax.quant_mosaic`): its numerics
-against the float64 reference (Pallas' Mosaic GPU interpret mode on the CPU), what it refuses,
-and on a Hopper GPU the bits of dequantize-then-matmul, from the kernel and from the model."""
+"""The Mosaic GPU grouped matmuls over fp8 and int4 planes (`strata_jax.quant_mosaic`): their
+numerics against the float64 reference (Pallas' Mosaic GPU interpret mode on the CPU), what
+they refuse, and on a Hopper GPU the bits of dequantize-then-matmul, from the kernels and from
+the model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.quant_matmul import fused_reference, resolve_quantized
-from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MosaicTiles, int4_halves,
+from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MosaicTiles,
                                      mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports)
 from strata_jax.testing import assert_close
@@ -50,22 +51,6 @@ def test_column_bands_that_do_not_divide_the_columns_give_the_same_bits():
                  jnp.bfloat16)
 
 
-def test_int4_halves_put_each_group_in_two_nibble_halves():
-    # Byte row r of group g: input row g*128 + r in the low nibble, g*128 + 64 + r in the
-    # high one; the values are the GPTQ words' own.
-    w = _matrix("int4", e=2, k=256, n=128)
-    nib = np.asarray((w.q[..., :, None, :] >> (np.arange(8) * 4)[:, None]) & 15)
-    nib = nib.reshape(2, 256, 128)  # [E, K, N], row 8i + j from word i's nibble j
-    h = np.asarray(int4_halves(w.q))
-    assert h.dtype == np.uint8 and h.shape == (2, 128, 128)
-    for g in range(2):
-        rows = h[:, g * 64:(g + 1) * 64]
-        np.testing.assert_array_equal(rows & 15, nib[:, g * 128:g * 128 + 64])
-        np.testing.assert_array_equal(rows >> 4, nib[:, g * 128 + 64:(g + 1) * 128])
-    with pytest.raises(ValueError, match="whole groups of 128"):
-        int4_halves(w.q[:, :8])
-
-
 def test_interpreted_int4_kernel_matches_the_float64_reference():
     # As the fp8 kernel's: experts 1 and 4 have NaN scales and no rows, rows past the groups
     # are zeros; the nibble halves times each column's group scale.
@@ -97,7 +82,7 @@ def test_kernels_lower_for_cuda():
 def test_what_the_kernel_reads_and_refuses():
     w8, w4 = _matrix("fp8"), _matrix("int4")
     assert mosaic_supports(w8, MOSAIC_TILES)
-    assert not mosaic_supports(w4, MOSAIC_TILES)  # int4 is dequantized (or read by Triton)
+    assert not mosaic_supports(w4, MOSAIC_TILES)  # int4 has its own kernel
     assert mosaic_int4_supports(w4, MOSAIC_INT4_TILES)
     assert not mosaic_int4_supports(w4, MosaicTiles(block_k=64))  # a k step: one scale group
     assert not mosaic_int4_supports(w8, MOSAIC_INT4_TILES)
@@ -117,19 +102,21 @@ def test_what_the_kernel_reads_and_refuses():
             MosaicTiles(**bad)
     if not is_hopper():
         # Off Hopper "auto" dequantizes and "fused" takes the Triton kernel.
-        assert resolve_quantized(None, w8) == "dequantize"
-        assert resolve_quantized("fused", w8) == "triton"
+        for w in (w8, w4):
+            assert resolve_quantized(None, w) == "dequantize"
+            assert resolve_quantized("fused", w) == "triton"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(2048, 768), (768, 2048)])
-def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n):
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     # At Qwen3-30B-A3B expert shapes: the bits of the dequantized matrix through the bf16
     # Mosaic kernel, the float64 reference's values, and a layer in pieces the whole's bits.
     if not is_hopper():
         pytest.skip("the Mosaic kernel needs a Hopper GPU")
     e = 8
-    w = _matrix("fp8", e=e, k=k, n=n, nan_experts=(1, 3))
+    w = _matrix(kind, e=e, k=k, n=n, nan_experts=(1, 3))
     sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
     m = int(sizes.sum()) + 5
     x = _x(m, k)
@@ -142,38 +129,18 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n):
     parts = [grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b))
              for a, b in zip(bounds, bounds[1:])]
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
-    for tiles in (MosaicTiles(128, 128, 64, 2, 1, 2), MosaicTiles(128, 128, 128, 3, 4)):
-        other = mosaic_grouped_matmul(x, w, sizes, tiles=tiles)
+    others = ((MosaicTiles(128, 128, 64, 2, 1, 2), MosaicTiles(128, 128, 128, 3, 4))
+              if kind == "fp8" else (MosaicTiles(128, 128, 128, 2, 1, 2),))
+    fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
+    for tiles in others:
+        other = fn(x, w, sizes, tiles=tiles)
         assert_close(np.asarray(other, np.float64), fused_reference(x, w, sizes),
                      jnp.bfloat16, err_msg=str(tiles))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(2048, 768), (768, 2048)])
-def test_int4_kernel_on_hopper(k, n):
-    # At Qwen3-30B-A3B expert shapes: finite, the float64 reference's values, a layer in
-    # pieces the whole's bits, and the prepacked byte tiles the same bits as packing in the
-    # call. (Not chosen by grouped_matmul: whether it has the dequantize path's bits, and
-    # its speed, are quant_matmul_bench's to report.)
-    if not is_hopper():
-        pytest.skip("the Mosaic kernel needs a Hopper GPU")
-    w = _matrix("int4", e=8, k=k, n=n, nan_experts=(1, 3))
-    sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
-    m = int(sizes.sum()) + 5
-    x = _x(m, k)
-    got = mosaic_int4_grouped_matmul(x, w, sizes)
-    assert bool(jnp.all(jnp.isfinite(got)))
-    assert_close(np.asarray(got, np.float64), fused_reference(x, w, sizes), jnp.bfloat16)
-    again = mosaic_int4_grouped_matmul(x, w, sizes, halves=int4_halves(w.q))
-    np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
-    bounds = row_pieces(m, 4)
-    parts = [mosaic_int4_grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b))
-             for a, b in zip(bounds, bounds[1:])]
-    np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
-
-
-@pytest.mark.gpu
-def test_model_reads_fp8_experts_through_the_kernel_with_dequantize_bits():
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(kind):
     # A model whose expert matrices the kernel reads: every arm with "auto" (the Mosaic
     # kernel on Hopper) gives the bits of the resident model with "dequantize".
     from strata_jax.config import get_preset
@@ -188,7 +155,7 @@ def test_model_reads_fp8_experts_through_the_kernel_with_dequantize_bits():
         pytest.skip("the Mosaic kernel needs a Hopper GPU")
     plain = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2, hidden_size=128,
                                                 expert_intermediate=128)
-    cfg = plain.replace(expert_format="fp8", expert_block=128)
+    cfg = plain.replace(expert_format=kind, expert_block=128)
     fmt = ExpertFormat.of(cfg)
     planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
     assert all(resolve_quantized(None, w) == "mosaic" for w in fmt.expert_matrices(planes))
@@ -224,13 +191,11 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
     for r in rows[2:]:
         assert "error" not in r, r
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
-    # int4: the Mosaic kernel at block_k 128, repacked in the call and beforehand; a tiling
-    # with another k step is reported unsupported
+    # int4: the Mosaic kernel at block_k 128; a tiling with another k step is reported
+    # unsupported
     rows = bench_one(64, cfg, "int4", [], warmup=0, repeats=1,
                      mosaic=[parse_mosaic("64,128,128,2,1"), parse_mosaic("64,128,64,2,1")])
-    assert [r["path"] for r in rows] == ["bf16", "dequantize", "mosaic", "mosaic-prepacked",
-                                         "mosaic"]
-    for r in rows[2:4]:
-        assert "error" not in r, r
-        assert r["finite"] and r["max_diff_over_max"] < 0.02, r
-    assert "unsupported" in rows[4]["error"]
+    assert [r["path"] for r in rows] == ["bf16", "dequantize", "mosaic", "mosaic"]
+    assert "error" not in rows[2], rows[2]
+    assert rows[2]["finite"] and rows[2]["max_diff_over_max"] < 0.02, rows[2]
+    assert "unsupported" in rows[3]["error"]

@@ -11,7 +11,7 @@ from strata_jax.checkpoint import (CheckpointError, config_from_hf, load_checkpo
                                    quant_fields_markdown)
 from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights
-from strata_jax.formats import ExpertFormat
+from strata_jax.formats import ExpertFormat, int4_values_np
 from strata_jax.model import expert_plane_names
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import (HF_ARCH, QWEN3_30B_A3B_HF_CONFIG, assert_close, hf_config,
@@ -162,9 +162,10 @@ def test_experts_fill_a_store_directly(tmp_path):
 @pytest.mark.parametrize("preset,group,v2", [(QWEN, 32, False), (QWEN, 16, True),
                                              ("mixtral-8x7b", 32, False)])
 def test_gptq_experts_are_the_files_and_dequantize_in_float64(tmp_path, preset, group, v2):
-    """Routed experts stay int4: `qweight` and `scales` as the files hold them (already
-    [in, out]), stacked over experts; dequantized experts and attention projections equal the
-    float64 dequantization of the files."""
+    """Routed experts stay int4: `qweight`'s values in the format's group halves (byte row r
+    of group j: row j*g + r in the low nibble, j*g + g/2 + r in the high one) and `scales` as
+    the files hold them (already [in, out]), stacked over experts; dequantized experts and
+    attention projections equal the float64 dequantization of the files."""
     c = small(preset)
     fields = {"checkpoint_format": "gptq_v2"} if v2 else {}
     params, t = write(tmp_path, c, preset, "gptq", group, v2=v2, **fields)
@@ -175,7 +176,12 @@ def test_gptq_experts_are_the_files_and_dequantize_in_float64(tmp_path, preset, 
         got = ckpt.experts.layer(layer)
         for field in ExpertWeights._fields:
             ms = [expert_module(preset, layer, e, field) for e in range(c.n_experts)]
-            np.testing.assert_array_equal(planes[field], np.stack([t[f"{m}.qweight"] for m in ms]))
+            vals = nibbles(np.stack([t[f"{m}.qweight"] for m in ms])).astype(np.uint8)
+            e, k, n = vals.shape
+            v = vals.reshape(e, k // group, 2, group // 2, n)
+            halves = (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(e, k // 2, n)
+            assert planes[field].dtype == np.uint8
+            np.testing.assert_array_equal(planes[field], halves)
             np.testing.assert_array_equal(planes[f"{field}_scale"],
                                           np.stack([t[f"{m}.scales"] for m in ms]))
             assert planes[f"{field}_scale"].dtype == np.float16
@@ -202,8 +208,8 @@ def test_gptq_plane_rounding_matches_quantize_np_where_the_scales_agree(tmp_path
         same = planes[f"{field}_scale"] == want[f"{field}_scale"]  # [E, groups, out]
         assert same.mean() > 0.2, field  # the test compares something
         mask = np.repeat(same, 32, axis=1)  # [E, in, out]
-        np.testing.assert_array_equal(nibbles(planes[field])[mask], nibbles(want[field])[mask],
-                                      err_msg=field)
+        np.testing.assert_array_equal(int4_values_np(planes[field], 32)[mask],
+                                      int4_values_np(want[field], 32)[mask], err_msg=field)
 
 
 def test_gptq_zero_bias_and_modules_in_block(tmp_path):

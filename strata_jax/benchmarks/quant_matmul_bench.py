@@ -10,9 +10,7 @@ tokens * top_k rows sorted by expert) in these ways per format:
                 each one given (`--tiles`; `--no-triton` skips it);
     mosaic      the Mosaic GPU kernel at each tiling given (`--mosaic`): fp8
                 `quant_mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
-                (block_k 128: one scale group a step), its byte tiles repacked from GPTQ's
-                words in each call ("mosaic") and made once beforehand ("mosaic-prepacked",
-                what a store holding that layout would cost).
+                (block_k 128: one scale group a step).
 It reports each time over bf16's and dequantize's, whether a kernel's output has exactly the
 dequantize path's bits, and its largest difference from them relative to the output's largest
 magnitude (both read the same quantized values).
@@ -38,7 +36,7 @@ from strata_jax.formats import MATRICES, ExpertFormat
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
                                      fused_supports, tiles_for)
-from strata_jax.quant_mosaic import (MosaicTiles, int4_halves, mosaic_grouped_matmul,
+from strata_jax.quant_mosaic import (MosaicTiles, mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul, mosaic_int4_supports,
                                      mosaic_supports)
 
@@ -90,17 +88,16 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                  tflops=flops / t_bf16 / 1e12),
             dict(kind=kind, tokens=tokens, path="dequantize", ms=t_deq * 1e3,
                  over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
-    def timed(path, name, mm, weights=wq, **extra):
-        """The row of one fused kernel (`mm(x, w, sizes)` for each matrix of `weights`) on
-        the layer."""
+    def timed(path, name, mm, **extra):
+        """The row of one fused kernel (`mm(x, w, sizes)` for each matrix) on the layer."""
         fused = jax.jit(lambda x, w, s: _swiglu(x, w, s, mm))
         base = dict(kind=kind, tokens=tokens, path=path, tiles=name, **extra)
         try:
-            got = fused(x, weights, sizes)
+            got = fused(x, wq, sizes)
             diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             same = bool(jnp.all(got == want))
             finite = bool(jnp.all(jnp.isfinite(got)))
-            tf = _time(fused, (x, weights, sizes), warmup, repeats)
+            tf = _time(fused, (x, wq, sizes), warmup, repeats)
         except Exception as ex:  # noqa: BLE001 - a tiling that does not compile is reported
             return dict(base, error=f"{type(ex).__name__}: {ex}"[:600])
         return dict(base, ms=tf * 1e3, over_bf16=tf / t_bf16, over_dequantize=tf / t_deq,
@@ -115,8 +112,6 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             continue
         rows.append(timed("fused", name, lambda a, b, c, tiles=tiles: fused_grouped_matmul(
             a, b, c, tiles=tiles), default=tiles is None))
-    halves = (ExpertWeights(*((a, int4_halves(a.q)) for a in wq))
-              if kind == "int4" and mosaic else None)  # each matrix with its byte tiles
     for tiles in mosaic:
         name = ",".join(str(v) for v in dataclasses.astuple(tiles))
         if kind == "int4":
@@ -126,10 +121,6 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                 continue
             rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles:
                               mosaic_int4_grouped_matmul(a, b, c, tiles=tiles)))
-            rows.append(timed("mosaic-prepacked", name, lambda a, b, c, tiles=tiles:
-                              mosaic_int4_grouped_matmul(a, b[0], c, tiles=tiles,
-                                                         halves=b[1]),
-                              weights=halves))
             continue
         if not all(mosaic_supports(a, tiles) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,

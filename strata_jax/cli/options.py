@@ -131,7 +131,7 @@ def _model_options(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="parameter dtype (default: the preset's or the checkpoint's)")
     g.add_argument("--quantize", choices=["fp8", "int4"], default=None,
                    help="store, stream and read the routed experts quantized: fp8 (e4m3, "
-                        "block scales) or int4 (GPTQ layout, group scales), made from the "
+                        "block scales) or int4 (GPTQ's values, group scales), made from the "
                         "preset's or the bf16 checkpoint's weights as they are loaded")
     g.add_argument("--quant-block", type=_positive_int, default=None, metavar="N",
                    help="fp8's scale block side or int4's group (default: the largest of "
@@ -258,8 +258,8 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantized-matmul", choices=QUANTIZED_MATMULS, default="auto",
                    help="how fp8/int4 experts are read (--quantize or a quantized checkpoint): "
                         "fused kernels that dequantize tiles as they multiply, or the layer "
-                        "dequantized first (auto: the Mosaic kernel for fp8 on Hopper, else "
-                        "dequantize)")
+                        "dequantized first (auto: the Mosaic kernels for fp8 and int4 on "
+                        "Hopper, else dequantize)")
     g.add_argument("--attention", choices=ATTENTION_PATHS, default="auto",
                    help="the attention path (auto: fused cuDNN for bf16/fp16 on a GPU, exact "
                         "XLA paths elsewhere)")
