@@ -59,6 +59,7 @@ class MosaicTiles:
     stages: int = 4
     grid_block_n: int = 2
     per_sm: int = 1
+    compute_wgs: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -71,6 +72,14 @@ class MosaicTiles:
         if min(self.stages, self.grid_block_n, self.per_sm) < 1:
             raise ValueError(f"MosaicTiles(stages={self.stages}, grid_block_n="
                              f"{self.grid_block_n}, per_sm={self.per_sm}): each at least 1")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"MosaicTiles(compute_wgs={self.compute_wgs}): 1 or 2")
+        if self.compute_wgs == 2 and (self.block_m % 128 or self.stages < 2
+                                      or self.per_sm != 1):
+            raise ValueError(f"MosaicTiles(block_m={self.block_m}, stages={self.stages}, "
+                             f"per_sm={self.per_sm}, compute_wgs=2): two compute warpgroups "
+                             "take half of block_m each (a multiple of 64), a pipeline of at "
+                             "least 2 stages, one program an SM")
 
 
 # The tiling `grouped_matmul` reads fp8 experts with: the fastest of quant_matmul_bench's sweep on
@@ -103,6 +112,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         interpret: run in Pallas' Mosaic GPU interpret mode (default: on a non-GPU backend).
         num_sms: the SMs to spread programs over (default: the device's).
     """
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .quant_matmul import check_operands
@@ -126,10 +136,23 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         scale = s_gmem[gid, (kk * bk) // block, (ni * bn) // block]
         w_slot[...] = (q_smem[...].astype(jnp.float32) * scale).astype(dtype)
 
+    def convert_part(kk, gid, ni, wg, q_smem, s_gmem, w_slot):  # half the tile a warpgroup
+        scale = s_gmem[gid, (kk * bk) // block, (ni * bn) // block]
+        # Halves of 64 rows where the step has 128, else of the columns (a 32-row half has
+        # no layout the conversion can take).
+        part = ((pl.ds(wg * (bk // 2), bk // 2), slice(None)) if bk >= 128 else
+                (slice(None), pl.ds(wg * (bn // 2), bn // 2)))
+        w_slot.at[part][...] = (q_smem.at[part][...].astype(jnp.float32) * scale).astype(dtype)
+
+    specs = [plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))]
     with jax.named_scope("grouped_matmul_fp8_mosaic"):
+        if tiles.compute_wgs == 2:
+            return _ragged_kernel_2wg(
+                x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
+                pipelined=[w.q], resident=[w.scale.astype(jnp.float32)],
+                convert_part=convert_part)
         return _ragged_kernel(
-            x, group_sizes, n, k, tiles, interpret, num_sms,
-            plane_specs=[plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))],
+            x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
             pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert)
 
 
@@ -246,6 +269,132 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     return zero_rows_past_groups(out, group_sizes)  # they belong to no visit
 
 
+def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
+                       num_sms: int, *, plane_specs, pipelined, resident, convert_part):
+    """`_ragged_kernel` with two compute warpgroups and a memory one (`tiles.compute_wgs` 2):
+    a row tile of `block_m` rows, each compute warpgroup multiplying its half of them, and one
+    converted weight tile a k step for both, so each weight is converted once per
+    `block_m` rows rather than per `block_m / 2`: the conversion's shared-memory reads and
+    writes, what a fused step adds to the bf16 kernel's, spread over twice the products.
+
+    A k step: each compute warpgroup converts its part of the step's weights into the shared
+    bf16 slot (`convert_part(kk, gid, ni, wg, *pipelined step refs, *resident refs,
+    w_slot)`: fp8 half the rows, int4 one nibble half), waits for its own previous product,
+    fences, and meets the other at the slot's barrier; then each issues its product. A
+    warpgroup passes step kk's barrier only after its product kk - 1 is done, so the slot
+    step kk + 1 writes (read by products kk - 1) is free: two slots. The x and plane buffers
+    are released a step late (the product of step kk reads x until step kk + 1's wait). Each
+    warpgroup stores the visit's rows in its half."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .quant_matmul import group_metadata, zero_rows_past_groups
+
+    m = x.shape[0]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    hm = bm // 2
+    dtype = x.dtype
+    m_pad = -(-m // bm) * bm
+    xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
+    meta = group_metadata(group_sizes, m, bm)  # [4, V]: (expert, row tile, first, end row)
+    grid_m = meta.shape[1]
+    grid_n = n // bn
+    gbn = min(tiles.grid_block_n, grid_n)
+    n_pipe = len(pipelined)
+
+    def pipeline(body, context, row0, ni):
+        specs = [plgpu.BlockSpec(spec.block_shape, lambda kk, f=spec.index_map: f(kk, ni),
+                                 delay_release=1) for spec in plane_specs]
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // bk,), memory_registers=40,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk), delay_release=1),
+                      *specs],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
+            compute_context=context)
+
+    def body(meta_ref, x_gmem, *refs):
+        planes, o_gmem = refs[:-1], refs[-1]
+        pipe_gmem, res_gmem = planes[:n_pipe], planes[n_pipe:]
+        ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
+        allocs = pipeline(ignore, ignore, 0, 0).get_allocations(
+            x_gmem, *(p.at[0] for p in pipe_gmem))
+
+        @functools.partial(pl.run_scoped, allocs=allocs,
+                           w_smem=plgpu.SMEM((2, bk, bn), dtype),
+                           o_smem=plgpu.SMEM((2, hm, bn), dtype),
+                           conv=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                           collective_axes="wg")
+        def _scope(allocs, w_smem, o_smem, conv):
+            wg = lax.axis_index("wg")
+
+            def visit(gid, ni, row0, first, rows):
+                def step(idx, x_smem, *rest):
+                    *plane_smem, acc_ref = rest
+                    (kk,) = idx
+                    slot = lax.rem(kk, 2)
+                    convert_part(kk, gid, ni, wg, *plane_smem, *res_gmem, w_smem.at[slot])
+                    plgpu.wgmma_wait(0)  # this warpgroup's product kk - 1 is done
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(conv.at[slot])
+                    plgpu.barrier_wait(conv.at[slot])
+                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], w_smem.at[slot])
+                    return acc_ref
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn)))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        acc = acc_ref[...]
+                        # This warpgroup's rows of the visit: [lo, hi) of its half.
+                        lo = jnp.clip(first - wg * hm, 0, hm)
+                        hi = jnp.clip(first + rows - wg * hm, 0, hm)
+                        count = jnp.maximum(hi - lo, 0)
+                        out = o_smem.at[wg]
+                        out[...] = acc.astype(dtype)
+                        plgpu.commit_smem()
+                        start = lo
+                        left = hm
+                        while left > 0:  # the rows as a sum of powers of two, largest first
+                            c = 1 << int(math.log2(left))
+                            left //= 2
+
+                            @pl.when(count & c != 0)
+                            def _():
+                                plgpu.copy_smem_to_gmem(
+                                    out.at[pl.ds(start, c)],
+                                    o_gmem.at[pl.ds(row0 + wg * hm + start, c),
+                                              pl.ds(ni * bn, bn)])
+
+                            start = start + (count & c)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                pipeline(step, context, row0, ni)(
+                    x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
+
+            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+            def _tiles(info):
+                mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
+                row0 = meta_ref[1, mi] * bm
+                lo = meta_ref[2, mi]
+                rows = meta_ref[3, mi] - lo
+
+                @pl.when(rows > 0)  # the visits past the last one hold no rows
+                def _():
+                    visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
+
+    extra = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        extra["interpret"] = InterpretGPUParams()
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m_pad, n), dtype), grid=(num_sms,),
+        grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
+    out = kernel(meta, xp, *pipelined, *resident)[:m]
+    return zero_rows_past_groups(out, group_sizes)  # they belong to no visit
+
+
 # int4: one k step a scale group of 128 inputs, whose 64-row byte tile holds the group's first
 # half in its low nibbles and its second half in its high nibbles (the int4 plane's layout);
 # columns, stages and sweep as fp8's.
@@ -255,9 +404,11 @@ MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP, 3, 8, 1)
 
 def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
-    of 128 (one group a k step), whole column tiles, read as bf16 or fp16."""
+    of 128 (a k step one group, or half of one: block_k 128 or 64), whole column tiles, read
+    as bf16 or fp16."""
     k, n = w.shape
-    return (w.kind == "int4" and w.block == INT4_GROUP and tiles.block_k == INT4_GROUP
+    return (w.kind == "int4" and w.block == INT4_GROUP
+            and tiles.block_k in (INT4_GROUP, INT4_GROUP // 2)
             and k % INT4_GROUP == 0 and n % tiles.block_n == 0
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
@@ -270,6 +421,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     unpacks the two nibble halves in registers, (nibble - 8) times the scale in float32, cast
     to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
     What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`)."""
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .quant_matmul import check_operands
@@ -279,7 +431,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     if not mosaic_int4_supports(w, tiles):
         raise ValueError(f"mosaic_int4_grouped_matmul: {w.kind} matrix {w.shape} with block "
                          f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles} "
-                         f"(int4 in groups of {INT4_GROUP}, block_k {INT4_GROUP})")
+                         f"(int4 in groups of {INT4_GROUP}, block_k {INT4_GROUP} or "
+                         f"{INT4_GROUP // 2})")
     if x.dtype != w.dtype:
         raise ValueError(f"mosaic_int4_grouped_matmul: x dtype {x.dtype} != the matrix's "
                          f"{w.dtype}")
@@ -288,23 +441,63 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     interpret, num_sms = _launch(interpret, num_sms)
     half = INT4_GROUP // 2
     bn = tiles.block_n
+    per_group = INT4_GROUP // tiles.block_k  # k steps a group: 1, or 2 (its nibble halves)
     dtype = x.dtype
 
-    def convert(kk, gid, ni, q_smem, s_smem, w_slot):
-        del kk, gid, ni
-        q = q_smem[...].astype(jnp.int32)  # [64, bn]: 8-bit values upcast before the shifts
-        s = s_smem[0].astype(jnp.float32)  # [bn]: the group's scale per column
+    def operands(q_ref, s_ref):
+        q = q_ref[...].astype(jnp.int32)  # [64, cols]: 8-bit values upcast before the shifts
+        s = s_ref[0].astype(jnp.float32)  # [cols]: the group's scale per column
         if not interpret:  # the interpreter has no layouts
             s = plgpu.layout_cast(s, plgpu.Layout.WGMMA.reduce(0))
-        s = lax.broadcast_in_dim(s, (half, bn), (1,))
-        w_slot[:half] = (((q & 15) - 8).astype(jnp.float32) * s).astype(dtype)
-        w_slot[half:] = (((q >> 4) - 8).astype(jnp.float32) * s).astype(dtype)
+        return q, lax.broadcast_in_dim(s, q.shape, (1,))
 
+    def nibbles(q, s, high: bool):
+        return ((((q >> 4) if high else (q & 15)) - 8).astype(jnp.float32) * s).astype(dtype)
+
+    def half_of_group(kk, q, s, w_ref):  # a step of 64 inputs: the group's half kk % 2
+        @pl.when(lax.rem(kk, 2) == 0)
+        def _():
+            w_ref[...] = nibbles(q, s, False)
+
+        @pl.when(lax.rem(kk, 2) == 1)
+        def _():
+            w_ref[...] = nibbles(q, s, True)
+
+    def convert(kk, gid, ni, q_smem, s_smem, w_slot):
+        del gid, ni
+        q, s = operands(q_smem, s_smem)
+        if per_group == 1:
+            w_slot[:half] = nibbles(q, s, False)
+            w_slot[half:] = nibbles(q, s, True)
+        else:
+            half_of_group(kk, q, s, w_slot)
+
+    def convert_part(kk, gid, ni, wg, q_smem, s_smem, w_slot):  # half the tile a warpgroup
+        del gid, ni
+        if per_group == 1:  # one nibble half a warpgroup
+            q, s = operands(q_smem, s_smem)
+
+            @pl.when(wg == 0)
+            def _():
+                w_slot[:half] = nibbles(q, s, False)
+
+            @pl.when(wg == 1)
+            def _():
+                w_slot[half:] = nibbles(q, s, True)
+        else:  # the step's nibble half, half the columns a warpgroup
+            cols = pl.ds(wg * (bn // 2), bn // 2)
+            q, s = operands(q_smem.at[:, cols], s_smem.at[:, cols])
+            half_of_group(kk, q, s, w_slot.at[:, cols])
+
+    specs = [plgpu.BlockSpec((half, bn), lambda kk, ni: (kk // per_group, ni)),
+             plgpu.BlockSpec((1, bn), lambda kk, ni: (kk // per_group, ni))]
     with jax.named_scope("grouped_matmul_int4_mosaic"):
+        if tiles.compute_wgs == 2:
+            return _ragged_kernel_2wg(
+                x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
+                pipelined=[w.q, w.scale], resident=[], convert_part=convert_part)
         return _ragged_kernel(
-            x, group_sizes, n, k, tiles, interpret, num_sms,
-            plane_specs=[plgpu.BlockSpec((half, bn), lambda kk, ni: (kk, ni)),
-                         plgpu.BlockSpec((1, bn), lambda kk, ni: (kk, ni))],
+            x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
             pipelined=[w.q, w.scale], resident=[], convert=convert)
 
 

@@ -65,12 +65,40 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
     assert (got[200:] == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_two_compute_warpgroups_match_the_float64_reference(kind):
+    # A 128-row tile split between two compute warpgroups that share each converted weight
+    # tile (fp8: rows or columns of it; int4: a nibble half or columns), and int4 in k steps
+    # of half a group: the reference's values, zeros past the groups, NaN-scaled unrouted
+    # experts reaching no row; each warpgroup's rows are the 64-row one-warpgroup kernel's.
+    w = _matrix(kind, nan_experts=(1, 4))
+    m = sum(SIZES) + 7
+    x = _x(m, 256)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
+    steps = (64, 128)
+    one = {bk: np.asarray(fn(x, w, sizes, tiles=MosaicTiles(64, 128, bk, 2, 1), interpret=True))
+           for bk in steps}
+    for bk in steps:
+        got = np.asarray(fn(x, w, sizes, tiles=MosaicTiles(128, 128, bk, 2, 1, 1, 2),
+                            interpret=True))
+        assert np.isfinite(got).all()
+        assert_close(got[:200].astype(np.float64), fused_reference(x, w, SIZES)[:200],
+                     jnp.bfloat16, err_msg=str(bk))
+        assert (got[200:] == 0).all()
+        np.testing.assert_array_equal(got, one[bk], err_msg=str(bk))
+
+
 def test_kernels_lower_for_cuda():
     # Mosaic's lowering for a GPU (layout inference included) runs on the CPU: both kernels at
     # their default tilings and Qwen3-30B-A3B's expert shapes.
     sizes = jnp.full((8,), 128, jnp.int32)
+    # The two-compute-warpgroup kernels at 256-row tiles too (what quant_matmul_bench times).
+    two = MosaicTiles(256, 128, 64, 3, 8, 1, 2)
     for kind, fn, tiles in (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
-                            ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES)):
+                            ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
+                            ("fp8", mosaic_grouped_matmul, two),
+                            ("int4", mosaic_int4_grouped_matmul, two)):
         for k, n in ((2048, 768), (768, 2048)):
             w = _matrix(kind, e=8, k=k, n=n)
             f = jax.jit(lambda x, w, s, fn=fn, tiles=tiles: fn(x, w, s, tiles=tiles,
@@ -84,7 +112,7 @@ def test_what_the_kernel_reads_and_refuses():
     assert mosaic_supports(w8, MOSAIC_TILES)
     assert not mosaic_supports(w4, MOSAIC_TILES)  # int4 has its own kernel
     assert mosaic_int4_supports(w4, MOSAIC_INT4_TILES)
-    assert not mosaic_int4_supports(w4, MosaicTiles(block_k=64))  # a k step: one scale group
+    assert not mosaic_int4_supports(w4, MosaicTiles(block_k=256))  # a step: one group at most
     assert not mosaic_int4_supports(w8, MOSAIC_INT4_TILES)
     assert not mosaic_int4_supports(_matrix("int4", block=64), MOSAIC_INT4_TILES)
     with pytest.raises(ValueError, match="int4 in groups of 128"):
@@ -97,9 +125,13 @@ def test_what_the_kernel_reads_and_refuses():
         mosaic_grouped_matmul(_x(8, 256), w4, jnp.asarray([8, 0, 0, 0, 0], jnp.int32))
     with pytest.raises(ValueError, match="group_sizes has shape"):
         mosaic_grouped_matmul(_x(8, 256), w8, jnp.asarray([8], jnp.int32))
-    for bad in (dict(block_m=96), dict(block_k=48), dict(stages=0), dict(per_sm=0)):
+    for bad in (dict(block_m=96), dict(block_k=48), dict(stages=0), dict(per_sm=0),
+                dict(compute_wgs=3), dict(block_m=64, compute_wgs=2),
+                dict(stages=1, compute_wgs=2), dict(per_sm=2, compute_wgs=2)):
         with pytest.raises(ValueError, match="MosaicTiles"):
             MosaicTiles(**bad)
+    assert mosaic_int4_supports(w4, MosaicTiles(block_k=64))  # half a group a step
+    assert not mosaic_int4_supports(w4, MosaicTiles(block_k=32))
     if not is_hopper():
         # Off Hopper "auto" dequantizes and "fused" takes the Triton kernel.
         for w in (w8, w4):
@@ -130,12 +162,18 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
              for a, b in zip(bounds, bounds[1:])]
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
     others = ((MosaicTiles(128, 128, 64, 2, 1, 2), MosaicTiles(128, 128, 128, 3, 4))
-              if kind == "fp8" else (MosaicTiles(128, 128, 128, 2, 1, 2),))
+              if kind == "fp8" else (MosaicTiles(128, 128, 128, 2, 1, 2),
+                                     MosaicTiles(128, 128, 64, 4, 8)))
     fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
     for tiles in others:
         other = fn(x, w, sizes, tiles=tiles)
         assert_close(np.asarray(other, np.float64), fused_reference(x, w, sizes),
                      jnp.bfloat16, err_msg=str(tiles))
+    # Two compute warpgroups sharing each converted tile: per 64-row product the same sums
+    # in the same order, so the dequantize path's bits.
+    for tiles in (MosaicTiles(256, 128, 64, 3, 8, 1, 2), MosaicTiles(128, 128, 128, 2, 8, 1, 2)):
+        np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles)),
+                                      np.asarray(deq), err_msg=str(tiles))
 
 
 @pytest.mark.gpu
@@ -191,11 +229,15 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
     for r in rows[2:]:
         assert "error" not in r, r
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
-    # int4: the Mosaic kernel at block_k 128; a tiling with another k step is reported
-    # unsupported
+    # int4: the Mosaic kernel at block_k 128 and, with two compute warpgroups, 64; a tiling
+    # with another k step is reported unsupported
     rows = bench_one(64, cfg, "int4", [], warmup=0, repeats=1,
-                     mosaic=[parse_mosaic("64,128,128,2,1"), parse_mosaic("64,128,64,2,1")])
-    assert [r["path"] for r in rows] == ["bf16", "dequantize", "mosaic", "mosaic"]
-    assert "error" not in rows[2], rows[2]
-    assert rows[2]["finite"] and rows[2]["max_diff_over_max"] < 0.02, rows[2]
-    assert "unsupported" in rows[3]["error"]
+                     mosaic=[parse_mosaic("64,128,128,2,1"), parse_mosaic("128,128,64,2,1,1,2"),
+                             parse_mosaic("64,128,32,2,1")])
+    assert [r["path"] for r in rows] == ["bf16", "dequantize", "mosaic", "mosaic", "mosaic"]
+    for r in rows[2:4]:
+        assert "error" not in r, r
+        assert r["finite"] and r["max_diff_over_max"] < 0.02, r
+    assert "unsupported" in rows[4]["error"]
+    with pytest.raises(ValueError, match="bm,bn,bk,stages,grid_block_n"):
+        parse_mosaic("128,128,64")

@@ -55,8 +55,12 @@ def parse_tiles(spec: str) -> Tiles:
 
 
 def parse_mosaic(spec: str) -> MosaicTiles:
-    """"bm,bn,bk,stages,grid_block_n[,per_sm]" -> MosaicTiles."""
-    return MosaicTiles(*(int(p) for p in spec.split(",")))
+    """"bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs]]" -> MosaicTiles."""
+    parts = spec.split(",")
+    if not 5 <= len(parts) <= 7:
+        raise ValueError(f"--mosaic {spec!r}: expected bm,bn,bk,stages,grid_block_n"
+                         "[,per_sm[,compute_wgs]]")
+    return MosaicTiles(*(int(p) for p in parts))
 
 
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
@@ -117,7 +121,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
         if kind == "int4":
             if not all(mosaic_int4_supports(a, tiles) for a in wq):
                 rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
-                                 error="unsupported (int4 reads block_k 128)"))
+                                 error="unsupported (int4 reads block_k 128 or 64)"))
                 continue
             rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles:
                               mosaic_int4_grouped_matmul(a, b, c, tiles=tiles)))
@@ -140,16 +144,21 @@ def main(argv=None) -> int:
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
                         "default tiling is always timed")
     p.add_argument("--mosaic", action="append", default=[],
-                   help='a Mosaic kernel tiling "bm,bn,bk,stages,grid_block_n[,per_sm]" '
-                        "(repeatable; int4 takes those with bk 128)")
+                   help='a Mosaic kernel tiling "bm,bn,bk,stages,grid_block_n[,per_sm'
+                        '[,compute_wgs]]" (repeatable; int4 takes those with bk 128 or 64; '
+                        "compute_wgs 2: two compute warpgroups on halves of bm rows sharing "
+                        "each converted weight tile)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     config = get_preset(a.preset)
-    tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
-    mosaic = [parse_mosaic(s) for s in a.mosaic]
+    try:
+        tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
+        mosaic = [parse_mosaic(s) for s in a.mosaic]
+    except ValueError as e:  # a malformed tiling: the usage error names it
+        p.error(str(e))
     rows = []
     print(f"jax {jax.__version__} {jax.devices()}; default tiles {TILES}", flush=True)
     for kind in a.formats.split(","):
