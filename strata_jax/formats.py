@@ -411,8 +411,10 @@ def int4_halves_np(values: np.ndarray, group: int) -> np.ndarray:
     *lead, k, n = values.shape
     if k % group or group % 2:
         raise ValueError(f"int4 halves: {k} inputs are not whole groups of {group}")
-    v = np.asarray(values).astype(np.uint8).reshape(*lead, k // group, 2, group // 2, n)
-    return (v[..., 0, :, :] | (v[..., 1, :, :] << 4)).reshape(*lead, k // 2, n)
+    v = np.asarray(values, dtype=np.uint8).reshape(*lead, k // group, 2, group // 2, n)
+    out = np.left_shift(v[..., 1, :, :], 4)
+    np.bitwise_or(out, v[..., 0, :, :], out=out)
+    return out.reshape(*lead, k // 2, n)
 
 
 def int4_values_np(q: np.ndarray, group: int) -> np.ndarray:
@@ -430,10 +432,13 @@ def int4_values_np(q: np.ndarray, group: int) -> np.ndarray:
 def gptq_halves_np(qweight: np.ndarray, group: int) -> np.ndarray:
     """GPTQ `qweight` int32 [..., K/8, N] (row 8r + j in bits 4j..4j+3 of word r) -> the int4
     plane's bytes uint8 [..., K/2, N] (`int4_halves_np`): the same values, rearranged."""
-    words = np.asarray(qweight).view(np.uint32)
-    shifts = np.arange(INT4_PER_WORD, dtype=np.uint32)[:, None] * 4  # [8, 1]
-    vals = (words[..., :, None, :] >> shifts) & 15  # [..., K/8, 8, N]
-    *lead, k8, _, n = vals.shape
+    # Byte j of a little-endian word holds rows 8r + 2j (low nibble) and 8r + 2j + 1 (high).
+    words = np.ascontiguousarray(qweight, dtype="<i4")
+    *lead, k8, n = words.shape
+    b = np.moveaxis(words.view(np.uint8).reshape(*lead, k8, n, 4), -1, -2)  # [..., K/8, 4, N]
+    vals = np.empty((*lead, k8, 4, 2, n), np.uint8)
+    np.bitwise_and(b, 15, out=vals[..., 0, :])
+    np.right_shift(b, 4, out=vals[..., 1, :])
     return int4_halves_np(vals.reshape(*lead, k8 * INT4_PER_WORD, n), group)
 
 
