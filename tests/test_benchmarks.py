@@ -130,8 +130,10 @@ def test_stream_bench_resident_arm_alone(tmp_path):
     assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",
                               "--blocks", "1", "--quantize", "int4", "--arms", "resident",
                               "--json", str(out)]) == 0
-    rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "sweep"]
+    result = json.loads(out.read_text())
+    rows = [r for r in result["rows"] if r["part"] == "sweep"]
     assert [(r["arm"], r["tokens"]) for r in rows] == [("resident", 40)]
+    assert result["quantized_matmul"] == "dequantize"  # what "auto" reads int4 by on the CPU
 
 
 def test_stream_bench_probes_the_link_before_and_after_each_length(tmp_path, monkeypatch):
