@@ -283,8 +283,9 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
     fences, and meets the other at the slot's barrier; then each issues its product. A
     warpgroup passes step kk's barrier only after its product kk - 1 is done, so the slot
     step kk + 1 writes (read by products kk - 1) is free: two slots. The x and plane buffers
-    are released a step late (the product of step kk reads x until step kk + 1's wait). Each
-    warpgroup stores the visit's rows in its half."""
+    are released a step late (the product of step kk reads x until step kk + 1's wait). After
+    its last product each warpgroup meets the other again (the next visit's first steps write
+    the slots this one's last products read), then stores the visit's rows in its half."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -323,8 +324,9 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                            w_smem=plgpu.SMEM((2, bk, bn), dtype),
                            o_smem=plgpu.SMEM((2, hm, bn), dtype),
                            conv=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                           done=plgpu.Barrier(num_arrivals=2),
                            collective_axes="wg")
-        def _scope(allocs, w_smem, o_smem, conv):
+        def _scope(allocs, w_smem, o_smem, conv, done):
             wg = lax.axis_index("wg")
 
             def visit(gid, ni, row0, first, rows):
@@ -344,7 +346,11 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn)))
                     def _acc(acc_ref):
                         run(acc_ref)
-                        acc = acc_ref[...]
+                        acc = acc_ref[...]  # this warpgroup's products are done
+                        # and the other's: the next visit's first steps may write the slot
+                        # this visit's last products read.
+                        plgpu.barrier_arrive(done)
+                        plgpu.barrier_wait(done)
                         # This warpgroup's rows of the visit: [lo, hi) of its half.
                         lo = jnp.clip(first - wg * hm, 0, hm)
                         hi = jnp.clip(first + rows - wg * hm, 0, hm)

@@ -177,6 +177,24 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind,k,tiles", [
+    ("fp8", 320, MosaicTiles(256, 128, 64, 3, 8, 1, 2)),    # 5 k steps
+    ("int4", 384, MosaicTiles(128, 128, 128, 2, 8, 1, 2))])  # 3 k steps
+def test_two_warpgroups_over_an_odd_number_of_steps_on_hopper(kind, k, tiles):
+    # Visits whose last step leaves the slot the next visit's first step writes: the
+    # dequantize path's bits, visit after visit.
+    if not is_hopper():
+        pytest.skip("the Mosaic kernel needs a Hopper GPU")
+    w = _matrix(kind, e=8, k=k, n=256, nan_experts=(1, 3))
+    sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
+    x = _x(int(sizes.sum()) + 5, k)
+    fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
+    got = fn(x, w, sizes, tiles=tiles)
+    deq = grouped_matmul(x, w.dequantize(), sizes, impl="mosaic")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(deq))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(kind):
     # A model whose expert matrices the kernel reads: every arm with "auto" (the Mosaic
