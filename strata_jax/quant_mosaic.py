@@ -330,6 +330,11 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
             wg = lax.axis_index("wg")
 
             def visit(gid, ni, row0, first, rows):
+                # Whether this warpgroup's half of the tile holds rows of the visit (a tile
+                # shared by several experts' rows is visited once per expert): if not, it
+                # converts its share of each step but issues no product.
+                mine = (first < (wg + 1) * hm) & (first + rows > wg * hm)
+
                 def step(idx, x_smem, *rest):
                     *plane_smem, acc_ref = rest
                     (kk,) = idx
@@ -339,7 +344,11 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(conv.at[slot])
                     plgpu.barrier_wait(conv.at[slot])
-                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], w_smem.at[slot])
+
+                    @pl.when(mine)
+                    def _():
+                        plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], w_smem.at[slot])
+
                     return acc_ref
 
                 def context(run):
