@@ -166,6 +166,77 @@ def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
     return interpret, num_sms
 
 
+def _row_tiles(x, group_sizes, bm: int):
+    """(x padded to whole tiles of `bm` rows, the visits' metadata int32 [4, V] of (expert,
+    row tile, first row, end row): `quant_matmul.group_metadata`)."""
+    from .quant_matmul import group_metadata
+
+    m = x.shape[0]
+    m_pad = -(-m // bm) * bm
+    xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
+    return xp, group_metadata(group_sizes, m, bm)
+
+
+def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, bm: int, visit):
+    """Calls visit(expert, column tile, first row of its tile, its first row in the tile,
+    its rows) for the (visit, column tile) pairs this program takes: each band of `gbn`
+    column tiles swept one row tile after another, so the programs working at once share a
+    row tile's x (a band narrower than the matrix reads x again for each band; the last band
+    may be narrower: planar_snake)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+    def _tiles(info):
+        mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
+        row0 = meta_ref[1, mi] * bm
+        lo = meta_ref[2, mi]
+        rows = meta_ref[3, mi] - lo
+
+        @pl.when(rows > 0)  # the visits past the last one hold no rows
+        def _():
+            visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
+
+
+def _store_rows(o_smem, o_gmem, start, count, size: int, gmem_row0, cols) -> None:
+    """Rows [start, start + count) of o_smem ([size, N tile]) to o_gmem's rows gmem_row0 +
+    start ... at columns `cols`, as copies of power-of-two row counts (a copy's rows must be
+    static), largest first; then waits until the copies have read o_smem."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    left = size
+    while left > 0:
+        c = 1 << int(math.log2(left))
+        left //= 2
+
+        @pl.when(count & c != 0)
+        def _(start=start, c=c):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, c)],
+                                    o_gmem.at[pl.ds(gmem_row0 + start, c), cols])
+
+        start = start + (count & c)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: int,
+                interpret: bool, **kernel_args):
+    """`body` as a Mosaic GPU kernel (interpreted on the CPU) over the planes: [m, n] in x's
+    dtype, the rows past the groups zero (no visit stores them)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .quant_matmul import zero_rows_past_groups
+
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kernel_args["interpret"] = InterpretGPUParams()
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((xp.shape[0], n), xp.dtype),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kernel_args)
+    return zero_rows_past_groups(kernel(meta, xp, *pipelined, *resident)[:m], group_sizes)
+
+
 def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
                    num_sms: int, *, plane_specs, pipelined, resident, convert):
     """The persistent ragged kernel both formats share: rows of x [M, K] sorted by group,
@@ -181,19 +252,11 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .quant_matmul import group_metadata, zero_rows_past_groups
-
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     dtype = x.dtype
-    m_pad = -(-m // bm) * bm
-    xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
-    meta = group_metadata(group_sizes, m, bm)  # [4, V]: (expert, row tile, first, end row)
-    grid_m = meta.shape[1]
-    grid_n = n // bn
-    # Each band of `gbn` column tiles is swept one row tile after another, so the programs
-    # working at once share a row tile's x: a band narrower than the matrix reads x again for
-    # each band. The last band may be narrower (planar_snake).
+    xp, meta = _row_tiles(x, group_sizes, bm)
+    grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
 
@@ -230,43 +293,13 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
             def _store(o_smem):
                 o_smem[...] = acc.astype(dtype)
                 plgpu.commit_smem()
-                start = first
-                left = min(bm, m_pad)
-                while left > 0:  # the visit's rows as a sum of powers of two, largest first
-                    count = 1 << int(math.log2(left))
-                    left //= 2
+                _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
 
-                    @pl.when(rows & count != 0)
-                    def _():
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[pl.ds(start, count)],
-                            o_gmem.at[pl.ds(row0 + start, count), pl.ds(ni * bn, bn)])
+        _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
 
-                    start += rows & count
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
-        def _tiles(info):
-            mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
-            row0 = meta_ref[1, mi] * bm
-            lo = meta_ref[2, mi]
-            rows = meta_ref[3, mi] - lo
-
-            @pl.when(rows > 0)  # the visits past the last one hold no rows
-            def _():
-                visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
-
-    extra = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        extra["interpret"] = InterpretGPUParams()
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m_pad, n), dtype), grid=(num_sms * tiles.per_sm,),
-        grid_names=("sm",), scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
-    out = kernel(meta, xp, *pipelined, *resident)[:m]
-    return zero_rows_past_groups(out, group_sizes)  # they belong to no visit
+    return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
+                       interpret=interpret, grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
+                       scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)))
 
 
 def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
@@ -289,17 +322,12 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .quant_matmul import group_metadata, zero_rows_past_groups
-
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     hm = bm // 2
     dtype = x.dtype
-    m_pad = -(-m // bm) * bm
-    xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
-    meta = group_metadata(group_sizes, m, bm)  # [4, V]: (expert, row tile, first, end row)
-    grid_m = meta.shape[1]
-    grid_n = n // bn
+    xp, meta = _row_tiles(x, group_sizes, bm)
+    grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
 
@@ -367,47 +395,17 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                         out = o_smem.at[wg]
                         out[...] = acc.astype(dtype)
                         plgpu.commit_smem()
-                        start = lo
-                        left = hm
-                        while left > 0:  # the rows as a sum of powers of two, largest first
-                            c = 1 << int(math.log2(left))
-                            left //= 2
-
-                            @pl.when(count & c != 0)
-                            def _():
-                                plgpu.copy_smem_to_gmem(
-                                    out.at[pl.ds(start, c)],
-                                    o_gmem.at[pl.ds(row0 + wg * hm + start, c),
-                                              pl.ds(ni * bn, bn)])
-
-                            start = start + (count & c)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm,
+                                    pl.ds(ni * bn, bn))
 
                 pipeline(step, context, row0, ni)(
                     x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
 
-            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
-            def _tiles(info):
-                mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
-                row0 = meta_ref[1, mi] * bm
-                lo = meta_ref[2, mi]
-                rows = meta_ref[3, mi] - lo
+            _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
 
-                @pl.when(rows > 0)  # the visits past the last one hold no rows
-                def _():
-                    visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
-
-    extra = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        extra["interpret"] = InterpretGPUParams()
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m_pad, n), dtype), grid=(num_sms,),
-        grid_names=("sm",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
-    out = kernel(meta, xp, *pipelined, *resident)[:m]
-    return zero_rows_past_groups(out, group_sizes)  # they belong to no visit
+    return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
+                       interpret=interpret, grid=(num_sms,), grid_names=("sm",),
+                       num_threads=3, thread_name="wg")
 
 
 # int4: one k step a scale group of 128 inputs, whose 64-row byte tile holds the group's first
