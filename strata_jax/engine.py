@@ -540,12 +540,25 @@ class Engine:
         routing, and the experts' sorted inputs and outputs ([T*k, H]) with their gate/up
         activations ([T*k, I], float32 and the parameter dtype). A streamed engine's fetch adds
         one layer's expert weights (the packed ring's outputs), and a quantized expert format
-        one layer's experts dequantized. The module's `chunk_bytes`, which the CLI checks a
-        plan with before an engine exists."""
+        read by the "dequantize" path (`Kernels.quantized_matmul` on this device) one layer's
+        experts dequantized. The module's `chunk_bytes`, which the CLI checks a plan with
+        before an engine exists (counting that layer for any quantized format)."""
         return chunk_bytes(self.config, chunk, self.capacity if capacity is None else capacity,
                            first=first, platform=self.device.platform,
                            streamed=self.streamer is not None,
-                           attention=self.kernels.attention)
+                           attention=self.kernels.attention, dequantized=self._dequantized)
+
+    @property
+    def _dequantized(self) -> bool:
+        """Whether the expert math writes each quantized layer out dequantized (the
+        "dequantize" path on this device) rather than reading its planes in a fused kernel."""
+        if self.config.expert_format == "plain":
+            return False
+        from .formats import ExpertFormat
+        from .quant_matmul import resolve_format
+
+        fmt = ExpertFormat.of(self.config)
+        return resolve_format(self.kernels.quantized_matmul, fmt, self.device) == "dequantize"
 
     def _choose_chunk(self) -> tuple[int, str]:
         """The largest chunk (max_context, else a power of two below it, at least 16) whose
@@ -557,7 +570,7 @@ class Engine:
             activations, kv, _ = chunk_memory(
                 self.config, chunk, self.max_context, self._sub_chunk_arg,
                 platform=self.device.platform, streamed=self.streamer is not None,
-                attention=self.kernels.attention)
+                attention=self.kernels.attention, dequantized=self._dequantized)
             need = activations + kv
             if need <= have:
                 return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of "

@@ -89,12 +89,15 @@ def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *,
 
 
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,
-                platform: str = "cpu", streamed: bool = False, attention: str = "auto") -> int:
+                platform: str = "cpu", streamed: bool = False, attention: str = "auto",
+                dequantized: bool | None = None) -> int:
     """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
     `capacity` positions on a `platform` device with the `attention` path requested
     (`Kernels.attention`; `Engine.chunk_bytes` says what is counted); `streamed` adds one
-    layer's expert weights (the packed ring's outputs). A quantized expert format adds one
-    layer's experts dequantized to the parameter dtype (what the expert math reads)."""
+    layer's expert weights (the packed ring's outputs). `dequantized`: whether the expert math
+    writes a quantized layer out in the parameter dtype before its grouped matmuls (the
+    "dequantize" path; a fused kernel does not), adding one layer's experts in that dtype;
+    None: for any quantized format (where the path is not known yet)."""
     c = config
     it = np.dtype(c.dtype).itemsize
     qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
@@ -103,8 +106,10 @@ def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool =
     hidden = 4 * chunk * c.hidden_size * it
     routing = chunk * c.top_k * 8
     fetched = c.n_experts * c.expert_bytes if streamed else 0
-    dequantized = c.n_experts * c.expert_params * it if c.expert_format != "plain" else 0
-    return int(qkv + attn + hidden + routing + expert_bytes(c, chunk) + fetched + dequantized)
+    if dequantized is None:
+        dequantized = c.expert_format != "plain"
+    layer = c.n_experts * c.expert_params * it if dequantized else 0
+    return int(qkv + attn + hidden + routing + expert_bytes(c, chunk) + fetched + layer)
 
 
 def chunk_candidates(max_context: int) -> list[int]:
@@ -122,13 +127,15 @@ def chunk_candidates(max_context: int) -> list[int]:
 def chunk_memory(config: ModelConfig, chunk: int, max_context: int,
                  sub_chunk: int | None = None, *, platform: str = "cpu",
                  streamed: bool = False, headroom: float = CHUNK_HEADROOM,
-                 attention: str = "auto") -> tuple[int, int, int]:
+                 attention: str = "auto", dequantized: bool | None = None
+                 ) -> tuple[int, int, int]:
     """(activations, KV caches, capacity) of a prefill in chunks of `chunk` tokens: what
     `Engine._choose_chunk` compares with the memory it has. Activations: `headroom` x the
     larger `chunk_bytes` of a first and a later chunk; KV caches: two of the capacity (a
     session's and the one a chunk writes), max_context + max(chunk, sub_chunk) positions."""
     capacity = int(max_context) + max(int(chunk), int(sub_chunk or chunk))
-    kw = {"platform": platform, "streamed": streamed, "attention": attention}
+    kw = {"platform": platform, "streamed": streamed, "attention": attention,
+          "dequantized": dequantized}
     activations = headroom * max(chunk_bytes(config, chunk, capacity, **kw),
                                  chunk_bytes(config, chunk, capacity, first=True, **kw))
     return int(activations), 2 * kv_cache_bytes(config, capacity), capacity

@@ -207,6 +207,28 @@ def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):
                 assert [streamer.tail_pieces(0, n) for n in lengths] == [1, 1, 4, 4, 4], path
 
 
+def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(plain_params):
+    # A fused kernel never writes the layer out in the parameter dtype, so an engine whose
+    # quantized experts take one plans no room for it; the module's chunk_bytes (the CLI's
+    # check before an engine exists) counts it for any quantized format.
+    import strata_jax.quant_matmul as quant_matmul
+    from strata_jax.memory import chunk_bytes
+
+    cfg = FORMATS["int4"]
+    layer = cfg.n_experts * cfg.expert_params * np.dtype(cfg.dtype).itemsize
+    with Engine(cfg, QuantizedParams(plain_params, cfg), None, max_context=64,
+                chunk_size=64) as eng:
+        on_cpu = eng.chunk_bytes(64)  # the CPU dequantizes
+        assert on_cpu == chunk_bytes(cfg, 64, eng.capacity, platform=eng.device.platform,
+                                     attention=eng.kernels.attention)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(quant_matmul, "resolve_format", lambda *_: "mosaic")
+            assert eng.chunk_bytes(64) == on_cpu - layer
+    plain = cfg.replace(expert_format="plain")
+    assert (chunk_bytes(plain, 64, 128) == chunk_bytes(plain, 64, 128, dequantized=False)
+            == chunk_bytes(cfg, 64, 128, dequantized=True) - layer)
+
+
 @pytest.mark.parametrize("kind,every", [("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
                                         pytest.param("int4", True, marks=pytest.mark.slow)])
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
