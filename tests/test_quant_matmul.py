@@ -72,6 +72,18 @@ def test_fused_kernel_matches_the_float64_reference(kind):
         assert (got[sum(SIZES):] == 0).all()
 
 
+@pytest.mark.parametrize("kind,unpack", [("fp8", "tile"), ("int4", "tile"), ("int4", "split")])
+def test_triton_kernel_lowers_for_cuda(kind, unpack):
+    # Pallas' lowering to Triton IR runs on the CPU: the kernel at Qwen3-30B-A3B's gate shape.
+    w = _matrix(kind, e=8, k=2048, n=768)
+    tiles = dataclasses.replace(tiles_for(w), unpack=unpack)
+    f = jax.jit(lambda x, w, s: fused_grouped_matmul(x, w, s, tiles=tiles, interpret=False))
+    triton = ("__gpu$xla.gpu.triton", "triton_kernel_call")  # jax 0.10's, earlier jax's
+    jax.export.export(f, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(t) for t in triton])(
+            _x(1024, 2048), w, jnp.full((8,), 128, jnp.int32))
+
+
 # In the slow run: the gpu-marked kernel tests check pieces of both kinds through Triton.
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
