@@ -98,7 +98,8 @@ def test_kernels_lower_for_cuda():
     for kind, fn, tiles in (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
                             ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
                             ("fp8", mosaic_grouped_matmul, two),
-                            ("int4", mosaic_int4_grouped_matmul, two)):
+                            ("int4", mosaic_int4_grouped_matmul, two),
+                            ("int4", mosaic_int4_grouped_matmul, MosaicTiles(128, 128, 64, 4, 8))):
         for k, n in ((2048, 768), (768, 2048)):
             w = _matrix(kind, e=8, k=k, n=n)
             f = jax.jit(lambda x, w, s, fn=fn, tiles=tiles: fn(x, w, s, tiles=tiles,
