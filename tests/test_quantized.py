@@ -168,6 +168,14 @@ def test_cli_quantize_reads_a_quantized_model():
     assert (m["hidden"], m["expert_width"]) == (64, 32)
     # the largest of 128, 64, 32, ... dividing both widths
     assert (m["expert_format"], m["expert_block"]) == ("int4", 32)
+    assert d["quantized_matmul"] == "dequantize"  # the CPU has no fused kernel for "auto"
+    rc, out, err = _cli(["prefill", *MODEL, "--quantize", "fp8", "--no-stream", "--tokens",
+                         "32", "--quantized-matmul", "fused"])
+    assert rc == 0, err
+    assert "expert" in out.splitlines()[0]
+    assert out.splitlines()[0].endswith("; experts read by the fused Triton kernel"), out
+    rc, out, err = _cli(["prefill", *MODEL, "--no-stream", "--tokens", "32"])
+    assert rc == 0 and "experts read by" not in out and "dequantized" not in out
     fmt = ExpertFormat.make("int4", 64, 32, np.float32, block=32)
     assert m["expert_bytes"] == fmt.blob_bytes < 3 * 64 * 32 * 2 / 3
     rc, _, err = _cli(["prefill", *MODEL, "--quant-block", "16", "--no-stream"])

@@ -13,7 +13,8 @@ import numpy as np
 
 from .checks import _check_budget, _check_plan
 from .common import (UsageError, _backends, _context, _jsonable, _load_profile, _Log,
-                     _make_engine, _Model, _read_prompts, _stream_config, random_prompt)
+                     _make_engine, _Model, _read_prompts, _stream_config, _stream_device,
+                     random_prompt)
 
 
 def _routed_depth(stream) -> int | None:
@@ -142,7 +143,7 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
                 devices=args.devices)
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
     if not args.json:
-        print(model.describe())
+        print(model.describe() + _quantized_note(args, model.config, backend, device))
         print(f"arm {_arm(args)}" + (f" (depth {depth})" if depth is not None else "")
               + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk or 'auto'}, "
               f"order {args.order}")
@@ -152,6 +153,29 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
                      else ""))
         print(f"prompt: {prompt_text}", flush=True)
     return _Read(model, tokens, stream, backend, device, max_context, depth)
+
+
+_QUANTIZED_PATHS = {"mosaic": "read by the fused Mosaic GPU kernel",
+                    "triton": "read by the fused Triton kernel",
+                    "dequantize": "dequantized a layer at a time before the matmuls"}
+
+
+def _quantized_path(args, config, backend: str, device) -> str | None:
+    """The kernel quantized experts are read with (`quant_matmul.resolve_format` of
+    --quantized-matmul on the device the expert math runs on); None for a plain format."""
+    if config.expert_format == "plain":
+        return None
+    from ..formats import ExpertFormat
+    from ..quant_matmul import resolve_format
+
+    return resolve_format(args.quantized_matmul, ExpertFormat.of(config),
+                          device if device is not None else _stream_device(backend))
+
+
+def _quantized_note(args, config, backend: str, device) -> str:
+    """"; experts read by ..." for the header of a read of quantized experts."""
+    path = _quantized_path(args, config, backend, device)
+    return "" if path is None else f"; experts {_QUANTIZED_PATHS[path]}"
 
 
 def _engine(args, read: _Read, log: _Log):
@@ -166,6 +190,8 @@ def _run_fields(args, read: _Read, engine) -> dict:
     streamer = engine.streamer
     return dict(arm=_arm(args), backend=read.backend if args.stream else "resident",
                 model=read.model.summary(), profile=args.profile, devices=args.devices,
+                quantized_matmul=_quantized_path(args, read.model.config, read.backend,
+                                                 read.device),
                 compilations=int(engine.compilations),
                 depth=(int(streamer.stream.depth)
                        if streamer is not None and streamer.stream.routed else None))
