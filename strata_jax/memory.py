@@ -163,15 +163,16 @@ def weight_bytes(config: ModelConfig, plan=None, platform: str = "cpu") -> int:
 
 def prefill_bytes(config: ModelConfig, weights: int, context: int, *, max_context: int,
                   n_tokens: int, chunk: int | None, sub_chunk: int | None, platform: str,
-                  streamed: bool) -> tuple[int, int, int, int, int]:
+                  streamed: bool, dequantized: bool | None = None
+                  ) -> tuple[int, int, int, int, int]:
     """(bytes in all, activations, KV caches, their capacity, chunk) of a prefill of
     `n_tokens` tokens (of a `max_context` prompt: fewer token ids in a smaller `context`) in a
     KV cache of `context` positions, beside `weights` bytes (`weight_bytes`), on a `platform`
     device: `chunk_memory` of `chunk`, else of the smallest chunk an automatic choice can
-    take, and TOKEN_ID_BYTES per token."""
+    take, and TOKEN_ID_BYTES per token (`dequantized`: as `chunk_bytes`')."""
     c = chunk or chunk_candidates(context)[-1]
     act, kv, cap = chunk_memory(config, c, context, sub_chunk, platform=platform,
-                                streamed=streamed)
+                                streamed=streamed, dequantized=dequantized)
     ids = TOKEN_ID_BYTES * n_tokens * context // max_context  # fewer tokens in less
     return weights + act + kv + ids, act, kv, cap, c
 

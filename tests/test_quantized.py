@@ -235,6 +235,15 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
     plain = cfg.replace(expert_format="plain")
     assert (chunk_bytes(plain, 64, 128) == chunk_bytes(plain, 64, 128, dequantized=False)
             == chunk_bytes(cfg, 64, 128, dequantized=True) - layer)
+    # The CLI's plan check (prefill_bytes) takes the same choice: CHUNK_HEADROOM x the layer.
+    from strata_jax.memory import CHUNK_HEADROOM, prefill_bytes
+
+    kw = dict(max_context=64, n_tokens=64, chunk=64, sub_chunk=None, platform="cpu",
+              streamed=False)
+    counted = prefill_bytes(cfg, 0, 64, **kw)[1]
+    assert counted == prefill_bytes(cfg, 0, 64, dequantized=True, **kw)[1]
+    fused = prefill_bytes(cfg, 0, 64, dequantized=False, **kw)[1]
+    assert abs(counted - fused - CHUNK_HEADROOM * layer) <= 1  # each side rounded down
 
 
 @pytest.mark.parametrize("kind,every", [("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),

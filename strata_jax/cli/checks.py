@@ -44,7 +44,8 @@ def _check_stream_budget(args, cfg, platform: str) -> None:
 
 
 def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
-                sub_chunk: int | None, backend: str, stream, devices: int = 1) -> None:
+                sub_chunk: int | None, backend: str, stream, devices: int = 1,
+                dequantized: bool | None = None) -> None:
     """UsageError when the prefill cannot fit the memory of the device it will run on: its
     two KV caches and the activations of its smallest chunk (memory.chunk_memory, the
     estimate an Engine chooses its chunk by; `chunk`, else the smallest an automatic choice
@@ -61,6 +62,9 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     residents (`plan_stream(devices=)`); the CPU's simulated devices share its RAM, so it
     holds `devices` copies of all but the experts (streamed: the host store once, each
     device's residents and simulated ring).
+
+    `dequantized`: whether quantized experts are read by the dequantize path (a layer in the
+    parameter dtype a chunk); None counts that layer for any quantized format.
     """
     from ..stream import plan_stream
 
@@ -103,7 +107,8 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
         """(bytes in all, activations, KV caches, their capacity, chunk) for `context`."""
         total, act, kv, cap, c = memory.prefill_bytes(
             cfg, weights, context, max_context=max_context, n_tokens=n_tokens, chunk=chunk,
-            sub_chunk=sub_chunk, platform=platform, streamed=stream is not None)
+            sub_chunk=sub_chunk, platform=platform, streamed=stream is not None,
+            dequantized=dequantized)
         return total + (copies - 1) * (total - weights), act, kv, cap, c
 
     total, act, kv, cap, c = need(max_context)

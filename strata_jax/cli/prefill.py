@@ -138,12 +138,13 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
     stream = _stream_config(args, backend, profile)
     depth = _routed_depth(stream)
     model.check_host_memory(streamed=stream is not None)
+    path = _quantized_path(args, model.config, backend, device)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
                 sub_chunk=args.sub_chunk, backend=backend, stream=stream,
-                devices=args.devices)
+                devices=args.devices, dequantized=None if path is None else path == "dequantize")
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
     if not args.json:
-        print(model.describe() + _quantized_note(args, model.config, backend, device))
+        print(model.describe() + ("" if path is None else f"; experts {_QUANTIZED_PATHS[path]}"))
         print(f"arm {_arm(args)}" + (f" (depth {depth})" if depth is not None else "")
               + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk or 'auto'}, "
               f"order {args.order}")
@@ -170,12 +171,6 @@ def _quantized_path(args, config, backend: str, device) -> str | None:
 
     return resolve_format(args.quantized_matmul, ExpertFormat.of(config),
                           device if device is not None else _stream_device(backend))
-
-
-def _quantized_note(args, config, backend: str, device) -> str:
-    """"; experts read by ..." for the header of a read of quantized experts."""
-    path = _quantized_path(args, config, backend, device)
-    return "" if path is None else f"; experts {_QUANTIZED_PATHS[path]}"
 
 
 def _engine(args, read: _Read, log: _Log):
