@@ -552,8 +552,6 @@ class Engine:
     def _dequantized(self) -> bool:
         """Whether the expert math writes each quantized layer out dequantized (the
         "dequantize" path on this device) rather than reading its planes in a fused kernel."""
-        if self.config.expert_format == "plain":
-            return False
         from .formats import ExpertFormat
         from .quant_matmul import resolve_format
 

@@ -180,10 +180,13 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     return "dequantize"
 
 
-def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> str:
-    """`resolve_quantized` over the matrices of expert format `fmt` (a quantized
-    `formats.ExpertFormat`): "dequantize" if any of them is dequantized first, else the kernel
-    that reads them ("mosaic" where it reads them all, else "triton")."""
+def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> str | None:
+    """`resolve_quantized` over the matrices of expert format `fmt` (a `formats.ExpertFormat`):
+    "dequantize" if any of them is dequantized first, else the kernel that reads them
+    ("mosaic" where it reads them all, else "triton"); None for a plain format (its planes
+    are the weights)."""
+    if fmt.kind == "plain":
+        return None
     paths = {resolve_quantized(impl, QuantizedMatrix(None, None, fmt.kind, fmt.block,
                                                      fmt.matrix_shape(m), fmt.dtype), device)
              for m in ("gate", "up", "down")}

@@ -197,6 +197,7 @@ def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):
     cfg = FORMATS["fp8"]
     fmt = ExpertFormat.of(cfg)
     assert resolve_format("dequantize", fmt) == "dequantize"
+    assert resolve_format(None, ExpertFormat.of(cfg.replace(expert_format="plain"))) is None
     if not is_hopper():
         assert resolve_format(None, fmt) == "dequantize"
     lengths = (512, 1024, 4096, 8192, 16384)

@@ -10,7 +10,7 @@ tokens * top_k rows sorted by expert) in these ways per format:
                 each one given (`--tiles`; `--no-triton` skips it);
     mosaic      the Mosaic GPU kernel at each tiling given (`--mosaic`): fp8
                 `quant_mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
-                (block_k 128: one scale group a step).
+                (block_k 128, one scale group a step, or 64, half of one).
 It reports each time over bf16's and dequantize's, whether a kernel's output has exactly the
 dequantize path's bits, and its largest difference from them relative to the output's largest
 magnitude (both read the same quantized values).

@@ -692,17 +692,6 @@ def publication(args, cfg, params, link, result):
     print(json.dumps(row), flush=True)
 
 
-def _quantized_path(cfg) -> str | None:
-    """The kernel "auto" reads the experts' format with on this device (`mosaic`, `triton` or
-    `dequantize`; None for a plain format)."""
-    if cfg.expert_format == "plain":
-        return None
-    from strata_jax.formats import ExpertFormat
-    from strata_jax.quant_matmul import resolve_format
-
-    return resolve_format(None, ExpertFormat.of(cfg))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
@@ -731,6 +720,8 @@ def main(argv=None) -> int:
     import jax
 
     from strata_jax import native
+    from strata_jax.formats import ExpertFormat
+    from strata_jax.quant_matmul import resolve_format
 
     parts = args.parts.split(",")
     unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor"}
@@ -760,7 +751,8 @@ def main(argv=None) -> int:
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "expert_format": cfg.expert_format, "expert_block": cfg.expert_block,
-              "quantized_matmul": _quantized_path(cfg),
+              # the kernel "auto" reads the experts with here (None: a plain format)
+              "quantized_matmul": resolve_format(None, ExpertFormat.of(cfg)),
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
     def save():  # after each part: keep what finished if a later part runs out of time
         if args.json:

@@ -116,6 +116,7 @@ class _Read:
     device: object
     max_context: int
     depth: int | None  # what runs, not --depth: the environment overrides it
+    quantized: str | None  # the kernel quantized experts are read with (None: plain)
 
 
 def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
@@ -141,7 +142,7 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
     path = _quantized_path(args, model.config, backend, device)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
                 sub_chunk=args.sub_chunk, backend=backend, stream=stream,
-                devices=args.devices, dequantized=None if path is None else path == "dequantize")
+                devices=args.devices, dequantized=path == "dequantize")
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
     if not args.json:
         print(model.describe() + ("" if path is None else f"; experts {_QUANTIZED_PATHS[path]}"))
@@ -153,7 +154,7 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
                   + (", residents chosen from it" if (args.resident_gib or args.resident_per_layer)
                      else ""))
         print(f"prompt: {prompt_text}", flush=True)
-    return _Read(model, tokens, stream, backend, device, max_context, depth)
+    return _Read(model, tokens, stream, backend, device, max_context, depth, path)
 
 
 _QUANTIZED_PATHS = {"mosaic": "read by the fused Mosaic GPU kernel",
@@ -164,8 +165,6 @@ _QUANTIZED_PATHS = {"mosaic": "read by the fused Mosaic GPU kernel",
 def _quantized_path(args, config, backend: str, device) -> str | None:
     """The kernel quantized experts are read with (`quant_matmul.resolve_format` of
     --quantized-matmul on the device the expert math runs on); None for a plain format."""
-    if config.expert_format == "plain":
-        return None
     from ..formats import ExpertFormat
     from ..quant_matmul import resolve_format
 
@@ -185,8 +184,7 @@ def _run_fields(args, read: _Read, engine) -> dict:
     streamer = engine.streamer
     return dict(arm=_arm(args), backend=read.backend if args.stream else "resident",
                 model=read.model.summary(), profile=args.profile, devices=args.devices,
-                quantized_matmul=_quantized_path(args, read.model.config, read.backend,
-                                                 read.device),
+                quantized_matmul=read.quantized,
                 compilations=int(engine.compilations),
                 depth=(int(streamer.stream.depth)
                        if streamer is not None and streamer.stream.routed else None))

@@ -677,9 +677,7 @@ class NativeStreamer(Closable):
         if mode not in _STREAM_MODES or not self.moe_layers:
             return 1
         pieces = self.tuning.tail_pieces
-        fmt = self.format
-        path = (resolve_format(quantized, fmt, self.jax_device) if fmt.kind != "plain"
-                else "plain")
+        path = resolve_format(quantized, self.format, self.jax_device)  # None: plain
         visits = path in ("mosaic", "triton")
         floor = self.tuning.tail_from
         if floor is None:
