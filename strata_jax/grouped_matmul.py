@@ -34,7 +34,7 @@ from jax import lax
 from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
 from .quant_matmul import (QuantizedMatrix, fused_grouped_matmul, resolve_quantized,
                            zero_rows_past_groups)
-from .quant_mosaic import mosaic_fp8, mosaic_int4
+from .quant_mosaic import fp8_tiles_for, mosaic_fp8, mosaic_int4
 
 # The Mosaic kernel's row block for MoE shapes (chosen by grouped_matmul_bench; BENCHMARKS.md).
 MOSAIC_BLOCK_M = 128
@@ -107,8 +107,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
                              f"dtype {w.dtype}")
         path = resolve_quantized(quantized, w)
         if path == "mosaic":
-            mosaic = mosaic_int4 if w.kind == "int4" else mosaic_fp8
-            return mosaic(x, w, group_sizes.astype(jnp.int32))
+            if w.kind == "int4":
+                return mosaic_int4(x, w, group_sizes.astype(jnp.int32))
+            tiles = fp8_tiles_for(x.shape[0], group_sizes.shape[0], w)
+            return mosaic_fp8(x, w, group_sizes.astype(jnp.int32), tiles=tiles)
         if path == "triton":
             return fused_grouped_matmul(x, w, group_sizes)
         with jax.named_scope("dequantize"):

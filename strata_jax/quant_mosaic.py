@@ -87,6 +87,23 @@ class MosaicTiles:
 # k step of one scale block (128; four stages of it do not fit in shared memory).
 MOSAIC_TILES = MosaicTiles(128, 128, 128, 3, 8, 1)
 
+# Where experts hold many rows each: two compute warpgroups on the halves of a 256-row tile
+# sharing each converted weight tile, which halves the weight conversions a product (the
+# sweep's fastest at 256 and 512 rows an expert; at 64 most of a 256-row tile is empty and
+# MOSAIC_TILES is faster). Same bits as MOSAIC_TILES: both are the dequantize path's.
+MOSAIC_WIDE_TILES = MosaicTiles(256, 128, 64, 3, 8, 1, compute_wgs=2)
+WIDE_FROM_ROWS_PER_GROUP = 256
+
+
+def fp8_tiles_for(m: int, groups: int, w=None) -> MosaicTiles:
+    """The fp8 tiling for a grouped matmul of `m` rows over `groups` groups: MOSAIC_WIDE_TILES
+    from WIDE_FROM_ROWS_PER_GROUP rows a group on average (and where it reads `w`, if given),
+    else MOSAIC_TILES."""
+    if m >= WIDE_FROM_ROWS_PER_GROUP * max(groups, 1) and (
+            w is None or mosaic_supports(w, MOSAIC_WIDE_TILES)):
+        return MOSAIC_WIDE_TILES
+    return MOSAIC_TILES
+
 
 def mosaic_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the Mosaic kernel reads quantized matrix `w` with `tiles`: fp8 whose k steps

@@ -14,7 +14,8 @@ import pytest
 
 from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.quant_matmul import fused_reference, resolve_quantized
-from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MosaicTiles,
+from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES,
+                                     WIDE_FROM_ROWS_PER_GROUP, MosaicTiles, fp8_tiles_for,
                                      mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports)
 from strata_jax.testing import assert_close
@@ -132,6 +133,14 @@ def test_what_the_kernel_reads_and_refuses():
         with pytest.raises(ValueError, match="MosaicTiles"):
             MosaicTiles(**bad)
     assert mosaic_int4_supports(w4, MosaicTiles(block_k=64))  # half a group a step
+    # fp8's tiling follows the rows an expert: two warpgroups on 256-row tiles from
+    # WIDE_FROM_ROWS_PER_GROUP on average (Qwen3-30B-A3B, top 8 of 128: 4K tokens).
+    assert MOSAIC_WIDE_TILES.compute_wgs == 2 and mosaic_supports(w8, MOSAIC_WIDE_TILES)
+    assert fp8_tiles_for(1024 * 8, 128) == MOSAIC_TILES
+    assert fp8_tiles_for(WIDE_FROM_ROWS_PER_GROUP * 128 - 1, 128) == MOSAIC_TILES
+    assert fp8_tiles_for(4096 * 8, 128) == MOSAIC_WIDE_TILES
+    assert fp8_tiles_for(4096 * 8, 128, w8) == MOSAIC_WIDE_TILES
+    assert fp8_tiles_for(4096 * 8, 128, _matrix("fp8", block=32)) == MOSAIC_TILES
     assert not mosaic_int4_supports(w4, MosaicTiles(block_k=32))
     if not is_hopper():
         # Off Hopper "auto" dequantizes and "fused" takes the Triton kernel.
@@ -196,10 +205,13 @@ def test_two_warpgroups_over_an_odd_number_of_steps_on_hopper(kind, k, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [200, 2048])
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(kind):
+def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(kind, tokens):
     # A model whose expert matrices the kernel reads: every arm with "auto" (the Mosaic
-    # kernel on Hopper) gives the bits of the resident model with "dequantize".
+    # kernel on Hopper) gives the bits of the resident model with "dequantize". At 2,048
+    # tokens (512 rows an expert) whole fp8 layers take MOSAIC_WIDE_TILES and the routed
+    # arm's tail pieces MOSAIC_TILES.
     from strata_jax.config import get_preset
     from strata_jax.engine import Engine
     from strata_jax.formats import ExpertFormat
@@ -217,7 +229,7 @@ def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(k
     planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
     assert all(resolve_quantized(None, w) == "mosaic" for w in fmt.expert_matrices(planes))
     params = QuantizedParams(SyntheticParams(plain, 3, 1.0), cfg)
-    toks = np.random.default_rng(5).integers(0, cfg.vocab_size, 200)
+    toks = np.random.default_rng(5).integers(0, cfg.vocab_size, tokens)
     got = {}
     for name, kernels, stream in (
             ("dequantize", Kernels(quantized_matmul="dequantize"), None),
@@ -226,8 +238,8 @@ def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(k
                 layout="frames", tail_pieces=2, tail_from=16, stream_floor=1))),
             ("stream-all", Kernels(), StreamConfig(routed=False, tuning=StreamTuning(
                 layout="packed")))):
-        with Engine(cfg, params, stream, max_context=256, chunk_size=256,
-                    kernels=kernels) as eng:
+        with Engine(cfg, params, stream, max_context=max(tokens, 256),
+                    chunk_size=max(tokens, 256), kernels=kernels) as eng:
             r = eng.prefill(toks)
             got[name] = (r.logits_sha256(), r.kv_sha256())
     assert len(set(got.values())) == 1, got
