@@ -86,9 +86,14 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
     if kind != "int4":
         raise ValueError(f"quantized matrix kind {kind!r}: expected one of {FUSED_KINDS}")
     _check_int4_plane(q, shape, block)
-    b = q.astype(jnp.int32).reshape(*q.shape[:-2], k // block, 1, block // 2, n)
-    vals = jnp.concatenate([b & 15, b >> 4], axis=-3).reshape(*q.shape[:-2], k, n) - _INT4_ZERO
-    return (vals.astype(jnp.float32) * jnp.repeat(s, block, axis=-2)).astype(dtype)
+    lead = q.shape[:-2]
+    # [..., group, half, row of the half, column]: one elementwise fusion (shift, mask, product,
+    # cast) with the group's scale broadcast, no concatenation of the halves.
+    b = q.astype(jnp.int32).reshape(*lead, k // block, 1, block // 2, n)
+    shift = jnp.asarray([0, 4], jnp.int32).reshape(2, 1, 1)
+    vals = ((b >> shift) & 15) - _INT4_ZERO
+    s = s.reshape(*lead, k // block, 1, 1, n)
+    return (vals.astype(jnp.float32) * s).astype(dtype).reshape(*lead, k, n)
 
 
 def _check_int4_plane(q, shape: tuple[int, int], block: int) -> None:

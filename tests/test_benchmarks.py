@@ -136,6 +136,28 @@ def test_stream_bench_resident_arm_alone(tmp_path):
     assert result["quantized_matmul"] == "dequantize"  # what "auto" reads int4 by on the CPU
 
 
+def test_stream_bench_reads_quantized_experts_as_told(tmp_path, monkeypatch):
+    # --quantized-matmul reaches every engine the bench builds and its JSON.
+    import strata_jax.engine as engine_mod
+    seen = []
+    real = engine_mod.Engine
+
+    def recording(*args, kernels=None, **kwargs):
+        seen.append(kernels.quantized_matmul)
+        return real(*args, kernels=kernels, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "Engine", recording)
+    out = tmp_path / "fused.json"
+    assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",
+                              "--blocks", "1", "--quantize", "fp8", "--arms", "resident",
+                              "--quantized-matmul", "fused", "--json", str(out)]) == 0
+    assert seen and set(seen) == {"fused"}
+    # Off Hopper "fused" is the Triton kernel where it tiles the matrices; not the tiny ones.
+    assert json.loads(out.read_text())["quantized_matmul"] == "dequantize"
+    with pytest.raises(SystemExit):
+        stream_bench.main(["--tiny", "--quantized-matmul", "mosaic"])
+
+
 def test_stream_bench_probes_the_link_before_and_after_each_length(tmp_path, monkeypatch):
     # With a probed link (CUDA), each length's rows are against the ceiling probed before its
     # calls; the probe after them is recorded beside it, with the fraction it would give.

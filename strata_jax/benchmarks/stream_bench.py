@@ -221,7 +221,7 @@ def _resident_reference(cfg, params, ctx: int, lengths, prompts,
     from strata_jax.engine import Engine
 
     resident_ms, hashes = {}, {}
-    with Engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
+    with _engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
         for n in lengths:
             eng.prefill(prompts[n][-1])  # compile
             times = []
@@ -381,7 +381,7 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
 
     engines = {}
     for arm, routed in (("stream-all", False), ("routed", True)):
-        engines[arm] = Engine(cfg, params, _stream_config(args, routed),
+        engines[arm] = _engine(cfg, params, _stream_config(args, routed),
                               max_context=ctx, chunk_size=ctx)
         for n in lengths:
             engines[arm].prefill(prompts[n][-1])  # compile
@@ -526,7 +526,7 @@ def two_turn(args, cfg, params, link, result):
     for arm, sc in (("resident", None),
                     ("stream-all", _stream_config(args, False)),
                     ("routed", _stream_config(args, True))):
-        with Engine(cfg, params, sc, max_context=ctx, chunk_size=args.chunk) as eng:
+        with _engine(cfg, params, sc, max_context=ctx, chunk_size=args.chunk) as eng:
             r = eng.prefill(first[0])
             eng.prefill(second[0], r.session)  # compile both kinds
             rows = []
@@ -565,7 +565,7 @@ def layer_major(args, cfg, params, link, result):
     for routed in (True, False):
         arm = "routed" if routed else "stream-all"
         sc = _stream_config(args, routed)
-        with Engine(cfg, params, sc, max_context=n, chunk_size=args.chunk,
+        with _engine(cfg, params, sc, max_context=n, chunk_size=args.chunk,
                     sub_chunk=args.chunk) as eng:
             out = {}
             for order in ("chunk-major", "layer-major"):
@@ -604,9 +604,9 @@ def floor_part(args, cfg, params, link, result):
     # ORDER's "stream-all" slots run the default floor, its "routed" slots the forced stream.
     arms = {"stream-all": "default-floor", "routed": "forced-stream"}
     engines = {
-        "default-floor": Engine(cfg, params, _stream_config(args, True),
+        "default-floor": _engine(cfg, params, _stream_config(args, True),
                                 max_context=ctx, chunk_size=ctx),
-        "forced-stream": Engine(cfg, params, _stream_config(args, True, stream_floor=1),
+        "forced-stream": _engine(cfg, params, _stream_config(args, True, stream_floor=1),
                                 max_context=ctx, chunk_size=ctx)}
     identical = True
     try:
@@ -663,7 +663,7 @@ def publication(args, cfg, params, link, result):
         for mode in ("callback", "event")]
     times = {}
     # Interleaved, so a drift of the machine's clocks lands on every arm alike.
-    engines = {arm: Engine(cfg, params, sc, max_context=n, chunk_size=n) for arm, sc in arms}
+    engines = {arm: _engine(cfg, params, sc, max_context=n, chunk_size=n) for arm, sc in arms}
     try:
         for eng in engines.values():
             eng.prefill(prompts[-1])
@@ -692,6 +692,16 @@ def publication(args, cfg, params, link, result):
     print(json.dumps(row), flush=True)
 
 
+_QUANTIZED_MATMUL = "auto"  # --quantized-matmul
+
+
+def _engine(*args, **kwargs):
+    """An Engine whose kernels read quantized experts as --quantized-matmul says."""
+    from strata_jax.engine import Engine
+    from strata_jax.kernels import Kernels
+    return Engine(*args, kernels=Kernels(quantized_matmul=_QUANTIZED_MATMUL), **kwargs)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
@@ -712,8 +722,12 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
                     help="the experts in this format (stored, streamed and read quantized)")
+    ap.add_argument("--quantized-matmul", choices=["auto", "fused", "dequantize"], default="auto",
+                    help="how quantized experts are read (Kernels.quantized_matmul)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    global _QUANTIZED_MATMUL
+    _QUANTIZED_MATMUL = args.quantized_matmul
     if args.blocks < 1:
         ap.error(f"--blocks {args.blocks}: must be at least 1")
 
@@ -751,8 +765,8 @@ def main(argv=None) -> int:
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "expert_format": cfg.expert_format, "expert_block": cfg.expert_block,
-              # the kernel "auto" reads the experts with here (None: a plain format)
-              "quantized_matmul": resolve_format(None, ExpertFormat.of(cfg)),
+              # the kernel the experts are read with here (None: a plain format)
+              "quantized_matmul": resolve_format(args.quantized_matmul, ExpertFormat.of(cfg)),
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
     def save():  # after each part: keep what finished if a later part runs out of time
         if args.json:
