@@ -443,20 +443,31 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
+INT_TO_FLOAT = ("bits", "convert")
+
+
 def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                                tiles: MosaicTiles | None = None, interpret: bool | None = None,
-                               num_sms: int | None = None) -> jax.Array:
+                               num_sms: int | None = None,
+                               int_to_float: str = "bits") -> jax.Array:
     """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
     symmetric): each k step TMA-loads one group's [64, N-tile] byte tile and its scale row,
     unpacks the two nibble halves in registers, (nibble - 8) times the scale in float32, cast
     to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
-    What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`)."""
+    What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`).
+
+    int_to_float: how (nibble - 8) becomes a float32, both exact, so the same bits: "bits"
+    (2^23 + nibble by its bit pattern, less 2^23 + 8) or "convert" (an int-to-float
+    conversion)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .quant_matmul import check_operands
 
     tiles = tiles or MOSAIC_INT4_TILES
+    if int_to_float not in INT_TO_FLOAT:
+        raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float {int_to_float!r}: expected "
+                         f"one of {'|'.join(INT_TO_FLOAT)}")
     m, k, n = check_operands("mosaic_int4_grouped_matmul", x, w, group_sizes)
     if not mosaic_int4_supports(w, tiles):
         raise ValueError(f"mosaic_int4_grouped_matmul: {w.kind} matrix {w.shape} with block "
@@ -482,7 +493,14 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         return q, lax.broadcast_in_dim(s, q.shape, (1,))
 
     def nibbles(q, s, high: bool):
-        return ((((q >> 4) if high else (q & 15)) - 8).astype(jnp.float32) * s).astype(dtype)
+        n = (q >> 4) if high else (q & 15)
+        if int_to_float == "bits":
+            # 2^23 + n as a float32 by its bits, less 2^23 + 8: exactly n - 8 by a logical op
+            # and a float add, not an int-to-float conversion (a fraction of their rate)
+            v = lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
+        else:
+            v = (n - 8).astype(jnp.float32)
+        return (v * s).astype(dtype)
 
     def half_of_group(kk, q, s, w_ref):  # a step of 64 inputs: the group's half kk % 2
         @pl.when(lax.rem(kk, 2) == 0)

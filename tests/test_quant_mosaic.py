@@ -64,6 +64,32 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
     assert np.isfinite(got).all()
     assert_close(got[:200], fused_reference(x, w, SIZES)[:200], jnp.bfloat16)
     assert (got[200:] == 0).all()
+    # (nibble - 8) as float32 by its bits (the default) or by a conversion: the same bits
+    conv = mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32),
+                                      tiles=MosaicTiles(64, 128, 128, 2, 1), interpret=True,
+                                      int_to_float="convert")
+    np.testing.assert_array_equal(np.asarray(conv, np.float64), got)
+    with pytest.raises(ValueError, match="int_to_float 'cast'"):
+        mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="cast")
+
+
+def test_int4_nibbles_by_their_bits_are_exactly_the_converted_values():
+    # The int4 kernel's (nibble - 8) from 2^23 + nibble's bit pattern, over every byte, times
+    # float16 scales from subnormal to the largest, NaN and inf, cast to bf16 and fp16.
+    from jax import lax
+    q = jnp.arange(256, dtype=jnp.int32)[:, None]
+    rng = np.random.default_rng(0)
+    s = np.concatenate([rng.standard_normal(500), [6e-8, -6e-8, 65504, -65504, 0.0, -0.0,
+                                                   np.nan, np.inf, -np.inf]])
+    s = jnp.asarray(s.astype(np.float16)).astype(jnp.float32)[None]
+    for n in (q & 15, q >> 4):
+        by_bits = lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
+        np.testing.assert_array_equal(np.asarray(by_bits), np.asarray(n - 8, np.float32))
+        for dtype in (jnp.bfloat16, jnp.float16):
+            a = ((n - 8).astype(jnp.float32) * s).astype(dtype)
+            b = (by_bits * s).astype(dtype)
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                          np.asarray(b).view(np.uint16))
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
@@ -107,6 +133,16 @@ def test_kernels_lower_for_cuda():
                                                               interpret=False, num_sms=132))
             jax.export.export(f, platforms=["cuda"], disabled_checks=[
                 jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu")])(_x(1024, k), w, sizes)
+    # The int4 kernel's nibbles reach float32 by their bits: no int-to-float op in its module
+    # (the kernel's own module, embedded in the program), unlike with int_to_float="convert".
+    w = _matrix("int4", e=8, k=768, n=2048)
+    for conv, has in (("bits", False), ("convert", True)):
+        f = jax.jit(lambda x, w, s, conv=conv: mosaic_int4_grouped_matmul(
+            x, w, s, interpret=False, num_sms=132, int_to_float=conv))
+        text = jax.export.export(f, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu")])(
+                _x(1024, 768), w, sizes).mlir_module()
+        assert ("sitofp" in text) == has, conv
 
 
 def test_what_the_kernel_reads_and_refuses():
@@ -262,13 +298,16 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
     # int4: the Mosaic kernel at block_k 128 and, with two compute warpgroups, 64; a tiling
     # with another k step is reported unsupported
+    # (each int_to_float a row, the same output)
     rows = bench_one(64, cfg, "int4", [], warmup=0, repeats=1,
                      mosaic=[parse_mosaic("64,128,128,2,1"), parse_mosaic("128,128,64,2,1,1,2"),
-                             parse_mosaic("64,128,32,2,1")])
-    assert [r["path"] for r in rows] == ["bf16", "dequantize", "mosaic", "mosaic", "mosaic"]
-    for r in rows[2:4]:
+                             parse_mosaic("64,128,32,2,1")], int_to_float=("bits", "convert"))
+    assert [r["path"] for r in rows] == ["bf16", "dequantize"] + ["mosaic"] * 5
+    assert [r.get("int_to_float") for r in rows[2:]] == ["bits", "convert"] * 2 + [None]
+    for r in rows[2:6]:
         assert "error" not in r, r
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
-    assert "unsupported" in rows[4]["error"]
+    assert rows[2]["max_diff_over_max"] == rows[3]["max_diff_over_max"]
+    assert "unsupported" in rows[6]["error"]
     with pytest.raises(ValueError, match="bm,bn,bk,stages,grid_block_n"):
         parse_mosaic("128,128,64")

@@ -64,7 +64,8 @@ def parse_mosaic(spec: str) -> MosaicTiles:
 
 
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
-              repeats: int, mosaic: list[MosaicTiles] = ()) -> list[dict]:
+              repeats: int, mosaic: list[MosaicTiles] = (),
+              int_to_float: tuple[str, ...] = ("bits",)) -> list[dict]:
     m = tokens * config.top_k
     h, i, e = config.hidden_size, config.expert_intermediate, config.n_experts
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
@@ -123,8 +124,11 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                 rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
                                  error="unsupported (int4 reads block_k 128 or 64)"))
                 continue
-            rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles:
-                              mosaic_int4_grouped_matmul(a, b, c, tiles=tiles)))
+            for conv in int_to_float:
+                rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles, conv=conv:
+                                  mosaic_int4_grouped_matmul(a, b, c, tiles=tiles,
+                                                             int_to_float=conv),
+                                  int_to_float=conv))
             continue
         if not all(mosaic_supports(a, tiles) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
@@ -148,6 +152,9 @@ def main(argv=None) -> int:
                         '[,compute_wgs]]" (repeatable; int4 takes those with bk 128 or 64; '
                         "compute_wgs 2: two compute warpgroups on halves of bm rows sharing "
                         "each converted weight tile)")
+    p.add_argument("--int-to-float", default="bits",
+                   help="the int4 Mosaic kernel's nibble-to-float32 step(s), comma list of "
+                        "bits|convert (each timed per tiling; same bits)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
@@ -157,6 +164,9 @@ def main(argv=None) -> int:
     try:
         tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
         mosaic = [parse_mosaic(s) for s in a.mosaic]
+        int_to_float = tuple(a.int_to_float.split(","))
+        if not int_to_float or set(int_to_float) - {"bits", "convert"}:
+            raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of bits|convert")
     except ValueError as e:  # a malformed tiling: the usage error names it
         p.error(str(e))
     rows = []
@@ -164,7 +174,7 @@ def main(argv=None) -> int:
     for kind in a.formats.split(","):
         for tokens in (int(t) for t in a.tokens.split(",")):
             for r in bench_one(tokens, config, kind, tilings, warmup=a.warmup,
-                               repeats=a.repeats, mosaic=mosaic):
+                               repeats=a.repeats, mosaic=mosaic, int_to_float=int_to_float):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     if a.json:
