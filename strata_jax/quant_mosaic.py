@@ -446,6 +446,16 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
 INT_TO_FLOAT = ("bits", "convert")
 
 
+def int4_values_f32(n: jax.Array, int_to_float: str = "bits") -> jax.Array:
+    """Nibbles `n` (int32, 0..15) as float32 (n - 8), exactly, by either way of
+    `INT_TO_FLOAT`: "bits" makes 2^23 + n from its bit pattern and subtracts 2^23 + 8 (a
+    logical op and a float add, not an int-to-float conversion, which runs at a fraction of
+    their rate); "convert" converts n - 8."""
+    if int_to_float == "bits":
+        return lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
+    return (n - 8).astype(jnp.float32)
+
+
 def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                                tiles: MosaicTiles | None = None, interpret: bool | None = None,
                                num_sms: int | None = None,
@@ -494,13 +504,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     def nibbles(q, s, high: bool):
         n = (q >> 4) if high else (q & 15)
-        if int_to_float == "bits":
-            # 2^23 + n as a float32 by its bits, less 2^23 + 8: exactly n - 8 by a logical op
-            # and a float add, not an int-to-float conversion (a fraction of their rate)
-            v = lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
-        else:
-            v = (n - 8).astype(jnp.float32)
-        return (v * s).astype(dtype)
+        return (int4_values_f32(n, int_to_float) * s).astype(dtype)
 
     def half_of_group(kk, q, s, w_ref):  # a step of 64 inputs: the group's half kk % 2
         @pl.when(lax.rem(kk, 2) == 0)

@@ -16,7 +16,8 @@ from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_siz
 from strata_jax.quant_matmul import fused_reference, resolve_quantized
 from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES,
                                      WIDE_FROM_ROWS_PER_GROUP, MosaicTiles, fp8_tiles_for,
-                                     mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
+                                     int4_values_f32, mosaic_grouped_matmul,
+                                     mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports)
 from strata_jax.testing import assert_close
 from test_quant_matmul import _matrix, _x
@@ -76,17 +77,18 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
 def test_int4_nibbles_by_their_bits_are_exactly_the_converted_values():
     # The int4 kernel's (nibble - 8) from 2^23 + nibble's bit pattern, over every byte, times
     # float16 scales from subnormal to the largest, NaN and inf, cast to bf16 and fp16.
-    from jax import lax
     q = jnp.arange(256, dtype=jnp.int32)[:, None]
     rng = np.random.default_rng(0)
     s = np.concatenate([rng.standard_normal(500), [6e-8, -6e-8, 65504, -65504, 0.0, -0.0,
                                                    np.nan, np.inf, -np.inf]])
     s = jnp.asarray(s.astype(np.float16)).astype(jnp.float32)[None]
     for n in (q & 15, q >> 4):
-        by_bits = lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
+        by_bits = int4_values_f32(n, "bits")
+        converted = int4_values_f32(n, "convert")
         np.testing.assert_array_equal(np.asarray(by_bits), np.asarray(n - 8, np.float32))
+        np.testing.assert_array_equal(np.asarray(converted), np.asarray(n - 8, np.float32))
         for dtype in (jnp.bfloat16, jnp.float16):
-            a = ((n - 8).astype(jnp.float32) * s).astype(dtype)
+            a = (converted * s).astype(dtype)
             b = (by_bits * s).astype(dtype)
             np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
                                           np.asarray(b).view(np.uint16))

@@ -36,7 +36,7 @@ from strata_jax.formats import MATRICES, ExpertFormat
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
                                      fused_supports, tiles_for)
-from strata_jax.quant_mosaic import (MosaicTiles, mosaic_grouped_matmul,
+from strata_jax.quant_mosaic import (INT_TO_FLOAT, MosaicTiles, mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul, mosaic_int4_supports,
                                      mosaic_supports)
 
@@ -165,8 +165,9 @@ def main(argv=None) -> int:
         tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
         mosaic = [parse_mosaic(s) for s in a.mosaic]
         int_to_float = tuple(a.int_to_float.split(","))
-        if not int_to_float or set(int_to_float) - {"bits", "convert"}:
-            raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of bits|convert")
+        if set(int_to_float) - set(INT_TO_FLOAT):
+            raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of "
+                             f"{'|'.join(INT_TO_FLOAT)}")
     except ValueError as e:  # a malformed tiling: the usage error names it
         p.error(str(e))
     rows = []

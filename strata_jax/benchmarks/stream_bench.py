@@ -218,8 +218,6 @@ def _resident_reference(cfg, params, ctx: int, lengths, prompts,
                         slots: int = len(ORDER)) -> tuple[dict, dict]:
     """The all-resident arm reads every prompt: its median time per length, and the hashes
     every streamed repetition of the same prompt must equal, keyed (length, repetition)."""
-    from strata_jax.engine import Engine
-
     resident_ms, hashes = {}, {}
     with _engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
         for n in lengths:
@@ -377,12 +375,10 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
 
 
 def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
-    from strata_jax.engine import Engine
-
     engines = {}
     for arm, routed in (("stream-all", False), ("routed", True)):
         engines[arm] = _engine(cfg, params, _stream_config(args, routed),
-                              max_context=ctx, chunk_size=ctx)
+                               max_context=ctx, chunk_size=ctx)
         for n in lengths:
             engines[arm].prefill(prompts[n][-1])  # compile
     identical = True
@@ -515,8 +511,6 @@ def _against(ms: float, nbytes: float, ceiling: float, resident: float) -> dict:
 
 
 def two_turn(args, cfg, params, link, result):
-    from strata_jax.engine import Engine
-
     rng = np.random.default_rng(99)
     t1, t2 = args.turn1, args.turn2
     ctx = t1 + t2
@@ -557,8 +551,6 @@ def two_turn(args, cfg, params, link, result):
 
 
 def layer_major(args, cfg, params, link, result):
-    from strata_jax.engine import Engine
-
     rng = np.random.default_rng(7)
     n = args.long
     prompts = [rng.integers(0, cfg.vocab_size, n) for _ in range(3)]
@@ -566,7 +558,7 @@ def layer_major(args, cfg, params, link, result):
         arm = "routed" if routed else "stream-all"
         sc = _stream_config(args, routed)
         with _engine(cfg, params, sc, max_context=n, chunk_size=args.chunk,
-                    sub_chunk=args.chunk) as eng:
+                     sub_chunk=args.chunk) as eng:
             out = {}
             for order in ("chunk-major", "layer-major"):
                 eng.prefill(prompts[0], order=order)  # compile
@@ -594,8 +586,6 @@ def layer_major(args, cfg, params, link, result):
 
 
 def floor_part(args, cfg, params, link, result):
-    from strata_jax.engine import Engine
-
     lengths = [int(x) for x in args.lengths.split(",")]
     ctx = max(lengths)
     slots = len(schedule(args.blocks))
@@ -605,9 +595,9 @@ def floor_part(args, cfg, params, link, result):
     arms = {"stream-all": "default-floor", "routed": "forced-stream"}
     engines = {
         "default-floor": _engine(cfg, params, _stream_config(args, True),
-                                max_context=ctx, chunk_size=ctx),
+                                 max_context=ctx, chunk_size=ctx),
         "forced-stream": _engine(cfg, params, _stream_config(args, True, stream_floor=1),
-                                max_context=ctx, chunk_size=ctx)}
+                                 max_context=ctx, chunk_size=ctx)}
     identical = True
     try:
         for n in lengths:
@@ -651,7 +641,6 @@ def publication(args, cfg, params, link, result):
     between the two modes. (An XLA split of the same bytes timed on its own, by wall clock
     around its dispatch, was subtracted here once; fetch's split kernel is faster than that
     figure, so it is no longer reported.)"""
-    from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig, StreamTuning
 
     n = int(args.lengths.split(",")[0])
