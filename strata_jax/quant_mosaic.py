@@ -425,11 +425,15 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                        num_threads=3, thread_name="wg")
 
 
-# int4: one k step a scale group of 128 inputs, whose 64-row byte tile holds the group's first
-# half in its low nibbles and its second half in its high nibbles (the int4 plane's layout);
-# columns, stages and sweep as fp8's.
+# int4: a scale group of 128 inputs is a 64-row byte tile holding the group's first half in its
+# low nibbles and its second half in its high nibbles (the int4 plane's layout). The default
+# steps by half a group (64 inputs, one nibble half; the byte tile is loaded for each) so that a
+# program's shared memory (about 104 KB at 3 stages) lets two programs share an SM: one
+# converts its weights while the other's products run, which is what the one-warpgroup kernel
+# cannot overlap by itself (the sweep's fastest at 4K and 8K tokens of Qwen3-30B-A3B, where a
+# whole-group step, one program an SM, was slower; BENCHMARKS.md, "Fused kernels").
 INT4_GROUP = 128
-MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP, 3, 8, 1)
+MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP // 2, 3, 8, 2)
 
 
 def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
