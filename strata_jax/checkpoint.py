@@ -202,12 +202,13 @@ QUANT_FIELDS: dict[str, dict[str, str]] = {
     "bits": {_GPTQ: "refused unless 4"},
     "group_size": {_GPTQ: "honoured: the scales' group along the input dim (experts: "
                           "expert_block); -1 (one group per column) refused"},
-    "sym": {_GPTQ: "refused unless true (zero-points are not implemented): every `qzeros` must "
-                   "hold the implicit zero 8"},
+    "sym": {_GPTQ: "honoured: true (every `qzeros` entry must hold the implicit zero 8) or "
+                   "false (zero-points: the routed experts keep them as a plane of their own, "
+                   "`expert_zero_points`; other quantized linears are dequantized with them)"},
     "desc_act": {_GPTQ: "refused unless false (act-order); a `g_idx` other than k // group is "
                         "refused too"},
-    "checkpoint_format": {_GPTQ: "honoured: gptq (v1, qzeros stored minus one: 7) and gptq_v2 "
-                                 "(stored as is: 8); marlin and others refused"},
+    "checkpoint_format": {_GPTQ: "honoured: gptq (v1, qzeros stored minus one: the zero 8 as "
+                                 "7) and gptq_v2 (stored as is: 8); marlin and others refused"},
     "pack_dtype": {_GPTQ: "refused unless int32"},
     "lm_head": {_GPTQ: "refused unless false (a quantized lm_head is not implemented)"},
     "dynamic": {_GPTQ: "refused unless empty (per-module bits or groups)"},
@@ -240,8 +241,10 @@ class _Quant:
         method: "fp8" or "gptq".
         block: fp8's square scale block side, or GPTQ's group.
         not_converted: fp8: the modules modules_to_not_convert / ignored_layers name.
-        zero_stored: gptq: the value every 4-bit `qzeros` entry must hold (7 in v1, 8 in v2).
+        zero_stored: gptq: how `qzeros` stores the zero 8 (7 in v1, which stores zero-points
+            minus one; 8 in v2): symmetric checkpoints hold it in every entry.
         in_block: gptq: modules_in_block_to_quantize flattened (names within a layer), or None.
+        sym: gptq: symmetric (the implicit zero 8) or with zero-points (`qzeros` read).
     """
 
     method: str
@@ -249,6 +252,12 @@ class _Quant:
     not_converted: frozenset[str] = frozenset()
     zero_stored: int = 0
     in_block: frozenset[str] | None = None
+    sym: bool = True
+
+    @property
+    def zero_offset(self) -> int:
+        """gptq: what a stored `qzeros` entry is short of its zero-point (1 in v1, 0 in v2)."""
+        return INT4_ZERO - self.zero_stored
 
     @property
     def expert_format(self) -> str:
@@ -327,7 +336,7 @@ def _quantization(hf: Mapping) -> _Quant | None:
     if group == -1:
         raise _quant_refuse("group_size", group, "one group per input column is not implemented")
     group = size("group_size", group)
-    only("sym", (True,), "asymmetric GPTQ (zero-points) is not implemented", True)
+    sym = only("sym", (True, False), "expected true or false", True)
     only("desc_act", (False,), "act-order (a permuted g_idx) is not implemented", False)
     fmt = only("checkpoint_format", ("gptq", "gptq_v2"), "implemented: gptq (v1) and gptq_v2",
                "gptq")
@@ -344,7 +353,7 @@ def _quantization(hf: Mapping) -> _Quant | None:
                                 "expected lists of module names")
         in_block = frozenset(flat)
     zero = INT4_ZERO - 1 if fmt == "gptq" else INT4_ZERO
-    return _Quant(_GPTQ, group, zero_stored=zero, in_block=in_block)
+    return _Quant(_GPTQ, group, zero_stored=zero, in_block=in_block, sym=sym)
 
 
 def _expert_format(quant: _Quant | None, arch: _Arch, n_layers: int, n_experts: int) -> str:
@@ -619,6 +628,7 @@ def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfi
             param_dtype=dtype,
             expert_format=expert_format,
             expert_block=quant.block if expert_format != "plain" else 0,
+            expert_zero_points=expert_format == "int4" and not quant.sym,
         )
     except ValueError as e:
         raise CheckpointError(f"config.json describes a model this engine cannot build: {e}"
@@ -709,14 +719,16 @@ def _st_read(f, start: int, info: Mapping) -> np.ndarray:
 
 # Each plane of an expert format: (matrix, the Hugging Face tensor's suffix, transposed on load).
 # fp8: `weight` [out, in] and `weight_scale_inv` [out / b, in / b], both transposed; GPTQ:
-# `qweight` [in / 8, out] (its words' values rearranged into the format's group halves) and
-# `scales` [in / group, out], already [in, out].
+# `qweight` [in / 8, out] (its words' values rearranged into the format's group halves),
+# `scales` [in / group, out], already [in, out], and with zero-points `qzeros` [in / group,
+# out / 8] (its words unpacked along out, plus the v1 offset).
 _PLANE_SOURCES = {
     "plain": {m: (m, "weight", True) for m in ExpertWeights._fields},
     "fp8": {**{m: (m, "weight", True) for m in ExpertWeights._fields},
             **{f"{m}_scale": (m, "weight_scale_inv", True) for m in ExpertWeights._fields}},
     "int4": {**{m: (m, "qweight", False) for m in ExpertWeights._fields},
-             **{f"{m}_scale": (m, "scales", False) for m in ExpertWeights._fields}},
+             **{f"{m}_scale": (m, "scales", False) for m in ExpertWeights._fields},
+             **{f"{m}_zero": (m, "qzeros", False) for m in ExpertWeights._fields}},
 }
 
 
@@ -729,8 +741,9 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
     in float8_e4m3fn and "...gate_scale" etc. float32 [E, ceil(in/b), ceil(out/b)] (the
     checkpoint's `weight` and `weight_scale_inv`, transposed); int4, GPTQ's `qweight` int32
     [in/8, out] words rearranged into the format's group halves, uint8 [E, in/2, out]
-    (`formats.gptq_halves_np`, the same bytes), and `scales` float16 [E, in/group, out] as
-    they are. Read when asked for and
+    (`formats.gptq_halves_np`, the same bytes), `scales` float16 [E, in/group, out] as
+    they are, and with zero-points `qzeros` unpacked, uint8 [E, in/group, out] (plus one in
+    GPTQ v1, which stores them minus one). Read when asked for and
     not kept. `fill(name, out)` reads each expert's tensor straight into `out`, one expert at a
     time: how an engine's host store takes them (`as_mapping`, `strata_jax.weights`), so no
     copy of every expert exists outside the store. Each read opens the files it needs and
@@ -741,10 +754,12 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
     quantized checkpoint) dtype.
     """
 
-    def __init__(self, config: ModelConfig, arch: _Arch, files: Mapping[str, str]):
+    def __init__(self, config: ModelConfig, arch: _Arch, files: Mapping[str, str],
+                 zero_offset: int = 0):
         from strata_jax.model import expert_plane_names  # deferred: keeps this module light
 
         self.config = config
+        self._zero_offset = int(zero_offset)  # GPTQ v1's qzeros are stored minus one
         self.format = ExpertFormat.of(config)
         self._arch = arch
         self._files = dict(files)  # Hugging Face name -> the file that holds it
@@ -811,6 +826,8 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
                     value = _st_read(f, start, header[hf])
                     if kind == "int4" and suffix == "qweight":
                         out[e] = gptq_halves_np(value, self.format.block)
+                    elif kind == "int4" and suffix == "qzeros":
+                        out[e] = _unpack_int4(value, axis=1) + self._zero_offset
                     else:
                         out[e] = value.T if transpose else value
 
@@ -1057,19 +1074,20 @@ def _gptq_quantized(tensors: "_Tensors", quant: _Quant, module: str) -> bool:
 
 def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
                 biased: bool) -> None:
-    """Reads and checks a GPTQ linear's side tensors: every `qzeros` entry the implicit zero
-    (symmetric), `g_idx` (where present) k // group, and a `bias` the model has no place for
-    all zero (`biased`: the model reads the linear's bias itself)."""
+    """Reads and checks a GPTQ linear's side tensors: `qzeros` (its shape; symmetric: every
+    entry the implicit zero), `g_idx` (where present) k // group, and a `bias` the model has no
+    place for all zero (`biased`: the model reads the linear's bias itself)."""
     shapes = _gptq_shapes(quant, module, k, n)
     zeros = _unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"), axis=1)
-    bad = np.argwhere(zeros != quant.zero_stored)
+    bad = np.argwhere(zeros != quant.zero_stored) if quant.sym else np.zeros((0, 2), int)
     if bad.size:
         at = tuple(int(i) for i in bad[0])
         v1 = ", minus one in checkpoint_format gptq" if quant.zero_stored != INT4_ZERO else ""
         raise CheckpointError(
             f"tensor '{module}.qzeros' holds the zero-point {int(zeros[at])} at {list(at)}; "
             f"symmetric GPTQ (sym=true) stores {quant.zero_stored} everywhere (the zero "
-            f"{INT4_ZERO}{v1}): zero-points are not implemented")
+            f"{INT4_ZERO}{v1}); a checkpoint with zero-points says sym=false in config.json "
+            "quantization_config")
     if tensors.has(f"{module}.g_idx"):
         g_idx = tensors.get(f"{module}.g_idx", shapes["g_idx"], "I32")
         if not np.array_equal(g_idx, np.arange(k) // quant.block):
@@ -1103,7 +1121,11 @@ def _linear(tensors: "_Tensors", quant: _Quant, module: str, shape: tuple[int, i
     _gptq_check(tensors, quant, module, k, n, biased)
     q = _unpack_int4(tensors.get(f"{module}.qweight", shapes["qweight"], "I32"), axis=0)
     s = tensors.get(f"{module}.scales", shapes["scales"], "F16").astype(np.float32)
-    return ((q - INT4_ZERO).astype(np.float32) * np.repeat(s, quant.block, axis=0)).astype(dtype)
+    zero = INT4_ZERO
+    if not quant.sym:
+        zero = np.repeat(_unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"),
+                                      axis=1) + quant.zero_offset, quant.block, axis=0)
+    return ((q - zero).astype(np.float32) * np.repeat(s, quant.block, axis=0)).astype(dtype)
 
 
 def _expert_files(tensors: "_Tensors", quant: _Quant | None, c: ModelConfig, arch: _Arch,
@@ -1137,7 +1159,9 @@ def _expert_files(tensors: "_Tensors", quant: _Quant | None, c: ModelConfig, arc
                     raise CheckpointError(
                         f"routed expert {module!r} has no qweight (a {module}.weight instead?): "
                         "a GPTQ checkpoint's routed experts are all quantized or none")
-                for suffix, dt in (("qweight", "I32"), ("scales", "F16")):
+                side = (("qweight", "I32"), ("scales", "F16")) + (
+                    () if quant.sym else (("qzeros", "I32"),))
+                for suffix, dt in side:
                     files[f"{module}.{suffix}"] = tensors.path(f"{module}.{suffix}",
                                                                shapes[suffix], dt)
                 _gptq_check(tensors, quant, module, k, n, False)
@@ -1204,7 +1228,8 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
         if layer in c.moe_layers:
             files.update(_expert_files(tensors, quant, c, arch, layer))
     tensors.check_all_taken()
-    return LoadedCheckpoint(config, params, CheckpointExperts(config, arch, files))
+    return LoadedCheckpoint(config, params, CheckpointExperts(
+        config, arch, files, quant.zero_offset if quant is not None else 0))
 
 
 def load_model(directory: str, *, resident_experts: bool = True, param_dtype: str | None = None,

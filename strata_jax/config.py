@@ -84,6 +84,9 @@ class ModelConfig:
             math reads them (`Kernels.quantized_matmul`).
         expert_block: fp8's scale block side or int4's group along the input dim; 0 means the
             checkpoints' 128.
+        expert_zero_points: int4 only: each group and column has its own 4-bit zero-point z
+            (asymmetric GPTQ, `sym: false`), w = (q - z) * scale, held as a plane of its own;
+            False: the implicit zero 8 of symmetric GPTQ.
     """
 
     name: str
@@ -118,6 +121,7 @@ class ModelConfig:
     param_dtype: str = "bfloat16"
     expert_format: str = "plain"
     expert_block: int = 0
+    expert_zero_points: bool = False
 
     def __post_init__(self):
         positive = (
@@ -160,6 +164,12 @@ class ModelConfig:
                 or self.expert_block < 0):
             raise ValueError(f"expert_block must be an int >= 0 (0: the format's 128), got "
                              f"{self.expert_block!r}")
+        if not isinstance(self.expert_zero_points, (bool, np.bool_)):
+            raise ValueError(f"expert_zero_points must be a bool, got {self.expert_zero_points!r}")
+        if self.expert_zero_points and self.expert_format != "int4":
+            raise ValueError(f"expert_zero_points=True with expert_format="
+                             f"{self.expert_format!r}: zero-points are an int4 format's "
+                             "(asymmetric GPTQ); set expert_format='int4' or leave them off")
         if self.expert_format != "plain":
             from strata_jax.formats import ExpertFormat
 

@@ -16,7 +16,7 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         w[k, n] = float(m[k, n]) * m_scale[k // 128, n // 128]. The checkpoint stores
         `weight` [N, K] ([out, in]) and `weight_scale_inv` [ceil(N/128), ceil(K/128)]; both
         are transposed into this orientation on load (a transposed block grid is a block grid).
-    int4   GPTQ's values and scales, symmetric, group G = 128 along the input dim, the 4-bit
+    int4   GPTQ's values and scales, group G = 128 along the input dim, the 4-bit
         values in group halves: per matrix m of shape [K, N]: m uint8 [K/2, N], byte row r of
         group g (rows g*G/2 .. g*G/2 + G/2 - 1) holding input row g*G + r in its low nibble
         and g*G + G/2 + r in its high one, then m_scale float16 [K/G, N] (GPTQ `scales`):
@@ -24,19 +24,21 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         [K/8, N], row 8r + j in bits 4j..4j+3 of word [r, n]) rearranged within each group
         (`gptq_halves_np`, on load): a group's byte tile is what the fused Mosaic kernel
         reads a k step (a 16-row tile of words has no layout it can unpack).
-        GPTQ's [in, out] is already the model's orientation. Zero-points (GPTQ `qzeros`, int32
-        [K/128, N/8], eight 4-bit zeros per word along N, stored minus one in GPTQ's v1
-        checkpoints) would be a third plane per matrix, m_zero, with w = (q - z) * scale in
-        place of the fixed 8; `g_idx` other than k // 128 (act-order) would need a fourth and
-        is refused.
+        GPTQ's [in, out] is already the model's orientation. Symmetric (GPTQ `sym: true`) has
+        the implicit zero 8. With zero-points (asymmetric GPTQ, `ModelConfig.expert_zero_points`)
+        each matrix has a third plane, m_zero uint8 [K/G, N], one zero-point per group and
+        column (GPTQ `qzeros`, int32 [K/G, N/8], eight 4-bit zeros per word along N, unpacked
+        on load; GPTQ's v1 checkpoints store them minus one, so 0..16 once read):
+        w[k, n] = (q[k, n] - m_zero[k // G, n]) * m_scale[k // G, n]. `g_idx` other than
+        k // G (act-order) is refused.
 
-Plane order in a blob: each matrix's weight plane followed by its scale plane, matrices in the
-order gate, up, down. Each plane starts at a multiple of its dtype's size (padding zero bytes
+Plane order in a blob: each matrix's weight plane followed by its scale plane (and int4's
+zero-point plane), matrices in the order gate, up, down. Each plane starts at a multiple of its dtype's size (padding zero bytes
 where needed; the plain format never needs any).
 
-Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax; it
-makes the layout of those checkpoints, not their values (GPTQ's calibrated rounding is not
-redone). Dequantizing: `dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device
+Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax (int4
+with zero-points: from the group's min and max, GPTQ's asymmetric grid); it makes the layout of
+those checkpoints, not their values (GPTQ's calibrated rounding is not redone). Dequantizing: `dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device
 runs) compute each value as one float32 product and one cast to the output dtype, so the two
 agree bit for bit.
 """
@@ -73,7 +75,8 @@ class Plane:
     """One plane of an expert blob.
 
     Attributes:
-        name: "gate", "up", "down" (weights) or "<matrix>_scale" (scales).
+        name: "gate", "up", "down" (weights), "<matrix>_scale" (scales) or "<matrix>_zero"
+            (int4's zero-points).
         dtype: Storage dtype.
         shape: Per-expert shape (a layer's plane is [E, *shape]).
     """
@@ -97,6 +100,17 @@ class Plane:
         return self.size * self.dtype.itemsize
 
 
+PLANE_SUFFIXES = ("_scale", "_zero")  # a matrix's side planes, after its values
+
+
+def plane_matrix(name: str) -> str:
+    """The matrix ("gate", "up", "down") plane `name` belongs to."""
+    for suffix in PLANE_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
 def _matrix_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
     """Each matrix's [in, out] shape in the model's orientation."""
     return {"gate": (hidden, intermediate), "up": (hidden, intermediate),
@@ -112,7 +126,8 @@ class ExpertFormat:
     """How one routed expert's bytes are laid out: its planes, in blob order.
 
     Attributes:
-        name: "bfloat16" / "float32" / ... (plain, named after its dtype), "fp8" or "int4".
+        name: "bfloat16" / "float32" / ... (plain, named after its dtype), "fp8", "int4" or
+            "int4-zp" (with zero-points).
         kind: "plain", "fp8" or "int4".
         planes: The planes, in blob order.
         dtype: The dtype the expert math reads (what `dequantize` gives).
@@ -134,22 +149,28 @@ class ExpertFormat:
     @classmethod
     def of(cls, config: "ModelConfig", kind: str | None = None) -> "ExpertFormat":
         """The format `kind` ("plain": in the config's dtype; "fp8"; "int4"; default the
-        config's `expert_format`) of the config's routed experts, with its `expert_block`."""
-        return cls.make(kind or config.expert_format, config.hidden_size,
-                        config.expert_intermediate, config.dtype,
-                        block=config.expert_block or None)
+        config's `expert_format`) of the config's routed experts, with its `expert_block` and
+        (int4) `expert_zero_points`."""
+        kind = kind or config.expert_format
+        return cls.make(kind, config.hidden_size, config.expert_intermediate, config.dtype,
+                        block=config.expert_block or None,
+                        zero_points=kind == "int4" and bool(config.expert_zero_points))
 
     @classmethod
     def make(cls, kind: str, hidden: int, intermediate: int, dtype,
-             block: int | None = None) -> "ExpertFormat":
+             block: int | None = None, zero_points: bool = False) -> "ExpertFormat":
         """The format `kind` for experts of width H = `hidden`, I = `intermediate`, read by the
-        expert math in `dtype`; `block`: fp8's scale block side or int4's group (default 128)."""
+        expert math in `dtype`; `block`: fp8's scale block side or int4's group (default 128);
+        `zero_points`: int4 with a zero-point plane per matrix."""
+        if zero_points and kind != "int4":
+            raise ValueError(f"zero-points are an int4 format's; the {kind!r} format has none")
+        if kind == "int4":
+            return cls.int4(hidden, intermediate, dtype, group=block or INT4_GROUP,
+                            zero_points=zero_points)
         if kind == "plain":
             return cls.plain(hidden, intermediate, dtype)
         if kind == "fp8":
             return cls.fp8(hidden, intermediate, dtype, block=block or FP8_BLOCK)
-        if kind == "int4":
-            return cls.int4(hidden, intermediate, dtype, group=block or INT4_GROUP)
         raise ValueError(f"expert format {kind!r} is not implemented; choose one of {KINDS}")
 
     @classmethod
@@ -173,10 +194,11 @@ class ExpertFormat:
                    int(block))
 
     @classmethod
-    def int4(cls, hidden: int, intermediate: int, dtype,
-             group: int = INT4_GROUP) -> "ExpertFormat":
-        """Symmetric int4 with GPTQ's values and float16 scales per `group` inputs, the
-        values of each group in two nibble halves of a [group/2, N] byte tile."""
+    def int4(cls, hidden: int, intermediate: int, dtype, group: int = INT4_GROUP,
+             zero_points: bool = False) -> "ExpertFormat":
+        """int4 with GPTQ's values and float16 scales per `group` inputs, the values of each
+        group in two nibble halves of a [group/2, N] byte tile; symmetric (the implicit zero
+        8), or with `zero_points` a uint8 zero-point per group and column."""
         if group < 1 or group % INT4_PER_WORD:
             raise ValueError(f"int4 group={group} must be a positive multiple of {INT4_PER_WORD}")
         planes = []
@@ -188,10 +210,17 @@ class ExpertFormat:
                     "(ModelConfig.expert_block)")
             planes += [Plane(m, np.uint8, (k // 2, n)),
                        Plane(f"{m}_scale", np.float16, (k // group, n))]
-        return cls("int4", "int4", tuple(planes), np.dtype(dtype), int(hidden),
-                   int(intermediate), int(group))
+            if zero_points:
+                planes.append(Plane(f"{m}_zero", np.uint8, (k // group, n)))
+        return cls("int4-zp" if zero_points else "int4", "int4", tuple(planes), np.dtype(dtype),
+                   int(hidden), int(intermediate), int(group))
 
     # ---- layout --------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def zero_points(self) -> bool:
+        """Whether each matrix has a zero-point plane (int4 with zero-points)."""
+        return any(p.name.endswith("_zero") for p in self.planes)
 
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
@@ -332,13 +361,17 @@ class ExpertFormat:
 
     def quantize_matrix_np(self, matrix: str, x) -> dict[str, np.ndarray]:
         """The planes of one matrix ("gate", "up", "down") of experts x [E, in, out]: {matrix}
-        (plain: cast) or {matrix, matrix_scale} (fp8, int4: round to nearest)."""
+        (plain: cast) or {matrix, matrix_scale} (fp8, int4: round to nearest), and int4's
+        {matrix}_zero with zero-points."""
         x = np.asarray(x)
         if x.ndim != 3 or x.shape[1:] != self.matrix_shape(matrix):
             raise ValueError(f"expert {matrix} has shape {x.shape}; expected "
                              f"[E, {', '.join(map(str, self.matrix_shape(matrix)))}]")
         if self.kind == "plain":
             return {matrix: x.astype(self.dtype)}
+        if self.zero_points:
+            q, scale, zero = _int4_quantize_zero_np(x, self.block)
+            return {matrix: q, f"{matrix}_scale": scale, f"{matrix}_zero": zero}
         quantize = _fp8_quantize_np if self.kind == "fp8" else _int4_quantize_np
         q, scale = quantize(x, self.block)
         return {matrix: q, f"{matrix}_scale": scale}
@@ -356,7 +389,9 @@ class ExpertFormat:
         if self.kind == "fp8":
             s = np.repeat(np.repeat(s, self.block, axis=-2), self.block, axis=-1)[..., :k, :n]
             return (q.astype(np.float32) * s).astype(dtype)
-        vals = int4_values_np(q, self.block).astype(np.int32) - INT4_ZERO  # [E, K, N]
+        zero = (np.repeat(np.asarray(planes[f"{matrix}_zero"]).astype(np.int32), self.block,
+                          axis=-2) if self.zero_points else INT4_ZERO)
+        vals = int4_values_np(q, self.block).astype(np.int32) - zero  # [E, K, N]
         return (vals.astype(np.float32) * np.repeat(s, self.block, axis=-2)).astype(dtype)
 
     def dequantize(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None) -> jax.Array:
@@ -374,7 +409,8 @@ class ExpertFormat:
         if self.kind == "plain":
             raise ValueError(f"{self.name} is a plain format: its planes are the weights")
         return QuantizedMatrix(planes[matrix], planes[f"{matrix}_scale"], self.kind, self.block,
-                               self.matrix_shape(matrix), np.dtype(dtype or self.dtype))
+                               self.matrix_shape(matrix), np.dtype(dtype or self.dtype),
+                               planes[f"{matrix}_zero"] if self.zero_points else None)
 
     def expert_weights(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
         """The ExpertWeights (JAX) of a layer's planes, dequantized; for a plain format in its
@@ -459,3 +495,30 @@ def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
     q = np.clip(np.round(x.astype(np.float32) / full) + INT4_ZERO, 0, 15).astype(np.uint8)
     return int4_halves_np(q, group), scale
+
+
+def _int4_quantize_zero_np(x: np.ndarray, group: int
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[E, K, N] -> (uint8 [E, K/2, N] values in group halves, float16 scales [E, K/group, N],
+    uint8 zero-points [E, K/group, N]): GPTQ's asymmetric grid over [min(lo, 0), max(hi, 0)]
+    of each group, scale = (hi - lo) / 15 rounded up to a float16 (1 for an all-zero group),
+    z = clip(round(-lo / scale), 0, 15), q = clip(round(x / scale) + z, 0, 15), ties to even."""
+    e, k, n = x.shape
+    g = x.astype(np.float32).reshape(e, k // group, group, n)
+    lo = np.minimum(g.min(axis=2), 0).astype(np.float64)
+    hi = np.maximum(g.max(axis=2), 0).astype(np.float64)
+    want = (hi - lo) / 15
+    if not np.all(np.isfinite(want)) or want.max(initial=0) > np.finfo(np.float16).max:
+        raise ValueError("int4 quantization: a weight is too large (or not finite) for a "
+                         "float16 group scale")
+    scale = want.astype(np.float16)
+    low = scale.astype(np.float64) < want  # rounded down: one float16 step up
+    scale[low] = np.nextafter(scale[low], np.float16(np.inf))
+    empty = want == 0
+    scale[empty] = 1
+    zero = np.clip(np.round(-lo / scale.astype(np.float64)), 0, 15)
+    zero[empty] = INT4_ZERO
+    zero = zero.astype(np.uint8)
+    full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
+    q = np.clip(np.round(x.astype(np.float32) / full) + np.repeat(zero, group, axis=1), 0, 15)
+    return int4_halves_np(q.astype(np.uint8), group), scale, zero

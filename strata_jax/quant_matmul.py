@@ -44,7 +44,7 @@ FUSED_KINDS = ("fp8", "int4")
 _INT4_ZERO = 8
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "zero"],
                    meta_fields=["kind", "block", "shape", "dtype"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedMatrix:
@@ -58,6 +58,8 @@ class QuantizedMatrix:
         block: fp8's scale block side, int4's group (b).
         shape: (K, N), the matrix's [in, out] shape.
         dtype: the dtype the expert math reads (`dequantize` gives it).
+        zero: int4 with zero-points: uint8 [E, K/b, N], each group and column's zero-point
+            (w = (q - zero) * scale); None: symmetric, the implicit 8 (and fp8).
     """
 
     q: jax.Array
@@ -66,18 +68,20 @@ class QuantizedMatrix:
     block: int
     shape: tuple[int, int]
     dtype: np.dtype
+    zero: jax.Array | None = None
 
     def dequantize(self, dtype=None) -> jax.Array:
         """[E, K, N] in `dtype` (default `self.dtype`): each value one float32 product and one
         cast, as `ExpertFormat.dequantize` (which calls this)."""
         return dequantize_matrix(self.kind, self.block, self.shape, self.q, self.scale,
-                                 dtype or self.dtype)
+                                 dtype or self.dtype, self.zero)
 
 
 def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,
-                      scale: jax.Array, dtype) -> jax.Array:
+                      scale: jax.Array, dtype, zero: jax.Array | None = None) -> jax.Array:
     """A quantized matrix's values in `dtype`: fp8 float(q) * scale[k // b, n // b]; int4
-    (nibble - 8) * scale[k // b, n]; one float32 product and one cast each."""
+    (nibble - z) * scale[k // b, n], z the implicit 8 or `zero`[k // b, n]; one float32
+    product and one cast each."""
     k, n = shape
     s = scale.astype(jnp.float32)
     if kind == "fp8":
@@ -91,7 +95,9 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
     # cast) with the group's scale broadcast, no concatenation of the halves.
     b = q.astype(jnp.int32).reshape(*lead, k // block, 1, block // 2, n)
     shift = jnp.asarray([0, 4], jnp.int32).reshape(2, 1, 1)
-    vals = ((b >> shift) & 15) - _INT4_ZERO
+    z = (_INT4_ZERO if zero is None
+         else zero.astype(jnp.int32).reshape(*lead, k // block, 1, 1, n))
+    vals = ((b >> shift) & 15) - z
     s = s.reshape(*lead, k // block, 1, 1, n)
     return (vals.astype(jnp.float32) * s).astype(dtype).reshape(*lead, k, n)
 
@@ -192,8 +198,11 @@ def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> s
     are the weights)."""
     if fmt.kind == "plain":
         return None
+    # A stand-in zero plane says the format has zero-points (the kernels read none).
+    zero = np.zeros((0,), np.uint8) if getattr(fmt, "zero_points", False) else None
     paths = {resolve_quantized(impl, QuantizedMatrix(None, None, fmt.kind, fmt.block,
-                                                     fmt.matrix_shape(m), fmt.dtype), device)
+                                                     fmt.matrix_shape(m), fmt.dtype, zero),
+                               device)
              for m in ("gate", "up", "down")}
     if "dequantize" in paths:
         return "dequantize"
@@ -201,8 +210,9 @@ def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> s
 
 
 def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:
-    """Whether the fused kernel can tile `w` (else `grouped_matmul` dequantizes first)."""
-    if w.kind not in FUSED_KINDS:
+    """Whether the fused kernel can tile `w` (else `grouped_matmul` dequantizes first): not
+    int4 with zero-points."""
+    if w.kind not in FUSED_KINDS or w.zero is not None:
         return False
     k, n = w.shape
     t = tiles or TILES[w.kind]
@@ -321,6 +331,9 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
     from jax.experimental.pallas import triton as plt
 
     m, k, n = check_operands("fused_grouped_matmul", x, w, group_sizes)
+    if w.zero is not None:
+        raise ValueError("fused_grouped_matmul: an int4 matrix with zero-points is not read by "
+                         "the fused kernels; use grouped_matmul, which dequantizes it first")
     tiles = tiles or tiles_for(w)
     if not fused_supports(w, tiles):
         raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "
@@ -382,5 +395,5 @@ def fused_reference(x, w: QuantizedMatrix, group_sizes) -> np.ndarray:
     from .grouped_matmul import grouped_matmul_reference
     from .reference import dequantized64
 
-    deq = dequantized64(w.kind, w.block, w.shape, w.q, w.scale)
+    deq = dequantized64(w.kind, w.block, w.shape, w.q, w.scale, w.zero)
     return grouped_matmul_reference(np.asarray(x, np.float64), deq, group_sizes)

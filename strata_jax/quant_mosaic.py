@@ -438,10 +438,10 @@ MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP // 2, 3, 8, 2)
 
 def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
-    of 128 (a k step one group, or half of one: block_k 128 or 64), whole column tiles, read
-    as bf16 or fp16."""
+    of 128 (a k step one group, or half of one: block_k 128 or 64), symmetric (no zero-point
+    plane), whole column tiles, read as bf16 or fp16."""
     k, n = w.shape
-    return (w.kind == "int4" and w.block == INT4_GROUP
+    return (w.kind == "int4" and w.block == INT4_GROUP and w.zero is None
             and tiles.block_k in (INT4_GROUP, INT4_GROUP // 2)
             and k % INT4_GROUP == 0 and n % tiles.block_n == 0
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
@@ -483,6 +483,9 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float {int_to_float!r}: expected "
                          f"one of {'|'.join(INT_TO_FLOAT)}")
     m, k, n = check_operands("mosaic_int4_grouped_matmul", x, w, group_sizes)
+    if w.zero is not None:
+        raise ValueError("mosaic_int4_grouped_matmul: an int4 matrix with zero-points is not "
+                         "read by the kernel; use grouped_matmul, which dequantizes it first")
     if not mosaic_int4_supports(w, tiles):
         raise ValueError(f"mosaic_int4_grouped_matmul: {w.kind} matrix {w.shape} with block "
                          f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles} "

@@ -156,19 +156,23 @@ def reference_route(c: ModelConfig, logits: np.ndarray, bias: np.ndarray | None)
 
 def _dequantized(c: ModelConfig, params, prefix: str, matrix: str) -> np.ndarray:
     """Float64 [E, in, out] of a quantized expert matrix from its planes (the published
-    formulas: fp8 w = q * scale[k // b, n // b]; GPTQ int4 w = (q - 8) * scale[k // g, n],
+    formulas: fp8 w = q * scale[k // b, n // b]; GPTQ int4 w = (q - z) * scale[k // g, n],
     q the 4-bit values, each group's first half of rows in the low nibbles of its byte rows
-    and its second half in the high nibbles)."""
+    and its second half in the high nibbles, z 8 (symmetric) or the zero-point plane's
+    z[k // g, n])."""
     from strata_jax.model import expert_format
 
     fmt = expert_format(c)
     return dequantized64(fmt.kind, fmt.block, fmt.matrix_shape(matrix),
-                         params[prefix + matrix], params[prefix + matrix + "_scale"])
+                         params[prefix + matrix], params[prefix + matrix + "_scale"],
+                         params[prefix + matrix + "_zero"] if fmt.zero_points else None)
 
 
-def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale) -> np.ndarray:
-    """Float64 [E, K, N] of one quantized matrix's planes q and scale by the published
-    formulas (`_dequantized`), `block` the fp8 block side or the int4 group."""
+def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale,
+                  zero=None) -> np.ndarray:
+    """Float64 [E, K, N] of one quantized matrix's planes q and scale (and int4's zero-points
+    `zero`, [E, K/g, N]; None: 8) by the published formulas (`_dequantized`), `block` the fp8
+    block side or the int4 group."""
     q = np.asarray(q)
     s = np.asarray(scale).astype(np.float64)
     k, n = shape
@@ -181,7 +185,8 @@ def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale) -> np
         rows = q[:, g * half:(g + 1) * half].astype(np.int64)
         vals[:, g * block:g * block + half] = rows % 16
         vals[:, g * block + half:(g + 1) * block] = rows // 16
-    return (vals - 8.0) * s[:, np.arange(k) // block, :]
+    z = 8.0 if zero is None else np.asarray(zero).astype(np.float64)[:, np.arange(k) // block, :]
+    return (vals - z) * s[:, np.arange(k) // block, :]
 
 
 def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,

@@ -160,33 +160,46 @@ def fp8_block_quantize(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarra
     return q, scale
 
 
-def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False) -> dict[str, np.ndarray]:
-    """A [out, in] weight as a symmetric 4-bit GPTQ checkpoint stores it (round to nearest, no
-    calibration): per group of `group` inputs and output column scale = 2 amax / 15 (1 for a
-    zero group) in float16, q = clamp(round(w / scale) + 8, 0, 15) with that float16 scale;
-    `qweight` int32 [in/8, out] (input row 8r + j in bits 4j..4j+3 of word r), `scales` float16
-    [in/group, out], `qzeros` int32 [in/group, out/8] (the zero 8 in every nibble, stored minus
-    one in checkpoint_format gptq, as is in gptq_v2), `g_idx` int32 [in] = k // group."""
+def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False,
+                  sym: bool = True) -> dict[str, np.ndarray]:
+    """A [out, in] weight as a 4-bit GPTQ checkpoint stores it (round to nearest, no
+    calibration): per group of `group` inputs and output column, symmetric: scale = 2 amax / 15
+    (1 for a zero group) in float16 and the zero z = 8; asymmetric (`sym` False): scale =
+    (max(hi, 0) - min(lo, 0)) / 15 in float16 and z = clamp(round(-min(lo, 0) / scale), 1, 15)
+    (from 1: GPTQ v1 stores z - 1 in four bits); q = clamp(round(w / scale) + z, 0, 15) with
+    that float16 scale; `qweight` int32 [in/8, out] (input row 8r + j in bits 4j..4j+3 of word
+    r), `scales` float16 [in/group, out], `qzeros` int32 [in/group, out/8] (z in each nibble,
+    stored minus one in checkpoint_format gptq, as is in gptq_v2), `g_idx` int32 [in] =
+    k // group."""
     wt = w.T.astype(np.float32)  # [in, out]
     k, n = wt.shape
-    amax = np.abs(wt).reshape(k // group, group, n).max(axis=1)
-    scale = np.where(amax > 0, 2 * amax / 15, 1).astype(np.float16)
+    g = wt.reshape(k // group, group, n)
+    if sym:
+        amax = np.abs(g).max(axis=1)
+        scale = np.where(amax > 0, 2 * amax / 15, 1).astype(np.float16)
+        z = np.full((k // group, n), 8, np.int64)
+    else:
+        lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
+        scale = np.where(hi > lo, (hi - lo) / 15, 1).astype(np.float16)
+        z = np.clip(np.round(-lo / scale.astype(np.float32)), 1, 15).astype(np.int64)
     full = np.repeat(scale.astype(np.float32), group, axis=0)  # GPTQ packs with the fp16 scale
-    q = np.clip(np.round(wt / full) + 8, 0, 15).astype(np.uint32)
+    q = np.clip(np.round(wt / full) + np.repeat(z, group, axis=0), 0, 15).astype(np.uint32)
     shifts = np.arange(8, dtype=np.uint32) * 4
     qweight = np.bitwise_or.reduce(q.reshape(k // 8, 8, n) << shifts[:, None], axis=1)
-    zero = np.full((k // group, n // 8, 8), 8 if v2 else 7, np.uint32)
+    zero = (z - (0 if v2 else 1)).astype(np.uint32).reshape(k // group, n // 8, 8)
     qzeros = np.bitwise_or.reduce(zero << shifts, axis=2)
     out = {"qweight": qweight.view(np.int32), "scales": scale,
            "qzeros": qzeros.view(np.int32), "g_idx": (np.arange(k) // group).astype(np.int32)}
     return {name: np.ascontiguousarray(a) for name, a in out.items()}
 
 
-def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False):
+def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False,
+                sym: bool = True):
     """`hf_tensors`' checkpoint as an FP8 ("fp8", as Qwen/Qwen3-30B-A3B-FP8) or 4-bit GPTQ
-    ("gptq", as Qwen/Qwen3-30B-A3B-GPTQ-Int4) one: every attention projection and routed
-    expert quantized (but the modules in `keep`), with `block` the FP8 block side or the GPTQ
-    group; the routers, norms, embedding and lm_head as they were."""
+    ("gptq", as Qwen/Qwen3-30B-A3B-GPTQ-Int4; `sym` False: with zero-points) one: every
+    attention projection and routed expert quantized (but the modules in `keep`), with `block`
+    the FP8 block side or the GPTQ group; the routers, norms, embedding and lm_head as they
+    were."""
     out = dict(tensors)
     for module in _quantized_linears(tensors, keep):
         w = out.pop(f"{module}.weight")
@@ -194,7 +207,8 @@ def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False):
             q, scale = fp8_block_quantize(w, block)
             out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = q, scale
         else:
-            out.update({f"{module}.{k}": v for k, v in gptq_quantize(w, block, v2=v2).items()})
+            out.update({f"{module}.{k}": v
+                        for k, v in gptq_quantize(w, block, v2=v2, sym=sym).items()})
     return out
 
 

@@ -194,6 +194,7 @@ class QuantizedParams(Mapping):
 
     def __init__(self, params: Mapping, config, *, tile: int | None = None):
         from strata_jax.model import expert_format, expert_plane_names  # deferred: light import
+        from strata_jax.formats import plane_matrix
 
         if config.expert_format == "plain":
             raise ValueError("QuantizedParams: config.expert_format is 'plain'; pass the "
@@ -205,7 +206,7 @@ class QuantizedParams(Mapping):
         self._planes_of: dict[str, list[str]] = {}  # plain name -> its planes' names
         for layer in config.moe_layers:
             for plane, name in expert_plane_names(config, layer).items():
-                matrix = plane.removesuffix("_scale")
+                matrix = plane_matrix(plane)
                 src = f"layers.{layer}.mlp.{matrix}"
                 self._source[name] = (src, matrix)
                 self._planes_of.setdefault(src, []).append(name)

@@ -36,6 +36,16 @@ def _matrix(kind, e=5, k=256, n=128, block=128, seed=0, nan_experts=()):
                            np.dtype(jnp.bfloat16))
 
 
+def _zero_matrix(e=5, k=256, n=128, block=128, seed=0):
+    """An int4 matrix with a zero-point plane (asymmetric GPTQ's layout)."""
+    rng = np.random.default_rng(seed)
+    fmt = ExpertFormat.make("int4", k, n, jnp.bfloat16, block=block, zero_points=True)
+    w = rng.standard_normal((e, k, n)).astype(np.float32) * 0.05 + 0.02
+    p = fmt.quantize_matrix_np("gate", w)
+    return QuantizedMatrix(jnp.asarray(p["gate"]), jnp.asarray(p["gate_scale"]), "int4", block,
+                           (k, n), np.dtype(jnp.bfloat16), jnp.asarray(p["gate_zero"]))
+
+
 def _x(m, k, seed=1):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), jnp.bfloat16)
 
@@ -208,3 +218,38 @@ def test_model_arms_read_the_fused_kernel_alike(kind, backend):
     assert len(set(got.values())) == 1, got
     want, _ = reference_forward(cfg, {n: params[n] for n in params}, toks)
     assert_close(logits, want[-1], cfg.dtype)
+
+
+def test_zero_points_are_dequantized_first():
+    # An int4 matrix with zero-points is read by no fused kernel: every choice dequantizes it
+    # (on a Hopper GPU too), the kernels refuse it by name, and grouped_matmul's rows equal the
+    # float64 reference of (q - z) * scale.
+    import types
+
+    from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, mosaic_int4_grouped_matmul,
+                                         mosaic_int4_supports)
+
+    wz, w4 = _zero_matrix(), _matrix("int4")
+    zeros = np.asarray(wz.zero)
+    assert zeros.shape == (5, 2, 128) and len(np.unique(zeros)) > 1 and (zeros != 8).any()
+    hopper = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
+                                   compute_capability="9.0")
+    assert resolve_quantized(None, w4, hopper) == "mosaic"
+    for impl in (None, "fused", "dequantize"):
+        assert resolve_quantized(impl, wz, hopper) == "dequantize", impl
+        assert resolve_quantized(impl, wz) == "dequantize", impl
+    assert not fused_supports(wz, tiles_for(wz))
+    assert not mosaic_int4_supports(wz, MOSAIC_INT4_TILES)
+    sizes = jnp.asarray([40, 0, 17, 3, 0], jnp.int32)
+    x = _x(64, 256)
+    for kernel in (fused_grouped_matmul, mosaic_int4_grouped_matmul):
+        with pytest.raises(ValueError, match="zero-points .* use grouped_matmul"):
+            kernel(x, wz, sizes)
+    got = np.asarray(grouped_matmul(x, wz, sizes)).astype(np.float64)
+    want = fused_reference(x, wz, np.asarray(sizes))
+    assert np.isfinite(got).all()
+    assert_close(got[:60], want[:60], jnp.bfloat16)
+    assert (got[60:] == 0).all()
+    # the same planes read as symmetric would be another matrix: the zero plane is used
+    sym = dataclasses.replace(wz, zero=None)
+    assert not np.array_equal(np.asarray(sym.dequantize()), np.asarray(wz.dequantize()))

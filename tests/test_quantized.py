@@ -25,7 +25,10 @@ from strata_jax.weights import QuantizedParams
 
 PLAIN = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2, expert_intermediate=32)
 FORMATS = {"fp8": PLAIN.replace(expert_format="fp8", expert_block=16),
-           "int4": PLAIN.replace(expert_format="int4", expert_block=16)}
+           "int4": PLAIN.replace(expert_format="int4", expert_block=16),
+           # int4 with a zero-point plane per matrix (asymmetric GPTQ)
+           "int4-zp": PLAIN.replace(expert_format="int4", expert_block=16,
+                                    expert_zero_points=True)}
 
 
 def _tokens(n: int, seed: int = 5) -> np.ndarray:
@@ -37,7 +40,7 @@ def plain_params():
     return SyntheticParams(PLAIN, 3, 1.0)
 
 
-@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4"])
+@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4", "int4-zp"])
 def test_quantized_model_matches_float64_reference(plain_params, kind):
     # The resident engine's logits at every position against the float64 forward of the
     # dequantized planes, within the parameter dtype's tolerance.
@@ -69,7 +72,7 @@ def test_quantized_logits_report_accuracy_against_the_plain_model(plain_params):
     assert report["fp8"][2] >= 0.75 and report["int4"][2] >= 0.5
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp"])
 def test_reference_dequantization_equals_the_formats(kind):
     # Two implementations of the dequantization: the reference's float64 formulas and the
     # format's float32 products (what the device runs) agree to float32 rounding.
@@ -248,7 +251,9 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
 
 
 @pytest.mark.parametrize("kind,every", [("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
-                                        pytest.param("int4", True, marks=pytest.mark.slow)])
+                                        pytest.param("int4", True, marks=pytest.mark.slow),
+                                        ("int4-zp", False),
+                                        pytest.param("int4-zp", True, marks=pytest.mark.slow)])
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
     # For a given format: resident, stream-all and routed (packed and frames rings, the last
     # layer in pieces) read the same logits and KV cache, in chunks and on a follow-up turn;

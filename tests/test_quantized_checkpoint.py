@@ -26,11 +26,16 @@ def small(preset=QWEN, inter=32):
                                      expert_intermediate=inter)
 
 
-def write(path, c, preset, method, block, *, keep=(), tensors=None, v2=False, **quant_fields):
-    """A quantized checkpoint of `c`'s synthetic params; returns (params, files' tensors)."""
+def write(path, c, preset, method, block, *, keep=(), tensors=None, v2=False, sym=True,
+          **quant_fields):
+    """A quantized checkpoint of `c`'s synthetic params (GPTQ with zero-points where `sym` is
+    False); returns (params, files' tensors)."""
     params = init_synthetic(c, 0)
     if tensors is None:
-        tensors = hf_quantize(hf_tensors(c, params, preset), method, block, keep=keep, v2=v2)
+        tensors = hf_quantize(hf_tensors(c, params, preset), method, block, keep=keep, v2=v2,
+                              sym=sym)
+    if not sym:
+        quant_fields["sym"] = False
     q = hf_quantization_config(c, preset, method, block, keep=keep, **quant_fields)
     write_hf_checkpoint(path, c, preset, tensors, quantization_config=q)
     return params, tensors
@@ -66,9 +71,20 @@ def nibbles(words):
     return q.reshape(*words.shape[:-2], -1, words.shape[-1])
 
 
+def gptq_zeros(t, module, v2):
+    """A GPTQ linear's zero-points [in/group, out] as published: `qzeros` words [in/group,
+    out/8], column 8c + j in bits 4j..4j+3 of word c, stored minus one in v1."""
+    shifts = np.arange(8, dtype=np.uint32) * 4
+    z = (t[f"{module}.qzeros"].view(np.uint32)[..., None] >> shifts) & 15
+    return z.reshape(z.shape[0], -1).astype(np.float64) + (0 if v2 else 1)
+
+
 def gptq_f64(t, module, group, zero=8):
-    """float64 dequantization of a GPTQ checkpoint's linear, [in, out]."""
+    """float64 dequantization of a GPTQ checkpoint's linear, [in, out]; `zero` 8 (symmetric)
+    or the zero-points [in/group, out]."""
     q = nibbles(t[f"{module}.qweight"]).astype(np.float64)
+    if np.ndim(zero):
+        zero = np.repeat(zero, group, axis=0)
     return (q - zero) * np.repeat(t[f"{module}.scales"].astype(np.float64), group, axis=0)
 
 
@@ -195,6 +211,43 @@ def test_gptq_experts_are_the_files_and_dequantize_in_float64(tmp_path, preset, 
                                       params[f"layers.{layer}.mlp.router"])
 
 
+@pytest.mark.parametrize("v2", [False, True])
+def test_gptq_zero_points_are_a_plane_and_dequantize_in_float64(tmp_path, v2):
+    """sym=false: the routed experts keep their zero-points as a plane of their own (`qzeros`
+    unpacked along out, plus one in v1), and dequantized experts and attention projections
+    equal the float64 dequantization (q - z) * scale of the files."""
+    c, group = small(), 32
+    fields = {"checkpoint_format": "gptq_v2"} if v2 else {}
+    _, t = write(tmp_path, c, QWEN, "gptq", group, v2=v2, sym=False, **fields)
+    ckpt = load_checkpoint(str(tmp_path), progress=False)
+    cfg = ckpt.config
+    assert (cfg.expert_format, cfg.expert_block, cfg.expert_zero_points) == ("int4", group, True)
+    fmt = ExpertFormat.of(cfg)
+    assert fmt.name == "int4-zp" and ckpt.experts.nbytes == (
+        len(c.moe_layers) * c.n_experts * fmt.blob_bytes)
+    for layer in c.moe_layers:
+        planes = ckpt.experts.planes(layer)
+        assert set(planes) == set(expert_plane_names(cfg, layer))
+        got = ckpt.experts.layer(layer)
+        for field in ExpertWeights._fields:
+            ms = [expert_module(QWEN, layer, e, field) for e in range(c.n_experts)]
+            zeros = np.stack([gptq_zeros(t, m, v2) for m in ms])
+            assert planes[f"{field}_zero"].dtype == np.uint8
+            np.testing.assert_array_equal(planes[f"{field}_zero"], zeros)
+            assert (zeros != 8).mean() > 0.3, field  # the zero-points are not the implicit 8
+            for e, m in enumerate(ms):
+                want = gptq_f64(t, m, group, gptq_zeros(t, m, v2))
+                assert_close(getattr(got, field)[e], want, np.float32, err_msg=m)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            m = f"model.layers.{layer}.self_attn.{proj}"
+            assert_close(ckpt.params[f"layers.{layer}.attn.{proj}"],
+                         gptq_f64(t, m, group, gptq_zeros(t, m, v2)), np.float32, err_msg=m)
+    # A blob store filled from the files holds the same planes.
+    store = np.zeros((c.n_experts, fmt.blob_bytes), np.uint8)
+    ckpt.experts.as_mapping()[1].fill(fmt.split_np(store))
+    np.testing.assert_array_equal(store, fmt.pack_np(ckpt.experts.planes(1)))
+
+
 def test_gptq_plane_rounding_matches_quantize_np_where_the_scales_agree(tmp_path):
     """Where the checkpoint's float16 scale is the one `quantize_np` picks (2 amax / 15 rounded
     up), the 4-bit values are the same: the layouts agree, not only the dequantized values."""
@@ -251,7 +304,7 @@ CONFIG_REFUSED = [
      r"leaves 'model.layers.1.mlp.experts.0.down_proj' unquantized but not"),
     ("gptq", {"bits": 8}, r"bits=8: only 4-bit"),
     ("gptq", {"desc_act": True}, r"desc_act=True: act-order"),
-    ("gptq", {"sym": False}, r"sym=False: asymmetric GPTQ \(zero-points\)"),
+    ("gptq", {"sym": "no"}, r"sym='no': expected true or false"),
     ("gptq", {"checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
     ("gptq", {"lm_head": True}, r"lm_head=True"),
     ("gptq", {"group_size": -1}, r"group_size=-1"),
@@ -364,8 +417,9 @@ def test_config_from_real_quantized_keys():
 
 # ---- end to end ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method,block", [("fp8", 32), ("gptq", 32)])
-def test_quantized_checkpoint_prefills_as_the_float64_reference(tmp_path, method, block):
+@pytest.mark.parametrize("method,block,sym", [("fp8", 32, True), ("gptq", 32, True),
+                                              ("gptq", 32, False)])
+def test_quantized_checkpoint_prefills_as_the_float64_reference(tmp_path, method, block, sym):
     # A loaded FP8 / GPTQ checkpoint through the engine (experts resident, dequantized on the
     # device before the expert math): every position's logits against the float64 forward of
     # the same planes and dequantized linears.
@@ -373,10 +427,11 @@ def test_quantized_checkpoint_prefills_as_the_float64_reference(tmp_path, method
     from strata_jax.reference import reference_forward
 
     c = small()
-    write(tmp_path, c, QWEN, method, block)
+    write(tmp_path, c, QWEN, method, block, sym=sym)
     ckpt = load_checkpoint(tmp_path)
     cfg = ckpt.config
     assert cfg.expert_format == ("fp8" if method == "fp8" else "int4")
+    assert cfg.expert_zero_points == (not sym)
     toks = np.random.default_rng(4).integers(0, cfg.vocab_size, 20)
     with Engine(cfg, ckpt.params, max_context=32, experts=ckpt.experts.as_mapping()) as eng:
         got = eng.prefill(toks)
@@ -407,6 +462,29 @@ def test_cli_reads_a_quantized_checkpoint_and_refuses_quantizing_it_again(tmp_pa
                        "--json", "-q")
     assert rc == 0, err
     m = json.loads(out)["model"]
-    assert (m["expert_format"], m["expert_block"]) == ("int4", 32)
+    assert (m["expert_format"], m["expert_block"], m["expert_zero_points"]) == ("int4", 32, False)
     rc, _, err = run("prefill", "--checkpoint", str(tmp_path), "--quantize", "fp8", "--no-stream")
     assert rc == 2 and "already int4 (drop --quantize)" in err
+
+
+def test_cli_streams_a_gptq_checkpoint_with_zero_points(tmp_path):
+    # sym=false through the CLI: routed over the simulated link and all resident read the same
+    # bits, and the header and JSON say the experts carry zero-points.
+    import contextlib
+    import io
+    import json
+
+    from strata_jax import cli
+
+    write(tmp_path, small(), QWEN, "gptq", 32, sym=False)
+    hashes = []
+    for extra in ((), ("--no-stream",)):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(["prefill", "--checkpoint", str(tmp_path), "--tokens", "16", "--json",
+                           "-q", *extra])
+        assert rc == 0, err.getvalue()
+        r = json.loads(out.getvalue())
+        assert r["model"]["expert_zero_points"] is True
+        hashes.append((r["logits_sha256"], r["kv_sha256"]))
+    assert hashes[0] == hashes[1]

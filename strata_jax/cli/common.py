@@ -272,7 +272,8 @@ class _Model:
         dense = f" ({len(c.dense_layers)} dense)" if c.dense_layers else ""
         return (f"model {c.name} ({where}): {c.n_layers} layers{dense}, {c.n_experts} experts "
                 f"top-{c.top_k}, hidden {c.hidden_size}, expert {_size(c.expert_bytes)}"
-                f"{'' if c.expert_format == 'plain' else ' ' + c.expert_format}, "
+                f"{'' if c.expert_format == 'plain' else ' ' + c.expert_format}"
+                f"{' with zero-points' if c.expert_zero_points else ''}, "
                 f"{c.param_dtype}")
 
     def summary(self) -> dict:
@@ -283,7 +284,7 @@ class _Model:
             "top_k": c.top_k, "hidden": c.hidden_size, "expert_width": c.expert_intermediate,
             "vocab": c.vocab_size, "dtype": c.param_dtype, "expert_bytes": c.expert_bytes,
             "expert_format": c.expert_format, "expert_block": c.expert_block or None,
-            "max_seq_len": c.max_seq_len}
+            "expert_zero_points": bool(c.expert_zero_points), "max_seq_len": c.max_seq_len}
 
     def weights(self, log: _Log):
         """(config, params, experts mapping or None). Nothing of the experts is made or read
