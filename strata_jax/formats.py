@@ -33,13 +33,13 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         k // G (act-order) is refused.
 
 Plane order in a blob: each matrix's weight plane followed by its scale plane (and int4's
-zero-point plane), matrices in the order gate, up, down. Each plane starts at a multiple of its dtype's size (padding zero bytes
-where needed; the plain format never needs any).
+zero-point plane), matrices in the order gate, up, down. Each plane starts at a multiple of its
+dtype's size (padding zero bytes where needed; the plain format never needs any).
 
 Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax (int4
 with zero-points: from the group's min and max, GPTQ's asymmetric grid); it makes the layout of
-those checkpoints, not their values (GPTQ's calibrated rounding is not redone). Dequantizing: `dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device
-runs) compute each value as one float32 product and one cast to the output dtype, so the two
+those checkpoints, not their values (GPTQ's calibrated rounding is not redone). Dequantizing:
+`dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device runs) compute each value as one float32 product and one cast to the output dtype, so the two
 agree bit for bit.
 """
 

@@ -438,10 +438,13 @@ MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP // 2, 3, 8, 2)
 
 def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
-    of 128 (a k step one group, or half of one: block_k 128 or 64), symmetric (no zero-point
-    plane), whole column tiles, read as bf16 or fp16."""
+    of 128 (a k step one group, or half of one: block_k 128 or 64), symmetric or with a
+    zero-point plane (one compute warpgroup: the two-warpgroup kernel's warp-specialized
+    pipeline with a third plane hangs in Pallas' interpreter, so it is not used), whole column
+    tiles, read as bf16 or fp16."""
     k, n = w.shape
-    return (w.kind == "int4" and w.block == INT4_GROUP and w.zero is None
+    return (w.kind == "int4" and w.block == INT4_GROUP
+            and (w.zero is None or tiles.compute_wgs == 1)
             and tiles.block_k in (INT4_GROUP, INT4_GROUP // 2)
             and k % INT4_GROUP == 0 and n % tiles.block_n == 0
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
@@ -465,14 +468,15 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                                num_sms: int | None = None,
                                int_to_float: str = "bits") -> jax.Array:
     """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
-    symmetric): each k step TMA-loads one group's [64, N-tile] byte tile and its scale row,
-    unpacks the two nibble halves in registers, (nibble - 8) times the scale in float32, cast
+    symmetric or with a zero-point plane): each k step TMA-loads one group's [64, N-tile] byte
+    tile and its scale row (and zero-point row), unpacks the two nibble halves in registers,
+    (nibble - z) times the scale in float32 (z the implicit 8 or the column's zero-point), cast
     to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
     What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`).
 
-    int_to_float: how (nibble - 8) becomes a float32, both exact, so the same bits: "bits"
-    (2^23 + nibble by its bit pattern, less 2^23 + 8) or "convert" (an int-to-float
-    conversion)."""
+    int_to_float: how (nibble - z) becomes a float32, both exact, so the same bits: "bits"
+    (2^23 + nibble by its bit pattern, less 2^23 + z, made once per column) or "convert"
+    (int-to-float conversions)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -483,9 +487,6 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float {int_to_float!r}: expected "
                          f"one of {'|'.join(INT_TO_FLOAT)}")
     m, k, n = check_operands("mosaic_int4_grouped_matmul", x, w, group_sizes)
-    if w.zero is not None:
-        raise ValueError("mosaic_int4_grouped_matmul: an int4 matrix with zero-points is not "
-                         "read by the kernel; use grouped_matmul, which dequantizes it first")
     if not mosaic_int4_supports(w, tiles):
         raise ValueError(f"mosaic_int4_grouped_matmul: {w.kind} matrix {w.shape} with block "
                          f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles} "
@@ -502,62 +503,85 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     per_group = INT4_GROUP // tiles.block_k  # k steps a group: 1, or 2 (its nibble halves)
     dtype = x.dtype
 
-    def operands(q_ref, s_ref):
-        q = q_ref[...].astype(jnp.int32)  # [64, cols]: 8-bit values upcast before the shifts
-        s = s_ref[0].astype(jnp.float32)  # [cols]: the group's scale per column
+    zeros = w.zero is not None
+
+    def column(row, shape):  # a [cols] row of the step, broadcast over its rows
         if not interpret:  # the interpreter has no layouts
-            s = plgpu.layout_cast(s, plgpu.Layout.WGMMA.reduce(0))
-        return q, lax.broadcast_in_dim(s, q.shape, (1,))
+            row = plgpu.layout_cast(row, plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(row, shape, (1,))
 
-    def nibbles(q, s, high: bool):
+    def operands(q_ref, s_ref, z_ref=None):
+        """(values, scale, zero) of a step: the bytes upcast before the shifts [64, cols]; the
+        group's scale per column in float32; with zero-points, what the nibbles' float32 are
+        less by per column (2^23 + z for "bits", z for "convert"; exact), else None."""
+        q = q_ref[...].astype(jnp.int32)
+        s = column(s_ref[0].astype(jnp.float32), q.shape)
+        if z_ref is None:
+            return q, s, None
+        z = z_ref[0].astype(jnp.int32).astype(jnp.float32)
+        return q, s, column(z + 8388608.0 if int_to_float == "bits" else z, q.shape)
+
+    def nibbles(q, s, z, high: bool):
         n = (q >> 4) if high else (q & 15)
-        return (int4_values_f32(n, int_to_float) * s).astype(dtype)
+        if z is None:
+            v = int4_values_f32(n, int_to_float)
+        elif int_to_float == "bits":
+            v = lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - z
+        else:
+            v = n.astype(jnp.float32) - z
+        return (v * s).astype(dtype)
 
-    def half_of_group(kk, q, s, w_ref):  # a step of 64 inputs: the group's half kk % 2
+    def half_of_group(kk, q, s, z, w_ref):  # a step of 64 inputs: the group's half kk % 2
         @pl.when(lax.rem(kk, 2) == 0)
         def _():
-            w_ref[...] = nibbles(q, s, False)
+            w_ref[...] = nibbles(q, s, z, False)
 
         @pl.when(lax.rem(kk, 2) == 1)
         def _():
-            w_ref[...] = nibbles(q, s, True)
+            w_ref[...] = nibbles(q, s, z, True)
 
-    def convert(kk, gid, ni, q_smem, s_smem, w_slot):
+    def convert(kk, gid, ni, *refs):
         del gid, ni
-        q, s = operands(q_smem, s_smem)
+        *planes, w_slot = refs
+        q, s, z = operands(*planes)
         if per_group == 1:
-            w_slot[:half] = nibbles(q, s, False)
-            w_slot[half:] = nibbles(q, s, True)
+            w_slot[:half] = nibbles(q, s, z, False)
+            w_slot[half:] = nibbles(q, s, z, True)
         else:
-            half_of_group(kk, q, s, w_slot)
+            half_of_group(kk, q, s, z, w_slot)
 
-    def convert_part(kk, gid, ni, wg, q_smem, s_smem, w_slot):  # half the tile a warpgroup
+    def convert_part(kk, gid, ni, wg, *refs):  # half the tile a warpgroup
         del gid, ni
+        *planes, w_slot = refs
         if per_group == 1:  # one nibble half a warpgroup
-            q, s = operands(q_smem, s_smem)
+            q, s, z = operands(*planes)
 
             @pl.when(wg == 0)
             def _():
-                w_slot[:half] = nibbles(q, s, False)
+                w_slot[:half] = nibbles(q, s, z, False)
 
             @pl.when(wg == 1)
             def _():
-                w_slot[half:] = nibbles(q, s, True)
+                w_slot[half:] = nibbles(q, s, z, True)
         else:  # the step's nibble half, half the columns a warpgroup
             cols = pl.ds(wg * (bn // 2), bn // 2)
-            q, s = operands(q_smem.at[:, cols], s_smem.at[:, cols])
-            half_of_group(kk, q, s, w_slot.at[:, cols])
+            q, s, z = operands(*(p.at[:, cols] for p in planes))
+            half_of_group(kk, q, s, z, w_slot.at[:, cols])
 
-    specs = [plgpu.BlockSpec((half, bn), lambda kk, ni: (kk // per_group, ni)),
-             plgpu.BlockSpec((1, bn), lambda kk, ni: (kk // per_group, ni))]
+    row_spec = plgpu.BlockSpec((1, bn), lambda kk, ni: (kk // per_group, ni))
+    specs = [plgpu.BlockSpec((half, bn), lambda kk, ni: (kk // per_group, ni)), row_spec]
+    pipelined = [w.q, w.scale]
+    if zeros:  # the zero-point row of the step's group, as its scale row
+        specs.append(row_spec)
+        pipelined.append(w.zero)
     with jax.named_scope("grouped_matmul_int4_mosaic"):
         if tiles.compute_wgs == 2:
             return _ragged_kernel_2wg(
                 x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
-                pipelined=[w.q, w.scale], resident=[], convert_part=convert_part)
+                pipelined=pipelined, resident=[], convert_part=convert_part)
         return _ragged_kernel(
             x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
-            pipelined=[w.q, w.scale], resident=[], convert=convert)
+            pipelined=pipelined, resident=[], convert=convert)
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per

@@ -36,13 +36,16 @@ def _matrix(kind, e=5, k=256, n=128, block=128, seed=0, nan_experts=()):
                            np.dtype(jnp.bfloat16))
 
 
-def _zero_matrix(e=5, k=256, n=128, block=128, seed=0):
+def _zero_matrix(e=5, k=256, n=128, block=128, seed=0, nan_experts=()):
     """An int4 matrix with a zero-point plane (asymmetric GPTQ's layout)."""
     rng = np.random.default_rng(seed)
     fmt = ExpertFormat.make("int4", k, n, jnp.bfloat16, block=block, zero_points=True)
     w = rng.standard_normal((e, k, n)).astype(np.float32) * 0.05 + 0.02
     p = fmt.quantize_matrix_np("gate", w)
-    return QuantizedMatrix(jnp.asarray(p["gate"]), jnp.asarray(p["gate_scale"]), "int4", block,
+    s = p["gate_scale"].copy()
+    for i in nan_experts:  # garbage in an unrouted expert's planes must not reach any row
+        s[i] = np.nan
+    return QuantizedMatrix(jnp.asarray(p["gate"]), jnp.asarray(s), "int4", block,
                            (k, n), np.dtype(jnp.bfloat16), jnp.asarray(p["gate_zero"]))
 
 
@@ -220,31 +223,33 @@ def test_model_arms_read_the_fused_kernel_alike(kind, backend):
     assert_close(logits, want[-1], cfg.dtype)
 
 
-def test_zero_points_are_dequantized_first():
-    # An int4 matrix with zero-points is read by no fused kernel: every choice dequantizes it
-    # (on a Hopper GPU too), the kernels refuse it by name, and grouped_matmul's rows equal the
-    # float64 reference of (q - z) * scale.
+def test_zero_points_take_the_mosaic_kernel_or_dequantize():
+    # An int4 matrix with zero-points: the Mosaic kernel reads it on Hopper when asked for
+    # (fused; auto dequantizes), the Triton kernel does not (refused by name; fused then
+    # dequantizes elsewhere), and grouped_matmul's rows equal the float64 reference of
+    # (q - z) * scale.
     import types
 
-    from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, mosaic_int4_grouped_matmul,
-                                         mosaic_int4_supports)
+    from strata_jax.quant_mosaic import MOSAIC_INT4_TILES, mosaic_int4_supports
 
     wz, w4 = _zero_matrix(), _matrix("int4")
     zeros = np.asarray(wz.zero)
     assert zeros.shape == (5, 2, 128) and len(np.unique(zeros)) > 1 and (zeros != 8).any()
     hopper = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
                                    compute_capability="9.0")
+    for w in (w4, wz):
+        assert resolve_quantized("fused", w, hopper) == "mosaic"
+        assert resolve_quantized("dequantize", w, hopper) == "dequantize"
     assert resolve_quantized(None, w4, hopper) == "mosaic"
+    assert resolve_quantized(None, wz, hopper) == "dequantize"
     for impl in (None, "fused", "dequantize"):
-        assert resolve_quantized(impl, wz, hopper) == "dequantize", impl
         assert resolve_quantized(impl, wz) == "dequantize", impl
     assert not fused_supports(wz, tiles_for(wz))
-    assert not mosaic_int4_supports(wz, MOSAIC_INT4_TILES)
+    assert mosaic_int4_supports(wz, MOSAIC_INT4_TILES)
     sizes = jnp.asarray([40, 0, 17, 3, 0], jnp.int32)
     x = _x(64, 256)
-    for kernel in (fused_grouped_matmul, mosaic_int4_grouped_matmul):
-        with pytest.raises(ValueError, match="zero-points .* use grouped_matmul"):
-            kernel(x, wz, sizes)
+    with pytest.raises(ValueError, match="zero-points .* use grouped_matmul"):
+        fused_grouped_matmul(x, wz, sizes)
     got = np.asarray(grouped_matmul(x, wz, sizes)).astype(np.float64)
     want = fused_reference(x, wz, np.asarray(sizes))
     assert np.isfinite(got).all()

@@ -20,7 +20,7 @@ from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WID
                                      mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports)
 from strata_jax.testing import assert_close
-from test_quant_matmul import _matrix, _x
+from test_quant_matmul import _matrix, _x, _zero_matrix
 
 # An empty expert between two, one expert's rows crossing a 64-row tile, an empty one last;
 # expert 1's and 4's scales are NaN: an expert with no rows must not reach any output.
@@ -94,6 +94,40 @@ def test_int4_nibbles_by_their_bits_are_exactly_the_converted_values():
                                           np.asarray(b).view(np.uint16))
 
 
+@pytest.mark.parametrize("bk", [128, 64], ids=["whole-group", "half-group"])
+def test_interpreted_int4_kernel_reads_zero_points(bk):
+    # Zero-points (a uint8 row a group, pipelined as the scale row): (nibble - z) * scale, the
+    # float64 reference's values, the same bits by bits and by conversion and with two
+    # programs an SM; zero-points all 8 give the symmetric kernel's bits (the same arithmetic,
+    # so the dequantize path's on a GPU). Two compute warpgroups are refused.
+    w = _zero_matrix(seed=3, nan_experts=(1, 4))
+    m = sum(SIZES) + 7
+    x = _x(m, 256)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    one = MosaicTiles(64, 128, bk, 2, 1)
+    got = {}
+    for conv in ("bits", "convert"):
+        for tiles in (one, MosaicTiles(64, 128, bk, 3, 2, 2)):
+            got[conv, tiles] = out = np.asarray(mosaic_int4_grouped_matmul(
+                x, w, sizes, tiles=tiles, interpret=True, int_to_float=conv))
+            assert np.isfinite(out).all()
+            assert (out[200:] == 0).all()
+    ref = fused_reference(x, w, SIZES)[:200]
+    assert_close(got["bits", one][:200].astype(np.float64), ref, jnp.bfloat16)
+    for key, out in got.items():
+        np.testing.assert_array_equal(out, got["bits", one], err_msg=str(key))
+    two = MosaicTiles(128, 128, bk, 2, 1, 1, 2)
+    assert not mosaic_int4_supports(w, two)
+    assert mosaic_int4_supports(dataclasses.replace(w, zero=None), two)
+    with pytest.raises(ValueError, match="cannot be read by"):
+        mosaic_int4_grouped_matmul(x, w, sizes, tiles=two, interpret=True)
+    eight = dataclasses.replace(w, zero=jnp.full_like(w.zero, 8))
+    sym = dataclasses.replace(w, zero=None)
+    np.testing.assert_array_equal(
+        np.asarray(mosaic_int4_grouped_matmul(x, eight, sizes, tiles=one, interpret=True)),
+        np.asarray(mosaic_int4_grouped_matmul(x, sym, sizes, tiles=one, interpret=True)))
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_two_compute_warpgroups_match_the_float64_reference(kind):
     # A 128-row tile split between two compute warpgroups that share each converted weight
@@ -128,9 +162,13 @@ def test_kernels_lower_for_cuda():
                             ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
                             ("fp8", mosaic_grouped_matmul, two),
                             ("int4", mosaic_int4_grouped_matmul, two),
-                            ("int4", mosaic_int4_grouped_matmul, MosaicTiles(128, 128, 64, 4, 8))):
+                            ("int4", mosaic_int4_grouped_matmul, MosaicTiles(128, 128, 64, 4, 8)),
+                            ("int4-zp", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
+                            ("int4-zp", mosaic_int4_grouped_matmul,
+                             MosaicTiles(128, 128, 128, 3, 8))):
         for k, n in ((2048, 768), (768, 2048)):
-            w = _matrix(kind, e=8, k=k, n=n)
+            w = (_zero_matrix(e=8, k=k, n=n) if kind == "int4-zp"
+                 else _matrix(kind, e=8, k=k, n=n))
             f = jax.jit(lambda x, w, s, fn=fn, tiles=tiles: fn(x, w, s, tiles=tiles,
                                                               interpret=False, num_sms=132))
             jax.export.export(f, platforms=["cuda"], disabled_checks=[
@@ -189,24 +227,26 @@ def test_what_the_kernel_reads_and_refuses():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(2048, 768), (768, 2048)])
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp"])
 def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     # At Qwen3-30B-A3B expert shapes: the bits of the dequantized matrix through the bf16
     # Mosaic kernel, the float64 reference's values, and a layer in pieces the whole's bits.
     if not is_hopper():
         pytest.skip("the Mosaic kernel needs a Hopper GPU")
     e = 8
-    w = _matrix(kind, e=e, k=k, n=n, nan_experts=(1, 3))
+    w = (_zero_matrix(e=e, k=k, n=n, nan_experts=(1, 3)) if kind == "int4-zp"
+         else _matrix(kind, e=e, k=k, n=n, nan_experts=(1, 3)))
     sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
     m = int(sizes.sum()) + 5
     x = _x(m, k)
-    assert resolve_quantized(None, w) == "mosaic"
-    got = grouped_matmul(x, w, sizes)
+    fused = "fused" if kind == "int4-zp" else None  # auto dequantizes zero-points
+    assert resolve_quantized(fused, w) == "mosaic"
+    got = grouped_matmul(x, w, sizes, quantized=fused)
     deq = grouped_matmul(x, w.dequantize(), sizes, impl="mosaic")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(deq))
     assert_close(np.asarray(got, np.float64), fused_reference(x, w, sizes), jnp.bfloat16)
     bounds = row_pieces(m, 4)
-    parts = [grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b))
+    parts = [grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b), quantized=fused)
              for a, b in zip(bounds, bounds[1:])]
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
     others = ((MosaicTiles(128, 128, 64, 2, 1, 2), MosaicTiles(128, 128, 128, 3, 4))
@@ -218,8 +258,9 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
         assert_close(np.asarray(other, np.float64), fused_reference(x, w, sizes),
                      jnp.bfloat16, err_msg=str(tiles))
     # Two compute warpgroups sharing each converted tile: per 64-row product the same sums
-    # in the same order, so the dequantize path's bits.
-    for tiles in (MosaicTiles(256, 128, 64, 3, 8, 1, 2), MosaicTiles(128, 128, 128, 2, 8, 1, 2)):
+    # in the same order, so the dequantize path's bits (not for zero-points: refused).
+    for tiles in ((MosaicTiles(256, 128, 64, 3, 8, 1, 2), MosaicTiles(128, 128, 128, 2, 8, 1, 2))
+                  if kind != "int4-zp" else ()):
         np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles)),
                                       np.asarray(deq), err_msg=str(tiles))
 
@@ -244,7 +285,7 @@ def test_two_warpgroups_over_an_odd_number_of_steps_on_hopper(kind, k, tiles):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [200, 2048])
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp"])
 def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(kind, tokens):
     # A model whose expert matrices the kernel reads: every arm with "auto" (the Mosaic
     # kernel on Hopper) gives the bits of the resident model with "dequantize". At 2,048
@@ -262,20 +303,23 @@ def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(k
         pytest.skip("the Mosaic kernel needs a Hopper GPU")
     plain = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2, hidden_size=128,
                                                 expert_intermediate=128)
-    cfg = plain.replace(expert_format=kind, expert_block=128)
+    cfg = plain.replace(expert_format=kind.removesuffix("-zp"), expert_block=128,
+                        expert_zero_points=kind.endswith("-zp"))
     fmt = ExpertFormat.of(cfg)
     planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
-    assert all(resolve_quantized(None, w) == "mosaic" for w in fmt.expert_matrices(planes))
+    fused = "fused" if kind == "int4-zp" else "auto"  # auto dequantizes zero-points
+    assert all(resolve_quantized(fused, w) == "mosaic" for w in fmt.expert_matrices(planes))
     params = QuantizedParams(SyntheticParams(plain, 3, 1.0), cfg)
     toks = np.random.default_rng(5).integers(0, cfg.vocab_size, tokens)
     got = {}
     for name, kernels, stream in (
             ("dequantize", Kernels(quantized_matmul="dequantize"), None),
-            ("resident", Kernels(), None),
-            ("routed", Kernels(), StreamConfig(routed=True, tuning=StreamTuning(
-                layout="frames", tail_pieces=2, tail_from=16, stream_floor=1))),
-            ("stream-all", Kernels(), StreamConfig(routed=False, tuning=StreamTuning(
-                layout="packed")))):
+            ("resident", Kernels(quantized_matmul=fused), None),
+            ("routed", Kernels(quantized_matmul=fused), StreamConfig(
+                routed=True, tuning=StreamTuning(layout="frames", tail_pieces=2, tail_from=16,
+                                                 stream_floor=1))),
+            ("stream-all", Kernels(quantized_matmul=fused), StreamConfig(
+                routed=False, tuning=StreamTuning(layout="packed")))):
         with Engine(cfg, params, stream, max_context=max(tokens, 256),
                     chunk_size=max(tokens, 256), kernels=kernels) as eng:
             r = eng.prefill(toks)

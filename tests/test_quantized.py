@@ -250,10 +250,10 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
     assert abs(counted - fused - CHUNK_HEADROOM * layer) <= 1  # each side rounded down
 
 
-@pytest.mark.parametrize("kind,every", [("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
-                                        pytest.param("int4", True, marks=pytest.mark.slow),
-                                        ("int4-zp", False),
-                                        pytest.param("int4-zp", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind,every", [
+    ("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
+    pytest.param("int4", True, marks=pytest.mark.slow),
+    ("int4-zp", False), pytest.param("int4-zp", True, marks=pytest.mark.slow)])
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
     # For a given format: resident, stream-all and routed (packed and frames rings, the last
     # layer in pieces) read the same logits and KV cache, in chunks and on a follow-up turn;
