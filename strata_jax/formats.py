@@ -68,6 +68,18 @@ INT4_GROUP = 128  # GPTQ group_size
 INT4_ZERO = 8  # the implicit zero-point of symmetric GPTQ
 INT4_PER_WORD = 8  # 4-bit values per int32 word of GPTQ's qweight
 KINDS = EXPERT_FORMATS  # ("plain", "fp8", "int4")
+# What a plain model's experts can be quantized to on load (`--quantize`): int4-zp is int4 with
+# zero-points (GPTQ's asymmetric grid).
+QUANTIZE_CHOICES = ("fp8", "int4", "int4-zp")
+
+
+def quantized_config(config: "ModelConfig", name: str, block: int) -> "ModelConfig":
+    """`config` with its routed experts in quantize format `name` (`QUANTIZE_CHOICES`) with
+    scale block / group `block`."""
+    if name not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize {name!r}: expected one of {'|'.join(QUANTIZE_CHOICES)}")
+    return config.replace(expert_format=name.removesuffix("-zp"), expert_block=block,
+                          expert_zero_points=name.endswith("-zp"))
 
 
 @dataclasses.dataclass(frozen=True)

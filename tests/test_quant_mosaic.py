@@ -355,5 +355,12 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
     assert rows[2]["max_diff_over_max"] == rows[3]["max_diff_over_max"]
     assert "unsupported" in rows[6]["error"]
+    # int4 with zero-points: the kernel reads the zero plane (one warpgroup)
+    rows = bench_one(64, cfg, "int4-zp", [], warmup=0, repeats=1,
+                     mosaic=[parse_mosaic("64,128,128,2,1")])
+    assert [(r["kind"], r["path"]) for r in rows] == [
+        ("int4-zp", "bf16"), ("int4-zp", "dequantize"), ("int4-zp", "mosaic")]
+    assert "error" not in rows[2] and rows[2]["finite"], rows[2]
+    assert rows[2]["max_diff_over_max"] < 0.02, rows[2]
     with pytest.raises(ValueError, match="bm,bn,bk,stages,grid_block_n"):
         parse_mosaic("128,128,64")

@@ -186,6 +186,20 @@ def test_cli_quantize_reads_a_quantized_model():
     rc, _, err = _cli(["prefill", *MODEL, "--quantize", "int4", "--quant-block", "7",
                        "--no-stream"])
     assert rc == 2 and "--quantize int4" in err and "multiple of 8" in err
+    # int4-zp: int4 with a zero-point plane, streamed over the simulated link and resident
+    # with the same bits; the zero planes add their bytes to an expert's
+    got = []
+    for extra in (["--no-stream"], []):
+        rc, out, err = _cli(["prefill", *MODEL, "--quantize", "int4-zp", "--tokens", "32",
+                             "--json", "-q", *extra])
+        assert rc == 0, err
+        d = json.loads(out)
+        assert (d["model"]["expert_format"], d["model"]["expert_zero_points"]) == ("int4", True)
+        got.append((d["logits_sha256"], d["kv_sha256"]))
+    assert got[0] == got[1]
+    zp = ExpertFormat.make("int4", 64, 32, np.float32, block=32, zero_points=True)
+    # a zero-point byte per group and column: gate and up [64/32, 32], down [32/32, 64]
+    assert d["model"]["expert_bytes"] == zp.blob_bytes == fmt.blob_bytes + 2 * 2 * 32 + 64
 
 
 def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):

@@ -44,6 +44,8 @@ import time
 
 import numpy as np
 
+from strata_jax.formats import QUANTIZE_CHOICES
+
 from strata_jax.benchmarks.stream_bench import (
     PinnedHostBaseline,
     _hashes,
@@ -422,7 +424,7 @@ def main(argv=None) -> int:
                          "whose resident reads this run's must equal")
     ap.add_argument("--reps", type=int, default=10, help="attention repetitions")
     ap.add_argument("--reps-prefill", type=int, default=3)
-    ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
+    ap.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
                     help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--drop-dense", action="store_true",
                     help="keep no dense weight in host memory once on the device (each engine "

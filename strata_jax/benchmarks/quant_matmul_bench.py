@@ -34,7 +34,7 @@ from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights
 from strata_jax.formats import MATRICES, ExpertFormat
 from strata_jax.grouped_matmul import grouped_matmul
-from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
+from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul,
                                      fused_supports, tiles_for)
 from strata_jax.quant_mosaic import (INT_TO_FLOAT, MosaicTiles, mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul, mosaic_int4_supports,
@@ -71,13 +71,13 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, h), np.float32), jnp.bfloat16)
-    fmt = ExpertFormat.make(kind, h, i, jnp.bfloat16)
+    fmt = ExpertFormat.make(kind.removesuffix("-zp"), h, i, jnp.bfloat16,
+                            zero_points=kind.endswith("-zp"))
     shapes = {"gate": (h, i), "up": (h, i), "down": (i, h)}
     w32 = ExpertWeights(*(rng.standard_normal((e, *shapes[mt]), np.float32) * 0.02
                           for mt in MATRICES))
     planes = {k: jnp.asarray(v) for k, v in fmt.quantize_np(w32).items()}
-    wq = ExpertWeights(*(QuantizedMatrix(planes[mt], planes[f"{mt}_scale"], kind, fmt.block,
-                                         shapes[mt], np.dtype(jnp.bfloat16)) for mt in MATRICES))
+    wq = ExpertWeights(*(fmt.matrix(planes, mt, jnp.bfloat16) for mt in MATRICES))
     wb = ExpertWeights(*(jnp.asarray(a, jnp.bfloat16) for a in w32))
     del w32
 
@@ -119,7 +119,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             a, b, c, tiles=tiles), default=tiles is None))
     for tiles in mosaic:
         name = ",".join(str(v) for v in dataclasses.astuple(tiles))
-        if kind == "int4":
+        if fmt.kind == "int4":
             if not all(mosaic_int4_supports(a, tiles) for a in wq):
                 rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
                                  error="unsupported (int4 reads block_k 128 or 64)"))
@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1024,4096,8192")
-    p.add_argument("--formats", default="fp8,int4")
+    p.add_argument("--formats", default="fp8,int4",
+                   help="comma list of fp8|int4|int4-zp (int4 with zero-points)")
     p.add_argument("--tiles", action="append", default=[],
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
                         "default tiling is always timed")

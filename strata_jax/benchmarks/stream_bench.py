@@ -50,6 +50,8 @@ import time
 
 import numpy as np
 
+from strata_jax.formats import QUANTIZE_CHOICES, quantized_config
+
 ORDER = ("stream-all", "routed", "routed", "stream-all", "routed", "stream-all", "stream-all",
          "routed")
 PAIRS = ((1, 0), (2, 3), (4, 5), (7, 6))  # (ON, OFF) positions, 0-based
@@ -103,7 +105,7 @@ def quantized(cfg, params, kind: str | None, tile: int | None = None):
 
     widths = (cfg.hidden_size, cfg.expert_intermediate)
     block = next((b for b in (128, 64, 32, 16, 8) if all(w % b == 0 for w in widths)), 128)
-    qcfg = cfg.replace(expert_format=kind, expert_block=block)
+    qcfg = quantized_config(cfg, kind, block)
     return qcfg, QuantizedParams(params, qcfg, tile=tile)
 
 
@@ -709,7 +711,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turn2", type=int, default=1800)
     ap.add_argument("--turn-reps", type=int, default=3)
     ap.add_argument("--long", type=int, default=32768)
-    ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
+    ap.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
                     help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--quantized-matmul", choices=["auto", "fused", "dequantize"], default="auto",
                     help="how quantized experts are read (Kernels.quantized_matmul)")

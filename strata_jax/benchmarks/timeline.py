@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from strata_jax.formats import QUANTIZE_CHOICES
+
 
 MARK = "strata_timeline_call"  # the traced call's own span on the host
 
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
                          "alive through the call (hash-hold), then gc.collect() before the "
                          "call, as stream_bench's timed calls do (hash-hold-gc)")
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
-    ap.add_argument("--quantize", choices=["fp8", "int4"], default=None,
+    ap.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
                     help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--out", required=True, help="folder for summary.json and raw events")
     args = ap.parse_args(argv)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import memory
+from ..formats import quantized_config
 from ..memory import _gib, _size
 
 # Scaled-down sizes, applied with ModelConfig.scaled(); fields given on the command line
@@ -207,7 +208,7 @@ class _Model:
         self.quant_block = getattr(args, "quant_block", None)
         self.plain_config = self.config  # the weights' own format (what --quantize reads)
         if self.quant_block is not None and self.quantize is None:
-            raise UsageError("--quant-block applies with --quantize fp8|int4")
+            raise UsageError("--quant-block applies with --quantize fp8|int4|int4-zp")
         if self.quantize and self.config is not None:
             self.config = self._quantized(self.config)
 
@@ -222,10 +223,11 @@ class _Model:
             block = next((b for b in (128, 64, 32, 16, 8) if all(w % b == 0 for w in widths)),
                          128 if self.quantize == "fp8" else None)  # fp8 blocks may be partial
             if block is None:
-                raise UsageError(f"--quantize int4: the widths {widths} of {config.name} have "
-                                 "no group of 8 or more dividing both (int4 needs one)")
+                raise UsageError(f"--quantize {self.quantize}: the widths {widths} of "
+                                 f"{config.name} have no group of 8 or more dividing both "
+                                 "(int4 needs one)")
         try:
-            return config.replace(expert_format=self.quantize, expert_block=block)
+            return quantized_config(config, self.quantize, block)
         except ValueError as e:
             raise UsageError(f"--quantize {self.quantize}: {e}") from None
 

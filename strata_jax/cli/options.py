@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 
+from ..formats import QUANTIZE_CHOICES
 from .common import SCALES
 
 PROG = "strata-jax"
@@ -129,10 +130,12 @@ def _model_options(p: argparse.ArgumentParser, *, required: bool) -> None:
     g.add_argument("--vocab", type=_positive_int, metavar="V", help="vocabulary size")
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="parameter dtype (default: the preset's or the checkpoint's)")
-    g.add_argument("--quantize", choices=["fp8", "int4"], default=None,
+    g.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
                    help="store, stream and read the routed experts quantized: fp8 (e4m3, "
-                        "block scales) or int4 (GPTQ's values, group scales), made from the "
-                        "preset's or the bf16 checkpoint's weights as they are loaded")
+                        "block scales), int4 (GPTQ's values, group scales, symmetric) or "
+                        "int4-zp (int4 with a zero-point per group, GPTQ's asymmetric grid), "
+                        "made from the preset's or the bf16 checkpoint's weights as they are "
+                        "loaded")
     g.add_argument("--quant-block", type=_positive_int, default=None, metavar="N",
                    help="fp8's scale block side or int4's group (default: the largest of "
                         "128, 64, 32, 16, 8 that divides the hidden and expert widths; 128 "
