@@ -490,20 +490,27 @@ def gptq_halves_np(qweight: np.ndarray, group: int) -> np.ndarray:
     return int4_halves_np(vals.reshape(*lead, k8 * INT4_PER_WORD, n), group)
 
 
-def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """[E, K, N] -> (uint8 [E, K/2, N] values in group halves, float16 scales [E, K/group, N]):
-    scale = amax(group) / 7.5 rounded up to a float16 (1 for an all-zero group), so |x| /
-    scale <= 7.5; q = clip(round(x / scale) + 8, 0, 15), ties to even."""
-    e, k, n = x.shape
-    amax = np.abs(x.astype(np.float32)).reshape(e, k // group, group, n).max(axis=2)
-    want = amax.astype(np.float64) / 7.5
+def _float16_scale_up(want: np.ndarray) -> np.ndarray:
+    """Float64 group scales `want` as float16, each rounded up (so no value passes the grid's
+    end), 1 where `want` is 0 (an all-zero group); a ValueError where one is not finite or
+    past float16's range."""
     if not np.all(np.isfinite(want)) or want.max(initial=0) > np.finfo(np.float16).max:
         raise ValueError("int4 quantization: a weight is too large (or not finite) for a "
                          "float16 group scale")
     scale = want.astype(np.float16)
     low = scale.astype(np.float64) < want  # rounded down: one float16 step up
     scale[low] = np.nextafter(scale[low], np.float16(np.inf))
-    scale[amax == 0] = 1
+    scale[want == 0] = 1
+    return scale
+
+
+def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """[E, K, N] -> (uint8 [E, K/2, N] values in group halves, float16 scales [E, K/group, N]):
+    scale = amax(group) / 7.5 rounded up to a float16 (1 for an all-zero group), so |x| /
+    scale <= 7.5; q = clip(round(x / scale) + 8, 0, 15), ties to even."""
+    e, k, n = x.shape
+    amax = np.abs(x.astype(np.float32)).reshape(e, k // group, group, n).max(axis=2)
+    scale = _float16_scale_up(amax.astype(np.float64) / 7.5)
     full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
     q = np.clip(np.round(x.astype(np.float32) / full) + INT4_ZERO, 0, 15).astype(np.uint8)
     return int4_halves_np(q, group), scale
@@ -519,15 +526,8 @@ def _int4_quantize_zero_np(x: np.ndarray, group: int
     g = x.astype(np.float32).reshape(e, k // group, group, n)
     lo = np.minimum(g.min(axis=2), 0).astype(np.float64)
     hi = np.maximum(g.max(axis=2), 0).astype(np.float64)
-    want = (hi - lo) / 15
-    if not np.all(np.isfinite(want)) or want.max(initial=0) > np.finfo(np.float16).max:
-        raise ValueError("int4 quantization: a weight is too large (or not finite) for a "
-                         "float16 group scale")
-    scale = want.astype(np.float16)
-    low = scale.astype(np.float64) < want  # rounded down: one float16 step up
-    scale[low] = np.nextafter(scale[low], np.float16(np.inf))
-    empty = want == 0
-    scale[empty] = 1
+    empty = hi == lo
+    scale = _float16_scale_up((hi - lo) / 15)
     zero = np.clip(np.round(-lo / scale.astype(np.float64)), 0, 15)
     zero[empty] = INT4_ZERO
     zero = zero.astype(np.uint8)
