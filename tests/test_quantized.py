@@ -187,8 +187,13 @@ def test_cli_quantize_reads_a_quantized_model():
     rc, _, err = _cli(["prefill", *MODEL, "--quantize", "int4", "--quant-block", "7",
                        "--no-stream"])
     assert rc == 2 and "--quantize int4" in err and "multiple of 8" in err
+
+
+@pytest.mark.slow
+def test_cli_quantize_int4_with_zero_points():
     # int4-zp: int4 with a zero-point plane, streamed over the simulated link and resident
     # with the same bits; the zero planes add their bytes to an expert's
+    fmt = ExpertFormat.make("int4", 64, 32, np.float32, block=32)
     got = []
     for extra in (["--no-stream"], []):
         rc, out, err = _cli(["prefill", *MODEL, "--quantize", "int4-zp", "--tokens", "32",

@@ -467,6 +467,7 @@ def test_cli_reads_a_quantized_checkpoint_and_refuses_quantizing_it_again(tmp_pa
     assert rc == 2 and "already int4 (drop --quantize)" in err
 
 
+@pytest.mark.slow
 def test_cli_streams_a_gptq_checkpoint_with_zero_points(tmp_path):
     # sym=false through the CLI: routed over the simulated link and all resident read the same
     # bits, and the header and JSON say the experts carry zero-points.
