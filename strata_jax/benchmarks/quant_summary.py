@@ -1,7 +1,7 @@
 """Quantized experts against bf16: issue 21's targets from one stream_bench sweep per format.
 
 Reads the JSON of `stream_bench --parts sweep` run once with bf16 experts and once per
-quantized format (`--quantize fp8`, `--quantize int4`), same preset, layers, lengths and
+quantized format (`--quantize fp8`, `int4` or `int4-zp`), same preset, layers, lengths and
 arms, and gives per format and length:
 
     routed_over_bf16        routed prefill time over bf16's (targets: fp8 <= 0.55 at 1K-8K,
@@ -34,7 +34,8 @@ def summarize(results: list[dict]) -> dict:
     """The targets' figures of `results` (stream_bench JSONs; exactly one plain)."""
     by_format = {}
     for res in results:
-        fmt = res.get("expert_format", "plain")
+        # int4 with zero-points (`--quantize int4-zp`) is a format of its own here
+        fmt = res.get("expert_format", "plain") + ("-zp" if res.get("expert_zero_points") else "")
         if fmt in by_format:
             raise ValueError(f"two results for expert format {fmt!r}")
         by_format[fmt] = res
