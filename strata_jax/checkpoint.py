@@ -205,8 +205,10 @@ QUANT_FIELDS: dict[str, dict[str, str]] = {
     "sym": {_GPTQ: "honoured: true (every `qzeros` entry must hold the implicit zero 8) or "
                    "false (zero-points: the routed experts keep them as a plane of their own, "
                    "`expert_zero_points`; other quantized linears are dequantized with them)"},
-    "desc_act": {_GPTQ: "refused unless false (act-order); a `g_idx` other than k // group is "
-                        "refused too"},
+    "desc_act": {_GPTQ: "honoured: true (act-order: every quantized linear's `g_idx` names each "
+                        "input row's group; the routed experts keep it as a plane of their own, "
+                        "`expert_act_order`, other linears are dequantized with it) or false "
+                        "(a `g_idx` other than k // group is refused)"},
     "checkpoint_format": {_GPTQ: "honoured: gptq (v1, qzeros stored minus one: the zero 8 as "
                                  "7) and gptq_v2 (stored as is: 8); marlin and others refused"},
     "pack_dtype": {_GPTQ: "refused unless int32"},
@@ -245,6 +247,8 @@ class _Quant:
             minus one; 8 in v2): symmetric checkpoints hold it in every entry.
         in_block: gptq: modules_in_block_to_quantize flattened (names within a layer), or None.
         sym: gptq: symmetric (the implicit zero 8) or with zero-points (`qzeros` read).
+        act_order: gptq: `desc_act` true: each linear's `g_idx` (required) names its rows'
+            groups; false: a `g_idx` must be k // group.
     """
 
     method: str
@@ -253,6 +257,7 @@ class _Quant:
     zero_stored: int = 0
     in_block: frozenset[str] | None = None
     sym: bool = True
+    act_order: bool = False
 
     @property
     def zero_offset(self) -> int:
@@ -337,7 +342,7 @@ def _quantization(hf: Mapping) -> _Quant | None:
         raise _quant_refuse("group_size", group, "one group per input column is not implemented")
     group = size("group_size", group)
     sym = only("sym", (True, False), "expected true or false", True)
-    only("desc_act", (False,), "act-order (a permuted g_idx) is not implemented", False)
+    act_order = only("desc_act", (True, False), "expected true or false", False)
     fmt = only("checkpoint_format", ("gptq", "gptq_v2"), "implemented: gptq (v1) and gptq_v2",
                "gptq")
     only("pack_dtype", ("int32",), "only int32 packing is implemented", "int32")
@@ -353,7 +358,8 @@ def _quantization(hf: Mapping) -> _Quant | None:
                                 "expected lists of module names")
         in_block = frozenset(flat)
     zero = INT4_ZERO - 1 if fmt == "gptq" else INT4_ZERO
-    return _Quant(_GPTQ, group, zero_stored=zero, in_block=in_block, sym=sym)
+    return _Quant(_GPTQ, group, zero_stored=zero, in_block=in_block, sym=sym,
+                  act_order=act_order)
 
 
 def _expert_format(quant: _Quant | None, arch: _Arch, n_layers: int, n_experts: int) -> str:
@@ -629,6 +635,7 @@ def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfi
             expert_format=expert_format,
             expert_block=quant.block if expert_format != "plain" else 0,
             expert_zero_points=expert_format == "int4" and not quant.sym,
+            expert_act_order=expert_format == "int4" and quant.act_order,
         )
     except ValueError as e:
         raise CheckpointError(f"config.json describes a model this engine cannot build: {e}"
@@ -728,7 +735,8 @@ _PLANE_SOURCES = {
             **{f"{m}_scale": (m, "weight_scale_inv", True) for m in ExpertWeights._fields}},
     "int4": {**{m: (m, "qweight", False) for m in ExpertWeights._fields},
              **{f"{m}_scale": (m, "scales", False) for m in ExpertWeights._fields},
-             **{f"{m}_zero": (m, "qzeros", False) for m in ExpertWeights._fields}},
+             **{f"{m}_zero": (m, "qzeros", False) for m in ExpertWeights._fields},
+             **{f"{m}_gidx": (m, "g_idx", False) for m in ExpertWeights._fields}},
 }
 
 
@@ -742,8 +750,9 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
     checkpoint's `weight` and `weight_scale_inv`, transposed); int4, GPTQ's `qweight` int32
     [in/8, out] words rearranged into the format's group halves, uint8 [E, in/2, out]
     (`formats.gptq_halves_np`, the same bytes), `scales` float16 [E, in/group, out] as
-    they are, and with zero-points `qzeros` unpacked, uint8 [E, in/group, out] (plus one in
-    GPTQ v1, which stores them minus one). Read when asked for and
+    they are, with zero-points `qzeros` unpacked, uint8 [E, in/group, out] (plus one in
+    GPTQ v1, which stores them minus one), and with act-order `g_idx` int32 [E, in] as it is.
+    Read when asked for and
     not kept. `fill(name, out)` reads each expert's tensor straight into `out`, one expert at a
     time: how an engine's host store takes them (`as_mapping`, `strata_jax.weights`), so no
     copy of every expert exists outside the store. Each read opens the files it needs and
@@ -1075,8 +1084,8 @@ def _gptq_quantized(tensors: "_Tensors", quant: _Quant, module: str) -> bool:
 def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
                 biased: bool) -> None:
     """Reads and checks a GPTQ linear's side tensors: `qzeros` (its shape; symmetric: every
-    entry the implicit zero), `g_idx` (where present) k // group, and a `bias` the model has no
-    place for all zero (`biased`: the model reads the linear's bias itself)."""
+    entry the implicit zero), `g_idx` (`_gptq_g_idx`), and a `bias` the model has no place for
+    all zero (`biased`: the model reads the linear's bias itself)."""
     shapes = _gptq_shapes(quant, module, k, n)
     zeros = _unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"), axis=1)
     bad = np.argwhere(zeros != quant.zero_stored) if quant.sym else np.zeros((0, 2), int)
@@ -1088,17 +1097,40 @@ def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
             f"symmetric GPTQ (sym=true) stores {quant.zero_stored} everywhere (the zero "
             f"{INT4_ZERO}{v1}); a checkpoint with zero-points says sym=false in config.json "
             "quantization_config")
-    if tensors.has(f"{module}.g_idx"):
-        g_idx = tensors.get(f"{module}.g_idx", shapes["g_idx"], "I32")
-        if not np.array_equal(g_idx, np.arange(k) // quant.block):
-            raise CheckpointError(
-                f"tensor '{module}.g_idx' is not k // group_size (group {quant.block}): "
-                "act-order (a permuted g_idx) is not implemented")
+    _gptq_g_idx(tensors, quant, module, k, n)
     if not biased and tensors.has(f"{module}.bias"):
         bias = tensors.get(f"{module}.bias", (n,))
         if np.any(bias != 0):
             raise CheckpointError(f"tensor '{module}.bias' is not zero, and the model's "
                                   f"{module.rsplit('.', 1)[-1]} has no bias")
+
+
+def _gptq_g_idx(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int) -> np.ndarray:
+    """Each input row's group, int [k], of GPTQ linear `module`: its `g_idx`, required with
+    act-order (desc_act true; every entry a group, 0 .. k / group - 1), else where present
+    k // group (k // group where absent)."""
+    rows = np.arange(k) // quant.block
+    name = f"{module}.g_idx"
+    if not tensors.has(name):
+        if quant.act_order:
+            raise CheckpointError(
+                f"tensor '{name}' is missing: with desc_act=true (act-order) each quantized "
+                "linear names its rows' groups in g_idx")
+        return rows
+    g_idx = tensors.get(name, _gptq_shapes(quant, module, k, n)["g_idx"], "I32")
+    if quant.act_order:
+        bad = np.flatnonzero((g_idx < 0) | (g_idx >= k // quant.block))
+        if bad.size:
+            raise CheckpointError(
+                f"tensor '{name}' names group {int(g_idx[bad[0]])} for row {int(bad[0])}; "
+                f"a {k}-wide input in groups of {quant.block} has groups 0 .. "
+                f"{k // quant.block - 1}")
+        return g_idx
+    if not np.array_equal(g_idx, rows):
+        raise CheckpointError(
+            f"tensor '{name}' is not k // group_size (group {quant.block}): a permuted g_idx "
+            "is act-order, which config.json quantization_config says is off (desc_act=false)")
+    return rows
 
 
 def _linear(tensors: "_Tensors", quant: _Quant, module: str, shape: tuple[int, int],
@@ -1121,11 +1153,12 @@ def _linear(tensors: "_Tensors", quant: _Quant, module: str, shape: tuple[int, i
     _gptq_check(tensors, quant, module, k, n, biased)
     q = _unpack_int4(tensors.get(f"{module}.qweight", shapes["qweight"], "I32"), axis=0)
     s = tensors.get(f"{module}.scales", shapes["scales"], "F16").astype(np.float32)
+    rows = _gptq_g_idx(tensors, quant, module, k, n)  # each input row's group
     zero = INT4_ZERO
     if not quant.sym:
-        zero = np.repeat(_unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"),
-                                      axis=1) + quant.zero_offset, quant.block, axis=0)
-    return ((q - zero).astype(np.float32) * np.repeat(s, quant.block, axis=0)).astype(dtype)
+        zero = (_unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"), axis=1)
+                + quant.zero_offset)[rows]
+    return ((q - zero).astype(np.float32) * s[rows]).astype(dtype)
 
 
 def _expert_files(tensors: "_Tensors", quant: _Quant | None, c: ModelConfig, arch: _Arch,
@@ -1160,7 +1193,8 @@ def _expert_files(tensors: "_Tensors", quant: _Quant | None, c: ModelConfig, arc
                         f"routed expert {module!r} has no qweight (a {module}.weight instead?): "
                         "a GPTQ checkpoint's routed experts are all quantized or none")
                 side = (("qweight", "I32"), ("scales", "F16")) + (
-                    () if quant.sym else (("qzeros", "I32"),))
+                    () if quant.sym else (("qzeros", "I32"),)) + (
+                    (("g_idx", "I32"),) if quant.act_order else ())
                 for suffix, dt in side:
                     files[f"{module}.{suffix}"] = tensors.path(f"{module}.{suffix}",
                                                                shapes[suffix], dt)

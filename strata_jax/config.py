@@ -87,6 +87,10 @@ class ModelConfig:
         expert_zero_points: int4 only: each group and column has its own 4-bit zero-point z
             (asymmetric GPTQ, `sym: false`), w = (q - z) * scale, held as a plane of its own;
             False: the implicit zero 8 of symmetric GPTQ.
+        expert_act_order: int4 only: each matrix's input rows name their scale group (GPTQ
+            act-order, `desc_act: true`: the checkpoint's `g_idx`), held as an int32 plane of
+            its own, w[k, n] = (q[k, n] - z[g[k], n]) * scale[g[k], n]; False: row k is in group
+            k // group.
     """
 
     name: str
@@ -122,6 +126,7 @@ class ModelConfig:
     expert_format: str = "plain"
     expert_block: int = 0
     expert_zero_points: bool = False
+    expert_act_order: bool = False
 
     def __post_init__(self):
         positive = (
@@ -170,6 +175,12 @@ class ModelConfig:
             raise ValueError(f"expert_zero_points=True with expert_format="
                              f"{self.expert_format!r}: zero-points are an int4 format's "
                              "(asymmetric GPTQ); set expert_format='int4' or leave them off")
+        if not isinstance(self.expert_act_order, (bool, np.bool_)):
+            raise ValueError(f"expert_act_order must be a bool, got {self.expert_act_order!r}")
+        if self.expert_act_order and self.expert_format != "int4":
+            raise ValueError(f"expert_act_order=True with expert_format="
+                             f"{self.expert_format!r}: act-order group indices are an int4 "
+                             "format's (GPTQ desc_act); set expert_format='int4' or leave it off")
         if self.expert_format != "plain":
             from strata_jax.formats import ExpertFormat
 

@@ -29,16 +29,21 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         each matrix has a third plane, m_zero uint8 [K/G, N], one zero-point per group and
         column (GPTQ `qzeros`, int32 [K/G, N/8], eight 4-bit zeros per word along N, unpacked
         on load; GPTQ's v1 checkpoints store them minus one, so 0..16 once read):
-        w[k, n] = (q[k, n] - m_zero[k // G, n]) * m_scale[k // G, n]. `g_idx` other than
-        k // G (act-order) is refused.
+        w[k, n] = (q[k, n] - m_zero[k // G, n]) * m_scale[k // G, n]. With act-order (GPTQ
+        `desc_act: true`, `ModelConfig.expert_act_order`) a row's group is not k // G but the
+        checkpoint's `g_idx`, held as a last plane per matrix, m_gidx int32 [K]:
+        w[k, n] = (q[k, n] - z[m_gidx[k], n]) * m_scale[m_gidx[k], n] (z: 8 or m_zero); the
+        values keep their rows (the group halves are a storage order of 128-row blocks).
 
 Plane order in a blob: each matrix's weight plane followed by its scale plane (and int4's
-zero-point plane), matrices in the order gate, up, down. Each plane starts at a multiple of its
+zero-point and group-index planes), matrices in the order gate, up, down. Each plane starts at a multiple of its
 dtype's size (padding zero bytes where needed; the plain format never needs any).
 
 Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax (int4
-with zero-points: from the group's min and max, GPTQ's asymmetric grid); it makes the layout of
-those checkpoints, not their values (GPTQ's calibrated rounding is not redone). Dequantizing:
+with zero-points: from the group's min and max, GPTQ's asymmetric grid; with act-order each
+matrix's rows grouped in descending order of their largest magnitude, a stand-in for GPTQ's
+order, which needs calibration data); it makes the layout of those checkpoints, not their
+values (GPTQ's calibrated rounding is not redone). Dequantizing:
 `dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device runs) compute each value as one float32 product and one cast to the output dtype, so the two
 agree bit for bit.
 """
@@ -69,8 +74,8 @@ INT4_ZERO = 8  # the implicit zero-point of symmetric GPTQ
 INT4_PER_WORD = 8  # 4-bit values per int32 word of GPTQ's qweight
 KINDS = EXPERT_FORMATS  # ("plain", "fp8", "int4")
 # What a plain model's experts can be quantized to on load (`--quantize`): int4-zp is int4 with
-# zero-points (GPTQ's asymmetric grid).
-QUANTIZE_CHOICES = ("fp8", "int4", "int4-zp")
+# zero-points (GPTQ's asymmetric grid), int4-act int4 with act-order group indices.
+QUANTIZE_CHOICES = ("fp8", "int4", "int4-zp", "int4-act")
 
 
 def quantized_config(config: "ModelConfig", name: str, block: int) -> "ModelConfig":
@@ -78,8 +83,10 @@ def quantized_config(config: "ModelConfig", name: str, block: int) -> "ModelConf
     scale block / group `block`."""
     if name not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize {name!r}: expected one of {'|'.join(QUANTIZE_CHOICES)}")
-    return config.replace(expert_format=name.removesuffix("-zp"), expert_block=block,
-                          expert_zero_points=name.endswith("-zp"))
+    kind, *options = name.split("-")
+    return config.replace(expert_format=kind, expert_block=block,
+                          expert_zero_points="zp" in options,
+                          expert_act_order="act" in options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +94,8 @@ class Plane:
     """One plane of an expert blob.
 
     Attributes:
-        name: "gate", "up", "down" (weights), "<matrix>_scale" (scales) or "<matrix>_zero"
-            (int4's zero-points).
+        name: "gate", "up", "down" (weights), "<matrix>_scale" (scales), "<matrix>_zero"
+            (int4's zero-points) or "<matrix>_gidx" (int4's act-order group indices).
         dtype: Storage dtype.
         shape: Per-expert shape (a layer's plane is [E, *shape]).
     """
@@ -112,7 +119,7 @@ class Plane:
         return self.size * self.dtype.itemsize
 
 
-PLANE_SUFFIXES = ("_scale", "_zero")  # a matrix's side planes, after its values
+PLANE_SUFFIXES = ("_scale", "_zero", "_gidx")  # a matrix's side planes, after its values
 
 
 def plane_matrix(name: str) -> str:
@@ -138,8 +145,8 @@ class ExpertFormat:
     """How one routed expert's bytes are laid out: its planes, in blob order.
 
     Attributes:
-        name: "bfloat16" / "float32" / ... (plain, named after its dtype), "fp8", "int4" or
-            "int4-zp" (with zero-points).
+        name: "bfloat16" / "float32" / ... (plain, named after its dtype), "fp8", "int4",
+            "int4-zp" (with zero-points), "int4-act" (act-order) or "int4-zp-act".
         kind: "plain", "fp8" or "int4".
         planes: The planes, in blob order.
         dtype: The dtype the expert math reads (what `dequantize` gives).
@@ -162,23 +169,29 @@ class ExpertFormat:
     def of(cls, config: "ModelConfig", kind: str | None = None) -> "ExpertFormat":
         """The format `kind` ("plain": in the config's dtype; "fp8"; "int4"; default the
         config's `expert_format`) of the config's routed experts, with its `expert_block` and
-        (int4) `expert_zero_points`."""
+        (int4) `expert_zero_points` and `expert_act_order`."""
         kind = kind or config.expert_format
         return cls.make(kind, config.hidden_size, config.expert_intermediate, config.dtype,
                         block=config.expert_block or None,
-                        zero_points=kind == "int4" and bool(config.expert_zero_points))
+                        zero_points=kind == "int4" and bool(config.expert_zero_points),
+                        act_order=kind == "int4" and bool(config.expert_act_order))
 
     @classmethod
     def make(cls, kind: str, hidden: int, intermediate: int, dtype,
-             block: int | None = None, zero_points: bool = False) -> "ExpertFormat":
+             block: int | None = None, zero_points: bool = False,
+             act_order: bool = False) -> "ExpertFormat":
         """The format `kind` for experts of width H = `hidden`, I = `intermediate`, read by the
         expert math in `dtype`; `block`: fp8's scale block side or int4's group (default 128);
-        `zero_points`: int4 with a zero-point plane per matrix."""
+        `zero_points`: int4 with a zero-point plane per matrix; `act_order`: int4 with a
+        group-index plane per matrix."""
         if zero_points and kind != "int4":
             raise ValueError(f"zero-points are an int4 format's; the {kind!r} format has none")
+        if act_order and kind != "int4":
+            raise ValueError(f"act-order group indices are an int4 format's; the {kind!r} "
+                             "format has none")
         if kind == "int4":
             return cls.int4(hidden, intermediate, dtype, group=block or INT4_GROUP,
-                            zero_points=zero_points)
+                            zero_points=zero_points, act_order=act_order)
         if kind == "plain":
             return cls.plain(hidden, intermediate, dtype)
         if kind == "fp8":
@@ -207,10 +220,11 @@ class ExpertFormat:
 
     @classmethod
     def int4(cls, hidden: int, intermediate: int, dtype, group: int = INT4_GROUP,
-             zero_points: bool = False) -> "ExpertFormat":
+             zero_points: bool = False, act_order: bool = False) -> "ExpertFormat":
         """int4 with GPTQ's values and float16 scales per `group` inputs, the values of each
         group in two nibble halves of a [group/2, N] byte tile; symmetric (the implicit zero
-        8), or with `zero_points` a uint8 zero-point per group and column."""
+        8), or with `zero_points` a uint8 zero-point per group and column; with `act_order`
+        an int32 group index per input row (GPTQ's `g_idx`)."""
         if group < 1 or group % INT4_PER_WORD:
             raise ValueError(f"int4 group={group} must be a positive multiple of {INT4_PER_WORD}")
         planes = []
@@ -224,8 +238,11 @@ class ExpertFormat:
                        Plane(f"{m}_scale", np.float16, (k // group, n))]
             if zero_points:
                 planes.append(Plane(f"{m}_zero", np.uint8, (k // group, n)))
-        return cls("int4-zp" if zero_points else "int4", "int4", tuple(planes), np.dtype(dtype),
-                   int(hidden), int(intermediate), int(group))
+            if act_order:
+                planes.append(Plane(f"{m}_gidx", np.int32, (k,)))
+        name = "int4" + ("-zp" if zero_points else "") + ("-act" if act_order else "")
+        return cls(name, "int4", tuple(planes), np.dtype(dtype), int(hidden), int(intermediate),
+                   int(group))
 
     # ---- layout --------------------------------------------------------------------------------
 
@@ -233,6 +250,11 @@ class ExpertFormat:
     def zero_points(self) -> bool:
         """Whether each matrix has a zero-point plane (int4 with zero-points)."""
         return any(p.name.endswith("_zero") for p in self.planes)
+
+    @functools.cached_property
+    def act_order(self) -> bool:
+        """Whether each matrix has a group-index plane (int4 with act-order)."""
+        return any(p.name.endswith("_gidx") for p in self.planes)
 
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
@@ -374,13 +396,18 @@ class ExpertFormat:
     def quantize_matrix_np(self, matrix: str, x) -> dict[str, np.ndarray]:
         """The planes of one matrix ("gate", "up", "down") of experts x [E, in, out]: {matrix}
         (plain: cast) or {matrix, matrix_scale} (fp8, int4: round to nearest), and int4's
-        {matrix}_zero with zero-points."""
+        {matrix}_zero with zero-points and {matrix}_gidx with act-order (`act_order_g_idx`)."""
         x = np.asarray(x)
         if x.ndim != 3 or x.shape[1:] != self.matrix_shape(matrix):
             raise ValueError(f"expert {matrix} has shape {x.shape}; expected "
                              f"[E, {', '.join(map(str, self.matrix_shape(matrix)))}]")
         if self.kind == "plain":
             return {matrix: x.astype(self.dtype)}
+        if self.act_order:
+            g_idx = act_order_g_idx(x, self.block)
+            out = _int4_quantize_rows_np(x, g_idx, self.block, self.zero_points)
+            return {f"{matrix}{suffix}": a for suffix, a in zip(("", "_scale", "_zero"), out)
+                    if a is not None} | {f"{matrix}_gidx": g_idx}
         if self.zero_points:
             q, scale, zero = _int4_quantize_zero_np(x, self.block)
             return {matrix: q, f"{matrix}_scale": scale, f"{matrix}_zero": zero}
@@ -401,10 +428,12 @@ class ExpertFormat:
         if self.kind == "fp8":
             s = np.repeat(np.repeat(s, self.block, axis=-2), self.block, axis=-1)[..., :k, :n]
             return (q.astype(np.float32) * s).astype(dtype)
-        zero = (np.repeat(np.asarray(planes[f"{matrix}_zero"]).astype(np.int32), self.block,
-                          axis=-2) if self.zero_points else INT4_ZERO)
+        rows = (np.asarray(planes[f"{matrix}_gidx"]) if self.act_order  # each row's group
+                else np.arange(k) // self.block)
+        zero = (_rows_of(np.asarray(planes[f"{matrix}_zero"]).astype(np.int32), rows)
+                if self.zero_points else INT4_ZERO)
         vals = int4_values_np(q, self.block).astype(np.int32) - zero  # [E, K, N]
-        return (vals.astype(np.float32) * np.repeat(s, self.block, axis=-2)).astype(dtype)
+        return (vals.astype(np.float32) * _rows_of(s, rows)).astype(dtype)
 
     def dequantize(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None) -> jax.Array:
         """JAX `dequantize_np` (what the device runs before a bf16 grouped matmul): the same
@@ -422,7 +451,8 @@ class ExpertFormat:
             raise ValueError(f"{self.name} is a plain format: its planes are the weights")
         return QuantizedMatrix(planes[matrix], planes[f"{matrix}_scale"], self.kind, self.block,
                                self.matrix_shape(matrix), np.dtype(dtype or self.dtype),
-                               planes[f"{matrix}_zero"] if self.zero_points else None)
+                               planes[f"{matrix}_zero"] if self.zero_points else None,
+                               planes[f"{matrix}_gidx"] if self.act_order else None)
 
     def expert_weights(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
         """The ExpertWeights (JAX) of a layer's planes, dequantized; for a plain format in its
@@ -436,6 +466,27 @@ class ExpertFormat:
         if self.kind == "plain":
             return self.expert_weights(planes, dtype)
         return ExpertWeights(*(self.matrix(planes, m, dtype) for m in MATRICES))
+
+
+def _rows_of(grid: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A per-group plane [E, K/G, N] at each input row's group: [E, K, N]; `rows` [K] (one
+    grouping for every expert) or [E, K] (each expert's `g_idx`)."""
+    if rows.ndim == 1:
+        return grid[:, rows, :]
+    return np.take_along_axis(grid, rows[:, :, None], axis=1)
+
+
+def act_order_g_idx(x: np.ndarray, group: int) -> np.ndarray:
+    """Act-order group indices int32 [E, K] for experts x [E, K, N]: each expert's rows in
+    descending order of their largest magnitude (ties by row), the first `group` of that order
+    group 0 and so on (GPTQ orders rows by its calibration data's Hessian; with none, the rows'
+    own magnitude stands in)."""
+    e, k, _ = x.shape
+    amax = np.abs(np.asarray(x, np.float32)).max(axis=2)  # [E, K]
+    order = np.argsort(-amax, axis=1, kind="stable")
+    g_idx = np.empty((e, k), np.int32)
+    np.put_along_axis(g_idx, order, (np.arange(k) // group).astype(np.int32)[None, :], axis=1)
+    return g_idx
 
 
 def _fp8_quantize_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -514,6 +565,28 @@ def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
     q = np.clip(np.round(x.astype(np.float32) / full) + INT4_ZERO, 0, 15).astype(np.uint8)
     return int4_halves_np(q, group), scale
+
+
+def _int4_quantize_rows_np(x: np.ndarray, g_idx: np.ndarray, group: int, zero_points: bool
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`_int4_quantize_np` (or with `zero_points` `_int4_quantize_zero_np`) over groups of
+    rows given by `g_idx` int32 [E, K] (every group `group` rows): the rows of each group
+    gathered, quantized as one group, and their values put back in their rows. Returns
+    (values in group halves, scales, zero-points or None)."""
+    e, k, n = x.shape
+    order = np.argsort(g_idx, axis=1, kind="stable")  # [E, K]: rows by group
+    counts = np.stack([np.bincount(r, minlength=k // group) for r in g_idx])
+    if g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= k // group or np.any(counts != group):
+        raise ValueError(f"int4 act-order: each of the {k // group} groups must hold {group} rows")
+    xs = np.take_along_axis(x, order[:, :, None], axis=1)
+    if zero_points:
+        q, scale, zero = _int4_quantize_zero_np(xs, group)
+    else:
+        (q, scale), zero = _int4_quantize_np(xs, group), None
+    sorted_vals = int4_values_np(q, group)
+    vals = np.empty_like(sorted_vals)
+    np.put_along_axis(vals, order[:, :, None], sorted_vals, axis=1)
+    return int4_halves_np(vals, group), scale, zero
 
 
 def _int4_quantize_zero_np(x: np.ndarray, group: int

@@ -44,7 +44,7 @@ FUSED_KINDS = ("fp8", "int4")
 _INT4_ZERO = 8
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "zero"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "zero", "g_idx"],
                    meta_fields=["kind", "block", "shape", "dtype"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedMatrix:
@@ -60,6 +60,8 @@ class QuantizedMatrix:
         dtype: the dtype the expert math reads (`dequantize` gives it).
         zero: int4 with zero-points: uint8 [E, K/b, N], each group and column's zero-point
             (w = (q - zero) * scale); None: symmetric, the implicit 8 (and fp8).
+        g_idx: int4 with act-order: int32 [E, K], each input row's group (GPTQ `g_idx`);
+            None: row k is in group k // b.
     """
 
     q: jax.Array
@@ -69,19 +71,21 @@ class QuantizedMatrix:
     shape: tuple[int, int]
     dtype: np.dtype
     zero: jax.Array | None = None
+    g_idx: jax.Array | None = None
 
     def dequantize(self, dtype=None) -> jax.Array:
         """[E, K, N] in `dtype` (default `self.dtype`): each value one float32 product and one
         cast, as `ExpertFormat.dequantize` (which calls this)."""
         return dequantize_matrix(self.kind, self.block, self.shape, self.q, self.scale,
-                                 dtype or self.dtype, self.zero)
+                                 dtype or self.dtype, self.zero, self.g_idx)
 
 
 def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,
-                      scale: jax.Array, dtype, zero: jax.Array | None = None) -> jax.Array:
+                      scale: jax.Array, dtype, zero: jax.Array | None = None,
+                      g_idx: jax.Array | None = None) -> jax.Array:
     """A quantized matrix's values in `dtype`: fp8 float(q) * scale[k // b, n // b]; int4
-    (nibble - z) * scale[k // b, n], z the implicit 8 or `zero`[k // b, n]; one float32
-    product and one cast each."""
+    (nibble - z) * scale[g, n], g = k // b or (act-order) `g_idx`[k], z the implicit 8 or
+    `zero`[g, n]; one float32 product and one cast each."""
     k, n = shape
     s = scale.astype(jnp.float32)
     if kind == "fp8":
@@ -95,6 +99,13 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
     # cast) with the group's scale broadcast, no concatenation of the halves.
     b = q.astype(jnp.int32).reshape(*lead, k // block, 1, block // 2, n)
     shift = jnp.asarray([0, 4], jnp.int32).reshape(2, 1, 1)
+    if g_idx is not None:  # act-order: each row's scale and zero gathered by its group
+        vals = ((b >> shift) & 15).reshape(*lead, k, n)
+        rows = g_idx.astype(jnp.int32)[..., :, None]
+        z = (_INT4_ZERO if zero is None
+             else jnp.take_along_axis(zero, rows, axis=-2).astype(jnp.int32))
+        s = jnp.take_along_axis(s, rows, axis=-2)
+        return ((vals - z).astype(jnp.float32) * s).astype(dtype)
     z = (_INT4_ZERO if zero is None
          else zero.astype(jnp.int32).reshape(*lead, k // block, 1, 1, n))
     vals = ((b >> shift) & 15) - z
@@ -171,7 +182,8 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     grouped matmul).
 
     auto: mosaic where it reads the matrix, but for int4 with zero-points (DESIGN.md, "int4 with
-    zero-points"), else dequantize (the Triton kernel is slower than dequantize-then-matmul for
+    zero-points"), else dequantize (always for int4 with act-order group indices, which no
+    kernel reads) (the Triton kernel is slower than dequantize-then-matmul for
     int4 at every length measured); fused: mosaic where it reads the matrix, else triton, else
     dequantize."""
     from .grouped_matmul import is_hopper
@@ -200,11 +212,12 @@ def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> s
     are the weights)."""
     if fmt.kind == "plain":
         return None
-    # A stand-in zero plane says the format has zero-points (the kernels read none).
+    # Stand-in planes say the format has zero-points or group indices (the kernels read none).
     zero = np.zeros((0,), np.uint8) if getattr(fmt, "zero_points", False) else None
+    g_idx = np.zeros((0,), np.int32) if getattr(fmt, "act_order", False) else None
     paths = {resolve_quantized(impl, QuantizedMatrix(None, None, fmt.kind, fmt.block,
-                                                     fmt.matrix_shape(m), fmt.dtype, zero),
-                               device)
+                                                     fmt.matrix_shape(m), fmt.dtype, zero,
+                                                     g_idx), device)
              for m in ("gate", "up", "down")}
     if "dequantize" in paths:
         return "dequantize"
@@ -213,8 +226,8 @@ def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> s
 
 def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:
     """Whether the fused kernel can tile `w` (else `grouped_matmul` dequantizes first): not
-    int4 with zero-points."""
-    if w.kind not in FUSED_KINDS or w.zero is not None:
+    int4 with zero-points or act-order group indices."""
+    if w.kind not in FUSED_KINDS or w.zero is not None or w.g_idx is not None:
         return False
     k, n = w.shape
     t = tiles or TILES[w.kind]
@@ -333,9 +346,11 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
     from jax.experimental.pallas import triton as plt
 
     m, k, n = check_operands("fused_grouped_matmul", x, w, group_sizes)
-    if w.zero is not None:
-        raise ValueError("fused_grouped_matmul: an int4 matrix with zero-points is not read by "
-                         "the fused kernels; use grouped_matmul, which dequantizes it first")
+    if w.zero is not None or w.g_idx is not None:
+        raise ValueError(f"fused_grouped_matmul: an int4 matrix with "
+                         f"{'zero-points' if w.g_idx is None else 'act-order group indices'} "
+                         "is not read by the Triton kernel; use grouped_matmul, which "
+                         "dequantizes it first")
     tiles = tiles or tiles_for(w)
     if not fused_supports(w, tiles):
         raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "
@@ -397,5 +412,5 @@ def fused_reference(x, w: QuantizedMatrix, group_sizes) -> np.ndarray:
     from .grouped_matmul import grouped_matmul_reference
     from .reference import dequantized64
 
-    deq = dequantized64(w.kind, w.block, w.shape, w.q, w.scale, w.zero)
+    deq = dequantized64(w.kind, w.block, w.shape, w.q, w.scale, w.zero, w.g_idx)
     return grouped_matmul_reference(np.asarray(x, np.float64), deq, group_sizes)

@@ -440,10 +440,11 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
     of 128 (a k step one group, or half of one: block_k 128 or 64), symmetric or with a
     zero-point plane (one compute warpgroup: the two-warpgroup kernel's warp-specialized
-    pipeline with a third plane hangs in Pallas' interpreter, so it is not used), whole column
+    pipeline with a third plane hangs in Pallas' interpreter, so it is not used), rows in
+    groups k // 128 (not act-order's group indices), whole column
     tiles, read as bf16 or fp16."""
     k, n = w.shape
-    return (w.kind == "int4" and w.block == INT4_GROUP
+    return (w.kind == "int4" and w.block == INT4_GROUP and w.g_idx is None
             and (w.zero is None or tiles.compute_wgs == 1)
             and tiles.block_k in (INT4_GROUP, INT4_GROUP // 2)
             and k % INT4_GROUP == 0 and n % tiles.block_n == 0

@@ -160,8 +160,8 @@ def fp8_block_quantize(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarra
     return q, scale
 
 
-def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False,
-                  sym: bool = True) -> dict[str, np.ndarray]:
+def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False, sym: bool = True,
+                  act_order: bool = False) -> dict[str, np.ndarray]:
     """A [out, in] weight as a 4-bit GPTQ checkpoint stores it (round to nearest, no
     calibration): per group of `group` inputs and output column, symmetric: scale = 2 amax / 15
     (1 for a zero group) in float16 and the zero z = 8; asymmetric (`sym` False): scale =
@@ -170,10 +170,17 @@ def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False,
     that float16 scale; `qweight` int32 [in/8, out] (input row 8r + j in bits 4j..4j+3 of word
     r), `scales` float16 [in/group, out], `qzeros` int32 [in/group, out/8] (z in each nibble,
     stored minus one in checkpoint_format gptq, as is in gptq_v2), `g_idx` int32 [in] =
-    k // group."""
+    k // group, or with `act_order` (desc_act) each row's group when the inputs are taken in
+    descending order of their rows' largest magnitude, `group` at a time (the rows keep their
+    place in `qweight`)."""
     wt = w.T.astype(np.float32)  # [in, out]
     k, n = wt.shape
-    g = wt.reshape(k // group, group, n)
+    g_idx = (np.arange(k) // group).astype(np.int32)
+    if act_order:
+        order = np.argsort(-np.abs(wt).max(axis=1), kind="stable")
+        g_idx[order] = np.arange(k) // group
+    by_group = np.argsort(g_idx, kind="stable")  # rows of group 0, then 1, ...
+    g = wt[by_group].reshape(k // group, group, n)
     if sym:
         amax = np.abs(g).max(axis=1)
         scale = np.where(amax > 0, 2 * amax / 15, 1).astype(np.float16)
@@ -182,21 +189,22 @@ def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False,
         lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
         scale = np.where(hi > lo, (hi - lo) / 15, 1).astype(np.float16)
         z = np.clip(np.round(-lo / scale.astype(np.float32)), 1, 15).astype(np.int64)
-    full = np.repeat(scale.astype(np.float32), group, axis=0)  # GPTQ packs with the fp16 scale
-    q = np.clip(np.round(wt / full) + np.repeat(z, group, axis=0), 0, 15).astype(np.uint32)
+    full = scale.astype(np.float32)[g_idx]  # GPTQ packs with the fp16 scale
+    q = np.clip(np.round(wt / full) + z[g_idx], 0, 15).astype(np.uint32)
     shifts = np.arange(8, dtype=np.uint32) * 4
     qweight = np.bitwise_or.reduce(q.reshape(k // 8, 8, n) << shifts[:, None], axis=1)
     zero = (z - (0 if v2 else 1)).astype(np.uint32).reshape(k // group, n // 8, 8)
     qzeros = np.bitwise_or.reduce(zero << shifts, axis=2)
     out = {"qweight": qweight.view(np.int32), "scales": scale,
-           "qzeros": qzeros.view(np.int32), "g_idx": (np.arange(k) // group).astype(np.int32)}
+           "qzeros": qzeros.view(np.int32), "g_idx": g_idx}
     return {name: np.ascontiguousarray(a) for name, a in out.items()}
 
 
 def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False,
-                sym: bool = True):
+                sym: bool = True, act_order: bool = False):
     """`hf_tensors`' checkpoint as an FP8 ("fp8", as Qwen/Qwen3-30B-A3B-FP8) or 4-bit GPTQ
-    ("gptq", as Qwen/Qwen3-30B-A3B-GPTQ-Int4; `sym` False: with zero-points) one: every
+    ("gptq", as Qwen/Qwen3-30B-A3B-GPTQ-Int4; `sym` False: with zero-points; `act_order`:
+    desc_act's g_idx) one: every
     attention projection and routed expert quantized (but the modules in `keep`), with `block`
     the FP8 block side or the GPTQ group; the routers, norms, embedding and lm_head as they
     were."""
@@ -208,7 +216,8 @@ def hf_quantize(tensors, method: str, block: int, *, keep=(), v2: bool = False,
             out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = q, scale
         else:
             out.update({f"{module}.{k}": v
-                        for k, v in gptq_quantize(w, block, v2=v2, sym=sym).items()})
+                        for k, v in gptq_quantize(w, block, v2=v2, sym=sym,
+                                                  act_order=act_order).items()})
     return out
 
 

@@ -171,6 +171,46 @@ def test_int4_round_trip_within_its_bound():
     np.testing.assert_array_equal(q * np.repeat(planes["down_scale"], g, 1), got["down"])
 
 
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_int4_act_order_groups_rows_by_their_index(zero_points):
+    """Act-order (GPTQ desc_act): a group-index plane per matrix after its other planes; each
+    group of rows (the rows its index names, not k // g) gets its own scale, the values keep
+    their rows, and the round trip's error is within s / 2 of each row's own group's scale."""
+    e, h, i, g = 2, 256, 128, 64
+    fmt = ExpertFormat.int4(h, i, np.float32, group=g, zero_points=zero_points, act_order=True)
+    assert fmt.act_order and fmt.name == ("int4-zp-act" if zero_points else "int4-act")
+    side = ["_scale", "_zero", "_gidx"] if zero_points else ["_scale", "_gidx"]
+    assert [p.name for p in fmt.planes] == [m + sfx for m in ("gate", "up", "down")
+                                            for sfx in ["", *side]]
+    assert fmt.plane("down_gidx") == Plane("down_gidx", np.int32, (i,))
+    plain = ExpertFormat.int4(h, i, np.float32, group=g, zero_points=zero_points)
+    assert fmt.blob_bytes == plain.blob_bytes + 4 * (2 * h + i)
+    w = _experts(e, h, i, scale=0.02, seed=3)
+    planes, got = _round_trip(fmt, w)
+    for m in ("gate", "up", "down"):
+        x, rows = getattr(w, m), planes[f"{m}_gidx"]
+        k = x.shape[1]
+        assert rows.dtype == np.int32 and rows.shape == (e, k)
+        assert (rows != np.arange(k) // g).mean() > 0.3  # permuted, not k // g
+        for r in rows:  # every group holds g rows, the largest-magnitude rows first
+            np.testing.assert_array_equal(np.bincount(r, minlength=k // g), g)
+        amax = np.abs(x).max(axis=2)
+        assert all(amax[j][rows[j] == 0].min() >= amax[j][rows[j] == 1].max() for j in range(e))
+        s = np.take_along_axis(planes[f"{m}_scale"].astype(np.float64), rows[:, :, None], 1)
+        err = np.abs(got[m].astype(np.float64) - x)
+        assert np.all(err <= s / 2 + np.abs(x) * 2**-22), m
+    with pytest.raises(ValueError, match="act-order group indices are an int4 format's"):
+        ExpertFormat.make("fp8", h, i, np.float32, act_order=True)
+    c = get_preset("qwen3-30b-a3b").scaled(hidden_size=256, expert_intermediate=128)
+    with pytest.raises(ValueError, match="expert_act_order=True with expert_format='fp8'"):
+        c.replace(expert_format="fp8", expert_act_order=True)
+    from strata_jax.formats import quantized_config
+
+    q = quantized_config(c, "int4-act", 64)
+    assert (q.expert_format, q.expert_zero_points, q.expert_act_order) == ("int4", False, True)
+    assert ExpertFormat.of(q).name == "int4-act"
+
+
 def test_int4_halves_are_gptq_words_rearranged():
     # GPTQ's qweight (row 8r + j in bits 4j..4j+3 of word r) and the format's group halves
     # hold the same values: each group's first half in the low nibbles of its byte rows, its
@@ -196,12 +236,13 @@ def test_int4_halves_are_gptq_words_rearranged():
         int4_values_np(halves[:, :32], g)
 
 
-@pytest.mark.parametrize("kind", ["plain", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["plain", "fp8", "int4", "int4-act"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_jax_dequantize_is_the_numpy_one(kind, dtype):
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     e, h, i = 2, 128, 192
-    fmt = ExpertFormat.make(kind, h, i, dtype, block=64)
+    fmt = ExpertFormat.make(kind.removesuffix("-act"), h, i, dtype, block=64,
+                            act_order=kind.endswith("-act"))
     w = _experts(e, h, i, scale=0.05, seed=7)
     planes = fmt.split_np(fmt.pack_np(fmt.quantize_np(w)))
     got = jax.jit(fmt.expert_weights)({k: jnp.asarray(v) for k, v in planes.items()})

@@ -18,7 +18,7 @@ from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes, row_pie
 from strata_jax.kernels import Kernels
 from strata_jax.quant_matmul import (TILES, QuantizedMatrix, Tiles, fused_grouped_matmul,
                                      fused_reference, fused_supports, group_metadata,
-                                     resolve_quantized, tiles_for)
+                                     resolve_format, resolve_quantized, tiles_for)
 from strata_jax.testing import assert_close
 
 SIZES = [50, 0, 130, 20, 0]  # an empty expert between two, one at the end
@@ -258,3 +258,40 @@ def test_zero_points_take_the_mosaic_kernel_or_dequantize():
     # the same planes read as symmetric would be another matrix: the zero plane is used
     sym = dataclasses.replace(wz, zero=None)
     assert not np.array_equal(np.asarray(sym.dequantize()), np.asarray(wz.dequantize()))
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_act_order_group_indices_are_dequantized_by_their_groups(zero_points):
+    # An int4 matrix with act-order group indices (GPTQ desc_act): no kernel reads it (auto
+    # and fused dequantize it, on Hopper too; the Triton kernel refuses it by name), and
+    # grouped_matmul's rows equal the float64 reference of (q - z[g_idx]) * scale[g_idx].
+    import types
+
+    from strata_jax.quant_mosaic import MOSAIC_INT4_TILES, mosaic_int4_supports
+
+    e, k, n = 5, 256, 128
+    fmt = ExpertFormat.make("int4", k, n, jnp.bfloat16, block=128, zero_points=zero_points,
+                            act_order=True)
+    w = np.random.default_rng(0).standard_normal((e, k, n)).astype(np.float32) * 0.05 + 0.02
+    p = {name: jnp.asarray(v) for name, v in fmt.quantize_matrix_np("gate", w).items()}
+    wa = fmt.matrix(p, "gate")
+    g_idx = np.asarray(wa.g_idx)
+    assert g_idx.shape == (e, k) and (g_idx != np.arange(k) // 128).mean() > 0.3
+    hopper = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
+                                   compute_capability="9.0")
+    for impl in (None, "fused", "dequantize"):
+        assert resolve_quantized(impl, wa, hopper) == "dequantize", impl
+    assert resolve_format(None, fmt, hopper) == "dequantize"
+    assert not fused_supports(wa) and not mosaic_int4_supports(wa, MOSAIC_INT4_TILES)
+    sizes = jnp.asarray([40, 0, 17, 3, 0], jnp.int32)
+    x = _x(64, k)
+    with pytest.raises(ValueError, match="act-order group indices .* use grouped_matmul"):
+        fused_grouped_matmul(x, wa, sizes)
+    got = np.asarray(grouped_matmul(x, wa, sizes)).astype(np.float64)
+    want = fused_reference(x, wa, np.asarray(sizes))
+    assert np.isfinite(got).all()
+    assert_close(got[:60], want[:60], jnp.bfloat16)
+    assert (got[60:] == 0).all()
+    # read as groups k // 128 the same planes would be another matrix: the indices are used
+    plain = dataclasses.replace(wa, g_idx=None)
+    assert not np.array_equal(np.asarray(plain.dequantize()), np.asarray(wa.dequantize()))

@@ -28,7 +28,10 @@ FORMATS = {"fp8": PLAIN.replace(expert_format="fp8", expert_block=16),
            "int4": PLAIN.replace(expert_format="int4", expert_block=16),
            # int4 with a zero-point plane per matrix (asymmetric GPTQ)
            "int4-zp": PLAIN.replace(expert_format="int4", expert_block=16,
-                                    expert_zero_points=True)}
+                                    expert_zero_points=True),
+           # and with act-order group indices (GPTQ desc_act), the rows' groups a permutation
+           "int4-zp-act": PLAIN.replace(expert_format="int4", expert_block=16,
+                                        expert_zero_points=True, expert_act_order=True)}
 
 
 def _tokens(n: int, seed: int = 5) -> np.ndarray:
@@ -40,7 +43,8 @@ def plain_params():
     return SyntheticParams(PLAIN, 3, 1.0)
 
 
-@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4", "int4-zp"])
+@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4", "int4-zp",
+                                  "int4-zp-act"])
 def test_quantized_model_matches_float64_reference(plain_params, kind):
     # The resident engine's logits at every position against the float64 forward of the
     # dequantized planes, within the parameter dtype's tolerance.
@@ -73,7 +77,7 @@ def test_quantized_logits_report_accuracy_against_the_plain_model(plain_params):
     assert report["fp8"][2] >= 0.75 and min(report["int4"][2], report["int4-zp"][2]) >= 0.5
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp", "int4-zp-act"])
 def test_reference_dequantization_equals_the_formats(kind):
     # Two implementations of the dequantization: the reference's float64 formulas and the
     # format's float32 products (what the device runs) agree to float32 rounding.
@@ -273,7 +277,8 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
 @pytest.mark.parametrize("kind,every", [
     ("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
     pytest.param("int4", True, marks=pytest.mark.slow),
-    ("int4-zp", False), pytest.param("int4-zp", True, marks=pytest.mark.slow)])
+    ("int4-zp", False), pytest.param("int4-zp", True, marks=pytest.mark.slow),
+    ("int4-zp-act", False), pytest.param("int4-zp-act", True, marks=pytest.mark.slow)])
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
     # For a given format: resident, stream-all and routed (packed and frames rings, the last
     # layer in pieces) read the same logits and KV cache, in chunks and on a follow-up turn;
@@ -303,3 +308,32 @@ def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, e
                 tot = r.totals()
                 assert tot["bytes"] == tot["copied"] * cfg.expert_bytes > 0
     assert len(set(got.values())) == 1, got
+
+
+@pytest.mark.gpu
+def test_act_order_experts_stream_on_the_gpu_with_the_resident_bits(plain_params):
+    # int4 with zero-points and act-order group indices (12 planes a blob) through the CUDA
+    # engine: resident, routed (frames ring, the last layer in pieces) and stream-all (packed)
+    # read the same bits, dequantized on the device; the logits are the float64 forward's.
+    from strata_jax.stream import StreamConfig, StreamTuning
+
+    cfg = FORMATS["int4-zp-act"]
+    params = QuantizedParams(plain_params, cfg)
+    toks = _tokens(40)
+    arms = {"resident": None,
+            "routed": StreamConfig(routed=True, tuning=StreamTuning(
+                layout="frames", tail_pieces=2, tail_from=16, stream_floor=1)),
+            "stream-all": StreamConfig(routed=False, tuning=StreamTuning(layout="packed"))}
+    got = {}
+    for arm, stream in arms.items():
+        with Engine(cfg, params, stream, max_context=64, chunk_size=64) as eng:
+            r = eng.prefill(toks)
+            got[arm] = (r.logits_sha256(), r.kv_sha256())
+            logits = np.asarray(r.logits)
+            if stream is not None:
+                assert eng.streamer.backend == "cuda"
+                tot = r.totals()
+                assert tot["bytes"] == tot["copied"] * cfg.expert_bytes > 0
+    assert len(set(got.values())) == 1, got
+    want, _ = reference_forward(cfg, {n: params[n] for n in params}, toks)
+    assert_close(logits, want[-1], cfg.dtype)

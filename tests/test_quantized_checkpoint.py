@@ -27,15 +27,17 @@ def small(preset=QWEN, inter=32):
 
 
 def write(path, c, preset, method, block, *, keep=(), tensors=None, v2=False, sym=True,
-          **quant_fields):
+          act_order=False, **quant_fields):
     """A quantized checkpoint of `c`'s synthetic params (GPTQ with zero-points where `sym` is
-    False); returns (params, files' tensors)."""
+    False, with act-order's g_idx where `act_order`); returns (params, files' tensors)."""
     params = init_synthetic(c, 0)
     if tensors is None:
         tensors = hf_quantize(hf_tensors(c, params, preset), method, block, keep=keep, v2=v2,
-                              sym=sym)
+                              sym=sym, act_order=act_order)
     if not sym:
         quant_fields["sym"] = False
+    if act_order:
+        quant_fields["desc_act"] = True
     q = hf_quantization_config(c, preset, method, block, keep=keep, **quant_fields)
     write_hf_checkpoint(path, c, preset, tensors, quantization_config=q)
     return params, tensors
@@ -80,12 +82,14 @@ def gptq_zeros(t, module, v2):
 
 
 def gptq_f64(t, module, group, zero=8):
-    """float64 dequantization of a GPTQ checkpoint's linear, [in, out]; `zero` 8 (symmetric)
-    or the zero-points [in/group, out]."""
+    """float64 dequantization of a GPTQ checkpoint's linear, [in, out], as published: row k in
+    group g_idx[k] (k // group where the files hold no g_idx); `zero` 8 (symmetric) or the
+    zero-points [in/group, out]."""
     q = nibbles(t[f"{module}.qweight"]).astype(np.float64)
+    rows = t.get(f"{module}.g_idx", np.arange(q.shape[0]) // group)
     if np.ndim(zero):
-        zero = np.repeat(zero, group, axis=0)
-    return (q - zero) * np.repeat(t[f"{module}.scales"].astype(np.float64), group, axis=0)
+        zero = zero[rows]
+    return (q - zero) * t[f"{module}.scales"].astype(np.float64)[rows]
 
 
 # ---- FP8 ----------------------------------------------------------------------------------------
@@ -248,6 +252,62 @@ def test_gptq_zero_points_are_a_plane_and_dequantize_in_float64(tmp_path, v2):
     np.testing.assert_array_equal(store, fmt.pack_np(ckpt.experts.planes(1)))
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_act_order_keeps_g_idx_as_a_plane_and_dequantizes_in_float64(tmp_path, sym):
+    """desc_act=true: each quantized linear's rows are in the groups its g_idx names (a
+    permutation here, not k // group); the routed experts keep g_idx as an int32 plane, and
+    dequantized experts and attention projections equal the float64 dequantization
+    (q - z[g_idx]) * scale[g_idx] of the files."""
+    c, group = small(inter=64), 32  # two groups along every input
+    _, t = write(tmp_path, c, QWEN, "gptq", group, sym=sym, act_order=True)
+    ckpt = load_checkpoint(str(tmp_path), progress=False)
+    cfg = ckpt.config
+    assert (cfg.expert_format, cfg.expert_zero_points, cfg.expert_act_order) == (
+        "int4", not sym, True)
+    fmt = ExpertFormat.of(cfg)
+    assert fmt.name == ("int4-act" if sym else "int4-zp-act")
+    assert ckpt.experts.nbytes == len(c.moe_layers) * c.n_experts * fmt.blob_bytes
+    for layer in c.moe_layers:
+        planes = ckpt.experts.planes(layer)
+        got = ckpt.experts.layer(layer)
+        for field in ExpertWeights._fields:
+            ms = [expert_module(QWEN, layer, e, field) for e in range(c.n_experts)]
+            g_idx = np.stack([t[f"{m}.g_idx"] for m in ms])
+            k = g_idx.shape[1]
+            assert (g_idx != np.arange(k) // group).mean() > 0.3, field  # act-order's groups
+            assert planes[f"{field}_gidx"].dtype == np.int32
+            np.testing.assert_array_equal(planes[f"{field}_gidx"], g_idx)
+            for e, m in enumerate(ms):
+                zero = 8 if sym else gptq_zeros(t, m, False)
+                assert_close(getattr(got, field)[e], gptq_f64(t, m, group, zero), np.float32,
+                             err_msg=m)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            m = f"model.layers.{layer}.self_attn.{proj}"
+            zero = 8 if sym else gptq_zeros(t, m, False)
+            assert_close(ckpt.params[f"layers.{layer}.attn.{proj}"],
+                         gptq_f64(t, m, group, zero), np.float32, err_msg=m)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: t.pop(f"model.layers.1.mlp.experts.0.gate_proj.g_idx"),
+     r"missing tensor 'model.layers.1.mlp.experts.0.gate_proj.g_idx' \(expected I32 shape "
+     r"\(64,\)\)"),
+    (lambda t: t.pop("model.layers.0.self_attn.q_proj.g_idx"),
+     r"'model.layers.0.self_attn.q_proj.g_idx' is missing: with desc_act=true"),
+    (lambda t: t["model.layers.1.mlp.experts.0.up_proj.g_idx"].__setitem__(3, 2),
+     r"'model.layers.1.mlp.experts.0.up_proj.g_idx' names group 2 for row 3; a 64-wide input "
+     r"in groups of 32 has groups 0 .. 1"),
+    (lambda t: t["model.layers.0.self_attn.o_proj.g_idx"].__setitem__(0, -1),
+     r"'model.layers.0.self_attn.o_proj.g_idx' names group -1 for row 0")])
+def test_gptq_act_order_refuses_a_missing_or_out_of_range_g_idx(tmp_path, edit, match):
+    c = small()
+    t = hf_quantize(hf_tensors(c, init_synthetic(c, 0), QWEN), "gptq", 32, act_order=True)
+    edit(t)
+    write(tmp_path, c, QWEN, "gptq", 32, tensors=t, desc_act=True)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(str(tmp_path), progress=False)
+
+
 def test_gptq_plane_rounding_matches_quantize_np_where_the_scales_agree(tmp_path):
     """Where the checkpoint's float16 scale is the one `quantize_np` picks (2 amax / 15 rounded
     up), the 4-bit values are the same: the layouts agree, not only the dequantized values."""
@@ -303,7 +363,7 @@ CONFIG_REFUSED = [
     ("fp8", {"modules_to_not_convert": ["model.layers.1.mlp.experts.0.down_proj"]},
      r"leaves 'model.layers.1.mlp.experts.0.down_proj' unquantized but not"),
     ("gptq", {"bits": 8}, r"bits=8: only 4-bit"),
-    ("gptq", {"desc_act": True}, r"desc_act=True: act-order"),
+    ("gptq", {"desc_act": "yes"}, r"desc_act='yes': expected true or false"),
     ("gptq", {"sym": "no"}, r"sym='no': expected true or false"),
     ("gptq", {"checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
     ("gptq", {"lm_head": True}, r"lm_head=True"),
@@ -417,9 +477,11 @@ def test_config_from_real_quantized_keys():
 
 # ---- end to end ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method,block,sym", [("fp8", 32, True), ("gptq", 32, True),
-                                              ("gptq", 32, False)])
-def test_quantized_checkpoint_prefills_as_the_float64_reference(tmp_path, method, block, sym):
+@pytest.mark.parametrize("method,block,sym,act_order", [
+    ("fp8", 32, True, False), ("gptq", 32, True, False), ("gptq", 32, False, False),
+    ("gptq", 32, False, True)])
+def test_quantized_checkpoint_prefills_as_the_float64_reference(tmp_path, method, block, sym,
+                                                                act_order):
     # A loaded FP8 / GPTQ checkpoint through the engine (experts resident, dequantized on the
     # device before the expert math): every position's logits against the float64 forward of
     # the same planes and dequantized linears.
@@ -427,11 +489,11 @@ def test_quantized_checkpoint_prefills_as_the_float64_reference(tmp_path, method
     from strata_jax.reference import reference_forward
 
     c = small()
-    write(tmp_path, c, QWEN, method, block, sym=sym)
+    write(tmp_path, c, QWEN, method, block, sym=sym, act_order=act_order)
     ckpt = load_checkpoint(tmp_path)
     cfg = ckpt.config
     assert cfg.expert_format == ("fp8" if method == "fp8" else "int4")
-    assert cfg.expert_zero_points == (not sym)
+    assert (cfg.expert_zero_points, cfg.expert_act_order) == (not sym, act_order)
     toks = np.random.default_rng(4).integers(0, cfg.vocab_size, 20)
     with Engine(cfg, ckpt.params, max_context=32, experts=ckpt.experts.as_mapping()) as eng:
         got = eng.prefill(toks)

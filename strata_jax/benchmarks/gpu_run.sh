@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
 #   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|diag|timeline|chunked|score|all][,...]
-# Stages run in the order given after one build (a comma list: "tests,chunked"); SKIP_BUILD=1
+# Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
+# files (default tests/), TEST_K: a pytest -k expression over them; SKIP_BUILD=1
 # reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS,
 # SCORE_ARGS).
 # Run from the repository root (the device tool's working directory).
@@ -24,7 +25,7 @@ fi
 rc=0
 for STAGE in ${STAGE//,/ }; do
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
-  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 ${TEST_K:+-k "$TEST_K"} ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then

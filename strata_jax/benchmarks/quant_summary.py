@@ -34,8 +34,10 @@ def summarize(results: list[dict]) -> dict:
     """The targets' figures of `results` (stream_bench JSONs; exactly one plain)."""
     by_format = {}
     for res in results:
-        # int4 with zero-points (`--quantize int4-zp`) is a format of its own here
-        fmt = res.get("expert_format", "plain") + ("-zp" if res.get("expert_zero_points") else "")
+        # int4 with zero-points (`--quantize int4-zp`) or act-order (`int4-act`) is a format
+        # of its own here
+        fmt = (res.get("expert_format", "plain") + ("-zp" if res.get("expert_zero_points") else "")
+               + ("-act" if res.get("expert_act_order") else ""))
         if fmt in by_format:
             raise ValueError(f"two results for expert format {fmt!r}")
         by_format[fmt] = res

@@ -757,6 +757,7 @@ def main(argv=None) -> int:
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
               "expert_format": cfg.expert_format, "expert_block": cfg.expert_block,
               "expert_zero_points": bool(cfg.expert_zero_points),
+              "expert_act_order": bool(cfg.expert_act_order),
               # the kernel the experts are read with here (None: a plain format)
               "quantized_matmul": resolve_format(args.quantized_matmul, ExpertFormat.of(cfg)),
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import memory
-from ..formats import quantized_config
+from ..formats import QUANTIZE_CHOICES, quantized_config
 from ..memory import _gib, _size
 
 # Scaled-down sizes, applied with ModelConfig.scaled(); fields given on the command line
@@ -208,7 +208,8 @@ class _Model:
         self.quant_block = getattr(args, "quant_block", None)
         self.plain_config = self.config  # the weights' own format (what --quantize reads)
         if self.quant_block is not None and self.quantize is None:
-            raise UsageError("--quant-block applies with --quantize fp8|int4|int4-zp")
+            raise UsageError("--quant-block applies with --quantize "
+                             f"{'|'.join(QUANTIZE_CHOICES)}")
         if self.quantize and self.config is not None:
             self.config = self._quantized(self.config)
 
@@ -275,7 +276,8 @@ class _Model:
         return (f"model {c.name} ({where}): {c.n_layers} layers{dense}, {c.n_experts} experts "
                 f"top-{c.top_k}, hidden {c.hidden_size}, expert {_size(c.expert_bytes)}"
                 f"{'' if c.expert_format == 'plain' else ' ' + c.expert_format}"
-                f"{' with zero-points' if c.expert_zero_points else ''}, "
+                f"{' with zero-points' if c.expert_zero_points else ''}"
+                f"{' with act-order groups' if c.expert_act_order else ''}, "
                 f"{c.param_dtype}")
 
     def summary(self) -> dict:
@@ -286,7 +288,8 @@ class _Model:
             "top_k": c.top_k, "hidden": c.hidden_size, "expert_width": c.expert_intermediate,
             "vocab": c.vocab_size, "dtype": c.param_dtype, "expert_bytes": c.expert_bytes,
             "expert_format": c.expert_format, "expert_block": c.expert_block or None,
-            "expert_zero_points": bool(c.expert_zero_points), "max_seq_len": c.max_seq_len}
+            "expert_zero_points": bool(c.expert_zero_points),
+            "expert_act_order": bool(c.expert_act_order), "max_seq_len": c.max_seq_len}
 
     def weights(self, log: _Log):
         """(config, params, experts mapping or None). Nothing of the experts is made or read
