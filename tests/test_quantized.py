@@ -194,22 +194,28 @@ def test_cli_quantize_reads_a_quantized_model():
 
 
 @pytest.mark.slow
-def test_cli_quantize_int4_with_zero_points():
-    # int4-zp: int4 with a zero-point plane, streamed over the simulated link and resident
-    # with the same bits; the zero planes add their bytes to an expert's
+@pytest.mark.parametrize("name", ["int4-zp", "int4-act"])
+def test_cli_quantize_int4_with_zero_points_or_act_order(name):
+    # int4-zp (a zero-point plane) and int4-act (a group-index plane): streamed over the
+    # simulated link and resident with the same bits; the side planes add their bytes to an
+    # expert's
     fmt = ExpertFormat.make("int4", 64, 32, np.float32, block=32)
     got = []
     for extra in (["--no-stream"], []):
-        rc, out, err = _cli(["prefill", *MODEL, "--quantize", "int4-zp", "--tokens", "32",
+        rc, out, err = _cli(["prefill", *MODEL, "--quantize", name, "--tokens", "32",
                              "--json", "-q", *extra])
         assert rc == 0, err
         d = json.loads(out)
-        assert (d["model"]["expert_format"], d["model"]["expert_zero_points"]) == ("int4", True)
+        m = d["model"]
+        assert (m["expert_format"], m["expert_zero_points"], m["expert_act_order"]) == (
+            "int4", name == "int4-zp", name == "int4-act")
         got.append((d["logits_sha256"], d["kv_sha256"]))
     assert got[0] == got[1]
-    zp = ExpertFormat.make("int4", 64, 32, np.float32, block=32, zero_points=True)
-    # a zero-point byte per group and column: gate and up [64/32, 32], down [32/32, 64]
-    assert d["model"]["expert_bytes"] == zp.blob_bytes == fmt.blob_bytes + 2 * 2 * 32 + 64
+    if name == "int4-zp":  # a zero-point byte per group and column: gate and up [64/32, 32],
+        extra_bytes = 2 * 2 * 32 + 64  # down [32/32, 64]
+    else:  # an int32 group index per input row: gate and up 64, down 32
+        extra_bytes = 4 * (2 * 64 + 32)
+    assert m["expert_bytes"] == fmt.blob_bytes + extra_bytes
 
 
 def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):
