@@ -452,19 +452,22 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
     from strata_jax.benchmarks import quant_summary
 
     paths = []
-    for fmt, scale in (("plain", 1.0), ("fp8", 0.5), ("int4", 0.26), ("int4-zp", 0.27)):
+    for fmt, scale in (("plain", 1.0), ("fp8", 0.5), ("int4", 0.26), ("int4-zp", 0.27),
+                       ("int4-act", 0.265)):
         p = tmp_path / f"{fmt}.json"
-        res = _sweep_result(fmt.removesuffix("-zp"), scale)
+        res = _sweep_result(fmt.split("-")[0], scale)
         res["expert_zero_points"] = fmt.endswith("-zp")
+        res["expert_act_order"] = fmt.endswith("-act")
         p.write_text(json.dumps(res))
         paths.append(str(p))
     out = tmp_path / "q.json"
     assert quant_summary.main([*paths, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = {(r["format"], r["tokens"]): r for r in res["rows"]}
-    assert set(rows) == {(f, n) for f in ("plain", "fp8", "int4", "int4-zp")
+    assert set(rows) == {(f, n) for f in ("plain", "fp8", "int4", "int4-zp", "int4-act")
                          for n in (1024, 8192)}
     assert rows[("int4-zp", 1024)]["routed_over_bf16"] == pytest.approx(0.27)
+    assert rows[("int4-act", 1024)]["routed_over_bf16"] == pytest.approx(0.265)
     fp8 = rows[("fp8", 8192)]
     assert fp8["routed_over_bf16"] == pytest.approx(0.5)
     assert fp8["stream_all_over_bf16"] == pytest.approx(0.5)
