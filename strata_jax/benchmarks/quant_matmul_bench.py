@@ -63,6 +63,9 @@ def parse_mosaic(spec: str) -> MosaicTiles:
     return MosaicTiles(*(int(p) for p in parts))
 
 
+FORMATS = ("fp8", "int4", "int4-zp", "int4-act")
+
+
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
               repeats: int, mosaic: list[MosaicTiles] = (),
               int_to_float: tuple[str, ...] = ("bits",)) -> list[dict]:
@@ -71,8 +74,9 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, h), np.float32), jnp.bfloat16)
-    fmt = ExpertFormat.make(kind.removesuffix("-zp"), h, i, jnp.bfloat16,
-                            zero_points=kind.endswith("-zp"))
+    base, *options = kind.split("-")
+    fmt = ExpertFormat.make(base, h, i, jnp.bfloat16, zero_points="zp" in options,
+                            act_order="act" in options)
     shapes = {"gate": (h, i), "up": (h, i), "down": (i, h)}
     w32 = ExpertWeights(*(rng.standard_normal((e, *shapes[mt]), np.float32) * 0.02
                           for mt in MATRICES))
@@ -122,7 +126,8 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
         if fmt.kind == "int4":
             if not all(mosaic_int4_supports(a, tiles) for a in wq):
                 rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
-                                 error="unsupported (int4 reads block_k 128 or 64)"))
+                                 error="unsupported (int4 reads block_k 128 or 64, groups "
+                                       "k // 128)"))
                 continue
             for conv in int_to_float:
                 rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles, conv=conv:
@@ -144,7 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1024,4096,8192")
     p.add_argument("--formats", default="fp8,int4",
-                   help="comma list of fp8|int4|int4-zp (int4 with zero-points)")
+                   help="comma list of " + "|".join(FORMATS) + " (int4-zp: with "
+                        "zero-points; int4-act: act-order group indices, dequantized only)")
     p.add_argument("--tiles", action="append", default=[],
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
                         "default tiling is always timed")
@@ -169,6 +175,9 @@ def main(argv=None) -> int:
         if set(int_to_float) - set(INT_TO_FLOAT):
             raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of "
                              f"{'|'.join(INT_TO_FLOAT)}")
+        for kind in a.formats.split(","):
+            if kind not in FORMATS:
+                raise ValueError(f"--formats: {kind!r} is not one of {'|'.join(FORMATS)}")
     except ValueError as e:  # a malformed tiling: the usage error names it
         p.error(str(e))
     rows = []
