@@ -169,18 +169,15 @@ class ModelConfig:
                 or self.expert_block < 0):
             raise ValueError(f"expert_block must be an int >= 0 (0: the format's 128), got "
                              f"{self.expert_block!r}")
-        if not isinstance(self.expert_zero_points, (bool, np.bool_)):
-            raise ValueError(f"expert_zero_points must be a bool, got {self.expert_zero_points!r}")
-        if self.expert_zero_points and self.expert_format != "int4":
-            raise ValueError(f"expert_zero_points=True with expert_format="
-                             f"{self.expert_format!r}: zero-points are an int4 format's "
-                             "(asymmetric GPTQ); set expert_format='int4' or leave them off")
-        if not isinstance(self.expert_act_order, (bool, np.bool_)):
-            raise ValueError(f"expert_act_order must be a bool, got {self.expert_act_order!r}")
-        if self.expert_act_order and self.expert_format != "int4":
-            raise ValueError(f"expert_act_order=True with expert_format="
-                             f"{self.expert_format!r}: act-order group indices are an int4 "
-                             "format's (GPTQ desc_act); set expert_format='int4' or leave it off")
+        for name, what in (("expert_zero_points", "zero-points (asymmetric GPTQ)"),
+                           ("expert_act_order", "act-order group indices (GPTQ desc_act)")):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+            if value and self.expert_format != "int4":
+                raise ValueError(f"{name}=True with expert_format={self.expert_format!r}: "
+                                 f"{what} are an int4 format's; set expert_format='int4' or "
+                                 f"leave {name} off")
         if self.expert_format != "plain":
             from strata_jax.formats import ExpertFormat
 

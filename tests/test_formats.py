@@ -202,8 +202,11 @@ def test_int4_act_order_groups_rows_by_their_index(zero_points):
     with pytest.raises(ValueError, match="act-order group indices are an int4 format's"):
         ExpertFormat.make("fp8", h, i, np.float32, act_order=True)
     c = get_preset("qwen3-30b-a3b").scaled(hidden_size=256, expert_intermediate=128)
-    with pytest.raises(ValueError, match="expert_act_order=True with expert_format='fp8'"):
-        c.replace(expert_format="fp8", expert_act_order=True)
+    for name in ("expert_act_order", "expert_zero_points"):
+        with pytest.raises(ValueError, match=f"{name}=True with expert_format='fp8'"):
+            c.replace(expert_format="fp8", **{name: True})
+        with pytest.raises(ValueError, match=f"{name} must be a bool, got 'yes'"):
+            c.replace(expert_format="int4", expert_block=64, **{name: "yes"})
     from strata_jax.formats import quantized_config
 
     q = quantized_config(c, "int4-act", 64)
