@@ -136,6 +136,25 @@ def test_stream_bench_resident_arm_alone(tmp_path):
     assert result["quantized_matmul"] == "dequantize"  # what "auto" reads int4 by on the CPU
 
 
+def test_stream_bench_reports_accuracy_against_the_plain_model(tmp_path):
+    # --parts accuracy with --quantize: per length, the quantized model's log-probabilities
+    # and last logits against the plain model's on the same prompts (finite, nonzero: it
+    # quantized; the NLLs near each other); without --quantize it is refused by name.
+    out = tmp_path / "acc.json"
+    assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40,64", "--parts",
+                              "accuracy", "--quantize", "int4", "--accuracy-prompts", "3",
+                              "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "accuracy"]
+    assert [(r["tokens"], r["prompts"]) for r in rows] == [(40, 3), (64, 3)]
+    for r in rows:
+        assert r["finite"] and 0 < r["logprob_abs_diff_mean"] <= r["logprob_abs_diff_max"]
+        assert 0 < r["last_logit_abs_diff_mean"] <= r["last_logit_abs_diff_max"]
+        assert abs(r["nll_quantized"] - r["nll_plain"]) < 0.1 * r["nll_plain"]
+        assert 0 <= r["last_top1_agreement"] <= 1
+    with pytest.raises(SystemExit):
+        stream_bench.main(["--tiny", "--parts", "accuracy"])
+
+
 def test_stream_bench_reads_quantized_experts_as_told(tmp_path, monkeypatch):
     # --quantized-matmul reaches every engine the bench builds and its JSON.
     import strata_jax.engine as engine_mod
@@ -458,6 +477,10 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
         res = _sweep_result(fmt.split("-")[0], scale)
         res["expert_zero_points"] = fmt.endswith("-zp")
         res["expert_act_order"] = fmt.endswith("-act")
+        if fmt == "fp8":  # a run with the accuracy part
+            res["rows"].append({"part": "accuracy", "tokens": 8192, "finite": True,
+                                "logprob_abs_diff_mean": 0.01, "nll_plain": 11.9,
+                                "nll_quantized": 11.91, "last_top1_agreement": 1.0})
         p.write_text(json.dumps(res))
         paths.append(str(p))
     out = tmp_path / "q.json"
@@ -474,6 +497,8 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
     assert fp8["resident_over_bf16"] == pytest.approx(1.04)
     assert rows[("int4", 1024)]["routed_over_bf16"] == pytest.approx(0.26)
     assert fp8["identical"] and fp8["link_fraction"] == 0.98
+    assert fp8["accuracy"]["logprob_abs_diff_mean"] == 0.01 and "accuracy" not in rows[
+        ("fp8", 1024)]
     assert fp8["link_fraction_after"] == 0.99
     # a streamed read unequal to its resident read fails the summary
     bad = tmp_path / "bad.json"

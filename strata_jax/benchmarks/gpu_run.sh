@@ -40,9 +40,10 @@ if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert for
   files=""
   FMTS=${FORMATS:-bf16,fp8,int4}
   for F in ${FMTS//,/ }; do
-    Q=""; [ "$F" = bf16 ] || Q="--quantize $F"
+    # a quantized format also reports its accuracy against the plain model (ACCURACY=0: not)
+    Q=""; P=sweep; [ "$F" = bf16 ] || { Q="--quantize $F"; [ "${ACCURACY:-1}" = 0 ] || P=sweep,accuracy; }
     timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
-      --layers ${LAYERS:-8} --lengths ${LENGTHS:-1024,2048,4096,8192} --parts sweep --skew ${SKEW:-0} \
+      --layers ${LAYERS:-8} --lengths ${LENGTHS:-1024,2048,4096,8192} --parts $P --skew ${SKEW:-0} \
       --arms ${QUANT_ARMS:-resident,stream-all,routed} --blocks ${BLOCKS:-1} $Q ${BENCH_ARGS:-} \
       --json "$OUT/stream_quant_$F.json" 2>&1 | tee "$OUT/stream_quant_$F.log" | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1

@@ -1,7 +1,7 @@
 """Quantized experts against bf16: issue 21's targets from one stream_bench sweep per format.
 
 Reads the JSON of `stream_bench --parts sweep` run once with bf16 experts and once per
-quantized format (`--quantize fp8`, `int4` or `int4-zp`), same preset, layers, lengths and
+quantized format (`--quantize fp8`, `int4`, `int4-zp` or `int4-act`), same preset, layers, lengths and
 arms, and gives per format and length:
 
     routed_over_bf16        routed prefill time over bf16's (targets: fp8 <= 0.55 at 1K-8K,
@@ -13,6 +13,9 @@ arms, and gives per format and length:
     resident_over_bf16      the all-resident prefill's time over bf16's: what dequantizing
                             adds to the compute (target <= 1.05 at 8K)
     identical               every streamed read equal to the resident read of its format
+    accuracy                from a run with `--parts sweep,accuracy`: against the plain model,
+                            the mean |difference| of every next token's log-probability, the
+                            two mean NLLs, and how often the last position's top token agrees
 
     python -m strata_jax.benchmarks.quant_summary bf16.json fp8.json int4.json --json q.json
 """
@@ -56,6 +59,7 @@ def summarize(results: list[dict]) -> dict:
     for fmt, res in by_format.items():
         out["expert_bytes"][fmt] = res.get("expert_bytes")
         rows = _rows(res)
+        accuracy = {r["tokens"]: r for r in res["rows"] if r.get("part") == "accuracy"}
         for (arm, n), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             if arm != "resident":
                 continue
@@ -76,6 +80,11 @@ def summarize(results: list[dict]) -> dict:
                     if "link_fraction_after" in got:  # against the ceiling probed after
                         row["link_fraction_after"] = got["link_fraction_after"]
                     row["bytes_copied"] = got.get("bytes_copied")
+            acc = accuracy.get(n)
+            if acc is not None:
+                row["accuracy"] = {k: acc[k] for k in (
+                    "logprob_abs_diff_mean", "nll_plain", "nll_quantized",
+                    "last_top1_agreement", "finite")}
             out["rows"].append(row)
     return out
 
@@ -99,16 +108,21 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    print(f"{'format':>6} {'tokens':>6} {'routed/bf16':>11} {'all/bf16':>9} {'link':>6} "
-          f"{'resident/bf16':>13} identical")
+    print(f"{'format':>11} {'tokens':>6} {'routed/bf16':>11} {'all/bf16':>9} {'link':>6} "
+          f"{'resident/bf16':>13} identical  |dlogp|  NLL bf16 -> this  top-1")
     for r in out["rows"]:
         def f(key, fmt="{:.3f}"):
             v = r.get(key)
             return fmt.format(v) if v is not None else "-"
-        print(f"{r['format']:>6} {r['tokens']:>6} {f('routed_over_bf16'):>11} "
+        acc = r.get("accuracy")
+        tail = (f"  {acc['logprob_abs_diff_mean']:.4f}  {acc['nll_plain']:.3f} -> "
+                f"{acc['nll_quantized']:.3f}  {acc['last_top1_agreement']:.2f}" if acc else "")
+        print(f"{r['format']:>11} {r['tokens']:>6} {f('routed_over_bf16'):>11} "
               f"{f('stream_all_over_bf16'):>9} {f('link_fraction'):>6} "
-              f"{f('resident_over_bf16'):>13} {r.get('identical')}")
-    return 0 if all(r.get("identical", True) for r in out["rows"]) else 1
+              f"{f('resident_over_bf16'):>13} {r.get('identical')}{tail}")
+    ok = all(r.get("identical", True) and r.get("accuracy", {}).get("finite", True)
+             for r in out["rows"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Streaming benchmark (../shared/BENCHMARK.md): resident, stream-all, routed and pure-JAX arms.
 
-Five parts, each optional:
+Six parts, each optional:
 
   sweep       For each prompt length, one chunk per prompt: the all-resident arm (the compute
               ceiling), the pure-JAX baseline (each MoE layer's experts moved from `pinned_host`
@@ -25,6 +25,11 @@ Five parts, each optional:
               the default floor (below it, routed-only: wait for each layer's routing, copy only
               its routed experts) against the routed stream forced (stream_floor=1), in the
               sweep's paired order, with time / floor for each.
+  accuracy    With --quantize: what the format costs against the plain (bf16) model, both all
+              resident, on --accuracy-prompts prompts of each of --lengths: the log-probability
+              of every next token (`Engine.score`) and the last position's logits, as the
+              mean and largest |difference|, the mean NLL of each, and how often the last
+              position's top token is the same.
 
 The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run, before the
 parts and again after them (`link_pinned_gbps_end`, to show its drift). On the GPU the sweep
@@ -587,6 +592,41 @@ def layer_major(args, cfg, params, link, result):
                 "max_abs_ref": float(np.max(np.abs(a)))}
 
 
+def accuracy_part(args, plain, quantized_model, result):
+    """The quantized model against the plain one (`plain`, `quantized_model`: (config,
+    params)), each resident, on the same prompts: one row per length."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ctx = max(lengths)
+    prompts = _nonce_prompts(plain[0], lengths, 99, args.accuracy_prompts - 1)
+    got = {}
+    for name, (cfg, params) in (("plain", plain), ("quantized", quantized_model)):
+        with _engine(cfg, params, None, max_context=ctx, chunk_size=ctx) as eng:
+            for n in lengths:
+                for i, p in enumerate(prompts[n]):
+                    r = eng.score(p)
+                    got[(name, n, i)] = (np.asarray(r.logits, np.float64),
+                                         np.asarray(r.logprobs, np.float64))
+                    del r
+    for n in lengths:
+        keys = range(len(prompts[n]))
+        logits = [(got[("plain", n, i)][0], got[("quantized", n, i)][0]) for i in keys]
+        lps = [(got[("plain", n, i)][1], got[("quantized", n, i)][1]) for i in keys]
+        dlogit = np.concatenate([np.abs(a - b).ravel() for a, b in logits])
+        dlp = np.concatenate([np.abs(a - b) for a, b in lps])
+        finite = all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in logits + lps)
+        row = {"part": "accuracy", "tokens": n, "prompts": len(prompts[n]), "finite": finite,
+               "logprob_abs_diff_mean": float(dlp.mean()),
+               "logprob_abs_diff_max": float(dlp.max()),
+               "nll_plain": float(-np.mean([a.mean() for a, _ in lps])),
+               "nll_quantized": float(-np.mean([b.mean() for _, b in lps])),
+               "last_logit_abs_diff_mean": float(dlogit.mean()),
+               "last_logit_abs_diff_max": float(dlogit.max()),
+               "last_top1_agreement": float(np.mean([a.argmax() == b.argmax()
+                                                     for a, b in logits]))}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+
+
 def floor_part(args, cfg, params, link, result):
     lengths = [int(x) for x in args.lengths.split(",")]
     ctx = max(lengths)
@@ -698,7 +738,8 @@ def main(argv=None) -> int:
     add_model_args(ap)
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--parts", default="sweep",
-                    help="comma list of sweep,two-turn,layer-major,publication,floor")
+                    help="comma list of sweep,two-turn,layer-major,publication,floor,accuracy "
+                         "(accuracy: with --quantize)")
     ap.add_argument("--arms", default="resident,stream-all,routed,jax-pinned-host")
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
@@ -715,6 +756,8 @@ def main(argv=None) -> int:
                     help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--quantized-matmul", choices=["auto", "fused", "dequantize"], default="auto",
                     help="how quantized experts are read (Kernels.quantized_matmul)")
+    ap.add_argument("--accuracy-prompts", type=int, default=2,
+                    help="the accuracy part's prompts per length")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     global _QUANTIZED_MATMUL
@@ -729,9 +772,15 @@ def main(argv=None) -> int:
     from strata_jax.quant_matmul import resolve_format
 
     parts = args.parts.split(",")
-    unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor"}
+    unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor",
+                            "accuracy"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
+    if "accuracy" in parts and args.quantize is None:
+        ap.error("--parts accuracy compares a --quantize format with the plain model: give "
+                 "--quantize")
+    if args.accuracy_prompts < 1:
+        ap.error(f"--accuracy-prompts {args.accuracy_prompts}: must be at least 1")
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths + [args.turn1 + args.turn2, args.long])
     cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny)
@@ -744,6 +793,7 @@ def main(argv=None) -> int:
     print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
     t0 = time.perf_counter()
     params = fast_params(cfg, 0, args.skew)
+    plain = (cfg, params)
     cfg, params = quantized(cfg, params, args.quantize, tile=8)  # fast_params' 8 experts
     print(f"params in {time.perf_counter() - t0:.1f}s; experts "
           f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
@@ -771,6 +821,9 @@ def main(argv=None) -> int:
         if part in parts:
             fn(args, cfg, params, link, result)
             save()
+    if "accuracy" in parts:
+        accuracy_part(args, plain, (cfg, params), result)
+        save()
     if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
         result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
         print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
