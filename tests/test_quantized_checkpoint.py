@@ -530,16 +530,18 @@ def test_cli_reads_a_quantized_checkpoint_and_refuses_quantizing_it_again(tmp_pa
 
 
 @pytest.mark.slow
-def test_cli_streams_a_gptq_checkpoint_with_zero_points(tmp_path):
-    # sym=false through the CLI: routed over the simulated link and all resident read the same
-    # bits, and the header and JSON say the experts carry zero-points.
+@pytest.mark.parametrize("act_order", [False, True])
+def test_cli_streams_a_gptq_checkpoint_with_zero_points(tmp_path, act_order):
+    # sym=false (and desc_act=true) through the CLI: routed over the simulated link and all
+    # resident read the same bits, and the JSON says the experts carry zero-points (and
+    # act-order group indices).
     import contextlib
     import io
     import json
 
     from strata_jax import cli
 
-    write(tmp_path, small(), QWEN, "gptq", 32, sym=False)
+    write(tmp_path, small(), QWEN, "gptq", 32, sym=False, act_order=act_order)
     hashes = []
     for extra in ((), ("--no-stream",)):
         out, err = io.StringIO(), io.StringIO()
@@ -549,5 +551,6 @@ def test_cli_streams_a_gptq_checkpoint_with_zero_points(tmp_path):
         assert rc == 0, err.getvalue()
         r = json.loads(out.getvalue())
         assert r["model"]["expert_zero_points"] is True
+        assert r["model"]["expert_act_order"] is act_order
         hashes.append((r["logits_sha256"], r["kv_sha256"]))
     assert hashes[0] == hashes[1]
