@@ -225,7 +225,7 @@ def test_model_arms_read_the_fused_kernel_alike(kind, backend):
 
 def test_zero_points_take_the_mosaic_kernel_or_dequantize():
     # An int4 matrix with zero-points: the Mosaic kernel reads it on Hopper when asked for
-    # (auto and fused), the Triton kernel does not (refused by name; fused then
+    # (fused; auto dequantizes), the Triton kernel does not (refused by name; fused then
     # dequantizes elsewhere), and grouped_matmul's rows equal the float64 reference of
     # (q - z) * scale.
     import types
@@ -238,9 +238,10 @@ def test_zero_points_take_the_mosaic_kernel_or_dequantize():
     hopper = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
                                    compute_capability="9.0")
     for w in (w4, wz):
-        assert resolve_quantized(None, w, hopper) == "mosaic"
         assert resolve_quantized("fused", w, hopper) == "mosaic"
         assert resolve_quantized("dequantize", w, hopper) == "dequantize"
+    assert resolve_quantized(None, w4, hopper) == "mosaic"
+    assert resolve_quantized(None, wz, hopper) == "dequantize"
     for impl in (None, "fused", "dequantize"):
         assert resolve_quantized(impl, wz) == "dequantize", impl
     assert not fused_supports(wz, tiles_for(wz))

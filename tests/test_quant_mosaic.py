@@ -238,13 +238,14 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     sizes = jnp.asarray([300, 0, 1000, 0, 77, 129, 2, 500], jnp.int32)
     m = int(sizes.sum()) + 5
     x = _x(m, k)
-    assert resolve_quantized(None, w) == "mosaic"
-    got = grouped_matmul(x, w, sizes, quantized=None)
+    fused = "fused" if kind == "int4-zp" else None  # auto dequantizes zero-points
+    assert resolve_quantized(fused, w) == "mosaic"
+    got = grouped_matmul(x, w, sizes, quantized=fused)
     deq = grouped_matmul(x, w.dequantize(), sizes, impl="mosaic")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(deq))
     assert_close(np.asarray(got, np.float64), fused_reference(x, w, sizes), jnp.bfloat16)
     bounds = row_pieces(m, 4)
-    parts = [grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b), quantized=None)
+    parts = [grouped_matmul(x[a:b], w, piece_group_sizes(sizes, a, b), quantized=fused)
              for a, b in zip(bounds, bounds[1:])]
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts)), np.asarray(got))
     others = ((MosaicTiles(128, 128, 64, 2, 1, 2), MosaicTiles(128, 128, 128, 3, 4))
@@ -305,17 +306,18 @@ def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(k
                         expert_zero_points=kind.endswith("-zp"))
     fmt = ExpertFormat.of(cfg)
     planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
-    assert all(resolve_quantized("auto", w) == "mosaic" for w in fmt.expert_matrices(planes))
+    fused = "fused" if kind == "int4-zp" else "auto"  # auto dequantizes zero-points
+    assert all(resolve_quantized(fused, w) == "mosaic" for w in fmt.expert_matrices(planes))
     params = QuantizedParams(SyntheticParams(plain, 3, 1.0), cfg)
     toks = np.random.default_rng(5).integers(0, cfg.vocab_size, tokens)
     got = {}
     for name, kernels, stream in (
             ("dequantize", Kernels(quantized_matmul="dequantize"), None),
-            ("resident", Kernels(quantized_matmul="auto"), None),
-            ("routed", Kernels(quantized_matmul="auto"), StreamConfig(
+            ("resident", Kernels(quantized_matmul=fused), None),
+            ("routed", Kernels(quantized_matmul=fused), StreamConfig(
                 routed=True, tuning=StreamTuning(layout="frames", tail_pieces=2, tail_from=16,
                                                  stream_floor=1))),
-            ("stream-all", Kernels(quantized_matmul="auto"), StreamConfig(
+            ("stream-all", Kernels(quantized_matmul=fused), StreamConfig(
                 routed=False, tuning=StreamTuning(layout="packed")))):
         with Engine(cfg, params, stream, max_context=max(tokens, 256),
                     chunk_size=max(tokens, 256), kernels=kernels) as eng:
