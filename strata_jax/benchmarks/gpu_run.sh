@@ -40,8 +40,9 @@ if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert for
   files=""
   FMTS=${FORMATS:-bf16,fp8,int4}
   for F in ${FMTS//,/ }; do
-    # a quantized format also reports its accuracy against the plain model (ACCURACY=0: not)
-    Q=""; P=sweep; [ "$F" = bf16 ] || { Q="--quantize $F"; [ "${ACCURACY:-1}" = 0 ] || P=sweep,accuracy; }
+    # ACCURACY=1: a quantized format also reports its accuracy against the plain model (two
+    # more resident engines and their compiles: give BENCH_TIMEOUT room for them)
+    Q=""; P=sweep; [ "$F" = bf16 ] || { Q="--quantize $F"; [ "${ACCURACY:-0}" = 1 ] && P=sweep,accuracy; }
     timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
       --layers ${LAYERS:-8} --lengths ${LENGTHS:-1024,2048,4096,8192} --parts $P --skew ${SKEW:-0} \
       --arms ${QUANT_ARMS:-resident,stream-all,routed} --blocks ${BLOCKS:-1} $Q ${BENCH_ARGS:-} \
