@@ -181,11 +181,11 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     (`fused_grouped_matmul`) or "dequantize" (the matrix to its dtype first, then the plain
     grouped matmul).
 
-    auto: mosaic where it reads the matrix, but for int4 with zero-points (DESIGN.md, "int4 with
-    zero-points"), else dequantize (always for int4 with act-order group indices, which no
-    kernel reads) (the Triton kernel is slower than dequantize-then-matmul for
-    int4 at every length measured); fused: mosaic where it reads the matrix, else triton, else
-    dequantize."""
+    auto: mosaic where it reads the matrix, but not int4 with zero-points (the kernel reading
+    them is slower than dequantizing first: DESIGN.md, "int4 with zero-points"), else
+    dequantize (the Triton kernel is slower than dequantize-then-matmul for int4 at every
+    length measured; int4 with act-order group indices no kernel reads); fused: mosaic where
+    it reads the matrix, else triton, else dequantize."""
     from .grouped_matmul import is_hopper
     from .quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, mosaic_int4_supports,
                                mosaic_supports)
@@ -198,7 +198,7 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     device = device or jax.devices()[0]
     if is_hopper(device) and (mosaic_supports(w, MOSAIC_TILES)
                               or mosaic_int4_supports(w, MOSAIC_INT4_TILES)):
-        if w.zero is None or impl == "fused":  # zero-points take the kernel when asked for
+        if w.zero is None or impl == "fused":  # zero-points take the kernel only when asked for
             return "mosaic"
     if impl == "fused" and fused_supports(w, tiles_for(w)):
         return "triton"
