@@ -1082,10 +1082,11 @@ def _gptq_quantized(tensors: "_Tensors", quant: _Quant, module: str) -> bool:
 
 
 def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
-                biased: bool) -> None:
+                biased: bool) -> tuple[np.ndarray, np.ndarray]:
     """Reads and checks a GPTQ linear's side tensors: `qzeros` (its shape; symmetric: every
     entry the implicit zero), `g_idx` (`_gptq_g_idx`), and a `bias` the model has no place for
-    all zero (`biased`: the model reads the linear's bias itself)."""
+    all zero (`biased`: the model reads the linear's bias itself). Returns (the zero-points
+    as stored, unpacked [k / group, n]; each input row's group [k])."""
     shapes = _gptq_shapes(quant, module, k, n)
     zeros = _unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"), axis=1)
     bad = np.argwhere(zeros != quant.zero_stored) if quant.sym else np.zeros((0, 2), int)
@@ -1097,12 +1098,13 @@ def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
             f"symmetric GPTQ (sym=true) stores {quant.zero_stored} everywhere (the zero "
             f"{INT4_ZERO}{v1}); a checkpoint with zero-points says sym=false in config.json "
             "quantization_config")
-    _gptq_g_idx(tensors, quant, module, k, n)
+    rows = _gptq_g_idx(tensors, quant, module, k, n)
     if not biased and tensors.has(f"{module}.bias"):
         bias = tensors.get(f"{module}.bias", (n,))
         if np.any(bias != 0):
             raise CheckpointError(f"tensor '{module}.bias' is not zero, and the model's "
                                   f"{module.rsplit('.', 1)[-1]} has no bias")
+    return zeros, rows
 
 
 def _gptq_g_idx(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int) -> np.ndarray:
@@ -1150,14 +1152,12 @@ def _linear(tensors: "_Tensors", quant: _Quant, module: str, shape: tuple[int, i
     if not _gptq_quantized(tensors, quant, module):
         return np.ascontiguousarray(tensors.get(f"{module}.weight", shape).T.astype(dtype))
     shapes = _gptq_shapes(quant, module, k, n)
-    _gptq_check(tensors, quant, module, k, n, biased)
+    zeros, rows = _gptq_check(tensors, quant, module, k, n, biased)  # rows: each row's group
     q = _unpack_int4(tensors.get(f"{module}.qweight", shapes["qweight"], "I32"), axis=0)
     s = tensors.get(f"{module}.scales", shapes["scales"], "F16").astype(np.float32)
-    rows = _gptq_g_idx(tensors, quant, module, k, n)  # each input row's group
     zero = INT4_ZERO
     if not quant.sym:
-        zero = (_unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"), axis=1)
-                + quant.zero_offset)[rows]
+        zero = (zeros + quant.zero_offset)[rows]
     return ((q - zero).astype(np.float32) * s[rows]).astype(dtype)
 
 

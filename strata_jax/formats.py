@@ -471,9 +471,7 @@ class ExpertFormat:
 def _rows_of(grid: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """A per-group plane [E, K/G, N] at each input row's group: [E, K, N]; `rows` [K] (one
     grouping for every expert) or [E, K] (each expert's `g_idx`)."""
-    if rows.ndim == 1:
-        return grid[:, rows, :]
-    return np.take_along_axis(grid, rows[:, :, None], axis=1)
+    return np.take_along_axis(grid, np.atleast_2d(rows)[:, :, None], axis=1)
 
 
 def act_order_g_idx(x: np.ndarray, group: int) -> np.ndarray:

@@ -173,12 +173,12 @@ def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False, sym: bool = Tr
     k // group, or with `act_order` (desc_act) each row's group when the inputs are taken in
     descending order of their rows' largest magnitude, `group` at a time (the rows keep their
     place in `qweight`)."""
+    from .formats import act_order_g_idx
+
     wt = w.T.astype(np.float32)  # [in, out]
     k, n = wt.shape
-    g_idx = (np.arange(k) // group).astype(np.int32)
-    if act_order:
-        order = np.argsort(-np.abs(wt).max(axis=1), kind="stable")
-        g_idx[order] = np.arange(k) // group
+    g_idx = (act_order_g_idx(wt[None], group)[0] if act_order
+             else (np.arange(k) // group).astype(np.int32))
     by_group = np.argsort(g_idx, kind="stable")  # rows of group 0, then 1, ...
     g = wt[by_group].reshape(k // group, group, n)
     if sym:

@@ -32,7 +32,7 @@ import numpy as np
 from strata_jax.benchmarks.grouped_matmul_bench import _time, uniform_group_sizes
 from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights
-from strata_jax.formats import MATRICES, ExpertFormat
+from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantized_config
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul,
                                      fused_supports, tiles_for)
@@ -63,9 +63,6 @@ def parse_mosaic(spec: str) -> MosaicTiles:
     return MosaicTiles(*(int(p) for p in parts))
 
 
-FORMATS = ("fp8", "int4", "int4-zp", "int4-act")
-
-
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
               repeats: int, mosaic: list[MosaicTiles] = (),
               int_to_float: tuple[str, ...] = ("bits",)) -> list[dict]:
@@ -74,9 +71,8 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, h), np.float32), jnp.bfloat16)
-    base, *options = kind.split("-")
-    fmt = ExpertFormat.make(base, h, i, jnp.bfloat16, zero_points="zp" in options,
-                            act_order="act" in options)
+    # block 0: the checkpoints' 128 (fp8's block side, int4's group)
+    fmt = ExpertFormat.of(quantized_config(config.replace(param_dtype="bfloat16"), kind, 0))
     shapes = {"gate": (h, i), "up": (h, i), "down": (i, h)}
     w32 = ExpertWeights(*(rng.standard_normal((e, *shapes[mt]), np.float32) * 0.02
                           for mt in MATRICES))
@@ -149,7 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1024,4096,8192")
     p.add_argument("--formats", default="fp8,int4",
-                   help="comma list of " + "|".join(FORMATS) + " (int4-zp: with "
+                   help="comma list of " + "|".join(QUANTIZE_CHOICES) + " (int4-zp: with "
                         "zero-points; int4-act: act-order group indices, dequantized only)")
     p.add_argument("--tiles", action="append", default=[],
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
@@ -176,8 +172,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of "
                              f"{'|'.join(INT_TO_FLOAT)}")
         for kind in a.formats.split(","):
-            if kind not in FORMATS:
-                raise ValueError(f"--formats: {kind!r} is not one of {'|'.join(FORMATS)}")
+            if kind not in QUANTIZE_CHOICES:
+                raise ValueError(f"--formats: {kind!r} is not one of "
+                                 f"{'|'.join(QUANTIZE_CHOICES)}")
     except ValueError as e:  # a malformed tiling: the usage error names it
         p.error(str(e))
     rows = []
