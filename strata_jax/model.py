@@ -364,9 +364,6 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
     weights `weights_for_piece(p, after)` gives (`after`: the piece before's output, None for
     piece 0), so a piece's math can start once its own experts are there. Each row keeps its
     expert (piece_group_sizes), so the rows come out as the whole layer's matmuls give them.
-    Each piece's rows are written into the layer's output as the piece ends (an in-place
-    dynamic-update-slice), so what runs after the last piece is its own matmuls and its
-    own rows' write, not a join of every piece's rows.
 
     Args:
         x: [T, H] tokens; order: int32 [T*k] from `permute`; counts: int32 [E].
@@ -374,7 +371,7 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
     Returns:
         [T*k, H] in x.dtype, rows in sorted order.
     """
-    y = None
+    ys = []
     after = None
     for p, (a, b) in enumerate(itertools.pairwise(bounds)):
         with jax.named_scope(f"experts_piece_{p}"):
@@ -382,10 +379,8 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
             x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted
             after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b), impl,
                                    quantized)
-            if y is None:  # every row is some piece's: the zeros are all overwritten
-                y = jnp.zeros((bounds[-1], after.shape[1]), after.dtype)
-            y = jax.lax.dynamic_update_slice_in_dim(y, after, a, axis=0)
-    return y
+            ys.append(after)
+    return jnp.concatenate(ys)
 
 
 def _in_dtype(w: ExpertWeights, dtype) -> ExpertWeights:
