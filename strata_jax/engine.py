@@ -5,9 +5,10 @@ streamed (StreamConfig), and returns the last position's logits, a `Session` (KV
 position) for the next turn, per-chunk and per-layer stats and the routing counts.
 
 `Engine.score(tokens, session=None)` reads the prompt the same way and also returns each token's
-log-probability given the ones before it (`ScoreResult`): every chunk's program runs its rows
-through the final norm and the LM head in row blocks and keeps log p(next token) only, so no
-[T, vocab] logits are ever made; the scores come back with the chunk's routing counts.
+log-probability given the ones before it and the model's most likely token there
+(`ScoreResult`): every chunk's program runs its rows through the final norm and the LM head in
+row blocks and keeps log p(next token) and the argmax only, so no [T, vocab] logits are ever
+made; the scores come back with the chunk's routing counts.
 
 Two orders (`order=`):
     "chunk-major"   the prompt is read in chunks of `chunk_size` tokens; each chunk runs every
@@ -285,14 +286,20 @@ class PrefillResult:
 @dataclasses.dataclass
 class ScoreResult(PrefillResult):
     """The outcome of `Engine.score`: its prefill (the PrefillResult fields: logits, session,
-    stats, times) and the prompt's per-token log-probabilities.
+    stats, times) and the prompt's per-token log-probabilities and most likely tokens.
 
     Attributes:
         logprobs: float32 [read - 1]; logprobs[i] = log p(tokens[i + 1] | the session's
             tokens, tokens[:i + 1]), computed on the device in float32.
+        top1: int32 [read - 1]; top1[i] = the token the model finds most likely at that
+            position (the argmax of the logits logprobs[i] comes from; the lowest id among
+            equal largest logits).
+        top1_hits: positions where top1[i] == tokens[i + 1].
     """
 
     logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
+    top1: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    top1_hits: int = 0
 
     @property
     def scored(self) -> int:
@@ -315,20 +322,29 @@ class ScoreResult(PrefillResult):
         with np.errstate(over="ignore"):
             return float(np.exp(self.mean_nll))
 
+    @property
+    def top1_accuracy(self) -> float:
+        """The fraction of scored tokens that were the model's most likely next token."""
+        return self.top1_hits / self.scored
+
     def logprobs_sha256(self) -> str:
         return sha256_of(self.logprobs)
 
     def summary(self) -> str:
         return (f"{super().summary()}; scored {self.scored} tokens: mean NLL "
-                f"{self.mean_nll:.4f} nats, perplexity {self.perplexity:.4g}")
+                f"{self.mean_nll:.4f} nats, perplexity {self.perplexity:.4g}, top-1 "
+                f"{self.top1_accuracy:.1%}")
 
     def to_dict(self) -> dict:
         """PrefillResult.to_dict() plus scored, sum_logprob, mean_nll, perplexity,
-        logprobs_sha256 and logprobs (one float per scored token)."""
+        top1_accuracy, logprobs_sha256, logprobs (one float per scored token) and top1 (one
+        token id per scored token)."""
         out = super().to_dict()
         out.update(scored=self.scored, sum_logprob=self.sum_logprob, mean_nll=self.mean_nll,
-                   perplexity=self.perplexity, logprobs_sha256=self.logprobs_sha256(),
-                   logprobs=[float(x) for x in self.logprobs])
+                   perplexity=self.perplexity, top1_accuracy=self.top1_accuracy,
+                   logprobs_sha256=self.logprobs_sha256(),
+                   logprobs=[float(x) for x in self.logprobs],
+                   top1=[int(x) for x in self.top1])
         return out
 
 
@@ -601,7 +617,7 @@ class Engine:
         Returns (logits, cache, info): info is int32, end_chunk's stats [L, 2] (none without a
         stream) then the router counts [n_moe, E], flat, so the host reads both in one copy;
         with `score`, then each row's log-probability of its target (float32 [bucket], bits as
-        int32: `_split_info`). Row t's target is token t + 1 of the chunk, the next token for its
+        int32: `_split_info`) and each row's most likely token (int32 [bucket]). Row t's target is token t + 1 of the chunk, the next token for its
         last real row; padding rows score whatever follows them and are dropped on the host.
         """
         self.compilations += 1  # runs once per trace, i.e. per compilation
@@ -641,7 +657,8 @@ class Engine:
         stats = source.finish() if source is not None else jnp.zeros((0, 2), jnp.int32)
         parts = [stats.reshape(-1), counts.astype(jnp.int32).reshape(-1)]
         if score:
-            parts.append(jax.lax.bitcast_convert_type(scores, jnp.int32))
+            log_probs, top1 = scores
+            parts += [jax.lax.bitcast_convert_type(log_probs, jnp.int32), top1]
         info = jnp.concatenate(parts)
         return logits, cache, info
 
@@ -737,23 +754,23 @@ class Engine:
         self._launched.add(key)
         return logits, cache, info
 
-    def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, ...]:
         """(end_chunk stats [L, 2] or [0, 2] (on a streamed mesh every device's, [G, L, 2]),
-        counts [n_moe, E], a scored call's per-row log-probabilities float32 [bucket] or [0])
-        from a call's info, read once."""
+        counts [n_moe, E], a scored call's per-row log-probabilities float32 [bucket] and most
+        likely tokens int32 [bucket] (both [0] unscored)) from a call's info, read once."""
         c = self.config
         n_stats = 2 * c.n_layers if self.streamer is not None else 0
         n_counts = len(c.moe_layers) * c.n_experts
         info = np.asarray(info)
+        stats = info[:n_stats].reshape(-1, 2)
         if self._manual:  # [G * width]: each device's stats, then the same counts and scores
             per = info.reshape(self.n_devices, -1)
             info = per[0]
-            return (per[:, :n_stats].reshape(self.n_devices, -1, 2),
-                    info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts),
-                    info[n_stats + n_counts:].view(np.float32))
-        return (info[:n_stats].reshape(-1, 2),
-                info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts),
-                info[n_stats + n_counts:].view(np.float32))
+            stats = per[:, :n_stats].reshape(self.n_devices, -1, 2)
+        rows = info[n_stats + n_counts:]
+        half = rows.size // 2  # [bucket] log-probabilities, then [bucket] tokens
+        return (stats, info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts),
+                rows[:half].view(np.float32), rows[half:])
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -877,16 +894,17 @@ class Engine:
 
         Each chunk's program (or the layer-major prompt's) also runs its rows' final hidden
         states through the final norm and the LM head, in row blocks, and keeps only
-        log p(next token) (`MoETransformer.target_log_probs`): no [T, V] logits, and the
-        log-probabilities come back with the chunk's routing counts. The KV cache, the
+        log p(next token) and the most likely token (`MoETransformer.score_rows`): no [T, V]
+        logits, and both come back with the chunk's routing counts. The KV cache, the
         session, the last position's logits and the stats are the prefill's.
 
         Args: as `prefill`'s.
 
         Returns:
             ScoreResult: a PrefillResult with `logprobs` (float32 [T - 1]; logprobs[i] is
-            log p(tokens[i + 1] | the session's tokens, tokens[:i + 1])), `sum_logprob`,
-            `mean_nll` and `perplexity`. tokens[0] is not scored: its context ends with the
+            log p(tokens[i + 1] | the session's tokens, tokens[:i + 1])), `top1` (int32
+            [T - 1], the most likely token at each of those positions), `sum_logprob`,
+            `mean_nll`, `perplexity` and `top1_accuracy`. tokens[0] is not scored: its context ends with the
             session's last position, whose logits the earlier result holds (log_softmax of
             its `logits` at tokens[0]).
 
@@ -1033,7 +1051,7 @@ class Engine:
             # last work, and reading them is the wait.
             infos = [self._split_info(info) for _, _, info in pending]
             jax.block_until_ready((logits, cache))
-            for (i, n, _), (st, counts, _) in zip(pending, infos):
+            for (i, n, _), (st, counts, _, _) in zip(pending, infos):
                 counts_total += counts
                 if self.streamer is not None:
                     pieces = self._tail_pieces(self.streamer.chunk_mode(n), records[i].bucket,
@@ -1057,8 +1075,10 @@ class Engine:
                       model_name=self.config.name)
         extra = {}
         if score:  # each chunk's real rows; the prompt's last position has no target
-            scores = [rows[:n] for (_, n, _), (_, _, rows) in zip(pending, infos)]
-            extra = {"logprobs": np.concatenate(scores)[:-1]}
+            real = [(lp[:n], top[:n]) for (_, n, _), (_, _, lp, top) in zip(pending, infos)]
+            top1 = np.concatenate([t for _, t in real])[:-1]
+            extra = {"logprobs": np.concatenate([lp for lp, _ in real])[:-1], "top1": top1,
+                     "top1_hits": int(np.count_nonzero(top1 == arr[1:]))}
         result = (ScoreResult if score else PrefillResult)(
             logits=logits, session=new, chunks=records, tokens=new.position, reused=start,
             read=int(arr.size), ms=ms, counts=counts_total, order=order, fallback=fallback,

@@ -620,7 +620,8 @@ class MoETransformer(nnx.Module):
                 positions start+n_valid.. of the cache, which a later chunk overwrites.
             last_logits: return only the logits of the last real position, float32 [V].
             targets: None, or int32 [T] token ids: the first output is then (logits,
-                log-probabilities float32 [T] of each row's target, `target_log_probs`).
+                (log-probabilities float32 [T] of each row's target, each row's most likely
+                token int32 [T])), `score_rows`.
 
         Returns:
             (logits float32 [T, V] or [V], updated KVCache, counts int32 [n_moe_layers, E]).
@@ -748,8 +749,8 @@ class MoETransformer(nnx.Module):
 
     def _finish(self, x, n_valid, last_logits: bool, targets=None):
         """Final norm and LM head: all positions [T, V], or the last real one [V]; with
-        `targets`, (that, `target_log_probs(x, targets)`)."""
-        scores = None if targets is None else self.target_log_probs(x, targets)
+        `targets`, (that, `score_rows(x, targets)`)."""
+        scores = None if targets is None else self.score_rows(x, targets)
         if last_logits:
             last = x.shape[0] - 1 if n_valid is None else jnp.asarray(n_valid, jnp.int32) - 1
             x = lax.dynamic_slice_in_dim(x, last, 1, axis=0)  # [1, H]
@@ -761,13 +762,19 @@ class MoETransformer(nnx.Module):
 
     def target_log_probs(self, x: jax.Array, targets: jax.Array) -> jax.Array:
         """log p(targets[t]) under row t's logits, for final hidden states x [T, H] (before
-        the final norm): float32 [T], never a [T, V] array.
+        the final norm): float32 [T] (`score_rows`' first output)."""
+        return self.score_rows(x, targets)[0]
+
+    def score_rows(self, x: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """For final hidden states x [T, H] (before the final norm): (log p(targets[t]) under
+        row t's logits, float32 [T]; row t's most likely token, int32 [T], the lowest id among
+        equal largest logits), never a [T, V] array.
 
         The rows go through the final norm and the LM head in blocks of `score_block_rows`
         rows (a `lax.map`): the head's matmul takes the parameter dtype and accumulates in
         float32, as the last position's logits do, and each block's [rows, V] float32 logits
-        give logit[target] - logsumexp(logits). x is padded with zero rows to whole blocks
-        (finite through the norm; their values are dropped).
+        give logit[target] - logsumexp(logits) and their argmax. x is padded with zero rows to
+        whole blocks (finite through the norm; their values are dropped).
         """
         t, h = x.shape
         block = score_block_rows(self.config.vocab_size, t)
@@ -782,11 +789,13 @@ class MoETransformer(nnx.Module):
             logits = jnp.dot(self.final_norm(xb), head,
                              preferred_element_type=jnp.float32)  # [block, V]
             picked = jnp.take_along_axis(logits, tb[:, None], axis=1)[:, 0]
-            return picked - jax.nn.logsumexp(logits, axis=-1)
+            top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return picked - jax.nn.logsumexp(logits, axis=-1), top
 
         blocks = (x.reshape(n, block, h), targets.astype(jnp.int32).reshape(n, block))
         with jax.named_scope("score"):
-            return lax.map(one, blocks).reshape(-1)[:t]
+            lp, top = lax.map(one, blocks)
+            return lp.reshape(-1)[:t], top.reshape(-1)[:t]
 
     def _stack_counts(self, counts):
         if counts:

@@ -150,7 +150,7 @@ def test_stream_bench_reports_accuracy_against_the_plain_model(tmp_path):
         assert r["finite"] and 0 < r["logprob_abs_diff_mean"] <= r["logprob_abs_diff_max"]
         assert 0 < r["last_logit_abs_diff_mean"] <= r["last_logit_abs_diff_max"]
         assert abs(r["nll_quantized"] - r["nll_plain"]) < 0.1 * r["nll_plain"]
-        assert 0 <= r["last_top1_agreement"] <= 1
+        assert 0 <= r["last_top1_agreement"] <= 1 and 0 < r["top1_agreement"] <= 1
     with pytest.raises(SystemExit):
         stream_bench.main(["--tiny", "--parts", "accuracy"])
 
@@ -480,7 +480,8 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
         if fmt == "fp8":  # a run with the accuracy part
             res["rows"].append({"part": "accuracy", "tokens": 8192, "finite": True,
                                 "logprob_abs_diff_mean": 0.01, "nll_plain": 11.9,
-                                "nll_quantized": 11.91, "last_top1_agreement": 1.0})
+                                "nll_quantized": 11.91, "top1_agreement": 0.93,
+                                "last_top1_agreement": 1.0})
         p.write_text(json.dumps(res))
         paths.append(str(p))
     out = tmp_path / "q.json"

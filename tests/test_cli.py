@@ -696,7 +696,8 @@ def test_as_a_program():
 # ---- score --------------------------------------------------------------------------------------
 
 
-SCORE_KEYS = ("scored", "sum_logprob", "mean_nll", "perplexity", "logprobs_sha256", "logprobs")
+SCORE_KEYS = ("scored", "sum_logprob", "mean_nll", "perplexity", "top1_accuracy",
+              "logprobs_sha256", "logprobs", "top1")
 SCORE_PROMPT = ["--tokens", "48", "--chunk", "64", "--max-context", "64"]  # one chunk program
 
 
@@ -713,11 +714,16 @@ def test_score_json_and_text_give_the_same_bits_in_every_arm():
     assert d["sum_logprob"] == pytest.approx(logprobs.sum())
     assert d["mean_nll"] == pytest.approx(-logprobs.mean())
     assert d["perplexity"] == pytest.approx(np.exp(-logprobs.mean()))
+    top1 = np.asarray(d["top1"])
+    assert top1.shape == (47,) and ((0 <= top1) & (top1 < 512)).all()
+    hits = round(d["top1_accuracy"] * 47)
+    assert d["top1_accuracy"] == hits / 47
     rc, out, err = run(["score", *MODEL, *SCORE_PROMPT, "--stream-floor", "16"])
     assert rc == 0, err
     assert "arm routed" in out and "48 tokens = 0 reused + 48 read" in out
     assert "experts streamed" in out
     assert f"scored 47 tokens: mean NLL {d['mean_nll']:.4f} nats" in out
+    assert f"(perplexity {d['perplexity']:.6g}); top-1 {hits} of 47" in out
     assert d["compiled"] == 1 and COMPILED.format(n=1, s="") in out.splitlines()
     assert SKIPS in out.splitlines()
     assert f"logprobs sha256 {d['logprobs_sha256'][:16]}..., kv sha256 {d['kv_sha256'][:16]}" \

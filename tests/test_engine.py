@@ -30,10 +30,10 @@ from strata_jax.engine import (
 from strata_jax.kernels import Kernels
 from strata_jax.model import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile
-from strata_jax.reference import reference_log_probs, reference_perplexity
+from strata_jax.reference import reference_forward, reference_log_probs, reference_perplexity
 from strata_jax.stream import StreamConfig, StreamTuning, NativeStreamer
 from strata_jax.synthetic import init_synthetic
-from strata_jax.testing import assert_close
+from strata_jax.testing import assert_close, tolerance
 
 # float32 for the numerics tests (chunked vs one-shot, layer-major vs chunk-major), bfloat16 (the
 # streaming tests' model) for the byte-identity tests.
@@ -546,14 +546,36 @@ def test_score_matches_the_float64_reference(f32_engine, f32_params):
     assert (r.tokens, r.reused, r.read, r.kv_sha256()) == (45, 0, 45, pre.kv_sha256())
     np.testing.assert_array_equal(r.counts, pre.counts)
     assert_close(r.logits, pre.logits, np.float32)
+    # Each position's most likely token: the float64 logits' largest, or one whose float64
+    # logit is that largest within float32 rounding (a near tie).
+    _assert_top1(r, reference_forward(F32, f32_params, toks)[0][:-1], toks, np.float32)
     line = r.summary()
     assert line.startswith("45 tokens = 0 reused + 45 read") and "scored 44 tokens" in line
-    assert f"perplexity {r.perplexity:.4g}" in line
+    assert f"perplexity {r.perplexity:.4g}" in line and f"top-1 {r.top1_accuracy:.1%}" in line
     d = json.loads(json.dumps(r.to_dict()))
     assert (d["scored"], len(d["logprobs"]), d["kv_sha256"]) == (44, 44, pre.kv_sha256())
     assert d["logprobs_sha256"] == sha256_of(r.logprobs)
     assert d["perplexity"] == r.perplexity and d["sum_logprob"] == r.sum_logprob
     np.testing.assert_array_equal(np.asarray(d["logprobs"], np.float32), r.logprobs)
+    assert d["top1"] == r.top1.tolist() and d["top1_accuracy"] == r.top1_accuracy
+
+
+def _assert_top1(r: ScoreResult, want_logits: np.ndarray, toks: np.ndarray, dtype) -> None:
+    """r.top1 against float64 logits [r.scored, V] of the same positions: each picked
+    token's logit is the row's largest within `dtype`'s tolerance, and where the largest
+    leads the runner-up by more than that tolerance it is that token; top1_hits counts the
+    scored tokens that were picked."""
+    assert r.top1.dtype == np.int32 and r.top1.shape == (r.scored,)
+    rows = np.arange(r.scored)
+    best = want_logits.max(axis=-1)
+    assert_close(want_logits[rows, r.top1], best, dtype)
+    ranked = np.sort(want_logits, axis=-1)
+    rtol, atol = tolerance(dtype)
+    clear = ~np.isclose(ranked[:, -1], ranked[:, -2], rtol=rtol, atol=atol)
+    np.testing.assert_array_equal(r.top1[clear], want_logits.argmax(axis=-1)[clear])
+    assert clear.sum() >= r.scored // 4, "too few positions with a clear top token to check"
+    assert r.top1_hits == int(np.count_nonzero(r.top1 == toks[1:r.scored + 1]))
+    assert r.top1_accuracy == r.top1_hits / r.scored
 
 
 @pytest.mark.slow  # layer-major scores' bits equal chunk-major's in test_resident_scores_...
@@ -630,7 +652,7 @@ def _score_reads(params, arm: str, layer_major: bool) -> tuple[dict, np.ndarray,
         assert [c.stats.mode for c in reads["chunk-major"].chunks] == ["stream"] * 2
         pieces = 4 if arm == "routed-tail-pieces" else 1
         assert [c.stats.tail_pieces for c in reads["chunk-major"].chunks] == [pieces] * 2
-    hashes = {k: (r.logprobs_sha256(), r.logits_sha256(), r.kv_sha256())
+    hashes = {k: (r.logprobs_sha256(), sha256_of(r.top1), r.logits_sha256(), r.kv_sha256())
               for k, r in reads.items()}
     return hashes, toks, reads
 
@@ -646,6 +668,8 @@ def test_resident_scores_match_the_float64_reference_in_bfloat16(bf16_params, re
     assert_close(reads["chunk-major"].logprobs, want, BF16.dtype)
     assert_close(reads["follow-up"].logprobs, want[32:], BF16.dtype)
     assert_close(reads["chunk-major"].perplexity, reference_perplexity(BF16, bf16_params, toks),
+                 BF16.dtype)
+    _assert_top1(reads["chunk-major"], reference_forward(BF16, bf16_params, toks)[0][:-1], toks,
                  BF16.dtype)
     assert hashes["unsynced"] == hashes["chunk-major"]
 

@@ -601,7 +601,7 @@ def test_a_prestart_is_dropped_by_abort_and_by_a_begin_of_another_mode(routing):
         t = time.monotonic()
         _, _, info = eng._dispatch(TOKENS[:CHUNK], CHUNK, None, 0,
                                    mode=eng.streamer.chunk_mode(CHUNK), sub=0)
-        st, counts, _ = eng._split_info(info)
+        st, counts, _, _ = eng._split_info(info)
         stats = eng.streamer.make_stats(CHUNK, st, counts)
         assert stats.mode == "stream" and eng.streamer.hold() == 0
         assert eng.streamer.host_times()[0] > t, "the streamed program adopted a routed-only one"

@@ -15,7 +15,9 @@ arms, and gives per format and length:
     identical               every streamed read equal to the resident read of its format
     accuracy                from a run with `--parts sweep,accuracy`: against the plain model,
                             the mean |difference| of every next token's log-probability, the
-                            two mean NLLs, and how often the last position's top token agrees
+                            two mean NLLs, and how often the two models' most likely token
+                            agrees over every position (`top1_agreement`; the last
+                            position's alone in the JSON)
 
     python -m strata_jax.benchmarks.quant_summary bf16.json fp8.json int4.json --json q.json
 """
@@ -84,7 +86,7 @@ def summarize(results: list[dict]) -> dict:
             if acc is not None:
                 row["accuracy"] = {k: acc[k] for k in (
                     "logprob_abs_diff_mean", "nll_plain", "nll_quantized",
-                    "last_top1_agreement", "finite")}
+                    "top1_agreement", "last_top1_agreement", "finite")}
             out["rows"].append(row)
     return out
 
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
             return fmt.format(v) if v is not None else "-"
         acc = r.get("accuracy")
         tail = (f"  {acc['logprob_abs_diff_mean']:.4f}  {acc['nll_plain']:.3f} -> "
-                f"{acc['nll_quantized']:.3f}  {acc['last_top1_agreement']:.2f}" if acc else "")
+                f"{acc['nll_quantized']:.3f}  {acc['top1_agreement']:.3f}" if acc else "")
         print(f"{r['format']:>11} {r['tokens']:>6} {f('routed_over_bf16'):>11} "
               f"{f('stream_all_over_bf16'):>9} {f('link_fraction'):>6} "
               f"{f('resident_over_bf16'):>13} {r.get('identical')}{tail}")

@@ -96,11 +96,14 @@ def _block_row(args, cfg, eng, arm, prompts, mib, made_s):
            "score_block_rows": block, "score_block_mib": model.SCORE_BLOCK_BYTES / 2**20,
            "head_tflop": 2 * cfg.hidden_size * cfg.vocab_size * n / 1e12,
            "perplexity": sc.perplexity, "mean_nll": sc.mean_nll,
+           "top1_accuracy": sc.top1_accuracy,
            "finite": bool(np.isfinite(sc.logprobs).all()),
            "kv_identical_to_prefill": same_kv, "logits_identical_to_prefill": same_logits,
            "bytes_copied": sc.totals()["bytes"], "engine_s": made_s,
            "fallback": sc.fallback}
-    return row, sc.logprobs_sha256()
+    from strata_jax.engine import sha256_of
+
+    return row, (sc.logprobs_sha256(), sha256_of(sc.top1))
 
 
 def main(argv=None) -> int:

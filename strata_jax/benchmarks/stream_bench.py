@@ -28,8 +28,9 @@ Six parts, each optional:
   accuracy    With --quantize: what the format costs against the plain (bf16) model, both all
               resident, on --accuracy-prompts prompts of each of --lengths: the log-probability
               of every next token (`Engine.score`) and the last position's logits, as the
-              mean and largest |difference|, the mean NLL of each, and how often the last
-              position's top token is the same.
+              mean and largest |difference|, the mean NLL of each, and how often the two
+              models' most likely token is the same, at every position (`top1_agreement`)
+              and at the last.
 
 The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run, before the
 parts and again after them (`link_pinned_gbps_end`, to show its drift). On the GPU the sweep
@@ -605,12 +606,14 @@ def accuracy_part(args, plain, quantized_model, result):
                 for i, p in enumerate(prompts[n]):
                     r = eng.score(p)
                     got[(name, n, i)] = (np.asarray(r.logits, np.float64),
-                                         np.asarray(r.logprobs, np.float64))
+                                         np.asarray(r.logprobs, np.float64), r.top1)
                     del r
     for n in lengths:
         keys = range(len(prompts[n]))
         logits = [(got[("plain", n, i)][0], got[("quantized", n, i)][0]) for i in keys]
         lps = [(got[("plain", n, i)][1], got[("quantized", n, i)][1]) for i in keys]
+        same_top1 = np.concatenate([got[("plain", n, i)][2] == got[("quantized", n, i)][2]
+                                    for i in keys])
         dlogit = np.concatenate([np.abs(a - b).ravel() for a, b in logits])
         dlp = np.concatenate([np.abs(a - b) for a, b in lps])
         finite = all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in logits + lps)
@@ -621,6 +624,7 @@ def accuracy_part(args, plain, quantized_model, result):
                "nll_quantized": float(-np.mean([b.mean() for _, b in lps])),
                "last_logit_abs_diff_mean": float(dlogit.mean()),
                "last_logit_abs_diff_max": float(dlogit.max()),
+               "top1_agreement": float(same_top1.mean()),
                "last_top1_agreement": float(np.mean([a.argmax() == b.argmax()
                                                      for a, b in logits]))}
         result["rows"].append(row)

@@ -354,14 +354,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a prompt through a model and score it: the log-probability of each "
                     "token after the first given the ones before it, computed on the device "
                     "in each chunk's program (no [tokens, vocab] logits), and their sum, mean "
-                    "negative log-likelihood and perplexity; the prefill's summary line too. "
+                    "negative log-likelihood, perplexity and top-1 accuracy (how often the "
+                    "token was the model's most likely one); the prefill's summary line too. "
                     "Every arm (--no-stream, --routed on/off) gives the same bits.",
         epilog=textwrap.dedent("""\
             --json prints one object on stdout with prefill's keys (tokens, reused, read,
             prompt_ms, experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256,
             kv_sha256, per_layer, order, chunks, mode, compiled, arm, backend, model,
-            compilations, depth) plus scored, sum_logprob, mean_nll, perplexity, logprobs_sha256 and logprobs (one
-            float per scored token: entry i is log p(token i+1 | tokens 0..i))."""))
+            compilations, depth) plus scored, sum_logprob, mean_nll, perplexity,
+            top1_accuracy, logprobs_sha256, logprobs (one float per scored token: entry i is
+            log p(token i+1 | tokens 0..i)) and top1 (one token id per scored token: the most
+            likely token i+1 given tokens 0..i)."""))
     _model_options(score, required=True)
     _prompt_options(score, tokens_default=1024)
     _stream_options(score)

@@ -1,5 +1,6 @@
 """`strata-jax score`: the log-probability of each token of a prompt given the ones before it,
-computed on the device chunk by chunk (`Engine.score`), with its sum and perplexity; the same
+computed on the device chunk by chunk (`Engine.score`), with its sum, perplexity and top-1
+accuracy (how often the token was the model's most likely one); the same
 model and stream options as `prefill`; `--json` prints one JSON object.
 """
 
@@ -31,7 +32,7 @@ def cmd_score(args, log: _Log) -> int:
     print(result.summary())
     _print_notes(result, out["compiled"], read.depth)
     print(f"sum log-probability {result.sum_logprob:.4f} nats over {result.scored} tokens "
-          f"(perplexity {result.perplexity:.6g})")
+          f"(perplexity {result.perplexity:.6g}); top-1 {result.top1_hits} of {result.scored}")
     print(f"logprobs sha256 {out['logprobs_sha256'][:16]}..., kv sha256 "
           f"{out['kv_sha256'][:16]}...")
     if args.logprobs:
