@@ -256,7 +256,8 @@ def _main(scenario: str, backend: str) -> None:
                         lmr = eng.prefill(toks, order="layer-major")
                         lm[arm] = (lmr.logits_sha256(), lmr.kv_sha256())
                     if arm in ("resident", "routed packed", "stream-all tail") and not light:
-                        scores[arm] = eng.score(toks, chunk_size=32).logprobs_sha256()
+                        s = eng.score(toks, chunk_size=32)
+                        scores[arm] = (s.logprobs_sha256(), s.top1.tobytes(), s.top1_hits)
                     if sc is not None:
                         check_stats(eng, r)
                         if "tail" in arm and resolve_implementation(
