@@ -1,7 +1,8 @@
 """notebooks/quickstart.ipynb runs top to bottom (nbclient, kernel python3) so it cannot rot.
 
 The notebook is committed without outputs; executing it must raise no error, show the identity
-check, the follow-up's "reused + read" line, the scores' identity check and the per-layer plot.
+check, the follow-up's "reused + read" line, the scores' identity check, the quantized formats'
+accuracy lines and the per-layer plot.
 """
 
 from __future__ import annotations
@@ -58,5 +59,8 @@ def test_quickstart_runs(tmp_path, monkeypatch):
     assert "identical scores: resident and routed-streamed" in text
     assert "511 tokens scored" in text
     assert "routed + profile:" in text
+    # quantized experts against the plain model, position by position
+    assert [line.split(":")[0] for line in text.splitlines()
+            if "top token the same at" in line] == ["fp8", "int4"]
     images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.data]
     assert len(images) == 1  # the per-layer copied/skipped plot
