@@ -124,8 +124,9 @@ FIELDS: dict[str, dict[str, str]] = {
     "dtype": _each("honoured: parameter dtype (param_dtype= overrides)"),
     "torch_dtype": _each("honoured: parameter dtype (4.x spelling)"),
     "router_jitter_noise": _each("no effect (training only)", (_MIXTRAL,)),
-    "quantization_config": _each("honoured: fp8 (block-scaled e4m3) and gptq (4-bit, "
-                                 "symmetric); its own fields in the next table"),
+    "quantization_config": _each("honoured: fp8 (block-scaled e4m3) and gptq (4-bit; "
+                                 "symmetric or with zero-points, with or without "
+                                 "act-order); its own fields in the next table"),
     "pruned_heads": _each("refused unless empty"),
     "is_encoder_decoder": _each("refused unless false"),
     "add_cross_attention": _each("refused unless false"),
