@@ -617,8 +617,9 @@ class Engine:
         Returns (logits, cache, info): info is int32, end_chunk's stats [L, 2] (none without a
         stream) then the router counts [n_moe, E], flat, so the host reads both in one copy;
         with `score`, then each row's log-probability of its target (float32 [bucket], bits as
-        int32: `_split_info`) and each row's most likely token (int32 [bucket]). Row t's target is token t + 1 of the chunk, the next token for its
-        last real row; padding rows score whatever follows them and are dropped on the host.
+        int32: `_split_info`) and each row's most likely token (int32 [bucket]). Row t's
+        target is token t + 1 of the chunk, the next token for its last real row; padding rows
+        score whatever follows them and are dropped on the host.
         """
         self.compilations += 1  # runs once per trace, i.e. per compilation
         if first:
@@ -904,9 +905,9 @@ class Engine:
             ScoreResult: a PrefillResult with `logprobs` (float32 [T - 1]; logprobs[i] is
             log p(tokens[i + 1] | the session's tokens, tokens[:i + 1])), `top1` (int32
             [T - 1], the most likely token at each of those positions), `sum_logprob`,
-            `mean_nll`, `perplexity` and `top1_accuracy`. tokens[0] is not scored: its context ends with the
-            session's last position, whose logits the earlier result holds (log_softmax of
-            its `logits` at tokens[0]).
+            `mean_nll`, `perplexity` and `top1_accuracy`. tokens[0] is not scored: its
+            context ends with the session's last position, whose logits the earlier result
+            holds (log_softmax of its `logits` at tokens[0]).
 
         Raises:
             ValueError: what `prefill` refuses, and a prompt of one token (nothing to score).
