@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 from strata_jax.config import ModelConfig, _DTYPES
 from strata_jax.experts import ExpertWeights, blob_size, unpack_expert_blobs_np
-from strata_jax.formats import INT4_PER_WORD, INT4_ZERO, ExpertFormat, gptq_halves_np
+from strata_jax.formats import (INT4_PER_WORD, INT4_ZERO, ExpertFormat, g_idx_perm,
+                                gptq_halves_np, int4_halves_np, int4_values_np)
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 
@@ -207,9 +208,11 @@ QUANT_FIELDS: dict[str, dict[str, str]] = {
                    "false (zero-points: the routed experts keep them as a plane of their own, "
                    "`expert_zero_points`; other quantized linears are dequantized with them)"},
     "desc_act": {_GPTQ: "honoured: true (act-order: every quantized linear's `g_idx` names each "
-                        "input row's group; the routed experts keep it as a plane of their own, "
-                        "`expert_act_order`, other linears are dequantized with it) or false "
-                        "(a `g_idx` other than k // group is refused)"},
+                        "input row's group; the routed experts' rows are stored in group order "
+                        "beside a plane naming each one's input row, `expert_act_order`, and "
+                        "their groups must hold group_size rows each; other linears are "
+                        "dequantized with it) or false (a `g_idx` other than k // group is "
+                        "refused)"},
     "checkpoint_format": {_GPTQ: "honoured: gptq (v1, qzeros stored minus one: the zero 8 as "
                                  "7) and gptq_v2 (stored as is: 8); marlin and others refused"},
     "pack_dtype": {_GPTQ: "refused unless int32"},
@@ -737,7 +740,7 @@ _PLANE_SOURCES = {
     "int4": {**{m: (m, "qweight", False) for m in ExpertWeights._fields},
              **{f"{m}_scale": (m, "scales", False) for m in ExpertWeights._fields},
              **{f"{m}_zero": (m, "qzeros", False) for m in ExpertWeights._fields},
-             **{f"{m}_gidx": (m, "g_idx", False) for m in ExpertWeights._fields}},
+             **{f"{m}_perm": (m, "g_idx", False) for m in ExpertWeights._fields}},
 }
 
 
@@ -752,7 +755,9 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
     [in/8, out] words rearranged into the format's group halves, uint8 [E, in/2, out]
     (`formats.gptq_halves_np`, the same bytes), `scales` float16 [E, in/group, out] as
     they are, with zero-points `qzeros` unpacked, uint8 [E, in/group, out] (plus one in
-    GPTQ v1, which stores them minus one), and with act-order `g_idx` int32 [E, in] as it is.
+    GPTQ v1, which stores them minus one), and with act-order each expert's rows sorted by
+    its `g_idx` (stable; `qweight`'s values moved with their rows) and int32 [E, in] naming
+    the input row each stored row is (`formats.g_idx_perm`).
     Read when asked for and
     not kept. `fill(name, out)` reads each expert's tensor straight into `out`, one expert at a
     time: how an engine's host store takes them (`as_mapping`, `strata_jax.weights`), so no
@@ -836,10 +841,26 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
                     value = _st_read(f, start, header[hf])
                     if kind == "int4" and suffix == "qweight":
                         out[e] = gptq_halves_np(value, self.format.block)
+                        if self.format.act_order:  # the rows in group order
+                            perm = self._perm(layer, field, e)
+                            vals = int4_values_np(out[e], self.format.block)[perm]
+                            out[e] = int4_halves_np(vals, self.format.block)
+                    elif kind == "int4" and suffix == "g_idx":
+                        out[e] = g_idx_perm(value, self.format.block)
                     elif kind == "int4" and suffix == "qzeros":
                         out[e] = _unpack_int4(value, axis=1) + self._zero_offset
                     else:
                         out[e] = value.T if transpose else value
+
+    def _perm(self, layer: int, field: str, expert: int) -> np.ndarray:
+        """An act-order expert matrix's stored row order, from its `g_idx`."""
+        hf = self.hf_names(self.config, self._arch, layer, field, "g_idx")[expert]
+        path = self._files[hf]
+        if path not in self._headers:
+            self._headers[path] = _st_header(path)
+        start, header = self._headers[path]
+        with open(path, "rb") as f:
+            return g_idx_perm(_st_read(f, start, header[hf]), self.format.block)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -1083,11 +1104,12 @@ def _gptq_quantized(tensors: "_Tensors", quant: _Quant, module: str) -> bool:
 
 
 def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
-                biased: bool) -> tuple[np.ndarray, np.ndarray]:
+                biased: bool, expert: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Reads and checks a GPTQ linear's side tensors: `qzeros` (its shape; symmetric: every
     entry the implicit zero), `g_idx` (`_gptq_g_idx`), and a `bias` the model has no place for
     all zero (`biased`: the model reads the linear's bias itself). Returns (the zero-points
-    as stored, unpacked [k / group, n]; each input row's group [k])."""
+    as stored, unpacked [k / group, n]; each input row's group [k]). A routed `expert`'s
+    act-order groups must hold group_size rows each (its rows are stored in group order)."""
     shapes = _gptq_shapes(quant, module, k, n)
     zeros = _unpack_int4(tensors.get(f"{module}.qzeros", shapes["qzeros"], "I32"), axis=1)
     bad = np.argwhere(zeros != quant.zero_stored) if quant.sym else np.zeros((0, 2), int)
@@ -1100,6 +1122,14 @@ def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
             f"{INT4_ZERO}{v1}); a checkpoint with zero-points says sym=false in config.json "
             "quantization_config")
     rows = _gptq_g_idx(tensors, quant, module, k, n)
+    if expert and quant.act_order:
+        counts = np.bincount(rows, minlength=k // quant.block)
+        if np.any(counts != quant.block):
+            g = int(np.flatnonzero(counts != quant.block)[0])
+            raise CheckpointError(
+                f"tensor '{module}.g_idx' puts {int(counts[g])} rows in group {g}, not "
+                f"group_size={quant.block}: a routed expert's act-order groups are read in "
+                "group order and must hold group_size rows each (as GPTQ makes them)")
     if not biased and tensors.has(f"{module}.bias"):
         bias = tensors.get(f"{module}.bias", (n,))
         if np.any(bias != 0):
@@ -1199,7 +1229,7 @@ def _expert_files(tensors: "_Tensors", quant: _Quant | None, c: ModelConfig, arc
                 for suffix, dt in side:
                     files[f"{module}.{suffix}"] = tensors.path(f"{module}.{suffix}",
                                                                shapes[suffix], dt)
-                _gptq_check(tensors, quant, module, k, n, False)
+                _gptq_check(tensors, quant, module, k, n, False, expert=True)
     return files
 
 

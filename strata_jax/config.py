@@ -87,10 +87,10 @@ class ModelConfig:
         expert_zero_points: int4 only: each group and column has its own 4-bit zero-point z
             (asymmetric GPTQ, `sym: false`), w = (q - z) * scale, held as a plane of its own;
             False: the implicit zero 8 of symmetric GPTQ.
-        expert_act_order: int4 only: each matrix's input rows name their scale group (GPTQ
-            act-order, `desc_act: true`: the checkpoint's `g_idx`), held as an int32 plane of
-            its own, w[k, n] = (q[k, n] - z[g[k], n]) * scale[g[k], n]; False: row k is in group
-            k // group.
+        expert_act_order: int4 only: each matrix's input rows are in the scale groups the
+            checkpoint's `g_idx` names (GPTQ act-order, `desc_act: true`), stored sorted by
+            group beside an int32 plane naming each stored row's input row (`formats`);
+            False: row k is in group k // group.
     """
 
     name: str

@@ -30,13 +30,16 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         column (GPTQ `qzeros`, int32 [K/G, N/8], eight 4-bit zeros per word along N, unpacked
         on load; GPTQ's v1 checkpoints store them minus one, so 0..16 once read):
         w[k, n] = (q[k, n] - m_zero[k // G, n]) * m_scale[k // G, n]. With act-order (GPTQ
-        `desc_act: true`, `ModelConfig.expert_act_order`) a row's group is not k // G but the
-        checkpoint's `g_idx`, held as a last plane per matrix, m_gidx int32 [K]:
-        w[k, n] = (q[k, n] - z[m_gidx[k], n]) * m_scale[m_gidx[k], n] (z: 8 or m_zero); the
-        values keep their rows (the group halves are a storage order of 128-row blocks).
+        `desc_act: true`, `ModelConfig.expert_act_order`) a row's group is the checkpoint's
+        `g_idx`, not k // G: the rows are stored sorted by group (stable), so that each group's
+        rows are contiguous as above, and a last plane per matrix, m_perm int32 [K], names the
+        input row each stored row is: w[m_perm[i], n] = (q[i, n] - z[i // G, n]) *
+        m_scale[i // G, n] (z: 8 or m_zero). x @ w is then x[:, m_perm] @ (the stored rows):
+        the expert math gathers each row's inputs by its expert's m_perm and reads the rest
+        as plain int4 (GPTQ's groups hold G rows each; `act_order_perm`).
 
 Plane order in a blob: each matrix's weight plane followed by its scale plane (and int4's
-zero-point and group-index planes), matrices in the order gate, up, down. Each plane starts at a multiple of its
+zero-point and row-permutation planes), matrices in the order gate, up, down. Each plane starts at a multiple of its
 dtype's size (padding zero bytes where needed; the plain format never needs any).
 
 Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax (int4
@@ -95,7 +98,7 @@ class Plane:
 
     Attributes:
         name: "gate", "up", "down" (weights), "<matrix>_scale" (scales), "<matrix>_zero"
-            (int4's zero-points) or "<matrix>_gidx" (int4's act-order group indices).
+            (int4's zero-points) or "<matrix>_perm" (int4's act-order row permutation).
         dtype: Storage dtype.
         shape: Per-expert shape (a layer's plane is [E, *shape]).
     """
@@ -119,7 +122,7 @@ class Plane:
         return self.size * self.dtype.itemsize
 
 
-PLANE_SUFFIXES = ("_scale", "_zero", "_gidx")  # a matrix's side planes, after its values
+PLANE_SUFFIXES = ("_scale", "_zero", "_perm")  # a matrix's side planes, after its values
 
 
 def plane_matrix(name: str) -> str:
@@ -224,7 +227,8 @@ class ExpertFormat:
         """int4 with GPTQ's values and float16 scales per `group` inputs, the values of each
         group in two nibble halves of a [group/2, N] byte tile; symmetric (the implicit zero
         8), or with `zero_points` a uint8 zero-point per group and column; with `act_order`
-        an int32 group index per input row (GPTQ's `g_idx`)."""
+        the rows sorted by GPTQ's `g_idx` and an int32 plane naming each stored row's input
+        row."""
         if group < 1 or group % INT4_PER_WORD:
             raise ValueError(f"int4 group={group} must be a positive multiple of {INT4_PER_WORD}")
         planes = []
@@ -239,7 +243,7 @@ class ExpertFormat:
             if zero_points:
                 planes.append(Plane(f"{m}_zero", np.uint8, (k // group, n)))
             if act_order:
-                planes.append(Plane(f"{m}_gidx", np.int32, (k,)))
+                planes.append(Plane(f"{m}_perm", np.int32, (k,)))
         name = "int4" + ("-zp" if zero_points else "") + ("-act" if act_order else "")
         return cls(name, "int4", tuple(planes), np.dtype(dtype), int(hidden), int(intermediate),
                    int(group))
@@ -253,8 +257,8 @@ class ExpertFormat:
 
     @functools.cached_property
     def act_order(self) -> bool:
-        """Whether each matrix has a group-index plane (int4 with act-order)."""
-        return any(p.name.endswith("_gidx") for p in self.planes)
+        """Whether each matrix has a row-permutation plane (int4 with act-order)."""
+        return any(p.name.endswith("_perm") for p in self.planes)
 
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
@@ -396,24 +400,23 @@ class ExpertFormat:
     def quantize_matrix_np(self, matrix: str, x) -> dict[str, np.ndarray]:
         """The planes of one matrix ("gate", "up", "down") of experts x [E, in, out]: {matrix}
         (plain: cast) or {matrix, matrix_scale} (fp8, int4: round to nearest), and int4's
-        {matrix}_zero with zero-points and {matrix}_gidx with act-order (`act_order_g_idx`)."""
+        {matrix}_zero with zero-points and {matrix}_perm with act-order (`act_order_perm`)."""
         x = np.asarray(x)
         if x.ndim != 3 or x.shape[1:] != self.matrix_shape(matrix):
             raise ValueError(f"expert {matrix} has shape {x.shape}; expected "
                              f"[E, {', '.join(map(str, self.matrix_shape(matrix)))}]")
         if self.kind == "plain":
             return {matrix: x.astype(self.dtype)}
-        if self.act_order:
-            g_idx = act_order_g_idx(x, self.block)
-            out = _int4_quantize_rows_np(x, g_idx, self.block, self.zero_points)
-            return {f"{matrix}{suffix}": a for suffix, a in zip(("", "_scale", "_zero"), out)
-                    if a is not None} | {f"{matrix}_gidx": g_idx}
+        out = {}
+        if self.act_order:  # the rows in group order, then quantized as plain int4
+            out[f"{matrix}_perm"] = perm = act_order_perm(x, self.block)
+            x = np.take_along_axis(x, perm[:, :, None], axis=1)
         if self.zero_points:
             q, scale, zero = _int4_quantize_zero_np(x, self.block)
-            return {matrix: q, f"{matrix}_scale": scale, f"{matrix}_zero": zero}
+            return {matrix: q, f"{matrix}_scale": scale, f"{matrix}_zero": zero} | out
         quantize = _fp8_quantize_np if self.kind == "fp8" else _int4_quantize_np
         q, scale = quantize(x, self.block)
-        return {matrix: q, f"{matrix}_scale": scale}
+        return {matrix: q, f"{matrix}_scale": scale} | out
 
     def dequantize_np(self, planes: Mapping[str, np.ndarray], matrix: str,
                       dtype=None) -> np.ndarray:
@@ -428,12 +431,16 @@ class ExpertFormat:
         if self.kind == "fp8":
             s = np.repeat(np.repeat(s, self.block, axis=-2), self.block, axis=-1)[..., :k, :n]
             return (q.astype(np.float32) * s).astype(dtype)
-        rows = (np.asarray(planes[f"{matrix}_gidx"]) if self.act_order  # each row's group
-                else np.arange(k) // self.block)
+        rows = np.arange(k) // self.block  # each stored row's group
         zero = (_rows_of(np.asarray(planes[f"{matrix}_zero"]).astype(np.int32), rows)
                 if self.zero_points else INT4_ZERO)
         vals = int4_values_np(q, self.block).astype(np.int32) - zero  # [E, K, N]
-        return (vals.astype(np.float32) * _rows_of(s, rows)).astype(dtype)
+        w = (vals.astype(np.float32) * _rows_of(s, rows)).astype(dtype)
+        if self.act_order:  # stored row i is input row perm[i]
+            out = np.empty_like(w)
+            np.put_along_axis(out, np.asarray(planes[f"{matrix}_perm"])[..., None], w, axis=-2)
+            return out
+        return w
 
     def dequantize(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None) -> jax.Array:
         """JAX `dequantize_np` (what the device runs before a bf16 grouped matmul): the same
@@ -452,7 +459,7 @@ class ExpertFormat:
         return QuantizedMatrix(planes[matrix], planes[f"{matrix}_scale"], self.kind, self.block,
                                self.matrix_shape(matrix), np.dtype(dtype or self.dtype),
                                planes[f"{matrix}_zero"] if self.zero_points else None,
-                               planes[f"{matrix}_gidx"] if self.act_order else None)
+                               planes[f"{matrix}_perm"] if self.act_order else None)
 
     def expert_weights(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
         """The ExpertWeights (JAX) of a layer's planes, dequantized; for a plain format in its
@@ -470,21 +477,50 @@ class ExpertFormat:
 
 def _rows_of(grid: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """A per-group plane [E, K/G, N] at each input row's group: [E, K, N]; `rows` [K] (one
-    grouping for every expert) or [E, K] (each expert's `g_idx`)."""
+    grouping for every expert) or [E, K] (each expert's own)."""
     return np.take_along_axis(grid, np.atleast_2d(rows)[:, :, None], axis=1)
 
 
+def act_order_perm(x: np.ndarray, group: int) -> np.ndarray:
+    """The act-order stored row order int32 [E, K] of experts x [E, K, N] (the format's
+    `<m>_perm` plane): each expert's rows ranked by descending largest magnitude (ties by
+    row), the first `group` of that ranking group 0 and so on (GPTQ ranks rows by its
+    calibration data's Hessian; with none, the rows' own magnitude stands in), and stored by
+    group, ascending rows within one (`g_idx_perm` of `act_order_g_idx`: what loading the
+    GPTQ checkpoint of those groups stores)."""
+    return g_idx_perm(act_order_g_idx(x, group), group)
+
+
 def act_order_g_idx(x: np.ndarray, group: int) -> np.ndarray:
-    """Act-order group indices int32 [E, K] for experts x [E, K, N]: each expert's rows in
-    descending order of their largest magnitude (ties by row), the first `group` of that order
-    group 0 and so on (GPTQ orders rows by its calibration data's Hessian; with none, the rows'
-    own magnitude stands in)."""
-    e, k, _ = x.shape
+    """GPTQ's `g_idx` int32 [E, K] of experts x [E, K, N] (what an act-order checkpoint's
+    files hold): `act_order_perm`'s ranking, row of rank i in group i // group."""
     amax = np.abs(np.asarray(x, np.float32)).max(axis=2)  # [E, K]
-    order = np.argsort(-amax, axis=1, kind="stable")
-    g_idx = np.empty((e, k), np.int32)
-    np.put_along_axis(g_idx, order, (np.arange(k) // group).astype(np.int32)[None, :], axis=1)
+    return perm_g_idx(np.argsort(-amax, axis=1, kind="stable"), group)
+
+
+def perm_g_idx(perm: np.ndarray, group: int) -> np.ndarray:
+    """Each input row's group int32 [..., K] for a row order [..., K] (`<m>_perm`)."""
+    perm = np.asarray(perm)
+    g_idx = np.empty(perm.shape, np.int32)
+    np.put_along_axis(g_idx, perm, np.broadcast_to(
+        (np.arange(perm.shape[-1]) // group).astype(np.int32), perm.shape), axis=-1)
     return g_idx
+
+
+def g_idx_perm(g_idx: np.ndarray, group: int) -> np.ndarray:
+    """The stored row order int32 [..., K] (`<m>_perm`) of GPTQ group indices [..., K]: the
+    rows sorted by group, stable. A ValueError unless every group holds `group` rows (as
+    GPTQ's act-order makes them)."""
+    g_idx = np.asarray(g_idx)
+    k = g_idx.shape[-1]
+    if g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= k // group:
+        raise ValueError(f"int4 act-order: g_idx names groups outside 0 .. {k // group - 1}")
+    counts = np.apply_along_axis(np.bincount, -1, g_idx.reshape(-1, k), minlength=k // group)
+    if np.any(counts != group):
+        bad = np.argwhere(counts != group)[0]
+        raise ValueError(f"int4 act-order: group {int(bad[-1])} holds {int(counts[tuple(bad)])} "
+                         f"rows, not {group}: act-order groups of unequal size are not read")
+    return np.argsort(g_idx, axis=-1, kind="stable").astype(np.int32)
 
 
 def _fp8_quantize_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -563,28 +599,6 @@ def _int4_quantize_np(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
     q = np.clip(np.round(x.astype(np.float32) / full) + INT4_ZERO, 0, 15).astype(np.uint8)
     return int4_halves_np(q, group), scale
-
-
-def _int4_quantize_rows_np(x: np.ndarray, g_idx: np.ndarray, group: int, zero_points: bool
-                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """`_int4_quantize_np` (or with `zero_points` `_int4_quantize_zero_np`) over groups of
-    rows given by `g_idx` int32 [E, K] (every group `group` rows): the rows of each group
-    gathered, quantized as one group, and their values put back in their rows. Returns
-    (values in group halves, scales, zero-points or None)."""
-    e, k, n = x.shape
-    order = np.argsort(g_idx, axis=1, kind="stable")  # [E, K]: rows by group
-    counts = np.stack([np.bincount(r, minlength=k // group) for r in g_idx])
-    if g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= k // group or np.any(counts != group):
-        raise ValueError(f"int4 act-order: each of the {k // group} groups must hold {group} rows")
-    xs = np.take_along_axis(x, order[:, :, None], axis=1)
-    if zero_points:
-        q, scale, zero = _int4_quantize_zero_np(xs, group)
-    else:
-        (q, scale), zero = _int4_quantize_np(xs, group), None
-    sorted_vals = int4_values_np(q, group)
-    vals = np.empty_like(sorted_vals)
-    np.put_along_axis(vals, order[:, :, None], sorted_vals, axis=1)
-    return int4_halves_np(vals, group), scale, zero
 
 
 def _int4_quantize_zero_np(x: np.ndarray, group: int

@@ -44,7 +44,7 @@ FUSED_KINDS = ("fp8", "int4")
 _INT4_ZERO = 8
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "zero", "g_idx"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "zero", "perm"],
                    meta_fields=["kind", "block", "shape", "dtype"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedMatrix:
@@ -60,8 +60,10 @@ class QuantizedMatrix:
         dtype: the dtype the expert math reads (`dequantize` gives it).
         zero: int4 with zero-points: uint8 [E, K/b, N], each group and column's zero-point
             (w = (q - zero) * scale); None: symmetric, the implicit 8 (and fp8).
-        g_idx: int4 with act-order: int32 [E, K], each input row's group (GPTQ `g_idx`);
-            None: row k is in group k // b.
+        perm: int4 with act-order: int32 [E, K], the input row each stored row is (the rows
+            stored in group order, `formats`): x @ w = x[:, perm] @ (the stored rows), which
+            `grouped_matmul` reads as a plain int4 matrix (`inputs_in_stored_order`); None:
+            stored row k is input row k.
     """
 
     q: jax.Array
@@ -71,21 +73,37 @@ class QuantizedMatrix:
     shape: tuple[int, int]
     dtype: np.dtype
     zero: jax.Array | None = None
-    g_idx: jax.Array | None = None
+    perm: jax.Array | None = None
 
     def dequantize(self, dtype=None) -> jax.Array:
         """[E, K, N] in `dtype` (default `self.dtype`): each value one float32 product and one
-        cast, as `ExpertFormat.dequantize` (which calls this)."""
+        cast, as `ExpertFormat.dequantize` (which calls this); with `perm`, in input order."""
         return dequantize_matrix(self.kind, self.block, self.shape, self.q, self.scale,
-                                 dtype or self.dtype, self.zero, self.g_idx)
+                                 dtype or self.dtype, self.zero, self.perm)
+
+    def stored(self) -> "QuantizedMatrix":
+        """The matrix of the stored rows (without `perm`): what x[:, perm] multiplies."""
+        return dataclasses.replace(self, perm=None)
+
+
+def inputs_in_stored_order(x: jax.Array, perm: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K], rows sorted by group, with each row's columns in its group's stored order:
+    out[j, i] = x[j, perm[g(j), i]] (`QuantizedMatrix.perm` [E, K]; rows past the groups take
+    the last group's, and their outputs are zeros anyway)."""
+    m = x.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
+    group = jnp.minimum(group, perm.shape[0] - 1)
+    with jax.named_scope("act_order_inputs"):
+        return jnp.take_along_axis(x, perm.astype(jnp.int32)[group], axis=1)
 
 
 def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,
                       scale: jax.Array, dtype, zero: jax.Array | None = None,
-                      g_idx: jax.Array | None = None) -> jax.Array:
+                      perm: jax.Array | None = None) -> jax.Array:
     """A quantized matrix's values in `dtype`: fp8 float(q) * scale[k // b, n // b]; int4
-    (nibble - z) * scale[g, n], g = k // b or (act-order) `g_idx`[k], z the implicit 8 or
-    `zero`[g, n]; one float32 product and one cast each."""
+    (nibble - z) * scale[k // b, n], z the implicit 8 or `zero`[k // b, n], and with act-order
+    stored row k put at input row `perm`[k]; one float32 product and one cast each."""
     k, n = shape
     s = scale.astype(jnp.float32)
     if kind == "fp8":
@@ -99,18 +117,15 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
     # cast) with the group's scale broadcast, no concatenation of the halves.
     b = q.astype(jnp.int32).reshape(*lead, k // block, 1, block // 2, n)
     shift = jnp.asarray([0, 4], jnp.int32).reshape(2, 1, 1)
-    if g_idx is not None:  # act-order: each row's scale and zero gathered by its group
-        vals = ((b >> shift) & 15).reshape(*lead, k, n)
-        rows = g_idx.astype(jnp.int32)[..., :, None]
-        z = (_INT4_ZERO if zero is None
-             else jnp.take_along_axis(zero, rows, axis=-2).astype(jnp.int32))
-        s = jnp.take_along_axis(s, rows, axis=-2)
-        return ((vals - z).astype(jnp.float32) * s).astype(dtype)
     z = (_INT4_ZERO if zero is None
          else zero.astype(jnp.int32).reshape(*lead, k // block, 1, 1, n))
     vals = ((b >> shift) & 15) - z
     s = s.reshape(*lead, k // block, 1, 1, n)
-    return (vals.astype(jnp.float32) * s).astype(dtype).reshape(*lead, k, n)
+    w = (vals.astype(jnp.float32) * s).astype(dtype).reshape(*lead, k, n)
+    if perm is None:
+        return w
+    inverse = jnp.argsort(perm.astype(jnp.int32), axis=-1)  # input row r is stored row inv[r]
+    return jnp.take_along_axis(w, inverse[..., :, None], axis=-2)
 
 
 def _check_int4_plane(q, shape: tuple[int, int], block: int) -> None:
@@ -184,8 +199,9 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     auto: mosaic where it reads the matrix, but not int4 with zero-points (the kernel reading
     them is slower than dequantizing first: DESIGN.md, "int4 with zero-points"), else
     dequantize (the Triton kernel is slower than dequantize-then-matmul for int4 at every
-    length measured; int4 with act-order group indices no kernel reads); fused: mosaic where
-    it reads the matrix, else triton, else dequantize."""
+    length measured); fused: mosaic where it reads the matrix, else triton, else dequantize.
+    An act-order matrix (`perm`) resolves as its stored rows do: `grouped_matmul` reorders the
+    inputs first."""
     from .grouped_matmul import is_hopper
     from .quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, mosaic_int4_supports,
                                mosaic_supports)
@@ -195,6 +211,7 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
         raise ValueError(f"quantized matmul {impl!r}: expected one of auto|fused|dequantize")
     if impl == "dequantize":
         return impl
+    w = w.stored()
     device = device or jax.devices()[0]
     if is_hopper(device) and (mosaic_supports(w, MOSAIC_TILES)
                               or mosaic_int4_supports(w, MOSAIC_INT4_TILES)):
@@ -212,12 +229,11 @@ def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> s
     are the weights)."""
     if fmt.kind == "plain":
         return None
-    # Stand-in planes say the format has zero-points or group indices (the kernels read none).
+    # A stand-in plane says the format has zero-points (what the path depends on).
     zero = np.zeros((0,), np.uint8) if getattr(fmt, "zero_points", False) else None
-    g_idx = np.zeros((0,), np.int32) if getattr(fmt, "act_order", False) else None
     paths = {resolve_quantized(impl, QuantizedMatrix(None, None, fmt.kind, fmt.block,
-                                                     fmt.matrix_shape(m), fmt.dtype, zero,
-                                                     g_idx), device)
+                                                     fmt.matrix_shape(m), fmt.dtype, zero),
+                               device)
              for m in ("gate", "up", "down")}
     if "dequantize" in paths:
         return "dequantize"
@@ -226,8 +242,9 @@ def resolve_format(impl: str | None, fmt, device: jax.Device | None = None) -> s
 
 def fused_supports(w: QuantizedMatrix, tiles: Tiles | None = None) -> bool:
     """Whether the fused kernel can tile `w` (else `grouped_matmul` dequantizes first): not
-    int4 with zero-points or act-order group indices."""
-    if w.kind not in FUSED_KINDS or w.zero is not None or w.g_idx is not None:
+    int4 with zero-points, nor an act-order matrix (`grouped_matmul` hands it the stored
+    rows)."""
+    if w.kind not in FUSED_KINDS or w.zero is not None or w.perm is not None:
         return False
     k, n = w.shape
     t = tiles or TILES[w.kind]
@@ -346,11 +363,13 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
     from jax.experimental.pallas import triton as plt
 
     m, k, n = check_operands("fused_grouped_matmul", x, w, group_sizes)
-    if w.zero is not None or w.g_idx is not None:
-        raise ValueError(f"fused_grouped_matmul: an int4 matrix with "
-                         f"{'zero-points' if w.g_idx is None else 'act-order group indices'} "
-                         "is not read by the Triton kernel; use grouped_matmul, which "
-                         "dequantizes it first")
+    if w.zero is not None:
+        raise ValueError("fused_grouped_matmul: an int4 matrix with zero-points is not read by "
+                         "the Triton kernel; use grouped_matmul, which dequantizes it first")
+    if w.perm is not None:
+        raise ValueError("fused_grouped_matmul: an act-order matrix multiplies its inputs in "
+                         "stored order; use grouped_matmul, which reorders them "
+                         "(inputs_in_stored_order) and reads w.stored()")
     tiles = tiles or tiles_for(w)
     if not fused_supports(w, tiles):
         raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "
@@ -412,5 +431,5 @@ def fused_reference(x, w: QuantizedMatrix, group_sizes) -> np.ndarray:
     from .grouped_matmul import grouped_matmul_reference
     from .reference import dequantized64
 
-    deq = dequantized64(w.kind, w.block, w.shape, w.q, w.scale, w.zero, w.g_idx)
+    deq = dequantized64(w.kind, w.block, w.shape, w.q, w.scale, w.zero, w.perm)
     return grouped_matmul_reference(np.asarray(x, np.float64), deq, group_sizes)

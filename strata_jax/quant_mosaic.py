@@ -441,10 +441,10 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     of 128 (a k step one group, or half of one: block_k 128 or 64), symmetric or with a
     zero-point plane (one compute warpgroup: the two-warpgroup kernel's warp-specialized
     pipeline with a third plane hangs in Pallas' interpreter, so it is not used), rows in
-    groups k // 128 (not act-order's group indices), whole column
-    tiles, read as bf16 or fp16."""
+    groups k // 128 (an act-order matrix's stored rows, `QuantizedMatrix.stored`), whole
+    column tiles, read as bf16 or fp16."""
     k, n = w.shape
-    return (w.kind == "int4" and w.block == INT4_GROUP and w.g_idx is None
+    return (w.kind == "int4" and w.block == INT4_GROUP and w.perm is None
             and (w.zero is None or tiles.compute_wgs == 1)
             and tiles.block_k in (INT4_GROUP, INT4_GROUP // 2)
             and k % INT4_GROUP == 0 and n % tiles.block_n == 0

@@ -159,22 +159,23 @@ def _dequantized(c: ModelConfig, params, prefix: str, matrix: str) -> np.ndarray
     formulas: fp8 w = q * scale[k // b, n // b]; GPTQ int4 w = (q - z) * scale[k // g, n],
     q the 4-bit values, each group's first half of rows in the low nibbles of its byte rows
     and its second half in the high nibbles, z 8 (symmetric) or the zero-point plane's
-    z[k // g, n]; with act-order g = g_idx[k] in place of k // g)."""
+    z[k // g, n]; with act-order the rows stored in group order, stored row k being input row
+    perm[k])."""
     from strata_jax.model import expert_format
 
     fmt = expert_format(c)
     return dequantized64(fmt.kind, fmt.block, fmt.matrix_shape(matrix),
                          params[prefix + matrix], params[prefix + matrix + "_scale"],
                          params[prefix + matrix + "_zero"] if fmt.zero_points else None,
-                         params[prefix + matrix + "_gidx"] if fmt.act_order else None)
+                         params[prefix + matrix + "_perm"] if fmt.act_order else None)
 
 
 def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale,
-                  zero=None, g_idx=None) -> np.ndarray:
+                  zero=None, perm=None) -> np.ndarray:
     """Float64 [E, K, N] of one quantized matrix's planes q and scale (and int4's zero-points
-    `zero`, [E, K/g, N]; None: 8; and act-order group indices `g_idx`, [E, K]; None: row k in
-    group k // g) by the published formulas (`_dequantized`), `block` the fp8 block side or the
-    int4 group."""
+    `zero`, [E, K/g, N]; None: 8; and act-order's row order `perm`, [E, K]: stored row k is
+    input row perm[k]; None: itself) by the published formulas (`_dequantized`), `block` the
+    fp8 block side or the int4 group."""
     q = np.asarray(q)
     s = np.asarray(scale).astype(np.float64)
     k, n = shape
@@ -187,11 +188,14 @@ def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale,
         rows = q[:, g * half:(g + 1) * half].astype(np.int64)
         vals[:, g * block:g * block + half] = rows % 16
         vals[:, g * block + half:(g + 1) * block] = rows // 16
-    e = np.arange(q.shape[0])[:, None]
-    rows = (np.broadcast_to(np.arange(k) // block, (q.shape[0], k)) if g_idx is None
-            else np.asarray(g_idx).astype(np.int64))  # [E, K]: each row's group
-    z = 8.0 if zero is None else np.asarray(zero).astype(np.float64)[e, rows, :]
-    return (vals - z) * s[e, rows, :]
+    groups = np.arange(k) // block
+    z = 8.0 if zero is None else np.asarray(zero).astype(np.float64)[:, groups, :]
+    w = (vals - z) * s[:, groups, :]
+    if perm is None:
+        return w
+    out = np.empty_like(w)
+    out[np.arange(q.shape[0])[:, None], np.asarray(perm)] = w
+    return out
 
 
 def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tokens,

@@ -172,33 +172,43 @@ def test_int4_round_trip_within_its_bound():
 
 
 @pytest.mark.parametrize("zero_points", [False, True])
-def test_int4_act_order_groups_rows_by_their_index(zero_points):
-    """Act-order (GPTQ desc_act): a group-index plane per matrix after its other planes; each
-    group of rows (the rows its index names, not k // g) gets its own scale, the values keep
-    their rows, and the round trip's error is within s / 2 of each row's own group's scale."""
+def test_int4_act_order_stores_rows_in_group_order(zero_points):
+    """Act-order (GPTQ desc_act): a row-order plane per matrix after its other planes; the
+    rows are stored in group order (the largest-magnitude rows first), each stored group of
+    rows gets its own scale, the plane names each stored row's input row, and the round
+    trip's error is within s / 2 of each row's own group's scale, back in input order."""
+    from strata_jax.formats import g_idx_perm, perm_g_idx
+
     e, h, i, g = 2, 256, 128, 64
     fmt = ExpertFormat.int4(h, i, np.float32, group=g, zero_points=zero_points, act_order=True)
     assert fmt.act_order and fmt.name == ("int4-zp-act" if zero_points else "int4-act")
-    side = ["_scale", "_zero", "_gidx"] if zero_points else ["_scale", "_gidx"]
+    side = ["_scale", "_zero", "_perm"] if zero_points else ["_scale", "_perm"]
     assert [p.name for p in fmt.planes] == [m + sfx for m in ("gate", "up", "down")
                                             for sfx in ["", *side]]
-    assert fmt.plane("down_gidx") == Plane("down_gidx", np.int32, (i,))
+    assert fmt.plane("down_perm") == Plane("down_perm", np.int32, (i,))
     plain = ExpertFormat.int4(h, i, np.float32, group=g, zero_points=zero_points)
     assert fmt.blob_bytes == plain.blob_bytes + 4 * (2 * h + i)
     w = _experts(e, h, i, scale=0.02, seed=3)
     planes, got = _round_trip(fmt, w)
     for m in ("gate", "up", "down"):
-        x, rows = getattr(w, m), planes[f"{m}_gidx"]
+        x, perm = getattr(w, m), planes[f"{m}_perm"]
         k = x.shape[1]
-        assert rows.dtype == np.int32 and rows.shape == (e, k)
-        assert (rows != np.arange(k) // g).mean() > 0.3  # permuted, not k // g
-        for r in rows:  # every group holds g rows, the largest-magnitude rows first
-            np.testing.assert_array_equal(np.bincount(r, minlength=k // g), g)
-        amax = np.abs(x).max(axis=2)
-        assert all(amax[j][rows[j] == 0].min() >= amax[j][rows[j] == 1].max() for j in range(e))
+        assert perm.dtype == np.int32 and perm.shape == (e, k)
+        for p in perm:  # a permutation, not the identity
+            np.testing.assert_array_equal(np.sort(p), np.arange(k))
+            assert (p != np.arange(k)).mean() > 0.3
+        amax = np.take_along_axis(np.abs(x).max(axis=2), perm, axis=1)  # in stored order
+        assert np.all(amax[:, :g].min(axis=1) >= amax[:, g:2 * g].max(axis=1))
+        rows = perm_g_idx(perm, g)  # each input row's group
+        np.testing.assert_array_equal(g_idx_perm(rows, g), perm)
         s = np.take_along_axis(planes[f"{m}_scale"].astype(np.float64), rows[:, :, None], 1)
         err = np.abs(got[m].astype(np.float64) - x)
         assert np.all(err <= s / 2 + np.abs(x) * 2**-22), m
+    with pytest.raises(ValueError, match="group 0 holds 63 rows, not 64"):
+        g_idx_perm(np.r_[np.zeros(63), np.ones(65), np.full(128, 2), np.full(128, 3)]
+                   .astype(np.int32), g)
+    with pytest.raises(ValueError, match="groups outside 0 .. 3"):
+        g_idx_perm(np.full(256, 4, np.int32), g)
     with pytest.raises(ValueError, match="act-order group indices are an int4 format's"):
         ExpertFormat.make("fp8", h, i, np.float32, act_order=True)
     c = get_preset("qwen3-30b-a3b").scaled(hidden_size=256, expert_intermediate=128)

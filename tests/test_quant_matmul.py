@@ -268,13 +268,17 @@ def _dequantized_rows_are_the_reference(w, refused: str, **without):
 
 
 @pytest.mark.parametrize("zero_points", [False, True])
-def test_act_order_group_indices_are_dequantized_by_their_groups(zero_points):
-    # An int4 matrix with act-order group indices (GPTQ desc_act): no kernel reads it (auto
-    # and fused dequantize it, on Hopper too; the Triton kernel refuses it by name), and
-    # grouped_matmul's rows equal the float64 reference of (q - z[g_idx]) * scale[g_idx].
+def test_act_order_matrices_are_read_in_stored_order(zero_points):
+    # An int4 matrix with act-order (GPTQ desc_act) holds its rows in group order and a row
+    # permutation: grouped_matmul reorders each row's inputs by its expert's permutation and
+    # reads the stored rows as a plain int4 matrix, so the kernels read it as they read int4
+    # (zero-points as zero-points are); every path's rows are the float64 reference's of the
+    # matrix in input order, (q - z) * scale put back at perm's rows.
     import types
 
-    from strata_jax.quant_mosaic import MOSAIC_INT4_TILES, mosaic_int4_supports
+    from strata_jax.quant_matmul import inputs_in_stored_order
+    from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MosaicTiles,
+                                         mosaic_int4_grouped_matmul, mosaic_int4_supports)
 
     e, k, n = 5, 256, 128
     fmt = ExpertFormat.make("int4", k, n, jnp.bfloat16, block=128, zero_points=zero_points,
@@ -282,13 +286,32 @@ def test_act_order_group_indices_are_dequantized_by_their_groups(zero_points):
     w = np.random.default_rng(0).standard_normal((e, k, n)).astype(np.float32) * 0.05 + 0.02
     p = {name: jnp.asarray(v) for name, v in fmt.quantize_matrix_np("gate", w).items()}
     wa = fmt.matrix(p, "gate")
-    g_idx = np.asarray(wa.g_idx)
-    assert g_idx.shape == (e, k) and (g_idx != np.arange(k) // 128).mean() > 0.3
+    perm = np.asarray(wa.perm)
+    assert perm.shape == (e, k) and (perm != np.arange(k)).mean() > 0.3
     hopper = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
                                    compute_capability="9.0")
-    for impl in (None, "fused", "dequantize"):
-        assert resolve_quantized(impl, wa, hopper) == "dequantize", impl
-    assert resolve_format(None, fmt, hopper) == "dequantize"
-    assert not fused_supports(wa) and not mosaic_int4_supports(wa, MOSAIC_INT4_TILES)
-    # read as groups k // 128 the same planes would be another matrix: the indices are used
-    _dequantized_rows_are_the_reference(wa, "act-order group indices", g_idx=None)
+    auto = "dequantize" if zero_points else "mosaic"
+    assert resolve_quantized(None, wa, hopper) == resolve_format(None, fmt, hopper) == auto
+    assert resolve_quantized("fused", wa, hopper) == "mosaic"
+    assert resolve_quantized(None, wa) == "dequantize"  # the CPU
+    assert not fused_supports(wa) and fused_supports(wa.stored()) != zero_points
+    assert not mosaic_int4_supports(wa, MOSAIC_INT4_TILES)
+    assert mosaic_int4_supports(wa.stored(), MOSAIC_INT4_TILES)
+    # the stored rows read in input order would be another matrix: the permutation is used
+    _dequantized_rows_are_the_reference(wa, "zero-points" if zero_points else "an act-order "
+                                        "matrix", perm=None)
+    # the kernels on the reordered inputs (interpreted): the same rows of the reference
+    sizes = jnp.asarray([40, 0, 17, 3, 0], jnp.int32)
+    x = _x(64, k)
+    want = fused_reference(x, wa, np.asarray(sizes))[:60]
+    xs = inputs_in_stored_order(x, wa.perm, sizes)
+    np.testing.assert_array_equal(np.asarray(xs)[:40], np.asarray(x)[:40][:, perm[0]])
+    np.testing.assert_array_equal(np.asarray(xs)[40:57], np.asarray(x)[40:57][:, perm[2]])
+    got = {"mosaic": mosaic_int4_grouped_matmul(xs, wa.stored(), sizes, interpret=True,
+                                                tiles=MosaicTiles(64, 128, 128, 2, 1))}
+    if not zero_points:  # the Triton kernel through grouped_matmul, which reorders
+        got["triton"] = grouped_matmul(x, wa, sizes, quantized="fused")
+    for name, out in got.items():
+        out = np.asarray(out).astype(np.float64)
+        assert_close(out[:60], want, jnp.bfloat16, err_msg=name)
+        assert (out[60:] == 0).all(), name

@@ -284,12 +284,13 @@ def test_two_warpgroups_over_an_odd_number_of_steps_on_hopper(kind, k, tiles):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [200, 2048])
-@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp", "int4-act"])
 def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(kind, tokens):
     # A model whose expert matrices the kernel reads: every arm with "auto" (the Mosaic
     # kernel on Hopper) gives the bits of the resident model with "dequantize". At 2,048
     # tokens (512 rows an expert) whole fp8 layers take MOSAIC_WIDE_TILES and the routed
-    # arm's tail pieces MOSAIC_TILES.
+    # arm's tail pieces MOSAIC_TILES. int4-act: rows stored in group order (gate and up have
+    # two groups, so a real permutation), each matmul's inputs gathered into that order.
     from strata_jax.config import get_preset
     from strata_jax.engine import Engine
     from strata_jax.formats import ExpertFormat
@@ -300,10 +301,12 @@ def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(k
 
     if not is_hopper():
         pytest.skip("the Mosaic kernel needs a Hopper GPU")
-    plain = get_preset("qwen3-30b-a3b").scaled(n_experts=8, top_k=2, hidden_size=128,
-                                                expert_intermediate=128)
-    cfg = plain.replace(expert_format=kind.removesuffix("-zp"), expert_block=128,
-                        expert_zero_points=kind.endswith("-zp"))
+    plain = get_preset("qwen3-30b-a3b").scaled(
+        n_experts=8, top_k=2, hidden_size=256 if kind == "int4-act" else 128,
+        expert_intermediate=128)
+    cfg = plain.replace(expert_format=kind.split("-")[0], expert_block=128,
+                        expert_zero_points=kind.endswith("-zp"),
+                        expert_act_order=kind.endswith("-act"))
     fmt = ExpertFormat.of(cfg)
     planes = {p.name: jnp.zeros((cfg.n_experts, *p.shape), p.dtype) for p in fmt.planes}
     fused = "fused" if kind == "int4-zp" else "auto"  # auto dequantizes zero-points

@@ -253,11 +253,13 @@ def test_gptq_zero_points_are_a_plane_and_dequantize_in_float64(tmp_path, v2):
 
 
 @pytest.mark.parametrize("sym", [True, False])
-def test_gptq_act_order_keeps_g_idx_as_a_plane_and_dequantizes_in_float64(tmp_path, sym):
+def test_gptq_act_order_stores_expert_rows_in_group_order_and_dequantizes_in_float64(
+        tmp_path, sym):
     """desc_act=true: each quantized linear's rows are in the groups its g_idx names (a
-    permutation here, not k // group); the routed experts keep g_idx as an int32 plane, and
-    dequantized experts and attention projections equal the float64 dequantization
-    (q - z[g_idx]) * scale[g_idx] of the files."""
+    permutation here, not k // group); the routed experts' rows are stored in group order
+    (stable) beside the int32 plane naming each stored row's input row; dequantized experts
+    and attention projections equal the float64 dequantization (q - z[g_idx]) *
+    scale[g_idx] of the files."""
     c, group = small(inter=64), 32  # two groups along every input
     _, t = write(tmp_path, c, QWEN, "gptq", group, sym=sym, act_order=True)
     ckpt = load_checkpoint(str(tmp_path), progress=False)
@@ -275,8 +277,13 @@ def test_gptq_act_order_keeps_g_idx_as_a_plane_and_dequantizes_in_float64(tmp_pa
             g_idx = np.stack([t[f"{m}.g_idx"] for m in ms])
             k = g_idx.shape[1]
             assert (g_idx != np.arange(k) // group).mean() > 0.3, field  # act-order's groups
-            assert planes[f"{field}_gidx"].dtype == np.int32
-            np.testing.assert_array_equal(planes[f"{field}_gidx"], g_idx)
+            perm = planes[f"{field}_perm"]
+            assert perm.dtype == np.int32
+            np.testing.assert_array_equal(perm, np.argsort(g_idx, axis=1, kind="stable"))
+            # the stored values are the files' rows in that order
+            stored = int4_values_np(planes[field], group)
+            for e, m in enumerate(ms):
+                np.testing.assert_array_equal(stored[e], nibbles(t[f"{m}.qweight"])[perm[e]])
             for e, m in enumerate(ms):
                 zero = 8 if sym else gptq_zeros(t, m, False)
                 assert_close(getattr(got, field)[e], gptq_f64(t, m, group, zero), np.float32,
@@ -298,7 +305,12 @@ def test_gptq_act_order_keeps_g_idx_as_a_plane_and_dequantizes_in_float64(tmp_pa
      r"'model.layers.1.mlp.experts.0.up_proj.g_idx' names group 2 for row 3; a 64-wide input "
      r"in groups of 32 has groups 0 .. 1"),
     (lambda t: t["model.layers.0.self_attn.o_proj.g_idx"].__setitem__(0, -1),
-     r"'model.layers.0.self_attn.o_proj.g_idx' names group -1 for row 0")])
+     r"'model.layers.0.self_attn.o_proj.g_idx' names group -1 for row 0"),
+    # a routed expert's groups are stored contiguous, so each must hold group_size rows
+    (lambda t: (lambda g: g.__setitem__(int(np.flatnonzero(g == 1)[0]), 0))(
+        t["model.layers.1.mlp.experts.0.gate_proj.g_idx"]),
+     r"'model.layers.1.mlp.experts.0.gate_proj.g_idx' puts 33 rows in group 0, not "
+     r"group_size=32: a routed expert's act-order groups")])
 def test_gptq_act_order_refuses_a_missing_or_out_of_range_g_idx(tmp_path, edit, match):
     c = small()
     t = hf_quantize(hf_tensors(c, init_synthetic(c, 0), QWEN), "gptq", 32, act_order=True)

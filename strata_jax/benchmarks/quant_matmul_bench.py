@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 
@@ -34,8 +35,8 @@ from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights
 from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantized_config
 from strata_jax.grouped_matmul import grouped_matmul
-from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul,
-                                     fused_supports, tiles_for)
+from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul, fused_supports,
+                                     inputs_in_stored_order, tiles_for)
 from strata_jax.quant_mosaic import (INT_TO_FLOAT, MosaicTiles, mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul, mosaic_int4_supports,
                                      mosaic_supports)
@@ -46,6 +47,14 @@ def _swiglu(x, w, sizes, mm):
     u = mm(x, w.up, sizes)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
     return mm(h, w.down, sizes)
+
+
+def _stored(x, w, sizes):
+    """(x, w, sizes) as a kernel reads them: an act-order matrix's stored rows and each
+    row's inputs in their order (what `grouped_matmul` does before any path)."""
+    if w.perm is None:
+        return x, w, sizes
+    return inputs_in_stored_order(x, w.perm, sizes), w.stored(), sizes
 
 
 def parse_tiles(spec: str) -> Tiles:
@@ -83,7 +92,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
 
     bf16 = jax.jit(lambda x, w, s: _swiglu(x, w, s, grouped_matmul))
     deq = jax.jit(lambda x, w, s: _swiglu(
-        x, ExpertWeights(*(a.dequantize() for a in w)), s, grouped_matmul))
+        x, w, s, functools.partial(grouped_matmul, quantized="dequantize")))
     t_bf16 = _time(bf16, (x, wb, sizes), warmup, repeats)
     want = deq(x, wq, sizes)
     t_deq = _time(deq, (x, wq, sizes), warmup, repeats)
@@ -95,7 +104,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                  over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
     def timed(path, name, mm, **extra):
         """The row of one fused kernel (`mm(x, w, sizes)` for each matrix) on the layer."""
-        fused = jax.jit(lambda x, w, s: _swiglu(x, w, s, mm))
+        fused = jax.jit(lambda x, w, s: _swiglu(x, w, s, lambda a, b, c: mm(*_stored(a, b, c))))
         base = dict(kind=kind, tokens=tokens, path=path, tiles=name, **extra)
         try:
             got = fused(x, wq, sizes)
@@ -111,7 +120,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
 
     for tiles in tilings:
         name = str(tiles or tiles_for(wq.gate))
-        if not all(fused_supports(a, tiles or tiles_for(a)) for a in wq):
+        if not all(fused_supports(a.stored(), tiles or tiles_for(a)) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=name,
                              error="unsupported"))
             continue
@@ -120,7 +129,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
     for tiles in mosaic:
         name = ",".join(str(v) for v in dataclasses.astuple(tiles))
         if fmt.kind == "int4":
-            if not all(mosaic_int4_supports(a, tiles) for a in wq):
+            if not all(mosaic_int4_supports(a.stored(), tiles) for a in wq):
                 rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
                                  error="unsupported (int4 reads block_k 128 or 64, groups "
                                        "k // 128)"))
@@ -146,7 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1024,4096,8192")
     p.add_argument("--formats", default="fp8,int4",
                    help="comma list of " + "|".join(QUANTIZE_CHOICES) + " (int4-zp: with "
-                        "zero-points; int4-act: act-order group indices, dequantized only)")
+                        "zero-points; int4-act: act-order, rows stored in group order, each path "
+                        "reading the inputs gathered into that order)")
     p.add_argument("--tiles", action="append", default=[],
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
                         "default tiling is always timed")
