@@ -134,8 +134,8 @@ def _model_options(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="store, stream and read the routed experts quantized: fp8 (e4m3, "
                         "block scales), int4 (GPTQ's values, group scales, symmetric) or "
                         "int4-zp (int4 with a zero-point per group, GPTQ's asymmetric grid), "
-                        "int4-act (int4 with act-order group indices: each matrix's rows "
-                        "grouped by magnitude, dequantized before the expert math), "
+                        "int4-act (int4 with act-order: each matrix's rows grouped by "
+                        "magnitude and stored in group order, the inputs gathered into it), "
                         "made from the preset's or the bf16 checkpoint's weights as they are "
                         "loaded")
     g.add_argument("--quant-block", type=_positive_int, default=None, metavar="N",
