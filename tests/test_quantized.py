@@ -29,7 +29,7 @@ FORMATS = {"fp8": PLAIN.replace(expert_format="fp8", expert_block=16),
            # int4 with a zero-point plane per matrix (asymmetric GPTQ)
            "int4-zp": PLAIN.replace(expert_format="int4", expert_block=16,
                                     expert_zero_points=True),
-           # and with act-order group indices (GPTQ desc_act), the rows' groups a permutation
+           # and with act-order (GPTQ desc_act): rows stored in group order, a permutation plane
            "int4-zp-act": PLAIN.replace(expert_format="int4", expert_block=16,
                                         expert_zero_points=True, expert_act_order=True)}
 
@@ -318,9 +318,11 @@ def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, e
 
 @pytest.mark.gpu
 def test_act_order_experts_stream_on_the_gpu_with_the_resident_bits(plain_params):
-    # int4 with zero-points and act-order group indices (12 planes a blob) through the CUDA
-    # engine: resident, routed (frames ring, the last layer in pieces) and stream-all (packed)
-    # read the same bits, dequantized on the device; the logits are the float64 forward's.
+    # int4 with zero-points and act-order (12 planes a blob: rows in group order and their
+    # permutation) through the CUDA engine: resident, routed (frames ring, the last layer in
+    # pieces) and stream-all (packed) read the same bits, each matmul's inputs gathered into
+    # the stored order and the matrix dequantized on the device; the logits are the float64
+    # forward's.
     from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg = FORMATS["int4-zp-act"]
