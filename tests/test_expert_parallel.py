@@ -208,6 +208,42 @@ def test_two_devices_match_the_float64_reference():
     assert out["uneven"].startswith("7 experts per layer do not split evenly over the 2 devices")
 
 
+@pytest.mark.slow  # a child with 2 devices, 9 engines
+def test_quantized_experts_on_two_devices():
+    # fp8, int4 and int4 with zero-points and act-order (its row permutation split with its
+    # experts): on 2 devices resident and routed-streamed read the same bits, within the
+    # tolerance table of one device's read and of the float64 forward of the same planes.
+    out = _child(_SETUP + """
+    from strata_jax.stream import StreamConfig, StreamTuning
+    from strata_jax.weights import QuantizedParams
+    plain = F32.replace(param_dtype="bfloat16")
+    params = init_synthetic(plain, seed=2)
+    toks = np.random.default_rng(3).integers(0, plain.vocab_size, 40)
+    report = {}
+    for name, kw in (("fp8", dict(expert_format="fp8")), ("int4", dict(expert_format="int4")),
+                     ("int4-zp-act", dict(expert_format="int4", expert_zero_points=True,
+                                          expert_act_order=True))):
+        cfg = plain.replace(expert_block=16, **kw)
+        qp = QuantizedParams(params, cfg)
+        got = {}
+        for arm, mesh, stream in (("one", None, None), ("mesh", 2, None),
+                                  ("mesh routed", 2, StreamConfig(routed=True, tuning=StreamTuning(
+                                      stream_floor=1)))):
+            with Engine(cfg, qp, stream, max_context=64, chunk_size=32, mesh=mesh) as eng:
+                r = eng.prefill(toks)
+                got[arm] = (r.logits_sha256(), r.kv_sha256(), np.asarray(r.logits))
+                if stream is not None:
+                    assert r.totals()["bytes"] == r.totals()["copied"] * cfg.expert_bytes > 0
+        assert got["mesh"][:2] == got["mesh routed"][:2], name
+        assert_close(got["mesh"][2], got["one"][2], cfg.dtype, err_msg=name)
+        want, _ = reference_forward(cfg, {n: qp[n] for n in qp}, toks)
+        assert_close(got["mesh"][2], want[-1], cfg.dtype, err_msg=name)
+        report[name] = got["mesh"][:2] == got["one"][:2]
+    print(json.dumps(report))
+    """, devices=2)
+    assert set(out) == {"fp8", "int4", "int4-zp-act"}
+
+
 @pytest.mark.slow  # a child with 4 devices, 4 engines (the default run: test_two_devices_...)
 def test_arms_on_a_mesh_are_identical_and_match_one_device():
     out = _child(_SETUP + """
