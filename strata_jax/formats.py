@@ -476,9 +476,8 @@ class ExpertFormat:
 
 
 def _rows_of(grid: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """A per-group plane [E, K/G, N] at each input row's group: [E, K, N]; `rows` [K] (one
-    grouping for every expert) or [E, K] (each expert's own)."""
-    return np.take_along_axis(grid, np.atleast_2d(rows)[:, :, None], axis=1)
+    """A per-group plane [E, K/G, N] at each row's group `rows` [K]: [E, K, N]."""
+    return grid[:, rows, :]
 
 
 def act_order_perm(x: np.ndarray, group: int) -> np.ndarray:

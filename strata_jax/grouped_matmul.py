@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kernels import GROUPED_MATMULS as IMPLEMENTATIONS
-from .quant_matmul import (QuantizedMatrix, fused_grouped_matmul, inputs_in_stored_order,
+from .quant_matmul import (QuantizedMatrix, fused_grouped_matmul, in_stored_order,
                            resolve_quantized, zero_rows_past_groups)
 from .quant_mosaic import fp8_tiles_for, mosaic_fp8, mosaic_int4
 
@@ -105,9 +105,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
         if w.dtype != x.dtype:
             raise ValueError(f"grouped_matmul: x dtype {x.dtype} != the quantized matrix's "
                              f"dtype {w.dtype}")
-        if w.perm is not None:  # act-order: x's columns in the stored rows' order
-            x = inputs_in_stored_order(x, w.perm, group_sizes)
-            w = w.stored()
+        x, w = in_stored_order(x, w, group_sizes)  # act-order: x's columns in stored order
         path = resolve_quantized(quantized, w)
         if path == "mosaic":
             if w.kind == "int4":

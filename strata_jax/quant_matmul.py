@@ -62,7 +62,7 @@ class QuantizedMatrix:
             (w = (q - zero) * scale); None: symmetric, the implicit 8 (and fp8).
         perm: int4 with act-order: int32 [E, K], the input row each stored row is (the rows
             stored in group order, `formats`): x @ w = x[:, perm] @ (the stored rows), which
-            `grouped_matmul` reads as a plain int4 matrix (`inputs_in_stored_order`); None:
+            `grouped_matmul` reads as a plain int4 matrix (`in_stored_order`); None:
             stored row k is input row k.
     """
 
@@ -86,16 +86,21 @@ class QuantizedMatrix:
         return dataclasses.replace(self, perm=None)
 
 
-def inputs_in_stored_order(x: jax.Array, perm: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [M, K], rows sorted by group, with each row's columns in its group's stored order:
-    out[j, i] = x[j, perm[g(j), i]] (`QuantizedMatrix.perm` [E, K]; rows past the groups take
-    the last group's, and their outputs are zeros anyway)."""
+def in_stored_order(x: jax.Array, w: QuantizedMatrix,
+                    group_sizes: jax.Array) -> tuple[jax.Array, QuantizedMatrix]:
+    """(x, w) as every path reads them: for an act-order `w`, x [M, K] (rows sorted by
+    group) with each row's columns in its group's stored order, out[j, i] = x[j, perm[g(j),
+    i]] (rows past the groups take the last group's; their outputs are zeros anyway), and
+    `w.stored()`; any other `w` as given."""
+    if w.perm is None:
+        return x, w
+    perm = w.perm
     m = x.shape[0]
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
     group = jnp.minimum(group, perm.shape[0] - 1)
     with jax.named_scope("act_order_inputs"):
-        return jnp.take_along_axis(x, perm.astype(jnp.int32)[group], axis=1)
+        return jnp.take_along_axis(x, perm.astype(jnp.int32)[group], axis=1), w.stored()
 
 
 def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,
@@ -369,7 +374,7 @@ def fused_grouped_matmul(x: jax.Array, w: QuantizedMatrix, group_sizes: jax.Arra
     if w.perm is not None:
         raise ValueError("fused_grouped_matmul: an act-order matrix multiplies its inputs in "
                          "stored order; use grouped_matmul, which reorders them "
-                         "(inputs_in_stored_order) and reads w.stored()")
+                         "(in_stored_order) and reads w.stored()")
     tiles = tiles or tiles_for(w)
     if not fused_supports(w, tiles):
         raise ValueError(f"fused_grouped_matmul: {w.kind} matrix {w.shape} with block "

@@ -276,7 +276,7 @@ def test_act_order_matrices_are_read_in_stored_order(zero_points):
     # matrix in input order, (q - z) * scale put back at perm's rows.
     import types
 
-    from strata_jax.quant_matmul import inputs_in_stored_order
+    from strata_jax.quant_matmul import in_stored_order
     from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MosaicTiles,
                                          mosaic_int4_grouped_matmul, mosaic_int4_supports)
 
@@ -304,10 +304,13 @@ def test_act_order_matrices_are_read_in_stored_order(zero_points):
     sizes = jnp.asarray([40, 0, 17, 3, 0], jnp.int32)
     x = _x(64, k)
     want = fused_reference(x, wa, np.asarray(sizes))[:60]
-    xs = inputs_in_stored_order(x, wa.perm, sizes)
+    xs, stored = in_stored_order(x, wa, sizes)
+    assert stored.perm is None and stored.q is wa.q
+    again = in_stored_order(x, stored, sizes)  # a matrix without perm: as given
+    assert again[0] is x and again[1] is stored
     np.testing.assert_array_equal(np.asarray(xs)[:40], np.asarray(x)[:40][:, perm[0]])
     np.testing.assert_array_equal(np.asarray(xs)[40:57], np.asarray(x)[40:57][:, perm[2]])
-    got = {"mosaic": mosaic_int4_grouped_matmul(xs, wa.stored(), sizes, interpret=True,
+    got = {"mosaic": mosaic_int4_grouped_matmul(xs, stored, sizes, interpret=True,
                                                 tiles=MosaicTiles(64, 128, 128, 2, 1))}
     if not zero_points:  # the Triton kernel through grouped_matmul, which reorders
         got["triton"] = grouped_matmul(x, wa, sizes, quantized="fused")

@@ -36,7 +36,7 @@ from strata_jax.experts import ExpertWeights
 from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantized_config
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul, fused_supports,
-                                     inputs_in_stored_order, tiles_for)
+                                     in_stored_order, tiles_for)
 from strata_jax.quant_mosaic import (INT_TO_FLOAT, MosaicTiles, mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul, mosaic_int4_supports,
                                      mosaic_supports)
@@ -47,14 +47,6 @@ def _swiglu(x, w, sizes, mm):
     u = mm(x, w.up, sizes)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
     return mm(h, w.down, sizes)
-
-
-def _stored(x, w, sizes):
-    """(x, w, sizes) as a kernel reads them: an act-order matrix's stored rows and each
-    row's inputs in their order (what `grouped_matmul` does before any path)."""
-    if w.perm is None:
-        return x, w, sizes
-    return inputs_in_stored_order(x, w.perm, sizes), w.stored(), sizes
 
 
 def parse_tiles(spec: str) -> Tiles:
@@ -104,7 +96,8 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                  over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
     def timed(path, name, mm, **extra):
         """The row of one fused kernel (`mm(x, w, sizes)` for each matrix) on the layer."""
-        fused = jax.jit(lambda x, w, s: _swiglu(x, w, s, lambda a, b, c: mm(*_stored(a, b, c))))
+        fused = jax.jit(lambda x, w, s: _swiglu(
+            x, w, s, lambda a, b, c: mm(*in_stored_order(a, b, c), c)))
         base = dict(kind=kind, tokens=tokens, path=path, tiles=name, **extra)
         try:
             got = fused(x, wq, sizes)
