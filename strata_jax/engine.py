@@ -638,6 +638,7 @@ class Engine:
                 self.streamer.local_config if self._manual else self.config, blobs,
                 jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
                 frame_of=self.streamer.frame_of, tail_pieces=pieces,
+                tail_shape=self.streamer.tuning.tail_shape,
                 tail_layer=self.streamer.tail_layer,
                 expert_axis=EXPERT_AXIS if self._manual else None)
             ids = source.ids

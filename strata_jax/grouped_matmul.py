@@ -137,18 +137,31 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
     return _lax(x, w, group_sizes)
 
 
-def row_pieces(m: int, pieces: int, align: int = MOSAIC_BLOCK_M) -> tuple[int, ...]:
-    """Static bounds that cut M sorted rows into `pieces` ranges of about equal size, each
-    boundary a multiple of `align` (the Mosaic kernel's row tile, so no piece pads a tile)
-    where M holds `pieces` such tiles, else anywhere. Returns (0, b1, ..., M) with no empty
-    range: fewer pieces where M is too small."""
+PIECE_SHAPES = ("equal", "halving")
+
+
+def row_pieces(m: int, pieces: int, align: int = MOSAIC_BLOCK_M,
+               shape: str = "equal") -> tuple[int, ...]:
+    """Static bounds that cut M sorted rows into `pieces` ranges, each boundary a multiple of
+    `align` (the Mosaic kernel's row tile, so no piece pads a tile) where M holds `pieces`
+    such tiles, else anywhere. Returns (0, b1, ..., M) with no empty range: fewer pieces
+    where M is too small.
+
+    shape: "equal" (about M / pieces rows each) or "halving" (each piece half the one
+    before, the last two equal: 1/2, 1/4, ..., 1/2^(pieces-1), 1/2^(pieces-1) of M; boundary
+    p at M (1 - 2^-p)), so that the last piece, whose math follows the chunk's last copy, is
+    the smallest (`StreamTuning.tail_shape`)."""
     if m < 0 or pieces < 1:
         raise ValueError(f"row_pieces: m={m}, pieces={pieces}; need m >= 0 and pieces >= 1")
-    if m < align * pieces:
+    if shape not in PIECE_SHAPES:
+        raise ValueError(f"row_pieces: shape={shape!r}; expected one of {PIECE_SHAPES}")
+    smallest = 2 ** (pieces - 1) if shape == "halving" else pieces
+    if m < align * smallest:
         align = 1
     bounds = [0]
     for p in range(1, pieces):
-        b = round(m * p / pieces / align) * align
+        frac = p / pieces if shape == "equal" else 1 - 0.5 ** p
+        b = round(m * frac / align) * align
         if bounds[-1] < b < m:
             bounds.append(b)
     bounds.append(m)

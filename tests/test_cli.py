@@ -157,10 +157,11 @@ def test_every_arm_gives_the_same_bytes(arms):
 @pytest.mark.slow
 def test_last_layer_in_pieces_gives_the_same_bytes(arms):
     # --tail-pieces/--tail-from: the last MoE layer's expert math in row pieces, each after a
-    # fetch that waits only for its own experts (StreamTuning.tail_pieces).
-    for layout in ("frames", "packed"):
+    # fetch that waits only for its own experts (StreamTuning.tail_pieces); --tail-shape
+    # halving: pieces of 1/2, 1/4 and 1/4 of the rows.
+    for layout, shape in (("frames", "equal"), ("packed", "halving")):
         d = run_json(["prefill", *MODEL, *PROMPT, "--tail-pieces", "3", "--tail-from", "64",
-                      "--stream-floor", "64", "--layout", layout])
+                      "--stream-floor", "64", "--layout", layout, "--tail-shape", shape])
         assert (d["logits_sha256"], d["kv_sha256"]) == (arms["resident"]["logits_sha256"],
                                                         arms["resident"]["kv_sha256"])
         assert d["copied"] + d["skipped"] == d["experts_streamed"]

@@ -137,9 +137,10 @@ def test_cuda_layout_changes_between_chunks(setup, stream_floor, frames_from, la
         assert not eng.streamer.walk_active()
 
 
-@pytest.mark.parametrize("layout,routed,resident_per_layer", [
-    ("frames", True, 0), ("packed", True, 0), ("packed", False, 5), ("frames", False, 5)])
-def test_cuda_tail_pieces_identical(setup, layout, routed, resident_per_layer):
+@pytest.mark.parametrize("layout,routed,resident_per_layer,shape", [
+    ("frames", True, 0, "equal"), ("packed", True, 0, "equal"), ("packed", False, 5, "equal"),
+    ("frames", False, 5, "equal"), ("packed", False, 0, "halving")])
+def test_cuda_tail_pieces_identical(setup, layout, routed, resident_per_layer, shape):
     # The last MoE layer in row pieces (StreamTuning.tail_pieces): each piece's fetch waits on
     # the device only for its own experts' copies (frames read in place; packed pieces add
     # their experts to fetch's outputs in place), chunks synced and queued back to back.
@@ -149,7 +150,7 @@ def test_cuda_tail_pieces_identical(setup, layout, routed, resident_per_layer):
     cfg, params, tokens, ref = setup
     sc = StreamConfig(routed=routed, depth=4, backend="cuda", resident_per_layer=resident_per_layer,
                       tuning=StreamTuning(stream_floor=CHUNK, layout=layout, tail_pieces=4,
-                                          tail_from=CHUNK))
+                                          tail_shape=shape, tail_from=CHUNK))
     with Engine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
         for sync in (True, False, True):
             r = eng.prefill(tokens, sync_chunks=sync)

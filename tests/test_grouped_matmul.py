@@ -165,18 +165,19 @@ def _by_pieces(x, w, g, bounds, impl):
 # The last MoE layer of a streamed chunk runs its expert math in row pieces (model.experts_swiglu):
 # each piece's rows must come out as the same bits as the whole matmul gives them.
 _PIECE_CASES = [
-    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4),   # groups straddle every boundary; padding rows
-    ([0] * 60 + [1024] + [0] * 67, 1024, 3),       # one hot expert spans all pieces
-    ([8] * 128, 1024, 4),                          # many groups, boundaries on group edges
-    ([0, 0, 0, 0], 512, 2),                        # padding only
+    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4, "equal"),  # groups straddle every boundary;
+    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4, "halving"),  # padding rows
+    ([0] * 60 + [1024] + [0] * 67, 1024, 3, "equal"),  # one hot expert spans all pieces
+    ([8] * 128, 1024, 4, "equal"),                     # many groups, boundaries on group edges
+    ([0, 0, 0, 0], 512, 2, "equal"),                   # padding only
 ]
 
 
 @pytest.mark.parametrize("impl", ["lax", pytest.param("tiled", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("sizes, m, pieces", _PIECE_CASES)
-def test_row_pieces_same_bits(impl, sizes, m, pieces):
+@pytest.mark.parametrize("sizes, m, pieces, shape", _PIECE_CASES)
+def test_row_pieces_same_bits(impl, sizes, m, pieces, shape):
     x, w, g = _pieces_case(m, sizes)
-    bounds = row_pieces(m, pieces, align=128)
+    bounds = row_pieces(m, pieces, align=128, shape=shape)
     assert len(bounds) == pieces + 1 and bounds[0] == 0 and bounds[-1] == m
     whole = grouped_matmul(x, w, g, impl=impl)
     np.testing.assert_array_equal(np.asarray(_by_pieces(x, w, g, bounds, impl)).view(np.uint16),
@@ -185,12 +186,12 @@ def test_row_pieces_same_bits(impl, sizes, m, pieces):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["mosaic", "tiled"])
-@pytest.mark.parametrize("sizes, m, pieces", _PIECE_CASES)
-def test_gpu_row_pieces_same_bits(impl, sizes, m, pieces):
+@pytest.mark.parametrize("sizes, m, pieces, shape", _PIECE_CASES)
+def test_gpu_row_pieces_same_bits(impl, sizes, m, pieces, shape):
     if impl == "mosaic" and not is_hopper():
         pytest.skip("Mosaic GPU ragged_dot needs a Hopper GPU")
     x, w, g = _pieces_case(m, sizes)
-    bounds = row_pieces(m, pieces)
+    bounds = row_pieces(m, pieces, shape=shape)
     whole = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl=impl))(x, w, g)
     pieces_out = jax.jit(lambda a, b, c: _by_pieces(a, b, c, bounds, impl))(x, w, g)
     np.testing.assert_array_equal(np.asarray(pieces_out).view(np.uint16),
@@ -207,6 +208,14 @@ def test_row_pieces_bounds():
     assert row_pieces(1000, 1) == (0, 1000)
     with pytest.raises(ValueError, match="pieces"):
         row_pieces(100, 0)
+    # halving: 1/2, 1/4, 1/8, 1/8 of the rows, on 128-row tiles where there are 8 of them
+    assert row_pieces(65536, 4, shape="halving") == (0, 32768, 49152, 57344, 65536)
+    assert row_pieces(1024, 4, shape="halving") == (0, 512, 768, 896, 1024)
+    assert row_pieces(1000, 4, shape="halving") == (0, 500, 750, 875, 1000)  # < 8 tiles
+    assert row_pieces(1024, 2, shape="halving") == row_pieces(1024, 2) == (0, 512, 1024)
+    assert row_pieces(4, 4, shape="halving") == (0, 2, 3, 4)  # no empty piece
+    with pytest.raises(ValueError, match="shape='even'"):
+        row_pieces(100, 2, shape="even")
     g = jnp.asarray([3, 0, 5, 2], jnp.int32)
     np.testing.assert_array_equal(np.asarray(piece_group_sizes(g, 2, 8)), [1, 0, 5, 0])
     np.testing.assert_array_equal(np.asarray(piece_group_sizes(g, 8, 12)), [0, 0, 0, 2])

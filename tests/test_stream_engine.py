@@ -97,9 +97,10 @@ ARMS = {
     "pieces-packed-routed-jittery": (dict(routed=True, depth=4, tail_pieces=3,
                                           tail_from=CHUNK, layout="packed", stream_floor=CHUNK,
                                           **JITTERY), CHUNK),
-    "pieces-packed-stream-all-resident-half": (
-        dict(routed=False, resident_per_layer=8, tail_pieces=4, tail_from=CHUNK,
-             layout="packed", stream_floor=CHUNK, **SLOW), CHUNK),
+    # tail_shape="halving": pieces of 1/2, 1/4, 1/8 and 1/8 of the rows.
+    "pieces-halving-packed-stream-all-resident-half": (
+        dict(routed=False, resident_per_layer=8, tail_pieces=4, tail_shape="halving",
+             tail_from=CHUNK, layout="packed", stream_floor=CHUNK, **SLOW), CHUNK),
     "pieces-frames-stream-all-ring3layers": (
         dict(routed=False, ring=48, tail_pieces=2, tail_from=CHUNK, layout="frames",
              stream_floor=16, **SLOW), CHUNK),
@@ -291,6 +292,9 @@ def test_ring_layout_per_chunk_and_bad_layouts():
         StreamConfig(tuning=StreamTuning(layout="planes")).resolved()
     with pytest.raises(ValueError, match="frames_from=0: must be at least 1"):
         StreamConfig(tuning=StreamTuning(frames_from=0)).resolved()
+    with pytest.raises(ValueError, match=r"tail_shape='even': expected one of \['equal', "
+                                         r"'halving'\]"):
+        StreamConfig(tuning=StreamTuning(tail_shape="even")).resolved()
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     stores = [experts.get(l) for l in range(CFG.n_layers)]
     cases = {  # StreamConfig kwargs: {chunk tokens: (layout, begin_chunk mode)}

@@ -191,6 +191,9 @@ def add_stream_args(ap) -> None:
     ap.add_argument("--tail-pieces", type=int, default=None,
                     help="StreamTuning.tail_pieces (default 4): the last MoE layer's expert "
                          "math in this many row pieces; 1 runs it whole")
+    ap.add_argument("--tail-shape", choices=["equal", "halving"], default=None,
+                    help="StreamTuning.tail_shape (default equal): the pieces' sizes; halving "
+                         "makes each half the one before (1/2, 1/4, 1/8, 1/8)")
     ap.add_argument("--tail-from", type=int, default=None,
                     help="StreamTuning.tail_from (default: 8,192 for bf16 experts or dequantized "
                          "ones, 1,024 for the quantized kernels): the shortest chunk in pieces")
@@ -208,7 +211,7 @@ def _stream_config(args, routed: bool, **tuning):
 
     tuning.setdefault("layout", _layout(args))
     tuning.setdefault("publish", args.publish)
-    for name in ("frames_from", "stream_floor", "tail_pieces", "tail_from"):
+    for name in ("frames_from", "stream_floor", "tail_pieces", "tail_shape", "tail_from"):
         if getattr(args, name) is not None:
             tuning.setdefault(name, getattr(args, name))
     return StreamConfig(routed=routed, depth=args.depth, ring_budget_gib=args.ring_gib,
@@ -805,7 +808,8 @@ def main(argv=None) -> int:
               "preset": args.preset, "layers": args.layers, "skew": args.skew,
               "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
               "layout": _layout(args), "frames_from": args.frames_from,
-              "tail_pieces": args.tail_pieces, "tail_from": args.tail_from,
+              "tail_pieces": args.tail_pieces, "tail_shape": args.tail_shape,
+              "tail_from": args.tail_from,
               "link_pinned_gbps": link,
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,

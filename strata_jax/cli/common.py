@@ -517,7 +517,7 @@ def _stream_config(args, backend: str, profile):
         tuning["stream_floor"] = args.stream_floor
     elif not routed:
         tuning["stream_floor"] = 1  # stream-all: no routed-only chunks either
-    for name in ("frames_from", "tail_pieces", "tail_from"):
+    for name in ("frames_from", "tail_pieces", "tail_shape", "tail_from"):
         if getattr(args, name) is not None:
             tuning[name] = getattr(args, name)
     if args.resident_gib is not None:

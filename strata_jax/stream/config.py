@@ -77,6 +77,10 @@ class StreamTuning:
             bf16 grouped matmul each piece costs its per-expert tiles again, hence a floor on
             the length, and with the Mosaic kernel at most one piece per `n_experts` row tiles
             (128 rows) of the chunk (`NativeStreamer.tail_pieces`).
+        tail_shape: The pieces' sizes (`grouped_matmul.row_pieces`): "equal", or "halving"
+            (each piece half the one before, the last two equal: 1/2, 1/4, 1/8, 1/8 of the
+            rows in four), which leaves less math after the last copy where each piece's math
+            keeps up with the next piece's copies.
         tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
             `tail_pieces` pieces. None (the default): `TAIL_FROM_TILED` (8,192) where the
             expert math pays per-expert tiles per piece (bf16 experts),
@@ -102,6 +106,7 @@ class StreamTuning:
     layout: str = "auto"
     frames_from: int = 24576
     tail_pieces: int = 4
+    tail_shape: str = "equal"
     tail_from: int | None = None
     stream_floor: int = 1024
     publish: str = "event"
@@ -125,6 +130,11 @@ class StreamTuning:
         if self.tail_pieces < 1:
             raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
                              f"last MoE layer whole)")
+        from ..grouped_matmul import PIECE_SHAPES
+
+        if self.tail_shape not in PIECE_SHAPES:
+            raise ValueError(f"tail_shape={self.tail_shape!r}: expected one of "
+                             f"{list(PIECE_SHAPES)}")
         if self.tail_from is not None and self.tail_from < 1:
             raise ValueError(f"tail_from={self.tail_from}: must be at least 1 (a chunk length "
                              f"in tokens)")

@@ -35,8 +35,8 @@ class StreamedExperts:
     grouped matmul reads; for a plain format the fetched arrays themselves, no op added).
 
     `tail_pieces` > 1 (a streamed chunk; StreamTuning.tail_pieces): the layer `tail_layer`
-    (the last MoE layer) is fetched in that many pieces of its sorted rows (`row_pieces`,
-    `expert_weights_piece`), so that its expert math runs as its copies land and only the
+    (the last MoE layer) is fetched in that many pieces of its sorted rows, sized by
+    `tail_shape` (`row_pieces`, `expert_weights_piece`), so that its expert math runs as its copies land and only the
     last piece's math follows the chunk's last copy.
 
     `expert_axis` (several devices, `StreamerGroup`): the source runs under `shard_map` over
@@ -49,7 +49,8 @@ class StreamedExperts:
                  resident_blobs: dict[int, jax.Array], token: jax.Array, n_ids: int = 0,
                  frames: tuple[ExpertWeights | Mapping[str, jax.Array], ...] | None = None,
                  frame_of: dict[int, int] | None = None, *, tail_pieces: int = 1,
-                 tail_layer: int | None = None, fmt: ExpertFormat | None = None,
+                 tail_shape: str = "equal", tail_layer: int | None = None,
+                 fmt: ExpertFormat | None = None,
                  expert_axis: str | None = None):
         if frames is not None and frame_of is None:
             raise ValueError("frames need frame_of (NativeStreamer.frame_of)")
@@ -66,6 +67,7 @@ class StreamedExperts:
         self.frames = None if mode == _MODE_STREAM_PACKED else frames
         self.frame_of = frame_of
         self.tail_pieces = tail_pieces
+        self.tail_shape = tail_shape
         self.tail_layer = tail_layer
         self.expert_axis = expert_axis
         self._so_far: dict[str, jax.Array] | None = None  # a layer's planes, piece by piece
@@ -91,7 +93,7 @@ class StreamedExperts:
         the layer is fetched whole."""
         if layer != self.tail_layer or self.tail_pieces <= 1:
             return None
-        bounds = row_pieces(n_rows, self.tail_pieces)
+        bounds = row_pieces(n_rows, self.tail_pieces, shape=self.tail_shape)
         return bounds if len(bounds) > 2 else None
 
     def expert_weights_piece(self, layer: int, counts: jax.Array, bounds: tuple[int, ...],
