@@ -127,6 +127,8 @@ struct RecordingLink {
     if (n < 2 || slot != want(k) || slot + n > ring ||
         want(k + n - 1) != slot + n - 1)
       ++bad_run;
+    // at most half of the chunk's entries left
+    if (n > std::max<int64_t>(1, (static_cast<int64_t>(es.size()) - k) / 2)) ++bad_run;
     for (int64_t j = k; j < k + n; ++j) {
       if (es[j].staged) ++bad_run;
       if (j > k && (es[j].layer != es[k].layer || es[j].expert != es[j - 1].expert + 1))

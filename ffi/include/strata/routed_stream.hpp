@@ -362,9 +362,14 @@ WalkResult IssueWalk(const std::vector<StreamEntry>& entries,
       // could only go out once the run before it had wholly landed: the
       // link ran dry before each one. With half, one run is always
       // queued behind the one on the link.
-      const int64_t limit =
+      // Near the chunk's end a run holds at most half of the entries left
+      // (16, 8, 4, 2, 1, 1 over the last 32): the last MoE layer's pieces
+      // each wait for the copy that holds their last expert, so long runs
+      // there would hold a piece's math back to the chunk's last copy.
+      const int64_t limit = std::min<int64_t>(
+          std::max<int64_t>(1, (n - k) / 2),
           cfg.routed ? std::min<int64_t>(cfg.max_run, std::max(1, depth / 2))
-                     : static_cast<int64_t>(cfg.max_run);
+                     : static_cast<int64_t>(cfg.max_run));
       while (run < limit && k + run < n && !e.staged &&
              (frames ? slot_of(k + run) == slot0 + run : slot0 + run < cfg.ring)) {
         const int64_t j = k + run;
