@@ -28,7 +28,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
 from strata_jax.grouped_matmul import grouped_matmul, piece_group_sizes
 from strata_jax.kernels import Kernels
-from strata_jax.quant_matmul import QuantizedMatrix
+from strata_jax.quant_matmul import QuantizedMatrix, in_stored_order
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 _INIT_STD = 0.02
@@ -334,12 +334,14 @@ def sort_order(expert_ids: jax.Array) -> jax.Array:
         return jnp.argsort(expert_ids.reshape(-1), stable=True).astype(jnp.int32)
 
 
-def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array,
+def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.Array,
                    impl: str | None = None, quantized: str | None = None) -> jax.Array:
     """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
 
     Args:
-        x_sorted: [T*k, H].
+        x: [T, H] tokens.
+        rows: int32 [M], the token of each sorted row (`sort_order`'s order // k, or a range
+            of it): the matmuls' rows are x[rows].
         w: gate/up [E, H, I], down [E, I, H] (arrays, or `QuantizedMatrix`es of a quantized
             format); rows of experts with count 0 are never read.
         counts: int32 [E] group sizes.
@@ -347,14 +349,29 @@ def experts_swiglu(x_sorted: jax.Array, w: ExpertWeights, counts: jax.Array,
         quantized: how quantized matrices are read (`Kernels.quantized_matmul`); None: auto.
 
     Returns:
-        [T*k, H] in x_sorted.dtype.
+        [M, H] in x.dtype.
+
+    Gate's and up's inputs are gathered from x: x[rows] once, or for an act-order matrix
+    (int4 with `perm`) its own rows with their columns in its stored order, in the same
+    gather (`quant_matmul.in_stored_order` with `rows`), so that no [M, H] copy is read
+    again to reorder it.
     """
     mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized)
     with jax.named_scope("experts"):
-        g = mm(x_sorted, w.gate, counts)  # [T*k, I]
-        u = mm(x_sorted, w.up, counts)  # [T*k, I]
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_sorted.dtype)
-        return mm(h, w.down, counts)  # [T*k, H]
+        x_sorted = []
+
+        def inputs(m):
+            if isinstance(m, QuantizedMatrix) and m.perm is not None:
+                return in_stored_order(x, m, counts, rows)
+            if not x_sorted:
+                with jax.named_scope("permute"):
+                    x_sorted.append(x[rows])
+            return x_sorted[0], m
+
+        g = mm(*inputs(w.gate), counts)  # [M, I]
+        u = mm(*inputs(w.up), counts)  # [M, I]
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+        return mm(h, w.down, counts)  # [M, H]
 
 
 def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Array,
@@ -366,7 +383,7 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
     expert (piece_group_sizes), so the rows come out as the whole layer's matmuls give them.
 
     Args:
-        x: [T, H] tokens; order: int32 [T*k] from `permute`; counts: int32 [E].
+        x: [T, H] tokens; order: int32 [T*k] from `sort_order`; counts: int32 [E].
 
     Returns:
         [T*k, H] in x.dtype, rows in sorted order.
@@ -376,9 +393,9 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
     for p, (a, b) in enumerate(itertools.pairwise(bounds)):
         with jax.named_scope(f"experts_piece_{p}"):
             w = _in_dtype(weights_for_piece(p, after), x.dtype)
-            x_piece = x[order[a:b] // k]  # [b - a, H], this piece's rows of x_sorted
-            after = experts_swiglu(x_piece, w, piece_group_sizes(counts, a, b), impl,
-                                   quantized)
+            # this piece's rows of the sorted copies: tokens order[a:b] // k
+            after = experts_swiglu(x, order[a:b] // k, w, piece_group_sizes(counts, a, b),
+                                   impl, quantized)
             ys.append(after)
     return jnp.concatenate(ys)
 
@@ -420,7 +437,9 @@ class MoE(nnx.Module):
       2. Counts: tokens per expert, int32 [E], known before any expert runs.
       3. Source: weights = expert_source.expert_weights(layer, counts, resident) - the streaming
          seam; the returned rows of experts with count 0 are never read.
-      4. Permute: copy each token k times and sort the copies by expert id (stable) -> [T*k, H].
+      4. Permute: copy each token k times and sort the copies by expert id (stable): order
+         [T*k]; gate's and up's input rows are gathered from x by it (x[order // k], [T*k, H];
+         an act-order matrix's with its columns in stored order, in the same gather).
       5. Experts: grouped matmuls gate and up [T*k, I], silu(gate) * up, grouped matmul down
          [T*k, H]; zero-size groups compute nothing.
       6. Unpermute: gather back to token order [T, k, H], weighted sum over k in float32 -> [T, H].
@@ -499,8 +518,9 @@ class MoE(nnx.Module):
         if self.parallel is not None:
             out = self.parallel.routed_experts(self, x, routing, w, pieces)
         elif pieces is None:
-            x_sorted, order = permute(x, routing.expert_ids)
-            y_sorted = experts_swiglu(x_sorted, _in_dtype(w, x.dtype), routing.counts,
+            order = sort_order(routing.expert_ids)
+            y_sorted = experts_swiglu(x, order // routing.expert_ids.shape[1],
+                                      _in_dtype(w, x.dtype), routing.counts,
                                       self.kernels.grouped_matmul,
                                       self.kernels.quantized_matmul)
         else:

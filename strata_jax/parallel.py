@@ -226,8 +226,8 @@ class ExpertParallel:
             ids, wts, cnt = local_routing(expert_ids, weights, counts, per,
                                           lax.axis_index(axis))
             if pieces is None:
-                x_sorted, order = m.permute(x, ids)
-                y_sorted = m.experts_swiglu(x_sorted, m._in_dtype(w, x.dtype), cnt, impl,
+                order = m.sort_order(ids)
+                y_sorted = m.experts_swiglu(x, order // k, m._in_dtype(w, x.dtype), cnt, impl,
                                             quantized)
             else:
                 # The device's sorted rows: its own copies first (its slice's groups), the

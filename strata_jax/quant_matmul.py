@@ -86,21 +86,29 @@ class QuantizedMatrix:
         return dataclasses.replace(self, perm=None)
 
 
-def in_stored_order(x: jax.Array, w: QuantizedMatrix,
-                    group_sizes: jax.Array) -> tuple[jax.Array, QuantizedMatrix]:
+def in_stored_order(x: jax.Array, w: QuantizedMatrix | jax.Array, group_sizes: jax.Array,
+                    rows: jax.Array | None = None) -> tuple[jax.Array, QuantizedMatrix]:
     """(x, w) as every path reads them: for an act-order `w`, x [M, K] (rows sorted by
     group) with each row's columns in its group's stored order, out[j, i] = x[j, perm[g(j),
     i]] (rows past the groups take the last group's; their outputs are zeros anyway), and
-    `w.stored()`; any other `w` as given."""
-    if w.perm is None:
-        return x, w
-    perm = w.perm
-    m = x.shape[0]
+    `w.stored()`; any other `w` as given.
+
+    rows: None, or int32 [M], the row of x each output row is (x then holds the tokens,
+    [T, K], and `rows` their sorted copies' tokens, `order // k`): out[j, i] = x[rows[j],
+    perm[g(j), i]] in one gather, where `x[rows]` first would be a second pass over the
+    [M, K] rows; x[rows] for any other `w`."""
+    perm = w.perm if isinstance(w, QuantizedMatrix) else None
+    if perm is None:
+        return (x if rows is None else x[rows]), w
+    m = x.shape[0] if rows is None else rows.shape[0]
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
     group = jnp.minimum(group, perm.shape[0] - 1)
+    cols = perm.astype(jnp.int32)[group]  # [M, K]
     with jax.named_scope("act_order_inputs"):
-        return jnp.take_along_axis(x, perm.astype(jnp.int32)[group], axis=1), w.stored()
+        if rows is None:
+            return jnp.take_along_axis(x, cols, axis=1), w.stored()
+        return x[rows.astype(jnp.int32)[:, None], cols], w.stored()
 
 
 def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,

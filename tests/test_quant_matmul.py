@@ -310,6 +310,15 @@ def test_act_order_matrices_are_read_in_stored_order(zero_points):
     assert again[0] is x and again[1] is stored
     np.testing.assert_array_equal(np.asarray(xs)[:40], np.asarray(x)[:40][:, perm[0]])
     np.testing.assert_array_equal(np.asarray(xs)[40:57], np.asarray(x)[40:57][:, perm[2]])
+    # from the tokens (the model's form): row j is token rows[j], in the same gather
+    tokens = _x(23, k)
+    rows = jnp.asarray(np.random.default_rng(1).integers(0, 23, 64), jnp.int32)
+    from_tokens, stored2 = in_stored_order(tokens, wa, sizes, rows)
+    np.testing.assert_array_equal(np.asarray(from_tokens),
+                                  np.asarray(in_stored_order(tokens[rows], wa, sizes)[0]))
+    assert stored2.perm is None and stored2.q is wa.q
+    np.testing.assert_array_equal(np.asarray(in_stored_order(tokens, stored, sizes, rows)[0]),
+                                  np.asarray(tokens)[np.asarray(rows)])
     got = {"mosaic": mosaic_int4_grouped_matmul(xs, stored, sizes, interpret=True,
                                                 tiles=MosaicTiles(64, 128, 128, 2, 1))}
     if not zero_points:  # the Triton kernel through grouped_matmul, which reorders
