@@ -87,7 +87,8 @@ class QuantizedMatrix:
 
 
 def in_stored_order(x: jax.Array, w: QuantizedMatrix | jax.Array, group_sizes: jax.Array,
-                    rows: jax.Array | None = None) -> tuple[jax.Array, QuantizedMatrix]:
+                    rows: jax.Array | None = None
+                    ) -> tuple[jax.Array, QuantizedMatrix | jax.Array]:
     """(x, w) as every path reads them: for an act-order `w`, x [M, K] (rows sorted by
     group) with each row's columns in its group's stored order, out[j, i] = x[j, perm[g(j),
     i]] (rows past the groups take the last group's; their outputs are zeros anyway), and

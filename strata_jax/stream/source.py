@@ -36,8 +36,8 @@ class StreamedExperts:
 
     `tail_pieces` > 1 (a streamed chunk; StreamTuning.tail_pieces): the layer `tail_layer`
     (the last MoE layer) is fetched in that many pieces of its sorted rows, sized by
-    `tail_shape` (`row_pieces`, `expert_weights_piece`), so that its expert math runs as its copies land and only the
-    last piece's math follows the chunk's last copy.
+    `tail_shape` (`row_pieces`, `expert_weights_piece`), so that its expert math runs as its
+    copies land and only the last piece's math follows the chunk's last copy.
 
     `expert_axis` (several devices, `StreamerGroup`): the source runs under `shard_map` over
     that mesh axis, one device's engine per device (the group's id: each call reaches its
