@@ -143,8 +143,9 @@ PIECE_SHAPES = ("equal", "halving")
 def row_pieces(m: int, pieces: int, align: int = MOSAIC_BLOCK_M,
                shape: str = "equal") -> tuple[int, ...]:
     """Static bounds that cut M sorted rows into `pieces` ranges, each boundary a multiple of
-    `align` (the Mosaic kernel's row tile, so no piece pads a tile) where M holds `pieces`
-    such tiles, else anywhere. Returns (0, b1, ..., M) with no empty range: fewer pieces
+    `align` (the Mosaic kernel's row tile, so no piece pads a tile) where the smallest piece
+    gets at least one such tile (M holds `pieces` of them for "equal", 2^(pieces-1) for
+    "halving"), else anywhere. Returns (0, b1, ..., M) with no empty range: fewer pieces
     where M is too small.
 
     shape: "equal" (about M / pieces rows each) or "halving" (each piece half the one
@@ -160,8 +161,10 @@ def row_pieces(m: int, pieces: int, align: int = MOSAIC_BLOCK_M,
         align = 1
     bounds = [0]
     for p in range(1, pieces):
-        frac = p / pieces if shape == "equal" else 1 - 0.5 ** p
-        b = round(m * frac / align) * align
+        if shape == "equal":
+            b = round(m * p / pieces / align) * align
+        else:
+            b = round(m * (1 - 0.5 ** p) / align) * align
         if bounds[-1] < b < m:
             bounds.append(b)
     bounds.append(m)

@@ -259,7 +259,7 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: Model
     n_groups > 1), weight by the unbiased sigmoid scores, renormalise and scale by routed_scaling.
 
     Padding: where `valid` (bool [T]) is False the token is padding. Its k choices become the
-    sentinel expert id E (sorted after every real expert by `permute`) with weight 0, and the
+    sentinel expert id E (sorted after every real expert by `sort_order`) with weight 0, and the
     counts drop them, so padding never shows in the counts, the streamed fetch or the group sizes.
     """
     with jax.named_scope("routing"):
@@ -313,7 +313,8 @@ def _layer_boundary(x, k, v):
 
 
 def permute(x: jax.Array, expert_ids: jax.Array):
-    """Sorts token copies by expert.
+    """Sorts token copies by expert (the rows standalone: the model takes `sort_order` and
+    gathers the rows inside `experts_swiglu`).
 
     Args:
         x: [T, H] tokens.
@@ -410,7 +411,7 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.
 
     Args:
         y_sorted: [T*k, H] expert outputs in sorted order.
-        order: int32 [T*k] from `permute`.
+        order: int32 [T*k] from `sort_order`.
         weights: float32 [T, k].
 
     Returns:

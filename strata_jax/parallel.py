@@ -10,7 +10,7 @@ Layout: device d of the expert axis (G devices) holds experts [E*d/G, E*(d+1)/G)
 layer (a contiguous slice: `expert_range`); the dense weights, the router, the shared expert,
 the tokens and the KV cache are replicated. In each MoE layer (`ExpertParallel.routed_experts`,
 under `shard_map`) a device keeps the token copies routed to its own experts (the others go to
-a sentinel past its experts, sorted last, weight 0), runs the model's own permute, grouped
+a sentinel past its experts, sorted last, weight 0), runs the model's own sort, grouped
 matmuls and weighted combine on them, and the float32 partial outputs [T, H] are summed across
 the axis (`psum`) before the cast to the parameter dtype. The shared expert and the padding
 mask follow once, replicated, as on one device. docs/DESIGN.md ("Several devices") says why a
@@ -207,8 +207,8 @@ class ExpertParallel:
         in x.dtype, replicated. `pieces` (a streamed tail's row pieces, `MoE.apply_experts`)
         only with `manual`: each device runs its sorted rows in those pieces.
 
-        Each device maps the routing to its slice (`local_routing`), runs the model's permute,
-        `experts_swiglu` and the float32 weighted combine of `unpermute` on it, and the partial
+        Each device maps the routing to its slice (`local_routing`), runs the model's
+        `sort_order`, `experts_swiglu` and the float32 weighted combine of `unpermute` on it, and the partial
         outputs are summed across the axis (float32 `psum`), then cast. Summed over devices
         instead of over one device's k choices, a token's output may differ from the one-device
         model's in the last bits (the tolerance table bounds it).

@@ -165,8 +165,8 @@ def _by_pieces(x, w, g, bounds, impl):
 # The last MoE layer of a streamed chunk runs its expert math in row pieces (model.experts_swiglu):
 # each piece's rows must come out as the same bits as the whole matmul gives them.
 _PIECE_CASES = [
-    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4, "equal"),  # groups straddle every boundary;
-    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4, "halving"),  # padding rows
+    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4, "equal"),  # groups straddle every boundary
+    ([300, 0, 41, 700, 0, 0, 183, 56], 1280, 4, "halving"),
     ([0] * 60 + [1024] + [0] * 67, 1024, 3, "equal"),  # one hot expert spans all pieces
     ([8] * 128, 1024, 4, "equal"),                     # many groups, boundaries on group edges
     ([0, 0, 0, 0], 512, 2, "equal"),                   # padding only

@@ -97,10 +97,13 @@ ARMS = {
     "pieces-packed-routed-jittery": (dict(routed=True, depth=4, tail_pieces=3,
                                           tail_from=CHUNK, layout="packed", stream_floor=CHUNK,
                                           **JITTERY), CHUNK),
+    "pieces-packed-stream-all-resident-half": (
+        dict(routed=False, resident_per_layer=8, tail_pieces=4, tail_from=CHUNK,
+             layout="packed", stream_floor=CHUNK, **SLOW), CHUNK),
     # tail_shape="halving": pieces of 1/2, 1/4, 1/8 and 1/8 of the rows.
-    "pieces-halving-packed-stream-all-resident-half": (
-        dict(routed=False, resident_per_layer=8, tail_pieces=4, tail_shape="halving",
-             tail_from=CHUNK, layout="packed", stream_floor=CHUNK, **SLOW), CHUNK),
+    "pieces-halving-packed-stream-all": (
+        dict(routed=False, tail_pieces=4, tail_shape="halving", tail_from=CHUNK,
+             layout="packed", stream_floor=CHUNK, **JITTERY), CHUNK),
     "pieces-frames-stream-all-ring3layers": (
         dict(routed=False, ring=48, tail_pieces=2, tail_from=CHUNK, layout="frames",
              stream_floor=16, **SLOW), CHUNK),

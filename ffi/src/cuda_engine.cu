@@ -473,7 +473,8 @@ class CudaEngine final : public Engine, public PublishSink {
   };
   // Longest run of adjacent experts queued together: long enough that the
   // link's per-copy cost is negligible (16 experts of Qwen3-30B are 151 MB in
-  // one copy per plane), short enough to stay an eighth of a layer.
+  // one copy per plane), short enough to stay an eighth of a layer (and near
+  // the chunk's end IssueWalk halves it as entries run out).
   static constexpr int kMaxRun = 16;
 
   static constexpr std::chrono::microseconds kIssuerPoll{10};

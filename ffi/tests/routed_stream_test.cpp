@@ -109,7 +109,11 @@ struct RecordingLink {
   std::vector<int> copies;  // per entry
   std::vector<int64_t> slots;
   int64_t bad_slot = 0;
+  // Each copy's entries in issue order (a run's count once, a single copy 1).
+  std::vector<int64_t> copy_sizes{};
+  bool in_run = false;
   void IssueCopy(int64_t k, int64_t slot, const StreamEntry& e) {
+    if (!in_run) copy_sizes.push_back(1);
     ++copies[k];
     slots[k] = slot;
     if (slot != want(k)) ++bad_slot;
@@ -122,6 +126,7 @@ struct RecordingLink {
   int64_t runs = 0, bad_run = 0, longest_run = 0;
   void IssueRun(int64_t k, int64_t n, int64_t slot) {
     ++runs;
+    copy_sizes.push_back(n);
     longest_run = std::max(longest_run, n);
     const auto& es = *entries;
     if (n < 2 || slot != want(k) || slot + n > ring ||
@@ -133,7 +138,9 @@ struct RecordingLink {
       if (es[j].staged) ++bad_run;
       if (j > k && (es[j].layer != es[k].layer || es[j].expert != es[j - 1].expert + 1))
         ++bad_run;
+      in_run = true;
       IssueCopy(j, slot + (j - k), es[j]);
+      in_run = false;
     }
   }
 };
@@ -141,6 +148,7 @@ struct RecordingLink {
 struct Outcome {
   WalkResult res;
   std::vector<int> copies;
+  std::vector<int64_t> copy_sizes;
   int64_t runs = 0;
   int64_t max_queued = 0;
 };
@@ -320,6 +328,7 @@ Outcome RunChunk(const Chunk& c) {
           c.name.c_str(), (long long)out.max_queued, depth);
   }
   out.copies = rec.copies;
+  out.copy_sizes = rec.copy_sizes;
   out.runs = rec.runs;
   return out;
 }
@@ -460,6 +469,20 @@ void TestFixed() {
     CHECK(o.runs >= 8, "switch off, free ring: %lld runs, want >= 8",
           (long long)o.runs);
     CHECK(o.res.copied == 32, "runs copied %lld of 32", (long long)o.res.copied);
+  }
+  // 6c. Near the chunk's end a run holds at most half of the entries left: 32 entries, a
+  //     free ring and max_run 16 go out as 16, 8, 4, 2, 1, 1 (the last layer's pieces wait
+  //     for the copy that holds their last expert).
+  {
+    Chunk c = FixedChunk("fixed-runs-tail", 1, 32, 32, 16, false, 0);
+    c.cfg.max_run = 16;
+    c.consumer_start_delay_us = 2000;
+    Outcome o = RunChunk(c);
+    const std::vector<int64_t> want = {16, 8, 4, 2, 1, 1};
+    std::string got;
+    for (int64_t s : o.copy_sizes) got += std::to_string(s) + " ";
+    CHECK(o.copy_sizes == want, "runs at the chunk's end: %s, want 16 8 4 2 1 1",
+          got.c_str());
   }
   {
     Chunk c = FixedChunk("fixed-runs-routed", 3, 16, 48, 4, true, 3);

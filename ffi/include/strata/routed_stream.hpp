@@ -231,7 +231,8 @@ struct WalkConfig {
   int depth = kDefaultDepth;  // clamped to [1, 256]; routed switch only
   bool routed = false;  // the routed switch
   std::chrono::microseconds poll{20};  // how often unnotified conditions are re-read
-  // Longest run of entries queued as one copy (links with IssueRun only).
+  // Longest run of entries queued as one copy (links with IssueRun only);
+  // near the chunk's end IssueWalk also holds a run to half the entries left.
   int max_run = 1;
   // Layer frames: both set (one value per entry) or both null (the ring,
   // slot k % ring, need k - ring + 1 in entries consumed).
