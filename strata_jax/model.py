@@ -32,7 +32,7 @@ from strata_jax.quant_matmul import QuantizedMatrix, in_stored_order
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 _INIT_STD = 0.02
-# Scoring (`MoETransformer.target_log_probs`): the float32 [rows, V] logits of one block of rows
+# Scoring (`MoETransformer.score_rows`): the float32 [rows, V] logits of one block of rows
 # stay within this, rows a power of two from 16 to SCORE_MAX_ROWS.
 SCORE_BLOCK_BYTES = 512 * 2**20
 SCORE_MAX_ROWS = 2048
@@ -358,16 +358,18 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
     again to reorder it.
     """
     mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized)
+
+    def act_order(m):
+        return isinstance(m, QuantizedMatrix) and m.perm is not None
+
     with jax.named_scope("experts"):
-        x_sorted = []
+        x_sorted = None
+        if not (act_order(w.gate) and act_order(w.up)):
+            with jax.named_scope("permute"):
+                x_sorted = x[rows]  # [M, H], shared by gate and up
 
         def inputs(m):
-            if isinstance(m, QuantizedMatrix) and m.perm is not None:
-                return in_stored_order(x, m, counts, rows)
-            if not x_sorted:
-                with jax.named_scope("permute"):
-                    x_sorted.append(x[rows])
-            return x_sorted[0], m
+            return in_stored_order(x, m, counts, rows) if act_order(m) else (x_sorted, m)
 
         g = mm(*inputs(w.gate), counts)  # [M, I]
         u = mm(*inputs(w.up), counts)  # [M, I]
@@ -780,11 +782,6 @@ class MoETransformer(nnx.Module):
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)  # [T, V]
         logits = logits[0] if last_logits else logits
         return logits if scores is None else (logits, scores)
-
-    def target_log_probs(self, x: jax.Array, targets: jax.Array) -> jax.Array:
-        """log p(targets[t]) under row t's logits, for final hidden states x [T, H] (before
-        the final norm): float32 [T] (`score_rows`' first output)."""
-        return self.score_rows(x, targets)[0]
 
     def score_rows(self, x: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
         """For final hidden states x [T, H] (before the final norm): (log p(targets[t]) under

@@ -208,8 +208,8 @@ class ExpertParallel:
         only with `manual`: each device runs its sorted rows in those pieces.
 
         Each device maps the routing to its slice (`local_routing`), runs the model's
-        `sort_order`, `experts_swiglu` and the float32 weighted combine of `unpermute` on it, and the partial
-        outputs are summed across the axis (float32 `psum`), then cast. Summed over devices
+        `sort_order`, `experts_swiglu` and the float32 weighted combine of `unpermute` on it,
+        and the partial outputs are summed across the axis (float32 `psum`), then cast. Summed over devices
         instead of over one device's k choices, a token's output may differ from the one-device
         model's in the last bits (the tolerance table bounds it).
         """
