@@ -192,7 +192,7 @@ def add_stream_args(ap) -> None:
                     help="StreamTuning.tail_pieces (default 4): the last MoE layer's expert "
                          "math in this many row pieces; 1 runs it whole")
     ap.add_argument("--tail-shape", choices=["equal", "halving"], default=None,
-                    help="StreamTuning.tail_shape (default equal): the pieces' sizes; halving "
+                    help="StreamTuning.tail_shape (default halving): the pieces' sizes; halving "
                          "makes each half the one before (1/2, 1/4, 1/8, 1/8)")
     ap.add_argument("--tail-from", type=int, default=None,
                     help="StreamTuning.tail_from (default: 8,192 for bf16 experts or dequantized "

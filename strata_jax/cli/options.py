@@ -226,7 +226,7 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
     g.add_argument("--tail-shape", choices=["equal", "halving"],
                    help="the --tail-pieces pieces' sizes: equal, or halving (each half the one "
                         "before, the last two equal: 1/2, 1/4, 1/8, 1/8), which leaves less "
-                        "math after the last copy (default: StreamTuning.tail_shape, equal)")
+                        "math after the last copy (default: StreamTuning.tail_shape, halving)")
     g.add_argument("--tail-from", type=_positive_int, metavar="N",
                    help="the shortest chunk, in tokens, whose last MoE layer runs in "
                         "--tail-pieces pieces (default: StreamTuning.tail_from: 8192 for bf16 "

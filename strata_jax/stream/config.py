@@ -77,10 +77,10 @@ class StreamTuning:
             bf16 grouped matmul each piece costs its per-expert tiles again, hence a floor on
             the length, and with the Mosaic kernel at most one piece per `n_experts` row tiles
             (128 rows) of the chunk (`NativeStreamer.tail_pieces`).
-        tail_shape: The pieces' sizes (`grouped_matmul.row_pieces`): "equal", or "halving"
-            (each piece half the one before, the last two equal: 1/2, 1/4, 1/8, 1/8 of the
-            rows in four), which leaves less math after the last copy where each piece's math
-            keeps up with the next piece's copies.
+        tail_shape: The pieces' sizes (`grouped_matmul.row_pieces`): "halving" (the
+            default: each piece half the one before, the last two equal, so 1/2, 1/4, 1/8,
+            1/8 of the rows in four), which leaves less math after the last copy where each
+            piece's math keeps up with the next piece's copies, or "equal".
         tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
             `tail_pieces` pieces. None (the default): `TAIL_FROM_TILED` (8,192) where the
             expert math pays per-expert tiles per piece (bf16 experts),
@@ -106,7 +106,7 @@ class StreamTuning:
     layout: str = "auto"
     frames_from: int = 24576
     tail_pieces: int = 4
-    tail_shape: str = "equal"
+    tail_shape: str = "halving"
     tail_from: int | None = None
     stream_floor: int = 1024
     publish: str = "event"
