@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 
+import numpy as np
 import pytest
 
 from strata_jax.benchmarks import plot, stream_bench
@@ -134,6 +136,35 @@ def test_stream_bench_resident_arm_alone(tmp_path):
     rows = [r for r in result["rows"] if r["part"] == "sweep"]
     assert [(r["arm"], r["tokens"]) for r in rows] == [("resident", 40)]
     assert result["quantized_matmul"] == "dequantize"  # what "auto" reads int4 by on the CPU
+
+
+def test_stream_bench_sweep_stopped_midway_keeps_the_lengths_it_finished(tmp_path, capsys,
+                                                                          monkeypatch):
+    # A run stopped inside its second length (here an error in a streamed call; on the GPU
+    # machine, gpu_run.sh's timeout) has saved the resident rows and the first length's
+    # streamed rows, each also printed as one short line.
+    real = stream_bench._timed
+
+    def timed(engine, tokens, *args, **kwargs):
+        if engine.streamer is not None and np.size(tokens) == 100:
+            raise RuntimeError("stopped in the second length")
+        return real(engine, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(stream_bench, "_timed", timed)
+    out = tmp_path / "part.json"
+    with pytest.raises(RuntimeError, match="second length"):
+        stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40,100", "--parts", "sweep",
+                           "--blocks", "1", "--arms", "resident,stream-all,routed",
+                           "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = {(r["arm"], r["tokens"]) for r in result["rows"] if r["part"] == "sweep"}
+    assert rows == {("resident", 40), ("resident", 100), ("stream-all", 40), ("routed", 40),
+                    ("pairs", 40)}
+    assert result["identical"] is True
+    printed = capsys.readouterr().out
+    assert re.search(r"^40 stream-all: [0-9.]+ ms, x floor [0-9.]+, link [0-9.]+ .*identical "
+                     r"True$", printed, re.M), printed[-2000:]
+    assert "40: both arms compiled in" in printed and "100: both arms compiled in" in printed
 
 
 def test_stream_bench_reports_accuracy_against_the_plain_model(tmp_path):
@@ -505,10 +536,22 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(_sweep_result("fp8", 0.5, identical=False)))
     assert quant_summary.main([paths[0], str(bad)]) == 1
-    # no bf16 run, or two runs of one format: refused by name
-    with pytest.raises(SystemExit):
-        quant_summary.main([paths[1]])
+    # no bf16 run (a call cut short): the link fractions without the ratios, and a note
+    capsys.readouterr()
+    assert quant_summary.main([paths[1], "--json", str(out)]) == 0
     assert "no bf16 (plain) result" in capsys.readouterr().err
+    alone = {r["tokens"]: r for r in json.loads(out.read_text())["rows"]}
+    assert alone[8192]["link_fraction"] == 0.98 and "routed_over_bf16" not in alone[8192]
+    assert "resident_over_bf16" not in alone[8192]
+    # a bf16 run without one of the lengths: that length's ratios left out, the others kept
+    part = json.loads(open(paths[0]).read())
+    part["rows"] = [r for r in part["rows"] if r["tokens"] != 8192]
+    (tmp_path / "part.json").write_text(json.dumps(part))
+    assert quant_summary.main([str(tmp_path / "part.json"), paths[1], "--json", str(out)]) == 0
+    some = {r["tokens"]: r for r in json.loads(out.read_text())["rows"] if r["format"] == "fp8"}
+    assert "routed_over_bf16" not in some[8192] and some[8192]["link_fraction"] == 0.98
+    assert some[1024]["routed_over_bf16"] == pytest.approx(0.5)
+    # two runs of one format: refused by name
     with pytest.raises(SystemExit):
         quant_summary.main([paths[0], paths[1], str(bad)])
     assert "two results for expert format 'fp8'" in capsys.readouterr().err

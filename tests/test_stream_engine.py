@@ -298,6 +298,7 @@ def test_ring_layout_per_chunk_and_bad_layouts():
     with pytest.raises(ValueError, match=r"tail_shape='even': expected one of \['equal', "
                                          r"'halving'\]"):
         StreamConfig(tuning=StreamTuning(tail_shape="even")).resolved()
+    assert StreamConfig().resolved().tuning.tail_shape == "halving"  # the default
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     stores = [experts.get(l) for l in range(CFG.n_layers)]
     cases = {  # StreamConfig kwargs: {chunk tokens: (layout, begin_chunk mode)}
@@ -1089,16 +1090,18 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
         eng.close()
 
 
-@pytest.mark.parametrize("layout, mode", [("frames", 0), ("packed", 2)])
-def test_tail_pieces_program(layout, mode):
+@pytest.mark.parametrize("layout, mode, shape, bounds", [
+    ("frames", 0, "equal", (0, 21, 43, 64)), ("packed", 2, "halving", (0, 32, 48, 64))])
+def test_tail_pieces_program(layout, mode, shape, bounds):
     # The last MoE layer in pieces: one fetch per piece for it alone, the later ones writing
     # the weights so far in place (packed): XLA must not copy a layer's weights per piece.
+    # The pieces' rows follow tail_shape: equal thirds, or halving (1/2, 1/4, 1/4).
     import jax
 
     params = init_synthetic(CFG, seed=3)
     stream = StreamConfig(routed=True,
                           tuning=StreamTuning(stream_floor=CHUNK, tail_pieces=3, tail_from=CHUNK,
-                                              layout=layout, **SLOW))
+                                              tail_shape=shape, layout=layout, **SLOW))
     with Engine(CFG, params, stream, max_context=256, chunk_size=CHUNK) as eng:
         assert eng.streamer.tail_pieces(mode, CHUNK) == 3
         assert eng.streamer.tail_pieces(mode, CHUNK - 1) == 1
@@ -1121,7 +1124,7 @@ def test_tail_pieces_program(layout, mode):
         last = max(CFG.moe_layers)
         assert CHUNK * CFG.top_k == 64
         assert fetches == [(l, 0, 1, 0, 0) for l in CFG.moe_layers if l != last] + [
-            (last, 0, 3, 0, 21), (last, 1, 3, 21, 43), (last, 2, 3, 43, 64)]
+            (last, p, 3, bounds[p], bounds[p + 1]) for p in range(3)]
         hlo = jax.jit(eng._prefill_fn, static_argnames=("first", "mode", "sub", "width")).lower(
             eng._state_leaves, resident, None, None, first=True, mode=mode, sub=0,
             width=CHUNK + 2).compile().as_text()

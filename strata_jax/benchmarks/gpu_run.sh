@@ -43,14 +43,19 @@ if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert for
     # ACCURACY=1: a quantized format also reports its accuracy against the plain model (two
     # more resident engines and their compiles: give BENCH_TIMEOUT room for them)
     Q=""; P=sweep; [ "$F" = bf16 ] || { Q="--quantize $F"; [ "${ACCURACY:-0}" = 1 ] && P=sweep,accuracy; }
+    rm -f "$OUT/stream_quant_$F.json"  # what is there afterwards is this run's
     timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.stream_bench --preset ${PRESET:-qwen3-30b-a3b} \
       --layers ${LAYERS:-8} --lengths ${LENGTHS:-1024,2048,4096,8192} --parts $P --skew ${SKEW:-0} \
       --arms ${QUANT_ARMS:-resident,stream-all,routed} --blocks ${BLOCKS:-1} $Q ${BENCH_ARGS:-} \
-      --json "$OUT/stream_quant_$F.json" 2>&1 | tee "$OUT/stream_quant_$F.log" | tail -8
-    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-    files="$files $OUT/stream_quant_$F.json"
+      --json "$OUT/stream_quant_$F.json" 2>&1 | tee "$OUT/stream_quant_$F.log" \
+      | grep -v -e '^{"part"' -e '^    @ ' | tail -30  # rows' JSON: in the log and the JSON
+    st=${PIPESTATUS[0]}
+    [ "$st" = 0 ] || { rc=1; echo "stream_bench $F: exit $st (124: stopped by BENCH_TIMEOUT)"; }
+    # a run stopped by BENCH_TIMEOUT has saved every length it finished
+    if [ -f "$OUT/stream_quant_$F.json" ]; then files="$files $OUT/stream_quant_$F.json"
+    else echo "stream_bench $F: no JSON (stopped before its first length)"; fi
   done
-  $PY -m strata_jax.benchmarks.quant_summary $files --json "$OUT/quant_summary.json" || rc=1
+  [ -z "$files" ] || $PY -m strata_jax.benchmarks.quant_summary $files --json "$OUT/quant_summary.json" || rc=1
 fi
 if [ "$STAGE" = qmm ]; then  # issue 21: the fused quantized grouped matmul against bf16
   timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.quant_matmul_bench ${QMM_ARGS:-} \

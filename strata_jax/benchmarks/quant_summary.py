@@ -1,15 +1,17 @@
 """Quantized experts against bf16: issue 21's targets from one stream_bench sweep per format.
 
 Reads the JSON of `stream_bench --parts sweep` run once with bf16 experts and once per
-quantized format (`--quantize fp8`, `int4`, `int4-zp` or `int4-act`), same preset, layers, lengths and
-arms, and gives per format and length:
+quantized format (`--quantize fp8`, `int4`, `int4-zp` or `int4-act`), same preset, layers,
+lengths and arms, and gives per format and length (the ratios to bf16 only where the bf16 run
+has that length: a run cut short, or none at all, leaves them out):
 
     routed_over_bf16        routed prefill time over bf16's (targets: fp8 <= 0.55 at 1K-8K,
                             int4 <= 0.32 at 1K-4K)
     stream_all_over_bf16    the same for stream-all
     link_fraction           stream-all's bytes actually moved over its time, as a fraction of
                             the link ceiling (target >= 0.97); link_fraction_after against the
-                            ceiling probed after the length's calls (how far the link moved)
+                            ceiling probed after the length's calls (how far the link moved);
+                            copy_tail_ms, the device's time after the chunk's last copy
     resident_over_bf16      the all-resident prefill's time over bf16's: what dequantizing
                             adds to the compute (target <= 1.05 at 8K)
     identical               every streamed read equal to the resident read of its format
@@ -36,7 +38,10 @@ def _rows(result: dict) -> dict:
 
 
 def summarize(results: list[dict]) -> dict:
-    """The targets' figures of `results` (stream_bench JSONs; exactly one plain)."""
+    """The targets' figures of `results` (stream_bench JSONs, at most one per format). Without
+    a plain (bf16) result, or where it lacks a length or arm, the ratios to bf16 are left out
+    and the rest (link fractions, time over floor, identity) is still given: a call cut short
+    keeps what it measured."""
     by_format = {}
     for res in results:
         # int4 with zero-points (`--quantize int4-zp`) or act-order (`int4-act`) is a format
@@ -46,18 +51,20 @@ def summarize(results: list[dict]) -> dict:
         if fmt in by_format:
             raise ValueError(f"two results for expert format {fmt!r}")
         by_format[fmt] = res
-    if "plain" not in by_format:
-        raise ValueError("no bf16 (plain) result to compare with: run stream_bench without "
-                         "--quantize too")
-    base = by_format["plain"]
+    if not by_format:
+        raise ValueError("no results to summarize")
+    base = by_format.get("plain")
+    first = base if base is not None else next(iter(by_format.values()))
     keys = ("preset", "layers", "skew")
     for fmt, res in by_format.items():
-        differ = [k for k in keys if res.get(k) != base.get(k)]
+        differ = [k for k in keys if res.get(k) != first.get(k)]
         if differ:
-            raise ValueError(f"the {fmt} run differs from the bf16 run in {differ}")
-    brows = _rows(base)
-    out = {"preset": base.get("preset"), "layers": base.get("layers"),
-           "machine": base.get("machine"), "expert_bytes": {}, "rows": []}
+            raise ValueError(f"the {fmt} run differs from the "
+                             f"{'bf16' if base is not None else 'first'} run in {differ}")
+    brows = _rows(base) if base is not None else {}
+    out = {"preset": first.get("preset"), "layers": first.get("layers"),
+           "machine": first.get("machine"), "expert_bytes": {}, "rows": [],
+           "has_bf16": base is not None}
     for fmt, res in by_format.items():
         out["expert_bytes"][fmt] = res.get("expert_bytes")
         rows = _rows(res)
@@ -65,8 +72,9 @@ def summarize(results: list[dict]) -> dict:
         for (arm, n), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             if arm != "resident":
                 continue
-            row = {"format": fmt, "tokens": n, "resident_ms": r["ms"],
-                   "resident_over_bf16": r["ms"] / brows[("resident", n)]["ms"]}
+            row = {"format": fmt, "tokens": n, "resident_ms": r["ms"]}
+            if ("resident", n) in brows:
+                row["resident_over_bf16"] = r["ms"] / brows[("resident", n)]["ms"]
             for a, key in (("routed", "routed"), ("stream-all", "stream_all")):
                 got, ref = rows.get((a, n)), brows.get((a, n))
                 if got is None:
@@ -82,6 +90,8 @@ def summarize(results: list[dict]) -> dict:
                     if "link_fraction_after" in got:  # against the ceiling probed after
                         row["link_fraction_after"] = got["link_fraction_after"]
                     row["bytes_copied"] = got.get("bytes_copied")
+                    if "copy_tail_ms" in got:  # the device's time after the last copy
+                        row["copy_tail_ms"] = got["copy_tail_ms"]
             acc = accuracy.get(n)
             if acc is not None:
                 row["accuracy"] = {k: acc[k] for k in (
@@ -110,8 +120,12 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if not out["has_bf16"]:
+        print("no bf16 (plain) result: the times over bf16's are left out (run stream_bench "
+              "without --quantize too, in the same call, for them)", file=sys.stderr)
     print(f"{'format':>11} {'tokens':>6} {'routed/bf16':>11} {'all/bf16':>9} {'link':>6} "
-          f"{'resident/bf16':>13} identical  |dlogp|  NLL bf16 -> this  top-1")
+          f"{'after':>6} {'tail ms':>7} {'resident/bf16':>13} identical  |dlogp|  "
+          f"NLL bf16 -> this  top-1")
     for r in out["rows"]:
         def f(key, fmt="{:.3f}"):
             v = r.get(key)
@@ -120,7 +134,8 @@ def main(argv=None) -> int:
         tail = (f"  {acc['logprob_abs_diff_mean']:.4f}  {acc['nll_plain']:.3f} -> "
                 f"{acc['nll_quantized']:.3f}  {acc['top1_agreement']:.3f}" if acc else "")
         print(f"{r['format']:>11} {r['tokens']:>6} {f('routed_over_bf16'):>11} "
-              f"{f('stream_all_over_bf16'):>9} {f('link_fraction'):>6} "
+              f"{f('stream_all_over_bf16'):>9} {f('link_fraction', '{:.4f}'):>6} "
+              f"{f('link_fraction_after', '{:.4f}'):>6} {f('copy_tail_ms'):>7} "
               f"{f('resident_over_bf16'):>13} {r.get('identical')}{tail}")
     ok = all(r.get("identical", True) and r.get("accuracy", {}).get("finite", True)
              for r in out["rows"])

@@ -337,7 +337,9 @@ class PinnedHostBaseline:
                                    tuple(v[:n] for v in cache.values))
 
 
-def sweep(args, cfg, params, link, result):
+def sweep(args, cfg, params, link, result, save=lambda: None):
+    """The sweep part; `save()` runs after the resident rows and after each length's streamed
+    rows, so that a run stopped by a timeout keeps every length it finished."""
     import jax
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -346,22 +348,26 @@ def sweep(args, cfg, params, link, result):
     # which gives its time and the hashes every streamed repetition must equal.
     slots = len(schedule(args.blocks))
     prompts = _nonce_prompts(cfg, lengths, 1234, slots)
+    t0 = time.perf_counter()
     resident_ms, hashes = _resident_reference(cfg, params, ctx, lengths, prompts, slots)
     for n in lengths:
         result["rows"].append({"part": "sweep", "arm": "resident", "tokens": n,
                                "ms": resident_ms[n], "reps": slots})
         print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {slots})", flush=True)
+    print(f"resident arm: {time.perf_counter() - t0:.1f} s with its compiles", flush=True)
+    save()
 
     if "jax-pinned-host" in args.arms and jax.devices()[0].platform == "gpu":
         try:
             _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result)
+            save()
         except Exception as e:  # the baseline is a comparison; its failure must not end the run
             result["rows"].append({"part": "sweep", "arm": "jax-pinned-host",
                                    "error": f"{type(e).__name__}: {e}"[:2000]})
             print(f"jax-pinned-host arm failed: {type(e).__name__}: {e}", flush=True)
     if {"stream-all", "routed"} & set(args.arms.split(",")):
         _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link,
-                       result)
+                       result, save)
 
 
 def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
@@ -385,100 +391,129 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
     del base
 
 
-def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
+def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result,
+                   save):
     engines = {}
+    t0 = time.perf_counter()
     for arm, routed in (("stream-all", False), ("routed", True)):
         engines[arm] = _engine(cfg, params, _stream_config(args, routed),
                                max_context=ctx, chunk_size=ctx)
-        for n in lengths:
-            engines[arm].prefill(prompts[n][-1])  # compile
+    print(f"streamed engines: {time.perf_counter() - t0:.1f} s", flush=True)
     identical = True
     cuda = _probes_link(engines)
-    for n in lengths:
-        ceiling = link
-        if cuda:
-            probes, errors = _ceiling_probes(engines)
-            ceiling = max(link, *probes.values())
-            result.setdefault("link_probes", {})[str(n)] = probes
-            if errors:
-                result.setdefault("link_probe_errors", {})[str(n)] = errors
-            print(f"{n}: link probes {json.dumps(probes)}; ceiling {ceiling:.2f} GB/s", flush=True)
-            _rebase_rows(result, n, ceiling, resident_ms[n])
-        meas = []
-        for i, arm in enumerate(schedule(args.blocks)):
-            gc.collect()  # see _gc_note; before `call`, which host_call_to_begin counts from
-            call = time.monotonic()
-            ms, r = _timed(engines[arm], prompts[n][i], collect=False)
-            same = _hashes(r) == hashes[(n, i)]
-            identical &= same
-            timing = engines[arm].streamer.device_timing() if len(r.chunks) == 1 else None
-            # Host time from the call to begin_chunk's handler, in ms. (On the GPU a handler runs
-            # when the host launches its call, not when the device reaches it, so the time after
-            # end_chunk's handler covers the device's work: `outside_device_chunk_ms` below is
-            # the call's time outside the device chunk instead.)
-            begin, _ = engines[arm].streamer.host_times()
-            host = ((begin - call) * 1e3,)
-            meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host,
-                         r.chunks[0].stats.layout, r.chunks[0].stats.tail_pieces))
-            del r  # see _drop_note
-        after = None
-        if cuda:  # the ceiling again after the timed calls: how far it moved under them
-            probes, _ = _ceiling_probes(engines)
-            after = max(probes.values())
-            result.setdefault("link_probes_after", {})[str(n)] = probes
-        for arm in ("stream-all", "routed"):
-            rows = [m for m in meas if m[0] == arm]
-            ms = statistics.median(m[1] for m in rows)
-            copied_bytes = statistics.median(m[2]["bytes"] for m in rows)
-            row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms, "ms_each": [m[1] for m in rows],
-                   "mode": rows[0][5], "layout": rows[0][7], "tail_pieces": rows[0][8],
-                   "bytes_copied": copied_bytes,
-                   **_against(ms, copied_bytes, ceiling, resident_ms[n]),
-                   "streamed": rows[0][2]["streamed"],
-                   "copied": statistics.median(m[2]["copied"] for m in rows),
-                   "skipped": statistics.median(m[2]["skipped"] for m in rows),
-                   "unrouted": statistics.median(m[2]["unrouted"] for m in rows),
-                   "identical_to_resident": all(m[4] for m in rows),
-                   "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows),
-                   "host_call_to_begin_each": [round(m[6][0], 3) for m in rows]}
-            if after is not None:
-                # The rows' ceiling is the one probed before the calls (BENCHMARK.md); this
-                # says whether the link itself moved while they ran.
-                row["link_ceiling_after_gbps"] = after
-                row["link_fraction_after"] = row["gbps"] / after
-            timed = [m for m in rows if m[3] is not None and m[3][1] > 0]
-            if timed:
-                row["device_chunk_ms"] = statistics.median(m[3][0] for m in timed)
-                row["device_copy_ms"] = statistics.median(m[3][1] for m in timed)
-                # Begin to the first copy's start, and the last copy's end to the chunk's end:
-                # the pipeline's head and tail (the last layer's math after its last copy).
-                row["copy_lead_ms"] = statistics.median(m[3][2] for m in timed)
-                row["copy_tail_ms"] = statistics.median(m[3][3] for m in timed)
-                row["copy_window_link_fraction"] = statistics.median(
-                    m[2]["bytes"] / (m[3][1] * 1e-3) / 1e9 / ceiling for m in timed)
-                row["device_time_over_floor"] = row["device_chunk_ms"] / row["floor_ms"]
-                # Host time before and after the device chunk, and device work outside its
-                # begin/end events (the last layer's math after end_chunk, the logits).
-                row["outside_device_chunk_ms"] = statistics.median(m[1] - m[3][0] for m in timed)
-                row["device_chunk_each"] = [round(m[3][0], 3) for m in timed]
-            if row["unrouted"]:
-                row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        ratios, median, ci = _pair_ratios([m[1] for m in meas])
-        # Two slots of the same arm side by side in each block: how far one arm moves alone.
-        spread = [abs(meas[x][1] / meas[y][1] - 1) for x, y in _pairs(len(meas), SAME_ARM)]
-        pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
-                "median": median, "ci95": ci,
-                "same_arm_spread": statistics.median(spread)}
-        result["rows"].append(pair)
-        print(json.dumps(pair), flush=True)
-        if n == lengths[0]:
-            r = engines["routed"].prefill(prompts[n][0])
-            result["per_layer_example"] = {"tokens": n, "arm": "routed", **r.per_layer()}
-    for e in engines.values():
-        e.close()
-    result["identical"] = result.get("identical", True) and bool(identical)
+    try:
+        for n in lengths:
+            # Each length compiles just before it is timed, so a run cut short by a timeout has
+            # timed (and saved) every length before the one it stopped in.
+            t0 = time.perf_counter()
+            for arm in engines:
+                engines[arm].prefill(prompts[n][-1])  # compile
+            print(f"{n}: both arms compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+            t0 = time.perf_counter()
+            ceiling = link
+            if cuda:
+                probes, errors = _ceiling_probes(engines)
+                ceiling = max(link, *probes.values())
+                result.setdefault("link_probes", {})[str(n)] = probes
+                if errors:
+                    result.setdefault("link_probe_errors", {})[str(n)] = errors
+                print(f"{n}: link probes {json.dumps(probes)}; ceiling {ceiling:.2f} GB/s",
+                      flush=True)
+                _rebase_rows(result, n, ceiling, resident_ms[n])
+            meas = []
+            for i, arm in enumerate(schedule(args.blocks)):
+                gc.collect()  # see _gc_note; before `call`, which host_call_to_begin counts from
+                call = time.monotonic()
+                ms, r = _timed(engines[arm], prompts[n][i], collect=False)
+                same = _hashes(r) == hashes[(n, i)]
+                identical &= same
+                timing = engines[arm].streamer.device_timing() if len(r.chunks) == 1 else None
+                # Host time from the call to begin_chunk's handler, in ms. (On the GPU a
+                # handler runs when the host launches its call, not when the device reaches
+                # it, so the time after end_chunk's handler covers the device's work:
+                # `outside_device_chunk_ms` below is the call's time outside the device chunk
+                # instead.)
+                begin, _ = engines[arm].streamer.host_times()
+                host = ((begin - call) * 1e3,)
+                meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host,
+                             r.chunks[0].stats.layout, r.chunks[0].stats.tail_pieces))
+                del r  # see _drop_note
+            after = None
+            if cuda:  # the ceiling again after the timed calls: how far it moved under them
+                probes, _ = _ceiling_probes(engines)
+                after = max(probes.values())
+                result.setdefault("link_probes_after", {})[str(n)] = probes
+            for arm in ("stream-all", "routed"):
+                rows = [m for m in meas if m[0] == arm]
+                ms = statistics.median(m[1] for m in rows)
+                copied_bytes = statistics.median(m[2]["bytes"] for m in rows)
+                row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms,
+                       "ms_each": [m[1] for m in rows],
+                       "mode": rows[0][5], "layout": rows[0][7], "tail_pieces": rows[0][8],
+                       "bytes_copied": copied_bytes,
+                       **_against(ms, copied_bytes, ceiling, resident_ms[n]),
+                       "streamed": rows[0][2]["streamed"],
+                       "copied": statistics.median(m[2]["copied"] for m in rows),
+                       "skipped": statistics.median(m[2]["skipped"] for m in rows),
+                       "unrouted": statistics.median(m[2]["unrouted"] for m in rows),
+                       "identical_to_resident": all(m[4] for m in rows),
+                       "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows),
+                       "host_call_to_begin_each": [round(m[6][0], 3) for m in rows]}
+                if after is not None:
+                    # The rows' ceiling is the one probed before the calls (BENCHMARK.md); this
+                    # says whether the link itself moved while they ran.
+                    row["link_ceiling_after_gbps"] = after
+                    row["link_fraction_after"] = row["gbps"] / after
+                timed = [m for m in rows if m[3] is not None and m[3][1] > 0]
+                if timed:
+                    row["device_chunk_ms"] = statistics.median(m[3][0] for m in timed)
+                    row["device_copy_ms"] = statistics.median(m[3][1] for m in timed)
+                    # Begin to the first copy's start, and the last copy's end to the chunk's end:
+                    # the pipeline's head and tail (the last layer's math after its last copy).
+                    row["copy_lead_ms"] = statistics.median(m[3][2] for m in timed)
+                    row["copy_tail_ms"] = statistics.median(m[3][3] for m in timed)
+                    row["copy_window_link_fraction"] = statistics.median(
+                        m[2]["bytes"] / (m[3][1] * 1e-3) / 1e9 / ceiling for m in timed)
+                    row["device_time_over_floor"] = row["device_chunk_ms"] / row["floor_ms"]
+                    # Host time before and after the device chunk, and device work outside its
+                    # begin/end events (the last layer's math after end_chunk, the logits).
+                    row["outside_device_chunk_ms"] = statistics.median(
+                        m[1] - m[3][0] for m in timed)
+                    row["device_chunk_each"] = [round(m[3][0], 3) for m in timed]
+                if row["unrouted"]:
+                    row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                print(_brief(row), flush=True)
+            ratios, median, ci = _pair_ratios([m[1] for m in meas])
+            # Two slots of the same arm side by side in each block: how far one arm moves alone.
+            spread = [abs(meas[x][1] / meas[y][1] - 1) for x, y in _pairs(len(meas), SAME_ARM)]
+            pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
+                    "median": median, "ci95": ci,
+                    "same_arm_spread": statistics.median(spread)}
+            result["rows"].append(pair)
+            print(json.dumps(pair), flush=True)
+            if n == lengths[0]:
+                r = engines["routed"].prefill(prompts[n][0])
+                result["per_layer_example"] = {"tokens": n, "arm": "routed", **r.per_layer()}
+            print(f"{n}: timed in {time.perf_counter() - t0:.1f} s", flush=True)
+            result["identical"] = result.get("identical", True) and bool(identical)
+            save()
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+def _brief(row: dict) -> str:
+    """One short line for a streamed sweep row (its JSON line is too long to read in a log's
+    tail): time, time over floor, link fraction (and after), time after the last copy,
+    identity with the resident read."""
+    def f(key, fmt="{:.4f}"):
+        v = row.get(key)
+        return "-" if v is None else fmt.format(v)
+    return (f"{row['tokens']} {row['arm']}: {row['ms']:.2f} ms, x floor {f('time_over_floor')}, "
+            f"link {f('link_fraction')} (after {f('link_fraction_after')}), after the last "
+            f"copy {f('copy_tail_ms', '{:.3f}')} ms, identical {row['identical_to_resident']}")
 
 
 def _probes_link(engines) -> bool:
@@ -827,7 +862,10 @@ def main(argv=None) -> int:
     for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
                      ("publication", publication), ("floor", floor_part)):
         if part in parts:
-            fn(args, cfg, params, link, result)
+            if fn is sweep:
+                fn(args, cfg, params, link, result, save)
+            else:
+                fn(args, cfg, params, link, result)
             save()
     if "accuracy" in parts:
         accuracy_part(args, plain, (cfg, params), result)
