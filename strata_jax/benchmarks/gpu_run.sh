@@ -4,12 +4,23 @@
 # Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
 # files (default tests/), TEST_K: a pytest -k expression over them; SKIP_BUILD=1
 # reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS,
-# SCORE_ARGS).
+# SCORE_ARGS). PACK_LOGS=0: the logs stay files (below).
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 STAGE=${1:-all}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+# The device tool brings back at most 8 files from $OUT: on exit the text logs (machine.txt,
+# build.log, each stage's .log) go into one $OUT/logs.tar, which a later invocation with the
+# same OUT appends to (`tar -xf logs.tar` leaves the latest of each name); PACK_LOGS=0 keeps
+# them as files.
+pack_logs() {
+  [ "${PACK_LOGS:-1}" = 1 ] || return 0
+  local files
+  files=$(cd "$OUT" && ls -- *.log machine.txt 2>/dev/null)
+  [ -z "$files" ] || (cd "$OUT" && tar -rf logs.tar $files && rm -f $files)
+}
+trap pack_logs EXIT
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total \
