@@ -138,6 +138,7 @@ def test_stream_bench_resident_arm_alone(tmp_path):
     assert result["quantized_matmul"] == "dequantize"  # what "auto" reads int4 by on the CPU
 
 
+@pytest.mark.slow
 def test_stream_bench_sweep_stopped_midway_keeps_the_lengths_it_finished(tmp_path, capsys,
                                                                           monkeypatch):
     # A run stopped inside its second length (here an error in a streamed call; on the GPU
