@@ -2,7 +2,8 @@
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
 #   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|diag|timeline|chunked|score|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
-# files (default tests/), TEST_K: a pytest -k expression over them; SKIP_BUILD=1
+# files (default tests/), TEST_K: a pytest -k expression over them, TEST_DONE: ids to leave
+# out (below); SKIP_BUILD=1
 # reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS,
 # SCORE_ARGS). PACK_LOGS=0: the logs stay files (below).
 # Run from the repository root (the device tool's working directory).
@@ -36,8 +37,20 @@ fi
 rc=0
 for STAGE in ${STAGE//,/ }; do
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
-  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 ${TEST_K:+-k "$TEST_K"} ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  # TEST_DONE: a file of test ids an earlier call finished (its $OUT/gpu_tests_done.txt, copied
+  # into the repository), left out here: a suite longer than one call's limit goes on in the
+  # next. $OUT/gpu_tests_done.txt: those ids and the ones this run passed or skipped.
+  desel=()
+  if [ -n "${TEST_DONE:-}" ]; then
+    while read -r t; do [ -z "$t" ] || desel+=(--deselect "$t"); done < "$TEST_DONE"
+  fi
+  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 \
+    ${TEST_K:+-k "$TEST_K"} ${desel[@]+"${desel[@]}"} ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  { [ -z "${TEST_DONE:-}" ] || cat "$TEST_DONE"
+    grep -oE '^[^ ]+::[^ ]+ (PASSED|XPASS|SKIPPED|XFAIL)' "$OUT/gpu_tests.log" | cut -d' ' -f1
+  } | sort -u > "$OUT/gpu_tests_done.txt"
+  echo "tests done (this run and TEST_DONE): $(wc -l < "$OUT/gpu_tests_done.txt")"
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   [ -n "${SKIP_GMM:-}" ] || timeout 240 $PY -m strata_jax.benchmarks.grouped_matmul_bench --json "$OUT/grouped_matmul.json" 2>&1 \
