@@ -394,14 +394,14 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
 def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result,
                    save):
     engines = {}
-    t0 = time.perf_counter()
-    for arm, routed in (("stream-all", False), ("routed", True)):
-        engines[arm] = _engine(cfg, params, _stream_config(args, routed),
-                               max_context=ctx, chunk_size=ctx)
-    print(f"streamed engines: {time.perf_counter() - t0:.1f} s", flush=True)
-    identical = True
-    cuda = _probes_link(engines)
     try:
+        t0 = time.perf_counter()
+        for arm, routed in (("stream-all", False), ("routed", True)):
+            engines[arm] = _engine(cfg, params, _stream_config(args, routed),
+                                   max_context=ctx, chunk_size=ctx)
+        print(f"streamed engines: {time.perf_counter() - t0:.1f} s", flush=True)
+        identical = True
+        cuda = _probes_link(engines)
         for n in lengths:
             # Each length compiles just before it is timed, so a run cut short by a timeout has
             # timed (and saved) every length before the one it stopped in.
