@@ -337,9 +337,17 @@ class PinnedHostBaseline:
                                    tuple(v[:n] for v in cache.values))
 
 
-def sweep(args, cfg, params, link, result, save=lambda: None):
-    """The sweep part; `save()` runs after the resident rows and after each length's streamed
-    rows, so that a run stopped by a timeout keeps every length it finished."""
+def _save(args, result) -> None:
+    """Writes `result` to --json (if given): after each part, and inside the sweep after each
+    length, so that a run stopped by a timeout keeps what it finished."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def sweep(args, cfg, params, link, result):
+    """The sweep part; saves (`_save`) after the resident rows and after each length's
+    streamed rows, so that a run stopped by a timeout keeps every length it finished."""
     import jax
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -355,19 +363,19 @@ def sweep(args, cfg, params, link, result, save=lambda: None):
                                "ms": resident_ms[n], "reps": slots})
         print(f"resident {n}: {resident_ms[n]:.1f} ms (median of {slots})", flush=True)
     print(f"resident arm: {time.perf_counter() - t0:.1f} s with its compiles", flush=True)
-    save()
+    _save(args, result)
 
     if "jax-pinned-host" in args.arms and jax.devices()[0].platform == "gpu":
         try:
             _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result)
-            save()
+            _save(args, result)
         except Exception as e:  # the baseline is a comparison; its failure must not end the run
             result["rows"].append({"part": "sweep", "arm": "jax-pinned-host",
                                    "error": f"{type(e).__name__}: {e}"[:2000]})
             print(f"jax-pinned-host arm failed: {type(e).__name__}: {e}", flush=True)
     if {"stream-all", "routed"} & set(args.arms.split(",")):
         _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link,
-                       result, save)
+                       result)
 
 
 def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
@@ -391,8 +399,7 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
     del base
 
 
-def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result,
-                   save):
+def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
     engines = {}
     try:
         t0 = time.perf_counter()
@@ -498,7 +505,7 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                 result["per_layer_example"] = {"tokens": n, "arm": "routed", **r.per_layer()}
             print(f"{n}: timed in {time.perf_counter() - t0:.1f} s", flush=True)
             result["identical"] = result.get("identical", True) and bool(identical)
-            save()
+            _save(args, result)
     finally:
         for e in engines.values():
             e.close()
@@ -854,26 +861,18 @@ def main(argv=None) -> int:
               # the kernel the experts are read with here (None: a plain format)
               "quantized_matmul": resolve_format(args.quantized_matmul, ExpertFormat.of(cfg)),
               "argv": sys.argv[1:] if argv is None else list(argv), "rows": []}
-    def save():  # after each part: keep what finished if a later part runs out of time
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-
     for part, fn in (("sweep", sweep), ("two-turn", two_turn), ("layer-major", layer_major),
                      ("publication", publication), ("floor", floor_part)):
         if part in parts:
-            if fn is sweep:
-                fn(args, cfg, params, link, result, save)
-            else:
-                fn(args, cfg, params, link, result)
-            save()
+            fn(args, cfg, params, link, result)
+            _save(args, result)  # keep what finished if a later part runs out of time
     if "accuracy" in parts:
         accuracy_part(args, plain, (cfg, params), result)
-        save()
+        _save(args, result)
     if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
         result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
         print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
-        save()
+        _save(args, result)
     print(f"identity across arms: {result.get('identical', True)}")
     return 0 if result.get("identical", True) else 1
 
