@@ -97,6 +97,11 @@ def test_stream_bench_layouts_are_identical_and_recorded(tmp_path, flags, layout
     assert all(r["mode"] == "stream" for r in rows)
     assert all(r["identical_to_resident"] and r["layout"] == layout for r in rows)
     assert all(r["tail_pieces"] == pieces for r in rows)
+    # The settings record what the arms ran with, defaults filled in, not the flags' None.
+    from strata_jax.stream import StreamTuning
+    assert res["layout"] == (layout if "--frames-from" not in flags else "auto")
+    assert res["tail_shape"] == StreamTuning().tail_shape
+    assert res["tail_from"] == (40 if "--tail-from" in flags else StreamTuning().tail_from)
 
 
 @pytest.mark.slow

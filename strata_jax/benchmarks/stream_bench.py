@@ -846,12 +846,13 @@ def main(argv=None) -> int:
     cfg, params = quantized(cfg, params, args.quantize, tile=8)  # fast_params' 8 experts
     print(f"params in {time.perf_counter() - t0:.1f}s; experts "
           f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
+    tuning = _stream_config(args, routed=False).tuning  # with StreamTuning's defaults filled in
     result = {"machine": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "preset": args.preset, "layers": args.layers, "skew": args.skew,
-              "blocks": args.blocks, "depth": args.depth, "publish": args.publish,
-              "layout": _layout(args), "frames_from": args.frames_from,
-              "tail_pieces": args.tail_pieces, "tail_shape": args.tail_shape,
-              "tail_from": args.tail_from,
+              "blocks": args.blocks, "depth": args.depth, "publish": tuning.publish,
+              "layout": tuning.layout, "frames_from": tuning.frames_from,
+              "tail_pieces": tuning.tail_pieces, "tail_shape": tuning.tail_shape,
+              "tail_from": tuning.tail_from, "stream_floor": tuning.stream_floor,
               "link_pinned_gbps": link,
               "link_pageable_gbps": pageable,
               "expert_bytes": cfg.expert_bytes, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
