@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from strata_jax.config import ModelConfig, _DTYPES
 from strata_jax.experts import ExpertWeights, blob_size, unpack_expert_blobs_np
 from strata_jax.formats import (INT4_PER_WORD, INT4_ZERO, ExpertFormat, g_idx_perm,
-                                gptq_halves_np, int4_halves_np, int4_values_np)
+                                gptq_halves_np, int4_halves_np, int4_values_np, unequal_group)
 from strata_jax.rope import RopeScaling, rope_frequencies
 
 
@@ -1122,14 +1122,12 @@ def _gptq_check(tensors: "_Tensors", quant: _Quant, module: str, k: int, n: int,
             f"{INT4_ZERO}{v1}); a checkpoint with zero-points says sym=false in config.json "
             "quantization_config")
     rows = _gptq_g_idx(tensors, quant, module, k, n)
-    if expert and quant.act_order:
-        counts = np.bincount(rows, minlength=k // quant.block)
-        if np.any(counts != quant.block):
-            g = int(np.flatnonzero(counts != quant.block)[0])
-            raise CheckpointError(
-                f"tensor '{module}.g_idx' puts {int(counts[g])} rows in group {g}, not "
-                f"group_size={quant.block}: a routed expert's act-order groups are read in "
-                "group order and must hold group_size rows each (as GPTQ makes them)")
+    bad = unequal_group(rows, quant.block) if expert and quant.act_order else None
+    if bad is not None:
+        raise CheckpointError(
+            f"tensor '{module}.g_idx' puts {bad[1]} rows in group {bad[0]}, not "
+            f"group_size={quant.block}: a routed expert's act-order groups are read in "
+            "group order and must hold group_size rows each (as GPTQ makes them)")
     if not biased and tensors.has(f"{module}.bias"):
         bias = tensors.get(f"{module}.bias", (n,))
         if np.any(bias != 0):

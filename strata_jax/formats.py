@@ -514,12 +514,24 @@ def g_idx_perm(g_idx: np.ndarray, group: int) -> np.ndarray:
     k = g_idx.shape[-1]
     if g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= k // group:
         raise ValueError(f"int4 act-order: g_idx names groups outside 0 .. {k // group - 1}")
-    counts = np.apply_along_axis(np.bincount, -1, g_idx.reshape(-1, k), minlength=k // group)
-    if np.any(counts != group):
-        bad = np.argwhere(counts != group)[0]
-        raise ValueError(f"int4 act-order: group {int(bad[-1])} holds {int(counts[tuple(bad)])} "
-                         f"rows, not {group}: act-order groups of unequal size are not read")
+    bad = unequal_group(g_idx, group)
+    if bad is not None:
+        raise ValueError(f"int4 act-order: group {bad[0]} holds {bad[1]} rows, not {group}: "
+                         "act-order groups of unequal size are not read")
     return np.argsort(g_idx, axis=-1, kind="stable").astype(np.int32)
+
+
+def unequal_group(g_idx: np.ndarray, group: int) -> tuple[int, int] | None:
+    """(the first group, its row count) among GPTQ group indices [..., K] (each 0 .. K/group
+    - 1) that does not hold `group` rows, or None where every group does (the stored order
+    `g_idx_perm` reads needs it)."""
+    g_idx = np.asarray(g_idx)
+    k = g_idx.shape[-1]
+    counts = np.apply_along_axis(np.bincount, -1, g_idx.reshape(-1, k), minlength=k // group)
+    bad = np.argwhere(counts != group)
+    if not bad.size:
+        return None
+    return int(bad[0][-1]), int(counts[tuple(bad[0])])
 
 
 def _fp8_quantize_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

@@ -48,6 +48,7 @@ moved under it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -400,6 +401,8 @@ def _baseline(cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, res
 
 
 def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms, link, result):
+    """The sweep's stream-all and routed arms: one engine each, every length compiled just
+    before it is timed (`_streamed_length`), the result saved after each length."""
     engines = {}
     try:
         t0 = time.perf_counter()
@@ -407,8 +410,6 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
             engines[arm] = _engine(cfg, params, _stream_config(args, routed),
                                    max_context=ctx, chunk_size=ctx)
         print(f"streamed engines: {time.perf_counter() - t0:.1f} s", flush=True)
-        identical = True
-        cuda = _probes_link(engines)
         for n in lengths:
             # Each length compiles just before it is timed, so a run cut short by a timeout has
             # timed (and saved) every length before the one it stopped in.
@@ -417,89 +418,8 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
                 engines[arm].prefill(prompts[n][-1])  # compile
             print(f"{n}: both arms compiled in {time.perf_counter() - t0:.1f} s", flush=True)
             t0 = time.perf_counter()
-            ceiling = link
-            if cuda:
-                probes, errors = _ceiling_probes(engines)
-                ceiling = max(link, *probes.values())
-                result.setdefault("link_probes", {})[str(n)] = probes
-                if errors:
-                    result.setdefault("link_probe_errors", {})[str(n)] = errors
-                print(f"{n}: link probes {json.dumps(probes)}; ceiling {ceiling:.2f} GB/s",
-                      flush=True)
-                _rebase_rows(result, n, ceiling, resident_ms[n])
-            meas = []
-            for i, arm in enumerate(schedule(args.blocks)):
-                gc.collect()  # see _gc_note; before `call`, which host_call_to_begin counts from
-                call = time.monotonic()
-                ms, r = _timed(engines[arm], prompts[n][i], collect=False)
-                same = _hashes(r) == hashes[(n, i)]
-                identical &= same
-                timing = engines[arm].streamer.device_timing() if len(r.chunks) == 1 else None
-                # Host time from the call to begin_chunk's handler, in ms. (On the GPU a
-                # handler runs when the host launches its call, not when the device reaches
-                # it, so the time after end_chunk's handler covers the device's work:
-                # `outside_device_chunk_ms` below is the call's time outside the device chunk
-                # instead.)
-                begin, _ = engines[arm].streamer.host_times()
-                host = ((begin - call) * 1e3,)
-                meas.append((arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode, host,
-                             r.chunks[0].stats.layout, r.chunks[0].stats.tail_pieces))
-                del r  # see _drop_note
-            after = None
-            if cuda:  # the ceiling again after the timed calls: how far it moved under them
-                probes, _ = _ceiling_probes(engines)
-                after = max(probes.values())
-                result.setdefault("link_probes_after", {})[str(n)] = probes
-            for arm in ("stream-all", "routed"):
-                rows = [m for m in meas if m[0] == arm]
-                ms = statistics.median(m[1] for m in rows)
-                copied_bytes = statistics.median(m[2]["bytes"] for m in rows)
-                row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms,
-                       "ms_each": [m[1] for m in rows],
-                       "mode": rows[0][5], "layout": rows[0][7], "tail_pieces": rows[0][8],
-                       "bytes_copied": copied_bytes,
-                       **_against(ms, copied_bytes, ceiling, resident_ms[n]),
-                       "streamed": rows[0][2]["streamed"],
-                       "copied": statistics.median(m[2]["copied"] for m in rows),
-                       "skipped": statistics.median(m[2]["skipped"] for m in rows),
-                       "unrouted": statistics.median(m[2]["unrouted"] for m in rows),
-                       "identical_to_resident": all(m[4] for m in rows),
-                       "host_call_to_begin_ms": statistics.median(m[6][0] for m in rows),
-                       "host_call_to_begin_each": [round(m[6][0], 3) for m in rows]}
-                if after is not None:
-                    # The rows' ceiling is the one probed before the calls (BENCHMARK.md); this
-                    # says whether the link itself moved while they ran.
-                    row["link_ceiling_after_gbps"] = after
-                    row["link_fraction_after"] = row["gbps"] / after
-                timed = [m for m in rows if m[3] is not None and m[3][1] > 0]
-                if timed:
-                    row["device_chunk_ms"] = statistics.median(m[3][0] for m in timed)
-                    row["device_copy_ms"] = statistics.median(m[3][1] for m in timed)
-                    # Begin to the first copy's start, and the last copy's end to the chunk's end:
-                    # the pipeline's head and tail (the last layer's math after its last copy).
-                    row["copy_lead_ms"] = statistics.median(m[3][2] for m in timed)
-                    row["copy_tail_ms"] = statistics.median(m[3][3] for m in timed)
-                    row["copy_window_link_fraction"] = statistics.median(
-                        m[2]["bytes"] / (m[3][1] * 1e-3) / 1e9 / ceiling for m in timed)
-                    row["device_time_over_floor"] = row["device_chunk_ms"] / row["floor_ms"]
-                    # Host time before and after the device chunk, and device work outside its
-                    # begin/end events (the last layer's math after end_chunk, the logits).
-                    row["outside_device_chunk_ms"] = statistics.median(
-                        m[1] - m[3][0] for m in timed)
-                    row["device_chunk_each"] = [round(m[3][0], 3) for m in timed]
-                if row["unrouted"]:
-                    row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
-                result["rows"].append(row)
-                print(json.dumps(row), flush=True)
-                print(_brief(row), flush=True)
-            ratios, median, ci = _pair_ratios([m[1] for m in meas])
-            # Two slots of the same arm side by side in each block: how far one arm moves alone.
-            spread = [abs(meas[x][1] / meas[y][1] - 1) for x, y in _pairs(len(meas), SAME_ARM)]
-            pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
-                    "median": median, "ci95": ci,
-                    "same_arm_spread": statistics.median(spread)}
-            result["rows"].append(pair)
-            print(json.dumps(pair), flush=True)
+            identical = _streamed_length(args, engines, n, prompts[n], hashes, resident_ms[n],
+                                         link, result)
             if n == lengths[0]:
                 r = engines["routed"].prefill(prompts[n][0])
                 result["per_layer_example"] = {"tokens": n, "arm": "routed", **r.per_layer()}
@@ -509,6 +429,123 @@ def _streamed_arms(args, cfg, params, ctx, lengths, prompts, hashes, resident_ms
     finally:
         for e in engines.values():
             e.close()
+
+
+def _streamed_length(args, engines, n: int, prompts, hashes, resident: float, link: float,
+                     result) -> bool:
+    """Times both streamed arms at `n` tokens in `schedule(args.blocks)`'s order, a new prompt
+    each slot (on CUDA the link probed before and after: `_ceiling_probes`), and appends a row
+    per arm (`_arm_row`) and their pairs' row; whether every read hashed as the resident
+    one."""
+    cuda = _probes_link(engines)
+    ceiling = link
+    if cuda:
+        probes, errors = _ceiling_probes(engines)
+        ceiling = max(link, *probes.values())
+        result.setdefault("link_probes", {})[str(n)] = probes
+        if errors:
+            result.setdefault("link_probe_errors", {})[str(n)] = errors
+        print(f"{n}: link probes {json.dumps(probes)}; ceiling {ceiling:.2f} GB/s", flush=True)
+        _rebase_rows(result, n, ceiling, resident)
+    meas = []
+    identical = True
+    for i, arm in enumerate(schedule(args.blocks)):
+        gc.collect()  # see _gc_note; before `call`, which host_call_to_begin counts from
+        call = time.monotonic()
+        ms, r = _timed(engines[arm], prompts[i], collect=False)
+        same = _hashes(r) == hashes[(n, i)]
+        identical &= same
+        timing = engines[arm].streamer.device_timing() if len(r.chunks) == 1 else None
+        # Host time from the call to begin_chunk's handler, in ms. (On the GPU a handler runs
+        # when the host launches its call, not when the device reaches it, so the time after
+        # end_chunk's handler covers the device's work: `outside_device_chunk_ms` in the rows
+        # is the call's time outside the device chunk instead.)
+        begin, _ = engines[arm].streamer.host_times()
+        meas.append(_Read(arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode,
+                          (begin - call) * 1e3, r.chunks[0].stats.layout,
+                          r.chunks[0].stats.tail_pieces))
+        del r  # see _drop_note
+    after = None
+    if cuda:  # the ceiling again after the timed calls: how far it moved under them
+        probes, _ = _ceiling_probes(engines)
+        after = max(probes.values())
+        result.setdefault("link_probes_after", {})[str(n)] = probes
+    for arm in ("stream-all", "routed"):
+        row = _arm_row(arm, n, [m for m in meas if m.arm == arm], ceiling, after, resident)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        print(_brief(row), flush=True)
+    ratios, median, ci = _pair_ratios([m.ms for m in meas])
+    # Two slots of the same arm side by side in each block: how far one arm moves alone.
+    spread = [abs(meas[x].ms / meas[y].ms - 1) for x, y in _pairs(len(meas), SAME_ARM)]
+    pair = {"part": "sweep", "arm": "pairs", "tokens": n, "off_over_on": ratios,
+            "median": median, "ci95": ci, "same_arm_spread": statistics.median(spread)}
+    result["rows"].append(pair)
+    print(json.dumps(pair), flush=True)
+    return identical
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """One timed streamed read of the sweep: its arm, wall ms, `PrefillResult.totals()`, the
+    streamer's device timing (None: several chunks), whether it hashed as the resident read,
+    its chunk's mode, host ms from the call to begin_chunk, ring layout and tail pieces."""
+
+    arm: str
+    ms: float
+    totals: dict
+    timing: tuple | None
+    same: bool
+    mode: str
+    host_to_begin_ms: float
+    layout: str
+    tail_pieces: int
+
+
+def _arm_row(arm: str, n: int, reads: list, ceiling: float, after: float | None,
+             resident: float) -> dict:
+    """The sweep row of one streamed arm at `n` tokens from its timed `_Read`s: medians of the
+    reads against the link `ceiling` probed before them (and `after` them, where probed) and
+    the resident time; with device timing, the device chunk and its copies' window."""
+    ms = statistics.median(m.ms for m in reads)
+    copied_bytes = statistics.median(m.totals["bytes"] for m in reads)
+    row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms,
+           "ms_each": [m.ms for m in reads],
+           "mode": reads[0].mode, "layout": reads[0].layout, "tail_pieces": reads[0].tail_pieces,
+           "bytes_copied": copied_bytes,
+           **_against(ms, copied_bytes, ceiling, resident),
+           "streamed": reads[0].totals["streamed"],
+           "copied": statistics.median(m.totals["copied"] for m in reads),
+           "skipped": statistics.median(m.totals["skipped"] for m in reads),
+           "unrouted": statistics.median(m.totals["unrouted"] for m in reads),
+           "identical_to_resident": all(m.same for m in reads),
+           "host_call_to_begin_ms": statistics.median(m.host_to_begin_ms for m in reads),
+           "host_call_to_begin_each": [round(m.host_to_begin_ms, 3) for m in reads]}
+    if after is not None:
+        # The rows' ceiling is the one probed before the calls (BENCHMARK.md); this says
+        # whether the link itself moved while they ran.
+        row["link_ceiling_after_gbps"] = after
+        row["link_fraction_after"] = row["gbps"] / after
+    timed = [m for m in reads if m.timing is not None and m.timing[1] > 0]
+    if timed:
+        chunk, copy, lead, tail = (statistics.median(m.timing[i] for m in timed)
+                                   for i in range(4))
+        row["device_chunk_ms"] = chunk
+        row["device_copy_ms"] = copy
+        # Begin to the first copy's start, and the last copy's end to the chunk's end: the
+        # pipeline's head and tail (the last layer's math after its last copy).
+        row["copy_lead_ms"] = lead
+        row["copy_tail_ms"] = tail
+        row["copy_window_link_fraction"] = statistics.median(
+            m.totals["bytes"] / (m.timing[1] * 1e-3) / 1e9 / ceiling for m in timed)
+        row["device_time_over_floor"] = chunk / row["floor_ms"]
+        # Host time before and after the device chunk, and device work outside its begin/end
+        # events (the last layer's math after end_chunk, the logits).
+        row["outside_device_chunk_ms"] = statistics.median(m.ms - m.timing[0] for m in timed)
+        row["device_chunk_each"] = [round(m.timing[0], 3) for m in timed]
+    if row["unrouted"]:
+        row["skipped_of_unrouted"] = row["skipped"] / row["unrouted"]
+    return row
 
 
 def _brief(row: dict) -> str:
