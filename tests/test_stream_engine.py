@@ -372,6 +372,29 @@ def test_one_issuer_thread_serves_every_chunk():
     assert sorted(_issuer_tids()) == sorted(before)  # closing the engine ends it
 
 
+def test_engines_made_alike_one_after_another_make_the_same_program():
+    # A closed engine's id is taken again by the next one (the FFI calls carry it as an
+    # attribute), so the programs of engines made alike are the same HLO, which a compilation
+    # cache serves; engines alive at once keep ids of their own.
+    params = init_synthetic(CFG, seed=3)
+
+    def text(eng):  # the HLO of a first streamed chunk of CHUNK tokens
+        return eng._jit.lower(eng._state_leaves, eng._stream_inputs, None, None, first=True,
+                              mode=eng.streamer.chunk_mode(CHUNK), sub=0, rows=0,
+                              width=CHUNK + 2, score=False).as_text()
+
+    with Engine(CFG, params, FLOOR, max_context=256, chunk_size=CHUNK) as a:
+        first, program = a.streamer.id, text(a)
+        with Engine(CFG, params, FLOOR, max_context=256, chunk_size=CHUNK) as b:
+            assert b.streamer.id != first
+            assert text(b) != program
+    with Engine(CFG, params, FLOOR, max_context=256, chunk_size=CHUNK) as c:
+        assert c.streamer.id == first
+        assert text(c) == program
+        r = c.prefill(TOKENS)  # and it reads the resident bits
+        assert (sha256_of(r.logits), r.session.kv_sha256()) == _resident_reference(0.0)[2:]
+
+
 _INTERRUPT_SCRIPT = r"""
 import sys
 import numpy as np

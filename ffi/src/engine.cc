@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 
 #include <pthread.h>
 #include <unistd.h>
@@ -743,8 +744,6 @@ std::map<int64_t, Registered>& Registry() {
   static auto* r = new std::map<int64_t, Registered>();
   return *r;
 }
-int64_t g_next_id = 1;
-
 // The registry's mutex, held by another thread at the fork, would stay locked
 // in the child: hold it across fork() so both sides resume with it unlocked.
 void GuardRegistryAcrossFork() {
@@ -773,6 +772,24 @@ std::map<int64_t, Group>& Groups() {
   static auto* g = new std::map<int64_t, Group>();
   return *g;
 }
+// The smallest id that no registered engine or group holds and no group names as a member,
+// with the registry's mutex held. An engine made after another was closed takes its id
+// again: the id is an attribute of the programs' custom calls, so the programs of engines
+// made alike, one after another, are the same HLO and a compilation cache serves them. No
+// program of a closed engine runs after it (Engine.close and a failed prefill wait for
+// theirs), and a handle destroys its engine once.
+int64_t FreeIdLocked() {
+  std::set<int64_t> taken;
+  for (const auto& [id, r] : Registry()) taken.insert(id);
+  for (const auto& [id, g] : Groups()) {
+    taken.insert(id);
+    for (const auto& [ordinal, engine] : g.member) taken.insert(engine);
+  }
+  int64_t id = 1;
+  while (taken.count(id)) ++id;
+  return id;
+}
+
 // A live engine of this process, with the registry's mutex held.
 Engine* FindLocked(int64_t id) {
   auto it = Registry().find(id);
@@ -839,7 +856,7 @@ int64_t RegisterGroup(const std::vector<int64_t>& engines,
     g.trace = g.trace || o.trace != 0;
   }
   for (size_t i = 0; i < engines.size(); ++i) FindLocked(engines[i])->JoinGroup(ordinals[i]);
-  const int64_t id = g_next_id++;
+  const int64_t id = FreeIdLocked();
   Groups()[id] = std::move(g);
   return id;
 }
@@ -920,7 +937,7 @@ void GroupChunkEnded(int64_t id, int32_t ordinal, int64_t chunk,
 int64_t RegisterEngine(std::unique_ptr<Engine> engine) {
   GuardRegistryAcrossFork();
   std::lock_guard<std::mutex> lock(g_registry_mu);
-  int64_t id = g_next_id++;
+  const int64_t id = FreeIdLocked();
   Registry()[id] = Registered{std::move(engine), getpid()};
   return id;
 }

@@ -529,14 +529,15 @@ std::unique_ptr<Engine> MakeCpuEngine(const EngineOptions& opt, Status* err);
 // Defined only in builds with CUDA; otherwise returns null with a message.
 std::unique_ptr<Engine> MakeCudaEngine(const EngineOptions& opt, Status* err);
 
-// Process-wide registry: FFI attributes carry an engine id.
+// Process-wide registry: FFI attributes carry an engine id, the smallest one free (a
+// closed engine's id is taken again by the next engine made: engine.cc, FreeIdLocked).
 int64_t RegisterEngine(std::unique_ptr<Engine> engine);
 Engine* FindEngine(int64_t id);
 bool DestroyEngine(int64_t id);
 
 // Engine groups: several devices, one engine each (its own host store, ring,
-// link, issuer and gate). A group has an id of its own, from the engines'
-// counter, which the FFI calls of a program run on every device carry (under
+// link, issuer and gate). A group has an id of its own, among the engines'
+// ids, which the FFI calls of a program run on every device carry (under
 // shard_map one custom call runs once per device); each call reaches the
 // member of the device it runs on, by the device ordinal in XLA's FFI call
 // context. `ordinals[i]` is engine `engines[i]`'s device. The members must
