@@ -131,6 +131,7 @@ def test_stream_bench_sweep_rows_with_device_timing(tmp_path, monkeypatch):
         assert r["device_time_over_floor"] == pytest.approx(2.0 / r["floor_ms"])
 
 
+@pytest.mark.slow
 def test_stream_bench_resident_arm_alone(tmp_path):
     # --arms resident: the resident rows only, no streamed engine built.
     out = tmp_path / "resident.json"
@@ -173,6 +174,7 @@ def test_stream_bench_sweep_stopped_midway_keeps_the_lengths_it_finished(tmp_pat
     assert "40: both arms compiled in" in printed and "100: both arms compiled in" in printed
 
 
+@pytest.mark.slow
 def test_stream_bench_reports_accuracy_against_the_plain_model(tmp_path):
     # --parts accuracy with --quantize: per length, the quantized model's log-probabilities
     # and last logits against the plain model's on the same prompts (finite, nonzero: it
@@ -192,6 +194,7 @@ def test_stream_bench_reports_accuracy_against_the_plain_model(tmp_path):
         stream_bench.main(["--tiny", "--parts", "accuracy"])
 
 
+@pytest.mark.slow
 def test_stream_bench_reads_quantized_experts_as_told(tmp_path, monkeypatch):
     # --quantized-matmul reaches every engine the bench builds and its JSON.
     import strata_jax.engine as engine_mod
@@ -214,6 +217,7 @@ def test_stream_bench_reads_quantized_experts_as_told(tmp_path, monkeypatch):
         stream_bench.main(["--tiny", "--quantized-matmul", "mosaic"])
 
 
+@pytest.mark.slow
 def test_stream_bench_probes_the_link_before_and_after_each_length(tmp_path, monkeypatch):
     # With a probed link (CUDA), each length's rows are against the ceiling probed before its
     # calls; the probe after them is recorded beside it, with the fraction it would give.
@@ -563,6 +567,7 @@ def test_quant_summary_compares_each_format_with_bf16(tmp_path, capsys):
     assert "two results for expert format 'fp8'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_grouped_matmul_bench_rows_and_its_band_option(tmp_path, capsys):
     # A tiny layer on the CPU (lax): one row per length; --grid-block-n names the Mosaic
     # kernel's bands, refused by name where the grouped matmul is not that kernel.

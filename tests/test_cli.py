@@ -702,6 +702,7 @@ SCORE_KEYS = ("scored", "sum_logprob", "mean_nll", "perplexity", "top1_accuracy"
 SCORE_PROMPT = ["--tokens", "48", "--chunk", "64", "--max-context", "64"]  # one chunk program
 
 
+@pytest.mark.slow  # the arms' score bits: test_engine in the default run
 def test_score_json_and_text_give_the_same_bits_in_every_arm():
     # The resident arm's JSON and the routed arm's text: the same log-probabilities' bytes
     # (chunk boundaries and follow-up turns: tests/test_engine.py).

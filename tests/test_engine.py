@@ -241,6 +241,7 @@ def test_progress_is_called_after_each_chunk(f32_engine):
     assert calls == [(70, 70)]
 
 
+@pytest.mark.slow
 def test_one_prompt_at_a_time(bf16_params):
     # Prefills of one engine from several threads run one after another, each right; a prefill
     # from inside the engine's own prefill (its progress callback) is refused, not deadlocked,
@@ -743,7 +744,9 @@ def test_bad_orders_and_options(f32_engine, f32_params):
         Engine(F32, f32_params, None, sub_chunk=0)
 
 
-@pytest.mark.parametrize("stream", [None, StreamConfig(**CPU)], ids=["resident", "streamed"])
+# A closed streamed engine's threads: test_stream_engine's test_closing_the_engine_stops_its_threads.
+@pytest.mark.parametrize("stream", [None, pytest.param(StreamConfig(**CPU), marks=pytest.mark.slow)],
+                         ids=["resident", "streamed"])
 def test_closed_engine_refuses_prefill_resident_or_streamed(bf16_params, stream):
     # One behaviour for both: close() ends the engine, twice is fine, `with` closes it.
     closed = "Engine.prefill: the engine was closed; make a new Engine"
@@ -963,6 +966,7 @@ def test_windowed_layers_match_the_float64_reference(bf16_params, windowed_resid
     _check_windowed_reference(bf16_params, *windowed_resident[1:])
 
 
+@pytest.mark.slow  # the windowed layers against the float64 reference: the default run
 def test_windowed_layers_same_bits_in_the_routed_arm(bf16_params, windowed_resident):
     # Chunk-major and a follow-up turn with windowed and full layers: the routed arm's logits
     # and KV cache are the resident arm's, bit for bit.

@@ -178,6 +178,7 @@ _SETUP = """
 """
 
 
+@pytest.mark.slow
 def test_two_devices_match_the_float64_reference():
     # The default run's check on a mesh: one prefill (two chunks, a padded one) on 2 devices,
     # each holding its half of every layer's experts, against the float64 reference.

@@ -36,8 +36,8 @@ def test_constant_inputs(impl):
 @pytest.mark.parametrize("sizes", [
     [5, 0, 7, 0, 0, 20],          # zero-size groups between and after
     [0, 0, 32],                   # leading empty groups
-    [1] * 9,                      # one row each
-    [0, 300, 0, 3],               # spans several row tiles of the tiled path
+    pytest.param([1] * 9, marks=pytest.mark.slow),  # one row each
+    pytest.param([0, 300, 0, 3], marks=pytest.mark.slow),  # several row tiles of the tiled path
 ])
 def test_random_matches_reference(impl, sizes):
     x, w, g = _case(sum(sizes), 32, 24, sizes)

@@ -37,6 +37,7 @@ def _child(scenario: str, backend: str = "cpu", timeout: float = 600,
     return json.loads(proc.stdout.strip().splitlines()[-2])
 
 
+@pytest.mark.slow
 def test_streamed_mesh_matches_resident_and_survives_a_device_failure():
     # The default run's check: resident, stream-all and routed on 2 devices give the same bits
     # (two chunks, a follow-up turn), per-device stats sum to the chunk's, and an injected

@@ -39,6 +39,7 @@ def _child(scenario: str, backend: str = "cpu",
     return proc
 
 
+@pytest.mark.slow
 def test_each_device_reaches_its_own_engine_on_a_mesh():
     # Fetch, skips, stats per device and summed, trace lines, a program on a device the group
     # lacks, and one failure (each device's own cause) that ends both walks.

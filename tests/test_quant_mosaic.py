@@ -39,6 +39,7 @@ def test_interpreted_kernel_matches_the_float64_reference():
     assert (got[200:] == 0).all()
 
 
+@pytest.mark.slow  # uneven bands; the GPU tests read the model's own bands
 def test_column_bands_that_do_not_divide_the_columns_give_the_same_bits():
     # Three column tiles swept in bands of two (the last band one tile): every (visit, column
     # tile) pair once, the bits of a one-tile band (the order of the work, not of the sums).
@@ -94,8 +95,10 @@ def test_int4_nibbles_by_their_bits_are_exactly_the_converted_values():
                                           np.asarray(b).view(np.uint16))
 
 
-@pytest.mark.parametrize("bk", [128, pytest.param(64, marks=pytest.mark.slow)],
-                         ids=["whole-group", "half-group"])
+# The zero-point kernel is what quantized_matmul="fused" reads int4-zp with ("auto"
+# dequantizes it first): both k steps in the slow run.
+@pytest.mark.slow
+@pytest.mark.parametrize("bk", [128, 64], ids=["whole-group", "half-group"])
 def test_interpreted_int4_kernel_reads_zero_points(bk):
     # Zero-points (a uint8 row a group, pipelined as the scale row): (nibble - z) * scale, the
     # float64 reference's values, the same bits by bits and by conversion and with two
@@ -129,8 +132,13 @@ def test_interpreted_int4_kernel_reads_zero_points(bk):
         np.asarray(mosaic_int4_grouped_matmul(x, sym, sizes, tiles=one, interpret=True)))
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_two_compute_warpgroups_match_the_float64_reference(kind):
+# The default run interprets the k step the model's fp8 kernel takes with two warpgroups
+# (MOSAIC_WIDE_TILES: 64); the slow run the others, and int4's (which the model does not take).
+@pytest.mark.parametrize("kind, bk", [
+    ("fp8", 64), pytest.param("fp8", 128, marks=pytest.mark.slow),
+    pytest.param("int4", 64, marks=pytest.mark.slow),
+    pytest.param("int4", 128, marks=pytest.mark.slow)])
+def test_two_compute_warpgroups_match_the_float64_reference(kind, bk):
     # A 128-row tile split between two compute warpgroups that share each converted weight
     # tile (fp8: rows or columns of it; int4: a nibble half or columns), and int4 in k steps
     # of half a group: the reference's values, zeros past the groups, NaN-scaled unrouted
@@ -140,31 +148,34 @@ def test_two_compute_warpgroups_match_the_float64_reference(kind):
     x = _x(m, 256)
     sizes = jnp.asarray(SIZES, jnp.int32)
     fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
-    steps = (64, 128)
-    one = {bk: np.asarray(fn(x, w, sizes, tiles=MosaicTiles(64, 128, bk, 2, 1), interpret=True))
-           for bk in steps}
-    for bk in steps:
-        got = np.asarray(fn(x, w, sizes, tiles=MosaicTiles(128, 128, bk, 2, 1, 1, 2),
-                            interpret=True))
-        assert np.isfinite(got).all()
-        assert_close(got[:200].astype(np.float64), fused_reference(x, w, SIZES)[:200],
-                     jnp.bfloat16, err_msg=str(bk))
-        assert (got[200:] == 0).all()
-        np.testing.assert_array_equal(got, one[bk], err_msg=str(bk))
+    one = np.asarray(fn(x, w, sizes, tiles=MosaicTiles(64, 128, bk, 2, 1), interpret=True))
+    got = np.asarray(fn(x, w, sizes, tiles=MosaicTiles(128, 128, bk, 2, 1, 1, 2),
+                        interpret=True))
+    assert np.isfinite(got).all()
+    assert_close(got[:200].astype(np.float64), fused_reference(x, w, SIZES)[:200],
+                 jnp.bfloat16)
+    assert (got[200:] == 0).all()
+    np.testing.assert_array_equal(got, one)
 
 
-def test_kernels_lower_for_cuda():
-    # Mosaic's lowering for a GPU (layout inference included) runs on the CPU: both kernels at
-    # their default tilings and Qwen3-30B-A3B's expert shapes.
+_LOWERED = {  # kernel, tiling
+    # what the model reads fp8 and int4 with (fp8_tiles_for, MOSAIC_INT4_TILES)
+    "model": (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
+              ("fp8", mosaic_grouped_matmul, MOSAIC_WIDE_TILES),
+              ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES)),
+    # what quant_matmul_bench also times, and the kernel with zero-points ("fused")
+    "others": (("int4", mosaic_int4_grouped_matmul, MosaicTiles(256, 128, 64, 3, 8, 1, 2)),
+               ("int4", mosaic_int4_grouped_matmul, MosaicTiles(128, 128, 64, 4, 8)),
+               ("int4-zp", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES)),
+}
+
+
+@pytest.mark.parametrize("which", ["model", pytest.param("others", marks=pytest.mark.slow)])
+def test_kernels_lower_for_cuda(which):
+    # Mosaic's lowering for a GPU (layout inference included) runs on the CPU: the kernels at
+    # their tilings and Qwen3-30B-A3B's expert shapes.
     sizes = jnp.full((8,), 128, jnp.int32)
-    # The two-compute-warpgroup kernels at 256-row tiles too (what quant_matmul_bench times).
-    two = MosaicTiles(256, 128, 64, 3, 8, 1, 2)
-    for kind, fn, tiles in (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
-                            ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
-                            ("fp8", mosaic_grouped_matmul, two),
-                            ("int4", mosaic_int4_grouped_matmul, two),
-                            ("int4", mosaic_int4_grouped_matmul, MosaicTiles(128, 128, 64, 4, 8)),
-                            ("int4-zp", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES)):
+    for kind, fn, tiles in _LOWERED[which]:
         for k, n in ((2048, 768), (768, 2048))[:1 if kind == "int4-zp" else 2]:
             w = (_zero_matrix(e=8, k=k, n=n) if kind == "int4-zp"
                  else _matrix(kind, e=8, k=k, n=n))
@@ -172,6 +183,8 @@ def test_kernels_lower_for_cuda():
                                                               interpret=False, num_sms=132))
             jax.export.export(f, platforms=["cuda"], disabled_checks=[
                 jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu")])(_x(1024, k), w, sizes)
+    if which != "others":
+        return
     # The int4 kernel's nibbles reach float32 by their bits: no int-to-float op in its module
     # (the kernel's own module, embedded in the program), unlike with int_to_float="convert".
     w = _matrix("int4", e=8, k=768, n=2048)

@@ -43,7 +43,10 @@ def plain_params():
     return SyntheticParams(PLAIN, 3, 1.0)
 
 
-@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4", "int4-zp",
+# int4-zp-act reads both side planes (zero-points and group indices): int4-zp alone in the
+# slow run.
+@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4",
+                                  pytest.param("int4-zp", marks=pytest.mark.slow),
                                   "int4-zp-act"])
 def test_quantized_model_matches_float64_reference(plain_params, kind):
     # The resident engine's logits at every position against the float64 forward of the
@@ -167,6 +170,7 @@ def _cli(argv) -> tuple[int, str, str]:
 MODEL = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "8", "--top-k", "2"]
 
 
+@pytest.mark.slow  # the CLI reads a quantized checkpoint in the default run (test_quantized_checkpoint)
 def test_cli_quantize_reads_a_quantized_model():
     rc, out, err = _cli(["prefill", *MODEL, "--quantize", "int4", "--no-stream", "--tokens",
                          "32", "--json", "-q"])
@@ -283,7 +287,8 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
 @pytest.mark.parametrize("kind,every", [
     ("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
     pytest.param("int4", True, marks=pytest.mark.slow),
-    ("int4-zp", False), pytest.param("int4-zp", True, marks=pytest.mark.slow),
+    pytest.param("int4-zp", False, marks=pytest.mark.slow),  # int4-zp-act's planes include its
+    pytest.param("int4-zp", True, marks=pytest.mark.slow),
     ("int4-zp-act", False), pytest.param("int4-zp-act", True, marks=pytest.mark.slow)])
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
     # For a given format: resident, stream-all and routed (packed and frames rings, the last

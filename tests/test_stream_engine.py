@@ -788,6 +788,7 @@ def test_closing_the_engine_stops_its_threads():
         eng.prefill(TOKENS[:CHUNK])
 
 
+@pytest.mark.slow
 def test_trace_lines(capfd):
     params = init_synthetic(CFG, seed=3, routing_skew=2.0)
     with Engine(CFG, params, StreamConfig(trace=True,

@@ -54,6 +54,7 @@ def test_walk_rules(build_dir):
     assert "0 failures" in _run(binary, "60", "17")
 
 
+@pytest.mark.slow
 def test_walk_under_thread_sanitizer(build_dir):
     binary = _build(build_dir, ["-O1", "-g", "-fsanitize=thread", "-Wno-tsan"], "routed_stream_test_tsan")
     out = _run(binary, "60", "20261130", env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
