@@ -1093,9 +1093,16 @@ class Engine:
 
     def close(self) -> None:
         """Ends the engine, resident or streamed (a streamed one's threads and host store go):
-        a later `prefill` raises RuntimeError. Idempotent; `with Engine(...)` closes on exit."""
+        a later `prefill` raises RuntimeError. Idempotent; `with Engine(...)` closes on exit.
+        A prefill or score running on another thread ends first (close waits for it); from
+        inside one (its progress callback) the engine closes under it and it fails."""
         self._closed = True
-        if self.streamer is not None:
+        if self.streamer is None:
+            return
+        if self._prefill_thread == threading.get_ident():
+            self.streamer.close()
+            return
+        with self._prefill_lock:  # no program of this engine runs after its stream closes
             self.streamer.close()
 
     @property

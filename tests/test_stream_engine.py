@@ -788,6 +788,33 @@ def test_closing_the_engine_stops_its_threads():
         eng.prefill(TOKENS[:CHUNK])
 
 
+def test_close_from_another_thread_waits_for_the_running_prefill():
+    # A prefill running on one thread ends with the resident bits before another thread's
+    # close() ends the engine: no program of a closed engine runs after its close (a new
+    # engine may take its id).
+    import threading
+
+    params = init_synthetic(CFG, seed=3)
+    eng = Engine(CFG, params, _config(stream_floor=CHUNK, **SLOW), max_context=256,
+                 chunk_size=CHUNK)
+    eng.prefill(TOKENS)  # compiled
+    started, got = threading.Event(), []
+
+    def read():
+        got.append(eng.prefill(TOKENS, progress=lambda done, total: started.set()))
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert started.wait(60)  # its first chunk is dispatched; two more to go
+    eng.close()
+    t.join(60)
+    assert not t.is_alive() and len(got) == 1
+    assert (sha256_of(got[0].logits), got[0].session.kv_sha256()) == _resident_reference(0.0)[2:]
+    assert eng.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.prefill(TOKENS)
+
+
 @pytest.mark.slow
 def test_trace_lines(capfd):
     params = init_synthetic(CFG, seed=3, routing_skew=2.0)
