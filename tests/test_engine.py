@@ -744,8 +744,10 @@ def test_bad_orders_and_options(f32_engine, f32_params):
         Engine(F32, f32_params, None, sub_chunk=0)
 
 
-# A closed streamed engine's threads: test_stream_engine's test_closing_the_engine_stops_its_threads.
-@pytest.mark.parametrize("stream", [None, pytest.param(StreamConfig(**CPU), marks=pytest.mark.slow)],
+# A closed streamed engine in the default run: test_stream_engine's
+# test_closing_the_engine_stops_its_threads.
+@pytest.mark.parametrize("stream", [None,
+                                    pytest.param(StreamConfig(**CPU), marks=pytest.mark.slow)],
                          ids=["resident", "streamed"])
 def test_closed_engine_refuses_prefill_resident_or_streamed(bf16_params, stream):
     # One behaviour for both: close() ends the engine, twice is fine, `with` closes it.

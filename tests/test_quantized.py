@@ -170,7 +170,8 @@ def _cli(argv) -> tuple[int, str, str]:
 MODEL = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "8", "--top-k", "2"]
 
 
-@pytest.mark.slow  # the CLI reads a quantized checkpoint in the default run (test_quantized_checkpoint)
+# The default run: the CLI reading a quantized checkpoint (test_quantized_checkpoint).
+@pytest.mark.slow
 def test_cli_quantize_reads_a_quantized_model():
     rc, out, err = _cli(["prefill", *MODEL, "--quantize", "int4", "--no-stream", "--tokens",
                          "32", "--json", "-q"])
@@ -287,7 +288,8 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
 @pytest.mark.parametrize("kind,every", [
     ("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow),
     pytest.param("int4", True, marks=pytest.mark.slow),
-    pytest.param("int4-zp", False, marks=pytest.mark.slow),  # int4-zp-act's planes include its
+    # int4-zp-act streams the zero-point plane too: int4-zp alone in the slow run
+    pytest.param("int4-zp", False, marks=pytest.mark.slow),
     pytest.param("int4-zp", True, marks=pytest.mark.slow),
     ("int4-zp-act", False), pytest.param("int4-zp-act", True, marks=pytest.mark.slow)])
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
