@@ -3,7 +3,7 @@
 #   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|diag|timeline|chunked|score|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
 # files (default tests/), TEST_K: a pytest -k expression over them, TEST_DONE: ids to leave
-# out (below); SKIP_BUILD=1
+# out, TEST_WORKERS: pytest-xdist workers sharing the GPU (below); SKIP_BUILD=1
 # reuses the build of an earlier invocation in the same call (another NAME, CHUNKED_ARGS,
 # SCORE_ARGS). PACK_LOGS=0: the logs stay files (below).
 # Run from the repository root (the device tool's working directory).
@@ -40,15 +40,25 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   # TEST_DONE: a file of test ids an earlier call finished (its $OUT/gpu_tests_done.txt, copied
   # into the repository), left out here: a suite longer than one call's limit goes on in the
   # next. $OUT/gpu_tests_done.txt: those ids and the ones this run passed or skipped.
-  desel=()
+  # TEST_WORKERS=N (N > 1): N pytest-xdist workers share the GPU (most of the suite's time is
+  # compiling, on the CPU), each JAX client preallocating TEST_MEM_FRACTION of the GPU's
+  # memory (default 0.6 / N: the rest stays free for the engines' rings and cuDNN).
+  desel=() par=() envs=(STRATA_REQUIRE_GPU=1)
   if [ -n "${TEST_DONE:-}" ]; then
     while read -r t; do [ -z "$t" ] || desel+=(--deselect "$t"); done < "$TEST_DONE"
   fi
-  STRATA_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 \
-    ${TEST_K:+-k "$TEST_K"} ${desel[@]+"${desel[@]}"} ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  if [ "${TEST_WORKERS:-1}" -gt 1 ]; then
+    par=(-n "$TEST_WORKERS" --dist worksteal)
+    envs+=(XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-$(awk "BEGIN {print 0.6 / $TEST_WORKERS}")})
+  fi
+  env "${envs[@]}" timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 \
+    ${par[@]+"${par[@]}"} ${TEST_K:+-k "$TEST_K"} ${desel[@]+"${desel[@]}"} ${TESTS:-tests} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  # A finished test's line: "ID PASSED" (one process) or "[gwN] [ P%] PASSED ID" (xdist).
   { [ -z "${TEST_DONE:-}" ] || cat "$TEST_DONE"
     grep -oE '^[^ ]+::[^ ]+ (PASSED|XPASS|SKIPPED|XFAIL)' "$OUT/gpu_tests.log" | cut -d' ' -f1
+    grep -oE '(PASSED|XPASS|SKIPPED|XFAIL) [^ ]+::[^ ]+' "$OUT/gpu_tests.log" | cut -d' ' -f2
   } | sort -u > "$OUT/gpu_tests_done.txt"
   echo "tests done (this run and TEST_DONE): $(wc -l < "$OUT/gpu_tests_done.txt")"
 fi
