@@ -4,7 +4,8 @@ chooses, with measured defaults), the environment overrides, and the native engi
 `StreamConfig.resolved` applies the environment switches (STRATA_PREFILL_ROUTED_STREAM,
 STRATA_PREFILL_ROUTED_STREAM_DEPTH, STRATA_TRACE) once, when an engine is
 made, and checks every field. The mode tables here give the numbers the native engine
-(ffi/src/engine.hpp) takes for the pin and publish modes and for begin_chunk's chunk modes.
+(ffi/src/engine.hpp) takes for the publish modes and for begin_chunk's chunk modes (the host
+store's pin modes are in streamer.py).
 """
 
 from __future__ import annotations
