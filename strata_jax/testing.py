@@ -303,3 +303,18 @@ def thread_names() -> dict[str, str]:
 def library_threads() -> int:
     """How many of this process's threads are the library's (named strata-*)."""
     return sum(n.startswith("strata-") for n in thread_names().values())
+
+
+def library_threads_settled(expected: int, timeout: float = 2.0) -> int:
+    """`library_threads()` once it equals `expected`, else its count after `timeout` seconds.
+    A thread the library has joined can stay listed in /proc/self/task for a moment (the
+    kernel wakes the joiner before it removes the exiting task), so a count taken right after
+    a close may include it; a thread left running stays counted past the timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        count = library_threads()
+        if count == expected or time.monotonic() >= deadline:
+            return count
+        time.sleep(0.01)
