@@ -305,16 +305,23 @@ def library_threads() -> int:
     return sum(n.startswith("strata-") for n in thread_names().values())
 
 
-def library_threads_settled(expected: int, timeout: float = 2.0) -> int:
-    """`library_threads()` once it equals `expected`, else its count after `timeout` seconds.
-    A thread the library has joined can stay listed in /proc/self/task for a moment (the
-    kernel wakes the joiner before it removes the exiting task), so a count taken right after
-    a close may include it; a thread left running stays counted past the timeout."""
+def settled(read, expected, timeout: float = 2.0):
+    """`read()` once it equals `expected`, else its value after `timeout` seconds. For thread
+    counts taken right after a close or an abort: a thread the library has joined can stay
+    listed in /proc/self/task for a moment (the kernel wakes the joiner before it removes the
+    exiting task), so one read may include it; a thread left running stays counted past the
+    timeout."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
-        count = library_threads()
-        if count == expected or time.monotonic() >= deadline:
-            return count
+        value = read()
+        if value == expected or time.monotonic() >= deadline:
+            return value
         time.sleep(0.01)
+
+
+def library_threads_settled(expected: int, timeout: float = 2.0) -> int:
+    """`library_threads()` once it equals `expected`, else its count after `timeout` seconds
+    (see `settled`)."""
+    return settled(library_threads, expected, timeout)

@@ -189,7 +189,7 @@ def _main(scenario: str, backend: str) -> None:
     mesh = Mesh(np.array(devices), ("expert",))
     E, L = cfg.n_experts, cfg.n_layers
 
-    from strata_jax.testing import library_threads as threads
+    from strata_jax.testing import library_threads as threads, settled
 
     def group(routed=True, resident=2, trace=False, **tuning):
         tuning = {"sim_bandwidth": 0, "sim_latency": 0, **tuning}
@@ -307,7 +307,7 @@ def _main(scenario: str, backend: str) -> None:
                 assert "injected fault" in str(e) or "the walk was stopped" in str(e), e
             errors = g.last_errors()
             assert f"device 1: fetch, layer {layers[1]}: injected fault" in errors[1], errors
-            assert not g.walk_active() and threads() == steady
+            assert not g.walk_active() and settled(threads, steady) == steady
             check_chunk(g, run, counts_with_idle(6), 2)
             assert g.last_errors() == ("", "")
             # A failure reaches a device that has not begun the chunk yet: device 0 runs
@@ -339,7 +339,7 @@ def _main(scenario: str, backend: str) -> None:
                     assert want in str(e), (d, e)
                 assert g.last_errors()[d] == want, g.last_errors()
             check_chunk(g, run, counts_with_idle(9), 2)
-        assert threads() == base
+        assert settled(threads, base) == base
         # A group's calls reach only its devices: a program on another device is refused.
         with S.StreamerGroup(cfg, per_layer, S.StreamConfig(backend=backend, routed=True),
                              devices=[devices[1]]) as g1:
@@ -387,7 +387,7 @@ def _main(scenario: str, backend: str) -> None:
                     assert (f"the walk was stopped: device {d}: fetch, layer {layers[1]}: "
                             f"{where}" in errors[other]), errors
                     assert took < 0.75 * whole, (kind, d, took, whole)
-                    assert not g.walk_active() and threads() == steady
+                    assert not g.walk_active() and settled(threads, steady) == steady
                     check_chunk(g, run, counts, 2)
             # A cancel (a prefill that raised in the caller) fails every device's queued chunk
             # until it is lifted; then the group serves chunks again.
@@ -400,7 +400,7 @@ def _main(scenario: str, backend: str) -> None:
             g.abort()
             g.cancel(False)
             check_chunk(g, run, counts, 2)
-        assert threads() == base
+        assert settled(threads, base) == base
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     print(f"ok {scenario}")

@@ -20,6 +20,7 @@ import pytest
 from strata_jax.config import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.stream import StreamConfig, StreamTuning, plan_stream
+from strata_jax.testing import settled
 from strata_jax.synthetic import init_synthetic
 
 CHUNK = 32
@@ -341,11 +342,11 @@ def test_failure_mid_chunk_leaves_no_thread_and_engine_usable(routing, fault):
         with pytest.raises(Exception, match="injected fault|walk was stopped"):
             eng.prefill(TOKENS, first.session)
         assert not eng.streamer.walk_active()
-        assert _threads() == baseline
+        assert settled(_threads, baseline) == baseline
         again = eng.prefill(TOKENS)
         assert sha256_of(again.logits) == logits_hash
         assert again.session.kv_sha256() == kv_hash
-        assert _threads() == baseline
+        assert settled(_threads, baseline) == baseline
 
 
 def _issuer_tids() -> list[str]:
@@ -664,7 +665,7 @@ def test_a_prefill_that_fails_after_its_prestart_leaves_no_walk(routing, monkeyp
         monkeypatch.undo()
         r = eng.prefill(TOKENS)
         assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
-        assert _threads() == threads
+        assert settled(_threads, threads) == threads
 
 
 def test_prestart_refuses_a_bad_engine_state():
@@ -783,7 +784,7 @@ def test_closing_the_engine_stops_its_threads():
     eng = Engine(CFG, params, FLOOR, max_context=256, chunk_size=CHUNK)
     eng.prefill(TOKENS[:CHUNK])
     eng.close()
-    assert _threads() == before
+    assert settled(_threads, before) == before
     with pytest.raises(RuntimeError, match="closed"):
         eng.prefill(TOKENS[:CHUNK])
 
