@@ -40,16 +40,16 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   # TEST_DONE: a file of test ids an earlier call finished (its $OUT/gpu_tests_done.txt, copied
   # into the repository), left out here: a suite longer than one call's limit goes on in the
   # next. $OUT/gpu_tests_done.txt: those ids and the ones this run passed or skipped.
-  # TEST_WORKERS=N (N > 1): N pytest-xdist workers share the GPU (most of the suite's time is
-  # compiling, on the CPU), each JAX client preallocating TEST_MEM_FRACTION of the GPU's
+  # TEST_WORKERS=N (default 4; 1: one process): N pytest-xdist workers share the GPU (most of
+  # the suite's time is compiling, on the CPU; the whole suite fits one call), each JAX client preallocating TEST_MEM_FRACTION of the GPU's
   # memory (default 0.6 / N: the rest stays free for the engines' rings and cuDNN).
   desel=() par=() envs=(STRATA_REQUIRE_GPU=1)
   if [ -n "${TEST_DONE:-}" ]; then
     while read -r t; do [ -z "$t" ] || desel+=(--deselect "$t"); done < "$TEST_DONE"
   fi
-  if [ "${TEST_WORKERS:-1}" -gt 1 ]; then
-    par=(-n "$TEST_WORKERS" --dist worksteal)
-    envs+=(XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-$(awk "BEGIN {print 0.6 / $TEST_WORKERS}")})
+  if [ "${TEST_WORKERS:-4}" -gt 1 ]; then
+    par=(-n "${TEST_WORKERS:-4}" --dist worksteal)
+    envs+=(XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-$(awk "BEGIN {print 0.6 / ${TEST_WORKERS:-4}}")})
   fi
   env "${envs[@]}" timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 \
     ${par[@]+"${par[@]}"} ${TEST_K:+-k "$TEST_K"} ${desel[@]+"${desel[@]}"} ${TESTS:-tests} 2>&1 \
