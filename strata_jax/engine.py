@@ -147,6 +147,8 @@ class ChunkRecord:
             out["stream_mode"] = self.stats.mode
             out["ring_layout"] = self.stats.layout
             out["tail_pieces"] = self.stats.tail_pieces
+            if self.stats.tail_shape is not None:
+                out["tail_shape"] = self.stats.tail_shape
             out.update(self.stats.totals())
             if hasattr(self.stats, "device_totals"):  # a streamed mesh's (GroupChunkStats)
                 out["per_device"] = self.stats.device_totals()
@@ -638,7 +640,7 @@ class Engine:
                 self.streamer.local_config if self._manual else self.config, blobs,
                 jnp.zeros((), jnp.int32), n_ids=width, frames=frames,
                 frame_of=self.streamer.frame_of, tail_pieces=pieces,
-                tail_shape=self.streamer.tuning.tail_shape,
+                tail_shape=self.streamer.tail_shape(bucket),
                 tail_layer=self.streamer.tail_layer,
                 expert_axis=EXPERT_AXIS if self._manual else None)
             ids = source.ids
@@ -1058,7 +1060,8 @@ class Engine:
                 if self.streamer is not None:
                     pieces = self._tail_pieces(self.streamer.chunk_mode(n), records[i].bucket,
                                                layer_major=order == "layer-major")
-                    records[i].stats = self.streamer.make_stats(n, st, counts, pieces)
+                    records[i].stats = self.streamer.make_stats(
+                        n, st, counts, pieces, self.streamer.tail_shape(records[i].bucket))
         except BaseException:
             # The caller's session is untouched. Chunks already queued may still be running on
             # XLA's threads: cancel makes each end at its next stream call (in error), they are

@@ -165,7 +165,8 @@ def test_last_layer_in_pieces_gives_the_same_bytes(arms):
         assert (d["logits_sha256"], d["kv_sha256"]) == (arms["resident"]["logits_sha256"],
                                                         arms["resident"]["kv_sha256"])
         assert d["copied"] + d["skipped"] == d["experts_streamed"]
-        assert [(c["ring_layout"], c["tail_pieces"]) for c in d["chunks"]] == [(layout, 3)] * 2
+        assert [(c["ring_layout"], c["tail_pieces"], c["tail_shape"])
+                for c in d["chunks"]] == [(layout, 3, shape)] * 2
 
 
 @pytest.mark.slow  # the `arms` fixture: three prefills through the command

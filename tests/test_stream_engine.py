@@ -144,6 +144,9 @@ def test_arms_are_byte_identical(routing_name, arm):
                        if c.stats.mode == "stream" and c.bucket >= kwargs.get("tail_from", 8192)
                        else 1 for c in r.chunks]
         assert [c.stats.tail_pieces for c in r.chunks] == want_pieces
+        # this tiny model's math is short beside its copies: "auto" takes halving
+        assert [c.stats.tail_shape for c in r.chunks] == [
+            kwargs.get("tail_shape", "halving") if p > 1 else None for p in want_pieces]
         if "tail_pieces" in kwargs:
             assert max(want_pieces) > 1
         layouts = {"auto-frames-then-packed": ["frames", "frames", "packed"],
@@ -296,10 +299,10 @@ def test_ring_layout_per_chunk_and_bad_layouts():
         StreamConfig(tuning=StreamTuning(layout="planes")).resolved()
     with pytest.raises(ValueError, match="frames_from=0: must be at least 1"):
         StreamConfig(tuning=StreamTuning(frames_from=0)).resolved()
-    with pytest.raises(ValueError, match=r"tail_shape='even': expected one of \['equal', "
-                                         r"'halving'\]"):
+    with pytest.raises(ValueError, match=r"tail_shape='even': expected one of \['auto', "
+                                         r"'equal', 'halving'\]"):
         StreamConfig(tuning=StreamTuning(tail_shape="even")).resolved()
-    assert StreamConfig().resolved().tuning.tail_shape == "halving"  # the default
+    assert StreamConfig().resolved().tuning.tail_shape == "auto"  # the default
     _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
     stores = [experts.get(l) for l in range(CFG.n_layers)]
     cases = {  # StreamConfig kwargs: {chunk tokens: (layout, begin_chunk mode)}
@@ -1147,25 +1150,53 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
         eng.close()
 
 
-@pytest.mark.parametrize("layout, mode, shape, bounds", [
-    ("frames", 0, "equal", (0, 21, 43, 64)), ("packed", 2, "halving", (0, 32, 48, 64))])
-def test_tail_pieces_program(layout, mode, shape, bounds):
+def test_auto_tail_shape_follows_the_math_per_copied_byte():
+    # Qwen3-30B-A3B's experts: halving while a layer's math is short beside its copies
+    # (bf16 to 16K tokens, fp8 to 8K, int4 to 4K, the lengths measured on the H200), equal
+    # pieces above TAIL_HALVING_MAX_INTENSITY (int4 at 8K: 1,986 FLOPs a byte).
+    from strata_jax.formats import ExpertFormat
+    from strata_jax.stream.streamer import auto_tail_shape, expert_intensity
+
+    base = get_preset("qwen3-30b-a3b")
+    want = {"plain": {8192: "halving", 16384: "halving", 24576: "equal"},
+            "fp8": {4096: "halving", 8192: "halving", 16384: "equal"},
+            "int4": {1024: "halving", 4096: "halving", 8192: "equal"}}
+    for fmt, by_length in want.items():
+        c = base.replace(expert_format=fmt)
+        blob = ExpertFormat.of(c).blob_bytes
+        got = {n: auto_tail_shape(c, n, blob) for n in by_length}
+        assert got == by_length, fmt
+    c = base.replace(expert_format="int4")
+    assert expert_intensity(c, 8192, ExpertFormat.of(c).blob_bytes) == pytest.approx(1986, abs=1)
+
+
+@pytest.mark.parametrize("layout, mode, shape, max_intensity, bounds", [
+    ("frames", 0, "equal", None, (0, 21, 43, 64)),
+    pytest.param("packed", 2, "auto", 0.0, (0, 21, 43, 64), marks=pytest.mark.slow),
+    ("packed", 2, "auto", None, (0, 32, 48, 64))])
+def test_tail_pieces_program(monkeypatch, layout, mode, shape, max_intensity, bounds):
     # The last MoE layer in pieces: one fetch per piece for it alone, the later ones writing
     # the weights so far in place (packed): XLA must not copy a layer's weights per piece.
-    # The pieces' rows follow tail_shape: equal thirds, or halving (1/2, 1/4, 1/4).
+    # The pieces' rows follow tail_shape: equal thirds, or halving (1/2, 1/4, 1/4); "auto"
+    # takes halving for this tiny model (4 FLOPs a copied byte), equal where the threshold
+    # is below that.
     import jax
 
+    import strata_jax.stream.streamer as stream_module
+
+    if max_intensity is not None:
+        monkeypatch.setattr(stream_module, "TAIL_HALVING_MAX_INTENSITY", max_intensity)
     params = init_synthetic(CFG, seed=3)
     stream = StreamConfig(routed=True,
                           tuning=StreamTuning(stream_floor=CHUNK, tail_pieces=3, tail_from=CHUNK,
                                               tail_shape=shape, layout=layout, **SLOW))
     with Engine(CFG, params, stream, max_context=256, chunk_size=CHUNK) as eng:
         assert eng.streamer.tail_pieces(mode, CHUNK) == 3
+        assert eng.streamer.tail_shape(CHUNK) == ("halving" if bounds[1] == 32 else "equal")
         assert eng.streamer.tail_pieces(mode, CHUNK - 1) == 1
         assert eng.streamer.tail_pieces(1, 4096) == 1  # routed-only: whole layers
         # The Mosaic kernel's grid holds E - 1 more tiles than the rows' own: at most one piece
         # per E row tiles (here 16 experts, top-2, 128-row tiles: one per 1,024 tokens).
-        import strata_jax.stream.streamer as stream_module  # where tail_pieces looks it up
         for impl, want in (("mosaic", [1, 2, 3, 3]), ("tiled", [3] * 4), ("lax", [3] * 4)):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(stream_module, "resolve_implementation", lambda _, impl=impl: impl)

@@ -192,9 +192,10 @@ def add_stream_args(ap) -> None:
     ap.add_argument("--tail-pieces", type=int, default=None,
                     help="StreamTuning.tail_pieces (default 4): the last MoE layer's expert "
                          "math in this many row pieces; 1 runs it whole")
-    ap.add_argument("--tail-shape", choices=["equal", "halving"], default=None,
-                    help="StreamTuning.tail_shape (default halving): the pieces' sizes; halving "
-                         "makes each half the one before (1/2, 1/4, 1/8, 1/8)")
+    ap.add_argument("--tail-shape", choices=["auto", "equal", "halving"], default=None,
+                    help="StreamTuning.tail_shape (default auto): the pieces' sizes; halving "
+                         "makes each half the one before (1/2, 1/4, 1/8, 1/8); auto takes "
+                         "halving up to TAIL_HALVING_MAX_INTENSITY FLOPs a copied byte")
     ap.add_argument("--tail-from", type=int, default=None,
                     help="StreamTuning.tail_from (default: 8,192 for bf16 experts or dequantized "
                          "ones, 1,024 for the quantized kernels): the shortest chunk in pieces")
@@ -463,7 +464,7 @@ def _streamed_length(args, engines, n: int, prompts, hashes, resident: float, li
         begin, _ = engines[arm].streamer.host_times()
         meas.append(_Read(arm, ms, r.totals(), timing, same, r.chunks[0].stats.mode,
                           (begin - call) * 1e3, r.chunks[0].stats.layout,
-                          r.chunks[0].stats.tail_pieces))
+                          r.chunks[0].stats.tail_pieces, r.chunks[0].stats.tail_shape))
         del r  # see _drop_note
     after = None
     if cuda:  # the ceiling again after the timed calls: how far it moved under them
@@ -500,6 +501,7 @@ class _Read:
     host_to_begin_ms: float
     layout: str
     tail_pieces: int
+    tail_shape: str | None
 
 
 def _arm_row(arm: str, n: int, reads: list, ceiling: float, after: float | None,
@@ -512,6 +514,7 @@ def _arm_row(arm: str, n: int, reads: list, ceiling: float, after: float | None,
     row = {"part": "sweep", "arm": arm, "tokens": n, "ms": ms,
            "ms_each": [m.ms for m in reads],
            "mode": reads[0].mode, "layout": reads[0].layout, "tail_pieces": reads[0].tail_pieces,
+           "tail_shape": reads[0].tail_shape,
            "bytes_copied": copied_bytes,
            **_against(ms, copied_bytes, ceiling, resident),
            "streamed": reads[0].totals["streamed"],

@@ -223,10 +223,12 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
                    help="run the last MoE layer's expert math in N pieces of its rows, each as "
                         "its experts land, so less of it follows the chunk's last copy; 1 runs "
                         "it whole (default: StreamTuning.tail_pieces, 4)")
-    g.add_argument("--tail-shape", choices=["equal", "halving"],
+    g.add_argument("--tail-shape", choices=["auto", "equal", "halving"],
                    help="the --tail-pieces pieces' sizes: equal, or halving (each half the one "
                         "before, the last two equal: 1/2, 1/4, 1/8, 1/8), which leaves less "
-                        "math after the last copy (default: StreamTuning.tail_shape, halving)")
+                        "math after the last copy where each piece's math fits in the next "
+                        "piece's copies; auto: halving where a layer's math is short beside its "
+                        "copies, equal where not (default: StreamTuning.tail_shape, auto)")
     g.add_argument("--tail-from", type=_positive_int, metavar="N",
                    help="the shortest chunk, in tokens, whose last MoE layer runs in "
                         "--tail-pieces pieces (default: StreamTuning.tail_from: 8192 for bf16 "

@@ -36,6 +36,12 @@ _LAYOUTS = ("auto", "frames", "packed")
 TAIL_FROM_TILED = 8192
 TAIL_FROM_VISITS = 1024
 TAIL_FROM_DEQUANTIZED = 16384
+# StreamTuning.tail_shape="auto": halving pieces up to this many expert FLOPs a streamed byte
+# (`NativeStreamer.tail_shape`), equal pieces above. Halving's first piece, half the layer's
+# math, must fit in the second's copies, a quarter of the layer's: the math at most half the
+# copies' time. On the H200 (55 GB/s pinned link) int4 experts at 8K tokens (1,985 FLOP a
+# byte) run their math in 0.73 of their copies' time, so half is near 1,360.
+TAIL_HALVING_MAX_INTENSITY = 1360.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +84,12 @@ class StreamTuning:
             bf16 grouped matmul each piece costs its per-expert tiles again, hence a floor on
             the length, and with the Mosaic kernel at most one piece per `n_experts` row tiles
             (128 rows) of the chunk (`NativeStreamer.tail_pieces`).
-        tail_shape: The pieces' sizes (`grouped_matmul.row_pieces`): "halving" (the
-            default: each piece half the one before, the last two equal, so 1/2, 1/4, 1/8,
-            1/8 of the rows in four), which leaves less math after the last copy where each
-            piece's math keeps up with the next piece's copies, or "equal".
+        tail_shape: The pieces' sizes (`grouped_matmul.row_pieces`): "halving" (each piece
+            half the one before, the last two equal, so 1/2, 1/4, 1/8, 1/8 of the rows in
+            four), which leaves less math after the last copy where each piece's math keeps
+            up with the next piece's copies; "equal"; or "auto" (the default): halving where a
+            layer's math is short beside its copies, equal where it is not
+            (`NativeStreamer.tail_shape`, `TAIL_HALVING_MAX_INTENSITY`).
         tail_from: The shortest streamed chunk, in tokens, whose last MoE layer runs in
             `tail_pieces` pieces. None (the default): `TAIL_FROM_TILED` (8,192) where the
             expert math pays per-expert tiles per piece (bf16 experts),
@@ -107,7 +115,7 @@ class StreamTuning:
     layout: str = "auto"
     frames_from: int = 24576
     tail_pieces: int = 4
-    tail_shape: str = "halving"
+    tail_shape: str = "auto"
     tail_from: int | None = None
     stream_floor: int = 1024
     publish: str = "event"
@@ -133,9 +141,9 @@ class StreamTuning:
                              f"last MoE layer whole)")
         from ..grouped_matmul import PIECE_SHAPES
 
-        if self.tail_shape not in PIECE_SHAPES:
+        if self.tail_shape not in ("auto", *PIECE_SHAPES):
             raise ValueError(f"tail_shape={self.tail_shape!r}: expected one of "
-                             f"{list(PIECE_SHAPES)}")
+                             f"{['auto', *PIECE_SHAPES]}")
         if self.tail_from is not None and self.tail_from < 1:
             raise ValueError(f"tail_from={self.tail_from}: must be at least 1 (a chunk length "
                              f"in tokens)")

@@ -31,7 +31,8 @@ from .. import native
 from ..config import ModelConfig
 from ..parallel import expert_slices
 from .config import StreamConfig
-from .streamer import ChunkStats, Closable, NativeStreamer, choose_backend, stream_platform
+from .streamer import (ChunkStats, Closable, NativeStreamer, auto_tail_shape, choose_backend,
+                       stream_platform)
 
 __all__ = ["StreamerGroup", "GroupChunkStats", "expert_slices", "group_devices"]
 
@@ -96,6 +97,7 @@ class GroupChunkStats:
     mode = property(lambda self: self.summed.mode)
     layout = property(lambda self: self.summed.layout)
     tail_pieces = property(lambda self: self.summed.tail_pieces)
+    tail_shape = property(lambda self: self.summed.tail_shape)
     streamed = property(lambda self: self.summed.streamed)
     copied = property(lambda self: self.summed.copied)
     skipped = property(lambda self: self.summed.skipped)
@@ -288,6 +290,14 @@ class StreamerGroup(Closable):
         """`NativeStreamer.tail_pieces` (the same on every device)."""
         return self.streamers[0].tail_pieces(mode, n_tokens, grouped_matmul, quantized)
 
+    def tail_shape(self, n_tokens: int) -> str:
+        """`NativeStreamer.tail_shape` of the whole model (each device's share of the rows
+        and of the experts is the same fraction of them)."""
+        shape = self.streamers[0].tuning.tail_shape
+        if shape != "auto":
+            return shape
+        return auto_tail_shape(self.config, n_tokens, self.streamers[0].blob_bytes)
+
     # A frames chunk on a mesh reads each device's frame through fetch's copy: the ring's
     # in-place views (`NativeStreamer.frames`, CUDA) are per-device arrays, and a program
     # under shard_map would need them as one array sharded over the mesh.
@@ -308,7 +318,7 @@ class StreamerGroup(Closable):
     # -- stats ----------------------------------------------------------------------------------
 
     def make_stats(self, n_tokens: int, native_stats: np.ndarray, counts: np.ndarray,
-                   tail_pieces: int = 1) -> GroupChunkStats:
+                   tail_pieces: int = 1, tail_shape: str | None = None) -> GroupChunkStats:
         """Per device and summed stats of one chunk.
 
         Args:
@@ -324,7 +334,7 @@ class StreamerGroup(Closable):
             per = [counts[:, lo:hi] for lo, hi in self.slices]
         else:
             per = [counts[d] for d in range(G)]
-        devs = tuple(s.make_stats(n_tokens, st[d], per[d], tail_pieces)
+        devs = tuple(s.make_stats(n_tokens, st[d], per[d], tail_pieces, tail_shape)
                      for d, s in enumerate(self.streamers))
         first = devs[0]
         fields = ("streamed", "copied", "skipped", "unrouted", "bytes")
