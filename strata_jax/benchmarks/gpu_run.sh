@@ -41,8 +41,9 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   # into the repository), left out here: a suite longer than one call's limit goes on in the
   # next. $OUT/gpu_tests_done.txt: those ids and the ones this run passed or skipped.
   # TEST_WORKERS=N (default 4; 1: one process): N pytest-xdist workers share the GPU (most of
-  # the suite's time is compiling, on the CPU; the whole suite fits one call), each JAX client preallocating TEST_MEM_FRACTION of the GPU's
-  # memory (default 0.6 / N: the rest stays free for the engines' rings and cuDNN).
+  # the suite's time is compiling, on the CPU; the whole suite fits one call), each JAX client
+  # preallocating TEST_MEM_FRACTION of the GPU's memory (default 0.6 / N: the rest stays free
+  # for the engines' rings and cuDNN).
   desel=() par=() envs=(STRATA_REQUIRE_GPU=1)
   if [ -n "${TEST_DONE:-}" ]; then
     while read -r t; do [ -z "$t" ] || desel+=(--deselect "$t"); done < "$TEST_DONE"

@@ -36,11 +36,11 @@ _LAYOUTS = ("auto", "frames", "packed")
 TAIL_FROM_TILED = 8192
 TAIL_FROM_VISITS = 1024
 TAIL_FROM_DEQUANTIZED = 16384
-# StreamTuning.tail_shape="auto": halving pieces up to this many expert FLOPs a streamed byte
+# StreamTuning.tail_shape="auto": halving pieces up to this many expert FLOPs a copied byte
 # (`NativeStreamer.tail_shape`), equal pieces above. Halving's first piece, half the layer's
 # math, must fit in the second's copies, a quarter of the layer's: the math at most half the
-# copies' time. On the H200 (55 GB/s pinned link) int4 experts at 8K tokens (1,985 FLOP a
-# byte) run their math in 0.73 of their copies' time, so half is near 1,360.
+# copies' time, which on a 55 GB/s link beside a Hopper GPU's grouped matmuls is near this
+# many FLOPs a byte (DESIGN.md, "The last MoE layer in pieces").
 TAIL_HALVING_MAX_INTENSITY = 1360.0
 
 

@@ -713,9 +713,8 @@ class NativeStreamer(Closable):
         """The last MoE layer's pieces' sizes in a chunk of `n_tokens` tokens
         (StreamTuning.tail_shape): "auto" takes "halving" up to `TAIL_HALVING_MAX_INTENSITY`
         FLOPs a copied byte (`expert_intensity`), where a piece's math fits in the next,
-        half as large, piece's copies, and "equal" above (int4 experts at 8K tokens on the
-        H200: 1.06-1.38 ms of math after the last copy with halving pieces in three calls,
-        0.92-0.97 ms with equal ones)."""
+        half as large, piece's copies, and "equal" above, where it does not and the pieces'
+        math falls behind the copies (DESIGN.md, "The last MoE layer in pieces")."""
         shape = self.tuning.tail_shape
         if shape != "auto":
             return shape
