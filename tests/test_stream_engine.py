@@ -1152,10 +1152,10 @@ def test_a_chunk_that_skips_a_layers_fetch_fails_at_end_and_the_engine_recovers(
 
 def test_auto_tail_shape_follows_the_math_per_copied_byte():
     # Qwen3-30B-A3B's experts: halving while a layer's math is short beside its copies
-    # (bf16 to 16K tokens, fp8 to 8K, int4 to 4K, the lengths measured on the H200), equal
-    # pieces above TAIL_HALVING_MAX_INTENSITY (int4 at 8K: 1,986 FLOPs a byte).
+    # (bf16 to 16K tokens, fp8 to 8K, int4 to 4K), equal pieces above
+    # TAIL_HALVING_MAX_INTENSITY (int4 at 8K: 1,986 FLOPs a byte); a shape given is kept.
     from strata_jax.formats import ExpertFormat
-    from strata_jax.stream.streamer import auto_tail_shape, expert_intensity
+    from strata_jax.stream.streamer import expert_intensity, tail_shape_for
 
     base = get_preset("qwen3-30b-a3b")
     want = {"plain": {8192: "halving", 16384: "halving", 24576: "equal"},
@@ -1164,10 +1164,12 @@ def test_auto_tail_shape_follows_the_math_per_copied_byte():
     for fmt, by_length in want.items():
         c = base.replace(expert_format=fmt)
         blob = ExpertFormat.of(c).blob_bytes
-        got = {n: auto_tail_shape(c, n, blob) for n in by_length}
+        got = {n: tail_shape_for("auto", c, n, blob) for n in by_length}
         assert got == by_length, fmt
     c = base.replace(expert_format="int4")
     assert expert_intensity(c, 8192, ExpertFormat.of(c).blob_bytes) == pytest.approx(1986, abs=1)
+    assert [tail_shape_for(s, c, 8192, ExpertFormat.of(c).blob_bytes)
+            for s in ("equal", "halving")] == ["equal", "halving"]
 
 
 @pytest.mark.parametrize("layout, mode, shape, max_intensity, bounds", [

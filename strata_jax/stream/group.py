@@ -31,8 +31,8 @@ from .. import native
 from ..config import ModelConfig
 from ..parallel import expert_slices
 from .config import StreamConfig
-from .streamer import (ChunkStats, Closable, NativeStreamer, auto_tail_shape, choose_backend,
-                       stream_platform)
+from .streamer import (ChunkStats, Closable, NativeStreamer, choose_backend, stream_platform,
+                       tail_shape_for)
 
 __all__ = ["StreamerGroup", "GroupChunkStats", "expert_slices", "group_devices"]
 
@@ -293,10 +293,8 @@ class StreamerGroup(Closable):
     def tail_shape(self, n_tokens: int) -> str:
         """`NativeStreamer.tail_shape` of the whole model (each device's share of the rows
         and of the experts is the same fraction of them)."""
-        shape = self.streamers[0].tuning.tail_shape
-        if shape != "auto":
-            return shape
-        return auto_tail_shape(self.config, n_tokens, self.streamers[0].blob_bytes)
+        first = self.streamers[0]
+        return tail_shape_for(first.tuning.tail_shape, self.config, n_tokens, first.blob_bytes)
 
     # A frames chunk on a mesh reads each device's frame through fetch's copy: the ring's
     # in-place views (`NativeStreamer.frames`, CUDA) are per-device arrays, and a program

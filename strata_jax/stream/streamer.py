@@ -145,9 +145,12 @@ def expert_intensity(config: ModelConfig, n_tokens: int, blob_bytes: int) -> flo
     return flops / (c.n_experts * blob_bytes)
 
 
-def auto_tail_shape(config: ModelConfig, n_tokens: int, blob_bytes: int) -> str:
-    """StreamTuning.tail_shape="auto"'s choice (`NativeStreamer.tail_shape`): "halving" up
+def tail_shape_for(shape: str, config: ModelConfig, n_tokens: int, blob_bytes: int) -> str:
+    """StreamTuning.tail_shape `shape` for a chunk of `n_tokens` tokens of the model `config`
+    (`NativeStreamer.tail_shape`): "equal" or "halving" as given; "auto" takes "halving" up
     to `TAIL_HALVING_MAX_INTENSITY` (`expert_intensity`), "equal" above."""
+    if shape != "auto":
+        return shape
     return ("halving" if expert_intensity(config, n_tokens, blob_bytes)
             <= TAIL_HALVING_MAX_INTENSITY else "equal")
 
@@ -715,10 +718,7 @@ class NativeStreamer(Closable):
         FLOPs a copied byte (`expert_intensity`), where a piece's math fits in the next,
         half as large, piece's copies, and "equal" above, where it does not and the pieces'
         math falls behind the copies (DESIGN.md, "The last MoE layer in pieces")."""
-        shape = self.tuning.tail_shape
-        if shape != "auto":
-            return shape
-        return auto_tail_shape(self.config, n_tokens, self.blob_bytes)
+        return tail_shape_for(self.tuning.tail_shape, self.config, n_tokens, self.blob_bytes)
 
     @property
     def tail_layer(self) -> int | None:
