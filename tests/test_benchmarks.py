@@ -195,6 +195,37 @@ def test_stream_bench_reports_accuracy_against_the_plain_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_stream_bench_resident_ab_interleaves_the_plain_and_quantized_reads(tmp_path,
+                                                                             monkeypatch):
+    # --parts resident-ab: both resident models read in the sweep's order (plain in the OFF
+    # slots); the row's medians and pair ratios are those of the reads it timed. Each read is
+    # recorded by the engine it went to, so the order is checked, not assumed.
+    seen = []
+    real = stream_bench._timed
+
+    def timed(engine, tokens, *a, **k):
+        seen.append(engine.config.expert_format)
+        return real(engine, tokens, *a, **k)
+
+    monkeypatch.setattr(stream_bench, "_timed", timed)
+    out = tmp_path / "ab.json"
+    assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts",
+                              "resident-ab", "--quantize", "fp8", "--blocks", "1",
+                              "--json", str(out)]) == 0
+    (row,) = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "resident-ab"]
+    assert seen == ["plain" if s == "stream-all" else "fp8" for s in stream_bench.ORDER]
+    t = row["times_ms"]
+    assert row["pair_ratios"] == pytest.approx([t[on] / t[off] for on, off in
+                                                stream_bench.PAIRS])
+    assert row["plain_ms"] == pytest.approx(statistics.median(t[i] for i in (0, 3, 5, 6)))
+    assert row["quantized_ms"] == pytest.approx(statistics.median(t[i] for i in (1, 2, 4, 7)))
+    lo, hi = row["pair_ratio_ci95"]
+    assert lo <= hi and row["reps"] == 4
+    with pytest.raises(SystemExit):
+        stream_bench.main(["--tiny", "--parts", "resident-ab"])
+
+
+@pytest.mark.slow
 def test_stream_bench_reads_quantized_experts_as_told(tmp_path, monkeypatch):
     # --quantized-matmul reaches every engine the bench builds and its JSON.
     import strata_jax.engine as engine_mod
@@ -586,3 +617,20 @@ def test_grouped_matmul_bench_rows_and_its_band_option(tmp_path, capsys):
     with pytest.raises(SystemExit):
         grouped_matmul_bench.main([*small, "--block-k", "48"])
     assert "--block-k 48: a power of two" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_wake_probe_times_every_wait_after_the_device_stamp(tmp_path):
+    # The probe's rows: every way of waiting, with the engine's argument count and with one;
+    # the time after the host callback's stamp is within the call's wall time.
+    from strata_jax.benchmarks import wake_probe
+
+    out = tmp_path / "wake.json"
+    assert wake_probe.main(["--ms", "1", "--args", "3", "--reps", "2", "--size", "128",
+                            "--json", str(out)]) == 0
+    (rows,) = [r["rows"] for r in json.loads(out.read_text()).values()]
+    assert {(r["args"], r["wait"]) for r in rows} == {(a, w) for a in (1, 3)
+                                                      for w in wake_probe.WAITS}
+    for r in rows:
+        assert 0 <= r["after_device_min_ms"] <= r["after_device_ms"] <= r["after_device_max_ms"]
+        assert r["after_device_ms"] <= r["wall_ms"]

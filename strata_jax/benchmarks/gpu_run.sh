@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|diag|timeline|chunked|score|all][,...]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|diag|timeline|chunked|score|wake|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
 # files (default tests/), TEST_K: a pytest -k expression over them, TEST_DONE: ids to leave
 # out, TEST_WORKERS: pytest-xdist workers sharing the GPU (below); SKIP_BUILD=1
@@ -93,9 +93,23 @@ if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert for
   [ -z "$files" ] || $PY -m strata_jax.benchmarks.quant_summary $files --json "$OUT/quant_summary.json" || rc=1
 fi
 if [ "$STAGE" = qmm ]; then  # issue 21: the fused quantized grouped matmul against bf16
-  timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.quant_matmul_bench ${QMM_ARGS:-} \
+  # SASS=1: Mosaic GPU's compiler also writes each kernel's PTX, ptxas report and SASS, packed
+  # into $OUT/mosaic_dump.tgz
+  dump=()
+  if [ "${SASS:-0}" = 1 ]; then
+    rm -rf /tmp/mosaic_dump && mkdir -p /tmp/mosaic_dump
+    dump=(MOSAIC_GPU_DUMP_TO=/tmp/mosaic_dump MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1
+          MOSAIC_GPU_DUMP_PTXAS=1)
+  fi
+  env ${dump[@]+"${dump[@]}"} timeout ${BENCH_TIMEOUT:-300} $PY -m \
+    strata_jax.benchmarks.quant_matmul_bench ${QMM_ARGS:-} \
     --json "$OUT/quant_matmul.json" 2>&1 | tee "$OUT/quant_matmul.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  [ "${SASS:-0}" != 1 ] || tar -czf "$OUT/mosaic_dump.tgz" -C /tmp mosaic_dump
+fi
+if [ "$STAGE" = wake ]; then  # the host's return after a program's device work, per CUDA schedule
+  timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.wake_probe --schedules \
+    ${WAKE_ARGS:-} --json "$OUT/wake.json" 2>&1 | tee "$OUT/wake.log" | tail -60
 fi
 if [ "$STAGE" = timeline ]; then
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.timeline \

@@ -1,6 +1,6 @@
 """Streaming benchmark (../shared/BENCHMARK.md): resident, stream-all, routed and pure-JAX arms.
 
-Six parts, each optional:
+Seven parts, each optional:
 
   sweep       For each prompt length, one chunk per prompt: the all-resident arm (the compute
               ceiling), the pure-JAX baseline (each MoE layer's experts moved from `pinned_host`
@@ -31,6 +31,12 @@ Six parts, each optional:
               mean and largest |difference|, the mean NLL of each, and how often the two
               models' most likely token is the same, at every position (`top1_agreement`)
               and at the last.
+  resident-ab With --quantize: the resident compute cost of the format, the plain (bf16) and the
+              quantized model both resident in one process, their reads interleaved in the
+              sweep's order (plain in stream-all's slots, quantized in routed's), a new prompt
+              each slot: per length each arm's median and the quantized/plain pair ratios, their
+              median and 95% interval. Drift of the GPU's speed between two sweeps (another
+              process, minutes apart) does not enter the ratio.
 
 The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run, before the
 parts and again after them (`link_pinned_gbps_end`, to show its drift). On the GPU the sweep
@@ -716,6 +722,49 @@ def accuracy_part(args, plain, quantized_model, result):
         print(json.dumps(row), flush=True)
 
 
+def resident_ab(args, plain, quantized_model, result):
+    """The resident-ab part: the quantized model's resident reads against the plain one's,
+    interleaved (`schedule`'s order, `_pairs`), one row per length."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ctx = max(lengths)
+    slots = len(schedule(args.blocks))
+    prompts = _nonce_prompts(plain[0], lengths, 4321, slots)
+    arm_of = {"stream-all": "plain", "routed": "quantized"}
+    engines = {}
+    try:
+        for name, (cfg, params) in (("plain", plain), ("quantized", quantized_model)):
+            engines[name] = _engine(cfg, params, None, max_context=ctx, chunk_size=ctx)
+        for n in lengths:
+            for eng in engines.values():
+                eng.prefill(prompts[n][-1])  # compile
+            times = []
+            for i, slot in enumerate(schedule(args.blocks)):
+                ms, r = _timed(engines[arm_of[slot]], prompts[n][i])
+                del r  # see _drop_note
+                times.append(ms)
+            # each pair's quantized (ON slot) over plain (OFF slot) time
+            ratios = [times[on] / times[off] for on, off in _pairs(len(times))]
+            plain_ms = statistics.median(t for t, s in zip(times, schedule(args.blocks))
+                                         if arm_of[s] == "plain")
+            quant_ms = statistics.median(t for t, s in zip(times, schedule(args.blocks))
+                                         if arm_of[s] == "quantized")
+            row = {"part": "resident-ab", "tokens": n, "reps": slots // 2,
+                   "plain_ms": plain_ms, "quantized_ms": quant_ms,
+                   "quantized_over_plain": quant_ms / plain_ms,
+                   "pair_ratios": ratios, "pair_ratio_median": statistics.median(ratios),
+                   "pair_ratio_ci95": list(bootstrap_ci(ratios)), "times_ms": times}
+            result["rows"].append(row)
+            print(f"resident-ab {n}: plain {plain_ms:.2f} ms, {args.quantize} {quant_ms:.2f} ms "
+                  f"({quant_ms / plain_ms:.4f}); pair ratios median "
+                  f"{row['pair_ratio_median']:.4f}, mean's 95% "
+                  f"[{row['pair_ratio_ci95'][0]:.4f}, {row['pair_ratio_ci95'][1]:.4f}]",
+                  flush=True)
+            _save(args, result)
+    finally:
+        for e in engines.values():
+            e.close()
+
+
 def floor_part(args, cfg, params, link, result):
     lengths = [int(x) for x in args.lengths.split(",")]
     ctx = max(lengths)
@@ -827,8 +876,8 @@ def main(argv=None) -> int:
     add_model_args(ap)
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--parts", default="sweep",
-                    help="comma list of sweep,two-turn,layer-major,publication,floor,accuracy "
-                         "(accuracy: with --quantize)")
+                    help="comma list of sweep,two-turn,layer-major,publication,floor,accuracy,"
+                         "resident-ab (accuracy, resident-ab: with --quantize)")
     ap.add_argument("--arms", default="resident,stream-all,routed,jax-pinned-host")
     ap.add_argument("--lengths", default="950,1024,2048,4096,6144")
     ap.add_argument("--skew", type=float, default=0.0)
@@ -862,12 +911,13 @@ def main(argv=None) -> int:
 
     parts = args.parts.split(",")
     unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor",
-                            "accuracy"}
+                            "accuracy", "resident-ab"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
-    if "accuracy" in parts and args.quantize is None:
-        ap.error("--parts accuracy compares a --quantize format with the plain model: give "
-                 "--quantize")
+    for part in ("accuracy", "resident-ab"):
+        if part in parts and args.quantize is None:
+            ap.error(f"--parts {part} compares a --quantize format with the plain model: give "
+                     "--quantize")
     if args.accuracy_prompts < 1:
         ap.error(f"--accuracy-prompts {args.accuracy_prompts}: must be at least 1")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -910,6 +960,8 @@ def main(argv=None) -> int:
     if "accuracy" in parts:
         accuracy_part(args, plain, (cfg, params), result)
         _save(args, result)
+    if "resident-ab" in parts:
+        resident_ab(args, plain, (cfg, params), result)
     if gpu:  # the ceiling drifts: its value at the end says how far the rows' ceiling held
         result["link_pinned_gbps_end"] = native.measure_h2d(256 * 2**20, 10)
         print(f"link ceiling at the end: pinned {result['link_pinned_gbps_end']:.2f} GB/s")
