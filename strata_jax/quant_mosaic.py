@@ -451,17 +451,27 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-INT_TO_FLOAT = ("bits", "convert")
+INT_TO_FLOAT = ("bits", "masks", "convert")
 
 
 def int4_values_f32(n: jax.Array, int_to_float: str = "bits") -> jax.Array:
-    """Nibbles `n` (int32, 0..15) as float32 (n - 8), exactly, by either way of
-    `INT_TO_FLOAT`: "bits" makes 2^23 + n from its bit pattern and subtracts 2^23 + 8 (a
+    """Nibbles `n` (int32, 0..15) as float32 (n - 8), exactly, by a way of `INT_TO_FLOAT`:
+    "bits" (and "masks", which differs only in how the kernel reaches a byte's high nibble,
+    `high_nibbles_x16_f32`) makes 2^23 + n from its bit pattern and subtracts 2^23 + 8 (a
     logical op and a float add, not an int-to-float conversion, which runs at a fraction of
     their rate); "convert" converts n - 8."""
-    if int_to_float == "bits":
+    if int_to_float in ("bits", "masks"):
         return lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
     return (n - 8).astype(jnp.float32)
+
+
+def high_nibbles_x16_f32(q: jax.Array, zero: float | jax.Array = 8.0) -> jax.Array:
+    """The high nibbles n of bytes `q` (int32, 0..255) as float32 16 (n - zero), exactly,
+    without a shift: q's bits 4..7 in place under 2^23's exponent are 2^23 + 16 n, less
+    2^23 + 16 zero. Times a scale / 16 (exact: a power of two) it is (n - zero) times the
+    scale, the same float32 as "bits" gives, so the same bits after the cast."""
+    return lax.bitcast_convert_type((q & 0xF0) | 0x4B000000, jnp.float32) - (
+        8388608.0 + 16.0 * zero)
 
 
 def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
@@ -475,9 +485,11 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
     What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`).
 
-    int_to_float: how (nibble - z) becomes a float32, both exact, so the same bits: "bits"
-    (2^23 + nibble by its bit pattern, less 2^23 + z, made once per column) or "convert"
-    (int-to-float conversions)."""
+    int_to_float: how (nibble - z) becomes a float32, all exact, so the same bits: "bits"
+    (2^23 + nibble by its bit pattern, less 2^23 + z, made once per column), "masks" (as
+    "bits", but a high nibble is masked in place, 16 (nibble - z) times the scale / 16: one
+    logical op a value fewer, `high_nibbles_x16_f32`) or "convert" (int-to-float
+    conversions)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -511,22 +523,37 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
             row = plgpu.layout_cast(row, plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(row, shape, (1,))
 
+    masks = int_to_float == "masks"
+
     def operands(q_ref, s_ref, z_ref=None):
-        """(values, scale, zero) of a step: the bytes upcast before the shifts [64, cols]; the
-        group's scale per column in float32; with zero-points, what the nibbles' float32 are
-        less by per column (2^23 + z for "bits", z for "convert"; exact), else None."""
+        """(values, scale, zero) of a step: the bytes upcast before the logical ops [64,
+        cols]; the group's scale per column in float32, and with "masks" also that scale / 16
+        for the high nibbles (a pair); with zero-points, what the nibbles' float32 are less by
+        per column (2^23 + z for "bits", z for "convert", with "masks" a pair with
+        2^23 + 16 z; exact), else None."""
         q = q_ref[...].astype(jnp.int32)
-        s = column(s_ref[0].astype(jnp.float32), q.shape)
+        row = s_ref[0].astype(jnp.float32)
+        s = column(row, q.shape)
+        if masks:
+            s = (s, column(row * 0.0625, q.shape))
         if z_ref is None:
             return q, s, None
         z = z_ref[0].astype(jnp.int32).astype(jnp.float32)
+        if masks:
+            return q, s, (column(z + 8388608.0, q.shape), column(z * 16.0 + 8388608.0, q.shape))
         return q, s, column(z + 8388608.0 if int_to_float == "bits" else z, q.shape)
 
     def nibbles(q, s, z, high: bool):
+        if masks:
+            s, z = s[high], (None if z is None else z[high])
+            if high:  # 16 (nibble - z) from the bits in place, times scale / 16
+                v = (high_nibbles_x16_f32(q) if z is None else
+                     lax.bitcast_convert_type((q & 0xF0) | 0x4B000000, jnp.float32) - z)
+                return (v * s).astype(dtype)
         n = (q >> 4) if high else (q & 15)
         if z is None:
             v = int4_values_f32(n, int_to_float)
-        elif int_to_float == "bits":
+        elif int_to_float in ("bits", "masks"):
             v = lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - z
         else:
             v = n.astype(jnp.float32) - z

@@ -16,7 +16,7 @@ from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_siz
 from strata_jax.quant_matmul import fused_reference, resolve_quantized
 from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES,
                                      WIDE_FROM_ROWS_PER_GROUP, MosaicTiles, fp8_tiles_for,
-                                     int4_values_f32, mosaic_grouped_matmul,
+                                     high_nibbles_x16_f32, int4_values_f32, mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports)
 from strata_jax.testing import assert_close
@@ -66,11 +66,13 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
     assert np.isfinite(got).all()
     assert_close(got[:200], fused_reference(x, w, SIZES)[:200], jnp.bfloat16)
     assert (got[200:] == 0).all()
-    # (nibble - 8) as float32 by its bits (the default) or by a conversion: the same bits
-    conv = mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32),
-                                      tiles=MosaicTiles(64, 128, 128, 2, 1), interpret=True,
-                                      int_to_float="convert")
-    np.testing.assert_array_equal(np.asarray(conv, np.float64), got)
+    # (nibble - 8) as float32 by its bits (the default), with the high nibbles masked in
+    # place, or by a conversion: the same bits
+    for how in ("masks", "convert"):
+        conv = mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32),
+                                          tiles=MosaicTiles(64, 128, 128, 2, 1), interpret=True,
+                                          int_to_float=how)
+        np.testing.assert_array_equal(np.asarray(conv, np.float64), got, err_msg=how)
     with pytest.raises(ValueError, match="int_to_float 'cast'"):
         mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="cast")
 
@@ -93,6 +95,18 @@ def test_int4_nibbles_by_their_bits_are_exactly_the_converted_values():
             b = (by_bits * s).astype(dtype)
             np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
                                           np.asarray(b).view(np.uint16))
+    # "masks": a high nibble in place, 16 (n - z) times the scale / 16, gives the same values
+    # and the same bits after the cast, for the implicit zero 8 and every zero-point
+    x16 = high_nibbles_x16_f32(q)
+    np.testing.assert_array_equal(np.asarray(x16), np.asarray(16 * ((q >> 4) - 8), np.float32))
+    for z in range(16):
+        np.testing.assert_array_equal(np.asarray(high_nibbles_x16_f32(q, float(z))),
+                                      np.asarray(16 * ((q >> 4) - z), np.float32))
+    for dtype in (jnp.bfloat16, jnp.float16):
+        a = (int4_values_f32(q >> 4, "bits") * s).astype(dtype)
+        b = (x16 * (s * 0.0625)).astype(dtype)
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                      np.asarray(b).view(np.uint16))
 
 
 # The zero-point kernel is what quantized_matmul="fused" reads int4-zp with ("auto"
@@ -110,7 +124,7 @@ def test_interpreted_int4_kernel_reads_zero_points(bk):
     sizes = jnp.asarray(SIZES, jnp.int32)
     one = MosaicTiles(64, 128, bk, 2, 1)
     got = {}
-    for conv in ("bits", "convert"):
+    for conv in ("bits", "masks", "convert"):
         for tiles in (one, MosaicTiles(64, 128, bk, 3, 2, 2)):
             got[conv, tiles] = out = np.asarray(mosaic_int4_grouped_matmul(
                 x, w, sizes, tiles=tiles, interpret=True, int_to_float=conv))
@@ -188,7 +202,7 @@ def test_kernels_lower_for_cuda(which):
     # The int4 kernel's nibbles reach float32 by their bits: no int-to-float op in its module
     # (the kernel's own module, embedded in the program), unlike with int_to_float="convert".
     w = _matrix("int4", e=8, k=768, n=2048)
-    for conv, has in (("bits", False), ("convert", True)):
+    for conv, has in (("bits", False), ("masks", False), ("convert", True)):
         f = jax.jit(lambda x, w, s, conv=conv: mosaic_int4_grouped_matmul(
             x, w, s, interpret=False, num_sms=132, int_to_float=conv))
         text = jax.export.export(f, platforms=["cuda"], disabled_checks=[
