@@ -384,6 +384,16 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
     assert rows[2]["max_diff_over_max"] == rows[3]["max_diff_over_max"]
     assert "unsupported" in rows[6]["error"]
+    # per_matrix: gate's and down's matmul alone, bf16's then each Mosaic row's
+    rows = bench_one(64, cfg, "int4", [], warmup=0, repeats=1,
+                     mosaic=[parse_mosaic("64,128,128,2,1")], int_to_float=("masks",),
+                     per_matrix=True)
+    assert [(r["path"], r.get("matrix")) for r in rows] == [
+        ("bf16", None), ("dequantize", None), ("bf16", "gate"), ("bf16", "down"),
+        ("mosaic", None), ("mosaic", "gate"), ("mosaic", "down")]
+    for r in rows:
+        assert "error" not in r and r["ms"] > 0 and r["over_bf16"] > 0, r
+    assert rows[5]["int_to_float"] == "masks" and rows[2]["over_bf16"] == 1.0
     # int4 with zero-points: the kernel reads the zero plane (one warpgroup)
     rows = bench_one(64, cfg, "int4-zp", [], warmup=0, repeats=1,
                      mosaic=[parse_mosaic("64,128,128,2,1")])

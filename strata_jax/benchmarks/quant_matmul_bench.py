@@ -66,7 +66,8 @@ def parse_mosaic(spec: str) -> MosaicTiles:
 
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
               repeats: int, mosaic: list[MosaicTiles] = (),
-              int_to_float: tuple[str, ...] = ("bits",)) -> list[dict]:
+              int_to_float: tuple[str, ...] = ("bits",),
+              per_matrix: bool = False) -> list[dict]:
     m = tokens * config.top_k
     h, i, e = config.hidden_size, config.expert_intermediate, config.n_experts
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
@@ -111,6 +112,31 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                     tflops=flops / tf / 1e12, finite=finite, same_bits=same,
                     max_diff_over_max=diff / scale)
 
+    # per_matrix: gate's (as up's) and down's matmul alone, bf16 and each Mosaic tiling
+    inputs = {"gate": x, "down": jnp.asarray(rng.standard_normal((m, i), np.float32),
+                                             jnp.bfloat16)} if per_matrix else {}
+    t_matrix = {}
+    for mt, xin in inputs.items():
+        f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c))
+        t_matrix[mt] = _time(f, (xin, getattr(wb, mt), sizes), warmup, repeats)
+        rows.append(dict(kind=kind, tokens=tokens, path="bf16", matrix=mt,
+                         ms=t_matrix[mt] * 1e3, over_bf16=1.0))
+
+    def timed_matrices(name, mm, **extra):
+        """Rows of one kernel (`mm(x, w, sizes)`) on each matrix alone."""
+        out = []
+        for mt, xin in inputs.items():
+            f = jax.jit(lambda a, b, c: mm(a, b, c))
+            try:
+                t = _time(f, (xin, getattr(wq, mt), sizes), warmup, repeats)
+            except Exception as ex:  # noqa: BLE001 - reported as timed() does
+                out.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
+                                matrix=mt, error=f"{type(ex).__name__}: {ex}"[:600], **extra))
+                continue
+            out.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name, matrix=mt,
+                            ms=t * 1e3, over_bf16=t / t_matrix[mt], **extra))
+        return out
+
     for tiles in tilings:
         name = str(tiles or tiles_for(wq.gate))
         if not all(fused_supports(a.stored(), tiles or tiles_for(a)) for a in wq):
@@ -128,17 +154,19 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                                        "k // 128)"))
                 continue
             for conv in int_to_float:
-                rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles, conv=conv:
-                                  mosaic_int4_grouped_matmul(a, b, c, tiles=tiles,
-                                                             int_to_float=conv),
-                                  int_to_float=conv))
+                def mm(a, b, c, tiles=tiles, conv=conv):
+                    return mosaic_int4_grouped_matmul(a, b, c, tiles=tiles, int_to_float=conv)
+                rows.append(timed("mosaic", name, mm, int_to_float=conv))
+                rows.extend(timed_matrices(name, mm, int_to_float=conv))
             continue
         if not all(mosaic_supports(a, tiles) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
                              error="unsupported"))
             continue
-        rows.append(timed("mosaic", name, lambda a, b, c, tiles=tiles: mosaic_grouped_matmul(
-            a, b, c, tiles=tiles)))
+        def mm(a, b, c, tiles=tiles):
+            return mosaic_grouped_matmul(a, b, c, tiles=tiles)
+        rows.append(timed("mosaic", name, mm))
+        rows.extend(timed_matrices(name, mm))
     return rows
 
 
@@ -160,8 +188,11 @@ def main(argv=None) -> int:
                         "each converted weight tile)")
     p.add_argument("--int-to-float", default="bits",
                    help="the int4 Mosaic kernel's nibble-to-float32 step(s), comma list of "
-                        "bits|convert (each timed per tiling; same bits)")
+                        "|".join(INT_TO_FLOAT) + " (each timed per tiling; same bits)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
+    p.add_argument("--per-matrix", action="store_true",
+                   help="also time gate's (as up's) and down's matmul alone, bf16 and each "
+                        "Mosaic tiling (rows with 'matrix')")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
@@ -185,7 +216,8 @@ def main(argv=None) -> int:
     for kind in a.formats.split(","):
         for tokens in (int(t) for t in a.tokens.split(",")):
             for r in bench_one(tokens, config, kind, tilings, warmup=a.warmup,
-                               repeats=a.repeats, mosaic=mosaic, int_to_float=int_to_float):
+                               repeats=a.repeats, mosaic=mosaic, int_to_float=int_to_float,
+                               per_matrix=a.per_matrix):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     if a.json:
