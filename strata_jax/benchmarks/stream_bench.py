@@ -34,9 +34,10 @@ Seven parts, each optional:
   resident-ab With --quantize: the resident compute cost of the format, the plain (bf16) and the
               quantized model both resident in one process, their reads interleaved in the
               sweep's order (plain in stream-all's slots, quantized in routed's), a new prompt
-              each slot: per length each arm's median and the quantized/plain pair ratios, their
-              median and 95% interval. Drift of the GPU's speed between two sweeps (another
-              process, minutes apart) does not enter the ratio.
+              each slot, after an untimed read of each: per length each arm's median and the
+              quantized/plain pair ratios, their median and 95% interval. Drift of the GPU's
+              speed between two sweeps (another process, minutes apart) does not enter the
+              ratio.
 
 The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run, before the
 parts and again after them (`link_pinned_gbps_end`, to show its drift). On the GPU the sweep
@@ -735,8 +736,9 @@ def resident_ab(args, plain, quantized_model, result):
         for name, (cfg, params) in (("plain", plain), ("quantized", quantized_model)):
             engines[name] = _engine(cfg, params, None, max_context=ctx, chunk_size=ctx)
         for n in lengths:
-            for eng in engines.values():
-                eng.prefill(prompts[n][-1])  # compile
+            for _ in range(2):  # compile, then one read each before the timed ones
+                for eng in engines.values():
+                    eng.prefill(prompts[n][-1])
             times = []
             for i, slot in enumerate(schedule(args.blocks)):
                 ms, r = _timed(engines[arm_of[slot]], prompts[n][i])
