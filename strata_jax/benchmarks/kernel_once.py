@@ -2,9 +2,10 @@
 
 For each path given, the grouped matmul of one matrix (gate [M, 2048] x [2048, 768], or down
 [M, 768] x [768, 2048]; M = tokens x top-k rows, uniform routing) is compiled, then run
---runs times, each waited for. Under Nsight Compute:
+--runs times, each waited for. Under Nsight Compute (BENCHMARKS.md, "Not run yet"):
 
-    ncu --set detailed --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
+    ncu --replay-mode application --section SpeedOfLight --section WarpStateStats \\
+        --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
         python -m strata_jax.benchmarks.kernel_once --paths int4 --matrix gate
 """
 
