@@ -93,8 +93,8 @@ if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert for
   [ -z "$files" ] || $PY -m strata_jax.benchmarks.quant_summary $files --json "$OUT/quant_summary.json" || rc=1
 fi
 if [ "$STAGE" = qmm ]; then  # issue 21: the fused quantized grouped matmul against bf16
-  # SASS=1: Mosaic GPU's compiler also writes each kernel's PTX, ptxas report and SASS, packed
-  # into $OUT/mosaic_dump.tgz
+  # SASS=1: Mosaic GPU's compiler also writes each kernel's PTX and ptxas report; with their
+  # SASS (below) packed into $OUT/mosaic_dump.tgz, opcode counts in $OUT/sass_stats.log
   dump=()
   if [ "${SASS:-0}" = 1 ]; then
     rm -rf /tmp/mosaic_dump && mkdir -p /tmp/mosaic_dump
@@ -105,7 +105,21 @@ if [ "$STAGE" = qmm ]; then  # issue 21: the fused quantized grouped matmul agai
     strata_jax.benchmarks.quant_matmul_bench ${QMM_ARGS:-} \
     --json "$OUT/quant_matmul.json" 2>&1 | tee "$OUT/quant_matmul.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-  [ "${SASS:-0}" != 1 ] || tar -czf "$OUT/mosaic_dump.tgz" -C /tmp mosaic_dump
+  if [ "${SASS:-0}" = 1 ]; then
+    # Mosaic's own SASS dump needs nvdisasm on its PATH (it was not found there): each
+    # kernel's PTX is assembled for sm_90a and disassembled here, then its opcodes counted.
+    # The dump's MLIR logs are large: only PTX, ptxas reports, resources and SASS come back.
+    CUDA_BIN=${CUDA_BIN:-/usr/local/cuda/bin}
+    for f in /tmp/mosaic_dump/*.ptx; do
+      [ -e "$f" ] || continue
+      "$CUDA_BIN/ptxas" -arch=sm_90a "$f" -o "${f%.ptx}.cubin" \
+        && "$CUDA_BIN/cuobjdump" -sass "${f%.ptx}.cubin" > "${f%.ptx}.sass"
+    done
+    $PY -m strata_jax.benchmarks.sass_stats /tmp/mosaic_dump --full --top 40 \
+      --json "$OUT/sass_stats.json" > "$OUT/sass_stats.log" 2>&1
+    (cd /tmp/mosaic_dump && tar -czf "$OUT/mosaic_dump.tgz" $(ls | grep -E \
+      '[.](ptx|ptxas|sass)$|resources'))
+  fi
 fi
 if [ "$STAGE" = wake ]; then  # the host's return after a program's device work, per CUDA schedule
   timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.wake_probe --schedules \
