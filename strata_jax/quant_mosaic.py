@@ -115,9 +115,30 @@ def mosaic_supports(w, tiles: MosaicTiles) -> bool:
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelProfile:
+    """Record where a Mosaic kernel's warpgroups spend a run (Mosaic GPU's profiler): each
+    warpgroup times its regions (a step's "convert", "wgmma" and "wgmma_wait", a visit's
+    "store"; the pipeline's waits for its copies are the time between them) and a run writes
+    a Perfetto trace (`*-trace.json`) into `dir`. Its buffer takes 16 bytes a region of each
+    warpgroup's shared memory, so `regions` must fit beside the kernel's own (two programs an
+    SM leave room for about 512) and cover every region a program records: a persistent
+    program records them for all of its visits, so profile small inputs. GPU only."""
+
+    dir: str
+    regions: int = 512
+
+    def __post_init__(self):
+        if not self.dir:
+            raise ValueError("KernelProfile: dir is empty; give the directory traces go to")
+        if self.regions < 1:
+            raise ValueError(f"KernelProfile: regions={self.regions}: must be at least 1")
+
+
 def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                           tiles: MosaicTiles | None = None, interpret: bool | None = None,
-                          num_sms: int | None = None) -> jax.Array:
+                          num_sms: int | None = None,
+                          profile: KernelProfile | None = None) -> jax.Array:
     """Rows of x [M, K] sorted by expert times their expert's fp8 matrix `w` (a
     `QuantizedMatrix`) -> [M, N] in x.dtype, float32 accumulation, rows past the groups zero.
 
@@ -128,6 +149,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         tiles: the tiling (default `MOSAIC_TILES`); it must satisfy `mosaic_supports`.
         interpret: run in Pallas' Mosaic GPU interpret mode (default: on a non-GPU backend).
         num_sms: the SMs to spread programs over (default: the device's).
+        profile: record the kernel's regions (`KernelProfile`; not in interpret mode).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -144,7 +166,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         raise ValueError(f"mosaic_grouped_matmul: x dtype {x.dtype} != the matrix's {w.dtype}")
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
-    interpret, num_sms = _launch(interpret, num_sms)
+    interpret, num_sms = _launch(interpret, num_sms, profile)
     bn, bk = tiles.block_n, tiles.block_k
     block = w.block
     dtype = x.dtype
@@ -167,17 +189,22 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
             return _ragged_kernel_2wg(
                 x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
                 pipelined=[w.q], resident=[w.scale.astype(jnp.float32)],
-                convert_part=convert_part)
+                convert_part=convert_part, profile=profile)
         return _ragged_kernel(
             x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
-            pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert)
+            pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert,
+            profile=profile)
 
 
-def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
+def _launch(interpret: bool | None, num_sms: int | None,
+            profile: KernelProfile | None = None) -> tuple[bool, int]:
     """(interpret, num_sms) with their defaults: interpret off a GPU; the device's SMs (two
-    interpreted programs)."""
+    interpreted programs). A profile needs the compiled kernel."""
     if interpret is None:
         interpret = jax.devices()[0].platform != "gpu"
+    if profile is not None and interpret:
+        raise ValueError("profile: Mosaic GPU's profiler records a compiled kernel's run; "
+                         "interpret mode (the default off a GPU) has none. Profile on a GPU")
     if num_sms is None:
         num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
     return interpret, num_sms
@@ -237,7 +264,7 @@ def _store_rows(o_smem, o_gmem, start, count, size: int, gmem_row0, cols) -> Non
 
 
 def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: int,
-                interpret: bool, **kernel_args):
+                interpret: bool, profile: KernelProfile | None = None, **kernel_args):
     """`body` as a Mosaic GPU kernel (interpreted on the CPU) over the planes: [m, n] in x's
     dtype, the rows past the groups zero (no visit stores them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -247,15 +274,17 @@ def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: 
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         kernel_args["interpret"] = InterpretGPUParams()
+    extra = ({} if profile is None else
+             dict(profile_space=profile.regions, profile_dir=profile.dir))
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((xp.shape[0], n), xp.dtype),
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kernel_args)
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **extra), **kernel_args)
     return zero_rows_past_groups(kernel(meta, xp, *pipelined, *resident)[:m], group_sizes)
 
 
 def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
-                   num_sms: int, *, plane_specs, pipelined, resident, convert):
+                   num_sms: int, *, plane_specs, pipelined, resident, convert, profile=None):
     """The persistent ragged kernel both formats share: rows of x [M, K] sorted by group,
     times their group's matrix, read as `convert` makes it from the planes, [M, N] in
     x.dtype with the rows past the groups zero.
@@ -286,12 +315,15 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
                 def step(idx, x_smem, *plane_smem):
                     (kk,) = idx
                     slot = lax.rem(kk, 2)
-                    convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
+                    with jax.named_scope("convert"):  # a profiled region (KernelProfile)
+                        convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
+                        plgpu.commit_smem()
+                    with jax.named_scope("wgmma"):
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
                     # The previous step's product is done: its x buffer (released after this
                     # step) and its weight slot (written next step) are free.
-                    plgpu.wgmma_wait(1)
+                    with jax.named_scope("wgmma_wait"):
+                        plgpu.wgmma_wait(1)
 
                 specs = [plgpu.BlockSpec(spec.block_shape,
                                          lambda kk, f=spec.index_map: f(kk, ni))
@@ -308,19 +340,22 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
 
             @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=dtype))
             def _store(o_smem):
-                o_smem[...] = acc.astype(dtype)
-                plgpu.commit_smem()
-                _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
+                with jax.named_scope("store"):
+                    o_smem[...] = acc.astype(dtype)
+                    plgpu.commit_smem()
+                    _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
 
         _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
 
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
-                       interpret=interpret, grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
+                       interpret=interpret, profile=profile,
+                       grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
                        scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)))
 
 
 def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
-                       num_sms: int, *, plane_specs, pipelined, resident, convert_part):
+                       num_sms: int, *, plane_specs, pipelined, resident, convert_part,
+                       profile=None):
     """`_ragged_kernel` with two compute warpgroups and a memory one (`tiles.compute_wgs` 2):
     a row tile of `block_m` rows, each compute warpgroup multiplying its half of them, and one
     converted weight tile a k step for both, so each weight is converted once per
@@ -384,15 +419,21 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                     *plane_smem, acc_ref = rest
                     (kk,) = idx
                     slot = lax.rem(kk, 2)
-                    convert_part(kk, gid, ni, wg, *plane_smem, *res_gmem, w_smem.at[slot])
-                    plgpu.wgmma_wait(0)  # this warpgroup's product kk - 1 is done
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(conv.at[slot])
-                    plgpu.barrier_wait(conv.at[slot])
+                    with jax.named_scope("convert"):  # a profiled region (KernelProfile)
+                        convert_part(kk, gid, ni, wg, *plane_smem, *res_gmem,
+                                     w_smem.at[slot])
+                    with jax.named_scope("wgmma_wait"):
+                        plgpu.wgmma_wait(0)  # this warpgroup's product kk - 1 is done
+                    with jax.named_scope("barrier"):
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(conv.at[slot])
+                        plgpu.barrier_wait(conv.at[slot])
 
                     @pl.when(mine)
                     def _():
-                        plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], w_smem.at[slot])
+                        with jax.named_scope("wgmma"):
+                            plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)],
+                                        w_smem.at[slot])
 
                     return acc_ref
 
@@ -421,8 +462,8 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
             _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
 
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
-                       interpret=interpret, grid=(num_sms,), grid_names=("sm",),
-                       num_threads=3, thread_name="wg")
+                       interpret=interpret, profile=profile, grid=(num_sms,),
+                       grid_names=("sm",), num_threads=3, thread_name="wg")
 
 
 # int4: a scale group of 128 inputs is a 64-row byte tile holding the group's first half in its
@@ -477,7 +518,8 @@ def high_nibbles_x16_f32(q: jax.Array, zero: float | jax.Array = 8.0) -> jax.Arr
 def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                                tiles: MosaicTiles | None = None, interpret: bool | None = None,
                                num_sms: int | None = None,
-                               int_to_float: str = "bits") -> jax.Array:
+                               int_to_float: str = "bits",
+                               profile: KernelProfile | None = None) -> jax.Array:
     """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
     symmetric or with a zero-point plane): each k step TMA-loads one group's [64, N-tile] byte
     tile and its scale row (and zero-point row), unpacks the two nibble halves in registers,
@@ -489,7 +531,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     (2^23 + nibble by its bit pattern, less 2^23 + z, made once per column), "masks" (as
     "bits", but a high nibble is masked in place, 16 (nibble - z) times the scale / 16: one
     logical op a value fewer, `high_nibbles_x16_f32`) or "convert" (int-to-float
-    conversions)."""
+    conversions).
+    profile: record the kernel's regions (`KernelProfile`; not in interpret mode)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -510,7 +553,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                          f"{w.dtype}")
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
-    interpret, num_sms = _launch(interpret, num_sms)
+    interpret, num_sms = _launch(interpret, num_sms, profile)
     half = INT4_GROUP // 2
     bn = tiles.block_n
     per_group = INT4_GROUP // tiles.block_k  # k steps a group: 1, or 2 (its nibble halves)
@@ -606,10 +649,11 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         if tiles.compute_wgs == 2:
             return _ragged_kernel_2wg(
                 x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
-                pipelined=pipelined, resident=[], convert_part=convert_part)
+                pipelined=pipelined, resident=[], convert_part=convert_part,
+                profile=profile)
         return _ragged_kernel(
             x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
-            pipelined=pipelined, resident=[], convert=convert)
+            pipelined=pipelined, resident=[], convert=convert, profile=profile)
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per

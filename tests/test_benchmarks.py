@@ -634,3 +634,30 @@ def test_wake_probe_times_every_wait_after_the_device_stamp(tmp_path):
     for r in rows:
         assert 0 <= r["after_device_min_ms"] <= r["after_device_ms"] <= r["after_device_max_ms"]
         assert r["after_device_ms"] <= r["wall_ms"]
+
+
+def test_kernel_once_summarizes_a_profiler_trace_and_refuses_bf16(tmp_path):
+    # Two warpgroup tracks of B/E events (microseconds): per region its count, median and
+    # total per track; each track's span and the time outside every region. Profiling bf16
+    # (not a Mosaic kernel of this package) is refused by name.
+    from strata_jax.benchmarks import kernel_once
+
+    def track(tid, spans):
+        return [ev for name, b, e in spans
+                for ev in ({"name": name, "ph": "B", "ts": b, "pid": 1, "tid": tid},
+                           {"name": name, "ph": "E", "ts": e, "pid": 1, "tid": tid})]
+
+    trace = tmp_path / "body-1-trace.json"
+    trace.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents":
+                                 track(1, [("convert", 0, 2), ("wgmma", 2, 3),
+                                           ("wgmma_wait", 5, 9)])
+                                 + track(2, [("convert", 10, 14), ("wgmma_wait", 20, 21)])}))
+    out = kernel_once.summarize_trace(str(trace))
+    assert out["tracks"] == 2 and out["span_us_median"] == 10
+    assert out["regions"]["convert"] == {"count": 2, "median_us": 3, "mean_us": 3,
+                                         "total_us_per_track": 3}
+    assert out["regions"]["wgmma_wait"]["count"] == 2
+    # track 1: span 9, regions 7; track 2: span 11, regions 5
+    assert out["between_us_per_track"] == pytest.approx((2 + 6) / 2)
+    with pytest.raises(SystemExit):
+        kernel_once.main(["--paths", "bf16,int4", "--profile-dir", str(tmp_path)])

@@ -15,9 +15,9 @@ import pytest
 from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.quant_matmul import fused_reference, resolve_quantized
 from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES,
-                                     WIDE_FROM_ROWS_PER_GROUP, MosaicTiles, fp8_tiles_for,
-                                     high_nibbles_x16_f32, int4_values_f32, mosaic_grouped_matmul,
-                                     mosaic_int4_grouped_matmul,
+                                     WIDE_FROM_ROWS_PER_GROUP, KernelProfile, MosaicTiles,
+                                     fp8_tiles_for, high_nibbles_x16_f32, int4_values_f32,
+                                     mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports)
 from strata_jax.testing import assert_close
 from test_quant_matmul import _matrix, _x, _zero_matrix
@@ -209,6 +209,45 @@ def test_kernels_lower_for_cuda(which):
             jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu")])(
                 _x(1024, 768), w, sizes).mlir_module()
         assert ("sitofp" in text) == has, conv
+
+
+def test_a_profile_reaches_the_kernels_compiler_params(tmp_path, monkeypatch):
+    # KernelProfile: the one- and two-warpgroup kernels of both formats are built with Mosaic
+    # GPU's profiler on (its space in regions, its directory), and without one with it off.
+    # (Lowering a profiled kernel for CUDA needs a CUDA backend: its trace is written by a
+    # host callback.) Interpret mode refuses a profile; a profile without a directory or
+    # regions is refused by name.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def kernel(body, *, compiler_params, **kwargs):
+        seen.append((compiler_params.profile_space, compiler_params.profile_dir))
+        raise Built
+
+    monkeypatch.setattr(plgpu, "kernel", kernel)
+    sizes = jnp.full((8,), 128, jnp.int32)
+    prof = KernelProfile(str(tmp_path), 256)
+    for fn, w, tiles in ((mosaic_int4_grouped_matmul, _matrix("int4", e=8), MOSAIC_INT4_TILES),
+                         (mosaic_int4_grouped_matmul, _matrix("int4", e=8),
+                          MosaicTiles(256, 128, 64, 3, 8, 1, 2)),
+                         (mosaic_grouped_matmul, _matrix("fp8", e=8), MOSAIC_TILES),
+                         (mosaic_grouped_matmul, _matrix("fp8", e=8), MOSAIC_WIDE_TILES)):
+        for profile, want in ((None, (0, "")), (prof, (256, str(tmp_path)))):
+            seen.clear()
+            with pytest.raises(Built):
+                fn(_x(1024, 256), w, sizes, tiles=tiles, interpret=False, num_sms=132,
+                   profile=profile)
+            assert seen == [want], (tiles, profile)
+        with pytest.raises(ValueError, match="interpret mode"):
+            fn(_x(64, 256), w, sizes, interpret=True, profile=prof)
+    with pytest.raises(ValueError, match="dir is empty"):
+        KernelProfile("")
+    with pytest.raises(ValueError, match="regions=0"):
+        KernelProfile(str(tmp_path), 0)
 
 
 def test_what_the_kernel_reads_and_refuses():

@@ -7,11 +7,24 @@ For each path given, the grouped matmul of one matrix (gate [M, 2048] x [2048, 7
     ncu --replay-mode application --section SpeedOfLight --section WarpStateStats \\
         --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
         python -m strata_jax.benchmarks.kernel_once --paths int4 --matrix gate
+
+With --profile-dir, the fp8 and int4 Mosaic kernels run once under Mosaic GPU's own profiler
+(`quant_mosaic.KernelProfile`: each warpgroup times its step's regions) and the trace each
+run writes is summarized: per region, how many, their median and total time per warpgroup,
+and the time between regions (the pipeline's waits for its copies, the loop's own code):
+
+    python -m strata_jax.benchmarks.kernel_once --paths int4 --tokens 1024 --runs 1 \\
+        --profile-dir out/prof
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import json
+import os
+import statistics
 import sys
 
 import jax
@@ -26,16 +39,70 @@ from strata_jax.grouped_matmul import grouped_matmul
 PATHS = ("bf16", "fp8", "int4")
 
 
+def summarize_trace(path: str) -> dict:
+    """A Mosaic GPU profiler trace (Perfetto JSON of "B"/"E" events, one track a warpgroup,
+    `ts` in microseconds) summed up: per region its count, median and mean duration and its
+    total per track (microseconds); each track's span from its first to its last event, and
+    the part of it outside every region ("between")."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    tracks = collections.defaultdict(list)
+    for ev in events:
+        tracks[(ev["pid"], ev["tid"])].append(ev)
+    durations = collections.defaultdict(list)
+    spans, inside = [], []
+    for evs in tracks.values():
+        evs.sort(key=lambda ev: ev["ts"])
+        open_at, depth, covered, outer_start = {}, 0, 0.0, None
+        for ev in evs:
+            if ev["ph"] == "B":
+                open_at.setdefault(ev["name"], []).append(ev["ts"])
+                if depth == 0:
+                    outer_start = ev["ts"]
+                depth += 1
+            elif open_at.get(ev["name"]):
+                durations[ev["name"]].append(ev["ts"] - open_at[ev["name"]].pop())
+                depth -= 1
+                if depth == 0:
+                    covered += ev["ts"] - outer_start
+        spans.append(evs[-1]["ts"] - evs[0]["ts"])
+        inside.append(covered)
+    n_tracks = max(len(tracks), 1)
+    out = {"tracks": len(tracks), "span_us_median": statistics.median(spans) if spans else 0.0,
+           "between_us_per_track": (sum(spans) - sum(inside)) / n_tracks, "regions": {}}
+    for name, d in sorted(durations.items()):
+        out["regions"][name] = {"count": len(d), "median_us": statistics.median(d),
+                                "mean_us": sum(d) / len(d), "total_us_per_track":
+                                sum(d) / n_tracks}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--paths", default="bf16,int4", help="comma list of " + "|".join(PATHS))
     ap.add_argument("--matrix", choices=("gate", "down"), default="gate")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--profile-dir", default=None,
+                    help="profile the fp8/int4 Mosaic kernels' regions into this directory "
+                         "(GPU only) and summarize each trace")
+    ap.add_argument("--profile-regions", type=int, default=512,
+                    help="regions each warpgroup can record (16 bytes of shared memory each)")
     a = ap.parse_args(argv)
     paths = a.paths.split(",")
     if set(paths) - set(PATHS):
         ap.error(f"--paths {a.paths!r}: a comma list of {'|'.join(PATHS)}")
+    profile = None
+    if a.profile_dir is not None:
+        if "bf16" in paths:
+            ap.error("--profile-dir profiles the fp8/int4 Mosaic kernels; leave bf16 out of "
+                     "--paths")
+        from strata_jax.quant_mosaic import KernelProfile
+        os.makedirs(a.profile_dir, exist_ok=True)
+        try:
+            profile = KernelProfile(os.path.abspath(a.profile_dir), a.profile_regions)
+        except ValueError as e:
+            ap.error(str(e))
     cfg = get_preset("qwen3-30b-a3b")
     h, i, e = cfg.hidden_size, cfg.expert_intermediate, cfg.n_experts
     k, n = (h, i) if a.matrix == "gate" else (i, h)
@@ -44,8 +111,12 @@ def main(argv=None) -> int:
     sizes = jnp.asarray(uniform_group_sizes(a.tokens, e, cfg.top_k))
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     w32 = rng.standard_normal((e, k, n), np.float32) * 0.02
-    f = jax.jit(lambda x, w, s: grouped_matmul(x, w, s))
     for path in paths:
+        f = jax.jit(lambda x, w, s: grouped_matmul(x, w, s))
+        if profile is not None:  # the Mosaic kernel itself, profiled
+            from strata_jax.quant_mosaic import mosaic_grouped_matmul, mosaic_int4_grouped_matmul
+            mm = mosaic_int4_grouped_matmul if path == "int4" else mosaic_grouped_matmul
+            f = jax.jit(lambda x, w, s, mm=mm: mm(x, w, s, profile=profile))
         if path == "bf16":
             w = jnp.asarray(w32, jnp.bfloat16)
         else:
@@ -56,6 +127,10 @@ def main(argv=None) -> int:
         for _ in range(a.runs):
             f(x, w, sizes).block_until_ready()
         print(f"{path} {a.matrix} {a.tokens} tokens: ran {a.runs}", flush=True)
+    if profile is not None:
+        jax.effects_barrier()  # the traces are written by a host callback after each run
+        for trace in sorted(glob.glob(os.path.join(profile.dir, "*-trace.json"))):
+            print(os.path.basename(trace), json.dumps(summarize_trace(trace)), flush=True)
     return 0
 
 
