@@ -118,9 +118,10 @@ def mosaic_supports(w, tiles: MosaicTiles) -> bool:
 @dataclasses.dataclass(frozen=True)
 class KernelProfile:
     """Record where a Mosaic kernel's warpgroups spend a run (Mosaic GPU's profiler): each
-    warpgroup times its regions (a step's "convert", "wgmma" and "wgmma_wait", a visit's
-    "store"; the pipeline's waits for its copies are the time between them) and a run writes
-    a Perfetto trace (`*-trace.json`) into `dir`. Its buffer takes 16 bytes a region of each
+    warpgroup times its regions (a step's "convert", "wgmma" and "wgmma_wait", and a visit's
+    "store" in the one-warpgroup kernel; the slot's "barrier" in the two-warpgroup one; the
+    pipeline's waits for its copies are the time between them) and a run writes a Perfetto
+    trace (`*-trace.json`) into `dir`. Its buffer takes 16 bytes a region of each
     warpgroup's shared memory, so `regions` must fit beside the kernel's own (two programs an
     SM leave room for about 512) and cover every region a program records: a persistent
     program records them for all of its visits, so profile small inputs. GPU only."""
