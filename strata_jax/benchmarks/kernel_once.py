@@ -112,8 +112,9 @@ def main(argv=None) -> int:
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     w32 = rng.standard_normal((e, k, n), np.float32) * 0.02
     for path in paths:
-        f = jax.jit(lambda x, w, s: grouped_matmul(x, w, s))
-        if profile is not None:  # the Mosaic kernel itself, profiled
+        if profile is None:
+            f = jax.jit(grouped_matmul)
+        else:  # the Mosaic kernel itself, profiled
             from strata_jax.quant_mosaic import mosaic_grouped_matmul, mosaic_int4_grouped_matmul
             mm = mosaic_int4_grouped_matmul if path == "int4" else mosaic_grouped_matmul
             f = jax.jit(lambda x, w, s, mm=mm: mm(x, w, s, profile=profile))

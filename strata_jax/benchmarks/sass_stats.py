@@ -1,9 +1,10 @@
 """Opcode counts of dumped SASS: what a compiled kernel's instructions are made of.
 
 Reads every file under DIR whose name contains "sass" (what Mosaic GPU writes with
-MOSAIC_GPU_DUMP_SASS=1 and MOSAIC_GPU_DUMP_TO=DIR; `gpu_run.sh qmm` with SASS=1) and prints,
-per file, its instruction count and the most frequent opcodes (the mnemonic before the first
-'.', predicates dropped), and optionally the lines of the hottest basic block's neighbourhood.
+MOSAIC_GPU_DUMP_SASS=1 and MOSAIC_GPU_DUMP_TO=DIR, or `gpu_run.sh qmm` with SASS=1 makes by
+ptxas and cuobjdump) and prints, per file, its instruction count and the most frequent
+opcodes (the mnemonic before the first '.', or with --full the whole of it; predicates
+dropped).
 
     python -m strata_jax.benchmarks.sass_stats /tmp/mosaic_dump --top 30
 """

@@ -728,9 +728,10 @@ def resident_ab(args, plain, quantized_model, result):
     interleaved (`schedule`'s order, `_pairs`), one row per length."""
     lengths = [int(x) for x in args.lengths.split(",")]
     ctx = max(lengths)
-    slots = len(schedule(args.blocks))
-    prompts = _nonce_prompts(plain[0], lengths, 4321, slots)
     arm_of = {"stream-all": "plain", "routed": "quantized"}
+    arms = [arm_of[slot] for slot in schedule(args.blocks)]
+    slots = len(arms)
+    prompts = _nonce_prompts(plain[0], lengths, 4321, slots)
     engines = {}
     try:
         for name, (cfg, params) in (("plain", plain), ("quantized", quantized_model)):
@@ -740,16 +741,14 @@ def resident_ab(args, plain, quantized_model, result):
                 for eng in engines.values():
                     eng.prefill(prompts[n][-1])
             times = []
-            for i, slot in enumerate(schedule(args.blocks)):
-                ms, r = _timed(engines[arm_of[slot]], prompts[n][i])
+            for i, arm in enumerate(arms):
+                ms, r = _timed(engines[arm], prompts[n][i])
                 del r  # see _drop_note
                 times.append(ms)
             # each pair's quantized (ON slot) over plain (OFF slot) time
             ratios = [times[on] / times[off] for on, off in _pairs(len(times))]
-            plain_ms = statistics.median(t for t, s in zip(times, schedule(args.blocks))
-                                         if arm_of[s] == "plain")
-            quant_ms = statistics.median(t for t, s in zip(times, schedule(args.blocks))
-                                         if arm_of[s] == "quantized")
+            plain_ms, quant_ms = (statistics.median(t for t, a in zip(times, arms) if a == arm)
+                                  for arm in ("plain", "quantized"))
             row = {"part": "resident-ab", "tokens": n, "reps": slots // 2,
                    "plain_ms": plain_ms, "quantized_ms": quant_ms,
                    "quantized_over_plain": quant_ms / plain_ms,

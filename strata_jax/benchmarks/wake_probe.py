@@ -73,8 +73,8 @@ def probe(ms: float, n_args: int, reps: int, n: int = 4096) -> dict:
         if pinned is not None:
             fns["pinned"] = make(iters, pinned)
         for w in WAITS:
-            f = fns["pinned" if w == "pinned" else "dev"] if (w != "pinned" or pinned) else None
-            if f is None:
+            f = fns.get("pinned" if w == "pinned" else "dev")
+            if f is None:  # no pinned host memory on this device
                 continue
             np.asarray(f(x, *state))  # compile and warm
             lat, wall = [], []
