@@ -38,6 +38,7 @@ On the CPU the kernels run in Pallas' Mosaic GPU interpret mode (tests).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -50,8 +51,12 @@ from jax import lax
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
     """The Mosaic kernel's tiling: rows and columns a tile, inputs a k step, pipeline stages,
-    column tiles a row tile's sweep covers before moving on (`planar_snake`'s width), and
-    programs per SM (more than one where their shared memory fits beside each other)."""
+    column tiles a row tile's sweep covers before moving on (`planar_snake`'s width),
+    programs per SM (more than one where their shared memory fits beside each other),
+    compute warpgroups, and whether a step's product runs on while the next step converts
+    (`overlap`: two bf16 weight slots, x released a step late) or is waited for at the end
+    of its step (one slot, x released at once: one more step of prefetch from the same
+    stages; the one-warpgroup kernel only)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -60,6 +65,7 @@ class MosaicTiles:
     grid_block_n: int = 2
     per_sm: int = 1
     compute_wgs: int = 1
+    overlap: bool = True
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -80,6 +86,9 @@ class MosaicTiles:
                              f"per_sm={self.per_sm}, compute_wgs=2): two compute warpgroups "
                              "take half of block_m each (a multiple of 64), a pipeline of at "
                              "least 2 stages, one program an SM")
+        if not self.overlap and self.compute_wgs != 1:
+            raise ValueError("MosaicTiles(overlap=False): the one-warpgroup kernel only "
+                             "(compute_wgs=1)")
 
 
 # The tiling `grouped_matmul` reads fp8 experts with: the fastest of quant_matmul_bench's sweep on
@@ -124,16 +133,38 @@ class KernelProfile:
     trace (`*-trace.json`) into `dir`. Its buffer takes 16 bytes a region of each
     warpgroup's shared memory, so `regions` must fit beside the kernel's own (two programs an
     SM leave room for about 512) and cover every region a program records: a persistent
-    program records them for all of its visits, so profile small inputs. GPU only."""
+    program records them for all of its visits, so profile small inputs, or record only
+    some of the regions (`scopes`, None: all), which lets larger inputs fit. GPU only."""
 
     dir: str
     regions: int = 512
+    scopes: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not self.dir:
             raise ValueError("KernelProfile: dir is empty; give the directory traces go to")
         if self.regions < 1:
             raise ValueError(f"KernelProfile: regions={self.regions}: must be at least 1")
+        if self.scopes is not None:
+            object.__setattr__(self, "scopes", tuple(self.scopes))
+            unknown = sorted(set(self.scopes) - set(PROFILE_REGIONS))
+            if unknown or not self.scopes:
+                raise ValueError(f"KernelProfile: scopes={self.scopes}: each one of "
+                                 f"{'|'.join(PROFILE_REGIONS)}, at least one")
+
+
+# The kernels' named regions, which a KernelProfile records.
+PROFILE_REGIONS = ("convert", "wgmma", "wgmma_wait", "store", "barrier")
+
+
+def _region_scopes(profile: KernelProfile | None):
+    """region(name): the kernels' named region `name` (jax.named_scope), or no scope where
+    `profile` leaves that region out of its record."""
+    def region(name: str):
+        if profile is not None and profile.scopes is not None and name not in profile.scopes:
+            return contextlib.nullcontext()
+        return jax.named_scope(name)
+    return region
 
 
 def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
@@ -285,7 +316,8 @@ def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: 
 
 
 def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
-                   num_sms: int, *, plane_specs, pipelined, resident, convert, profile=None):
+                   num_sms: int, *, plane_specs, pipelined, resident, convert, profile=None,
+                   parts: int = 1):
     """The persistent ragged kernel both formats share: rows of x [M, K] sorted by group,
     times their group's matrix, read as `convert` makes it from the planes, [M, N] in
     x.dtype with the rows past the groups zero.
@@ -295,17 +327,27 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
         rows); resident: [E, ...] planes the conversion reads straight from global memory.
     convert(kk, gid, ni, *pipelined step refs, *resident refs, w_slot): writes k step kk's
         [bk, bn] weights of group gid, column tile ni, in x.dtype into w_slot (shared memory),
-        which the step then multiplies by its x tile with wgmma."""
+        which the step then multiplies by its x tile with wgmma.
+    parts: products a k step is made of (1, or 2 with overlap): with 2, `convert` takes a
+        last argument, the part p, and writes the step's weight rows [p bk/2, (p+1) bk/2)
+        into a slot of their own, which is multiplied by those columns of the x tile before
+        the next part converts: the pipeline's per-step work is paid once for two products
+        (int4: a step one scale group, a part one nibble half). The products add into the
+        accumulator in the same order as a step of bk (same bits)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    if parts not in (1, 2) or (parts == 2 and not tiles.overlap):
+        raise ValueError(f"_ragged_kernel: parts={parts} with {tiles}: 1, or 2 with overlap")
+    pk = bk // parts  # a product's inputs
     dtype = x.dtype
     xp, meta = _row_tiles(x, group_sizes, bm)
     grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
+    region = _region_scopes(profile)
 
     def body(meta_ref, x_gmem, *refs, w_smem):
         planes, o_gmem = refs[:-1], refs[-1]
@@ -315,16 +357,23 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
             def acc_scope(acc_ref):
                 def step(idx, x_smem, *plane_smem):
                     (kk,) = idx
-                    slot = lax.rem(kk, 2)
-                    with jax.named_scope("convert"):  # a profiled region (KernelProfile)
-                        convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
-                        plgpu.commit_smem()
-                    with jax.named_scope("wgmma"):
-                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
-                    # The previous step's product is done: its x buffer (released after this
-                    # step) and its weight slot (written next step) are free.
-                    with jax.named_scope("wgmma_wait"):
-                        plgpu.wgmma_wait(1)
+                    for part in range(parts):
+                        # parts 2: part p's slot is p; the product before it (the other
+                        # slot's) is waited for below before the next part converts
+                        slot = part if parts == 2 else (lax.rem(kk, 2) if tiles.overlap
+                                                        else 0)
+                        with region("convert"):  # a profiled region (KernelProfile)
+                            convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot],
+                                    *((part,) if parts == 2 else ()))
+                            plgpu.commit_smem()
+                        xs = x_smem if parts == 1 else x_smem.at[:, pl.ds(part * pk, pk)]
+                        with region("wgmma"):
+                            plgpu.wgmma(acc_ref, xs, w_smem.at[slot])
+                        # overlap: the product before this one is done, so its x buffer
+                        # (released after this step) and its weight slot (written next)
+                        # are free; else this step's, and its x buffer is released now.
+                        with region("wgmma_wait"):
+                            plgpu.wgmma_wait(1 if tiles.overlap else 0)
 
                 specs = [plgpu.BlockSpec(spec.block_shape,
                                          lambda kk, f=spec.index_map: f(kk, ni))
@@ -332,7 +381,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
                 plgpu.emit_pipeline(
                     step, grid=(k // bk,),
                     in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk),
-                                              delay_release=1), *specs],
+                                              delay_release=int(tiles.overlap)), *specs],
                     max_concurrent_steps=tiles.stages)(
                         x_gmem, *(p.at[gid] for p in pipe_gmem))
                 return acc_ref[...]
@@ -341,7 +390,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
 
             @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=dtype))
             def _store(o_smem):
-                with jax.named_scope("store"):
+                with region("store"):
                     o_smem[...] = acc.astype(dtype)
                     plgpu.commit_smem()
                     _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
@@ -351,7 +400,8 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
                        interpret=interpret, profile=profile,
                        grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
-                       scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)))
+                       scratch_types=dict(w_smem=plgpu.SMEM((1 + tiles.overlap, pk, bn),
+                                                            dtype)))
 
 
 def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
@@ -383,6 +433,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
     grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
+    region = _region_scopes(profile)
 
     def pipeline(body, context, row0, ni):
         specs = [plgpu.BlockSpec(spec.block_shape, lambda kk, f=spec.index_map: f(kk, ni),
@@ -420,19 +471,19 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                     *plane_smem, acc_ref = rest
                     (kk,) = idx
                     slot = lax.rem(kk, 2)
-                    with jax.named_scope("convert"):  # a profiled region (KernelProfile)
+                    with region("convert"):  # a profiled region (KernelProfile)
                         convert_part(kk, gid, ni, wg, *plane_smem, *res_gmem,
                                      w_smem.at[slot])
-                    with jax.named_scope("wgmma_wait"):
+                    with region("wgmma_wait"):
                         plgpu.wgmma_wait(0)  # this warpgroup's product kk - 1 is done
-                    with jax.named_scope("barrier"):
+                    with region("barrier"):
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(conv.at[slot])
                         plgpu.barrier_wait(conv.at[slot])
 
                     @pl.when(mine)
                     def _():
-                        with jax.named_scope("wgmma"):
+                        with region("wgmma"):
                             plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)],
                                         w_smem.at[slot])
 
@@ -488,12 +539,15 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     k, n = w.shape
     return (w.kind == "int4" and w.block == INT4_GROUP and w.perm is None
             and (w.zero is None or tiles.compute_wgs == 1)
+            and (tiles.overlap or tiles.block_k != INT4_GROUP)
             and tiles.block_k in (INT4_GROUP, INT4_GROUP // 2)
             and k % INT4_GROUP == 0 and n % tiles.block_n == 0
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
 INT_TO_FLOAT = ("bits", "masks", "convert")
+# How a step's bytes reach registers (`mosaic_int4_grouped_matmul`'s load_layout).
+LOAD_LAYOUTS = ("wgmma", "wide", "wide-relayout")
 
 
 def int4_values_f32(n: jax.Array, int_to_float: str = "bits") -> jax.Array:
@@ -520,6 +574,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                                tiles: MosaicTiles | None = None, interpret: bool | None = None,
                                num_sms: int | None = None,
                                int_to_float: str = "bits",
+                               load_layout: str = "wgmma",
                                profile: KernelProfile | None = None) -> jax.Array:
     """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
     symmetric or with a zero-point plane): each k step TMA-loads one group's [64, N-tile] byte
@@ -533,6 +588,12 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     "bits", but a high nibble is masked in place, 16 (nibble - z) times the scale / 16: one
     logical op a value fewer, `high_nibbles_x16_f32`) or "convert" (int-to-float
     conversions).
+    load_layout: how a step's bytes are read from shared memory, all giving the same values:
+    "wgmma" in the products' register layout (two bytes a thread a load), "wide" four bytes
+    a thread a load (Mosaic's WGMMA_UPCAST_2X layout), the whole conversion and the store of
+    the bf16 tile in that layout, or "wide-relayout" four bytes a load, moved into the
+    products' layout by a warp shuffle before the conversion. On the CPU (interpret mode)
+    there are no layouts and all three run the same code.
     profile: record the kernel's regions (`KernelProfile`; not in interpret mode)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -540,6 +601,9 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     from .quant_matmul import check_operands
 
     tiles = tiles or MOSAIC_INT4_TILES
+    if load_layout not in LOAD_LAYOUTS:
+        raise ValueError(f"mosaic_int4_grouped_matmul: load_layout {load_layout!r}: expected "
+                         f"one of {'|'.join(LOAD_LAYOUTS)}")
     if int_to_float not in INT_TO_FLOAT:
         raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float {int_to_float!r}: expected "
                          f"one of {'|'.join(INT_TO_FLOAT)}")
@@ -562,10 +626,21 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     zeros = w.zero is not None
 
+    layout = {"wgmma": plgpu.Layout.WGMMA, "wide": plgpu.Layout.WGMMA_UPCAST_2X,
+              "wide-relayout": plgpu.Layout.WGMMA}[load_layout]
+
     def column(row, shape):  # a [cols] row of the step, broadcast over its rows
         if not interpret:  # the interpreter has no layouts
-            row = plgpu.layout_cast(row, plgpu.Layout.WGMMA.reduce(0))
+            row = plgpu.layout_cast(row, layout.reduce(0))
         return lax.broadcast_in_dim(row, shape, (1,))
+
+    def load_bytes(q_ref):
+        q = q_ref[...]
+        if not interpret and load_layout != "wgmma":
+            q = plgpu.layout_cast(q, plgpu.Layout.WGMMA_UPCAST_2X)
+            if load_layout == "wide-relayout":
+                q = plgpu.layout_cast(q, plgpu.Layout.WGMMA)
+        return q.astype(jnp.int32)
 
     masks = int_to_float == "masks"
 
@@ -575,7 +650,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         for the high nibbles (a pair); with zero-points, what the nibbles' float32 are less by
         per column (2^23 + z for "bits", z for "convert", with "masks" a pair with
         2^23 + 16 z; exact), else None."""
-        q = q_ref[...].astype(jnp.int32)
+        q = load_bytes(q_ref)
         row = s_ref[0].astype(jnp.float32)
         s = column(row, q.shape)
         if masks:
@@ -614,13 +689,12 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     def convert(kk, gid, ni, *refs):
         del gid, ni
-        *planes, w_slot = refs
-        q, s, z = operands(*planes)
-        if per_group == 1:
-            w_slot[:half] = nibbles(q, s, z, False)
-            w_slot[half:] = nibbles(q, s, z, True)
+        if per_group == 1:  # a part of the group's step: its nibble half (`_ragged_kernel`)
+            *planes, w_slot, part = refs
+            w_slot[...] = nibbles(*operands(*planes), bool(part))
         else:
-            half_of_group(kk, q, s, z, w_slot)
+            *planes, w_slot = refs
+            half_of_group(kk, *operands(*planes), w_slot)
 
     def convert_part(kk, gid, ni, wg, *refs):  # half the tile a warpgroup
         del gid, ni
@@ -654,7 +728,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                 profile=profile)
         return _ragged_kernel(
             x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
-            pipelined=pipelined, resident=[], convert=convert, profile=profile)
+            pipelined=pipelined, resident=[], convert=convert, profile=profile,
+            parts=2 if per_group == 1 else 1)
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per

@@ -77,6 +77,33 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
         mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="cast")
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_a_step_that_waits_for_its_product_gives_the_same_bits(kind):
+    # MosaicTiles(overlap=False): one weight slot, each step's product waited for before the
+    # next converts, x released at once; int4 also a whole group a step (two products, each
+    # one nibble half): the same sums in the same order, the overlapping kernel's bits. The
+    # byte layouts exist only on a GPU: interpreted, every load_layout runs the same code.
+    w = _matrix(kind, nan_experts=(1, 4))
+    x = _x(sum(SIZES) + 7, 256)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
+    base = MosaicTiles(64, 128, 64, 2, 1)
+    want = np.asarray(fn(x, w, sizes, tiles=base, interpret=True))
+    variants = [dataclasses.replace(base, overlap=False)]
+    if kind == "int4":
+        variants.append(dataclasses.replace(base, block_k=128))
+    for tiles in variants:
+        np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, interpret=True)),
+                                      want, err_msg=str(tiles))
+    if kind == "int4":
+        with pytest.raises(ValueError, match="load_layout 'narrow'"):
+            fn(x, w, sizes, load_layout="narrow")
+        # a whole-group step needs the overlap (its two products' slots)
+        assert not mosaic_int4_supports(w, MosaicTiles(64, 128, 128, 2, 1, overlap=False))
+    with pytest.raises(ValueError, match="overlap=False"):
+        MosaicTiles(128, 128, 64, 3, 8, 1, 2, overlap=False)
+
+
 def test_int4_nibbles_by_their_bits_are_exactly_the_converted_values():
     # The int4 kernel's (nibble - 8) from 2^23 + nibble's bit pattern, over every byte, times
     # float16 scales from subnormal to the largest, NaN and inf, cast to bf16 and fp16.
@@ -244,6 +271,13 @@ def test_a_profile_reaches_the_kernels_compiler_params(tmp_path, monkeypatch):
             assert seen == [want], (tiles, profile)
         with pytest.raises(ValueError, match="interpret mode"):
             fn(_x(64, 256), w, sizes, interpret=True, profile=prof)
+    # scopes: only the regions named are recorded (the others are no scope at all)
+    from strata_jax.quant_mosaic import PROFILE_REGIONS, _region_scopes
+    scoped = _region_scopes(KernelProfile(str(tmp_path), 64, ["convert"]))
+    assert scoped("convert") is not None and type(scoped("wgmma")).__name__ == "nullcontext"
+    assert all(type(_region_scopes(None)(r)).__name__ != "nullcontext" for r in PROFILE_REGIONS)
+    with pytest.raises(ValueError, match="scopes=\\('loop',\\)"):
+        KernelProfile(str(tmp_path), 64, ("loop",))
     with pytest.raises(ValueError, match="dir is empty"):
         KernelProfile("")
     with pytest.raises(ValueError, match="regions=0"):
@@ -322,6 +356,20 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
         other = fn(x, w, sizes, tiles=tiles)
         assert_close(np.asarray(other, np.float64), fused_reference(x, w, sizes),
                      jnp.bfloat16, err_msg=str(tiles))
+    # The one-warpgroup kernel's other ways to a step (each product waited for in its own
+    # step; int4 a whole group a step in two products; a step's bytes read four a thread,
+    # computed on in that layout or moved into the products' one): the same sums in the same
+    # order, so the dequantize path's bits.
+    if kind == "fp8":
+        variants = ((dataclasses.replace(MOSAIC_TILES, overlap=False), {}),)
+    else:
+        variants = ((dataclasses.replace(MOSAIC_INT4_TILES, overlap=False), {}),
+                    (MosaicTiles(128, 128, 128, 3, 8, 1), {}),
+                    (MOSAIC_INT4_TILES, dict(load_layout="wide")),
+                    (MOSAIC_INT4_TILES, dict(load_layout="wide-relayout")))
+    for tiles, extra in variants:
+        np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, **extra)),
+                                      np.asarray(deq), err_msg=f"{tiles} {extra}")
     # Two compute warpgroups sharing each converted tile: per 64-row product the same sums
     # in the same order, so the dequantize path's bits (not for zero-points: refused).
     for tiles in ((MosaicTiles(256, 128, 64, 3, 8, 1, 2), MosaicTiles(128, 128, 128, 2, 8, 1, 2))

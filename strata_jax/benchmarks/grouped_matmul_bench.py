@@ -34,15 +34,21 @@ def uniform_group_sizes(tokens: int, n_experts: int, top_k: int, seed: int = 0) 
     return np.bincount(choice.ravel(), minlength=n_experts).astype(np.int32)
 
 
-def _time(fn, args, warmup: int, repeats: int) -> float:
-    """Median seconds of `fn(*args)`, synchronised with block_until_ready."""
+def _time(fn, args, warmup: int, repeats: int, batch: int = 1) -> float:
+    """Median seconds of `fn(*args)`: each of `repeats` samples dispatches `batch` calls and
+    waits for the last (block_until_ready), divided by `batch`. With batch 1 a sample
+    includes the call's dispatch and the host's wake after it (a few tenths of a
+    millisecond); with more, the calls queue on the device back to back and those costs
+    are paid once a sample."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
+        for _ in range(batch - 1):
+            fn(*args)
         jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
+        samples.append((time.perf_counter() - t0) / batch)
     return statistics.median(samples)
 
 

@@ -86,6 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-dir", default=None,
                     help="profile the fp8/int4 Mosaic kernels' regions into this directory "
                          "(GPU only) and summarize each trace")
+    ap.add_argument("--profile-scopes", default=None,
+                    help="comma list of the regions to record (default all): fewer regions "
+                         "a step let more steps fit the profile's space")
+    ap.add_argument("--mosaic", default=None,
+                    help='the Mosaic kernel\'s tiling, as quant_matmul_bench --mosaic (default: '
+                         "the model's)")
     ap.add_argument("--profile-regions", type=int, default=512,
                     help="regions each warpgroup can record (16 bytes of shared memory each)")
     a = ap.parse_args(argv)
@@ -100,8 +106,20 @@ def main(argv=None) -> int:
         from strata_jax.quant_mosaic import KernelProfile
         os.makedirs(a.profile_dir, exist_ok=True)
         try:
-            profile = KernelProfile(os.path.abspath(a.profile_dir), a.profile_regions)
+            profile = KernelProfile(os.path.abspath(a.profile_dir), a.profile_regions,
+                                    None if a.profile_scopes is None
+                                    else tuple(a.profile_scopes.split(",")))
         except ValueError as e:
+            ap.error(str(e))
+    tiles = None
+    if a.mosaic is not None:
+        from strata_jax.benchmarks.quant_matmul_bench import parse_mosaic
+        if "bf16" in paths:
+            ap.error("--mosaic sets the fp8/int4 Mosaic kernels' tiling; leave bf16 out of "
+                     "--paths")
+        try:
+            tiles = parse_mosaic(a.mosaic)
+        except (ValueError, TypeError) as e:
             ap.error(str(e))
     cfg = get_preset("qwen3-30b-a3b")
     h, i, e = cfg.hidden_size, cfg.expert_intermediate, cfg.n_experts
@@ -112,12 +130,12 @@ def main(argv=None) -> int:
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     w32 = rng.standard_normal((e, k, n), np.float32) * 0.02
     for path in paths:
-        if profile is None:
+        if profile is None and tiles is None:
             f = jax.jit(grouped_matmul)
-        else:  # the Mosaic kernel itself, profiled
+        else:  # the Mosaic kernel itself, profiled and/or at a tiling
             from strata_jax.quant_mosaic import mosaic_grouped_matmul, mosaic_int4_grouped_matmul
             mm = mosaic_int4_grouped_matmul if path == "int4" else mosaic_grouped_matmul
-            f = jax.jit(lambda x, w, s, mm=mm: mm(x, w, s, profile=profile))
+            f = jax.jit(lambda x, w, s, mm=mm: mm(x, w, s, tiles=tiles, profile=profile))
         if path == "bf16":
             w = jnp.asarray(w32, jnp.bfloat16)
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import sys
 
@@ -37,7 +38,8 @@ from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantiz
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul, fused_supports,
                                      in_stored_order, tiles_for)
-from strata_jax.quant_mosaic import (INT_TO_FLOAT, MosaicTiles, mosaic_grouped_matmul,
+from strata_jax.quant_mosaic import (INT_TO_FLOAT, LOAD_LAYOUTS, MosaicTiles,
+                                     mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul, mosaic_int4_supports,
                                      mosaic_supports)
 
@@ -56,18 +58,24 @@ def parse_tiles(spec: str) -> Tiles:
 
 
 def parse_mosaic(spec: str) -> MosaicTiles:
-    """"bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs]]" -> MosaicTiles."""
+    """"bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs[,overlap]]]" -> MosaicTiles."""
     parts = spec.split(",")
-    if not 5 <= len(parts) <= 7:
+    if not 5 <= len(parts) <= 8:
         raise ValueError(f"--mosaic {spec!r}: expected bm,bn,bk,stages,grid_block_n"
-                         "[,per_sm[,compute_wgs]]")
-    return MosaicTiles(*(int(p) for p in parts))
+                         "[,per_sm[,compute_wgs[,overlap]]]")
+    values = [int(p) for p in parts]
+    if len(values) == 8:
+        if values[7] not in (0, 1):
+            raise ValueError(f"--mosaic {spec!r}: overlap is 0 or 1")
+        values[7] = bool(values[7])
+    return MosaicTiles(*values)
 
 
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
               repeats: int, mosaic: list[MosaicTiles] = (),
               int_to_float: tuple[str, ...] = ("bits",),
-              per_matrix: bool = False) -> list[dict]:
+              load_layouts: tuple[str, ...] = ("wgmma",),
+              per_matrix: bool = False, batch: int = 1) -> list[dict]:
     m = tokens * config.top_k
     h, i, e = config.hidden_size, config.expert_intermediate, config.n_experts
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
@@ -86,9 +94,9 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
     bf16 = jax.jit(lambda x, w, s: _swiglu(x, w, s, grouped_matmul))
     deq = jax.jit(lambda x, w, s: _swiglu(
         x, w, s, functools.partial(grouped_matmul, quantized="dequantize")))
-    t_bf16 = _time(bf16, (x, wb, sizes), warmup, repeats)
+    t_bf16 = _time(bf16, (x, wb, sizes), warmup, repeats, batch)
     want = deq(x, wq, sizes)
-    t_deq = _time(deq, (x, wq, sizes), warmup, repeats)
+    t_deq = _time(deq, (x, wq, sizes), warmup, repeats, batch)
     scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
     flops = 2 * m * h * i * 3
     rows = [dict(kind=kind, tokens=tokens, path="bf16", ms=t_bf16 * 1e3, over_bf16=1.0,
@@ -105,7 +113,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             same = bool(jnp.all(got == want))
             finite = bool(jnp.all(jnp.isfinite(got)))
-            tf = _time(fused, (x, wq, sizes), warmup, repeats)
+            tf = _time(fused, (x, wq, sizes), warmup, repeats, batch)
         except Exception as ex:  # noqa: BLE001 - a tiling that does not compile is reported
             return dict(base, error=f"{type(ex).__name__}: {ex}"[:600])
         return dict(base, ms=tf * 1e3, over_bf16=tf / t_bf16, over_dequantize=tf / t_deq,
@@ -118,7 +126,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
     t_matrix = {}
     for mt, xin in inputs.items():
         f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c))
-        t_matrix[mt] = _time(f, (xin, getattr(wb, mt), sizes), warmup, repeats)
+        t_matrix[mt] = _time(f, (xin, getattr(wb, mt), sizes), warmup, repeats, batch)
         rows.append(dict(kind=kind, tokens=tokens, path="bf16", matrix=mt,
                          ms=t_matrix[mt] * 1e3, over_bf16=1.0))
 
@@ -128,7 +136,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
         for mt, xin in inputs.items():
             f = jax.jit(lambda a, b, c: mm(a, b, c))
             try:
-                t = _time(f, (xin, getattr(wq, mt), sizes), warmup, repeats)
+                t = _time(f, (xin, getattr(wq, mt), sizes), warmup, repeats, batch)
             except Exception as ex:  # noqa: BLE001 - reported as timed() does
                 out.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
                                 matrix=mt, error=f"{type(ex).__name__}: {ex}"[:600], **extra))
@@ -146,18 +154,19 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
         rows.append(timed("fused", name, lambda a, b, c, tiles=tiles: fused_grouped_matmul(
             a, b, c, tiles=tiles), default=tiles is None))
     for tiles in mosaic:
-        name = ",".join(str(v) for v in dataclasses.astuple(tiles))
+        name = ",".join(str(int(v)) for v in dataclasses.astuple(tiles))
         if fmt.kind == "int4":
             if not all(mosaic_int4_supports(a.stored(), tiles) for a in wq):
                 rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
                                  error="unsupported (int4 reads block_k 128 or 64, groups "
                                        "k // 128)"))
                 continue
-            for conv in int_to_float:
-                def mm(a, b, c, tiles=tiles, conv=conv):
-                    return mosaic_int4_grouped_matmul(a, b, c, tiles=tiles, int_to_float=conv)
-                rows.append(timed("mosaic", name, mm, int_to_float=conv))
-                rows.extend(timed_matrices(name, mm, int_to_float=conv))
+            for conv, load in itertools.product(int_to_float, load_layouts):
+                def mm(a, b, c, tiles=tiles, conv=conv, load=load):
+                    return mosaic_int4_grouped_matmul(a, b, c, tiles=tiles, int_to_float=conv,
+                                                      load_layout=load)
+                rows.append(timed("mosaic", name, mm, int_to_float=conv, load_layout=load))
+                rows.extend(timed_matrices(name, mm, int_to_float=conv, load_layout=load))
             continue
         if not all(mosaic_supports(a, tiles) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
@@ -183,18 +192,25 @@ def main(argv=None) -> int:
                         "default tiling is always timed")
     p.add_argument("--mosaic", action="append", default=[],
                    help='a Mosaic kernel tiling "bm,bn,bk,stages,grid_block_n[,per_sm'
-                        '[,compute_wgs]]" (repeatable; int4 takes those with bk 128 or 64; '
-                        "compute_wgs 2: two compute warpgroups on halves of bm rows sharing "
-                        "each converted weight tile)")
+                        '[,compute_wgs[,overlap]]]" (repeatable; int4 takes those with bk 128 '
+                        "or 64; compute_wgs 2: two compute warpgroups on halves of bm rows "
+                        "sharing each converted weight tile; overlap 0: each step waits for "
+                        "its product)")
     p.add_argument("--int-to-float", default="bits",
                    help="the int4 Mosaic kernel's nibble-to-float32 step(s), comma list of "
                         "|".join(INT_TO_FLOAT) + " (each timed per tiling; same bits)")
+    p.add_argument("--load-layout", default="wgmma",
+                   help="how the int4 Mosaic kernel reads a step's bytes, comma list of "
+                        "|".join(LOAD_LAYOUTS) + " (each timed per tiling; same bits)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
     p.add_argument("--per-matrix", action="store_true",
                    help="also time gate's (as up's) and down's matmul alone, bf16 and each "
                         "Mosaic tiling (rows with 'matrix')")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--batch", type=int, default=10,
+                   help="calls a sample dispatches before it waits (its time / batch): the "
+                        "host's dispatch and wake are paid once a sample")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     config = get_preset(a.preset)
@@ -202,6 +218,12 @@ def main(argv=None) -> int:
         tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
         mosaic = [parse_mosaic(s) for s in a.mosaic]
         int_to_float = tuple(a.int_to_float.split(","))
+        load_layouts = tuple(a.load_layout.split(","))
+        if set(load_layouts) - set(LOAD_LAYOUTS):
+            raise ValueError(f"--load-layout {a.load_layout!r}: a comma list of "
+                             f"{'|'.join(LOAD_LAYOUTS)}")
+        if a.batch < 1:
+            raise ValueError(f"--batch {a.batch}: at least 1")
         if set(int_to_float) - set(INT_TO_FLOAT):
             raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of "
                              f"{'|'.join(INT_TO_FLOAT)}")
@@ -217,7 +239,8 @@ def main(argv=None) -> int:
         for tokens in (int(t) for t in a.tokens.split(",")):
             for r in bench_one(tokens, config, kind, tilings, warmup=a.warmup,
                                repeats=a.repeats, mosaic=mosaic, int_to_float=int_to_float,
-                               per_matrix=a.per_matrix):
+                               load_layouts=load_layouts, per_matrix=a.per_matrix,
+                               batch=a.batch):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     if a.json:
