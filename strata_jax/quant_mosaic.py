@@ -27,7 +27,9 @@ and high nibbles its last 64 (the int4 format stores GPTQ's values that way,
 the group's float16 scale row:
     v = int32(byte);  w_lo = bf16(float32((v & 15) - 8) * scale[g, n0:n0+bn])    registers
     w_hi = bf16(float32((v >> 4) - 8) * scale[g, n0:n0+bn])
-    w_smem[slot] = [w_lo; w_hi];  acc += x[rows, k0:k0+128] @ w_smem[slot]          wgmma, f32
+    w_smem[0] = w_lo;  acc += x[rows, k0:k0+64] @ w_smem[0]                        wgmma, f32
+    w_smem[1] = w_hi;  acc += x[rows, k0+64:k0+128] @ w_smem[1]
+(the default steps by half a group, one nibble half a step, below).
 The 8-bit values are upcast before the shifts (Mosaic does only bitwise operations on 8-bit
 vectors) and the scale row is laid out as a column vector of the products' layout, then
 broadcast over the rows. The weights come out as the dequantize path's, so the result has its
@@ -531,7 +533,8 @@ MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP // 2, 3, 8, 2)
 
 def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
-    of 128 (a k step one group, or half of one: block_k 128 or 64), symmetric or with a
+    of 128 (a k step one group, as two products with `overlap`, or half of one: block_k 128
+    or 64), symmetric or with a
     zero-point plane (one compute warpgroup: the two-warpgroup kernel's warp-specialized
     pipeline with a third plane hangs in Pallas' interpreter, so it is not used), rows in
     groups k // 128 (an act-order matrix's stored rows, `QuantizedMatrix.stored`), whole
