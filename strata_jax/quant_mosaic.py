@@ -27,8 +27,7 @@ and high nibbles its last 64 (the int4 format stores GPTQ's values that way,
 the group's float16 scale row:
     v = int32(byte);  w_lo = bf16(float32((v & 15) - 8) * scale[g, n0:n0+bn])    registers
     w_hi = bf16(float32((v >> 4) - 8) * scale[g, n0:n0+bn])
-    w_smem[0] = w_lo;  acc += x[rows, k0:k0+64] @ w_smem[0]                        wgmma, f32
-    w_smem[1] = w_hi;  acc += x[rows, k0+64:k0+128] @ w_smem[1]
+    w_smem[slot] = [w_lo; w_hi];  acc += x[rows, k0:k0+128] @ w_smem[slot]          wgmma, f32
 (the default steps by half a group, one nibble half a step, below).
 The 8-bit values are upcast before the shifts (Mosaic does only bitwise operations on 8-bit
 vectors) and the scale row is laid out as a column vector of the products' layout, then
@@ -318,8 +317,7 @@ def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: 
 
 
 def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
-                   num_sms: int, *, plane_specs, pipelined, resident, convert, profile=None,
-                   parts: int = 1):
+                   num_sms: int, *, plane_specs, pipelined, resident, convert, profile=None):
     """The persistent ragged kernel both formats share: rows of x [M, K] sorted by group,
     times their group's matrix, read as `convert` makes it from the planes, [M, N] in
     x.dtype with the rows past the groups zero.
@@ -329,21 +327,12 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
         rows); resident: [E, ...] planes the conversion reads straight from global memory.
     convert(kk, gid, ni, *pipelined step refs, *resident refs, w_slot): writes k step kk's
         [bk, bn] weights of group gid, column tile ni, in x.dtype into w_slot (shared memory),
-        which the step then multiplies by its x tile with wgmma.
-    parts: products a k step is made of (1, or 2 with overlap): with 2, `convert` takes a
-        last argument, the part p, and writes the step's weight rows [p bk/2, (p+1) bk/2)
-        into a slot of their own, which is multiplied by those columns of the x tile before
-        the next part converts: the pipeline's per-step work is paid once for two products
-        (int4: a step one scale group, a part one nibble half). The products add into the
-        accumulator in the same order as a step of bk (same bits)."""
+        which the step then multiplies by its x tile with wgmma."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    if parts not in (1, 2) or (parts == 2 and not tiles.overlap):
-        raise ValueError(f"_ragged_kernel: parts={parts} with {tiles}: 1, or 2 with overlap")
-    pk = bk // parts  # a product's inputs
     dtype = x.dtype
     xp, meta = _row_tiles(x, group_sizes, bm)
     grid_m, grid_n = meta.shape[1], n // bn
@@ -359,23 +348,17 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
             def acc_scope(acc_ref):
                 def step(idx, x_smem, *plane_smem):
                     (kk,) = idx
-                    for part in range(parts):
-                        # parts 2: part p's slot is p; the product before it (the other
-                        # slot's) is waited for below before the next part converts
-                        slot = part if parts == 2 else (lax.rem(kk, 2) if tiles.overlap
-                                                        else 0)
-                        with region("convert"):  # a profiled region (KernelProfile)
-                            convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot],
-                                    *((part,) if parts == 2 else ()))
-                            plgpu.commit_smem()
-                        xs = x_smem if parts == 1 else x_smem.at[:, pl.ds(part * pk, pk)]
-                        with region("wgmma"):
-                            plgpu.wgmma(acc_ref, xs, w_smem.at[slot])
-                        # overlap: the product before this one is done, so its x buffer
-                        # (released after this step) and its weight slot (written next)
-                        # are free; else this step's, and its x buffer is released now.
-                        with region("wgmma_wait"):
-                            plgpu.wgmma_wait(1 if tiles.overlap else 0)
+                    slot = lax.rem(kk, 2) if tiles.overlap else 0
+                    with region("convert"):  # a profiled region (KernelProfile)
+                        convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
+                        plgpu.commit_smem()
+                    with region("wgmma"):
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
+                    # overlap: the previous step's product is done, so its x buffer
+                    # (released after this step) and its weight slot (written next step)
+                    # are free; else this step's, and its x buffer is released now.
+                    with region("wgmma_wait"):
+                        plgpu.wgmma_wait(1 if tiles.overlap else 0)
 
                 specs = [plgpu.BlockSpec(spec.block_shape,
                                          lambda kk, f=spec.index_map: f(kk, ni))
@@ -402,7 +385,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
                        interpret=interpret, profile=profile,
                        grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
-                       scratch_types=dict(w_smem=plgpu.SMEM((1 + tiles.overlap, pk, bn),
+                       scratch_types=dict(w_smem=plgpu.SMEM((1 + tiles.overlap, bk, bn),
                                                             dtype)))
 
 
@@ -533,8 +516,7 @@ MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP // 2, 3, 8, 2)
 
 def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
-    of 128 (a k step one group, as two products with `overlap`, or half of one: block_k 128
-    or 64), symmetric or with a
+    of 128 (a k step one group, or half of one: block_k 128 or 64), symmetric or with a
     zero-point plane (one compute warpgroup: the two-warpgroup kernel's warp-specialized
     pipeline with a third plane hangs in Pallas' interpreter, so it is not used), rows in
     groups k // 128 (an act-order matrix's stored rows, `QuantizedMatrix.stored`), whole
@@ -542,7 +524,6 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
     k, n = w.shape
     return (w.kind == "int4" and w.block == INT4_GROUP and w.perm is None
             and (w.zero is None or tiles.compute_wgs == 1)
-            and (tiles.overlap or tiles.block_k != INT4_GROUP)
             and tiles.block_k in (INT4_GROUP, INT4_GROUP // 2)
             and k % INT4_GROUP == 0 and n % tiles.block_n == 0
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
@@ -692,12 +673,13 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     def convert(kk, gid, ni, *refs):
         del gid, ni
-        if per_group == 1:  # a part of the group's step: its nibble half (`_ragged_kernel`)
-            *planes, w_slot, part = refs
-            w_slot[...] = nibbles(*operands(*planes), bool(part))
+        *planes, w_slot = refs
+        q, s, z = operands(*planes)
+        if per_group == 1:
+            w_slot[:half] = nibbles(q, s, z, False)
+            w_slot[half:] = nibbles(q, s, z, True)
         else:
-            *planes, w_slot = refs
-            half_of_group(kk, *operands(*planes), w_slot)
+            half_of_group(kk, q, s, z, w_slot)
 
     def convert_part(kk, gid, ni, wg, *refs):  # half the tile a warpgroup
         del gid, ni
@@ -731,8 +713,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                 profile=profile)
         return _ragged_kernel(
             x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
-            pipelined=pipelined, resident=[], convert=convert, profile=profile,
-            parts=2 if per_group == 1 else 1)
+            pipelined=pipelined, resident=[], convert=convert, profile=profile)
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per

@@ -80,26 +80,23 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_a_step_that_waits_for_its_product_gives_the_same_bits(kind):
     # MosaicTiles(overlap=False): one weight slot, each step's product waited for before the
-    # next converts, x released at once; int4 also a whole group a step (two products, each
-    # one nibble half): the same sums in the same order, the overlapping kernel's bits. The
-    # byte layouts exist only on a GPU: interpreted, every load_layout runs the same code.
+    # next converts, x released at once: the same sums in the same order, the overlapping
+    # kernel's bits (int4: half a group and a whole group a step). The byte layouts exist
+    # only on a GPU: interpreted, every load_layout runs the same code.
     w = _matrix(kind, nan_experts=(1, 4))
     x = _x(sum(SIZES) + 7, 256)
     sizes = jnp.asarray(SIZES, jnp.int32)
     fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
     base = MosaicTiles(64, 128, 64, 2, 1)
-    want = np.asarray(fn(x, w, sizes, tiles=base, interpret=True))
-    variants = [dataclasses.replace(base, overlap=False)]
-    if kind == "int4":
-        variants.append(dataclasses.replace(base, block_k=128))
-    for tiles in variants:
+    for bk in (64, 128) if kind == "int4" else (64,):
+        base = dataclasses.replace(base, block_k=bk)
+        want = np.asarray(fn(x, w, sizes, tiles=base, interpret=True))
+        tiles = dataclasses.replace(base, overlap=False)
         np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, interpret=True)),
                                       want, err_msg=str(tiles))
     if kind == "int4":
         with pytest.raises(ValueError, match="load_layout 'narrow'"):
             fn(x, w, sizes, load_layout="narrow")
-        # a whole-group step needs the overlap (its two products' slots)
-        assert not mosaic_int4_supports(w, MosaicTiles(64, 128, 128, 2, 1, overlap=False))
     with pytest.raises(ValueError, match="overlap=False"):
         MosaicTiles(128, 128, 64, 3, 8, 1, 2, overlap=False)
 
@@ -357,9 +354,9 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
         assert_close(np.asarray(other, np.float64), fused_reference(x, w, sizes),
                      jnp.bfloat16, err_msg=str(tiles))
     # The one-warpgroup kernel's other ways to a step (each product waited for in its own
-    # step; int4 a whole group a step in two products; a step's bytes read four a thread,
-    # computed on in that layout or moved into the products' one): the same sums in the same
-    # order, so the dequantize path's bits.
+    # step; int4 a whole group a step; a step's bytes read four a thread, computed on in that
+    # layout or moved into the products' one): the same sums in the same order, so the
+    # dequantize path's bits.
     if kind == "fp8":
         variants = ((dataclasses.replace(MOSAIC_TILES, overlap=False), {}),)
     else:
