@@ -132,8 +132,10 @@ class KernelProfile:
     "store" in the one-warpgroup kernel; the slot's "barrier" in the two-warpgroup one; the
     pipeline's waits for its copies are the time between them) and a run writes a Perfetto
     trace (`*-trace.json`) into `dir`. Its buffer takes 16 bytes a region of each
-    warpgroup's shared memory, so `regions` must fit beside the kernel's own (two programs an
-    SM leave room for about 512) and cover every region a program records: a persistent
+    warpgroup's shared memory, so `regions` must fit beside the kernel's own (the int4
+    kernel's two programs an SM still share one at 224; at 512 each SM runs them one after
+    the other, a different kernel than the unprofiled one) and cover every region a program
+    records: a persistent
     program records them for all of its visits, so profile small inputs, or record only
     some of the regions (`scopes`, None: all), which lets larger inputs fit. GPU only."""
 

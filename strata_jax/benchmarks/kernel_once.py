@@ -14,7 +14,7 @@ run writes is summarized: per region, how many, their median and total time per 
 and the time between regions (the pipeline's waits for its copies, the loop's own code):
 
     python -m strata_jax.benchmarks.kernel_once --paths int4 --tokens 1024 --runs 1 \\
-        --profile-dir out/prof
+        --profile-dir out/prof --profile-regions 224 --profile-scopes convert
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ PATHS = ("bf16", "fp8", "int4")
 
 
 def summarize_trace(path: str) -> dict:
-    """A Mosaic GPU profiler trace (Perfetto JSON of "B"/"E" events, one track a warpgroup,
-    `ts` in microseconds) summed up: per region its count, median and mean duration and its
-    total per track (microseconds); each track's span from its first to its last event, and
-    the part of it outside every region ("between")."""
+    """A Mosaic GPU profiler trace (Perfetto JSON of "B"/"E" events, one track a warpgroup)
+    summed up: per region its count, median and mean duration and its total per track; each
+    track's span from its first to its last event, and the part of it outside every region
+    ("between"). The profiler stamps events with the SM's clock: a track's `ts` is its
+    start (microseconds) plus cycles / 1000, so the durations (the "_us" keys) are
+    thousands of SM clock cycles."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     tracks = collections.defaultdict(list)
@@ -93,7 +95,8 @@ def main(argv=None) -> int:
                     help='the Mosaic kernel\'s tiling, as quant_matmul_bench --mosaic (default: '
                          "the model's)")
     ap.add_argument("--profile-regions", type=int, default=512,
-                    help="regions each warpgroup can record (16 bytes of shared memory each)")
+                    help="regions each warpgroup can record (16 bytes of shared memory each; "
+                         "the int4 kernel's two programs an SM fit one SM at 224, not at 512)")
     a = ap.parse_args(argv)
     paths = a.paths.split(",")
     if set(paths) - set(PATHS):

@@ -39,9 +39,8 @@ from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul, fused_supports,
                                      in_stored_order, tiles_for)
 from strata_jax.quant_mosaic import (INT_TO_FLOAT, LOAD_LAYOUTS, MosaicTiles,
-                                     mosaic_grouped_matmul,
-                                     mosaic_int4_grouped_matmul, mosaic_int4_supports,
-                                     mosaic_supports)
+                                     mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
+                                     mosaic_int4_supports, mosaic_supports)
 
 
 def _swiglu(x, w, sizes, mm):
