@@ -440,6 +440,19 @@ def test_model_reads_quantized_experts_through_the_kernel_with_dequantize_bits(k
     assert len(set(got.values())) == 1, got
 
 
+def test_quant_matmul_bench_times_the_models_tiling_without_mosaic_flags():
+    # No --mosaic: the tiling the model reads the layer with (int4's; fp8's by its rows an
+    # expert: the two-warpgroup tiling from 256).
+    from strata_jax.benchmarks.quant_matmul_bench import model_mosaic_tiles
+    from strata_jax.config import get_preset
+
+    cfg = get_preset("qwen3-30b-a3b")  # top-8 of 128 experts: 16 tokens a row an expert
+    assert model_mosaic_tiles("int4", 8192, cfg) == MOSAIC_INT4_TILES
+    assert model_mosaic_tiles("int4-zp", 1024, cfg) == MOSAIC_INT4_TILES
+    assert model_mosaic_tiles("fp8", 1024, cfg) == MOSAIC_TILES
+    assert model_mosaic_tiles("fp8", 8192, cfg) == MOSAIC_WIDE_TILES
+
+
 @pytest.mark.slow
 def test_quant_matmul_bench_rows_on_a_small_layer():
     # The benchmark's rows on a small layer: bf16, dequantize, a Triton and a Mosaic tiling

@@ -8,7 +8,8 @@ tokens * top_k rows sorted by expert) in these ways per format:
     dequantize  the quantized planes dequantized to bf16, then the bf16 grouped matmuls;
     fused       the Triton kernel `fused_grouped_matmul` on the planes, at its default tiling and
                 each one given (`--tiles`; `--no-triton` skips it);
-    mosaic      the Mosaic GPU kernel at each tiling given (`--mosaic`): fp8
+    mosaic      the Mosaic GPU kernel at each tiling given (`--mosaic`; none given: the one
+                the model reads the layer with, `model_mosaic_tiles`): fp8
                 `quant_mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
                 (block_k 128, one scale group a step, or 64, half of one).
 It reports each time over bf16's and dequantize's, whether a kernel's output has exactly the
@@ -38,9 +39,10 @@ from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantiz
 from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul, fused_supports,
                                      in_stored_order, tiles_for)
-from strata_jax.quant_mosaic import (INT_TO_FLOAT, LOAD_LAYOUTS, MosaicTiles,
-                                     mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
-                                     mosaic_int4_supports, mosaic_supports)
+from strata_jax.quant_mosaic import (INT_TO_FLOAT, LOAD_LAYOUTS, MOSAIC_INT4_TILES,
+                                     MosaicTiles, fp8_tiles_for, mosaic_grouped_matmul,
+                                     mosaic_int4_grouped_matmul, mosaic_int4_supports,
+                                     mosaic_supports)
 
 
 def _swiglu(x, w, sizes, mm):
@@ -70,8 +72,16 @@ def parse_mosaic(spec: str) -> MosaicTiles:
     return MosaicTiles(*values)
 
 
+def model_mosaic_tiles(kind: str, tokens: int, config) -> MosaicTiles:
+    """The Mosaic tiling the model reads a `kind` layer of `tokens` tokens with (int4:
+    MOSAIC_INT4_TILES; fp8: `fp8_tiles_for` its rows and experts)."""
+    if kind.startswith("int4"):
+        return MOSAIC_INT4_TILES
+    return fp8_tiles_for(tokens * config.top_k, config.n_experts)
+
+
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
-              repeats: int, mosaic: list[MosaicTiles] = (),
+              repeats: int, mosaic: list[MosaicTiles] | None = (),
               int_to_float: tuple[str, ...] = ("bits",),
               load_layouts: tuple[str, ...] = ("wgmma",),
               per_matrix: bool = False, batch: int = 1) -> list[dict]:
@@ -152,7 +162,7 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
             continue
         rows.append(timed("fused", name, lambda a, b, c, tiles=tiles: fused_grouped_matmul(
             a, b, c, tiles=tiles), default=tiles is None))
-    for tiles in mosaic:
+    for tiles in ([model_mosaic_tiles(kind, tokens, config)] if mosaic is None else mosaic):
         name = ",".join(str(int(v)) for v in dataclasses.astuple(tiles))
         if fmt.kind == "int4":
             if not all(mosaic_int4_supports(a.stored(), tiles) for a in wq):
@@ -190,7 +200,8 @@ def main(argv=None) -> int:
                    help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
                         "default tiling is always timed")
     p.add_argument("--mosaic", action="append", default=[],
-                   help='a Mosaic kernel tiling "bm,bn,bk,stages,grid_block_n[,per_sm'
+                   help='a Mosaic kernel tiling (default: the one the model reads the layer '
+                        'with) "bm,bn,bk,stages,grid_block_n[,per_sm'
                         '[,compute_wgs[,overlap]]]" (repeatable; int4 takes those with bk 128 '
                         "or 64; compute_wgs 2: two compute warpgroups on halves of bm rows "
                         "sharing each converted weight tile; overlap 0: each step waits for "
@@ -215,7 +226,7 @@ def main(argv=None) -> int:
     config = get_preset(a.preset)
     try:
         tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
-        mosaic = [parse_mosaic(s) for s in a.mosaic]
+        mosaic = [parse_mosaic(s) for s in a.mosaic] or None  # None: the model's tiling
         int_to_float = tuple(a.int_to_float.split(","))
         load_layouts = tuple(a.load_layout.split(","))
         if set(load_layouts) - set(LOAD_LAYOUTS):
