@@ -77,7 +77,7 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
         mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="cast")
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", pytest.param("int4", marks=pytest.mark.slow)])
 def test_a_step_that_waits_for_its_product_gives_the_same_bits(kind):
     # MosaicTiles(overlap=False): one weight slot, each step's product waited for before the
     # next converts, x released at once: the same sums in the same order, the overlapping
