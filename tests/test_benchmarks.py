@@ -661,3 +661,5 @@ def test_kernel_once_summarizes_a_profiler_trace_and_refuses_bf16(tmp_path):
     assert out["between_us_per_track"] == pytest.approx((2 + 6) / 2)
     with pytest.raises(SystemExit):
         kernel_once.main(["--paths", "bf16,int4", "--profile-dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        kernel_once.main(["--paths", "bf16", "--mosaic", "128,128,64,3,8,2"])

@@ -101,11 +101,13 @@ def main(argv=None) -> int:
     paths = a.paths.split(",")
     if set(paths) - set(PATHS):
         ap.error(f"--paths {a.paths!r}: a comma list of {'|'.join(PATHS)}")
+    mosaic_flags = [f for f, v in (("--profile-dir", a.profile_dir), ("--mosaic", a.mosaic))
+                    if v is not None]
+    if mosaic_flags and "bf16" in paths:
+        ap.error(f"{' and '.join(mosaic_flags)}: the fp8/int4 Mosaic kernels only; leave bf16 "
+                 "out of --paths")
     profile = None
     if a.profile_dir is not None:
-        if "bf16" in paths:
-            ap.error("--profile-dir profiles the fp8/int4 Mosaic kernels; leave bf16 out of "
-                     "--paths")
         from strata_jax.quant_mosaic import KernelProfile
         os.makedirs(a.profile_dir, exist_ok=True)
         try:
@@ -117,9 +119,6 @@ def main(argv=None) -> int:
     tiles = None
     if a.mosaic is not None:
         from strata_jax.benchmarks.quant_matmul_bench import parse_mosaic
-        if "bf16" in paths:
-            ap.error("--mosaic sets the fp8/int4 Mosaic kernels' tiling; leave bf16 out of "
-                     "--paths")
         try:
             tiles = parse_mosaic(a.mosaic)
         except (ValueError, TypeError) as e:
