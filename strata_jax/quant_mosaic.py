@@ -46,6 +46,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -531,7 +532,7 @@ def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-INT_TO_FLOAT = ("bits", "masks", "convert")
+INT_TO_FLOAT = ("bits", "masks", "convert", "bf16x2")
 # How a step's bytes reach registers (`mosaic_int4_grouped_matmul`'s load_layout).
 LOAD_LAYOUTS = ("wgmma", "wide", "wide-relayout")
 
@@ -545,6 +546,78 @@ def int4_values_f32(n: jax.Array, int_to_float: str = "bits") -> jax.Array:
     if int_to_float in ("bits", "masks"):
         return lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
     return (n - 8).astype(jnp.float32)
+
+
+def split_scale_bf16(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 scales `s` (float16 values: 11 significant bits) as (hi, lo) in bfloat16 with
+    hi + lo == s exactly: hi is s cut to bf16's 8 bits toward zero, lo the rest (at most 3
+    significant bits, a multiple of s's last bit below 8 of them) with s's sign also where
+    it is zero. (n - z) * lo is then exact in bf16 for a nibble n and zero-point z, so
+    fma(n - z, hi, (n - z) * lo) in bf16 rounds (n - z) * s once: the float32 product's cast,
+    the dequantize path's bits, zero's sign included ("bf16x2", `int4_bf16x2_reference`)."""
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    hi = lax.bitcast_convert_type(bits & jnp.int32(-65536), jnp.float32)
+    lo = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(s - hi, jnp.int32) | (bits & jnp.int32(-2147483648)),
+        jnp.float32)
+    return hi.astype(jnp.bfloat16), lo.astype(jnp.bfloat16)
+
+
+def int4_bf16x2_reference(n, s, z=8):
+    """What "bf16x2" computes, in NumPy: nibbles `n` (0..15) less `z`, times float16 scales
+    `s`, by the bf16 steps the kernel runs (each exact, the last one rounded once, as a
+    float64 sum rounded to bf16), as float32 bf16 values; for tests against the float32
+    product's cast."""
+    import ml_dtypes
+    hi, lo = (np.asarray(a, np.float64) for a in split_scale_bf16(
+        jnp.asarray(np.asarray(s, np.float16).astype(np.float32))))
+    v = np.asarray(n, np.float64) - np.asarray(z, np.float64)
+    t = v * lo  # exact in bf16 (checked by the caller)
+    return (v * hi + t).astype(np.float32).astype(ml_dtypes.bfloat16)
+
+
+def _bf16x2_nibbles(q, s_hi, s_lo, zmag, high: bool, layout):
+    """The nibble half `high` of bytes q (uint8 [rows, cols], two columns a register) times
+    its columns' scales as bf16, two values an instruction (inline PTX, sm_90): each pair of
+    nibbles is put under bf16's exponent of 128 (128 + n, by a byte permute and a mask),
+    less 128 + z (exact), then t = v * s_lo (exact) and fma(v, s_hi, t), rounded once.
+    s_hi, s_lo: the column's `split_scale_bf16`; zmag: 128 + z per column (bf16), or None
+    for the symmetric format's 8."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    shift = "shr.b32 t, t, 4;" if high else ""
+    sub = ("sub.bf16x2 v, m, $4;" if zmag is not None else
+           "mov.b32 c, 0x43084308; sub.bf16x2 v, m, c;")
+    asm = f"""{{
+    .reg .b32 z, t, m, v, p, c;
+    mov.b32 z, 0;
+    prmt.b32 t, $1, z, 0x4140;
+    {shift}
+    lop3.b32 m, t, 0x000F000F, 0x43004300, 0xea;
+    {sub}
+    mul.rn.bf16x2 p, v, $3;
+    fma.rn.bf16x2 $0, v, $2, p;
+    }}"""
+    args = (q, s_hi, s_lo) if zmag is None else (q, s_hi, s_lo, zmag)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(args),
+                       return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.bfloat16, layout=layout))
+    def convert(ctx, qa, *cols):
+        del ctx
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        out = np.empty(qa.registers.shape, dtype=object)
+        for idx, reg in np.ndenumerate(qa.registers):
+            ins = [arith.extui(i32, mgpu.utils.bitcast(reg, i16)),
+                   *(mgpu.utils.bitcast(c.registers[idx], i32) for c in cols)]
+            r = llvm.inline_asm(i32, ins, asm, "=r" + ",r" * len(ins))
+            out[idx] = mgpu.utils.bitcast(r, pair)
+        return mgpu.FragmentedArray(_registers=out, _layout=qa.layout, _is_signed=None)
+
+    return convert(*args)
 
 
 def high_nibbles_x16_f32(q: jax.Array, zero: float | jax.Array = 8.0) -> jax.Array:
@@ -572,8 +645,11 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     int_to_float: how (nibble - z) becomes a float32, all exact, so the same bits: "bits"
     (2^23 + nibble by its bit pattern, less 2^23 + z, made once per column), "masks" (as
     "bits", but a high nibble is masked in place, 16 (nibble - z) times the scale / 16: one
-    logical op a value fewer, `high_nibbles_x16_f32`) or "convert" (int-to-float
-    conversions).
+    logical op a value fewer, `high_nibbles_x16_f32`), "convert" (int-to-float
+    conversions) or "bf16x2" (bf16 inputs and the "wgmma" load layout: two values an
+    instruction in bf16, the scale split in two exact parts so that one FMA rounds the product
+    once, `split_scale_bf16`; in interpret mode the float32 arithmetic of "bits", the same
+    values).
     load_layout: how a step's bytes are read from shared memory, all giving the same values:
     "wgmma" in the products' register layout (two bytes a thread a load), "wide" four bytes
     a thread a load (Mosaic's WGMMA_UPCAST_2X layout), the whole conversion and the store of
@@ -602,6 +678,10 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     if x.dtype != w.dtype:
         raise ValueError(f"mosaic_int4_grouped_matmul: x dtype {x.dtype} != the matrix's "
                          f"{w.dtype}")
+    if int_to_float == "bf16x2" and (x.dtype != jnp.bfloat16 or load_layout != "wgmma"):
+        raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float 'bf16x2' reads bf16 "
+                         f"inputs in the 'wgmma' load layout, not {x.dtype} with "
+                         f"{load_layout!r}; use 'bits'")
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
     interpret, num_sms = _launch(interpret, num_sms, profile)
@@ -629,6 +709,18 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         return q.astype(jnp.int32)
 
     masks = int_to_float == "masks"
+    packed = int_to_float == "bf16x2" and not interpret  # the interpreter: "bits"' values
+
+    def packed_operands(q_ref, s_ref, z_ref):
+        """(bytes, (scale hi, scale lo), 128 + zero-point or None) of a step for "bf16x2":
+        the bytes as loaded, the rest bf16 per column, broadcast over the rows."""
+        q = q_ref[...]
+        hi, lo = split_scale_bf16(s_ref[0].astype(jnp.float32))
+        s = (column(hi, q.shape), column(lo, q.shape))
+        if z_ref is None:
+            return q, s, None
+        z = z_ref[0].astype(jnp.int32).astype(jnp.float32) + 128.0
+        return q, s, column(z.astype(jnp.bfloat16), q.shape)
 
     def operands(q_ref, s_ref, z_ref=None):
         """(values, scale, zero) of a step: the bytes upcast before the logical ops [64,
@@ -636,6 +728,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         for the high nibbles (a pair); with zero-points, what the nibbles' float32 are less by
         per column (2^23 + z for "bits", z for "convert", with "masks" a pair with
         2^23 + 16 z; exact), else None."""
+        if packed:
+            return packed_operands(q_ref, s_ref, z_ref)
         q = load_bytes(q_ref)
         row = s_ref[0].astype(jnp.float32)
         s = column(row, q.shape)
@@ -649,6 +743,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         return q, s, column(z + 8388608.0 if int_to_float == "bits" else z, q.shape)
 
     def nibbles(q, s, z, high: bool):
+        if packed:
+            return _bf16x2_nibbles(q, *s, z, high, layout)
         if masks:
             s, z = s[high], (None if z is None else z[high])
             if high:  # 16 (nibble - z) from the bits in place, times scale / 16

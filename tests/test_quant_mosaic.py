@@ -17,9 +17,11 @@ from strata_jax.grouped_matmul import grouped_matmul, is_hopper, piece_group_siz
 from strata_jax.quant_matmul import fused_reference, resolve_quantized
 from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES,
                                      WIDE_FROM_ROWS_PER_GROUP, KernelProfile, MosaicTiles,
-                                     fp8_tiles_for, high_nibbles_x16_f32, int4_values_f32,
+                                     fp8_tiles_for, high_nibbles_x16_f32,
+                                     int4_bf16x2_reference, int4_values_f32,
                                      mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
-                                     mosaic_int4_supports, mosaic_supports)
+                                     mosaic_int4_supports, mosaic_supports,
+                                     split_scale_bf16)
 from strata_jax.testing import assert_close
 from test_quant_matmul import _matrix, _x, _zero_matrix
 
@@ -69,13 +71,43 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
     assert (got[200:] == 0).all()
     # (nibble - 8) as float32 by its bits (the default), with the high nibbles masked in
     # place, or by a conversion: the same bits
-    for how in ("masks", "convert"):
+    for how in ("masks", "convert", "bf16x2"):
         conv = mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32),
                                           tiles=MosaicTiles(64, 128, 128, 2, 1), interpret=True,
                                           int_to_float=how)
         np.testing.assert_array_equal(np.asarray(conv, np.float64), got, err_msg=how)
     with pytest.raises(ValueError, match="int_to_float 'cast'"):
         mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="cast")
+    # "bf16x2" computes in bf16: bf16 inputs in the products' load layout only
+    with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*'wide'"):
+        mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="bf16x2",
+                                   load_layout="wide")
+    w16 = dataclasses.replace(w, dtype=jnp.float16)
+    with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*not float16"):
+        mosaic_int4_grouped_matmul(x.astype(jnp.float16), w16, jnp.asarray(SIZES, jnp.int32),
+                                   int_to_float="bf16x2")
+
+
+def test_bf16x2_steps_round_each_product_once():
+    # "bf16x2": (nibble - z) * scale as fma(v, hi, v * lo) in bf16 over the scale split by
+    # split_scale_bf16. For every finite float16 scale of either sign, every nibble and every
+    # zero-point: hi + lo is the scale, v * lo is exact in bf16, and the one rounding gives
+    # the float32 product's cast, bit for bit (zeros' signs included).
+    import ml_dtypes
+    s16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    s16 = s16[np.isfinite(s16)]
+    hi, lo = (np.asarray(a, np.float64) for a in
+              split_scale_bf16(jnp.asarray(s16.astype(np.float32))))
+    np.testing.assert_array_equal(hi + lo, s16.astype(np.float64))
+    bf16 = ml_dtypes.bfloat16
+    for z in range(16):
+        for n in range(16):
+            t = (n - z) * lo
+            np.testing.assert_array_equal(t.astype(np.float32).astype(bf16).astype(np.float64), t)
+            got = int4_bf16x2_reference(np.full(s16.shape, n), s16, z)
+            want = (np.float32(n - z) * s16.astype(np.float32)).astype(bf16)
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16),
+                                          err_msg=f"n={n} z={z}")
 
 
 @pytest.mark.parametrize("kind", ["fp8", pytest.param("int4", marks=pytest.mark.slow)])
@@ -149,7 +181,7 @@ def test_interpreted_int4_kernel_reads_zero_points(bk):
     sizes = jnp.asarray(SIZES, jnp.int32)
     one = MosaicTiles(64, 128, bk, 2, 1)
     got = {}
-    for conv in ("bits", "masks", "convert"):
+    for conv in ("bits", "masks", "convert", "bf16x2"):
         for tiles in (one, MosaicTiles(64, 128, bk, 3, 2, 2)):
             got[conv, tiles] = out = np.asarray(mosaic_int4_grouped_matmul(
                 x, w, sizes, tiles=tiles, interpret=True, int_to_float=conv))
@@ -362,11 +394,14 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     # dequantize path's bits.
     if kind == "fp8":
         variants = ((dataclasses.replace(MOSAIC_TILES, overlap=False), {}),)
-    else:
+    else:  # and the nibbles made bf16 two an instruction, at both k steps
         variants = ((dataclasses.replace(MOSAIC_INT4_TILES, overlap=False), {}),
                     (MosaicTiles(128, 128, 128, 3, 8, 1), {}),
                     (MOSAIC_INT4_TILES, dict(load_layout="wide")),
-                    (MOSAIC_INT4_TILES, dict(load_layout="wide-relayout")))
+                    (MOSAIC_INT4_TILES, dict(load_layout="wide-relayout")),
+                    (MOSAIC_INT4_TILES, dict(int_to_float="bf16x2")),
+                    (MosaicTiles(128, 128, 128, 3, 8, 1), dict(int_to_float="bf16x2")),
+                    (MOSAIC_INT4_TILES, dict(int_to_float="bits")))
     for tiles, extra in variants:
         np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, **extra)),
                                       np.asarray(deq), err_msg=f"{tiles} {extra}")
@@ -374,8 +409,14 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     # in the same order, so the dequantize path's bits (not for zero-points: refused).
     for tiles in ((MosaicTiles(256, 128, 64, 3, 8, 1, 2), MosaicTiles(128, 128, 128, 2, 8, 1, 2))
                   if kind != "int4-zp" else ()):
-        np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles)),
-                                      np.asarray(deq), err_msg=str(tiles))
+        for extra in ({}, {"int_to_float": "bf16x2"}) if kind == "int4" else ({},):
+            np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, **extra)),
+                                          np.asarray(deq), err_msg=f"{tiles} {extra}")
+    if kind != "fp8":  # negative scales: the bf16 steps' bits too
+        neg = dataclasses.replace(w, scale=-w.scale)
+        np.testing.assert_array_equal(
+            np.asarray(fn(x, neg, sizes, int_to_float="bf16x2")),
+            np.asarray(grouped_matmul(x, neg.dequantize(), sizes, impl="mosaic")))
 
 
 @pytest.mark.gpu
