@@ -577,44 +577,53 @@ def int4_bf16x2_reference(n, s, z=8):
 
 
 def _bf16x2_nibbles(q, s_hi, s_lo, zmag, high: bool, layout):
-    """The nibble half `high` of bytes q (uint8 [rows, cols], two columns a register) times
-    its columns' scales as bf16, two values an instruction (inline PTX, sm_90): each pair of
-    nibbles is put under bf16's exponent of 128 (128 + n, by a byte permute and a mask),
-    less 128 + z (exact), then t = v * s_lo (exact) and fma(v, s_hi, t), rounded once.
-    s_hi, s_lo: the column's `split_scale_bf16`; zmag: 128 + z per column (bf16), or None
-    for the symmetric format's 8."""
+    """The nibble half `high` of bytes q (uint8 [rows, cols] in `layout`, Mosaic's
+    WGMMA_UPCAST_2X: four adjacent columns' bytes in one 32-bit register) times its columns'
+    scales, as bf16 [rows, cols] in the same layout, two values an instruction (inline PTX,
+    sm_90): a byte permute puts two nibbles in the low bits of a register's halves, a mask
+    sets bf16's exponent of 128 over them (128 + n), less 128 + z (exact), then
+    t = v * s_lo (exact) and fma(v, s_hi, t), rounded once. s_hi, s_lo: the columns'
+    `split_scale_bf16`; zmag: 128 + z per column (bf16), or None for the symmetric format's
+    8; all three broadcast over the rows in `layout`."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax._src.lib.mlir.dialects import llvm
 
-    shift = "shr.b32 t, t, 4;" if high else ""
-    sub = ("sub.bf16x2 v, m, $4;" if zmag is not None else
-           "mov.b32 c, 0x43084308; sub.bf16x2 v, m, c;")
-    asm = f"""{{
-    .reg .b32 z, t, m, v, p, c;
-    mov.b32 z, 0;
-    prmt.b32 t, $1, z, 0x4140;
-    {shift}
-    lop3.b32 m, t, 0x000F000F, 0x43004300, 0xea;
-    {sub}
-    mul.rn.bf16x2 p, v, $3;
-    fma.rn.bf16x2 $0, v, $2, p;
-    }}"""
+    def asm(part: int) -> str:  # the register's column pair `part` (0: columns 0, 1)
+        sel = ("0x4140", "0x4342")[part]  # bytes 2p, 2p + 1 to the halves' low bytes
+        return f"""{{
+        .reg .b32 z, w, t, m, v, p, c;
+        mov.b32 z, 0;
+        {"shr.b32 w, $1, 4;" if high else "mov.b32 w, $1;"}
+        prmt.b32 t, w, z, {sel};
+        lop3.b32 m, t, 0x000F000F, 0x43004300, 0xea;
+        {"sub.bf16x2 v, m, $4;" if zmag is not None else
+         "mov.b32 c, 0x43084308; sub.bf16x2 v, m, c;"}
+        mul.rn.bf16x2 p, v, $3;
+        fma.rn.bf16x2 $0, v, $2, p;
+        }}"""
+
     args = (q, s_hi, s_lo) if zmag is None else (q, s_hi, s_lo, zmag)
 
     @plgpu.inline_mgpu(arg_types=(layout,) * len(args),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.bfloat16, layout=layout))
     def convert(ctx, qa, *cols):
         del ctx
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         out = np.empty(qa.registers.shape, dtype=object)
         for idx, reg in np.ndenumerate(qa.registers):
-            ins = [arith.extui(i32, mgpu.utils.bitcast(reg, i16)),
-                   *(mgpu.utils.bitcast(c.registers[idx], i32) for c in cols)]
-            r = llvm.inline_asm(i32, ins, asm, "=r" + ",r" * len(ins))
-            out[idx] = mgpu.utils.bitcast(r, pair)
+            word = utils.bitcast(reg, i32)  # four bytes
+            halves = []
+            for part in (0, 1):
+                ins = [word, *(utils.bitcast(utils.vector_slice(c.registers[idx],
+                                                                slice(2 * part, 2 * part + 2)),
+                                             i32) for c in cols)]
+                r = llvm.inline_asm(i32, ins, asm(part), "=r" + ",r" * len(ins))
+                halves.append(utils.bitcast(r, pair))
+            out[idx] = utils.vector_concat(halves)
         return mgpu.FragmentedArray(_registers=out, _layout=qa.layout, _is_signed=None)
 
     return convert(*args)
@@ -642,14 +651,14 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
     What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`).
 
-    int_to_float: how (nibble - z) becomes a float32, all exact, so the same bits: "bits"
+    int_to_float: how (nibble - z) times the scale is made, all exact, so the same bits: "bits"
     (2^23 + nibble by its bit pattern, less 2^23 + z, made once per column), "masks" (as
     "bits", but a high nibble is masked in place, 16 (nibble - z) times the scale / 16: one
     logical op a value fewer, `high_nibbles_x16_f32`), "convert" (int-to-float
-    conversions) or "bf16x2" (bf16 inputs and the "wgmma" load layout: two values an
-    instruction in bf16, the scale split in two exact parts so that one FMA rounds the product
-    once, `split_scale_bf16`; in interpret mode the float32 arithmetic of "bits", the same
-    values).
+    conversions) or "bf16x2" (bf16 inputs and the "wide" load layout: two values an
+    instruction in bf16, the scales split before the kernel into two exact bf16 planes so
+    that one FMA rounds each product once, `split_scale_bf16`; in interpret mode the float32
+    arithmetic of "bits", the same values).
     load_layout: how a step's bytes are read from shared memory, all giving the same values:
     "wgmma" in the products' register layout (two bytes a thread a load), "wide" four bytes
     a thread a load (Mosaic's WGMMA_UPCAST_2X layout), the whole conversion and the store of
@@ -678,10 +687,10 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     if x.dtype != w.dtype:
         raise ValueError(f"mosaic_int4_grouped_matmul: x dtype {x.dtype} != the matrix's "
                          f"{w.dtype}")
-    if int_to_float == "bf16x2" and (x.dtype != jnp.bfloat16 or load_layout != "wgmma"):
+    if int_to_float == "bf16x2" and (x.dtype != jnp.bfloat16 or load_layout != "wide"):
         raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float 'bf16x2' reads bf16 "
-                         f"inputs in the 'wgmma' load layout, not {x.dtype} with "
-                         f"{load_layout!r}; use 'bits'")
+                         f"inputs in the 'wide' load layout, not {x.dtype} with "
+                         f"{load_layout!r}; use 'bits' or load_layout='wide'")
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
     interpret, num_sms = _launch(interpret, num_sms, profile)
@@ -711,25 +720,25 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     masks = int_to_float == "masks"
     packed = int_to_float == "bf16x2" and not interpret  # the interpreter: "bits"' values
 
-    def packed_operands(q_ref, s_ref, z_ref):
-        """(bytes, (scale hi, scale lo), 128 + zero-point or None) of a step for "bf16x2":
-        the bytes as loaded, the rest bf16 per column, broadcast over the rows."""
-        q = q_ref[...]
-        hi, lo = split_scale_bf16(s_ref[0].astype(jnp.float32))
-        s = (column(hi, q.shape), column(lo, q.shape))
-        if z_ref is None:
-            return q, s, None
-        z = z_ref[0].astype(jnp.int32).astype(jnp.float32) + 128.0
-        return q, s, column(z.astype(jnp.bfloat16), q.shape)
+    def packed_operands(q_ref, hi_ref, lo_ref, z_ref=None):
+        """(bytes, (scale hi, scale lo), 128 + zero-point or None) of a step for "bf16x2"
+        from its rows of the planes made before the kernel: the bytes four a thread, the
+        rest bf16 per column, broadcast over the rows."""
+        q = plgpu.layout_cast(q_ref[...], layout)
+        s = (column(hi_ref[0], q.shape), column(lo_ref[0], q.shape))
+        return q, s, None if z_ref is None else column(z_ref[0], q.shape)
 
-    def operands(q_ref, s_ref, z_ref=None):
+    def operands(*refs):
+        if packed:
+            return packed_operands(*refs)
+        return float_operands(*refs)
+
+    def float_operands(q_ref, s_ref, z_ref=None):
         """(values, scale, zero) of a step: the bytes upcast before the logical ops [64,
         cols]; the group's scale per column in float32, and with "masks" also that scale / 16
         for the high nibbles (a pair); with zero-points, what the nibbles' float32 are less by
         per column (2^23 + z for "bits", z for "convert", with "masks" a pair with
         2^23 + 16 z; exact), else None."""
-        if packed:
-            return packed_operands(q_ref, s_ref, z_ref)
         q = load_bytes(q_ref)
         row = s_ref[0].astype(jnp.float32)
         s = column(row, q.shape)
@@ -799,10 +808,18 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     row_spec = plgpu.BlockSpec((1, bn), lambda kk, ni: (kk // per_group, ni))
     specs = [plgpu.BlockSpec((half, bn), lambda kk, ni: (kk // per_group, ni)), row_spec]
-    pipelined = [w.q, w.scale]
-    if zeros:  # the zero-point row of the step's group, as its scale row
+    if packed:  # the scales split (and 128 + z) once, in bf16, for every step's rows
+        hi, lo = split_scale_bf16(w.scale.astype(jnp.float32))
+        pipelined = [w.q, hi, lo]
         specs.append(row_spec)
-        pipelined.append(w.zero)
+        if zeros:
+            specs.append(row_spec)
+            pipelined.append((w.zero.astype(jnp.float32) + 128.0).astype(jnp.bfloat16))
+    else:
+        pipelined = [w.q, w.scale]
+        if zeros:  # the zero-point row of the step's group, as its scale row
+            specs.append(row_spec)
+            pipelined.append(w.zero)
     with jax.named_scope("grouped_matmul_int4_mosaic"):
         if tiles.compute_wgs == 2:
             return _ragged_kernel_2wg(

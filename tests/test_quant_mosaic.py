@@ -74,18 +74,18 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
     for how in ("masks", "convert", "bf16x2"):
         conv = mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32),
                                           tiles=MosaicTiles(64, 128, 128, 2, 1), interpret=True,
-                                          int_to_float=how)
+                                          int_to_float=how,
+                                          load_layout="wide" if how == "bf16x2" else "wgmma")
         np.testing.assert_array_equal(np.asarray(conv, np.float64), got, err_msg=how)
     with pytest.raises(ValueError, match="int_to_float 'cast'"):
         mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="cast")
-    # "bf16x2" computes in bf16: bf16 inputs in the products' load layout only
-    with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*'wide'"):
-        mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="bf16x2",
-                                   load_layout="wide")
+    # "bf16x2" computes in bf16 on four bytes a thread: bf16 inputs, the "wide" layout
+    with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*not bfloat16 with 'wgmma'"):
+        mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="bf16x2")
     w16 = dataclasses.replace(w, dtype=jnp.float16)
     with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*not float16"):
         mosaic_int4_grouped_matmul(x.astype(jnp.float16), w16, jnp.asarray(SIZES, jnp.int32),
-                                   int_to_float="bf16x2")
+                                   int_to_float="bf16x2", load_layout="wide")
 
 
 def test_bf16x2_steps_round_each_product_once():
@@ -184,7 +184,8 @@ def test_interpreted_int4_kernel_reads_zero_points(bk):
     for conv in ("bits", "masks", "convert", "bf16x2"):
         for tiles in (one, MosaicTiles(64, 128, bk, 3, 2, 2)):
             got[conv, tiles] = out = np.asarray(mosaic_int4_grouped_matmul(
-                x, w, sizes, tiles=tiles, interpret=True, int_to_float=conv))
+                x, w, sizes, tiles=tiles, interpret=True, int_to_float=conv,
+                load_layout="wide" if conv == "bf16x2" else "wgmma"))
             assert np.isfinite(out).all()
             assert (out[200:] == 0).all()
     ref = fused_reference(x, w, SIZES)[:200]
@@ -399,8 +400,9 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
                     (MosaicTiles(128, 128, 128, 3, 8, 1), {}),
                     (MOSAIC_INT4_TILES, dict(load_layout="wide")),
                     (MOSAIC_INT4_TILES, dict(load_layout="wide-relayout")),
-                    (MOSAIC_INT4_TILES, dict(int_to_float="bf16x2")),
-                    (MosaicTiles(128, 128, 128, 3, 8, 1), dict(int_to_float="bf16x2")),
+                    (MOSAIC_INT4_TILES, dict(int_to_float="bf16x2", load_layout="wide")),
+                    (MosaicTiles(128, 128, 128, 3, 8, 1),
+                     dict(int_to_float="bf16x2", load_layout="wide")),
                     (MOSAIC_INT4_TILES, dict(int_to_float="bits")))
     for tiles, extra in variants:
         np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, **extra)),
@@ -409,13 +411,13 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     # in the same order, so the dequantize path's bits (not for zero-points: refused).
     for tiles in ((MosaicTiles(256, 128, 64, 3, 8, 1, 2), MosaicTiles(128, 128, 128, 2, 8, 1, 2))
                   if kind != "int4-zp" else ()):
-        for extra in ({}, {"int_to_float": "bf16x2"}) if kind == "int4" else ({},):
+        for extra in ({}, dict(int_to_float="bf16x2", load_layout="wide")) if kind == "int4" else ({},):
             np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, **extra)),
                                           np.asarray(deq), err_msg=f"{tiles} {extra}")
     if kind != "fp8":  # negative scales: the bf16 steps' bits too
         neg = dataclasses.replace(w, scale=-w.scale)
         np.testing.assert_array_equal(
-            np.asarray(fn(x, neg, sizes, int_to_float="bf16x2")),
+            np.asarray(fn(x, neg, sizes, int_to_float="bf16x2", load_layout="wide")),
             np.asarray(grouped_matmul(x, neg.dequantize(), sizes, impl="mosaic")))
 
 
