@@ -28,11 +28,17 @@ the group's float16 scale row:
     v = int32(byte);  w_lo = bf16(float32((v & 15) - 8) * scale[g, n0:n0+bn])    registers
     w_hi = bf16(float32((v >> 4) - 8) * scale[g, n0:n0+bn])
     w_smem[slot] = [w_lo; w_hi];  acc += x[rows, k0:k0+128] @ w_smem[slot]          wgmma, f32
-(the default steps by half a group, one nibble half a step, below).
-The 8-bit values are upcast before the shifts (Mosaic does only bitwise operations on 8-bit
+(the default steps by half a group, one nibble half a step, below). With bf16 inputs (the
+default, int_to_float "bf16x2") the same weights are made two an instruction in bf16: each
+thread reads four adjacent columns' bytes in one register (Mosaic's WGMMA_UPCAST_2X layout),
+a byte permute and a mask put two nibbles under bf16's exponent of 128, and with the scale
+split before the kernel into two bf16 planes, hi + lo == scale exactly (`split_scale_bf16`):
+    v = (128 + n) - (128 + z);  w = fma(v, hi, v * lo)                 bf16x2, inline PTX
+v * lo is exact and the FMA rounds once, so w is the float32 product's cast. Otherwise the
+8-bit values are upcast before the shifts (Mosaic does only bitwise operations on 8-bit
 vectors) and the scale row is laid out as a column vector of the products' layout, then
-broadcast over the rows. The weights come out as the dequantize path's, so the result has its
-bits too (GPU tests).
+broadcast over the rows. Either way the weights come out as the dequantize path's, so the
+result has its bits too (GPU tests).
 
 On the CPU the kernels run in Pallas' Mosaic GPU interpret mode (tests).
 """
@@ -638,11 +644,24 @@ def high_nibbles_x16_f32(q: jax.Array, zero: float | jax.Array = 8.0) -> jax.Arr
         8388608.0 + 16.0 * zero)
 
 
+def int4_conversion(dtype, int_to_float: str | None = None,
+                    load_layout: str | None = None) -> tuple[str, str]:
+    """(int_to_float, load_layout) the int4 kernel takes for inputs of `dtype` where either is
+    None: "bf16x2" in the "wide" layout for bf16 (unless another layout is given), else
+    "bits" in the "wgmma" one."""
+    if int_to_float is None:
+        int_to_float = ("bf16x2" if jnp.dtype(dtype) == jnp.bfloat16
+                        and load_layout in (None, "wide") else "bits")
+    if load_layout is None:
+        load_layout = "wide" if int_to_float == "bf16x2" else "wgmma"
+    return int_to_float, load_layout
+
+
 def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                                tiles: MosaicTiles | None = None, interpret: bool | None = None,
                                num_sms: int | None = None,
-                               int_to_float: str = "bits",
-                               load_layout: str = "wgmma",
+                               int_to_float: str | None = None,
+                               load_layout: str | None = None,
                                profile: KernelProfile | None = None) -> jax.Array:
     """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
     symmetric or with a zero-point plane): each k step TMA-loads one group's [64, N-tile] byte
@@ -651,7 +670,9 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
     What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`).
 
-    int_to_float: how (nibble - z) times the scale is made, all exact, so the same bits: "bits"
+    int_to_float: how (nibble - z) times the scale is made, all exact, so the same bits
+    (default: "bf16x2" for bf16 inputs, with load_layout "wide" unless another is given,
+    else "bits"): "bits"
     (2^23 + nibble by its bit pattern, less 2^23 + z, made once per column), "masks" (as
     "bits", but a high nibble is masked in place, 16 (nibble - z) times the scale / 16: one
     logical op a value fewer, `high_nibbles_x16_f32`), "convert" (int-to-float
@@ -659,7 +680,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     instruction in bf16, the scales split before the kernel into two exact bf16 planes so
     that one FMA rounds each product once, `split_scale_bf16`; in interpret mode the float32
     arithmetic of "bits", the same values).
-    load_layout: how a step's bytes are read from shared memory, all giving the same values:
+    load_layout: how a step's bytes are read from shared memory, all giving the same values
+    (default: "wide" with "bf16x2", else "wgmma"):
     "wgmma" in the products' register layout (two bytes a thread a load), "wide" four bytes
     a thread a load (Mosaic's WGMMA_UPCAST_2X layout), the whole conversion and the store of
     the bf16 tile in that layout, or "wide-relayout" four bytes a load, moved into the
@@ -672,6 +694,7 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     from .quant_matmul import check_operands
 
     tiles = tiles or MOSAIC_INT4_TILES
+    int_to_float, load_layout = int4_conversion(x.dtype, int_to_float, load_layout)
     if load_layout not in LOAD_LAYOUTS:
         raise ValueError(f"mosaic_int4_grouped_matmul: load_layout {load_layout!r}: expected "
                          f"one of {'|'.join(LOAD_LAYOUTS)}")

@@ -18,7 +18,8 @@ from strata_jax.quant_matmul import fused_reference, resolve_quantized
 from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES,
                                      WIDE_FROM_ROWS_PER_GROUP, KernelProfile, MosaicTiles,
                                      fp8_tiles_for, high_nibbles_x16_f32,
-                                     int4_bf16x2_reference, int4_values_f32,
+                                     int4_bf16x2_reference, int4_conversion,
+                                     int4_values_f32,
                                      mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports,
                                      split_scale_bf16)
@@ -81,7 +82,13 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
         mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="cast")
     # "bf16x2" computes in bf16 on four bytes a thread: bf16 inputs, the "wide" layout
     with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*not bfloat16 with 'wgmma'"):
-        mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="bf16x2")
+        mosaic_int4_grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), int_to_float="bf16x2",
+                                   load_layout="wgmma")
+    # the defaults: bf16x2 on four bytes a thread for bf16, else bits in the products' layout
+    assert int4_conversion(jnp.bfloat16) == ("bf16x2", "wide")
+    assert int4_conversion(jnp.float16) == ("bits", "wgmma")
+    assert int4_conversion(jnp.bfloat16, load_layout="wgmma") == ("bits", "wgmma")
+    assert int4_conversion(jnp.bfloat16, "masks") == ("masks", "wgmma")
     w16 = dataclasses.replace(w, dtype=jnp.float16)
     with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*not float16"):
         mosaic_int4_grouped_matmul(x.astype(jnp.float16), w16, jnp.asarray(SIZES, jnp.int32),
@@ -398,7 +405,7 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     else:  # and the nibbles made bf16 two an instruction, at both k steps
         variants = ((dataclasses.replace(MOSAIC_INT4_TILES, overlap=False), {}),
                     (MosaicTiles(128, 128, 128, 3, 8, 1), {}),
-                    (MOSAIC_INT4_TILES, dict(load_layout="wide")),
+                    (MOSAIC_INT4_TILES, dict(int_to_float="bits", load_layout="wide")),
                     (MOSAIC_INT4_TILES, dict(load_layout="wide-relayout")),
                     (MOSAIC_INT4_TILES, dict(int_to_float="bf16x2", load_layout="wide")),
                     (MosaicTiles(128, 128, 128, 3, 8, 1),
@@ -527,6 +534,12 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
         assert r["finite"] and r["max_diff_over_max"] < 0.02, r
     assert rows[2]["max_diff_over_max"] == rows[3]["max_diff_over_max"]
     assert "unsupported" in rows[6]["error"]
+    # without int_to_float: the model's conversion (bf16x2 on four bytes a thread), once
+    rows = bench_one(64, cfg, "int4", [], warmup=0, repeats=1,
+                     mosaic=[parse_mosaic("64,128,128,2,1")], load_layouts=(None, "wide"))
+    assert [(r.get("int_to_float"), r.get("load_layout")) for r in rows[2:]] == [
+        ("bf16x2", "wide")]
+    assert rows[2]["finite"] and rows[2]["max_diff_over_max"] < 0.02, rows[2]
     # per_matrix: gate's and down's matmul alone, bf16's then each Mosaic row's
     rows = bench_one(64, cfg, "int4", [], warmup=0, repeats=1,
                      mosaic=[parse_mosaic("64,128,128,2,1")], int_to_float=("masks",),

@@ -40,7 +40,8 @@ from strata_jax.grouped_matmul import grouped_matmul
 from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul, fused_supports,
                                      in_stored_order, tiles_for)
 from strata_jax.quant_mosaic import (INT_TO_FLOAT, LOAD_LAYOUTS, MOSAIC_INT4_TILES,
-                                     MosaicTiles, fp8_tiles_for, mosaic_grouped_matmul,
+                                     MosaicTiles, fp8_tiles_for, int4_conversion,
+                                     mosaic_grouped_matmul,
                                      mosaic_int4_grouped_matmul, mosaic_int4_supports,
                                      mosaic_supports)
 
@@ -82,8 +83,8 @@ def model_mosaic_tiles(kind: str, tokens: int, config) -> MosaicTiles:
 
 def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
               repeats: int, mosaic: list[MosaicTiles] | None = (),
-              int_to_float: tuple[str, ...] = ("bits",),
-              load_layouts: tuple[str, ...] = ("wgmma",),
+              int_to_float: tuple[str | None, ...] = (None,),
+              load_layouts: tuple[str | None, ...] = (None,),
               per_matrix: bool = False, batch: int = 1) -> list[dict]:
     m = tokens * config.top_k
     h, i, e = config.hidden_size, config.expert_intermediate, config.n_experts
@@ -170,9 +171,13 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                                  error="unsupported (int4 reads block_k 128 or 64, groups "
                                        "k // 128)"))
                 continue
+            seen = set()
             for conv, load in itertools.product(int_to_float, load_layouts):
-                if conv == "bf16x2" and load != "wide":
+                # None: the kernel's default for bf16 inputs (int4_conversion)
+                conv, load = int4_conversion(jnp.bfloat16, conv, load)
+                if (conv == "bf16x2" and load != "wide") or (conv, load) in seen:
                     continue  # the kernel reads bf16x2's bytes in the wide layout only
+                seen.add((conv, load))
                 def mm(a, b, c, tiles=tiles, conv=conv, load=load):
                     return mosaic_int4_grouped_matmul(a, b, c, tiles=tiles, int_to_float=conv,
                                                       load_layout=load)
@@ -208,13 +213,15 @@ def main(argv=None) -> int:
                         "or 64; compute_wgs 2: two compute warpgroups on halves of bm rows "
                         "sharing each converted weight tile; overlap 0: each step waits for "
                         "its product)")
-    p.add_argument("--int-to-float", default="bits",
+    p.add_argument("--int-to-float", default=None,
                    help="the int4 Mosaic kernel's nibble-to-float32 step(s), comma list of "
                         "|".join(INT_TO_FLOAT) + " (each timed per tiling and load layout; same "
-                        "bits; bf16x2 with the wide layout only)")
-    p.add_argument("--load-layout", default="wgmma",
+                        "bits; bf16x2 with the wide layout only; default: the model's, "
+                        "bf16x2)")
+    p.add_argument("--load-layout", default=None,
                    help="how the int4 Mosaic kernel reads a step's bytes, comma list of "
-                        "|".join(LOAD_LAYOUTS) + " (each timed per tiling; same bits)")
+                        "|".join(LOAD_LAYOUTS) + " (each timed per tiling; same bits; "
+                        "default: the one --int-to-float's conversion takes)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
     p.add_argument("--per-matrix", action="store_true",
                    help="also time gate's (as up's) and down's matmul alone, bf16 and each "
@@ -230,14 +237,14 @@ def main(argv=None) -> int:
     try:
         tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
         mosaic = [parse_mosaic(s) for s in a.mosaic] or None  # None: the model's tiling
-        int_to_float = tuple(a.int_to_float.split(","))
-        load_layouts = tuple(a.load_layout.split(","))
-        if set(load_layouts) - set(LOAD_LAYOUTS):
+        int_to_float = tuple(a.int_to_float.split(",")) if a.int_to_float else (None,)
+        load_layouts = tuple(a.load_layout.split(",")) if a.load_layout else (None,)
+        if set(load_layouts) - set(LOAD_LAYOUTS) - {None}:
             raise ValueError(f"--load-layout {a.load_layout!r}: a comma list of "
                              f"{'|'.join(LOAD_LAYOUTS)}")
         if a.batch < 1:
             raise ValueError(f"--batch {a.batch}: at least 1")
-        if set(int_to_float) - set(INT_TO_FLOAT):
+        if set(int_to_float) - set(INT_TO_FLOAT) - {None}:
             raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of "
                              f"{'|'.join(INT_TO_FLOAT)}")
         for kind in a.formats.split(","):
