@@ -402,14 +402,15 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     # dequantize path's bits.
     if kind == "fp8":
         variants = ((dataclasses.replace(MOSAIC_TILES, overlap=False), {}),)
-    else:  # and the nibbles made bf16 two an instruction, at both k steps
+    else:  # the default (bf16x2) and the float32 conversion ("bits"), at both k steps
         variants = ((dataclasses.replace(MOSAIC_INT4_TILES, overlap=False), {}),
+                    (dataclasses.replace(MOSAIC_INT4_TILES, overlap=False),
+                     dict(int_to_float="bits")),
                     (MosaicTiles(128, 128, 128, 3, 8, 1), {}),
+                    (MosaicTiles(128, 128, 128, 3, 8, 1), dict(int_to_float="bits")),
                     (MOSAIC_INT4_TILES, dict(int_to_float="bits", load_layout="wide")),
                     (MOSAIC_INT4_TILES, dict(load_layout="wide-relayout")),
                     (MOSAIC_INT4_TILES, dict(int_to_float="bf16x2", load_layout="wide")),
-                    (MosaicTiles(128, 128, 128, 3, 8, 1),
-                     dict(int_to_float="bf16x2", load_layout="wide")),
                     (MOSAIC_INT4_TILES, dict(int_to_float="bits")))
     for tiles, extra in variants:
         np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, **extra)),
@@ -418,7 +419,8 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     # in the same order, so the dequantize path's bits (not for zero-points: refused).
     for tiles in ((MosaicTiles(256, 128, 64, 3, 8, 1, 2), MosaicTiles(128, 128, 128, 2, 8, 1, 2))
                   if kind != "int4-zp" else ()):
-        for extra in ({}, dict(int_to_float="bf16x2", load_layout="wide")) if kind == "int4" else ({},):
+        # int4 with bf16 inputs: bf16x2 (the default) and the float32 conversion
+        for extra in ({}, dict(int_to_float="bits")) if kind == "int4" else ({},):
             np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=tiles, **extra)),
                                           np.asarray(deq), err_msg=f"{tiles} {extra}")
     if kind != "fp8":  # negative scales: the bf16 steps' bits too
