@@ -644,13 +644,15 @@ def high_nibbles_x16_f32(q: jax.Array, zero: float | jax.Array = 8.0) -> jax.Arr
         8388608.0 + 16.0 * zero)
 
 
-def int4_conversion(dtype, int_to_float: str | None = None,
-                    load_layout: str | None = None) -> tuple[str, str]:
-    """(int_to_float, load_layout) the int4 kernel takes for inputs of `dtype` where either is
-    None: "bf16x2" in the "wide" layout for bf16 (unless another layout is given), else
-    "bits" in the "wgmma" one."""
+def int4_conversion(dtype, int_to_float: str | None = None, load_layout: str | None = None,
+                    scale_dtype=jnp.float16) -> tuple[str, str]:
+    """(int_to_float, load_layout) the int4 kernel takes for inputs of `dtype` and group
+    scales of `scale_dtype` where either is None: "bf16x2" in the "wide" layout for bf16
+    inputs and float16 scales (the format's; unless another layout is given), else "bits" in
+    the "wgmma" one."""
     if int_to_float is None:
         int_to_float = ("bf16x2" if jnp.dtype(dtype) == jnp.bfloat16
+                        and jnp.dtype(scale_dtype) == jnp.float16
                         and load_layout in (None, "wide") else "bits")
     if load_layout is None:
         load_layout = "wide" if int_to_float == "bf16x2" else "wgmma"
@@ -666,8 +668,9 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
     symmetric or with a zero-point plane): each k step TMA-loads one group's [64, N-tile] byte
     tile and its scale row (and zero-point row), unpacks the two nibble halves in registers,
-    (nibble - z) times the scale in float32 (z the implicit 8 or the column's zero-point), cast
-    to x.dtype (the dequantize path's arithmetic), into the bf16 slot the step's wgmma reads.
+    (nibble - z) times the scale as the float32 product's cast to x.dtype (z the implicit 8
+    or the column's zero-point; the dequantize path's arithmetic, or with "bf16x2" the same
+    values by bf16 steps), into the bf16 slot the step's wgmma reads.
     What `grouped_matmul` reads int4 experts with on Hopper (`mosaic_int4_supports`).
 
     int_to_float: how (nibble - z) times the scale is made, all exact, so the same bits
@@ -694,7 +697,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     from .quant_matmul import check_operands
 
     tiles = tiles or MOSAIC_INT4_TILES
-    int_to_float, load_layout = int4_conversion(x.dtype, int_to_float, load_layout)
+    int_to_float, load_layout = int4_conversion(x.dtype, int_to_float, load_layout,
+                                                w.scale.dtype)
     if load_layout not in LOAD_LAYOUTS:
         raise ValueError(f"mosaic_int4_grouped_matmul: load_layout {load_layout!r}: expected "
                          f"one of {'|'.join(LOAD_LAYOUTS)}")
@@ -714,6 +718,9 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float 'bf16x2' reads bf16 "
                          f"inputs in the 'wide' load layout, not {x.dtype} with "
                          f"{load_layout!r}; use 'bits' or load_layout='wide'")
+    if int_to_float == "bf16x2" and w.scale.dtype != jnp.float16:
+        raise ValueError(f"mosaic_int4_grouped_matmul: int_to_float 'bf16x2' splits float16 "
+                         f"scales exactly, not {w.scale.dtype}; use 'bits'")
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
     interpret, num_sms = _launch(interpret, num_sms, profile)

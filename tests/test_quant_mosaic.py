@@ -89,6 +89,11 @@ def test_interpreted_int4_kernel_matches_the_float64_reference():
     assert int4_conversion(jnp.float16) == ("bits", "wgmma")
     assert int4_conversion(jnp.bfloat16, load_layout="wgmma") == ("bits", "wgmma")
     assert int4_conversion(jnp.bfloat16, "masks") == ("masks", "wgmma")
+    assert int4_conversion(jnp.bfloat16, scale_dtype=jnp.float32) == ("bits", "wgmma")
+    w32 = dataclasses.replace(w, scale=w.scale.astype(jnp.float32))  # not the format's
+    with pytest.raises(ValueError, match="'bf16x2' splits float16 scales exactly, not float32"):
+        mosaic_int4_grouped_matmul(x, w32, jnp.asarray(SIZES, jnp.int32), int_to_float="bf16x2",
+                                   load_layout="wide")
     w16 = dataclasses.replace(w, dtype=jnp.float16)
     with pytest.raises(ValueError, match="'bf16x2' reads bf16 inputs.*not float16"):
         mosaic_int4_grouped_matmul(x.astype(jnp.float16), w16, jnp.asarray(SIZES, jnp.int32),
