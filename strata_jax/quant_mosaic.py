@@ -560,26 +560,14 @@ def split_scale_bf16(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     significant bits, a multiple of s's last bit below 8 of them) with s's sign also where
     it is zero. (n - z) * lo is then exact in bf16 for a nibble n and zero-point z, so
     fma(n - z, hi, (n - z) * lo) in bf16 rounds (n - z) * s once: the float32 product's cast,
-    the dequantize path's bits, zero's sign included ("bf16x2", `int4_bf16x2_reference`)."""
+    the dequantize path's bits, zero's sign included ("bf16x2"; the tests check every finite
+    float16 scale)."""
     bits = lax.bitcast_convert_type(s, jnp.int32)
     hi = lax.bitcast_convert_type(bits & jnp.int32(-65536), jnp.float32)
     lo = lax.bitcast_convert_type(
         lax.bitcast_convert_type(s - hi, jnp.int32) | (bits & jnp.int32(-2147483648)),
         jnp.float32)
     return hi.astype(jnp.bfloat16), lo.astype(jnp.bfloat16)
-
-
-def int4_bf16x2_reference(n, s, z=8):
-    """What "bf16x2" computes, in NumPy: nibbles `n` (0..15) less `z`, times float16 scales
-    `s`, by the bf16 steps the kernel runs (each exact, the last one rounded once, as a
-    float64 sum rounded to bf16), as float32 bf16 values; for tests against the float32
-    product's cast."""
-    import ml_dtypes
-    hi, lo = (np.asarray(a, np.float64) for a in split_scale_bf16(
-        jnp.asarray(np.asarray(s, np.float16).astype(np.float32))))
-    v = np.asarray(n, np.float64) - np.asarray(z, np.float64)
-    t = v * lo  # exact in bf16 (checked by the caller)
-    return (v * hi + t).astype(np.float32).astype(ml_dtypes.bfloat16)
 
 
 def _bf16x2_nibbles(q, s_hi, s_lo, zmag, high: bool, layout):
@@ -758,11 +746,6 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         s = (column(hi_ref[0], q.shape), column(lo_ref[0], q.shape))
         return q, s, None if z_ref is None else column(z_ref[0], q.shape)
 
-    def operands(*refs):
-        if packed:
-            return packed_operands(*refs)
-        return float_operands(*refs)
-
     def float_operands(q_ref, s_ref, z_ref=None):
         """(values, scale, zero) of a step: the bytes upcast before the logical ops [64,
         cols]; the group's scale per column in float32, and with "masks" also that scale / 16
@@ -780,6 +763,8 @@ def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         if masks:
             return q, s, (column(z + 8388608.0, q.shape), column(z * 16.0 + 8388608.0, q.shape))
         return q, s, column(z + 8388608.0 if int_to_float == "bits" else z, q.shape)
+
+    operands = packed_operands if packed else float_operands
 
     def nibbles(q, s, z, high: bool):
         if packed:

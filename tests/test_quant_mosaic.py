@@ -18,8 +18,7 @@ from strata_jax.quant_matmul import fused_reference, resolve_quantized
 from strata_jax.quant_mosaic import (MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES,
                                      WIDE_FROM_ROWS_PER_GROUP, KernelProfile, MosaicTiles,
                                      fp8_tiles_for, high_nibbles_x16_f32,
-                                     int4_bf16x2_reference, int4_conversion,
-                                     int4_values_f32,
+                                     int4_conversion, int4_values_f32,
                                      mosaic_grouped_matmul, mosaic_int4_grouped_matmul,
                                      mosaic_int4_supports, mosaic_supports,
                                      split_scale_bf16)
@@ -114,9 +113,10 @@ def test_bf16x2_steps_round_each_product_once():
     bf16 = ml_dtypes.bfloat16
     for z in range(16):
         for n in range(16):
-            t = (n - z) * lo
+            t = (n - z) * lo  # exact in bf16
             np.testing.assert_array_equal(t.astype(np.float32).astype(bf16).astype(np.float64), t)
-            got = int4_bf16x2_reference(np.full(s16.shape, n), s16, z)
+            # the FMA: the exact (n - z) * hi + t (exact in float64 and float32), rounded once
+            got = ((n - z) * hi + t).astype(np.float32).astype(bf16)
             want = (np.float32(n - z) * s16.astype(np.float32)).astype(bf16)
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16),
                                           err_msg=f"n={n} z={z}")
