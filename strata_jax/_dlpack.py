@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import native
+from strata_jax import native
 
 __all__ = ["view"]
 

@@ -1,23 +1,23 @@
-"""Model configurations: frozen dataclasses and presets of published MoE models.
+"""`ModelConfig`: the shape of a decoder-only MoE transformer, as every layer of the package reads
+it (the engine, the stream, the memory plan, the model).
 
-Guards against shape drift: every preset carries the exact expert and router shapes of the published
-Hugging Face config it names, so byte counts (what the streaming engine moves over the link) are the
-real ones. Attention may be simplified to standard grouped-query attention where the original uses a
-variant; each such preset says so in its docstring.
+Guards against an inconsistent shape reaching the device: every field is checked when a config
+is made, with an error naming the field. The presets of published models live with their
+families (`strata_jax.models`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+import math
 
 import ml_dtypes
 import numpy as np
 
-from strata_jax.rope import RopeScaling
+from strata_jax.formats import EXPERT_FORMATS, ExpertFormat
 
-_DTYPES = {
+DTYPES = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
@@ -26,9 +26,68 @@ _DTYPES = {
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 QK_NORMS = ("none", "per_head", "full")
-EXPERT_FORMATS = ("plain", "fp8", "int4")  # strata_jax.formats
 # Attention kinds a layer may have (Hugging Face `layer_types` spelling).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+ROPE_TYPES = ("linear", "dynamic", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling of a checkpoint (Hugging Face `rope_scaling` / `rope_parameters`).
+
+    Attributes:
+        rope_type: "linear", "dynamic" or "yarn" (`strata_jax.layers.rope`); no scaling is
+            `ModelConfig.rope_scaling=None`.
+        factor: context extension factor (> 0).
+        original_max_position_embeddings: dynamic: the length up to which the default
+            frequencies hold (and the longest context accepted); yarn: the pre-training context
+            whose rotation counts place the ramp.
+        attention_factor: yarn: multiplier of cos and sin; None: from factor (and mscale).
+        beta_fast: yarn: rotations that bound the extrapolated (high-frequency) end; None: 32.
+        beta_slow: yarn: rotations that bound the interpolated (low-frequency) end; None: 1.
+        mscale: yarn: numerator weight of the default attention_factor (with mscale_all_dim).
+        mscale_all_dim: yarn: denominator weight of the default attention_factor.
+        truncate: yarn: round the ramp bounds outwards to whole indices.
+    """
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r}: implemented are {ROPE_TYPES} "
+                             f"(and no scaling, rope_scaling=None)")
+        if not isinstance(self.factor, (int, float)) or not self.factor > 0:
+            raise ValueError(f"RoPE scaling factor must be a positive number, got {self.factor!r}")
+        if self.rope_type in ("dynamic", "yarn"):
+            orig = self.original_max_position_embeddings
+            if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
+                raise ValueError(f"{self.rope_type} RoPE scaling needs a positive int "
+                                 f"original_max_position_embeddings, got {orig!r}")
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            raise ValueError(f"attention_factor must be positive, got {self.attention_factor!r}")
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """YaRN's cos/sin multiplier: attention_factor, or its default from factor and mscale."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +219,8 @@ class ModelConfig:
             raise ValueError(f"router_scores={self.router_scores!r}, expected one of {ROUTER_SCORES}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r}, expected one of {QK_NORMS}")
-        if self.param_dtype not in _DTYPES:
-            raise ValueError(f"param_dtype={self.param_dtype!r}, expected one of {sorted(_DTYPES)}")
+        if self.param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype={self.param_dtype!r}, expected one of {sorted(DTYPES)}")
         if self.expert_format not in EXPERT_FORMATS:
             raise ValueError(f"expert_format={self.expert_format!r}, expected one of "
                              f"{EXPERT_FORMATS}")
@@ -179,8 +238,6 @@ class ModelConfig:
                                  f"{what} are an int4 format's; set expert_format='int4' or "
                                  f"leave {name} off")
         if self.expert_format != "plain":
-            from strata_jax.formats import ExpertFormat
-
             ExpertFormat.of(self)  # the widths must suit the format (int4's groups)
         if self.n_experts % self.n_groups:
             raise ValueError(
@@ -238,7 +295,7 @@ class ModelConfig:
     @functools.cached_property
     def dtype(self) -> np.dtype:
         """The parameter dtype as a NumPy dtype (bfloat16 through ml_dtypes)."""
-        return _DTYPES[self.param_dtype]
+        return DTYPES[self.param_dtype]
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (keys q - w < k <= q for a query at q), or None
@@ -270,8 +327,6 @@ class ModelConfig:
     def expert_bytes(self) -> int:
         """Bytes of one routed expert (gate + up + down, with their scales in a quantized
         format): the blob of its `strata_jax.formats.ExpertFormat` (`expert_format`)."""
-        from strata_jax.formats import ExpertFormat
-
         return ExpertFormat.of(self).blob_bytes
 
     @functools.cached_property
@@ -365,103 +420,3 @@ class ModelConfig:
             max_seq_len=max_seq_len or min(self.max_seq_len, 4096),
             param_dtype=param_dtype or self.param_dtype,
         )
-
-
-# ---- presets ------------------------------------------------------------------------------------
-
-
-def qwen3_30b_a3b() -> ModelConfig:
-    """Qwen3-30B-A3B: an MoE model with 128 experts per layer, top-8, 48 layers."""
-    return ModelConfig(
-        name="qwen3-30b-a3b", vocab_size=151_936, hidden_size=2048, n_layers=48, n_heads=32,
-        n_kv_heads=4, head_dim=128, n_experts=128, top_k=8, expert_intermediate=768,
-        norm_topk_prob=True, qk_norm="per_head", rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        max_seq_len=40_960)
-
-
-def qwen3_235b_a22b() -> ModelConfig:
-    """Qwen3-235B-A22B: an MoE model with 128 experts per layer, top-8, 94 layers, hidden 4096."""
-    return ModelConfig(
-        name="qwen3-235b-a22b", vocab_size=151_936, hidden_size=4096, n_layers=94, n_heads=64,
-        n_kv_heads=4, head_dim=128, n_experts=128, top_k=8, expert_intermediate=1536,
-        norm_topk_prob=True, qk_norm="per_head", rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        max_seq_len=40_960)
-
-
-def qwen3_next_80b_a3b() -> ModelConfig:
-    """Qwen3-Next-80B-A3B-style: 512 experts per layer, top-10, plus a gated shared expert.
-
-    Expert, shared-expert and router shapes are the published ones. Attention is standard GQA
-    (16 q / 2 kv heads of 256) with per-head qk-norm in every layer, in place of the original's
-    mix of gated full attention and Gated DeltaNet linear attention (3 of every 4 layers), its
-    partial rotary embedding and zero-centred norms.
-    """
-    return ModelConfig(
-        name="qwen3-next-80b-a3b", vocab_size=151_936, hidden_size=2048, n_layers=48, n_heads=16,
-        n_kv_heads=2, head_dim=256, n_experts=512, top_k=10, expert_intermediate=512,
-        shared_expert_intermediate=512, shared_expert_gate=True, norm_topk_prob=True,
-        qk_norm="per_head", rope_theta=10_000_000.0, rms_norm_eps=1e-6, max_seq_len=262_144)
-
-
-def mixtral_8x7b() -> ModelConfig:
-    """Mixtral-8x7B: an MoE model with 8 experts per layer, top-2, 32 layers.
-
-    Mixtral takes a softmax over all 8 logits, keeps the top 2 and renormalises them, which equals
-    a softmax over the top-2 logits: norm_topk_prob=True.
-    """
-    return ModelConfig(
-        name="mixtral-8x7b", vocab_size=32_000, hidden_size=4096, n_layers=32, n_heads=32,
-        n_kv_heads=8, head_dim=128, n_experts=8, top_k=2, expert_intermediate=14_336,
-        norm_topk_prob=True, qk_norm="none", rope_theta=1_000_000.0, rms_norm_eps=1e-5,
-        max_seq_len=32_768)
-
-
-def olmoe_1b_7b() -> ModelConfig:
-    """OLMoE-1B-7B: an MoE model with 64 experts per layer, top-8, no top-k renormalisation.
-
-    OLMoE normalises q and k over the whole projection (qk_norm="full"), not per head.
-    """
-    return ModelConfig(
-        name="olmoe-1b-7b", vocab_size=50_304, hidden_size=2048, n_layers=16, n_heads=16,
-        n_kv_heads=16, head_dim=128, n_experts=64, top_k=8, expert_intermediate=1024,
-        norm_topk_prob=False, qk_norm="full", rope_theta=10_000.0, rms_norm_eps=1e-5,
-        max_seq_len=4096)
-
-
-def deepseek_v3() -> ModelConfig:
-    """DeepSeek-V3-style: 256 routed experts, top-8, one shared expert, first 3 layers dense.
-
-    Router as published: sigmoid scores, a selection bias used only for choosing, group-limited
-    choice (8 groups, best 4 by the sum of their top-2 scores), weights renormalised and scaled by
-    2.5. Attention is standard multi-head attention (128 heads of 128) in place of Multi-head
-    Latent Attention (MLA); no multi-token-prediction layer.
-    """
-    return ModelConfig(
-        name="deepseek-v3", vocab_size=129_280, hidden_size=7168, n_layers=61, n_heads=128,
-        n_kv_heads=128, head_dim=128, n_experts=256, top_k=8, expert_intermediate=2048,
-        n_dense_layers=3, dense_intermediate=18_432, shared_expert_intermediate=2048,
-        router_scores="sigmoid", norm_topk_prob=True, routed_scaling=2.5, selection_bias=True,
-        n_groups=8, topk_groups=4, qk_norm="none", rope_theta=10_000.0, rms_norm_eps=1e-6,
-        max_seq_len=163_840)
-
-
-PRESETS: dict[str, Callable[[], ModelConfig]] = {
-    "qwen3-30b-a3b": qwen3_30b_a3b,
-    "qwen3-235b-a22b": qwen3_235b_a22b,
-    "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
-    "mixtral-8x7b": mixtral_8x7b,
-    "olmoe-1b-7b": olmoe_1b_7b,
-    "deepseek-v3": deepseek_v3,
-}
-
-
-def get_preset(name: str) -> ModelConfig:
-    """Returns the preset called `name`.
-
-    Raises:
-        ValueError: `name` is not a preset; the message lists the known names.
-    """
-    try:
-        return PRESETS[name]()
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None

@@ -14,25 +14,17 @@ with gate/up as [H, I] and down as [I, H], row-major, in the parameter dtype: th
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from strata_jax.formats import ExpertFormat, ExpertWeights
 
-class ExpertWeights(NamedTuple):
-    """One MoE layer's routed SwiGLU experts (jax or numpy arrays).
+__all__ = ["ExpertWeights", "ExpertSource", "ResidentExperts", "blob_size", "pack_expert_blobs",
+           "unpack_expert_blobs", "pack_expert_blobs_np", "unpack_expert_blobs_np"]
 
-    Attributes:
-        gate: [E, H, I] gate projection.
-        up: [E, H, I] up projection.
-        down: [E, I, H] down projection.
-    """
 
-    gate: jax.Array
-    up: jax.Array
-    down: jax.Array
 
 
 @runtime_checkable
@@ -93,9 +85,7 @@ def blob_size(hidden: int, intermediate: int) -> int:
 
 
 def _plain(dtype, hidden: int, intermediate: int):
-    """Today's blob layout as an `ExpertFormat` (strata_jax.formats)."""
-    from strata_jax.formats import ExpertFormat  # formats imports this module
-
+    """The plain blob layout as an `ExpertFormat`."""
     return ExpertFormat.plain(hidden, intermediate, dtype)
 
 

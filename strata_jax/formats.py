@@ -55,20 +55,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .config import EXPERT_FORMATS
-from .experts import ExpertWeights
-from .quant_matmul import QuantizedMatrix
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
+    from strata_jax.config import ModelConfig
 
+class ExpertWeights(NamedTuple):
+    """One MoE layer's routed SwiGLU experts (jax or numpy arrays).
+
+    Attributes:
+        gate: [E, H, I] gate projection.
+        up: [E, H, I] up projection.
+        down: [E, I, H] down projection.
+    """
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+EXPERT_FORMATS = ("plain", "fp8", "int4")  # ModelConfig.expert_format
 MATRICES = ExpertWeights._fields  # ("gate", "up", "down"), in blob order
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size [128, 128]
@@ -79,6 +91,99 @@ KINDS = EXPERT_FORMATS  # ("plain", "fp8", "int4")
 # What a plain model's experts can be quantized to on load (`--quantize`): int4-zp is int4 with
 # zero-points (GPTQ's asymmetric grid), int4-act int4 with act-order group indices.
 QUANTIZE_CHOICES = ("fp8", "int4", "int4-zp", "int4-act")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "zero", "perm"],
+                   meta_fields=["kind", "block", "shape", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedMatrix:
+    """One matrix of a layer's experts in a quantized format (`strata_jax.formats`).
+
+    Attributes:
+        q: fp8: float8_e4m3fn [E, K, N]; int4: uint8 [E, K/2, N] (each group's values in
+            two nibble halves, `formats.int4_halves_np`).
+        scale: fp8: float32 [E, ceil(K/b), ceil(N/b)]; int4: float16 [E, K/b, N].
+        kind: "fp8" or "int4".
+        block: fp8's scale block side, int4's group (b).
+        shape: (K, N), the matrix's [in, out] shape.
+        dtype: the dtype the expert math reads (`dequantize` gives it).
+        zero: int4 with zero-points: uint8 [E, K/b, N], each group and column's zero-point
+            (w = (q - zero) * scale); None: symmetric, the implicit 8 (and fp8).
+        perm: int4 with act-order: int32 [E, K], the input row each stored row is (the rows
+            stored in group order, `formats`): x @ w = x[:, perm] @ (the stored rows), which
+            `grouped_matmul` reads as a plain int4 matrix (`in_stored_order`); None:
+            stored row k is input row k.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    kind: str
+    block: int
+    shape: tuple[int, int]
+    dtype: np.dtype
+    zero: jax.Array | None = None
+    perm: jax.Array | None = None
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """[E, K, N] in `dtype` (default `self.dtype`): each value one float32 product and one
+        cast, as `ExpertFormat.dequantize` (which calls this); with `perm`, in input order."""
+        return dequantize_matrix(self.kind, self.block, self.shape, self.q, self.scale,
+                                 dtype or self.dtype, self.zero, self.perm)
+
+    def stored(self) -> "QuantizedMatrix":
+        """The matrix of the stored rows (without `perm`): what x[:, perm] multiplies."""
+        return dataclasses.replace(self, perm=None)
+
+
+
+def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Array,
+                      scale: jax.Array, dtype, zero: jax.Array | None = None,
+                      perm: jax.Array | None = None) -> jax.Array:
+    """A quantized matrix's values in `dtype`: fp8 float(q) * scale[k // b, n // b]; int4
+    (nibble - z) * scale[k // b, n], z the implicit 8 or `zero`[k // b, n], and with act-order
+    stored row k put at input row `perm`[k]; one float32 product and one cast each."""
+    k, n = shape
+    s = scale.astype(jnp.float32)
+    if kind == "fp8":
+        s = jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :k, :n]
+        return (q.astype(jnp.float32) * s).astype(dtype)
+    if kind != "int4":
+        raise ValueError(f"quantized matrix kind {kind!r}: expected one of ('fp8', 'int4')")
+    _check_int4_plane(q, shape, block)
+    lead = q.shape[:-2]
+    # [..., group, half, row of the half, column]: one elementwise fusion (shift, mask, product,
+    # cast) with the group's scale broadcast, no concatenation of the halves.
+    b = q.astype(jnp.int32).reshape(*lead, k // block, 1, block // 2, n)
+    shift = jnp.asarray([0, 4], jnp.int32).reshape(2, 1, 1)
+    z = (INT4_ZERO if zero is None
+         else zero.astype(jnp.int32).reshape(*lead, k // block, 1, 1, n))
+    vals = ((b >> shift) & 15) - z
+    s = s.reshape(*lead, k // block, 1, 1, n)
+    w = (vals.astype(jnp.float32) * s).astype(dtype).reshape(*lead, k, n)
+    if perm is None:
+        return w
+    inverse = jnp.argsort(perm.astype(jnp.int32), axis=-1)  # input row r is stored row inv[r]
+    return jnp.take_along_axis(w, inverse[..., :, None], axis=-2)
+
+
+def _check_int4_plane(q, shape: tuple[int, int], block: int) -> None:
+    """A ValueError unless `q` is an int4 plane as the formats make it: uint8 [..., K/2, N],
+    each group's values in two nibble halves (not GPTQ's int32 words)."""
+    k, n = shape
+    if np.dtype(q.dtype) != np.uint8 or tuple(q.shape[-2:]) != (k // 2, n):
+        raise ValueError(
+            f"int4 plane {np.dtype(q.dtype).name} {tuple(q.shape)}: expected uint8 "
+            f"[..., {k // 2}, {n}] (each group of {block} values in two nibble halves); "
+            "GPTQ's int32 words convert with strata_jax.formats.gptq_halves_np")
+
+
+def dense(w):
+    """`w` (a matrix or an ExpertWeights of them) with every QuantizedMatrix dequantized."""
+    if isinstance(w, QuantizedMatrix):
+        return w.dequantize()
+    if isinstance(w, tuple) and hasattr(w, "_fields"):
+        return type(w)(*(dense(a) for a in w))
+    return w
 
 
 def quantized_config(config: "ModelConfig", name: str, block: int) -> "ModelConfig":
@@ -630,3 +735,9 @@ def _int4_quantize_zero_np(x: np.ndarray, group: int
     full = np.repeat(scale.astype(np.float32), group, axis=1)  # [E, K, N]
     q = np.clip(np.round(x.astype(np.float32) / full) + np.repeat(zero, group, axis=1), 0, 15)
     return int4_halves_np(q.astype(np.uint8), group), scale, zero
+
+
+@functools.lru_cache(maxsize=64)
+def expert_format(config: "ModelConfig") -> ExpertFormat:
+    """The routed experts' `ExpertFormat` of `config` (cached per config)."""
+    return ExpertFormat.of(config)

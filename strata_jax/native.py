@@ -30,7 +30,7 @@ TARGETS = {
     "end": "strata_end_chunk",
 }
 # The library's interface version this Python speaks (module.cc, kApiVersion).
-_API_VERSION = 4
+_API_VERSION = 5
 
 
 @functools.cache

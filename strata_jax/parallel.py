@@ -26,7 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from strata_jax.formats import expert_format
+from strata_jax.layers.moe import (_in_dtype, experts_swiglu, experts_swiglu_pieces, sort_order,
+                                   unpermute)
 
 EXPERT_AXIS = "expert"
 
@@ -213,8 +218,6 @@ class ExpertParallel:
         instead of over one device's k choices, a token's output may differ from the one-device
         model's in the last bits (the tolerance table bounds it).
         """
-        from . import model as m  # the model imports this module's users, not this module
-
         n_experts = moe.config.n_experts
         check_mesh(self.mesh, n_experts, axis=self.axis)
         per = n_experts // self.size
@@ -226,20 +229,20 @@ class ExpertParallel:
             ids, wts, cnt = local_routing(expert_ids, weights, counts, per,
                                           lax.axis_index(axis))
             if pieces is None:
-                order = m.sort_order(ids)
-                y_sorted = m.experts_swiglu(x, order // k, m._in_dtype(w, x.dtype), cnt, impl,
+                order = sort_order(ids)
+                y_sorted = experts_swiglu(x, order // k, _in_dtype(w, x.dtype), cnt, impl,
                                             quantized)
             else:
                 # The device's sorted rows: its own copies first (its slice's groups), the
                 # other devices' after them (the sentinel, no group). Each piece readies the
                 # device's experts with rows in the piece's range, as on one device.
                 bounds, weights_for_piece = pieces
-                order = m.sort_order(ids)
+                order = sort_order(ids)
                 with jax.named_scope("experts"):
-                    y_sorted = m.experts_swiglu_pieces(x, order, k, cnt, bounds,
+                    y_sorted = experts_swiglu_pieces(x, order, k, cnt, bounds,
                                                        weights_for_piece, impl=impl,
                                                        quantized=quantized)
-            partial = m.unpermute(y_sorted.astype(jnp.float32), order, wts)  # [T, H] float32
+            partial = unpermute(y_sorted.astype(jnp.float32), order, wts)  # [T, H] float32
             with jax.named_scope("combine"):
                 return lax.psum(partial, axis)
 
@@ -303,10 +306,6 @@ def set_parallel(model, parallel: ExpertParallel | None) -> None:
 def state_shardings(state, config, mesh: Mesh, *, axis: str = EXPERT_AXIS):
     """The shardings of a model's nnx state on `mesh`: the MoE layers' routed expert planes
     split over `axis`, everything else replicated."""
-    from flax import nnx
-
-    from .model import expert_format
-
     planes = {p.name for p in expert_format(config).planes}
     moe = set(config.moe_layers)
     split, rep = expert_sharded(mesh, axis), replicated(mesh)

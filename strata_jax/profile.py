@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import ModelConfig
+    from strata_jax.config import ModelConfig
 
 __all__ = ["ExpertProfile", "FORMAT", "VERSION"]
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from strata_jax.config import ModelConfig
+from strata_jax.formats import expert_format
 
 
 def _f64(a) -> np.ndarray:
@@ -161,7 +162,6 @@ def _dequantized(c: ModelConfig, params, prefix: str, matrix: str) -> np.ndarray
     and its second half in the high nibbles, z 8 (symmetric) or the zero-point plane's
     z[k // g, n]; with act-order the rows stored in group order, stored row k being input row
     perm[k])."""
-    from strata_jax.model import expert_format
 
     fmt = expert_format(c)
     return dequantized64(fmt.kind, fmt.block, fmt.matrix_shape(matrix),

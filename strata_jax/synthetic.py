@@ -27,6 +27,7 @@ import numpy as np
 
 from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertWeights
+from strata_jax.models import build_model, expert_param_names, param_shapes
 
 # Skew that leaves ~40% of a 512-expert top-10 layer unrouted at 1,000 tokens (see module doc).
 SKEW_40_PERCENT_512_TOP10 = 0.52
@@ -111,7 +112,6 @@ class SyntheticParams(Mapping[str, np.ndarray]):
 
     def __init__(self, config: ModelConfig, seed: int = 0, routing_skew: float = 0.0, *,
                  tile: int | None = None, keep_dense: bool = True):
-        from strata_jax.model import expert_param_names, param_shapes  # deferred: light import
 
         if config.expert_format != "plain":
             raise ValueError(
@@ -398,7 +398,6 @@ def split_experts(config: ModelConfig, params: dict[str, np.ndarray]
 
 def synthetic_model(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0):
     """A `MoETransformer` with `init_synthetic` weights, all experts resident."""
-    from strata_jax.model import build_model
 
     return build_model(config, init_synthetic(config, seed, routing_skew))
 

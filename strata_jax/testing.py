@@ -13,9 +13,14 @@ import json
 import os
 import pathlib
 import struct
+import time
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
+
+from strata_jax.formats import act_order_g_idx
+from strata_jax.models import forward
 
 # dtype of the computation -> (rtol, atol) against the float64 reference. bfloat16 keeps 8 bits of
 # mantissa, so logits of magnitude ~5 after a few layers land within a few 1e-2.
@@ -173,7 +178,6 @@ def gptq_quantize(w: np.ndarray, group: int, *, v2: bool = False, sym: bool = Tr
     k // group, or with `act_order` (desc_act) each row's group when the inputs are taken in
     descending order of their rows' largest magnitude, `group` at a time (the rows keep their
     place in `qweight`)."""
-    from .formats import act_order_g_idx
 
     wt = w.T.astype(np.float32)  # [in, out]
     k, n = wt.shape
@@ -244,7 +248,6 @@ def hf_quantization_config(c, preset, method: str, block: int, *, keep=(), **fie
 def write_hf_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
     """Writes tensors in `shards` files and config.json (hf_config with `fields` over it; a
     field given as None is removed)."""
-    from safetensors.numpy import save_file
 
     path = pathlib.Path(path)
     names = sorted(tensors)
@@ -270,7 +273,6 @@ def read_in_chunks(model, tokens, bounds, cache):
     """Yields (lo, hi, logits) of `model` reading `tokens` in the chunks [lo, hi) of consecutive
     `bounds` (`model.forward`: the first from position 0, the others over the cache the ones
     before filled)."""
-    from .model import forward
 
     for lo, hi in itertools.pairwise(bounds):
         logits, cache, _ = forward(model, tokens[lo:hi], cache, lo)
@@ -311,7 +313,6 @@ def settled(read, expected, timeout: float = 2.0):
     listed in /proc/self/task for a moment (the kernel wakes the joiner before it removes the
     exiting task), so one read may include it; a thread left running stays counted past the
     timeout."""
-    import time
 
     deadline = time.monotonic() + timeout
     while True:

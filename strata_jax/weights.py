@@ -27,7 +27,9 @@ from typing import Callable, Collection, Iterator, Mapping
 
 import numpy as np
 
-from .experts import ExpertWeights
+from strata_jax.experts import ExpertWeights
+from strata_jax.formats import expert_format, plane_matrix
+from strata_jax.models import expert_plane_names
 
 __all__ = ["LazyExperts", "ParamsView", "QuantizedParams", "fill_tensor"]
 
@@ -193,8 +195,6 @@ class QuantizedParams(Mapping):
     """
 
     def __init__(self, params: Mapping, config, *, tile: int | None = None):
-        from strata_jax.model import expert_format, expert_plane_names  # deferred: light import
-        from strata_jax.formats import plane_matrix
 
         if config.expert_format == "plain":
             raise ValueError("QuantizedParams: config.expert_format is 'plain'; pass the "

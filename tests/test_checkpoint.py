@@ -9,11 +9,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from strata_jax import model as M
+from strata_jax.models import decoder as M
 from strata_jax.checkpoint import (FIELDS, CheckpointError, config_from_hf, fields_markdown,
                                    load_checkpoint, load_model)
-from strata_jax.config import get_preset
-from strata_jax.rope import RopeScaling, rope_frequencies
+from strata_jax.models import get_preset
+from strata_jax.config import RopeScaling
+from strata_jax.layers.rope import rope_frequencies
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import HF_ARCH as ARCH
 from strata_jax.testing import QWEN3_30B_A3B_HF_CONFIG, hf_config, hf_tensors

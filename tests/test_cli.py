@@ -61,7 +61,7 @@ def patch_cli(monkeypatch, name: str, value) -> None:
         module = importlib.import_module(f"{cli.__name__}.{info.name}")
         if hasattr(module, name):
             monkeypatch.setattr(module, name, value)
-    monkeypatch.setattr(cli, name, value)
+    monkeypatch.setattr(cli, name, value, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +113,9 @@ def test_routed_off_skips_nothing_and_routed_on_skips(arms):
 def test_depth_reported_is_the_one_that_runs(arms, monkeypatch):
     assert (arms["routed"]["depth"], arms["stream-all"]["depth"], arms["resident"]["depth"]) == (
         16, None, None)  # --depth's default; no depth where the routed switch is off
-    # The environment overrides --depth and is clamped: the header and the JSON say what the
-    # engine runs (256), not --depth (16), and only -q silences the engine's warning, one line
-    # on stderr (not Python's source location and code line).
+    # --depth not given: the environment's depth applies, clamped: the header and the JSON
+    # say what the engine runs (256), not the default (16), and only -q silences the engine's
+    # warning, one line on stderr (not Python's source location and code line).
     monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "100000")
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -135,6 +135,42 @@ def test_depth_reported_is_the_one_that_runs(arms, monkeypatch):
     assert (rc, out) == (2, "")
     assert err.strip() == ("strata-jax prefill: error: STRATA_PREFILL_ROUTED_STREAM_DEPTH='abc': "
                            "expected an integer 1..256")
+
+
+def test_explicit_flags_win_over_the_environment(monkeypatch):
+    # STRATA_PREFILL_ROUTED_STREAM(_DEPTH) apply where --routed / --depth are not given; given,
+    # the flags win (one warning line each names what was ignored), and the header and the
+    # JSON say what ran.
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "0")
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        rc, out, err = run(["prefill", *MODEL, *PROMPT])
+    assert rc == 0, err
+    assert "arm stream-all, backend cpu" in out
+    assert "warning" not in err.lower(), err
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        rc, out, err = run(["prefill", *MODEL, *PROMPT, "--routed", "on", "--depth", "8"])
+    assert rc == 0, err
+    assert "arm routed (depth 8), backend cpu" in out
+    assert [line for line in err.splitlines() if "warning" in line.lower()] == [
+        "strata-jax prefill: warning: STRATA_PREFILL_ROUTED_STREAM=0 is ignored: routed=True "
+        "was given (an explicit argument wins over the environment)",
+        "strata-jax prefill: warning: STRATA_PREFILL_ROUTED_STREAM_DEPTH=4 is ignored: depth=8 "
+        "was given (an explicit argument wins over the environment)"], err
+
+
+@pytest.mark.slow  # two more prefills through the command
+def test_json_reports_the_arm_that_ran_under_the_environment(monkeypatch):
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "0")
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "4")
+    d = run_json(["prefill", *MODEL, *PROMPT, "--routed", "on", "--depth", "8"])
+    assert (d["arm"], d["depth"]) == ("routed", 8)
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "1")
+    d = run_json(["prefill", *MODEL, *PROMPT, "--routed", "off"])
+    assert (d["arm"], d["depth"], d["skipped"]) == ("stream-all", None, 0)
+    assert d["copied"] == d["experts_streamed"]
 
 
 def test_garbage_profile_is_one_line_naming_the_file_once(tmp_path):
@@ -222,7 +258,7 @@ def test_profile_then_prefill_with_it(tmp_path, arms):
     assert os.path.exists(path) and path in out
     assert "layer 0:" in out and "layer 1:" in out
 
-    from strata_jax.config import get_preset  # noqa: F401 - the profile loads for this shape
+    from strata_jax.models import get_preset  # noqa: F401 - the profile loads for this shape
     from strata_jax.profile import ExpertProfile
 
     counts = np.asarray(ExpertProfile.load(path).counts)
@@ -341,6 +377,8 @@ def test_demo_builds_its_three_arms(monkeypatch):
     made = []
 
     class Stand_in:
+        streamer = None
+
         def __init__(self, cfg, params, stream, **kwargs):
             if stream is not None:
                 stream.resolved()
@@ -363,8 +401,10 @@ def test_demo_builds_its_three_arms(monkeypatch):
     assert "identical in every arm" in out
     (resident, device), (stream_all, _), (routed, _) = made
     assert (resident, device) == (None, "cpu")
+    # routed=False is stream-all by itself: no stream_floor patch (the floor is the routed
+    # stream's only)
     assert (stream_all.routed, stream_all.tuning.stream_floor, stream_all.backend) == (
-        False, 1, "cpu")
+        False, 1024, "cpu")
     assert (routed.routed, routed.depth, routed.backend) == (True, 4, "cpu")
 
 
@@ -384,7 +424,7 @@ def test_demo_says_what_its_numbers_depend_on():
     assert lines[routed + 1] == (
         " " * 12 + "(skips depend on timing: an unrouted expert is skipped only when its layer's "
         "routing reaches the issuer before the walk has queued its copy; the copies queued "
-        "before that, up to --depth 4 ahead of the link plus those it has landed, are the blind "
+        "before that, up to depth 4 ahead of the link plus those it has landed, are the blind "
         "window)")
 
 
@@ -492,14 +532,13 @@ TINY = ["--preset", "qwen3-30b-a3b", "--scale", "tiny"]  # grows max_seq_len to 
 def no_work(monkeypatch):
     """Fails a test that draws a prompt, makes weights or builds an engine."""
     import strata_jax.engine
-    import strata_jax.synthetic
 
     def forbidden(*args, **kwargs):
         raise AssertionError("work done before the plan was checked")
 
     patch_cli(monkeypatch, "random_prompt", forbidden)
-    monkeypatch.setattr(strata_jax.synthetic, "init_synthetic", forbidden)
-    monkeypatch.setattr(strata_jax.synthetic, "SyntheticParams", forbidden)
+    patch_cli(monkeypatch, "init_synthetic", forbidden)
+    patch_cli(monkeypatch, "SyntheticParams", forbidden)
     monkeypatch.setattr(strata_jax.engine.Engine, "__init__", forbidden)
 
 
@@ -516,9 +555,7 @@ def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_p
     24 GiB host, as where `--tokens 100000000` was killed after 29 s)."""
     import time
 
-    import strata_jax.memory
-
-    monkeypatch.setattr(strata_jax.memory, "host_memory", lambda: (24 * GIB, 23 * GIB))
+    patch_cli(monkeypatch, "host_memory", lambda: (24 * GIB, 23 * GIB))
     argv = [a.format(tmp=tmp_path) for a in argv]
     run(["prefill", *TINY, "--tokens", "8", "--max-context", "100000000"])  # imports, warm
     t0 = time.perf_counter()
@@ -535,12 +572,13 @@ def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_p
 
 
 def test_the_plan_check_uses_the_engines_estimates(monkeypatch):
-    """The refusal's KV cache and activations are the engine's (memory.chunk_memory, which
-    strata_jax.engine re-exports); the positions it says fit pass the check, one more does not."""
+    """The refusal's KV cache and activations are the engine's (engine.memory.chunk_memory, which
+    the engine chooses its chunk by); the positions it says fit pass the check, one more does
+    not."""
     import re
 
-    import strata_jax.engine as E
-    import strata_jax.memory as M
+    import strata_jax.engine.engine as E
+    import strata_jax.engine.memory as M
 
     assert E.chunk_memory is M.chunk_memory and E.kv_cache_bytes is M.kv_cache_bytes
     cfg = cli.model_config("qwen3-30b-a3b", "tiny", max_seq_len=10**8)
@@ -548,7 +586,7 @@ def test_the_plan_check_uses_the_engines_estimates(monkeypatch):
     assert cap == 10**8 + 16
     assert kv == 2 * M.kv_cache_bytes(cfg, cap) == 2 * (
         2 * cfg.n_layers * cap * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize)
-    monkeypatch.setattr(M, "host_memory", lambda: (24 * GIB, 23 * GIB))
+    patch_cli(monkeypatch, "host_memory", lambda: (24 * GIB, 23 * GIB))
     rc, _, err = run(["prefill", *TINY, "--tokens", "100000000"])
     assert rc == 2
     assert f"KV cache {kv / GIB:.2f} GiB (2 copies of {cap} positions" in err
@@ -604,7 +642,7 @@ def test_info_says_why_streaming_can_take_more_than_every_expert_resident():
                       "--no-measure"])
     assert rc == 0 and f"  note: {note}" in out.splitlines()
 
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
 
     for name in ("qwen3-next-80b-a3b", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b"):
         cfg = get_preset(name)

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from strata_jax.config import PRESETS, ModelConfig, get_preset
+from strata_jax.models import PRESETS, get_preset
+from strata_jax.config import ModelConfig
 
 # name -> (layers, hidden, experts, top_k, expert intermediate, heads, kv heads, vocab)
 PUBLISHED = {

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import (
     Engine,
     ScoreResult,
@@ -28,7 +28,7 @@ from strata_jax.engine import (
     sha256_of,
 )
 from strata_jax.kernels import Kernels
-from strata_jax.model import build_model, forward, init_cache
+from strata_jax.models import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile
 from strata_jax.reference import reference_forward, reference_log_probs, reference_perplexity
 from strata_jax.stream import StreamConfig, StreamTuning, NativeStreamer
@@ -189,7 +189,7 @@ def test_info_lands_in_the_devices_default_or_pinned_host_memory():
     # Each call's info (end_chunk's stats and the router counts) lands in pinned host memory
     # where the device has it, else in its default memory (copied out after the call); every
     # prefill of these tests reads its stats and counts from there.
-    from strata_jax.engine import _info_sharding
+    from strata_jax.engine.placement import info_sharding as _info_sharding
 
     device = jax.devices()[0]
     kinds = {m.kind for m in device.addressable_memories()}
@@ -303,7 +303,7 @@ def test_resident_engine_on_a_named_device(f32_engine, f32_params):
 def test_bad_devices_are_refused(f32_params, monkeypatch):
     import jax
 
-    from strata_jax import engine as engine_mod
+    from strata_jax.engine import engine as engine_mod
 
     with pytest.raises(TypeError, match="device must be a jax.Device, a platform name"):
         Engine(F32, f32_params, None, device=0)

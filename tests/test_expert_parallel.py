@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from strata_jax import parallel
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import Engine
-from strata_jax.model import permute
+from strata_jax.layers.moe import permute
 from strata_jax.stream import StreamConfig
 from strata_jax.synthetic import init_synthetic
 
@@ -135,7 +135,7 @@ def test_cli_refuses_missing_devices_and_uneven_splits(capsys):
 
 
 def test_memory_plan_per_device():
-    from strata_jax.memory import memory_plan, param_bytes
+    from strata_jax.engine.memory import memory_plan, param_bytes
 
     cfg = get_preset("qwen3-235b-a22b")
     one = memory_plan(cfg, max_context=4096, device_bytes=80 * 2**30)
@@ -336,7 +336,7 @@ def test_only_the_moe_layers_routed_experts_are_split():
     # their experts.
     from flax import nnx
 
-    from strata_jax.model import abstract_model
+    from strata_jax.models import abstract_model
 
     cfg = get_preset("deepseek-v3").scaled(n_layers=3, n_experts=16, top_k=2, hidden_size=64,
                                            expert_intermediate=32)

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.experts import ExpertWeights, pack_expert_blobs_np, unpack_expert_blobs_np
 from strata_jax.formats import (ExpertFormat, Plane, gptq_halves_np, int4_halves_np,
                                 int4_values_np)

@@ -35,7 +35,7 @@ def setup():
 
 
 def _setup():
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.engine import sha256_of
     from strata_jax.synthetic import init_synthetic
 
@@ -444,7 +444,9 @@ def test_cuda_blocked_attention_matches_xla():
     import jax.numpy as jnp
     import ml_dtypes
 
-    from strata_jax import model as M
+    from strata_jax.models import decoder as M
+    from strata_jax.layers import attention
+
     from strata_jax.testing import assert_close
 
     rng = np.random.default_rng(0)
@@ -453,9 +455,9 @@ def test_cuda_blocked_attention_matches_xla():
     k = jnp.asarray(rng.standard_normal((s, kvh, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((s, kvh, d)), jnp.bfloat16)
     positions = jnp.arange(start, start + t, dtype=jnp.int32)
-    want = jax.jit(lambda q, k, v, p: M.attend_cached(q, k[start:start + t], v[start:start + t],
+    want = jax.jit(lambda q, k, v, p: attention.attend_cached(q, k[start:start + t], v[start:start + t],
                                                     k, v, start, p, "xla"))(q, k, v, positions)
-    got = jax.jit(M.blocked_attention, static_argnums=4)(q, k, v, positions, 256)
+    got = jax.jit(attention.blocked_attention, static_argnums=4)(q, k, v, positions, 256)
     assert_close(got, want, ml_dtypes.bfloat16)
 
 

@@ -6,10 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from strata_jax import model as M
-from strata_jax.config import get_preset
+from strata_jax.models import decoder as M
+from strata_jax.models import get_preset
 from strata_jax.reference import _rope, _rope_inv_freq, reference_forward
-from strata_jax.rope import RopeScaling, rope_frequencies
+from strata_jax.config import RopeScaling
+from strata_jax.layers.rope import rope, rope_frequencies
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import assert_close
 
@@ -90,7 +91,7 @@ def test_rope_matches_the_reference(kind):
     positions = np.array([0, 1, 7, 100, 1000, 3000], np.int32)
     for x in (np.ones((6, 2, c.head_dim), np.float32),
               rng.standard_normal((6, 2, c.head_dim)).astype(np.float32)):
-        got = M.rope(x, positions, c.rope_theta, c.rope_scaling)
+        got = rope(x, positions, c.rope_theta, c.rope_scaling)
         # float32 angles of positions up to 3,000: ~3e-4 absolute error at the fastest frequency.
         np.testing.assert_allclose(np.asarray(got), _rope(x.astype(np.float64), positions, c),
                                    rtol=0, atol=2e-3, err_msg=kind)

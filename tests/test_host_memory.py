@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.experts import ExpertWeights, pack_expert_blobs_np, unpack_expert_blobs_np
-from strata_jax.model import expert_param_names
+from strata_jax.models import expert_param_names
 from strata_jax.synthetic import SyntheticParams, init_synthetic
 from strata_jax.testing import hf_tensors, write_hf_checkpoint
 from strata_jax.weights import LazyExperts, ParamsView
@@ -114,7 +114,7 @@ def test_engine_store_holds_the_old_packing():
 def test_a_store_past_host_ram_is_refused(monkeypatch):
     """The host store is checked against the available host RAM before anything is allocated
     or drawn: a HostMemoryError with the figures and the way out."""
-    from strata_jax import memory
+    from strata_jax import devices as memory
     from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig
 
@@ -216,7 +216,7 @@ def _child(case: str, directory: str) -> dict:
     """Builds one engine of the BIG model from `case`'s weights; returns its memory figures."""
     import gc
 
-    from strata_jax import memory
+    from strata_jax.engine import memory
     from strata_jax.checkpoint import load_checkpoint
     from strata_jax.engine import Engine
     from strata_jax.stream import StreamConfig, plan_stream

@@ -83,7 +83,7 @@ def test_plan_stream_per_device_is_each_engines_plan():
     # its own ids, the profile's columns of the slice, the budgets its own.
     import numpy as np
 
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.profile import ExpertProfile
     from strata_jax.stream import NativeStreamer, StreamConfig, StreamTuning, plan_stream
 
@@ -144,9 +144,9 @@ def _main(scenario: str, backend: str) -> None:
     import numpy as np
 
     from strata_jax import parallel
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.engine import Engine
-    from strata_jax.grouped_matmul import resolve_implementation
+    from strata_jax.kernels.grouped import resolve_implementation
     from strata_jax.stream import StreamConfig, StreamTuning
     from strata_jax.synthetic import init_synthetic
     from strata_jax.testing import assert_close

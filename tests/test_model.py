@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from strata_jax import model as M
-from strata_jax.config import PRESETS, get_preset
+from strata_jax.models import decoder as M
+from strata_jax.layers import moe
+
+from strata_jax.layers import attention
+
+from strata_jax.models import PRESETS, get_preset
 from strata_jax.kernels import Kernels
 from strata_jax.experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_blobs,
                                 pack_expert_blobs_np, unpack_expert_blobs, unpack_expert_blobs_np)
@@ -183,13 +187,13 @@ def test_unpermute_inverts_permute_and_weights_in_float32(dtype):
     ids = rng.integers(0, e + 1, (t, k)).astype(np.int32)
     x = jnp.asarray(rng.standard_normal((t, h)), dtype)
     w = rng.random((t, k)).astype(np.float32)
-    x_sorted, order = M.permute(x, jnp.asarray(ids))
+    x_sorted, order = moe.permute(x, jnp.asarray(ids))
     order = np.asarray(order)
     np.testing.assert_array_equal(np.sort(order), np.arange(t * k))  # a permutation
     np.testing.assert_array_equal(ids.reshape(-1)[order], np.sort(ids.reshape(-1), kind="stable"))
     np.testing.assert_array_equal(np.asarray(x_sorted), np.asarray(x)[order // k])
     y_sorted = x_sorted * jnp.asarray(np.arange(1, t * k + 1)[:, None], dtype)  # rows differ
-    got = np.asarray(M.unpermute(y_sorted, jnp.asarray(order), jnp.asarray(w)))
+    got = np.asarray(moe.unpermute(y_sorted, jnp.asarray(order), jnp.asarray(w)))
     assert np.all(np.isfinite(got.astype(np.float32)))
     y = np.zeros((t * k, h), np.float32)
     y[order] = np.asarray(y_sorted).astype(np.float32)
@@ -248,13 +252,13 @@ def test_blocked_attention_matches_reference(dtype, start, block):
     v = rng.standard_normal((s, kvh, d)).astype(dtype)
     k[start + t:] = 1e4  # garbage past the last query: would dominate any softmax it entered
     positions = np.arange(start, start + t, dtype=np.int32)
-    got = jax.jit(M.blocked_attention, static_argnums=4)(q, k, v, positions, block)
+    got = jax.jit(attention.blocked_attention, static_argnums=4)(q, k, v, positions, block)
     assert got.dtype == np.dtype(dtype)
     assert_close(got, reference_attention(q, k, v, positions), dtype)
 
 
 def test_attention_path_is_chosen_by_dtype_size_platform_and_request():
-    path = M.attention_path
+    path = attention.attention_path
     # CPU: a later chunk's XLA scores up to 2 GiB, blocked past it; float64 always einsum.
     assert path(jnp.bfloat16, 128, 32, 1024, 8192, first=False, platform="cpu") == "xla"
     assert path(jnp.bfloat16, 128, 32, 8192, 40960, first=False, platform="cpu") == "blocked"
@@ -282,10 +286,10 @@ def test_attention_path_is_chosen_by_dtype_size_platform_and_request():
         Kernels(attention="flash")
     with pytest.raises(ValueError, match=r"Kernels\(grouped_matmul='dense'\): expected one of"):
         Kernels(grouped_matmul="dense")
-    assert M.attention_key_block(32, 8192, 40960) == 256  # 256 MiB of scores per block
+    assert attention.attention_key_block(32, 8192, 40960) == 256  # 256 MiB of scores per block
     # A cache that no power of two divides keeps its block (it used to shrink to 4 keys here).
-    assert M.attention_key_block(32, 2048, 20500) == 1024
-    assert M.attention_key_block(4, 16, 96) == 96  # never more than the cache
+    assert attention.attention_key_block(32, 2048, 20500) == 1024
+    assert attention.attention_key_block(4, 16, 96) == 96  # never more than the cache
 
 
 @pytest.mark.slow  # the blocked path against the reference: test_blocked_attention_matches_*

@@ -70,7 +70,7 @@ def test_failures_and_stops_on_one_device_end_every_walk():
 
 
 def test_bad_groups_are_refused_with_the_way_out():
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.stream import StreamConfig, StreamerGroup, expert_slices
     from strata_jax.stream.group import group_devices
 
@@ -102,7 +102,7 @@ def test_bad_groups_are_refused_with_the_way_out():
 
 
 def test_an_engine_over_an_expert_range_refuses_a_bad_range():
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.stream import NativeStreamer, StreamConfig
 
     cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,
@@ -121,11 +121,11 @@ def test_an_engine_over_an_expert_range_holds_and_plans_its_slice():
 
     import numpy as np
 
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.formats import ExpertFormat
     from strata_jax.profile import ExpertProfile
     from strata_jax.stream import NativeStreamer, StreamConfig, StreamTuning, plan_stream
-    from strata_jax.stream.streamer import local_config
+    from strata_jax.stream.plan import local_config
     from strata_jax.synthetic import init_synthetic, split_experts
 
     cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,
@@ -175,7 +175,7 @@ def _main(scenario: str, backend: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     from strata_jax import stream as S
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.stream.streamer import device_ordinal
     from strata_jax.synthetic import init_synthetic, split_experts
 

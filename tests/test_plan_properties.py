@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.stream import StreamConfig, plan_stream
 
 BASE = get_preset("qwen3-30b-a3b")

@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.profile import FORMAT, VERSION, ExpertProfile
 
 # One dense layer then two MoE layers: dense rows must stay zero.

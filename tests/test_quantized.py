@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from strata_jax import cli
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import Engine
 from strata_jax.formats import ExpertFormat
-from strata_jax.model import expert_param_names, expert_plane_names, param_shapes
+from strata_jax.models import expert_param_names, expert_plane_names, param_shapes
 from strata_jax.reference import _dequantized, reference_forward
 from strata_jax.synthetic import SyntheticParams
 from strata_jax.testing import assert_close
@@ -148,13 +148,9 @@ def test_quantized_formats_refuse_what_they_do_not_implement(plain_params):
     with pytest.raises(ValueError, match="SyntheticParams draws plain experts, not int4.*"
                                          "QuantizedParams"):
         SyntheticParams(FORMATS["int4"], 0)
-    from strata_jax.checkpoint import HostExpertStore
-
-    with pytest.raises(ValueError, match="HostExpertStore holds plain blobs, not fp8"):
-        HostExpertStore.empty(FORMATS["fp8"])
     from flax import nnx
 
-    from strata_jax.model import MoETransformer
+    from strata_jax.models import MoETransformer
 
     with pytest.raises(ValueError, match="random initialisation of fp8 experts"):
         MoETransformer(FORMATS["fp8"], rngs=nnx.Rngs(0))
@@ -228,8 +224,8 @@ def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):
     # from 1,024 tokens; a format dequantized first dequantizes the whole layer in every piece
     # (from 16,384). An explicit tail_from holds for every kernel.
     import strata_jax.stream.streamer as stream_module
-    from strata_jax.grouped_matmul import is_hopper
-    from strata_jax.quant_matmul import resolve_format
+    from strata_jax.kernels.grouped import is_hopper
+    from strata_jax.kernels.quantized import resolve_format
     from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg = FORMATS["fp8"]
@@ -258,8 +254,8 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
     # A fused kernel never writes the layer out in the parameter dtype, so an engine whose
     # quantized experts take one plans no room for it; the module's chunk_bytes (the CLI's
     # check before an engine exists) counts it for any quantized format.
-    import strata_jax.quant_matmul as quant_matmul
-    from strata_jax.memory import chunk_bytes
+    import strata_jax.engine.engine as engine_module
+    from strata_jax.engine.memory import chunk_bytes
 
     cfg = FORMATS["int4"]
     layer = cfg.n_experts * cfg.expert_params * np.dtype(cfg.dtype).itemsize
@@ -269,13 +265,13 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
         assert on_cpu == chunk_bytes(cfg, 64, eng.capacity, platform=eng.device.platform,
                                      attention=eng.kernels.attention)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(quant_matmul, "resolve_format", lambda *_: "mosaic")
+            mp.setattr(engine_module, "resolve_format", lambda *_: "mosaic")
             assert eng.chunk_bytes(64) == on_cpu - layer
     plain = cfg.replace(expert_format="plain")
     assert (chunk_bytes(plain, 64, 128) == chunk_bytes(plain, 64, 128, dequantized=False)
             == chunk_bytes(cfg, 64, 128, dequantized=True) - layer)
     # The CLI's plan check (prefill_bytes) takes the same choice: CHUNK_HEADROOM x the layer.
-    from strata_jax.memory import CHUNK_HEADROOM, prefill_bytes
+    from strata_jax.engine.memory import CHUNK_HEADROOM, prefill_bytes
 
     kw = dict(max_context=64, n_tokens=64, chunk=64, sub_chunk=None, platform="cpu",
               streamed=False)

@@ -9,10 +9,10 @@ import pytest
 
 from strata_jax.checkpoint import (CheckpointError, config_from_hf, load_checkpoint,
                                    quant_fields_markdown)
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.experts import ExpertWeights
 from strata_jax.formats import ExpertFormat, int4_values_np
-from strata_jax.model import expert_plane_names
+from strata_jax.models import expert_plane_names
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import (HF_ARCH, QWEN3_30B_A3B_HF_CONFIG, assert_close, hf_config,
                                 hf_quantization_config, hf_quantize, hf_tensors,

@@ -18,11 +18,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from strata_jax import attention as A
-from strata_jax import model as M
-from strata_jax.config import get_preset
+from strata_jax.layers import attention as A
+from strata_jax.models import decoder as M
+from strata_jax.models import get_preset
 from strata_jax.kernels import Kernels
-from strata_jax.memory import attention_working_bytes
+from strata_jax.engine.memory import attention_working_bytes
 from strata_jax.reference import reference_attention, reference_forward
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import assert_close, read_in_chunks

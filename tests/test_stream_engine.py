@@ -13,12 +13,14 @@ import functools
 import os
 import re
 import time
+import warnings
 
 import numpy as np
 import pytest
 
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import Engine, sha256_of
+from strata_jax.engine.results import chunk_ids
 from strata_jax.stream import StreamConfig, StreamTuning, plan_stream
 from strata_jax.testing import settled
 from strata_jax.synthetic import init_synthetic
@@ -179,15 +181,124 @@ def test_arms_are_byte_identical(routing_name, arm):
 
 @pytest.mark.slow  # the documented switch; a streamed engine of its own per routing
 def test_switch_off_by_environment(monkeypatch, routing):
+    # routed not given (None): the environment's value applies
     _, params, logits_hash, _ = routing
     monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "0")
-    with Engine(CFG, params, StreamConfig(routed=True,
-                                          tuning=StreamTuning(stream_floor=CHUNK, **SLOW)),
+    with Engine(CFG, params, StreamConfig(tuning=StreamTuning(stream_floor=CHUNK, **SLOW)),
                 max_context=256, chunk_size=CHUNK) as eng:
         assert eng.mode == "stream-all"
         r = eng.prefill(TOKENS)
         assert sha256_of(r.logits) == logits_hash
-        assert sum(int(c.stats.skipped.sum()) for c in r.chunks if c.stats.mode == "stream") == 0
+        assert [c.stats.mode for c in r.chunks] == ["stream"] * 3  # no floor for stream-all
+        assert sum(int(c.stats.skipped.sum()) for c in r.chunks) == 0
+
+
+def test_environment_fills_only_what_is_not_given(monkeypatch):
+    # Not given (None): the environment's value where set, else routed on at depth 16.
+    monkeypatch.delenv("STRATA_PREFILL_ROUTED_STREAM", raising=False)
+    monkeypatch.delenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", raising=False)
+    sc = StreamConfig()
+    assert (sc.routed, sc.depth) == (None, None)
+    assert (sc.resolved().routed, sc.resolved().depth) == (True, 16)
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "0")
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: nothing was given
+        r = StreamConfig().resolved()
+    assert (r.routed, r.depth) == (False, 4)
+    # Given explicitly, the field wins over the environment, with a warning naming both.
+    with pytest.warns(UserWarning) as caught:
+        r = StreamConfig(routed=True, depth=8).resolved()
+    assert (r.routed, r.depth) == (True, 8)
+    assert sorted(str(w.message) for w in caught) == [
+        "STRATA_PREFILL_ROUTED_STREAM=0 is ignored: routed=True was given (an explicit argument "
+        "wins over the environment)",
+        "STRATA_PREFILL_ROUTED_STREAM_DEPTH=4 is ignored: depth=8 was given (an explicit "
+        "argument wins over the environment)"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same values: no conflict, no warning
+        r = StreamConfig(routed=False, depth=4).resolved()
+    assert (r.routed, r.depth) == (False, 4)
+    # A malformed variable is refused even where the field is given.
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "yes")
+    with pytest.raises(ValueError, match="STRATA_PREFILL_ROUTED_STREAM='yes': expected 0 or 1"):
+        StreamConfig(routed=True).resolved()
+
+
+def test_explicit_routed_wins_over_the_environment_in_the_engine(monkeypatch):
+    params = init_synthetic(CFG, seed=3)
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM", "0")
+    monkeypatch.setenv("STRATA_PREFILL_ROUTED_STREAM_DEPTH", "4")
+    with pytest.warns(UserWarning, match="is ignored"):
+        eng = Engine(CFG, params, StreamConfig(routed=True, depth=8, backend="cpu"),
+                     max_context=256, chunk_size=CHUNK)
+    with eng:
+        assert eng.mode == "routed"
+        assert (eng.streamer.stream.routed, eng.streamer.stream.depth) == (True, 8)
+        assert eng.streamer.depth() == 8  # what the native engine runs
+    with Engine(CFG, params, StreamConfig(backend="cpu"), max_context=256,
+                chunk_size=CHUNK) as eng:  # nothing given: the environment's
+        assert eng.mode == "stream-all"
+
+
+def test_stream_all_streams_chunks_under_the_floor(routing):
+    # StreamConfig(routed=False) is stream-all: stream_floor is the routed stream's only, so
+    # every chunk, even one far below the floor, copies every non-resident expert and skips none.
+    _, params, logits_hash, kv_hash = routing
+    sc = StreamConfig(routed=False, resident_per_layer=4,
+                      tuning=StreamTuning(stream_floor=4096, **SLOW))
+    with Engine(CFG, params, sc, max_context=256, chunk_size=CHUNK) as eng:
+        s = eng.streamer
+        assert all(s.chunk_mode(n) != 1 for n in (1, CHUNK, 4095))  # 1: routed-only
+        r = eng.prefill(TOKENS)
+        assert sha256_of(r.logits) == logits_hash and r.session.kv_sha256() == kv_hash
+        non_resident = len(s.stream_list)
+        assert non_resident == len(CFG.moe_layers) * (CFG.n_experts - 4)
+        for c in r.chunks:
+            assert c.stats.tokens < sc.tuning.stream_floor
+            assert c.stats.mode == "stream"
+            assert int(c.stats.copied.sum()) == non_resident
+            assert int(c.stats.skipped.sum()) == 0
+            np.testing.assert_array_equal(c.stats.copied, s.streamed_per_layer)
+
+
+def test_engine_options_are_one_struct_bound_once():
+    # _native.EngineOptions is the C++ struct itself: its defaults are the struct's, and the
+    # streamer fills every field from the StreamConfig and the plan in one place.
+    from strata_jax import native
+    from strata_jax import stream as S
+    from strata_jax.stream.streamer import engine_options
+    from strata_jax.synthetic import split_experts
+
+    mod = native.module()
+    d = mod.EngineOptions()
+    assert (d.backend, d.n_layers, d.n_experts, d.routed, d.blob_bytes, d.ring, d.depth,
+            d.trace, d.sim_bandwidth, d.sim_latency, d.sim_jitter, d.seed, d.pin_mode,
+            d.device, d.publish_mode, d.plane_offsets, d.plane_bytes) == (
+        0, 0, 0, False, 0, 0, 16, False, 0.0, 0.0, 0.0, 0, 1, 0, 1, [], [])
+    with pytest.raises(TypeError):  # one options object, not keyword arguments
+        mod.Streamer(backend=0, n_layers=1)
+    with pytest.raises(ValueError, match="a ring of 0 slots cannot work"):
+        mod.Streamer(d)
+    _, experts = split_experts(CFG, init_synthetic(CFG, seed=3))
+    sc = StreamConfig(routed=False, depth=5, backend="cpu",
+                      tuning=StreamTuning(ring=32, sim_bandwidth=3e9, sim_latency=7e-6,
+                                          sim_jitter=1e-6, seed=9, publish="callback"))
+    eng = S.NativeStreamer(CFG, [experts.get(l) for l in range(CFG.n_layers)], sc)
+    try:
+        o = engine_options(eng.config, eng.stream, eng.plan, eng.format, backend=eng.backend,
+                           device=eng.device_ordinal)
+        assert (o.backend, o.n_layers, o.n_experts, o.routed, o.blob_bytes, o.ring, o.depth,
+                o.sim_bandwidth, o.sim_latency, o.sim_jitter, o.seed, o.publish_mode) == (
+            0, CFG.n_layers, CFG.n_experts, False, eng.blob_bytes, 32, 5, 3e9, 7e-6, 1e-6, 9, 0)
+        assert o.plane_offsets == list(eng.format.offsets)
+        assert o.plane_bytes == [p.nbytes for p in eng.format.planes]
+        assert "EngineOptions(backend=0" in repr(o)
+        with pytest.raises(ValueError, match="resolved StreamConfig"):  # routed None
+            engine_options(eng.config, StreamConfig(), eng.plan, eng.format, backend="cpu",
+                           device=0)
+    finally:
+        eng.close()
 
 
 def test_depth_environment_is_clamped_with_warning(monkeypatch):
@@ -513,7 +624,7 @@ def test_a_streamed_prefill_stages_every_chunks_ids_before_its_walk(routing, mon
             assert sha256_of(r.logits) == logits_hash and r.kv_sha256() == kv_hash
         assert puts == []
         if stream is not None:
-            want = np.concatenate([Engine._chunk_ids(TOKENS[o:o + CHUNK], b, o)
+            want = np.concatenate([chunk_ids(TOKENS[o:o + CHUNK], b, o)
                                    for o, b in ((0, CHUNK), (CHUNK, CHUNK), (2 * CHUNK, 16))])
             assert [e[0] for e in events] == ["staged", "prestart"] and events[1][1] == CHUNK
             assert np.array_equal(events[0][1], want)

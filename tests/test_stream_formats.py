@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.experts import ExpertWeights
 from strata_jax.formats import ExpertFormat
-from strata_jax.quant_matmul import dense
+from strata_jax.formats import dense
 from strata_jax.stream import StreamConfig, StreamTuning
 
 BASE = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,
@@ -273,8 +273,10 @@ def test_plane_table_is_validated():
     mod = native.module()
 
     def make(offsets, sizes, blob=100):
-        return mod.Streamer(backend=0, n_layers=1, n_experts=2, routed=False, blob_bytes=blob,
-                            ring=2, plane_offsets=offsets, plane_bytes=sizes)
+        o = mod.EngineOptions()
+        o.n_layers, o.n_experts, o.routed, o.blob_bytes, o.ring = 1, 2, False, blob, 2
+        o.plane_offsets, o.plane_bytes = offsets, sizes
+        return mod.Streamer(o)
 
     cases = [
         (([0, 10], [10]), r"2 plane offsets for 1 plane sizes"),

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from strata_jax import model as M
-from strata_jax.config import get_preset
+from strata_jax.models import decoder as M
+from strata_jax.models import get_preset
 from strata_jax.synthetic import (SKEW_40_PERCENT_512_TOP10, init_synthetic, synthetic_model,
                                   unrouted_fraction)
 

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from strata_jax import model as M  # noqa: E402
+from strata_jax.models import decoder as M  # noqa: E402
 from strata_jax.checkpoint import CheckpointError, load_model  # noqa: E402
 from strata_jax.testing import assert_close  # noqa: E402
 

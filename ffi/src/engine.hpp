@@ -51,7 +51,8 @@ inline bool ParseChunkMode(int32_t v, ChunkMode* out) {
 }
 inline bool Streams(ChunkMode m) { return m != ChunkMode::kRoutedOnly; }
 
-// Filled from the keyword arguments of strata_jax._native.Streamer (module.cc).
+// Bound to Python once, field for field, as strata_jax._native.EngineOptions
+// (module.cc), which _native.Streamer takes whole; the defaults are these.
 struct EngineOptions {
   int32_t backend = 0;
   int32_t n_layers = 0;

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -33,7 +34,7 @@ namespace strata {
 namespace {
 
 // strata_jax/native.py refuses a module of another version: a stale build.
-constexpr int kApiVersion = 4;
+constexpr int kApiVersion = 5;
 
 using HostBytes = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using Int32s = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -378,44 +379,72 @@ NB_MODULE(_native, m) {
   m.def("registrations", &strata::Registrations,
         "The FFI handlers as capsules, {platform: {target: capsule}}.");
 
-  const EngineOptions d;  // the defaults
+  // The engine's configuration, the C++ struct itself (engine.hpp): each field read and
+  // written by name, its default the struct's. Streamer() checks it (CheckOptions).
+  nb::class_<EngineOptions>(
+      m, "EngineOptions",
+      "The streaming engine's options (ffi/src/engine.hpp EngineOptions), field for field; "
+      "a new object holds the engine's defaults. Streamer(options) checks and copies it.")
+      .def(nb::init<>())
+      .def_rw("backend", &EngineOptions::backend, "0: CPU (simulated link), 1: CUDA.")
+      .def_rw("n_layers", &EngineOptions::n_layers, "Model layers (dense ones included).")
+      .def_rw("n_experts", &EngineOptions::n_experts, "Routed experts per MoE layer.")
+      .def_prop_rw(
+          "routed", [](const EngineOptions& o) { return o.routed != 0; },
+          [](EngineOptions& o, bool on) { o.routed = on ? 1 : 0; },
+          "The routed switch: skip ring entries whose layer's routing landed before they were "
+          "issued and whose expert no token routes to, with at most `depth` copies queued.")
+      .def_rw("blob_bytes", &EngineOptions::blob_bytes, "Bytes of one expert (one ring slot).")
+      .def_rw("ring", &EngineOptions::ring,
+              "Ring slots: a whole number of layer frames of n_experts slots.")
+      .def_rw("depth", &EngineOptions::depth,
+              "Copies queued ahead of the link with the routed switch on.")
+      .def_prop_rw(
+          "trace", [](const EngineOptions& o) { return o.trace != 0; },
+          [](EngineOptions& o, bool on) { o.trace = on ? 1 : 0; },
+          "Print per-chunk copied/skipped lines on stderr.")
+      .def_rw("sim_bandwidth", &EngineOptions::sim_bandwidth,
+              "CPU backend: the simulated link's bytes/s (0: unlimited).")
+      .def_rw("sim_latency", &EngineOptions::sim_latency,
+              "CPU backend: the simulated link's seconds per copy.")
+      .def_rw("sim_jitter", &EngineOptions::sim_jitter,
+              "CPU backend: up to this many extra seconds per copy, uniform.")
+      .def_rw("seed", &EngineOptions::seed, "CPU backend: the simulated jitter's seed.")
+      .def_rw("pin_mode", &EngineOptions::pin_mode,
+              "CUDA backend: 1 reads the host store pinned (falling back to staging), 2 "
+              "stages it through pinned bounce buffers from the start.")
+      .def_rw("device", &EngineOptions::device, "CUDA backend: the device ordinal.")
+      .def_rw("publish_mode", &EngineOptions::publish_mode,
+              "CUDA backend: how a layer's routing reaches the gate: 0 a host callback, 1 an "
+              "event the issuer polls.")
+      .def_rw("plane_offsets", &EngineOptions::plane_offsets,
+              "The plane table: each plane's byte offset in an expert's blob, in blob order.")
+      .def_rw("plane_bytes", &EngineOptions::plane_bytes,
+              "The plane table: each plane's bytes, in blob order.")
+      .def("__repr__", [](const EngineOptions& o) {
+        auto list = [](const std::vector<int64_t>& v) {
+          std::ostringstream s;
+          s << "[";
+          for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+          s << "]";
+          return s.str();
+        };
+        std::ostringstream s;
+        s << "EngineOptions(backend=" << o.backend << ", n_layers=" << o.n_layers
+          << ", n_experts=" << o.n_experts << ", routed=" << (o.routed ? "True" : "False")
+          << ", blob_bytes=" << o.blob_bytes << ", ring=" << o.ring << ", depth=" << o.depth
+          << ", trace=" << (o.trace ? "True" : "False") << ", sim_bandwidth=" << o.sim_bandwidth
+          << ", sim_latency=" << o.sim_latency << ", sim_jitter=" << o.sim_jitter
+          << ", seed=" << o.seed << ", pin_mode=" << o.pin_mode << ", device=" << o.device
+          << ", publish_mode=" << o.publish_mode << ", plane_offsets=" << list(o.plane_offsets)
+          << ", plane_bytes=" << list(o.plane_bytes) << ")";
+        return s.str();
+      });
+
   nb::class_<Streamer>(m, "Streamer",
                        "One streaming engine (ffi/src/engine.hpp), destroyed by close().")
-      .def(
-          "__init__",
-          [](Streamer* self, int32_t backend, int32_t n_layers, int32_t n_experts,
-             bool routed, int64_t blob_bytes, int64_t ring, int32_t depth, bool trace,
-             double sim_bandwidth, double sim_latency, double sim_jitter, uint64_t seed,
-             int32_t pin_mode, int32_t device, int32_t publish_mode,
-             std::vector<int64_t> plane_offsets, std::vector<int64_t> plane_bytes) {
-            EngineOptions opt;
-            opt.plane_offsets = std::move(plane_offsets);
-            opt.plane_bytes = std::move(plane_bytes);
-            opt.backend = backend;
-            opt.n_layers = n_layers;
-            opt.n_experts = n_experts;
-            opt.routed = routed ? 1 : 0;
-            opt.blob_bytes = blob_bytes;
-            opt.ring = ring;
-            opt.depth = depth;
-            opt.trace = trace ? 1 : 0;
-            opt.sim_bandwidth = sim_bandwidth;
-            opt.sim_latency = sim_latency;
-            opt.sim_jitter = sim_jitter;
-            opt.seed = seed;
-            opt.pin_mode = pin_mode;
-            opt.device = device;
-            opt.publish_mode = publish_mode;
-            new (self) Streamer(opt);
-          },
-          nb::kw_only(), nb::arg("backend"), nb::arg("n_layers"), nb::arg("n_experts"),
-          nb::arg("routed"), nb::arg("blob_bytes"), nb::arg("ring"),
-          nb::arg("depth") = d.depth, nb::arg("trace") = false,
-          nb::arg("sim_bandwidth") = d.sim_bandwidth, nb::arg("sim_latency") = d.sim_latency,
-          nb::arg("sim_jitter") = d.sim_jitter, nb::arg("seed") = d.seed,
-          nb::arg("pin_mode") = d.pin_mode, nb::arg("device") = d.device,
-          nb::arg("publish_mode") = d.publish_mode, nb::arg("plane_offsets"),
-          nb::arg("plane_bytes"), Release())
+      .def(nb::init<const EngineOptions&>(), nb::arg("options"), Release(),
+           "Makes the engine `options` (an EngineOptions, checked here) describe.")
       .def_prop_ro("id", &Streamer::id, "The engine's id, which the FFI calls carry.")
       .def_prop_ro("closed", &Streamer::closed)
       .def("set_store", &Streamer::SetStore, nb::arg("layer"), nb::arg("store").noconvert(),

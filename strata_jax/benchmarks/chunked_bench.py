@@ -133,7 +133,7 @@ def attention_part(args, result):
     import jax
     import jax.numpy as jnp
 
-    from strata_jax import attention as A
+    from strata_jax.layers import attention as A
 
     n, kvh, d = 32, 4, 128
     rng = np.random.default_rng(0)

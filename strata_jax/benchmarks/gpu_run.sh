@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|diag|timeline|chunked|score|wake|all][,...]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|timeline|chunked|score|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
 # files (default tests/), TEST_K: a pytest -k expression over them, TEST_DONE: ids to leave
 # out, TEST_WORKERS: pytest-xdist workers sharing the GPU (below); SKIP_BUILD=1
@@ -92,47 +92,15 @@ if [ "$STAGE" = quant ]; then  # issue 21: one stream_bench sweep per expert for
   done
   [ -z "$files" ] || $PY -m strata_jax.benchmarks.quant_summary $files --json "$OUT/quant_summary.json" || rc=1
 fi
-if [ "$STAGE" = qmm ]; then  # issue 21: the fused quantized grouped matmul against bf16
-  # SASS=1: Mosaic GPU's compiler also writes each kernel's PTX and ptxas report; with their
-  # SASS (below) packed into $OUT/mosaic_dump.tgz, opcode counts in $OUT/sass_stats.log
-  dump=()
-  if [ "${SASS:-0}" = 1 ]; then
-    rm -rf /tmp/mosaic_dump && mkdir -p /tmp/mosaic_dump
-    dump=(MOSAIC_GPU_DUMP_TO=/tmp/mosaic_dump MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1
-          MOSAIC_GPU_DUMP_PTXAS=1)
-  fi
-  env ${dump[@]+"${dump[@]}"} timeout ${BENCH_TIMEOUT:-300} $PY -m \
-    strata_jax.benchmarks.quant_matmul_bench ${QMM_ARGS:-} \
+if [ "$STAGE" = qmm ]; then  # the quantized grouped matmuls (Mosaic kernels) against bf16
+  timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.quant_matmul_bench ${QMM_ARGS:-} \
     --json "$OUT/quant_matmul.json" 2>&1 | tee "$OUT/quant_matmul.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-  if [ "${SASS:-0}" = 1 ]; then
-    # Mosaic's own SASS dump needs nvdisasm on its PATH (it was not found there): each
-    # kernel's PTX is assembled for sm_90a and disassembled here, then its opcodes counted.
-    # The dump's MLIR logs are large: only PTX, ptxas reports, resources and SASS come back.
-    CUDA_BIN=${CUDA_BIN:-/usr/local/cuda/bin}
-    for f in /tmp/mosaic_dump/*.ptx; do
-      [ -e "$f" ] || continue
-      "$CUDA_BIN/ptxas" -arch=sm_90a "$f" -o "${f%.ptx}.cubin" \
-        && "$CUDA_BIN/cuobjdump" -sass "${f%.ptx}.cubin" > "${f%.ptx}.sass"
-    done
-    $PY -m strata_jax.benchmarks.sass_stats /tmp/mosaic_dump --full --top 40 \
-      --json "$OUT/sass_stats.json" > "$OUT/sass_stats.log" 2>&1
-    (cd /tmp/mosaic_dump && tar -czf "$OUT/mosaic_dump.tgz" $(ls | grep -E \
-      '[.](ptx|ptxas|sass)$|resources'))
-  fi
-fi
-if [ "$STAGE" = wake ]; then  # the host's return after a program's device work, per CUDA schedule
-  timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.wake_probe --schedules \
-    ${WAKE_ARGS:-} --json "$OUT/wake.json" 2>&1 | tee "$OUT/wake.log" | tail -60
 fi
 if [ "$STAGE" = timeline ]; then
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.timeline \
     --tokens ${TOKENS:-1024} ${TL_ARGS:-} --out "$OUT/timeline_${NAME:-run}" 2>&1 \
     | tee "$OUT/timeline_${NAME:-run}.log" | tail -20
-fi
-if [ "$STAGE" = diag ]; then
-  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.link_diag \
-    ${DIAG_ARGS:-} --json "$OUT/link_diag.json" 2>&1 | tee "$OUT/link_diag.log" | tail -60
 fi
 if [ "$STAGE" = chunked ]; then
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.chunked_bench ${CHUNKED_ARGS:-} \

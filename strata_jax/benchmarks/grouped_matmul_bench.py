@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.config import get_preset
-from strata_jax.grouped_matmul import _mosaic_jit, grouped_matmul, resolve_implementation
+from strata_jax.models import get_preset
+from strata_jax.kernels.grouped import _mosaic_jit, grouped_matmul, resolve_implementation
 
 
 def uniform_group_sizes(tokens: int, n_experts: int, top_k: int, seed: int = 0) -> np.ndarray:

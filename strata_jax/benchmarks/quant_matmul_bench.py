@@ -1,17 +1,16 @@
-"""The experts' grouped matmuls with quantized weights: fused kernels vs dequantize-then-matmul
-vs bf16, all experts resident.
+"""The experts' grouped matmuls with quantized weights: the Mosaic GPU kernels vs
+dequantize-then-matmul vs bf16, all experts resident.
 
 For a Qwen3-30B-A3B-shaped MoE layer (H 2048, I 768, 128 experts, top-8, uniform routing) it
 times one layer's expert math (gate and up [M,H]x[H,I], silu(gate) * up, down [M,I]x[I,H]; M =
 tokens * top_k rows sorted by expert) in these ways per format:
     bf16        the bf16 weights through `grouped_matmul` (the plain model's path);
     dequantize  the quantized planes dequantized to bf16, then the bf16 grouped matmuls;
-    fused       the Triton kernel `fused_grouped_matmul` on the planes, at its default tiling and
-                each one given (`--tiles`; `--no-triton` skips it);
     mosaic      the Mosaic GPU kernel at each tiling given (`--mosaic`; none given: the one
                 the model reads the layer with, `model_mosaic_tiles`): fp8
-                `quant_mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
-                (block_k 128, one scale group a step, or 64, half of one).
+                `kernels.mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
+                (k steps of half a scale group; its conversion, `int4_conversion`, in the
+                row's "int_to_float").
 It reports each time over bf16's and dequantize's, whether a kernel's output has exactly the
 dequantize path's bits, and its largest difference from them relative to the output's largest
 magnitude (both read the same quantized values).
@@ -24,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import json
 import sys
 
@@ -33,17 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.benchmarks.grouped_matmul_bench import _time, uniform_group_sizes
-from strata_jax.config import get_preset
 from strata_jax.experts import ExpertWeights
 from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantized_config
-from strata_jax.grouped_matmul import grouped_matmul
-from strata_jax.quant_matmul import (TILES, Tiles, fused_grouped_matmul, fused_supports,
-                                     in_stored_order, tiles_for)
-from strata_jax.quant_mosaic import (INT_TO_FLOAT, LOAD_LAYOUTS, MOSAIC_INT4_TILES,
-                                     MosaicTiles, fp8_tiles_for, int4_conversion,
-                                     mosaic_grouped_matmul,
-                                     mosaic_int4_grouped_matmul, mosaic_int4_supports,
-                                     mosaic_supports)
+from strata_jax.kernels.grouped import grouped_matmul
+from strata_jax.kernels.mosaic import (
+    MOSAIC_INT4_TILES, MosaicTiles, fp8_tiles_for, int4_conversion, mosaic_grouped_matmul,
+    mosaic_int4_grouped_matmul, mosaic_int4_supports, mosaic_supports
+)
+from strata_jax.kernels.quantized import in_stored_order
+from strata_jax.models import get_preset
 
 
 def _swiglu(x, w, sizes, mm):
@@ -53,24 +49,13 @@ def _swiglu(x, w, sizes, mm):
     return mm(h, w.down, sizes)
 
 
-def parse_tiles(spec: str) -> Tiles:
-    """"bm,bn,warps,stages[,unpack]" -> Tiles."""
-    parts = spec.split(",")
-    return Tiles(*(int(p) for p in parts[:4]), *(parts[4:5] or []))
-
-
 def parse_mosaic(spec: str) -> MosaicTiles:
-    """"bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs[,overlap]]]" -> MosaicTiles."""
+    """"bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs]]" -> MosaicTiles."""
     parts = spec.split(",")
-    if not 5 <= len(parts) <= 8:
+    if not 5 <= len(parts) <= 7:
         raise ValueError(f"--mosaic {spec!r}: expected bm,bn,bk,stages,grid_block_n"
-                         "[,per_sm[,compute_wgs[,overlap]]]")
-    values = [int(p) for p in parts]
-    if len(values) == 8:
-        if values[7] not in (0, 1):
-            raise ValueError(f"--mosaic {spec!r}: overlap is 0 or 1")
-        values[7] = bool(values[7])
-    return MosaicTiles(*values)
+                         "[,per_sm[,compute_wgs]]")
+    return MosaicTiles(*(int(p) for p in parts))
 
 
 def model_mosaic_tiles(kind: str, tokens: int, config) -> MosaicTiles:
@@ -81,11 +66,11 @@ def model_mosaic_tiles(kind: str, tokens: int, config) -> MosaicTiles:
     return fp8_tiles_for(tokens * config.top_k, config.n_experts)
 
 
-def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, warmup: int,
-              repeats: int, mosaic: list[MosaicTiles] | None = (),
-              int_to_float: tuple[str | None, ...] = (None,),
-              load_layouts: tuple[str | None, ...] = (None,),
-              per_matrix: bool = False, batch: int = 1) -> list[dict]:
+def bench_one(tokens: int, config, kind: str, *, warmup: int, repeats: int,
+              mosaic: list[MosaicTiles] | None = None, per_matrix: bool = False,
+              batch: int = 1) -> list[dict]:
+    """The rows of one format at one length: bf16, dequantize, then the Mosaic kernel at each
+    tiling of `mosaic` (None: the model's), each also per matrix with `per_matrix`."""
     m = tokens * config.top_k
     h, i, e = config.hidden_size, config.expert_intermediate, config.n_experts
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
@@ -113,8 +98,9 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                  tflops=flops / t_bf16 / 1e12),
             dict(kind=kind, tokens=tokens, path="dequantize", ms=t_deq * 1e3,
                  over_bf16=t_deq / t_bf16, tflops=flops / t_deq / 1e12)]
+
     def timed(path, name, mm, **extra):
-        """The row of one fused kernel (`mm(x, w, sizes)` for each matrix) on the layer."""
+        """The row of one kernel (`mm(x, w, sizes)` for each matrix) on the layer."""
         fused = jax.jit(lambda x, w, s: _swiglu(
             x, w, s, lambda a, b, c: mm(*in_stored_order(a, b, c), c)))
         base = dict(kind=kind, tokens=tokens, path=path, tiles=name, **extra)
@@ -155,34 +141,19 @@ def bench_one(tokens: int, config, kind: str, tilings: list[Tiles | None], *, wa
                             ms=t * 1e3, over_bf16=t / t_matrix[mt], **extra))
         return out
 
-    for tiles in tilings:
-        name = str(tiles or tiles_for(wq.gate))
-        if not all(fused_supports(a.stored(), tiles or tiles_for(a)) for a in wq):
-            rows.append(dict(kind=kind, tokens=tokens, path="fused", tiles=name,
-                             error="unsupported"))
-            continue
-        rows.append(timed("fused", name, lambda a, b, c, tiles=tiles: fused_grouped_matmul(
-            a, b, c, tiles=tiles), default=tiles is None))
     for tiles in ([model_mosaic_tiles(kind, tokens, config)] if mosaic is None else mosaic):
         name = ",".join(str(int(v)) for v in dataclasses.astuple(tiles))
         if fmt.kind == "int4":
             if not all(mosaic_int4_supports(a.stored(), tiles) for a in wq):
                 rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
-                                 error="unsupported (int4 reads block_k 128 or 64, groups "
-                                       "k // 128)"))
+                                 error="unsupported (int4 reads block_k 64 with one "
+                                       "compute warpgroup, groups k // 128)"))
                 continue
-            seen = set()
-            for conv, load in itertools.product(int_to_float, load_layouts):
-                # None: the kernel's default for bf16 inputs (int4_conversion)
-                conv, load = int4_conversion(jnp.bfloat16, conv, load)
-                if (conv == "bf16x2" and load != "wide") or (conv, load) in seen:
-                    continue  # the kernel reads bf16x2's bytes in the wide layout only
-                seen.add((conv, load))
-                def mm(a, b, c, tiles=tiles, conv=conv, load=load):
-                    return mosaic_int4_grouped_matmul(a, b, c, tiles=tiles, int_to_float=conv,
-                                                      load_layout=load)
-                rows.append(timed("mosaic", name, mm, int_to_float=conv, load_layout=load))
-                rows.extend(timed_matrices(name, mm, int_to_float=conv, load_layout=load))
+            conv = int4_conversion(jnp.bfloat16, wq.gate.scale.dtype)
+            def mm(a, b, c, tiles=tiles):
+                return mosaic_int4_grouped_matmul(a, b, c, tiles=tiles)
+            rows.append(timed("mosaic", name, mm, int_to_float=conv))
+            rows.extend(timed_matrices(name, mm, int_to_float=conv))
             continue
         if not all(mosaic_supports(a, tiles) for a in wq):
             rows.append(dict(kind=kind, tokens=tokens, path="mosaic", tiles=name,
@@ -203,26 +174,12 @@ def main(argv=None) -> int:
                    help="comma list of " + "|".join(QUANTIZE_CHOICES) + " (int4-zp: with "
                         "zero-points; int4-act: act-order, rows stored in group order, each path "
                         "reading the inputs gathered into that order)")
-    p.add_argument("--tiles", action="append", default=[],
-                   help='a fused tiling "bm,bn,warps,stages[,tile|split]" (repeatable); the '
-                        "default tiling is always timed")
     p.add_argument("--mosaic", action="append", default=[],
                    help='a Mosaic kernel tiling (default: the one the model reads the layer '
-                        'with) "bm,bn,bk,stages,grid_block_n[,per_sm'
-                        '[,compute_wgs[,overlap]]]" (repeatable; int4 takes those with bk 128 '
-                        "or 64; compute_wgs 2: two compute warpgroups on halves of bm rows "
-                        "sharing each converted weight tile; overlap 0: each step waits for "
-                        "its product)")
-    p.add_argument("--int-to-float", default=None,
-                   help="the int4 Mosaic kernel's nibble-to-float32 step(s), comma list of "
-                        "|".join(INT_TO_FLOAT) + " (each timed per tiling and load layout; same "
-                        "bits; bf16x2 with the wide layout only; default: the model's, "
-                        "bf16x2)")
-    p.add_argument("--load-layout", default=None,
-                   help="how the int4 Mosaic kernel reads a step's bytes, comma list of "
-                        "|".join(LOAD_LAYOUTS) + " (each timed per tiling; same bits; "
-                        "default: the one --int-to-float's conversion takes)")
-    p.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel")
+                        'with) "bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs]]" '
+                        "(repeatable; int4 takes those with bk 64 and one compute warpgroup; "
+                        "compute_wgs 2, fp8 with bk 64: two compute warpgroups on halves of bm "
+                        "rows sharing each converted weight tile)")
     p.add_argument("--per-matrix", action="store_true",
                    help="also time gate's (as up's) and down's matmul alone, bf16 and each "
                         "Mosaic tiling (rows with 'matrix')")
@@ -235,18 +192,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     config = get_preset(a.preset)
     try:
-        tilings = [] if a.no_triton else [None] + [parse_tiles(s) for s in a.tiles]
         mosaic = [parse_mosaic(s) for s in a.mosaic] or None  # None: the model's tiling
-        int_to_float = tuple(a.int_to_float.split(",")) if a.int_to_float else (None,)
-        load_layouts = tuple(a.load_layout.split(",")) if a.load_layout else (None,)
-        if set(load_layouts) - set(LOAD_LAYOUTS) - {None}:
-            raise ValueError(f"--load-layout {a.load_layout!r}: a comma list of "
-                             f"{'|'.join(LOAD_LAYOUTS)}")
         if a.batch < 1:
             raise ValueError(f"--batch {a.batch}: at least 1")
-        if set(int_to_float) - set(INT_TO_FLOAT) - {None}:
-            raise ValueError(f"--int-to-float {a.int_to_float!r}: a comma list of "
-                             f"{'|'.join(INT_TO_FLOAT)}")
         for kind in a.formats.split(","):
             if kind not in QUANTIZE_CHOICES:
                 raise ValueError(f"--formats: {kind!r} is not one of "
@@ -254,13 +202,11 @@ def main(argv=None) -> int:
     except ValueError as e:  # a malformed tiling: the usage error names it
         p.error(str(e))
     rows = []
-    print(f"jax {jax.__version__} {jax.devices()}; default tiles {TILES}", flush=True)
+    print(f"jax {jax.__version__} {jax.devices()}", flush=True)
     for kind in a.formats.split(","):
         for tokens in (int(t) for t in a.tokens.split(",")):
-            for r in bench_one(tokens, config, kind, tilings, warmup=a.warmup,
-                               repeats=a.repeats, mosaic=mosaic, int_to_float=int_to_float,
-                               load_layouts=load_layouts, per_matrix=a.per_matrix,
-                               batch=a.batch):
+            for r in bench_one(tokens, config, kind, warmup=a.warmup, repeats=a.repeats,
+                               mosaic=mosaic, per_matrix=a.per_matrix, batch=a.batch):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     if a.json:

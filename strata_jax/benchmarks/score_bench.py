@@ -61,8 +61,8 @@ def _block_row(args, cfg, eng, arm, prompts, mib, made_s):
     (model.SCORE_BLOCK_BYTES; the programs are traced again under it)."""
     import jax
 
-    from strata_jax import model
-    from strata_jax.model import score_block_rows
+    from strata_jax.models import decoder as model
+    from strata_jax.models.decoder import score_block_rows
 
     n = args.long
     if mib is not None:
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     import jax
 
     from strata_jax.benchmarks.stream_bench import model_config
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.synthetic import SyntheticParams
 
     base = get_preset(args.preset)
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    from strata_jax import model
+    from strata_jax.models import decoder as model
 
     hashes = {}
     default_block = model.SCORE_BLOCK_BYTES

@@ -86,7 +86,7 @@ def _pairs(n_slots: int, within=PAIRS) -> list[tuple[int, int]]:
 
 def fast_params(config, seed: int, skew: float) -> dict:
     """Synthetic weights quickly at full expert shapes: experts tile a few random blocks."""
-    from strata_jax.model import param_shapes
+    from strata_jax.models import param_shapes
     from strata_jax.synthetic import _router
 
     rng = np.random.default_rng(seed)
@@ -126,7 +126,7 @@ def quantized(cfg, params, kind: str | None, tile: int | None = None):
 def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bool = False):
     """The preset cut to `layers` layers and a `vocab` vocabulary, full expert shapes (or tiny
     widths with `tiny`, for a quick run of the script itself on a CPU)."""
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
 
     base = get_preset(preset)
     if tiny:
@@ -269,7 +269,8 @@ class PinnedHostBaseline:
         import jax.numpy as jnp
         from flax import nnx
 
-        from strata_jax.model import build_model, expert_format, expert_plane_names
+        from strata_jax.models import build_model, expert_plane_names
+        from strata_jax.formats import expert_format
 
         self.config = config
         dev = jax.devices()[0]
@@ -314,8 +315,9 @@ class PinnedHostBaseline:
         bytes can be compared with the engine's. Returns (ms, logits, valid KV cache)."""
         import jax
 
-        from strata_jax.engine import _bucket, compile_buckets
-        from strata_jax.model import KVCache
+        from strata_jax.engine.results import _bucket
+        from strata_jax.engine import compile_buckets
+        from strata_jax.models import KVCache
 
         n = len(tokens)
         chunk = min(chunk or n, n)
@@ -908,7 +910,7 @@ def main(argv=None) -> int:
 
     from strata_jax import native
     from strata_jax.formats import ExpertFormat
-    from strata_jax.quant_matmul import resolve_format
+    from strata_jax.kernels.quantized import resolve_format
 
     parts = args.parts.split(",")
     unknown = set(parts) - {"sweep", "two-turn", "layer-major", "publication", "floor",

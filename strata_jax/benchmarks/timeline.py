@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, fast_params,
                                                     model_config, quantized)
     from strata_jax.engine import Engine
-    from strata_jax.grouped_matmul import resolve_implementation
+    from strata_jax.kernels.grouped import resolve_implementation
 
     arms = args.arms.split(",")
     unknown = set(arms) - {"resident", "stream-all", "routed"}

@@ -21,15 +21,23 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from ..memory import memory_plan  # noqa: F401 - re-exported: cli.memory_plan as before
-from .common import (SCALES, UsageError, _Log, model_config, random_prompt,  # noqa: F401
-                     read_prompt_file)
-from .demo import cmd_demo
-from .info import cmd_info
-from .options import PROG, build_parser
-from .prefill import _per_layer_rows, cmd_prefill  # noqa: F401 - the tests use _per_layer_rows
-from .profile import cmd_profile, hottest  # noqa: F401
-from .score import cmd_score
+from tqdm.auto import tqdm
+
+from strata_jax.cli.common import (
+    SCALES,
+    UsageError,
+    _Log,
+    model_config,
+    random_prompt,
+    read_prompt_file,
+)
+from strata_jax.cli.demo import cmd_demo
+from strata_jax.cli.info import cmd_info
+from strata_jax.cli.options import PROG, build_parser
+from strata_jax.cli.prefill import _per_layer_rows, cmd_prefill  # noqa: F401 - the tests use _per_layer_rows
+from strata_jax.cli.profile import cmd_profile, hottest  # noqa: F401
+from strata_jax.cli.score import cmd_score
+from strata_jax.engine.memory import memory_plan  # noqa: F401 - re-exported: cli.memory_plan as before
 
 __all__ = ["SCALES", "UsageError", "main", "memory_plan", "model_config", "read_prompt_file"]
 
@@ -53,8 +61,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     def show(message, category, filename, lineno, file=None, line=None):
         # One line, not the source location and code line Python adds; through tqdm so that
         # a progress bar on stderr is redrawn below it.
-        from tqdm.auto import tqdm
-
         tqdm.write(f"{PROG} {args.command}: warning: {' '.join(str(message).split())}",
                    file=sys.stderr)
 

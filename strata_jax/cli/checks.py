@@ -6,9 +6,10 @@ memory of the device it will run on), each a UsageError.
 
 from __future__ import annotations
 
-from .. import memory
-from ..memory import _gib
-from .common import UsageError, _Model
+from strata_jax.cli.common import UsageError, _Model
+from strata_jax.devices import device_memory, gib, host_memory
+from strata_jax.engine import memory
+from strata_jax.stream import plan_stream
 
 
 def _check_budget(args, model: _Model, backend: str) -> None:
@@ -37,10 +38,10 @@ def _check_stream_budget(args, cfg, platform: str) -> None:
     if args.resident_gib is not None:
         if args.resident_gib < 0:
             raise UsageError(f"--resident-gib {args.resident_gib}: a budget must be 0 or more")
-        limit, what = memory.device_memory(platform)
+        limit, what = device_memory(platform)
         if limit is not None and args.resident_gib * 2**30 > limit:
             raise UsageError(f"--resident-gib {args.resident_gib} is more than the device has "
-                             f"({_gib(limit)} of {what}); use a smaller budget")
+                             f"({gib(limit)} of {what}); use a smaller budget")
 
 
 def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
@@ -66,14 +67,13 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     `dequantized`: whether quantized experts are read by the dequantize path (a layer in the
     parameter dtype a chunk); None counts that layer for any quantized format.
     """
-    from ..stream import plan_stream
 
     cfg = model.config
     platform = "gpu" if backend == "cuda" else "cpu"
     if platform == "gpu":
-        have, what = memory.device_memory("gpu")
+        have, what = device_memory("gpu")
     else:
-        have, what = memory.host_memory()[1], "host RAM"
+        have, what = host_memory()[1], "host RAM"
     if have is None:
         return
 
@@ -119,7 +119,7 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
            "not one position fits beside the weights; use a smaller model"
            + (" or fewer resident experts" if stream is not None and platform == "gpu" else ""))
     raise UsageError(
-        f"this prefill needs about {_gib(total)} of {what} and {_gib(have)} is available: "
-        f"KV cache {_gib(kv)} (2 copies of {cap} positions: a context of {max_context} and "
-        f"a chunk's slack), activations of a {c}-token chunk {_gib(act)}, token ids "
-        f"{_gib(n_tokens * memory.TOKEN_ID_BYTES)}, weights {_gib(weights)}; {way}")
+        f"this prefill needs about {gib(total)} of {what} and {gib(have)} is available: "
+        f"KV cache {gib(kv)} (2 copies of {cap} positions: a context of {max_context} and "
+        f"a chunk's slack), activations of a {c}-token chunk {gib(act)}, token ids "
+        f"{gib(n_tokens * memory.TOKEN_ID_BYTES)}, weights {gib(weights)}; {way}")

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import memory
-from ..formats import QUANTIZE_CHOICES, quantized_config
-from ..memory import _gib, _size
+from strata_jax.devices import HostMemoryError, gib, host_memory, size
+from strata_jax.engine import memory
+from strata_jax.formats import QUANTIZE_CHOICES, quantized_config
 
 # Scaled-down sizes, applied with ModelConfig.scaled(); fields given on the command line
 # (--layers, --experts, ...) win. `layers` counts MoE layers: a preset with dense layers
@@ -62,7 +62,7 @@ class _Log:
 
 
 def _preset_names() -> str:
-    from ..config import PRESETS
+    from strata_jax.models import PRESETS
 
     return ", ".join(PRESETS)
 
@@ -85,7 +85,7 @@ def model_config(preset: str, scale: str | None = None, *, layers: int | None = 
     Raises:
         UsageError: unknown preset or an inconsistent shape (the message says which).
     """
-    from ..config import PRESETS, get_preset
+    from strata_jax.models import PRESETS, get_preset
 
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; known presets: {_preset_names()}")
@@ -238,7 +238,7 @@ class _Model:
                              "--scale tiny|small for a scaled-down copy) or --checkpoint DIR")
 
     def _checkpoint_config(self):
-        from ..checkpoint import CheckpointError, config_from_hf
+        from strata_jax.checkpoint import CheckpointError, config_from_hf
 
         path = os.path.join(self.checkpoint, "config.json")
         if not os.path.isdir(self.checkpoint):
@@ -274,7 +274,7 @@ class _Model:
                  f"preset {self.preset}, scale {self.scale or 'full'}")
         dense = f" ({len(c.dense_layers)} dense)" if c.dense_layers else ""
         return (f"model {c.name} ({where}): {c.n_layers} layers{dense}, {c.n_experts} experts "
-                f"top-{c.top_k}, hidden {c.hidden_size}, expert {_size(c.expert_bytes)}"
+                f"top-{c.top_k}, hidden {c.hidden_size}, expert {size(c.expert_bytes)}"
                 f"{'' if c.expert_format == 'plain' else ' ' + c.expert_format}"
                 f"{' with zero-points' if c.expert_zero_points else ''}"
                 f"{' with act-order groups' if c.expert_act_order else ''}, "
@@ -296,7 +296,7 @@ class _Model:
         here: a checkpoint's stay in its files and synthetic ones are drawn as the engine
         takes them (its progress bar), straight into its host store or onto the device."""
         if self.checkpoint:
-            from ..checkpoint import CheckpointError, load_checkpoint
+            from strata_jax.checkpoint import CheckpointError, load_checkpoint
 
             try:
                 ckpt = load_checkpoint(self.checkpoint, param_dtype=self.shape["dtype"],
@@ -305,20 +305,20 @@ class _Model:
                 raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
             if not self.quantize:
                 return ckpt.config, ckpt.params, ckpt.experts.as_mapping()
-            from ..model import expert_plane_names
-            from ..weights import LazyExperts, QuantizedParams
+            from strata_jax.models import expert_plane_names
+            from strata_jax.weights import LazyExperts, QuantizedParams
 
             config = self._quantized(ckpt.config)
             experts = QuantizedParams(ckpt.experts, config)
             return config, ckpt.params, {l: LazyExperts(experts, expert_plane_names(config, l))
                                          for l in config.moe_layers}
-        from ..synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams
+        from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams
 
         self.check_host_memory()
         skew = SKEW_40_PERCENT_512_TOP10 if self.skew is None else self.skew
         params = SyntheticParams(self.plain_config, self.seed, skew)
         if self.quantize:
-            from ..weights import QuantizedParams
+            from strata_jax.weights import QuantizedParams
 
             params = QuantizedParams(params, self.config)
         return self.config, params, None
@@ -345,13 +345,13 @@ class _Model:
         if c.expert_format != "plain":
             tensor *= 1 + 2 * 4 // self.plain_config.dtype.itemsize
         need = store + dense + tensor
-        _, available = memory.host_memory()
+        _, available = host_memory()
         if available is not None and need > 0.9 * available:
             what = "synthetic weights" if not self.checkpoint else "the checkpoint's weights"
             raise UsageError(
-                f"{what} of {c.name} need {_gib(need)} of host memory (host store "
-                f"{_gib(store)}, dense weights {_gib(dense)}, one expert tensor {_gib(tensor)}) "
-                f"and {_gib(available)} is available; use --scale small|tiny or fewer "
+                f"{what} of {c.name} need {gib(need)} of host memory (host store "
+                f"{gib(store)}, dense weights {gib(dense)}, one expert tensor {gib(tensor)}) "
+                f"and {gib(available)} is available; use --scale small|tiny or fewer "
                 "--layers / --experts")
 
 
@@ -361,8 +361,8 @@ class _Model:
 def _resolve_backend(requested: str) -> str:
     """'cpu' or 'cuda' for a stream backend (stream.streamer.choose_backend); UsageError when
     the native library does not load or cuda cannot run."""
-    from .. import native
-    from ..stream.streamer import BackendUnavailable, choose_backend
+    from strata_jax import native
+    from strata_jax.stream.streamer import BackendUnavailable, choose_backend
 
     try:
         native.has_cuda()
@@ -495,7 +495,7 @@ def _load_profile(path: str | None, config):
     if not os.path.isfile(path):
         raise UsageError(f"profile {path!r} does not exist (record one with `strata-jax "
                          "profile --out FILE`)")
-    from ..profile import ExpertProfile
+    from strata_jax.profile import ExpertProfile
 
     try:
         return ExpertProfile.load(path, config=config)
@@ -507,17 +507,15 @@ def _load_profile(path: str | None, config):
 
 
 def _stream_config(args, backend: str, profile):
-    from ..stream import StreamConfig, StreamTuning
+    from strata_jax.stream import StreamConfig, StreamTuning
 
     if not args.stream:
         return None
-    routed = args.routed == "on"
+    # --routed and --depth given are explicit (they win over STRATA_PREFILL_ROUTED_STREAM and
+    # its _DEPTH); not given (None), the environment's value applies, else the default.
+    routed = None if args.routed is None else args.routed == "on"
     kw, tuning = {}, {}
-    if args.stream_floor is not None:
-        tuning["stream_floor"] = args.stream_floor
-    elif not routed:
-        tuning["stream_floor"] = 1  # stream-all: no routed-only chunks either
-    for name in ("frames_from", "tail_pieces", "tail_shape", "tail_from"):
+    for name in ("stream_floor", "frames_from", "tail_pieces", "tail_shape", "tail_from"):
         if getattr(args, name) is not None:
             tuning[name] = getattr(args, name)
     if args.resident_gib is not None:
@@ -535,15 +533,15 @@ def _stream_config(args, backend: str, profile):
 
 def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None,
                  what: str = "experts"):
-    from ..engine import Engine
-    from ..kernels import Kernels
+    from strata_jax.engine import Engine
+    from strata_jax.kernels import Kernels
 
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
                   order=args.order, device=device,
                   kernels=Kernels(grouped_matmul=args.grouped_matmul, attention=args.attention,
                                   quantized_matmul=args.quantized_matmul))
     if getattr(args, "devices", 1) > 1:  # expert parallel: the mesh says where it runs
-        from ..parallel import expert_mesh
+        from strata_jax.parallel import expert_mesh
 
         if device is None:  # streamed: the stream backend's devices
             device = _stream_device("cuda" if stream.backend == "cuda" else "cpu")
@@ -556,7 +554,7 @@ def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, dev
     try:
         with log.bar(desc=desc, total=len(cfg.moe_layers), unit="layer") as bar:
             return Engine(cfg, params, stream, progress=log.progress(bar), **kwargs)
-    except (ValueError, memory.HostMemoryError) as e:
+    except (ValueError, HostMemoryError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
 
 

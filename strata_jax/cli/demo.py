@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import sys
 
-from .checks import _check_plan
-from .common import _context, _Log, _Model, _resolve_backend, random_prompt
-from .prefill import _skip_note
+from strata_jax.cli.checks import _check_plan
+from strata_jax.cli.common import (
+    UsageError,
+    _context,
+    _Log,
+    _Model,
+    _resolve_backend,
+    random_prompt,
+)
+from strata_jax.cli.prefill import _skip_note
 
 
 def cmd_demo(args, log: _Log) -> int:
-    from ..engine import Engine, sha256_of
-    from ..stream import StreamConfig, StreamTuning
-    from ..synthetic import SKEW_40_PERCENT_512_TOP10
+    from strata_jax.engine import Engine, sha256_of
+    from strata_jax.stream import StreamConfig, StreamTuning
+    from strata_jax.stream.config import _env_depth
+    from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10
 
     args.checkpoint = None
     model = _Model(args)
@@ -35,11 +43,19 @@ def cmd_demo(args, log: _Log) -> int:
     _, params, _ = model.weights(log)
     link = dict(sim_bandwidth=args.sim_bandwidth * 1e9)
     resident_device = "gpu" if backend == "cuda" else "cpu"  # the arms compare on one device
+    # Each arm says what it is (routed=False/True), so STRATA_PREFILL_ROUTED_STREAM changes
+    # none (the engine warns where it is set otherwise). The routed arm's depth: --depth where
+    # given (it wins over the environment), else STRATA_PREFILL_ROUTED_STREAM_DEPTH where set
+    # (depth=None reads it), else the demo's 4.
+    try:
+        depth = args.depth if args.depth is not None else (None if _env_depth() is not None
+                                                           else 4)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     arms = {
         "resident": None,
-        "stream-all": StreamConfig(routed=False, backend=backend,
-                                   tuning=StreamTuning(stream_floor=1, **link)),
-        "routed": StreamConfig(routed=True, depth=args.depth, backend=backend,
+        "stream-all": StreamConfig(routed=False, backend=backend, tuning=StreamTuning(**link)),
+        "routed": StreamConfig(routed=True, depth=depth, backend=backend,
                                tuning=StreamTuning(**link)),
     }
     hashes = {}
@@ -51,7 +67,8 @@ def cmd_demo(args, log: _Log) -> int:
                 r = eng.prefill(tokens)
                 hashes[name] = (sha256_of(r.logits), sha256_of(r.session.cache))
                 bar.write(f"{name:>10}: {r.summary()}", file=sys.stdout)
-                note = _skip_note(r, f"--depth {args.depth}")
+                note = (_skip_note(r, f"depth {eng.streamer.stream.depth}")
+                        if eng.streamer is not None else None)
                 if note:
                     bar.write(f"{'':>10}  {note}", file=sys.stdout)
                 bar.update(1)

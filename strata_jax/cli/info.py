@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import json
 
-from .. import memory
-from ..memory import _gib, _size
-from .checks import _check_stream_budget
-from .common import UsageError, _jsonable, _Log, _Model
+import jax
+
+from strata_jax import native
+from strata_jax.cli.checks import _check_stream_budget
+from strata_jax.cli.common import UsageError, _jsonable, _Log, _Model
+from strata_jax.devices import device_memory, gib, host_memory, memory_stats, size
+from strata_jax.engine import memory
 
 
 def cmd_info(args, log: _Log) -> int:
-    import jax
-
-    from .. import native
 
     out: dict = {"jax": {"version": jax.__version__, "backend": jax.default_backend()}}
     devices = []
     for d in jax.devices():
         devices.append({"id": d.id, "platform": d.platform, "kind": d.device_kind,
-                        "memory_bytes": memory.memory_stats(d).get("bytes_limit")})
+                        "memory_bytes": memory_stats(d).get("bytes_limit")})
     out["devices"] = devices
     try:
         has_cuda = native.has_cuda()
@@ -44,7 +44,7 @@ def cmd_info(args, log: _Log) -> int:
         except RuntimeError as e:
             link["note"] = f"not measured: {str(e).splitlines()[0]}"
     out["link"] = link
-    host_total, host_avail = memory.host_memory()
+    host_total, host_avail = host_memory()
     out["host"] = {"memory_bytes": host_total, "available_bytes": host_avail}
 
     model = _Model(args)
@@ -58,7 +58,7 @@ def cmd_info(args, log: _Log) -> int:
                              f"({cfg.max_seq_len}); use at most {cfg.max_seq_len}")
         platform = "gpu" if has_gpu else "cpu"
         _check_stream_budget(args, cfg, platform)  # what prefill refuses, in its words
-        device_bytes, device_what = memory.device_memory(platform)
+        device_bytes, device_what = device_memory(platform)
         try:
             plan = memory.memory_plan(cfg, max_context=max_context,
                                       resident_gib=args.resident_gib,
@@ -76,10 +76,10 @@ def cmd_info(args, log: _Log) -> int:
         return 0
     print(f"jax {out['jax']['version']}, default backend {out['jax']['backend']}")
     for d in devices:
-        mem = _gib(d["memory_bytes"]) if d["memory_bytes"] else "memory not reported"
+        mem = gib(d["memory_bytes"]) if d["memory_bytes"] else "memory not reported"
         print(f"  device {d['platform']}:{d['id']} {d['kind']}, {mem}")
     if host_total:
-        print(f"  host RAM {_gib(host_total)} ({_gib(host_avail or 0)} available)")
+        print(f"  host RAM {gib(host_total)} ({gib(host_avail or 0)} available)")
     nat = out["native"]
     print("native library: " + ("not built: " + nat["error"] if not nat["built"] else
                                 "built with CUDA" if nat["cuda"] else "built without CUDA (cpu backend only)"))
@@ -88,26 +88,26 @@ def cmd_info(args, log: _Log) -> int:
     if "plan" in out:
         p = out["plan"]
         print(f"memory plan for {model.describe()[6:]}:")
-        print(f"  experts: {_size(p['expert_bytes'])} each, {_size(p['expert_bytes_per_layer'])} "
-              f"per layer, {_size(p['expert_bytes_total'])} in all ({p['moe_layers']} MoE layers)"
+        print(f"  experts: {size(p['expert_bytes'])} each, {size(p['expert_bytes_per_layer'])} "
+              f"per layer, {size(p['expert_bytes_total'])} in all ({p['moe_layers']} MoE layers)"
               " — kept in host RAM")
-        print(f"  dense weights {_size(p['dense_bytes'])}; KV cache {_size(p['kv_bytes'])} for "
+        print(f"  dense weights {size(p['dense_bytes'])}; KV cache {size(p['kv_bytes'])} for "
               f"{p['max_context']} positions")
         print(f"  resident {p['resident_per_layer']} experts per layer "
-              f"({_size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
+              f"({size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
               f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} layer "
               f"frame{'s' if p['ring_frames'] != 1 else ''}, "
-              f"{_size(p['ring_bytes'])})"
+              f"{size(p['ring_bytes'])})"
               + ("" if p["ring_fits_budget"] else
                  f" — MORE than --ring-gib {args.ring_gib}: raise it or keep more resident"))
         dev = p["device_memory"]
-        print(f"  on the device: {_size(p['device_bytes_streamed'])} streamed, "
-              f"{_size(p['device_bytes_all_resident'])} with every expert resident "
+        print(f"  on the device: {size(p['device_bytes_streamed'])} streamed, "
+              f"{size(p['device_bytes_all_resident'])} with every expert resident "
               "(activations not counted)")
         if p["streamed_note"]:
             print(f"  note: {p['streamed_note']}")
         if dev is not None:
-            print(f"  {p['device']}: {_size(dev)}: streamed plan "
+            print(f"  {p['device']}: {size(dev)}: streamed plan "
                   f"{'fits' if p['fits_streamed'] else 'does NOT fit'}; all resident "
                   f"{'fits' if p['fits_all_resident'] else 'does not fit'}; up to about "
                   f"{p['max_resident_gib']:.1f} GiB of resident experts fit beside the rest")
@@ -119,18 +119,18 @@ def cmd_info(args, log: _Log) -> int:
                     ": fits" if d["fits_all_resident"] else ": does NOT fit")
             print(f"  over {p['devices']} devices, every expert resident: "
                   f"{d['experts_per_layer']} experts per layer each "
-                  f"({_size(d['expert_bytes'])} of experts), {_size(d['device_bytes_all_resident'])} per "
+                  f"({size(d['expert_bytes'])} of experts), {size(d['device_bytes_all_resident'])} per "
                   f"device with the dense weights and KV cache replicated{fits}")
             fits = ("" if "fits_streamed" not in d else
                     ": fits" if d["fits_streamed"] else ": does NOT fit")
             print(f"  over {p['devices']} devices, streamed: each device its slice's "
                   f"{d['resident_per_layer']} resident experts per layer "
-                  f"({_size(d['resident_bytes'])}) and a ring of {d['ring_slots']} slots "
+                  f"({size(d['resident_bytes'])}) and a ring of {d['ring_slots']} slots "
                   f"({d['ring_frames']} frame{'s' if d['ring_frames'] != 1 else ''}, "
-                  f"{_size(d['ring_bytes'])}), {_size(d['device_bytes_streamed'])} per device"
+                  f"{size(d['ring_bytes'])}), {size(d['device_bytes_streamed'])} per device"
                   f"{fits}; slices {', '.join(f'{lo}..{hi - 1}' for lo, hi in d['expert_slices'])}")
         if host_total:
             fits = p["host_store_bytes"] <= host_total
-            print(f"  host store: {_size(p['host_store_bytes'])} of experts in {_gib(host_total)} "
+            print(f"  host store: {size(p['host_store_bytes'])} of experts in {gib(host_total)} "
                   f"of host RAM: {'fits' if fits else 'does NOT fit'}")
     return 0

@@ -10,8 +10,10 @@ import textwrap
 
 import numpy as np
 
-from ..formats import QUANTIZE_CHOICES
-from .common import SCALES
+from strata_jax._version import __version__
+from strata_jax.cli.common import SCALES
+from strata_jax.formats import QUANTIZE_CHOICES
+from strata_jax.kernels import ATTENTION_PATHS, GROUPED_MATMULS, QUANTIZED_MATMULS
 
 PROG = "strata-jax"
 
@@ -183,24 +185,29 @@ def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: b
                             "(reports reused + read; 0: none)")
 
 
-def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
+def _stream_options(p: argparse.ArgumentParser, *, depth_default: int | None = None,
                     bandwidth_default: float = 2.0) -> None:
     g = p.add_argument_group("stream (how experts reach the device)")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="stream non-resident experts through the native engine; --no-stream "
                         "keeps every expert resident on the --backend device (the resident arm)")
-    g.add_argument("--routed", choices=["on", "off"], default="on",
+    g.add_argument("--routed", choices=["on", "off"], default=None,
                    help="on: skip copies of experts no token of the chunk routes to (routed "
-                        "stream); off: copy every streamed expert of every chunk (stream-all; "
-                        "the routed-only floor is set to 1 unless --stream-floor is given)")
+                        "stream); off: copy every streamed expert of every chunk (stream-all, "
+                        "--stream-floor does not apply). Given, it wins over "
+                        "STRATA_PREFILL_ROUTED_STREAM; default: that variable's 0/1 where set, "
+                        "else on")
     g.add_argument("--depth", type=_depth, default=depth_default, metavar="N",
-                   help="copies queued ahead of the link with --routed on (1..256)")
+                   help="copies queued ahead of the link with --routed on (1..256). Given, it "
+                        "wins over STRATA_PREFILL_ROUTED_STREAM_DEPTH; default: that variable "
+                        "where set, else 16")
     g.add_argument("--chunk", type=_positive_int, default=None, metavar="N",
                    help="tokens per prefill chunk (default: the engine chooses the largest "
                         "that fits the device's free memory; the JSON's chunk_choice says how)")
     g.add_argument("--stream-floor", type=_positive_int, metavar="N",
-                   help="chunks shorter than N tokens use routed-only fetch: wait for the "
-                        "routing, copy only routed experts (default: 1024 with --routed on)")
+                   help="with --routed on, chunks shorter than N tokens use routed-only fetch: "
+                        "wait for the routing, copy only routed experts (default 1024; "
+                        "stream-all streams every chunk)")
     res = g.add_mutually_exclusive_group()
     res.add_argument("--resident-gib", type=_float, metavar="GIB",
                      help="device memory for resident experts; the hottest by --profile fill "
@@ -259,7 +266,6 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int = 16,
 
 
 def _kernel_options(p: argparse.ArgumentParser) -> None:
-    from ..kernels import ATTENTION_PATHS, GROUPED_MATMULS, QUANTIZED_MATMULS
 
     g = p.add_argument_group("kernels (strata_jax.Kernels; each choice reads the same bits in "
                              "every arm)")
@@ -310,7 +316,6 @@ def build_parser() -> argparse.ArgumentParser:
 
                      `strata-jax SUBCOMMAND --help` lists every option of a subcommand."""),
                  formatter_class=_Formatter)
-    from .. import __version__
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="{demo,prefill,score,profile,info}")
 
@@ -326,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     _prompt_options(demo, tokens_default=1024, files=False)
     g = demo.add_argument_group("stream")
     g.add_argument("--chunk", type=_positive_int, default=1024, metavar="N", help="tokens per chunk")
-    g.add_argument("--depth", type=_depth, default=4, metavar="N",
-                   help="copies queued ahead of the link in the routed arm")
+    g.add_argument("--depth", type=_depth, default=None, metavar="N",
+                   help="copies queued ahead of the link in the routed arm (1..256; default: "
+                        "STRATA_PREFILL_ROUTED_STREAM_DEPTH where set, else 4)")
     g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                    help="stream backend (auto: CUDA when JAX has a GPU and the library was built "
                         "with CUDA, else the simulated link); the resident arm runs on its "
@@ -347,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
             experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256, kv_sha256,
             per_layer, order, chunks, mode, compiled (the chunk programs this call compiled:
             prompt_ms includes compiling them), plus arm, backend, model, compilations (the
-            engine's, in all), depth (the routed stream's, as it ran: after
-            STRATA_PREFILL_ROUTED_STREAM_DEPTH and the clamp to 1..256; null when the routed
+            engine's, in all), depth (the routed stream's, as it ran: --depth, else
+            STRATA_PREFILL_ROUTED_STREAM_DEPTH, else 16, clamped to 1..256; null when the routed
             switch is off), and follow_up (the same keys for the second turn) with --follow-up."""))
     _model_options(pre, required=True)
     _prompt_options(pre, tokens_default=1024, follow_up=True)

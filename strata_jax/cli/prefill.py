@@ -11,32 +11,43 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .checks import _check_budget, _check_plan
-from .common import (UsageError, _backends, _context, _jsonable, _load_profile, _Log,
-                     _make_engine, _Model, _read_prompts, _stream_config, _stream_device,
-                     random_prompt)
+from strata_jax.cli.checks import _check_budget, _check_plan
+from strata_jax.cli.common import (
+    UsageError,
+    _backends,
+    _context,
+    _jsonable,
+    _load_profile,
+    _Log,
+    _make_engine,
+    _Model,
+    _read_prompts,
+    _stream_config,
+    _stream_device,
+    random_prompt,
+)
+from strata_jax.formats import ExpertFormat
+from strata_jax.kernels.quantized import resolve_format
 
 
-def _routed_depth(stream) -> int | None:
-    """The depth the routed stream will run with (StreamConfig.resolved(): after
-    STRATA_PREFILL_ROUTED_STREAM(_DEPTH) and the clamp to 1..256); None when nothing streams or
-    the routed switch is off. The engine warns about a clamp once it is made; this look-ahead
-    stays quiet."""
+def _stream_arm(stream) -> tuple[str, int | None]:
+    """(arm, depth): what will run (StreamConfig.resolved(): --routed and --depth where given,
+    else STRATA_PREFILL_ROUTED_STREAM(_DEPTH) where set, else on and 16; the depth clamped to
+    1..256): the arm ("resident", "stream-all" or "routed") and the routed stream's depth, None
+    when nothing streams or the routed switch is off. The engine warns about a clamp (or an
+    environment variable an explicit flag overrides) once it is made; this look-ahead stays
+    quiet."""
     if stream is None:
-        return None
+        return "resident", None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             resolved = stream.resolved()
-        except ValueError as e:  # a bad environment override: as the engine would report it
+        except ValueError as e:  # a bad environment variable: as the engine would report it
             raise UsageError(str(e).splitlines()[0]) from None
-    return int(resolved.depth) if resolved.routed else None
-
-
-def _arm(args) -> str:
-    if not args.stream:
-        return "resident"
-    return "routed" if args.routed == "on" else "stream-all"
+    if not resolved.routed:
+        return "stream-all", None
+    return "routed", int(resolved.depth)
 
 
 def _backend_text(args, backend: str, device=None) -> str:
@@ -115,7 +126,7 @@ class _Read:
     backend: str
     device: object
     max_context: int
-    depth: int | None  # what runs, not --depth: the environment overrides it
+    depth: int | None  # what runs (--depth, else the environment's, else 16; clamped)
     quantized: str | None  # the kernel quantized experts are read with (None: plain)
 
 
@@ -137,7 +148,7 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
     _check_budget(args, model, backend)
     profile = _load_profile(args.profile, model.config)
     stream = _stream_config(args, backend, profile)
-    depth = _routed_depth(stream)
+    arm, depth = _stream_arm(stream)
     model.check_host_memory(streamed=stream is not None)
     path = _quantized_path(args, model.config, backend, device)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
@@ -146,7 +157,7 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
     if not args.json:
         print(model.describe() + ("" if path is None else f"; experts {_QUANTIZED_PATHS[path]}"))
-        print(f"arm {_arm(args)}" + (f" (depth {depth})" if depth is not None else "")
+        print(f"arm {arm}" + (f" (depth {depth})" if depth is not None else "")
               + f", backend {_backend_text(args, backend, device)}; chunk {args.chunk or 'auto'}, "
               f"order {args.order}")
         if args.profile:
@@ -165,8 +176,6 @@ _QUANTIZED_PATHS = {"mosaic": "read by the fused Mosaic GPU kernel",
 def _quantized_path(args, config, backend: str, device) -> str | None:
     """The kernel quantized experts are read with (`quant_matmul.resolve_format` of
     --quantized-matmul on the device the expert math runs on); None for a plain format."""
-    from ..formats import ExpertFormat
-    from ..quant_matmul import resolve_format
 
     return resolve_format(args.quantized_matmul, ExpertFormat.of(config),
                           device if device is not None else _stream_device(backend))
@@ -180,9 +189,10 @@ def _engine(args, read: _Read, log: _Log):
 
 
 def _run_fields(args, read: _Read, engine) -> dict:
-    """The JSON keys that say how the read ran (arm, backend, model, compilations, depth)."""
+    """The JSON keys that say how the read ran (arm, backend, model, compilations, depth): the
+    arm and depth the engine ran, whatever decided them (flags or the environment)."""
     streamer = engine.streamer
-    return dict(arm=_arm(args), backend=read.backend if args.stream else "resident",
+    return dict(arm=engine.mode, backend=read.backend if args.stream else "resident",
                 model=read.model.summary(), profile=args.profile, devices=args.devices,
                 quantized_matmul=read.quantized,
                 compilations=int(engine.compilations),

@@ -10,9 +10,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .checks import _check_budget, _check_plan
-from .common import (UsageError, _backends, _context, _load_profile, _Log, _make_engine, _Model,
-                     _read_prompts, _stream_config)
+from strata_jax.cli.checks import _check_budget, _check_plan
+from strata_jax.cli.common import (
+    UsageError,
+    _backends,
+    _context,
+    _load_profile,
+    _Log,
+    _make_engine,
+    _Model,
+    _read_prompts,
+    _stream_config,
+)
+from strata_jax.profile import ExpertProfile
 
 
 def hottest(counts: np.ndarray, layers: Sequence[int], top: int) -> dict[int, list[list[int]]]:
@@ -25,7 +35,6 @@ def hottest(counts: np.ndarray, layers: Sequence[int], top: int) -> dict[int, li
 
 
 def cmd_profile(args, log: _Log) -> int:
-    from ..profile import ExpertProfile
 
     model = _Model(args)
     model.require()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from .common import UsageError, _jsonable, _Log
-from .prefill import _engine, _prepare, _print_notes, _run_fields
+from strata_jax.cli.common import UsageError, _jsonable, _Log
+from strata_jax.cli.prefill import _engine, _prepare, _print_notes, _run_fields
 
 
 def cmd_score(args, log: _Log) -> int:

@@ -31,12 +31,14 @@ One module per stage:
 """
 
 # The names outside __all__ are imported from here by the engine and the tests.
-from .config import _STREAM_MODES, DEPTH_MAX, DEPTH_MIN, StreamConfig, StreamTuning  # noqa: F401
-from .ops import begin, end, fetch, fetch_frame, publish, release  # noqa: F401
-from .plan import StreamPlan, plan_stream
-from .source import StreamedExperts
-from .streamer import ChunkStats, NativeStreamer, stream_platform  # noqa: F401
-from .group import GroupChunkStats, StreamerGroup, expert_slices
+from strata_jax.stream.config import (
+    _STREAM_MODES, DEPTH_MAX, DEPTH_MIN, StreamConfig, StreamTuning
+)
+from strata_jax.stream.ops import begin, end, fetch, fetch_frame, publish, release  # noqa: F401
+from strata_jax.stream.plan import StreamPlan, plan_stream
+from strata_jax.stream.source import StreamedExperts
+from strata_jax.stream.streamer import ChunkStats, NativeStreamer, stream_platform  # noqa: F401
+from strata_jax.stream.group import GroupChunkStats, StreamerGroup, expert_slices
 
 __all__ = [
     "StreamConfig",

@@ -1,9 +1,10 @@
 """How experts stream: `StreamConfig` (what users choose), `StreamTuning` (what the engine
-chooses, with measured defaults), the environment overrides, and the native engine's modes.
+chooses, with measured defaults), the environment's defaults, and the native engine's modes.
 
-`StreamConfig.resolved` applies the environment switches (STRATA_PREFILL_ROUTED_STREAM,
-STRATA_PREFILL_ROUTED_STREAM_DEPTH, STRATA_TRACE) once, when an engine is
-made, and checks every field. The mode tables here give the numbers the native engine
+`StreamConfig.resolved` fills the fields left unset (None) from the environment
+(STRATA_PREFILL_ROUTED_STREAM, STRATA_PREFILL_ROUTED_STREAM_DEPTH, STRATA_TRACE) once, when an
+engine is made, and checks every field: a value given explicitly always wins over the
+environment. The mode tables here give the numbers the native engine
 (ffi/src/engine.hpp) takes for the publish modes and for begin_chunk's chunk modes (the host
 store's pin modes are in streamer.py).
 """
@@ -13,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..profile import ExpertProfile
+from strata_jax.kernels.grouped import PIECE_SHAPES
+from strata_jax.profile import ExpertProfile
 
 DEPTH_MIN, DEPTH_MAX = 1, 256
+DEPTH_DEFAULT = 16  # StreamConfig.depth not given, nor the environment's (the engine's default)
 _ENV_ROUTED = "STRATA_PREFILL_ROUTED_STREAM"
 _ENV_DEPTH = "STRATA_PREFILL_ROUTED_STREAM_DEPTH"
 _ENV_TRACE = "STRATA_TRACE"
@@ -97,8 +98,10 @@ class StreamTuning:
             quantized Mosaic and Triton kernels: a piece costs its boundary tiles), and
             `TAIL_FROM_DEQUANTIZED` (16,384) for quantized experts dequantized first, where
             each piece dequantizes the whole layer again.
-        stream_floor: Chunks shorter than this many tokens use routed-only fetch (wait for
-            the routing, copy only the routed experts).
+        stream_floor: With the routed switch on (`StreamConfig.routed`), chunks shorter than
+            this many tokens use routed-only fetch (wait for the routing, copy only the routed
+            experts). Stream-all (routed off) streams every chunk whatever its length: the
+            floor does not apply.
         publish: How a layer's routing reaches the issuer on CUDA: "event" (an event recorded
             on XLA's stream after the counts' device-to-host copy, which the issuer polls before
             it fills the gate row itself; nothing waits) or "callback" (DESIGN.md's first
@@ -139,8 +142,6 @@ class StreamTuning:
         if self.tail_pieces < 1:
             raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
                              f"last MoE layer whole)")
-        from ..grouped_matmul import PIECE_SHAPES
-
         if self.tail_shape not in ("auto", *PIECE_SHAPES):
             raise ValueError(f"tail_shape={self.tail_shape!r}: expected one of "
                              f"{['auto', *PIECE_SHAPES]}")
@@ -157,16 +158,21 @@ class StreamTuning:
 
 @dataclasses.dataclass(frozen=True)
 class StreamConfig:
-    """How experts stream: the few choices a user makes. Environment overrides are read once,
-    when an engine is made.
+    """How experts stream: the few choices a user makes. The environment's values for the fields
+    left unset are read once, when an engine is made (`resolved`).
 
     Attributes:
-        routed: The routed switch: skip ring entries whose layer's routing
+        routed: The routed switch. True: skip ring entries whose layer's routing
             landed before they were issued and whose expert no token routes
-            to, and keep at most `depth` copies queued. Overridden by
-            STRATA_PREFILL_ROUTED_STREAM=0/1.
+            to, and keep at most `depth` copies queued; chunks shorter than
+            `StreamTuning.stream_floor` tokens are routed-only (wait for the
+            routing, copy only the routed experts). False: stream-all, every
+            streamed expert of every chunk crosses the link, whatever the chunk's
+            length (`stream_floor` does not apply). None (the default): not
+            given, so STRATA_PREFILL_ROUTED_STREAM=0/1 where it is set, else True.
         depth: Copies queued ahead of the link with the switch on; clamped to
-            1..256 with a warning. Overridden by STRATA_PREFILL_ROUTED_STREAM_DEPTH.
+            1..256 with a warning. None (the default): not given, so
+            STRATA_PREFILL_ROUTED_STREAM_DEPTH where it is set, else 16 (`DEPTH_DEFAULT`).
         resident_per_layer: Experts kept resident on the device per MoE layer
             (the hottest by `profile`, else the lowest ids).
         resident_budget_gib: Alternatively, device memory for resident experts;
@@ -186,10 +192,16 @@ class StreamConfig:
         tuning: What the engine otherwise chooses itself (`StreamTuning`: the ring's
             slots and layout, the tail pieces, the routed-only floor, the publish mode, the
             CPU backend's simulated link).
+
+    The environment never beats an explicit argument: STRATA_PREFILL_ROUTED_STREAM and
+    STRATA_PREFILL_ROUTED_STREAM_DEPTH only fill `routed` and `depth` where they are None
+    (not given). Where one is set to another value than the field given, the field wins and
+    `resolved` warns (UserWarning) naming both; a malformed one is an error either way.
+    `resolved()` returns the config that runs: `routed` a bool and `depth` an int, never None.
     """
 
-    routed: bool = True
-    depth: int = 16
+    routed: bool | None = None
+    depth: int | None = None
     resident_per_layer: int = 0
     resident_budget_gib: float | None = None
     profile: "ExpertProfile | np.ndarray | None" = dataclasses.field(
@@ -201,23 +213,33 @@ class StreamConfig:
     tuning: StreamTuning = StreamTuning()
 
     def resolved(self) -> "StreamConfig":
-        """Applies the environment overrides and clamps; warns on clamping."""
+        """The config that runs: `routed` and `depth` filled where not given (None) from the
+        environment, else their defaults (True, 16), and `trace` likewise from STRATA_TRACE;
+        every field checked; depth clamped to 1..256. Warns on clamping, and where the
+        environment sets another value than an explicit field (the field wins).
+
+        Raises:
+            ValueError: a bad field, or a malformed STRATA_PREFILL_ROUTED_STREAM(_DEPTH) (even
+                where the field is given: a setting that means nothing is refused).
+        """
         _check_ints(self)
         self.tuning.checked()
         routed, depth, trace = self.routed, self.depth, self.trace
-        env = os.environ.get(_ENV_ROUTED)
-        if env is not None and env.strip() != "":
-            if env.strip() not in ("0", "1"):
-                raise ValueError(f"{_ENV_ROUTED}={env!r}: expected 0 or 1")
-            routed = env.strip() == "1"
-        env = os.environ.get(_ENV_DEPTH)
+        env_routed, env_depth = _env_routed(), _env_depth()
+        if routed is None:
+            routed = True if env_routed is None else env_routed
+        elif env_routed is not None and env_routed != bool(routed):
+            warnings.warn(
+                f"{_ENV_ROUTED}={int(env_routed)} is ignored: routed={bool(routed)} was given "
+                f"(an explicit argument wins over the environment)", stacklevel=3)
         source = "depth"
-        if env is not None and env.strip() != "":
-            try:
-                depth = int(env)
-            except ValueError:
-                raise ValueError(f"{_ENV_DEPTH}={env!r}: expected an integer 1..256") from None
-            source = _ENV_DEPTH
+        if depth is None:
+            depth = DEPTH_DEFAULT if env_depth is None else env_depth
+            source = "depth" if env_depth is None else _ENV_DEPTH
+        elif env_depth is not None and env_depth != int(depth):
+            warnings.warn(
+                f"{_ENV_DEPTH}={env_depth} is ignored: depth={int(depth)} was given (an "
+                f"explicit argument wins over the environment)", stacklevel=3)
         used = min(max(int(depth), DEPTH_MIN), DEPTH_MAX)
         if used != depth:
             warnings.warn(
@@ -229,7 +251,29 @@ class StreamConfig:
             raise ValueError(f"backend={self.backend!r}: expected 'auto', 'cpu' or 'cuda'")
         if self.resident_per_layer < 0:
             raise ValueError(f"resident_per_layer={self.resident_per_layer}: must be >= 0")
-        return dataclasses.replace(self, routed=routed, depth=used, trace=bool(trace))
+        return dataclasses.replace(self, routed=bool(routed), depth=used, trace=bool(trace))
+
+
+def _env_routed() -> bool | None:
+    """STRATA_PREFILL_ROUTED_STREAM as a bool, or None where it is unset or empty."""
+    env = os.environ.get(_ENV_ROUTED)
+    if env is None or env.strip() == "":
+        return None
+    if env.strip() not in ("0", "1"):
+        raise ValueError(f"{_ENV_ROUTED}={env!r}: expected 0 or 1")
+    return env.strip() == "1"
+
+
+def _env_depth() -> int | None:
+    """STRATA_PREFILL_ROUTED_STREAM_DEPTH as an int (not yet clamped), or None where it is
+    unset or empty."""
+    env = os.environ.get(_ENV_DEPTH)
+    if env is None or env.strip() == "":
+        return None
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"{_ENV_DEPTH}={env!r}: expected an integer 1..256") from None
 
 
 _TUNING_FIELDS = frozenset(f.name for f in dataclasses.fields(StreamTuning))
@@ -253,7 +297,7 @@ StreamConfig.__init__ = _init
 
 # The integer fields and what each takes (the ValueError's wording).
 _INT_FIELDS = {
-    "depth": f"an integer {DEPTH_MIN}..{DEPTH_MAX}",
+    "depth": f"an integer {DEPTH_MIN}..{DEPTH_MAX} or None",
     "resident_per_layer": "an integer >= 0",
     "device": "an integer (a CUDA device ordinal)",
 }
@@ -272,7 +316,7 @@ def _check_int_fields(obj, fields: dict[str, str]) -> None:
     a bool), instead of int()'s or a comparison's bare message."""
     for name, expected in fields.items():
         value = getattr(obj, name)
-        if value is None and name in ("ring", "tail_from"):
+        if value is None and name in ("depth", "ring", "tail_from"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name}={value!r}: expected {expected}")
@@ -284,11 +328,10 @@ def _check_ints(sc: StreamConfig) -> None:
     `resident_budget_gib` also None): a ValueError naming the field, never a string's
     truthiness or float()'s message."""
     _check_int_fields(sc, _INT_FIELDS)
-    for name in ("routed", "trace"):
+    for name, env in (("routed", _ENV_ROUTED), ("trace", _ENV_TRACE)):
         value = getattr(sc, name)
-        if not (isinstance(value, (bool, np.bool_)) or (value is None and name == "trace")):
-            raise ValueError(f"{name}={value!r}: expected True or False"
-                             + (" (or None: read STRATA_TRACE)" if name == "trace" else ""))
+        if not (isinstance(value, (bool, np.bool_)) or value is None):
+            raise ValueError(f"{name}={value!r}: expected True or False (or None: read {env})")
     for name in ("ring_budget_gib", "resident_budget_gib"):
         value = getattr(sc, name)
         if value is None and name == "resident_budget_gib":

@@ -26,13 +26,20 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from .. import native
-from ..config import ModelConfig
-from ..parallel import expert_slices
-from .config import StreamConfig
-from .streamer import (ChunkStats, Closable, NativeStreamer, choose_backend, stream_platform,
-                       tail_shape_for)
+from strata_jax import native
+from strata_jax.config import ModelConfig
+from strata_jax.parallel import expert_slices
+from strata_jax.stream.config import StreamConfig
+from strata_jax.stream.streamer import (
+    ChunkStats,
+    Closable,
+    NativeStreamer,
+    choose_backend,
+    stream_platform,
+    tail_shape_for,
+)
 
 __all__ = ["StreamerGroup", "GroupChunkStats", "expert_slices", "group_devices"]
 
@@ -210,7 +217,6 @@ class StreamerGroup(Closable):
                 different number of residents on different devices (a budget filled by a
                 profile: a sharded operand needs equal shards).
         """
-        from jax.sharding import NamedSharding, PartitionSpec
 
         self.check_mesh(mesh, axis)
         sharding = NamedSharding(mesh, PartitionSpec(axis))

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from .. import native
-from ..formats import ExpertFormat
+from strata_jax import native
+from strata_jax.formats import ExpertFormat
 
 
 # The four calls are one primitive whose custom call carries has_side_effect in the HLO, so XLA

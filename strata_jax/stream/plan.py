@@ -7,16 +7,14 @@ native library), so `strata-jax info` reports it without either.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..formats import ExpertFormat
-from .config import StreamConfig, _check_ints
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..profile import ExpertProfile
+from strata_jax.config import ModelConfig
+from strata_jax.formats import ExpertFormat
+from strata_jax.parallel import expert_slices
+from strata_jax.profile import ExpertProfile
+from strata_jax.stream.config import StreamConfig, _check_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +75,6 @@ class StreamPlan:
 
 def _as_profile(config: ModelConfig, prof) -> "ExpertProfile | None":
     """StreamConfig.profile as an ExpertProfile checked against `config`, or None."""
-    from ..profile import ExpertProfile
-
     if prof is None:
         return None
     if isinstance(prof, ExpertProfile):
@@ -141,9 +137,6 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     """
     sc = StreamConfig() if stream is None else stream
     if devices != 1 or device != 0:
-        from .group import expert_slices  # not at the top: the group imports the streamer
-        from .streamer import _local_profile, local_config
-
         slices = expert_slices(config.n_experts, devices)
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)) \
                 or not 0 <= device < devices:
@@ -237,3 +230,21 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
         resident=tuple(tuple(sorted(r)) for r in resident), stream_list=tuple(stream_list),
         streamed_mask=mask, streamed_per_layer=per_layer, ring=ring, blob_bytes=blob_bytes,
         ring_budget_slots=budget_slots, ring_fits_budget=fits)
+
+
+def local_config(config: ModelConfig, lo: int, hi: int) -> ModelConfig:
+    """`config` as one engine of a group sees it: experts lo..hi-1 of every MoE layer as its
+    experts 0..hi-lo-1 (`n_experts` = hi - lo; `top_k` at most that, routing groups off: the
+    engine moves experts and does no routing). Everything else is the model's."""
+    n = hi - lo
+    return dataclasses.replace(config, n_experts=n, top_k=min(config.top_k, n), n_groups=1,
+                               topk_groups=1)
+
+
+def _local_profile(config: ModelConfig, profile, lo: int, hi: int, top_k: int):
+    """StreamConfig.profile (an ExpertProfile or its counts) over experts lo..hi-1 only."""
+    prof = _as_profile(config, profile)  # checked against the whole model
+    if prof is None:
+        return None
+    return ExpertProfile(prof.counts[:, lo:hi], model=config.name, top_k=top_k,
+                         tokens=prof.tokens)

@@ -11,12 +11,12 @@ from collections.abc import Mapping
 
 import jax
 
-from ..config import ModelConfig
-from ..experts import ExpertWeights
-from ..formats import ExpertFormat
-from ..grouped_matmul import row_pieces
-from .config import _MODE_STREAM_PACKED, _STREAM_MODES
-from .ops import begin, end, fetch, fetch_frame, publish, release
+from strata_jax.config import ModelConfig
+from strata_jax.experts import ExpertWeights
+from strata_jax.formats import ExpertFormat
+from strata_jax.kernels.grouped import row_pieces
+from strata_jax.stream.config import _MODE_STREAM_PACKED, _STREAM_MODES
+from strata_jax.stream.ops import begin, end, fetch, fetch_frame, publish, release
 
 
 class StreamedExperts:

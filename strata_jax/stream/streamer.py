@@ -18,18 +18,19 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from .. import _dlpack, native
-from ..config import ModelConfig
-from ..experts import ExpertWeights
-from ..formats import ExpertFormat
-from ..grouped_matmul import MOSAIC_BLOCK_M, resolve_implementation
-from ..memory import check_host_bytes, device_memory
-from ..quant_matmul import resolve_format
-from .config import (TAIL_FROM_DEQUANTIZED, TAIL_FROM_TILED, TAIL_FROM_VISITS,
-                     TAIL_HALVING_MAX_INTENSITY,
-                     _MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED, _PUBLISH_MODES,
-                     _STREAM_MODES, StreamConfig)
-from .plan import plan_stream
+from strata_jax import _dlpack, native
+from strata_jax.config import ModelConfig
+from strata_jax.experts import ExpertWeights
+from strata_jax.formats import ExpertFormat
+from strata_jax.kernels.grouped import MOSAIC_BLOCK_M, resolve_implementation
+from strata_jax.devices import check_host_bytes, device_memory
+from strata_jax.kernels.quantized import resolve_format
+from strata_jax.stream.config import (
+    TAIL_FROM_DEQUANTIZED, TAIL_FROM_TILED, TAIL_FROM_VISITS, TAIL_HALVING_MAX_INTENSITY,
+    _MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED, _PUBLISH_MODES, _STREAM_MODES,
+    StreamConfig
+)
+from strata_jax.stream.plan import _local_profile, local_config, plan_stream
 
 # The native engine's host store on CUDA (EngineOptions.pin_mode): a pinned arena, with the
 # automatic fallback to staging through pinned bounce buffers where pinning fails.
@@ -287,17 +288,9 @@ class NativeStreamer(Closable):
         try:
             # The native engine's handle (strata_jax._native.Streamer). It holds the stores it
             # is given, so the memory its copies read outlives it.
-            self.handle = native.module().Streamer(
-                backend=1 if self.backend == "cuda" else 0,
-                n_layers=L, n_experts=E, routed=bool(self.stream.routed),
-                blob_bytes=self.blob_bytes, ring=self.ring, depth=self.stream.depth,
-                trace=bool(self.stream.trace), sim_bandwidth=self.tuning.sim_bandwidth,
-                sim_latency=self.tuning.sim_latency, sim_jitter=self.tuning.sim_jitter,
-                seed=self.tuning.seed,
-                pin_mode=_PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA,
-                publish_mode=_PUBLISH_MODES[self.tuning.publish],
-                device=self.device_ordinal, plane_offsets=list(self.format.offsets),
-                plane_bytes=[p.nbytes for p in self.format.planes])
+            self.handle = native.module().Streamer(engine_options(
+                config, self.stream, self.plan, self.format, backend=self.backend,
+                device=self.device_ordinal))
         except BaseException:
             self._stores = [None] * L
             self._pinned = None
@@ -329,7 +322,7 @@ class NativeStreamer(Closable):
         What the model reads a layer's experts from in a frames chunk (StreamTuning.layout,
         CUDA). None where fetch copies the frame out instead (or no chunk uses frames), with
         the reason in `frames_note`."""
-        if self.tuning.layout == "packed" and self.tuning.stream_floor <= 1:
+        if self.tuning.layout == "packed" and not self._routed_only_below_floor:
             self.frames_note = "every chunk uses the packed ring: fetch splits its blobs out"
             return None
         if self.backend != "cuda":
@@ -379,7 +372,7 @@ class NativeStreamer(Closable):
     def layout(self, n_tokens: int) -> str:
         """How a chunk of `n_tokens` tokens lays the ring out: "frames" or "packed"
         (StreamTuning.layout; routed-only chunks use frames)."""
-        if n_tokens < self.tuning.stream_floor or self.tuning.layout == "frames":
+        if self._routed_only(n_tokens) or self.tuning.layout == "frames":
             return "frames"
         if self.tuning.layout == "packed" or n_tokens < self.tuning.frames_from:
             return "packed"
@@ -672,10 +665,22 @@ class NativeStreamer(Closable):
                 f"{os.getpid()}, forked from it, and the stream's threads did not come along. "
                 "Make a new Engine in this process (or start workers with the 'spawn' method).")
 
+    @property
+    def _routed_only_below_floor(self) -> bool:
+        """Whether some chunks are routed-only: with the routed switch on and a stream floor
+        above one token. Stream-all (routed off) streams every chunk, whatever its length."""
+        return bool(self.stream.routed) and self.tuning.stream_floor > 1
+
+    def _routed_only(self, n_tokens: int) -> bool:
+        """Whether a chunk of `n_tokens` tokens is routed-only: below the stream floor with the
+        routed switch on (StreamTuning.stream_floor applies only to the routed stream)."""
+        return bool(self.stream.routed) and n_tokens < self.tuning.stream_floor
+
     def chunk_mode(self, n_tokens: int) -> int:
         """begin_chunk's mode for a chunk of `n_tokens` tokens: routed-only below the stream
-        floor, else streamed in the chunk's `layout`."""
-        if n_tokens < self.tuning.stream_floor:
+        floor with the routed switch on, else streamed in the chunk's `layout` (stream-all,
+        `StreamConfig(routed=False)`, streams every chunk)."""
+        if self._routed_only(n_tokens):
             return _MODE_ROUTED_ONLY
         return _MODE_STREAM_PACKED if self.layout(n_tokens) == "packed" else _MODE_STREAM
 
@@ -744,20 +749,44 @@ class NativeStreamer(Closable):
             streamed=streamed.copy(), copied=copied, skipped=skipped, unrouted=unrouted,
             bytes=copied * self.blob_bytes, tail_shape=tail_shape if tail_pieces > 1 else None)
 
+def engine_options(config: ModelConfig, stream: StreamConfig, plan, fmt: ExpertFormat, *,
+                   backend: str, device: int):
+    """The native engine's options (`_native.EngineOptions`, ffi/src/engine.hpp), filled once
+    from a resolved StreamConfig (`stream`: its routed switch, depth, trace and tuning), the
+    plan it follows (`plan_stream`: ring and blob size), the expert format (`fmt`: the plane
+    table), the backend ("cpu" or "cuda") and the CUDA device ordinal. Every field the engine
+    has is set here; `_native.Streamer(options)` checks them."""
+    if stream.routed is None or stream.depth is None:
+        raise ValueError("engine_options takes a resolved StreamConfig (routed and depth set: "
+                         "StreamConfig.resolved())")
+    tuning = stream.tuning
+    o = native.module().EngineOptions()
+    o.backend = 1 if backend == "cuda" else 0
+    o.n_layers = config.n_layers
+    o.n_experts = config.n_experts
+    o.routed = bool(stream.routed)
+    o.blob_bytes = int(plan.blob_bytes)
+    o.ring = int(plan.ring)
+    o.depth = int(stream.depth)
+    o.trace = bool(stream.trace)
+    o.sim_bandwidth = float(tuning.sim_bandwidth)
+    o.sim_latency = float(tuning.sim_latency)
+    o.sim_jitter = float(tuning.sim_jitter)
+    o.seed = int(tuning.seed)
+    o.pin_mode = _PIN_STAGED if _STAGE_HOST_STORE else _PIN_ARENA
+    o.device = int(device)
+    o.publish_mode = _PUBLISH_MODES[tuning.publish]
+    o.plane_offsets = [int(x) for x in fmt.offsets]
+    o.plane_bytes = [int(p.nbytes) for p in fmt.planes]
+    return o
+
+
 def device_ordinal(device: jax.Device) -> int:
     """The ordinal XLA's FFI call context gives a call running on `device` (the handlers'
     `DeviceOrdinal`): its local hardware id (the CUDA ordinal on a GPU), else its id."""
     hw = getattr(device, "local_hardware_id", None)
     return int(hw) if hw is not None else int(device.id)
 
-
-def local_config(config: ModelConfig, lo: int, hi: int) -> ModelConfig:
-    """`config` as one engine of a group sees it: experts lo..hi-1 of every MoE layer as its
-    experts 0..hi-lo-1 (`n_experts` = hi - lo; `top_k` at most that, routing groups off: the
-    engine moves experts and does no routing). Everything else is the model's."""
-    n = hi - lo
-    return dataclasses.replace(config, n_experts=n, top_k=min(config.top_k, n), n_groups=1,
-                               topk_groups=1)
 
 
 def _check_range(config: ModelConfig, expert_range) -> tuple[int, int]:
@@ -770,17 +799,6 @@ def _check_range(config: ModelConfig, expert_range) -> tuple[int, int]:
                          f"{config.n_experts} (the model's experts per layer)")
     return lo, hi
 
-
-def _local_profile(config: ModelConfig, profile, lo: int, hi: int, top_k: int):
-    """StreamConfig.profile (an ExpertProfile or its counts) over experts lo..hi-1 only."""
-    from ..profile import ExpertProfile
-    from .plan import _as_profile
-
-    prof = _as_profile(config, profile)  # checked against the whole model
-    if prof is None:
-        return None
-    return ExpertProfile(prof.counts[:, lo:hi], model=config.name, top_k=top_k,
-                         tokens=prof.tokens)
 
 
 def _frame_arrays(frame) -> list:

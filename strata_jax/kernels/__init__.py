@@ -1,0 +1,52 @@
+"""Which kernels a prefill's programs run: `Kernels`, static configuration.
+
+A `Kernels` is held by the model (`build_model(..., kernels=)`, `Engine(..., kernels=)`): it is
+part of the model's static structure, so a program traced with one choice is never reused for
+another (jit keys on it). Nothing is read from the environment.
+
+    grouped_matmul  "auto" | "mosaic" | "lax" | "tiled"  (`kernels.grouped`; auto: the Mosaic
+                    GPU kernel on Hopper, row tiles on other GPUs, lax.ragged_dot on the CPU)
+    quantized_matmul  "auto" | "fused" | "dequantize"  (`kernels.quantized.resolve_quantized`:
+                    how a grouped matmul reads fp8/int4 expert planes). fused: the Mosaic GPU
+                    kernel that dequantizes each tile as it multiplies (`kernels.mosaic`) where
+                    it reads the matrix (a Hopper GPU; fp8 in 128 x 128 blocks, int4 in
+                    groups of 128, zero-points and act-order included), else dequantize;
+                    dequantize: the whole matrix to its dtype first, then grouped_matmul; auto: as
+                    fused (the kernel gives dequantize's bits), but int4 with zero-points is
+                    dequantized first (faster there than the kernel).
+    attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
+                    (`layers.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
+                    paths elsewhere)
+
+The defaults are the measured best on each platform; the others exist for tests and
+comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Kernels", "GROUPED_MATMULS", "QUANTIZED_MATMULS", "ATTENTION_PATHS"]
+
+GROUPED_MATMULS = ("auto", "mosaic", "lax", "tiled")
+QUANTIZED_MATMULS = ("auto", "fused", "dequantize")
+ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The grouped matmuls and attention a model's programs use (see the module docstring)."""
+
+    grouped_matmul: str = "auto"
+    attention: str = "auto"
+    quantized_matmul: str = "auto"
+
+    def __post_init__(self):
+        for field, allowed in (("grouped_matmul", GROUPED_MATMULS),
+                               ("attention", ATTENTION_PATHS),
+                               ("quantized_matmul", QUANTIZED_MATMULS)):
+            value = getattr(self, field)
+            if not isinstance(value, str) or value.lower() not in allowed:
+                raise ValueError(f"Kernels({field}={value!r}): expected one of "
+                                 f"{'|'.join(allowed)}")
+            object.__setattr__(self, field, value.lower())

@@ -1,0 +1,82 @@
+"""What the grouped-matmul kernels share: the device test, a ragged kernel's visits, operand
+checks, and the zeroing of rows past the groups.
+
+The kernels package imports in one direction: `common` (and `strata_jax.formats`) below
+`mosaic`, `mosaic` below `quantized`, and `grouped` over all of them; nothing in it imports
+anything else of strata_jax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.formats import _check_int4_plane
+
+_HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
+
+
+def is_hopper(device: jax.Device | None = None) -> bool:
+    """Whether `device` (default: the first default-backend device) is an NVIDIA Hopper GPU."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    kind = getattr(device, "device_kind", "") or ""
+    if any(k in kind for k in _HOPPER_KINDS):
+        return True
+    capability = str(getattr(device, "compute_capability", "") or "")
+    return capability.startswith("9.")
+
+
+def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """A ragged kernel's visits for rows sorted by group: int32 [4, V] of (group, row tile,
+    first row, end row) per visit, V = ceil(m / block_m) + G - 1 (an upper bound on the visits;
+    the unused ones have first row == end row and do nothing).
+
+    Group g with rows [start, end) visits each row tile that holds one of its rows, storing
+    rows [max(start, tile start), min(end, tile end)): a tile that holds the end of one group's
+    rows and the start of the next is visited once per group. Groups with no rows have no
+    visit, so their weights are never read (a streamed expert no token routes to may be
+    stale or garbage)."""
+    g = group_sizes.shape[0]
+    tiles = -(-m // block_m)
+    v = max(tiles + g - 1, 1)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // block_m
+    n_visits = jnp.where(sizes > 0, (ends - 1) // block_m - first + 1, 0)
+    visit_end = jnp.cumsum(n_visits)
+    visit_start = visit_end - n_visits
+    i = jnp.arange(v, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(visit_end, i, side="right"), g - 1).astype(jnp.int32)
+    valid = i < visit_end[-1]
+    tile = first[group] + i - visit_start[group]
+    lo = jnp.maximum(starts[group], tile * block_m)
+    hi = jnp.minimum(ends[group], (tile + 1) * block_m)
+    zero = jnp.zeros_like(i)
+    return jnp.stack([jnp.where(valid, group, zero), jnp.where(valid, tile, zero),
+                      jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)]).astype(jnp.int32)
+
+
+def check_operands(name: str, x: jax.Array, w, group_sizes: jax.Array) -> tuple[int, int, int]:
+    """(M, K, N) of a grouped matmul of x [M, K] by quantized matrix `w`'s [E, K, N]
+    (`formats.QuantizedMatrix`) with group_sizes [E]; a ValueError naming `name` where the
+    shapes disagree or an int4 plane is not the format's."""
+    m, k = x.shape
+    e = w.q.shape[0]
+    n = w.shape[1]
+    if (k, n) != tuple(w.shape):
+        raise ValueError(f"{name}: x is [M, {k}] but the matrix is {w.shape}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({e},)")
+    if w.kind == "int4":
+        _check_int4_plane(w.q, w.shape, w.block)
+    return m, k, n
+
+
+def zero_rows_past_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`out` [M, N] with the rows past the last group zeroed: a ragged kernel never stores them
+    (they belong to no group), so its output buffer holds whatever was there."""
+    rows = jnp.arange(out.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))

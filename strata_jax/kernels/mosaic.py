@@ -1,0 +1,651 @@
+"""Mosaic GPU grouped matmuls over fp8 and int4 expert planes (Hopper), dequantizing each weight
+tile in registers between its TMA load and the tensor-core product.
+
+The structure is a persistent ragged matmul: `per_sm` programs per SM walk the (visit, column
+tile) pairs, where a visit is one (row tile, expert) pair with rows of that expert in the tile
+(`kernels.common.group_metadata`); an expert with no rows owns no visit, so its weights are
+never read (a streamed expert no token routes to may be stale). A visit's k steps run through a
+TMA pipeline of `stages` buffers, and the rows it owns are stored by a ladder of power-of-two
+row copies (a copy's row count must be static). Rows past the last expert are zeros.
+
+fp8 (`mosaic_grouped_matmul`), a k step (e4m3 values, one float32 scale per block x block):
+    w = bf16(float32(q[k0:k0+bk, n0:n0+bn]) * scale[k0 // block, n0 // block])   registers
+    w_smem[slot] = w;  acc += x[rows, k0:k0+bk] @ w_smem[slot]                    wgmma, f32
+The weights come out exactly as `QuantizedMatrix.dequantize` makes them (one float32 product and
+one cast), and with the rows and columns of the bf16 Mosaic kernel (`kernels.grouped.MOSAIC_*`)
+the products accumulate in the same order (a step's wgmma adds its 16-input slices into the
+float32 accumulator one after another, whatever the k step: 64 and 128 both give the bits), so
+the result has the bits of dequantize-then-matmul (the GPU tests check it); the layer is never
+written out in bf16. wgmma's B operand must be in shared memory, hence the two-slot bf16
+buffer: step k writes slot k % 2, which step k - 2's product read, and each step waits for the
+previous step's product before its buffers are released. Where experts hold many rows each, two
+compute warpgroups share each converted tile (`MOSAIC_WIDE_TILES`, `fp8_tiles_for`).
+
+int4 (`mosaic_int4_grouped_matmul`, the same skeleton): a scale group of 128 inputs is the
+plane's [64, bn] byte tile whose low nibbles are the group's first 64 rows and high nibbles its
+last 64 (the int4 format stores GPTQ's values that way, `formats.int4_halves_np`: a 16-row tile
+of GPTQ's words has no layout Mosaic can infer), plus the group's float16 scale row (and
+zero-point row). A k step is half a group, one nibble half of the byte tile (loaded for each):
+    v = int32(byte);  w = bf16(float32((v & 15) - z) * scale[g, n0:n0+bn])   (even steps)
+                      w = bf16(float32((v >> 4) - z) * scale[g, n0:n0+bn])   (odd steps)
+    w_smem[slot] = w;  acc += x[rows, k0:k0+64] @ w_smem[slot]                  wgmma, f32
+with z the implicit 8 or the column's zero-point, made two ways (`int4_conversion`):
+    bf16x2  bf16 inputs over float16 scales: two values an instruction in bf16. Each thread
+            reads four adjacent columns' bytes in one register (Mosaic's WGMMA_UPCAST_2X
+            layout), a byte permute and a mask put two nibbles under bf16's exponent of 128,
+            and with the scale split before the kernel into two bf16 planes, hi + lo == scale
+            exactly (`split_scale_bf16`):
+                v = (128 + n) - (128 + z);  w = fma(v, hi, v * lo)       bf16x2, inline PTX
+            v * lo is exact and the FMA rounds once, so w is the float32 product's cast.
+    bits    otherwise: the bytes upcast to int32 in the products' layout (Mosaic does only
+            bitwise operations on 8-bit vectors), (n - z) as float32 from 2^23 + n's bit pattern
+            less 2^23 + z (`int4_values_f32`: a logical op and an add, no int-to-float
+            conversion), times the scale row laid out as a column vector of that layout.
+Either way the weights come out as the dequantize path's, so the result has its bits too (GPU
+tests).
+
+On the CPU the kernels run in Pallas' Mosaic GPU interpret mode (tests), where there are no
+layouts and both conversions run the float32 arithmetic of "bits" (the same values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from strata_jax.kernels.common import check_operands, group_metadata, zero_rows_past_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """The Mosaic kernels' tiling: rows and columns a tile, inputs a k step, pipeline stages,
+    column tiles a row tile's sweep covers before moving on (`planar_snake`'s width),
+    programs per SM (more than one where their shared memory fits beside each other), and
+    compute warpgroups (2: two on the halves of a row tile, sharing each converted weight
+    tile; fp8 only)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    grid_block_n: int = 2
+    per_sm: int = 1
+    compute_wgs: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MosaicTiles({name}={v}): a power of two, at least 16")
+        if self.block_m % 64:
+            raise ValueError(f"MosaicTiles(block_m={self.block_m}): a multiple of 64 (one "
+                             "warpgroup's wgmma rows)")
+        if min(self.stages, self.grid_block_n, self.per_sm) < 1:
+            raise ValueError(f"MosaicTiles(stages={self.stages}, grid_block_n="
+                             f"{self.grid_block_n}, per_sm={self.per_sm}): each at least 1")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"MosaicTiles(compute_wgs={self.compute_wgs}): 1 or 2")
+        if self.compute_wgs == 2 and (self.block_m % 128 or self.block_k != 64
+                                      or self.stages < 2 or self.per_sm != 1):
+            raise ValueError(f"MosaicTiles(block_m={self.block_m}, block_k={self.block_k}, "
+                             f"stages={self.stages}, per_sm={self.per_sm}, compute_wgs=2): two "
+                             "compute warpgroups take half of block_m each (a multiple of 64) "
+                             "and half the columns of a 64-input step, with a pipeline of at "
+                             "least 2 stages, one program an SM")
+
+
+# The tiling `grouped_matmul` reads fp8 experts with: the fastest of quant_matmul_bench's sweep on
+# the H200 (BENCHMARKS.md, "Fused kernels"): rows and columns as the bf16 Mosaic kernel's, a
+# k step of one scale block (128; four stages of it do not fit in shared memory).
+MOSAIC_TILES = MosaicTiles(128, 128, 128, 3, 8, 1)
+
+# Where experts hold many rows each: two compute warpgroups on the halves of a 256-row tile
+# sharing each converted weight tile, which halves the weight conversions a product (the
+# sweep's fastest at 256 and 512 rows an expert; at 64 most of a 256-row tile is empty and
+# MOSAIC_TILES is faster). Same bits as MOSAIC_TILES: both are the dequantize path's.
+MOSAIC_WIDE_TILES = MosaicTiles(256, 128, 64, 3, 8, 1, compute_wgs=2)
+WIDE_FROM_ROWS_PER_GROUP = 256
+
+
+def fp8_tiles_for(m: int, groups: int, w=None) -> MosaicTiles:
+    """The fp8 tiling for a grouped matmul of `m` rows over `groups` groups: MOSAIC_WIDE_TILES
+    from WIDE_FROM_ROWS_PER_GROUP rows a group on average (and where it reads `w`, if given),
+    else MOSAIC_TILES."""
+    if m >= WIDE_FROM_ROWS_PER_GROUP * max(groups, 1) and (
+            w is None or mosaic_supports(w, MOSAIC_WIDE_TILES)):
+        return MOSAIC_WIDE_TILES
+    return MOSAIC_TILES
+
+
+def mosaic_supports(w, tiles: MosaicTiles) -> bool:
+    """Whether the fp8 Mosaic kernel reads quantized matrix `w` with `tiles`: fp8 whose k steps
+    and column tiles lie inside one scale block (one scale a step), read as bf16 or fp16."""
+    k, n = w.shape
+    b = w.block
+    return (w.kind == "fp8" and n % tiles.block_n == 0 and k % tiles.block_k == 0
+            and b % tiles.block_k == 0 and b % tiles.block_n == 0
+            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
+                          tiles: MosaicTiles | None = None, interpret: bool | None = None,
+                          num_sms: int | None = None) -> jax.Array:
+    """Rows of x [M, K] sorted by expert times their expert's fp8 matrix `w` (a
+    `QuantizedMatrix`) -> [M, N] in x.dtype, float32 accumulation, rows past the groups zero.
+
+    Args:
+        x: [M, K] in the matrix's dtype (bf16 or fp16).
+        w: the experts' matrix, [E, K, N] e4m3 values and [E, K/b, N/b] float32 scales.
+        group_sizes: int32 [E], summing to at most M.
+        tiles: the tiling (default `MOSAIC_TILES`); it must satisfy `mosaic_supports`.
+        interpret: run in Pallas' Mosaic GPU interpret mode (default: on a non-GPU backend).
+        num_sms: the SMs to spread programs over (default: the device's).
+    """
+    tiles = tiles or MOSAIC_TILES
+    m, k, n = check_operands("mosaic_grouped_matmul", x, w, group_sizes)
+    if not mosaic_supports(w, tiles):
+        raise ValueError(f"mosaic_grouped_matmul: {w.kind} matrix {w.shape} with block "
+                         f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles}; "
+                         "use grouped_matmul, which dequantizes such a matrix first")
+    if x.dtype != w.dtype:
+        raise ValueError(f"mosaic_grouped_matmul: x dtype {x.dtype} != the matrix's {w.dtype}")
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    interpret, num_sms = _launch(interpret, num_sms)
+    bn, bk = tiles.block_n, tiles.block_k
+    block = w.block
+    dtype = x.dtype
+
+    def convert(kk, gid, ni, q_smem, s_gmem, w_slot):
+        scale = s_gmem[gid, (kk * bk) // block, (ni * bn) // block]
+        w_slot[...] = (q_smem[...].astype(jnp.float32) * scale).astype(dtype)
+
+    def convert_part(kk, gid, ni, wg, q_smem, s_gmem, w_slot):  # half the columns a warpgroup
+        scale = s_gmem[gid, (kk * bk) // block, (ni * bn) // block]
+        part = (slice(None), pl.ds(wg * (bn // 2), bn // 2))
+        w_slot.at[part][...] = (q_smem.at[part][...].astype(jnp.float32) * scale).astype(dtype)
+
+    specs = [plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))]
+    with jax.named_scope("grouped_matmul_fp8_mosaic"):
+        if tiles.compute_wgs == 2:
+            return _ragged_kernel_2wg(
+                x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
+                pipelined=[w.q], resident=[w.scale.astype(jnp.float32)],
+                convert_part=convert_part)
+        return _ragged_kernel(
+            x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
+            pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert)
+
+
+def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
+    """(interpret, num_sms) with their defaults: interpret off a GPU; the device's SMs (two
+    interpreted programs)."""
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    if num_sms is None:
+        num_sms = 2 if interpret else int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    return interpret, num_sms
+
+
+def _row_tiles(x, group_sizes, bm: int):
+    """(x padded to whole tiles of `bm` rows, the visits' metadata int32 [4, V] of (expert,
+    row tile, first row, end row): `common.group_metadata`)."""
+    m = x.shape[0]
+    m_pad = -(-m // bm) * bm
+    xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
+    return xp, group_metadata(group_sizes, m, bm)
+
+
+def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, bm: int, visit):
+    """Calls visit(expert, column tile, first row of its tile, its first row in the tile,
+    its rows) for the (visit, column tile) pairs this program takes: each band of `gbn`
+    column tiles swept one row tile after another, so the programs working at once share a
+    row tile's x (a band narrower than the matrix reads x again for each band; the last band
+    may be narrower: planar_snake)."""
+    @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+    def _tiles(info):
+        mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
+        row0 = meta_ref[1, mi] * bm
+        lo = meta_ref[2, mi]
+        rows = meta_ref[3, mi] - lo
+
+        @pl.when(rows > 0)  # the visits past the last one hold no rows
+        def _():
+            visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
+
+
+def _store_rows(o_smem, o_gmem, start, count, size: int, gmem_row0, cols) -> None:
+    """Rows [start, start + count) of o_smem ([size, N tile]) to o_gmem's rows gmem_row0 +
+    start ... at columns `cols`, as copies of power-of-two row counts (a copy's rows must be
+    static), largest first; then waits until the copies have read o_smem."""
+    left = size
+    while left > 0:
+        c = 1 << int(math.log2(left))
+        left //= 2
+
+        @pl.when(count & c != 0)
+        def _(start=start, c=c):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, c)],
+                                    o_gmem.at[pl.ds(gmem_row0 + start, c), cols])
+
+        start = start + (count & c)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: int,
+                interpret: bool, **kernel_args):
+    """`body` as a Mosaic GPU kernel (interpreted on the CPU) over the planes: [m, n] in x's
+    dtype, the rows past the groups zero (no visit stores them)."""
+    if interpret:
+        # Imported here, only for interpret mode: the Mosaic GPU interpreter is a private
+        # module of recent jax, absent from jax 0.4.36 (which pyproject still accepts and on
+        # which the library must import; the kernels themselves need a recent jax).
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kernel_args["interpret"] = InterpretGPUParams()
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((xp.shape[0], n), xp.dtype),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kernel_args)
+    return zero_rows_past_groups(kernel(meta, xp, *pipelined, *resident)[:m], group_sizes)
+
+
+def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
+                   num_sms: int, *, plane_specs, pipelined, resident, convert):
+    """The persistent ragged kernel both formats share: rows of x [M, K] sorted by group,
+    times their group's matrix, read as `convert` makes it from the planes, [M, N] in
+    x.dtype with the rows past the groups zero.
+
+    pipelined: [E, ...] planes a k step reads through the TMA pipeline, each by its entry of
+        `plane_specs` (index map (k step, column tile) -> block indices, in the plane's own
+        rows); resident: [E, ...] planes the conversion reads straight from global memory.
+    convert(kk, gid, ni, *pipelined step refs, *resident refs, w_slot): writes k step kk's
+        [bk, bn] weights of group gid, column tile ni, in x.dtype into w_slot (shared memory),
+        which the step then multiplies by its x tile with wgmma. A step's product runs on
+        while the next step converts into the other of two slots; the x buffer is released a
+        step late."""
+    m = x.shape[0]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    dtype = x.dtype
+    xp, meta = _row_tiles(x, group_sizes, bm)
+    grid_m, grid_n = meta.shape[1], n // bn
+    gbn = min(tiles.grid_block_n, grid_n)
+    n_pipe = len(pipelined)
+
+    def body(meta_ref, x_gmem, *refs, w_smem):
+        planes, o_gmem = refs[:-1], refs[-1]
+        pipe_gmem, res_gmem = planes[:n_pipe], planes[n_pipe:]
+
+        def visit(gid, ni, row0, first, rows):
+            def acc_scope(acc_ref):
+                def step(idx, x_smem, *plane_smem):
+                    (kk,) = idx
+                    slot = lax.rem(kk, 2)
+                    convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
+                    # The previous step's product is done, so its x buffer (released after
+                    # this step) and its weight slot (written next step) are free.
+                    plgpu.wgmma_wait(1)
+
+                specs = [plgpu.BlockSpec(spec.block_shape,
+                                         lambda kk, f=spec.index_map: f(kk, ni))
+                         for spec in plane_specs]
+                plgpu.emit_pipeline(
+                    step, grid=(k // bk,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk),
+                                              delay_release=1), *specs],
+                    max_concurrent_steps=tiles.stages)(
+                        x_gmem, *(p.at[gid] for p in pipe_gmem))
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=dtype))
+            def _store(o_smem):
+                o_smem[...] = acc.astype(dtype)
+                plgpu.commit_smem()
+                _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
+
+        _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
+
+    return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
+                       interpret=interpret, grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
+                       scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)))
+
+
+def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
+                       num_sms: int, *, plane_specs, pipelined, resident, convert_part):
+    """`_ragged_kernel` with two compute warpgroups and a memory one (`tiles.compute_wgs` 2):
+    a row tile of `block_m` rows, each compute warpgroup multiplying its half of them, and one
+    converted weight tile a k step for both, so each weight is converted once per
+    `block_m` rows rather than per `block_m / 2`: the conversion's shared-memory reads and
+    writes, what a fused step adds to the bf16 kernel's, spread over twice the products.
+
+    A k step: each compute warpgroup converts its part of the step's weights into the shared
+    bf16 slot (`convert_part(kk, gid, ni, wg, *pipelined step refs, *resident refs,
+    w_slot)`: half the columns), waits for its own previous product, fences, and meets the
+    other at the slot's barrier; then each issues its product. A warpgroup passes step kk's
+    barrier only after its product kk - 1 is done, so the slot step kk + 1 writes (read by
+    products kk - 1) is free: two slots. The x and plane buffers are released a step late
+    (the product of step kk reads x until step kk + 1's wait). After its last product each
+    warpgroup meets the other again (the next visit's first steps write the slots this one's
+    last products read), then stores the visit's rows in its half."""
+    m = x.shape[0]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    hm = bm // 2
+    dtype = x.dtype
+    xp, meta = _row_tiles(x, group_sizes, bm)
+    grid_m, grid_n = meta.shape[1], n // bn
+    gbn = min(tiles.grid_block_n, grid_n)
+    n_pipe = len(pipelined)
+
+    def pipeline(body, context, row0, ni):
+        specs = [plgpu.BlockSpec(spec.block_shape, lambda kk, f=spec.index_map: f(kk, ni),
+                                 delay_release=1) for spec in plane_specs]
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // bk,), memory_registers=40,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk), delay_release=1),
+                      *specs],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
+            compute_context=context)
+
+    def body(meta_ref, x_gmem, *refs):
+        planes, o_gmem = refs[:-1], refs[-1]
+        pipe_gmem, res_gmem = planes[:n_pipe], planes[n_pipe:]
+        ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
+        allocs = pipeline(ignore, ignore, 0, 0).get_allocations(
+            x_gmem, *(p.at[0] for p in pipe_gmem))
+
+        @functools.partial(pl.run_scoped, allocs=allocs,
+                           w_smem=plgpu.SMEM((2, bk, bn), dtype),
+                           o_smem=plgpu.SMEM((2, hm, bn), dtype),
+                           conv=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                           done=plgpu.Barrier(num_arrivals=2),
+                           collective_axes="wg")
+        def _scope(allocs, w_smem, o_smem, conv, done):
+            wg = lax.axis_index("wg")
+
+            def visit(gid, ni, row0, first, rows):
+                # Whether this warpgroup's half of the tile holds rows of the visit (a tile
+                # shared by several experts' rows is visited once per expert): if not, it
+                # converts its share of each step but issues no product.
+                mine = (first < (wg + 1) * hm) & (first + rows > wg * hm)
+
+                def step(idx, x_smem, *rest):
+                    *plane_smem, acc_ref = rest
+                    (kk,) = idx
+                    slot = lax.rem(kk, 2)
+                    convert_part(kk, gid, ni, wg, *plane_smem, *res_gmem, w_smem.at[slot])
+                    plgpu.wgmma_wait(0)  # this warpgroup's product kk - 1 is done
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(conv.at[slot])
+                    plgpu.barrier_wait(conv.at[slot])
+
+                    @pl.when(mine)
+                    def _():
+                        plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], w_smem.at[slot])
+
+                    return acc_ref
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn)))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        acc = acc_ref[...]  # this warpgroup's products are done
+                        # and the other's: the next visit's first steps may write the slot
+                        # this visit's last products read.
+                        plgpu.barrier_arrive(done)
+                        plgpu.barrier_wait(done)
+                        # This warpgroup's rows of the visit: [lo, hi) of its half.
+                        lo = jnp.clip(first - wg * hm, 0, hm)
+                        hi = jnp.clip(first + rows - wg * hm, 0, hm)
+                        count = jnp.maximum(hi - lo, 0)
+                        out = o_smem.at[wg]
+                        out[...] = acc.astype(dtype)
+                        plgpu.commit_smem()
+                        _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm,
+                                    pl.ds(ni * bn, bn))
+
+                pipeline(step, context, row0, ni)(
+                    x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
+
+            _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
+
+    return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
+                       interpret=interpret, grid=(num_sms,), grid_names=("sm",),
+                       num_threads=3, thread_name="wg")
+
+
+# int4: a scale group of 128 inputs is a 64-row byte tile holding the group's first half in its
+# low nibbles and its second half in its high nibbles (the int4 plane's layout). A k step is half
+# a group (64 inputs, one nibble half; the byte tile is loaded for each) so that a program's
+# shared memory (about 104 KB at 3 stages) lets two programs share an SM: one converts its
+# weights while the other's products run, which is what the one-warpgroup kernel cannot overlap
+# by itself (the sweep's fastest at 4K and 8K tokens of Qwen3-30B-A3B; BENCHMARKS.md, "Fused
+# kernels").
+INT4_GROUP = 128
+MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP // 2, 3, 8, 2)
+
+
+def mosaic_int4_supports(w, tiles: MosaicTiles) -> bool:
+    """Whether the int4 Mosaic kernel reads quantized matrix `w` with `tiles`: int4 in groups
+    of 128, symmetric or with a zero-point plane, rows in groups k // 128 (an act-order
+    matrix's stored rows, `QuantizedMatrix.stored`), whole column tiles, read as bf16 or
+    fp16; a tiling of one compute warpgroup and k steps of half a group (block_k 64)."""
+    k, n = w.shape
+    return (w.kind == "int4" and w.block == INT4_GROUP and w.perm is None
+            and tiles.compute_wgs == 1 and tiles.block_k == INT4_GROUP // 2
+            and k % INT4_GROUP == 0 and n % tiles.block_n == 0
+            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def int4_conversion(dtype, scale_dtype=jnp.float16) -> str:
+    """How the int4 kernel makes (nibble - z) times the scale for inputs of `dtype` over group
+    scales of `scale_dtype`: "bf16x2" for bf16 inputs over float16 scales (the format's; the
+    scale's split into two bf16 planes is exact only for them), else "bits"."""
+    if (jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(scale_dtype) == jnp.float16):
+        return "bf16x2"
+    return "bits"
+
+
+def int4_values_f32(n: jax.Array) -> jax.Array:
+    """Nibbles `n` (int32, 0..15) as float32 (n - 8), exactly ("bits"): 2^23 + n from its bit
+    pattern, less 2^23 + 8 (a logical op and a float add, not an int-to-float conversion,
+    which runs at a fraction of their rate)."""
+    return lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - 8388616.0
+
+
+def split_scale_bf16(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 scales `s` (float16 values: 11 significant bits) as (hi, lo) in bfloat16 with
+    hi + lo == s exactly: hi is s cut to bf16's 8 bits toward zero, lo the rest (at most 3
+    significant bits, a multiple of s's last bit below 8 of them) with s's sign also where
+    it is zero. (n - z) * lo is then exact in bf16 for a nibble n and zero-point z, so
+    fma(n - z, hi, (n - z) * lo) in bf16 rounds (n - z) * s once: the float32 product's cast,
+    the dequantize path's bits, zero's sign included ("bf16x2"; the tests check every finite
+    float16 scale)."""
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    hi = lax.bitcast_convert_type(bits & jnp.int32(-65536), jnp.float32)
+    lo = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(s - hi, jnp.int32) | (bits & jnp.int32(-2147483648)),
+        jnp.float32)
+    return hi.astype(jnp.bfloat16), lo.astype(jnp.bfloat16)
+
+
+def _bf16x2_nibbles(q, s_hi, s_lo, zmag, high: bool, layout):
+    """The nibble half `high` of bytes q (uint8 [rows, cols] in `layout`, Mosaic's
+    WGMMA_UPCAST_2X: four adjacent columns' bytes in one 32-bit register) times its columns'
+    scales, as bf16 [rows, cols] in the same layout, two values an instruction (inline PTX,
+    sm_90): a byte permute puts two nibbles in the low bits of a register's halves, a mask
+    sets bf16's exponent of 128 over them (128 + n), less 128 + z (exact), then
+    t = v * s_lo (exact) and fma(v, s_hi, t), rounded once. s_hi, s_lo: the columns'
+    `split_scale_bf16`; zmag: 128 + z per column (bf16), or None for the symmetric format's
+    8; all three broadcast over the rows in `layout`."""
+    def asm(part: int) -> str:  # the register's column pair `part` (0: columns 0, 1)
+        sel = ("0x4140", "0x4342")[part]  # bytes 2p, 2p + 1 to the halves' low bytes
+        return f"""{{
+        .reg .b32 z, w, t, m, v, p, c;
+        mov.b32 z, 0;
+        {"shr.b32 w, $1, 4;" if high else "mov.b32 w, $1;"}
+        prmt.b32 t, w, z, {sel};
+        lop3.b32 m, t, 0x000F000F, 0x43004300, 0xea;
+        {"sub.bf16x2 v, m, $4;" if zmag is not None else
+         "mov.b32 c, 0x43084308; sub.bf16x2 v, m, c;"}
+        mul.rn.bf16x2 p, v, $3;
+        fma.rn.bf16x2 $0, v, $2, p;
+        }}"""
+
+    args = (q, s_hi, s_lo) if zmag is None else (q, s_hi, s_lo, zmag)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(args),
+                       return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.bfloat16, layout=layout))
+    def convert(ctx, qa, *cols):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        out = np.empty(qa.registers.shape, dtype=object)
+        for idx, reg in np.ndenumerate(qa.registers):
+            word = utils.bitcast(reg, i32)  # four bytes
+            halves = []
+            for part in (0, 1):
+                ins = [word, *(utils.bitcast(utils.vector_slice(c.registers[idx],
+                                                                slice(2 * part, 2 * part + 2)),
+                                             i32) for c in cols)]
+                r = llvm.inline_asm(i32, ins, asm(part), "=r" + ",r" * len(ins))
+                halves.append(utils.bitcast(r, pair))
+            out[idx] = utils.vector_concat(halves)
+        return mgpu.FragmentedArray(_registers=out, _layout=qa.layout, _is_signed=None)
+
+    return convert(*args)
+
+
+def mosaic_int4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
+                               tiles: MosaicTiles | None = None, interpret: bool | None = None,
+                               num_sms: int | None = None) -> jax.Array:
+    """`mosaic_grouped_matmul` for an int4 matrix `w` (group halves, float16 group scales,
+    symmetric or with a zero-point plane): each k step TMA-loads one group's [64, N-tile] byte
+    tile and its scale row (and zero-point row), unpacks the step's nibble half in registers,
+    (nibble - z) times the scale as the float32 product's cast to x.dtype (z the implicit 8
+    or the column's zero-point), into the bf16 slot the step's wgmma reads: by bf16 steps or
+    by float32 bits (`int4_conversion`), the same values either way. What `grouped_matmul`
+    reads int4 experts with on Hopper (`mosaic_int4_supports`; tiles default
+    `MOSAIC_INT4_TILES`)."""
+    tiles = tiles or MOSAIC_INT4_TILES
+    m, k, n = check_operands("mosaic_int4_grouped_matmul", x, w, group_sizes)
+    if not mosaic_int4_supports(w, tiles):
+        raise ValueError(f"mosaic_int4_grouped_matmul: {w.kind} matrix {w.shape} with block "
+                         f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles} "
+                         f"(int4 in groups of {INT4_GROUP}, block_k {INT4_GROUP // 2}, one "
+                         "compute warpgroup)")
+    if x.dtype != w.dtype:
+        raise ValueError(f"mosaic_int4_grouped_matmul: x dtype {x.dtype} != the matrix's "
+                         f"{w.dtype}")
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    interpret, num_sms = _launch(interpret, num_sms)
+    conversion = int4_conversion(x.dtype, w.scale.dtype)
+    half = INT4_GROUP // 2
+    bn = tiles.block_n
+    dtype = x.dtype
+    zeros = w.zero is not None
+    # bf16x2 reads four bytes a thread (WGMMA_UPCAST_2X) and computes in that layout; bits
+    # reads the bytes in the products' layout. The interpreter has no layouts.
+    layout = (plgpu.Layout.WGMMA_UPCAST_2X if conversion == "bf16x2" else
+              plgpu.Layout.WGMMA)
+    packed = conversion == "bf16x2" and not interpret  # the interpreter: "bits"' values
+
+    def column(row, shape):  # a [cols] row of the step, broadcast over its rows
+        if not interpret:
+            row = plgpu.layout_cast(row, layout.reduce(0))
+        return lax.broadcast_in_dim(row, shape, (1,))
+
+    def packed_operands(q_ref, hi_ref, lo_ref, z_ref=None):
+        """(bytes, (scale hi, scale lo), 128 + zero-point or None) of a step for "bf16x2"
+        from its rows of the planes made before the kernel: the bytes four a thread, the
+        rest bf16 per column, broadcast over the rows."""
+        q = plgpu.layout_cast(q_ref[...], layout)
+        s = (column(hi_ref[0], q.shape), column(lo_ref[0], q.shape))
+        return q, s, None if z_ref is None else column(z_ref[0], q.shape)
+
+    def float_operands(q_ref, s_ref, z_ref=None):
+        """(values, scale, zero) of a step for "bits": the bytes upcast before the logical
+        ops [64, cols]; the group's scale per column in float32; with zero-points 2^23 + z
+        per column (what the nibbles' float32 are less by; exact), else None."""
+        q = q_ref[...].astype(jnp.int32)
+        s = column(s_ref[0].astype(jnp.float32), q.shape)
+        if z_ref is None:
+            return q, s, None
+        z = z_ref[0].astype(jnp.int32).astype(jnp.float32)
+        return q, s, column(z + 8388608.0, q.shape)
+
+    operands = packed_operands if packed else float_operands
+
+    def nibbles(q, s, z, high: bool):
+        if packed:
+            return _bf16x2_nibbles(q, *s, z, high, layout)
+        n = (q >> 4) if high else (q & 15)
+        if z is None:
+            v = int4_values_f32(n)
+        else:
+            v = lax.bitcast_convert_type(n | 0x4B000000, jnp.float32) - z
+        return (v * s).astype(dtype)
+
+    def convert(kk, gid, ni, *refs):  # a step of 64 inputs: the group's half kk % 2
+        del gid, ni
+        *planes, w_slot = refs
+        q, s, z = operands(*planes)
+
+        @pl.when(lax.rem(kk, 2) == 0)
+        def _():
+            w_slot[...] = nibbles(q, s, z, False)
+
+        @pl.when(lax.rem(kk, 2) == 1)
+        def _():
+            w_slot[...] = nibbles(q, s, z, True)
+
+    row_spec = plgpu.BlockSpec((1, bn), lambda kk, ni: (kk // 2, ni))
+    specs = [plgpu.BlockSpec((half, bn), lambda kk, ni: (kk // 2, ni)), row_spec]
+    if packed:  # the scales split (and 128 + z) once, in bf16, for every step's rows
+        hi, lo = split_scale_bf16(w.scale.astype(jnp.float32))
+        pipelined = [w.q, hi, lo]
+        specs.append(row_spec)
+        if zeros:
+            specs.append(row_spec)
+            pipelined.append((w.zero.astype(jnp.float32) + 128.0).astype(jnp.bfloat16))
+    else:
+        pipelined = [w.q, w.scale]
+        if zeros:  # the zero-point row of the step's group, as its scale row
+            specs.append(row_spec)
+            pipelined.append(w.zero)
+    with jax.named_scope("grouped_matmul_int4_mosaic"):
+        return _ragged_kernel(
+            x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
+            pipelined=pipelined, resident=[], convert=convert)
+
+
+# Through a jit of its own, a program lowers the kernel once per shape rather than once per
+# call site (three a MoE layer), as `grouped._mosaic_jit` does for the bf16 kernel.
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def mosaic_fp8(x: jax.Array, w, group_sizes: jax.Array,
+               tiles: MosaicTiles = MOSAIC_TILES) -> jax.Array:
+    """`mosaic_grouped_matmul` at `tiles` (default `MOSAIC_TILES`) on the device's SMs."""
+    return mosaic_grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=False)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def mosaic_int4(x: jax.Array, w, group_sizes: jax.Array,
+                tiles: MosaicTiles = MOSAIC_INT4_TILES) -> jax.Array:
+    """`mosaic_int4_grouped_matmul` at `tiles` (default `MOSAIC_INT4_TILES`) on the device's
+    SMs."""
+    return mosaic_int4_grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=False)

@@ -1,0 +1,80 @@
+"""Grouped-query attention as a layer: q/k/v/o projections (optional biases), q/k RMSNorm
+(per head or over the whole projection), RoPE, the KV cache write, and the attention paths of
+`layers.attention` (a first chunk causal and fused; a later chunk over its cached prefix, merged
+by log-sum-exp), within a sliding window where the config gives this layer one.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+from jax import lax
+
+from strata_jax.config import ModelConfig
+from strata_jax.kernels import Kernels
+from strata_jax.layers.attention import attend_cached, attend_first, attention_path
+from strata_jax.layers.norms import RMSNorm
+from strata_jax.layers.params import dot, filled, normal, value
+from strata_jax.layers.rope import rope
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache; within a
+    sliding window where the config gives this layer one (`ModelConfig.window_of`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int,
+                 kernels: Kernels = Kernels()):
+        c, dt = config, config.dtype
+        self.config = config
+        self.kernels = kernels  # static: part of the graph jit keys on
+        self.window = c.window_of(layer)  # static: None (full causal) or the window
+        self.q_proj = nnx.Param(normal(rngs, (c.hidden_size, c.q_dim), dt))  # [H, N*D]
+        self.k_proj = nnx.Param(normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
+        self.v_proj = nnx.Param(normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
+        self.o_proj = nnx.Param(normal(rngs, (c.q_dim, c.hidden_size), dt))  # [N*D, H]
+        if c.attention_bias:
+            self.q_bias = nnx.Param(filled(rngs, (c.q_dim,), dt, 0.0))  # [N*D]
+            self.k_bias = nnx.Param(filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
+            self.v_bias = nnx.Param(filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
+            self.o_bias = nnx.Param(filled(rngs, (c.hidden_size,), dt, 0.0))  # [H]
+        else:
+            self.q_bias = self.k_bias = self.v_bias = self.o_bias = None
+        if c.qk_norm == "per_head":
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
+        elif c.qk_norm == "full":
+            self.q_norm = RMSNorm(c.q_dim, c.rms_norm_eps, dt, rngs)
+            self.k_norm = RMSNorm(c.kv_dim, c.rms_norm_eps, dt, rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, cache_k, cache_v, start, positions):
+        """x [T, H]; cache_k/v [S, KVH, D]; start int (static 0 = first chunk) or int32 scalar."""
+        c = self.config
+        t = x.shape[0]
+        q = dot(x, self.q_proj[...], value(self.q_bias))  # [T, N*D]
+        k = dot(x, self.k_proj[...], value(self.k_bias))  # [T, KVH*D]
+        v = dot(x, self.v_proj[...], value(self.v_bias))  # [T, KVH*D]
+        if c.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(t, c.n_heads, c.head_dim)  # [T, N, D]
+        k = k.reshape(t, c.n_kv_heads, c.head_dim)  # [T, KVH, D]
+        v = v.reshape(t, c.n_kv_heads, c.head_dim)  # [T, KVH, D]
+        if c.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q, positions, c.rope_theta, c.rope_scaling)
+        k = rope(k, positions, c.rope_theta, c.rope_scaling)
+        k = k.astype(cache_k.dtype)
+        v = v.astype(cache_v.dtype)
+        cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
+        cache_v = lax.dynamic_update_slice(cache_v, v, (start, 0, 0))
+        first = isinstance(start, int) and start == 0
+        path = attention_path(q.dtype, c.head_dim, c.n_heads, t, cache_k.shape[0], first=first,
+                              impl=self.kernels.attention)
+        if first:
+            # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
+            # causally is the same math and lets cuDNN run it fused.
+            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path, self.window)
+        else:
+            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path, self.window)
+        out = dot(out.reshape(t, c.q_dim), self.o_proj[...], value(self.o_bias))  # [T, H]
+        return out, cache_k, cache_v

@@ -1,0 +1,119 @@
+"""Model families: one module per family, and the registry from a checkpoint's `architectures`
+name to its family.
+
+A family module owns its config.json mapping (`Family.fields`, `Family.config_from_hf`), its
+tensor names (`Family.tensors`, `Family.layer_tensors`), its presets, and how its blocks compose
+(the shared decoder stack of `models.decoder` for the grouped-query-attention MoE families).
+The engine, the stream and the native library read a `ModelConfig` and never name a family.
+Adding a family is a module here and a line in `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from strata_jax.config import ModelConfig
+from strata_jax.models import mixtral, olmoe, qwen3_moe, stand_ins
+from strata_jax.models.decoder import (KVCache, MoETransformer, abstract_model, build_model,
+                                       cache_shapes, expert_param_names, expert_plane_names,
+                                       forward, init_cache, param_shapes, validate_inputs)
+from strata_jax.models.hf_config import (IGNORED_FIELDS, NO_EFFECT, QUANT_FIELDS,
+                                         CheckpointError, Family, HFFields, quant_fields_markdown,
+                                         quantization)
+
+__all__ = [
+    "FAMILIES", "PRESETS", "get_preset", "family_of", "config_from_hf", "fields_markdown",
+    "quant_fields_markdown", "FIELDS", "IGNORED_FIELDS", "QUANT_FIELDS", "CheckpointError",
+    "Family", "KVCache", "MoETransformer", "abstract_model", "build_model", "cache_shapes",
+    "expert_param_names", "expert_plane_names", "forward", "init_cache", "param_shapes",
+    "validate_inputs",
+]
+
+FAMILIES: dict[str, Family] = {
+    m.FAMILY.architecture: m.FAMILY for m in (qwen3_moe, mixtral, olmoe)
+}
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    **qwen3_moe.FAMILY.presets,
+    "qwen3-next-80b-a3b": stand_ins.PRESETS["qwen3-next-80b-a3b"],
+    **mixtral.FAMILY.presets,
+    **olmoe.FAMILY.presets,
+    "deepseek-v3": stand_ins.PRESETS["deepseek-v3"],
+}
+
+# Field -> architecture -> how the loader treats it, over every family (docs/CHECKPOINTS.md).
+FIELDS: dict[str, dict[str, str]] = {}
+for _family in FAMILIES.values():
+    for _field, _status in _family.fields.items():
+        FIELDS.setdefault(_field, {})[_family.architecture] = _status
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Returns the preset called `name`.
+
+    Raises:
+        ValueError: `name` is not a preset; the message lists the known names.
+    """
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+def family_of(hf: Mapping) -> Family:
+    """The family a parsed config.json names in `architectures` (or, without one, its
+    `model_type`).
+
+    Raises:
+        CheckpointError: no architecture, or one no family implements (the known ones listed).
+    """
+    if not isinstance(hf, Mapping):
+        raise CheckpointError(f"config.json holds a {type(hf).__name__}, not an object of "
+                              "fields (name: value)")
+    names = hf.get("architectures") or []
+    if isinstance(names, str):
+        names = [names]
+    for name in names:
+        if name in FAMILIES:
+            return FAMILIES[name]
+    if not names and hf.get("model_type") is None:
+        raise CheckpointError(f"config.json names no architecture (no 'architectures'); "
+                              f"supported: {', '.join(FAMILIES)}")
+    raise CheckpointError(
+        f"unknown architecture {names or hf.get('model_type')!r}; supported: "
+        f"{', '.join(FAMILIES)}")
+
+
+def config_from_hf(hf: Mapping, *, param_dtype: str | None = None) -> ModelConfig:
+    """Builds a `ModelConfig` from a Hugging Face config.json dict.
+
+    Every field is honoured, refused or known to have no effect (the family's `fields`,
+    `IGNORED_FIELDS`, and `QUANT_FIELDS` inside quantization_config); both spellings of
+    transformers 4 and 5 are read (rope_theta / rope_scaling and rope_parameters; num_experts
+    and num_local_experts; torch_dtype and dtype). A quantized checkpoint's routed experts keep
+    its format (`expert_format` "fp8" or "int4", `expert_block` its block or group).
+
+    Args:
+        hf: parsed config.json.
+        param_dtype: overrides the checkpoint's dtype.
+
+    Raises:
+        CheckpointError: unknown architecture, a missing field, or a field or value this engine
+            does not implement (named with its value).
+    """
+    family = family_of(hf)
+    fields = HFFields(hf, family)
+    return family.config_from_hf(fields, quantization(hf), param_dtype)
+
+
+def fields_markdown() -> str:
+    """The field table of docs/CHECKPOINTS.md: every family's `fields` and `IGNORED_FIELDS`."""
+    families = list(FAMILIES.values())
+    lines = ["| field | " + " | ".join(f.label for f in families) + " |",
+             "|---|" + "---|" * len(families)]
+    for field, per in FIELDS.items():
+        cells = [per.get(f.architecture, "refused (not a field)") for f in families]
+        lines.append(f"| `{field}` | " + " | ".join(cells) + " |")
+    lines.append(f"| {', '.join(f'`{f}`' for f in sorted(IGNORED_FIELDS))} | "
+                 + " | ".join([NO_EFFECT] * len(families)) + " |")
+    return "\n".join(lines) + "\n"
