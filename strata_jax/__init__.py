@@ -1,5 +1,4 @@
-"""strata_jax: prefill prompts through mixture-of-experts models whose experts stream from pinned
-host RAM.
+"""Prefill prompts through mixture-of-experts models whose experts stream from pinned host RAM.
 
 A Flax model computes attention, routing and the expert math on the device; the routed experts
 that are not resident cross the PCIe link through a ring of device slots, copied by a native
@@ -31,6 +30,7 @@ from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams, init_synthetic
 
 __all__ = [
+    "__version__",
     "Engine", "StreamConfig", "StreamTuning", "Session", "PrefillResult", "ScoreResult",
     "ModelConfig", "PRESETS", "get_preset", "Kernels", "ExpertProfile", "ExpertSource",
     "ExpertWeights", "ResidentExperts", "pack_expert_blobs", "unpack_expert_blobs", "KVCache",

@@ -176,7 +176,7 @@ def _main(scenario: str, backend: str) -> None:
 
     from strata_jax import stream as S
     from strata_jax.models import get_preset
-    from strata_jax.stream.streamer import device_ordinal
+    from strata_jax.stream.backend import device_ordinal
     from strata_jax.synthetic import init_synthetic, split_experts
 
     devices = jax.devices(platform)[:N_DEVICES]

@@ -46,12 +46,8 @@ import numpy as np
 
 from strata_jax.formats import QUANTIZE_CHOICES
 
-from strata_jax.benchmarks.stream_bench import (
-    PinnedHostBaseline,
-    _hashes,
-    _timed,
-    model_config,
-    quantized,
+from strata_jax.benchmarks.common import (
+    PinnedHostBaseline, _hashes, _timed, model_config, quantized
 )
 
 # Each routed expert tensor repeats this many experts' draws (SyntheticParams(tile=...)).

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from strata_jax.benchmarks.stream_bench import model_config
+    from strata_jax.benchmarks.common import model_config
     from strata_jax.models import get_preset
     from strata_jax.synthetic import SyntheticParams
 

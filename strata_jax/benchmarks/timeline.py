@@ -148,7 +148,7 @@ def summarize(events, gap_us: float = 100.0, tail_ms: float = 8.0) -> dict:
 
 
 def main(argv=None) -> int:
-    from strata_jax.benchmarks.stream_bench import add_model_args, add_stream_args
+    from strata_jax.benchmarks.common import add_model_args, add_stream_args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
@@ -172,8 +172,9 @@ def main(argv=None) -> int:
     if args.chunk is not None and not 0 < args.chunk <= args.tokens:
         ap.error(f"--chunk {args.chunk}: must be in 1..--tokens ({args.tokens})")
 
-    from strata_jax.benchmarks.stream_bench import (_hashes, _stream_config, fast_params,
-                                                    model_config, quantized)
+    from strata_jax.benchmarks.common import (
+        _hashes, _stream_config, fast_params, model_config, quantized
+    )
     from strata_jax.engine import Engine
     from strata_jax.kernels.grouped import resolve_implementation
 

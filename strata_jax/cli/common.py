@@ -11,11 +11,23 @@ import re
 import sys
 from collections.abc import Callable
 
+import jax
 import numpy as np
+from tqdm.auto import tqdm
 
+from strata_jax import native
+from strata_jax.checkpoint import CheckpointError, config_from_hf, load_checkpoint
 from strata_jax.devices import HostMemoryError, gib, host_memory, size
-from strata_jax.engine import memory
+from strata_jax.engine import Engine, memory
 from strata_jax.formats import QUANTIZE_CHOICES, quantized_config
+from strata_jax.kernels import Kernels
+from strata_jax.models import PRESETS, expert_plane_names, get_preset
+from strata_jax.parallel import expert_mesh
+from strata_jax.profile import ExpertProfile
+from strata_jax.stream import StreamConfig, StreamTuning
+from strata_jax.stream.backend import BackendUnavailable, choose_backend
+from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams
+from strata_jax.weights import LazyExperts, QuantizedParams
 
 # Scaled-down sizes, applied with ModelConfig.scaled(); fields given on the command line
 # (--layers, --experts, ...) win. `layers` counts MoE layers: a preset with dense layers
@@ -43,7 +55,6 @@ class _Log:
             print(message, file=sys.stderr, flush=True)
 
     def bar(self, **kwargs):
-        from tqdm.auto import tqdm
 
         return tqdm(file=sys.stderr, disable=self.quiet, dynamic_ncols=True, **kwargs)
 
@@ -62,7 +73,6 @@ class _Log:
 
 
 def _preset_names() -> str:
-    from strata_jax.models import PRESETS
 
     return ", ".join(PRESETS)
 
@@ -85,7 +95,6 @@ def model_config(preset: str, scale: str | None = None, *, layers: int | None = 
     Raises:
         UsageError: unknown preset or an inconsistent shape (the message says which).
     """
-    from strata_jax.models import PRESETS, get_preset
 
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; known presets: {_preset_names()}")
@@ -238,7 +247,6 @@ class _Model:
                              "--scale tiny|small for a scaled-down copy) or --checkpoint DIR")
 
     def _checkpoint_config(self):
-        from strata_jax.checkpoint import CheckpointError, config_from_hf
 
         path = os.path.join(self.checkpoint, "config.json")
         if not os.path.isdir(self.checkpoint):
@@ -296,7 +304,6 @@ class _Model:
         here: a checkpoint's stay in its files and synthetic ones are drawn as the engine
         takes them (its progress bar), straight into its host store or onto the device."""
         if self.checkpoint:
-            from strata_jax.checkpoint import CheckpointError, load_checkpoint
 
             try:
                 ckpt = load_checkpoint(self.checkpoint, param_dtype=self.shape["dtype"],
@@ -305,20 +312,16 @@ class _Model:
                 raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
             if not self.quantize:
                 return ckpt.config, ckpt.params, ckpt.experts.as_mapping()
-            from strata_jax.models import expert_plane_names
-            from strata_jax.weights import LazyExperts, QuantizedParams
 
             config = self._quantized(ckpt.config)
             experts = QuantizedParams(ckpt.experts, config)
             return config, ckpt.params, {l: LazyExperts(experts, expert_plane_names(config, l))
                                          for l in config.moe_layers}
-        from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams
 
         self.check_host_memory()
         skew = SKEW_40_PERCENT_512_TOP10 if self.skew is None else self.skew
         params = SyntheticParams(self.plain_config, self.seed, skew)
         if self.quantize:
-            from strata_jax.weights import QuantizedParams
 
             params = QuantizedParams(params, self.config)
         return self.config, params, None
@@ -361,8 +364,6 @@ class _Model:
 def _resolve_backend(requested: str) -> str:
     """'cpu' or 'cuda' for a stream backend (stream.streamer.choose_backend); UsageError when
     the native library does not load or cuda cannot run."""
-    from strata_jax import native
-    from strata_jax.stream.streamer import BackendUnavailable, choose_backend
 
     try:
         native.has_cuda()
@@ -382,7 +383,6 @@ def _resolve_backend(requested: str) -> str:
 def _resident_device(requested: str):
     """The jax.Device of a --no-stream run: auto = JAX's default device, cpu, or cuda = the
     GPU (the native library is not used, so it needs no CUDA build); UsageError without one."""
-    import jax
 
     if requested == "auto":
         return jax.devices()[0]
@@ -415,7 +415,6 @@ def _backends(args) -> tuple[str, object]:
 
 def _stream_device(backend: str):
     """The first device of a stream backend's platform ("cpu": the CPU, "cuda": the GPU)."""
-    import jax
 
     return jax.devices("gpu" if backend == "cuda" else "cpu")[0]
 
@@ -423,7 +422,6 @@ def _stream_device(backend: str):
 def _simulated_cpu_devices(n: int) -> None:
     """Asks JAX for n CPU devices where its backends are not started yet (the CPU's devices
     of --devices N) and XLA_FLAGS does not set their count already."""
-    import jax
 
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
@@ -436,7 +434,6 @@ def _simulated_cpu_devices(n: int) -> None:
 def _devices(args, device) -> list:
     """The --devices N devices of `device`'s platform (the first N); UsageError where JAX has
     fewer."""
-    import jax
 
     n = getattr(args, "devices", 1)
     have = jax.devices(device.platform)
@@ -495,7 +492,6 @@ def _load_profile(path: str | None, config):
     if not os.path.isfile(path):
         raise UsageError(f"profile {path!r} does not exist (record one with `strata-jax "
                          "profile --out FILE`)")
-    from strata_jax.profile import ExpertProfile
 
     try:
         return ExpertProfile.load(path, config=config)
@@ -507,7 +503,6 @@ def _load_profile(path: str | None, config):
 
 
 def _stream_config(args, backend: str, profile):
-    from strata_jax.stream import StreamConfig, StreamTuning
 
     if not args.stream:
         return None
@@ -533,15 +528,12 @@ def _stream_config(args, backend: str, profile):
 
 def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, device=None,
                  what: str = "experts"):
-    from strata_jax.engine import Engine
-    from strata_jax.kernels import Kernels
 
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
                   order=args.order, device=device,
                   kernels=Kernels(grouped_matmul=args.grouped_matmul, attention=args.attention,
                                   quantized_matmul=args.quantized_matmul))
     if getattr(args, "devices", 1) > 1:  # expert parallel: the mesh says where it runs
-        from strata_jax.parallel import expert_mesh
 
         if device is None:  # streamed: the stream backend's devices
             device = _stream_device("cuda" if stream.backend == "cuda" else "cpu")

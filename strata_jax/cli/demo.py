@@ -16,13 +16,13 @@ from strata_jax.cli.common import (
     random_prompt,
 )
 from strata_jax.cli.prefill import _skip_note
+from strata_jax.engine import Engine, sha256_of
+from strata_jax.stream import StreamConfig, StreamTuning
+from strata_jax.stream.config import _env_depth
+from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10
 
 
 def cmd_demo(args, log: _Log) -> int:
-    from strata_jax.engine import Engine, sha256_of
-    from strata_jax.stream import StreamConfig, StreamTuning
-    from strata_jax.stream.config import _env_depth
-    from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10
 
     args.checkpoint = None
     model = _Model(args)

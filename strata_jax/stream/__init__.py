@@ -37,7 +37,8 @@ from strata_jax.stream.config import (
 from strata_jax.stream.ops import begin, end, fetch, fetch_frame, publish, release  # noqa: F401
 from strata_jax.stream.plan import StreamPlan, plan_stream
 from strata_jax.stream.source import StreamedExperts
-from strata_jax.stream.streamer import ChunkStats, NativeStreamer, stream_platform  # noqa: F401
+from strata_jax.stream.streamer import ChunkStats, NativeStreamer
+from strata_jax.stream.backend import stream_platform
 from strata_jax.stream.group import GroupChunkStats, StreamerGroup, expert_slices
 
 __all__ = [

@@ -32,14 +32,8 @@ from strata_jax import native
 from strata_jax.config import ModelConfig
 from strata_jax.parallel import expert_slices
 from strata_jax.stream.config import StreamConfig
-from strata_jax.stream.streamer import (
-    ChunkStats,
-    Closable,
-    NativeStreamer,
-    choose_backend,
-    stream_platform,
-    tail_shape_for,
-)
+from strata_jax.stream.streamer import ChunkStats, Closable, NativeStreamer, tail_shape_for
+from strata_jax.stream.backend import choose_backend, stream_platform
 
 __all__ = ["StreamerGroup", "GroupChunkStats", "expert_slices", "group_devices"]
 

@@ -25,6 +25,7 @@ from strata_jax.formats import ExpertFormat
 from strata_jax.kernels.grouped import MOSAIC_BLOCK_M, resolve_implementation
 from strata_jax.devices import check_host_bytes, device_memory
 from strata_jax.kernels.quantized import resolve_format
+from strata_jax.stream.backend import choose_backend, device_ordinal, stream_platform
 from strata_jax.stream.config import (
     TAIL_FROM_DEQUANTIZED, TAIL_FROM_TILED, TAIL_FROM_VISITS, TAIL_HALVING_MAX_INTENSITY,
     _MODE_ROUTED_ONLY, _MODE_STREAM, _MODE_STREAM_PACKED, _PUBLISH_MODES, _STREAM_MODES,
@@ -71,50 +72,6 @@ class ChunkStats:
             "unrouted": int(self.unrouted.sum()),
             "bytes": int(self.bytes.sum()),
         }
-
-
-class BackendUnavailable(RuntimeError):
-    """backend 'cuda' where it cannot run: `missing` is "cuda-build" (the native library was
-    built without CUDA) or "gpu" (JAX's default backend, `platform`, is not a GPU)."""
-
-    def __init__(self, message: str, missing: str, platform: str):
-        super().__init__(message)
-        self.missing = missing
-        self.platform = platform
-
-
-def choose_backend(requested: str) -> str:
-    """The stream backend ("cpu" or "cuda") that `requested` ("auto", "cpu", "cuda") runs on:
-    auto is CUDA when JAX's default backend is a GPU and the native library has CUDA, else
-    cpu. The one choice of a backend (the NativeStreamer's and the CLI's).
-
-    Raises:
-        BackendUnavailable: "cuda" where it cannot run (a RuntimeError; the CLI words it as
-            its options).
-    """
-    platform = jax.default_backend()
-    if requested == "auto":
-        return "cuda" if platform == "gpu" and native.has_cuda() else "cpu"
-    if requested == "cuda":
-        if not native.has_cuda():
-            raise BackendUnavailable(
-                "backend='cuda' but strata_jax was built without CUDA support; install the "
-                "CUDA toolkit and reinstall (`pip install --no-build-isolation -e .`)",
-                "cuda-build", platform)
-        if platform != "gpu":
-            raise BackendUnavailable(
-                f"backend='cuda' but JAX's default backend is {platform!r}; install jax[cuda12] "
-                "or use backend='cpu'", "gpu", platform)
-    return requested
-
-
-def stream_platform(backend: str) -> str:
-    """The JAX platform ("cpu" or "gpu") a stream backend ("auto", "cpu", "cuda") runs on:
-    the simulated link's ring is host memory, the CUDA ring is on the GPU; "auto" is
-    decided as a NativeStreamer decides it."""
-    if backend == "auto":
-        backend = choose_backend(backend)
-    return "gpu" if backend == "cuda" else "cpu"
 
 
 class Closable:
@@ -779,14 +736,6 @@ def engine_options(config: ModelConfig, stream: StreamConfig, plan, fmt: ExpertF
     o.plane_offsets = [int(x) for x in fmt.offsets]
     o.plane_bytes = [int(p.nbytes) for p in fmt.planes]
     return o
-
-
-def device_ordinal(device: jax.Device) -> int:
-    """The ordinal XLA's FFI call context gives a call running on `device` (the handlers'
-    `DeviceOrdinal`): its local hardware id (the CUDA ordinal on a GPU), else its id."""
-    hw = getattr(device, "local_hardware_id", None)
-    return int(hw) if hw is not None else int(device.id)
-
 
 
 def _check_range(config: ModelConfig, expert_range) -> tuple[int, int]:
