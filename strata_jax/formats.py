@@ -149,7 +149,7 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
         return (q.astype(jnp.float32) * s).astype(dtype)
     if kind != "int4":
         raise ValueError(f"quantized matrix kind {kind!r}: expected one of ('fp8', 'int4')")
-    _check_int4_plane(q, shape, block)
+    check_int4_plane(q, shape, block)
     lead = q.shape[:-2]
     # [..., group, half, row of the half, column]: one elementwise fusion (shift, mask, product,
     # cast) with the group's scale broadcast, no concatenation of the halves.
@@ -166,7 +166,7 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
     return jnp.take_along_axis(w, inverse[..., :, None], axis=-2)
 
 
-def _check_int4_plane(q, shape: tuple[int, int], block: int) -> None:
+def check_int4_plane(q, shape: tuple[int, int], block: int) -> None:
     """A ValueError unless `q` is an int4 plane as the formats make it: uint8 [..., K/2, N],
     each group's values in two nibble halves (not GPTQ's int32 words)."""
     k, n = shape
@@ -558,7 +558,7 @@ class ExpertFormat:
 
     def matrix(self, planes: Mapping[str, jax.Array], matrix: str, dtype=None):
         """One matrix of a quantized format's planes as a `QuantizedMatrix` (not dequantized:
-        the grouped matmul reads it, `strata_jax.quant_matmul`)."""
+        the grouped matmul reads it, `strata_jax.kernels.grouped`)."""
         if self.kind == "plain":
             raise ValueError(f"{self.name} is a plain format: its planes are the weights")
         return QuantizedMatrix(planes[matrix], planes[f"{matrix}_scale"], self.kind, self.block,

@@ -204,7 +204,7 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
 
     Args:
         config: model config.
-        params: flat name -> array, names as in `strata_jax.model.param_shapes`.
+        params: flat name -> array, names as in `strata_jax.models.param_shapes`.
         tokens: int [T].
         experts: optional layer -> (gate, up, down) used when the expert params are not in `params`.
 

@@ -11,7 +11,7 @@ import statistics
 import numpy as np
 import pytest
 
-from strata_jax.benchmarks import plot, stream_bench
+from strata_jax.benchmarks import common, plot, stream_bench
 
 
 @pytest.mark.slow
@@ -242,7 +242,7 @@ def test_stream_bench_reads_quantized_experts_as_told(tmp_path, monkeypatch):
                               "--blocks", "1", "--quantize", "fp8", "--arms", "resident",
                               "--quantized-matmul", "fused", "--json", str(out)]) == 0
     assert seen and set(seen) == {"fused"}
-    # Off Hopper "fused" is the Triton kernel where it tiles the matrices; not the tiny ones.
+    # Off Hopper "fused" has no kernel: the experts are dequantized first.
     assert json.loads(out.read_text())["quantized_matmul"] == "dequantize"
     with pytest.raises(SystemExit):
         stream_bench.main(["--tiny", "--quantized-matmul", "mosaic"])
@@ -271,28 +271,28 @@ def test_stream_bench_probes_the_link_before_and_after_each_length(tmp_path, mon
 
 
 def test_schedule_repeats_order_and_pairs_stay_in_their_block():
-    assert stream_bench.schedule(1) == stream_bench.ORDER
-    two = stream_bench.schedule(2)
-    assert two == stream_bench.ORDER * 2
-    pairs = stream_bench._pairs(len(two))
+    assert common.schedule(1) == common.ORDER
+    two = common.schedule(2)
+    assert two == common.ORDER * 2
+    pairs = common._pairs(len(two))
     assert len(pairs) == 8
     for on, off in pairs:
         assert (two[on], two[off]) == ("routed", "stream-all")
         assert on // 8 == off // 8  # a pair never straddles two blocks
     # Times 1..16: each pair's OFF/ON ratio, from positions (1,0), (2,3), (4,5), (7,6) per block.
-    ratios, _, _ = stream_bench._pair_ratios(list(range(1, 17)))
+    ratios, _, _ = common._pair_ratios(list(range(1, 17)))
     assert ratios[:4] == [1 / 2, 4 / 3, 6 / 5, 7 / 8]
     assert ratios[4:] == [9 / 10, 12 / 11, 14 / 13, 15 / 16]
     with pytest.raises(ValueError, match="blocks=0"):
-        stream_bench.schedule(0)
+        common.schedule(0)
     with pytest.raises(SystemExit):
         stream_bench.main(["--tiny", "--blocks", "0"])
 
 
 def test_bootstrap_interval():
-    lo, hi = stream_bench.bootstrap_ci([1.0, 1.0, 1.0, 1.0])
+    lo, hi = common.bootstrap_ci([1.0, 1.0, 1.0, 1.0])
     assert lo == hi == 1.0
-    lo, hi = stream_bench.bootstrap_ci([1.1, 1.2, 1.3, 1.4])
+    lo, hi = common.bootstrap_ci([1.1, 1.2, 1.3, 1.4])
     assert 1.1 <= lo < hi <= 1.4
 
 

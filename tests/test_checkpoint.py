@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import struct
 
 import jax
@@ -129,6 +130,55 @@ def test_missing_files(tmp_path):
                                                                "MixtralForCausalLM")))
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_checkpoint(str(tmp_path), progress=False)
+
+
+# What an interrupted or failed download leaves in place of a shard (its whole bytes given),
+# and the words the refusal names it with.
+DAMAGED = {
+    "empty": (lambda data, header_end: b"", r"is empty \(0 bytes\)"),
+    "cut in its length": (lambda data, header_end: data[:5],
+                          r"is truncated: 5 bytes, cut inside the 8-byte length"),
+    "cut in its header": (lambda data, header_end: data[:header_end - 10],
+                          r"is truncated: cut inside its header"),
+    "cut in its data": (lambda data, header_end: data[:-3],
+                        r"is truncated: cut inside its data \(\d+ of the \d+ bytes"),
+    "bytes past its data": (lambda data, header_end: data + b"\0" * 4,
+                            r"is not a whole safetensors file: 4 bytes past"),
+    "an HTML page": (lambda data, header_end: b"<!DOCTYPE html><html>rate limited</html>",
+                     r"is not a safetensors file"),
+    "a header not JSON": (lambda data, header_end: struct.pack("<Q", 4) + b"{no}",
+                          r"is not a safetensors file \(its header is not"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_a_damaged_shard_is_named_with_the_way_out(qwen_dir, damage):
+    """A shard cut short, empty or not safetensors at all is a CheckpointError naming the file,
+    what is wrong with it and the way out, not safetensors' own "incomplete metadata"."""
+    path, c, tensors = qwen_dir
+    write_checkpoint(path, c, "qwen3-30b-a3b", tensors)
+    shard = path / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    cut, words = DAMAGED[damage]
+    shard.write_bytes(cut(data, 8 + struct.unpack("<Q", data[:8])[0]))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(str(path), progress=False)
+    message = str(e.value)
+    assert message.startswith(f"{shard} "), message
+    assert re.search(words, message), message
+    assert message.endswith("download it again (an interrupted or failed download leaves such "
+                            "a file)"), message
+    shard.write_bytes(data)  # whole again: it loads
+    assert load_checkpoint(str(path), progress=False).config.n_experts == c.n_experts
+
+
+def test_an_index_that_is_not_json_is_named(qwen_dir):
+    path, c, tensors = qwen_dir
+    write_checkpoint(path, c, "qwen3-30b-a3b", tensors)
+    (path / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is not a "
+                                              r"safetensors index"):
+        load_checkpoint(str(path), progress=False)
 
 
 def test_config_from_real_hf_keys():

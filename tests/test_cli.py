@@ -395,7 +395,7 @@ def test_demo_builds_its_three_arms(monkeypatch):
             return types.SimpleNamespace(logits=np.zeros(2), session=types.SimpleNamespace(
                 cache=np.zeros(2)), summary=lambda: "stand-in", chunks=[], mode="routed")
 
-    monkeypatch.setattr(strata_jax.engine, "Engine", Stand_in)
+    patch_cli(monkeypatch, "Engine", Stand_in)
     rc, out, err = run(["demo", "--scale", "tiny", "--depth", "4", "-q"])
     assert rc == 0, err
     assert "identical in every arm" in out
@@ -456,6 +456,34 @@ def _bad_checkpoints(tmp_path) -> dict[str, str]:
     return out
 
 
+def _broken_shards(tmp_path) -> dict[str, str]:
+    """Checkpoint folders with a good config.json and a safetensors file as an interrupted
+    download leaves it: empty, cut inside its header, cut inside its data (a shard of an
+    index)."""
+    from safetensors.numpy import save_file
+    from test_checkpoint import hf_config
+
+    good = json.dumps(hf_config(cli.model_config("qwen3-30b-a3b", "tiny"), "Qwen3MoeForCausalLM"))
+    whole = tmp_path / "whole.safetensors"
+    save_file({"model.embed_tokens.weight": np.ones((8, 4), np.float32)}, str(whole))
+    data = whole.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    shard = "model-00001-of-00001.safetensors"
+    out = {}
+    for name, cut, file in (("empty_shard", b"", "model.safetensors"),
+                            ("cut_in_header", data[:header_end // 2], "model.safetensors"),
+                            ("cut_in_data", data[:-7], shard)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(good)
+        (folder / file).write_bytes(cut)
+        if file == shard:
+            (folder / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
+        out[name] = str(folder)
+    return out
+
+
 def _bad_prompt_files(tmp_path):
     text = tmp_path / "bad.txt"
     text.write_text("1 2 three 4")
@@ -498,6 +526,14 @@ BAD = {
                                    ["config.json is not valid JSON"]),
     "checkpoint config a list": (["--checkpoint", "{a_list}"],
                                  ["config.json holds a list, not an object"]),
+    "empty safetensors file": (["--checkpoint", "{empty_shard}"],
+                               ["model.safetensors is empty (0 bytes)", "download it again"]),
+    "safetensors cut in its header": (["--checkpoint", "{cut_in_header}"],
+                                      ["model.safetensors is truncated: cut inside its header",
+                                       "download it again"]),
+    "safetensors cut in its data": (["--checkpoint", "{cut_in_data}"],
+                                    ["model-00001-of-00001.safetensors is truncated: cut inside "
+                                     "its data", "download it again"]),
     "missing profile": ([*MODEL, "--profile", "/nonexistent/p.prof"], ["profile", "does not exist"]),
     "scale with a checkpoint": (["--checkpoint", "/tmp", "--scale", "tiny"],
                                 ["--scale", "checkpoint's shapes are fixed"]),
@@ -513,6 +549,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
     text, oov, empty, npy = _bad_prompt_files(tmp_path)
     checkpoints = _bad_checkpoints(tmp_path)
     argv, words = BAD[case]
+    if any("_shard}" in a or "{cut_in_" in a for a in argv):
+        checkpoints.update(_broken_shards(tmp_path))
     argv = [a.format(text=text, oov=oov, empty=empty, npy=npy, **checkpoints) for a in argv]
     rc, out, err = run(["prefill", *argv])
     assert rc == 2, (case, err)
@@ -731,6 +769,44 @@ def test_as_a_program():
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [bad.stderr.strip()]
     assert "unknown preset 'nope'" in bad.stderr
+
+
+class _ClosedPipe(io.StringIO):
+    """A stdout whose reader has gone (`| head` done): every write and flush is EPIPE."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_stdout_ends_the_command_quietly():
+    err = io.StringIO()
+    with contextlib.redirect_stdout(_ClosedPipe()), contextlib.redirect_stderr(err):
+        rc = cli.main(["info", "--no-measure"])
+    assert rc == cli.EXIT_STDOUT_CLOSED == 141
+    assert err.getvalue() == ""  # no traceback, no error line: the reader asked for no more
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_reader_that_closes_early_gets_no_traceback():
+    """`strata-jax prefill ... | head -1`: the reader takes the first line and closes the pipe
+    while the prefill runs; the rest of the output meets the closed pipe and the command
+    ends quietly (exit 141, 128 + SIGPIPE), nothing on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "strata_jax", "prefill", *MODEL,
+                             "--tokens", "64", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        proc.stdout.close()  # before the summary: the header is flushed before any work
+        err = proc.stderr.read()
+        rc = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert first.startswith("model qwen3-30b-a3b-scaled"), first
+    assert rc == 141, err
+    assert err == "", err
 
 
 # ---- score --------------------------------------------------------------------------------------

@@ -182,7 +182,9 @@ def test_cli_quantize_reads_a_quantized_model():
                          "32", "--quantized-matmul", "fused"])
     assert rc == 0, err
     assert "expert" in out.splitlines()[0]
-    assert out.splitlines()[0].endswith("; experts read by the fused Triton kernel"), out
+    # Off Hopper "fused" has no kernel to take: the experts are dequantized first, and said so.
+    assert out.splitlines()[0].endswith(
+        "; experts dequantized a layer at a time before the matmuls"), out
     rc, out, err = _cli(["prefill", *MODEL, "--no-stream", "--tokens", "32"])
     assert rc == 0 and "experts read by" not in out and "dequantized" not in out
     fmt = ExpertFormat.make("int4", 64, 32, np.float32, block=32)
@@ -239,7 +241,7 @@ def test_tail_pieces_follow_the_kernel_that_reads_the_format(plain_params):
                 max_context=64, chunk_size=64) as eng:
         streamer = eng.streamer
         assert streamer.tuning.tail_from is None
-        for path, want in (("mosaic", [1, 4, 4, 4, 4]), ("triton", [1, 4, 4, 4, 4]),
+        for path, want in (("mosaic", [1, 4, 4, 4, 4]),
                            ("dequantize", [1, 1, 1, 1, 4])):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(stream_module, "resolve_format", lambda *_, path=path: path)

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import ml_dtypes  # also registers bfloat16 with NumPy so safe_open can return BF16 tensors
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from strata_jax.models.hf_config import CheckpointError
 
@@ -49,31 +49,103 @@ def st_read(f, start: int, info: Mapping) -> np.ndarray:
 # `scales` [in / group, out], already [in, out], and with zero-points `qzeros` [in / group,
 
 
+_REFETCH = "download it again (an interrupted or failed download leaves such a file)"
+_MAX_HEADER = 100_000_000  # the largest header safetensors reads
+
+
+def check_file(path: str) -> None:
+    """CheckpointError naming `path` and what is wrong unless it is a whole safetensors file:
+    the 8-byte length of its header, a JSON header of that length, then exactly the data its
+    tensors' offsets cover. Reads the header only.
+
+    Empty, cut inside its header, cut inside its data (or longer than its tensors), or not a
+    safetensors file at all: each is refused with the way out (download the file again), where
+    safe_open would raise SafetensorError ("incomplete metadata", "header too small")."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(9)
+            n = struct.unpack("<Q", prefix[:8])[0] if size >= 8 else 0
+            raw = f.read(n - 1) if size >= 8 and 0 < n <= size - 8 else b""
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    if size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes), not a safetensors file; {_REFETCH}")
+    if size < 8:
+        raise CheckpointError(f"{path} is truncated: {size} bytes, cut inside the 8-byte length "
+                              f"that starts a safetensors file; {_REFETCH}")
+    if n == 0 or n > size - 8:
+        # A header's JSON that starts (or a file that ends right after its length), of a size
+        # safetensors allows (100 MB): cut inside the header; else not safetensors at all.
+        if n <= _MAX_HEADER and prefix[8:9] in (b"{", b""):
+            raise CheckpointError(f"{path} is truncated: cut inside its header ({size - 8} of "
+                                  f"its {n} header bytes present); {_REFETCH}")
+        raise CheckpointError(f"{path} is not a safetensors file (its first 8 bytes give a "
+                              f"header of {n} bytes in a file of {size}); {_REFETCH}")
+    try:
+        header = json.loads(prefix[8:9] + raw)
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+        end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                   if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise CheckpointError(f"{path} is not a safetensors file (its header is not the JSON "
+                              f"object of tensors safetensors writes: {e}); {_REFETCH}") from None
+    expected = 8 + n + end
+    if size < expected:
+        raise CheckpointError(f"{path} is truncated: cut inside its data ({size} of the "
+                              f"{expected} bytes its header describes); {_REFETCH}")
+    if size > expected:
+        raise CheckpointError(f"{path} is not a whole safetensors file: {size - expected} bytes "
+                              f"past the {expected} its header describes; {_REFETCH}")
+
+
+def shard_files(directory: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (the index's shards, else
+    model.safetensors), each checked whole (`check_file`); CheckpointError where one is
+    missing or broken, or the index cannot be read."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except OSError as e:
+            raise CheckpointError(f"cannot read {index}: {e.strerror or e}") from None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index (a JSON object with a "
+                                  f"'weight_map' of tensor names to files: {e!r}); download "
+                                  "it again") from None
+    elif os.path.exists(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(
+            f"{directory}: neither model.safetensors.index.json nor model.safetensors exists")
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"shard {path} listed in the index does not exist")
+        check_file(path)
+    return files
+
+
 class Tensors:
     """Name -> tensor over the shards of a safetensors directory (mmap via safe_open)."""
 
     def __init__(self, directory: str):
-        index = os.path.join(directory, "model.safetensors.index.json")
-        single = os.path.join(directory, "model.safetensors")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.exists(single):
-            weight_map = None
-        else:
-            raise CheckpointError(
-                f"{directory}: neither model.safetensors.index.json nor model.safetensors exists")
+        files = shard_files(directory)
         self._directory = directory
         self._handles = {}
         self._headers: dict[str, tuple[int, dict]] = {}  # path -> _st_header, read when needed
         self._where: dict[str, str] = {}
         self._taken: set[str] = set()
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         for name in files:
             path = os.path.join(directory, name)
-            if not os.path.exists(path):
-                raise CheckpointError(f"shard {path} listed in the index does not exist")
-            handle = safe_open(path, framework="numpy")
+            try:
+                handle = safe_open(path, framework="numpy")
+            except SafetensorError as e:  # what check_file does not catch, still one line
+                raise CheckpointError(f"{path}: safetensors cannot open it ({e}); "
+                                      f"{_REFETCH}") from None
             self._handles[name] = handle
             for key in handle.keys():
                 self._where[key] = name

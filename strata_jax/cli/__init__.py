@@ -12,11 +12,12 @@ exit codes):
   info      cmd_info            demo      cmd_demo
   score     cmd_score
 
-The memory estimates themselves are strata_jax/memory.py's (memory_plan is re-exported here).
+The memory estimates themselves are strata_jax/engine/memory.py's (memory_plan is re-exported here).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -46,8 +47,38 @@ _COMMANDS = {"demo": cmd_demo, "prefill": cmd_prefill, "score": cmd_score,
              "profile": cmd_profile, "info": cmd_info}
 
 
+# Exit code when the reader of stdout closed it early (`strata-jax prefill ... | head -2`): 128 +
+# SIGPIPE, what a shell reports for a program the signal ended (as 130 is 128 + SIGINT).
+EXIT_STDOUT_CLOSED = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit code (see options.DESCRIPTION)."""
+    """Runs the command line; returns the exit code (see options.DESCRIPTION). A reader that
+    closes stdout early (`| head`) ends the command quietly: no traceback, exit code 141."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that closed early shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_STDOUT_CLOSED
+
+
+def _stdout_to_devnull() -> None:
+    """Points stdout's file descriptor at /dev/null, so what Python still flushes at exit
+    goes nowhere instead of raising BrokenPipeError again (Python's documented way: the
+    signal module's "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout with no descriptor (io.StringIO)
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["demo", *argv]

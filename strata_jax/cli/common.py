@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from strata_jax import native
 from strata_jax.checkpoint import CheckpointError, config_from_hf, load_checkpoint
+from strata_jax.checkpoint.safetensors import shard_files
 from strata_jax.devices import HostMemoryError, gib, host_memory, size
 from strata_jax.engine import Engine, memory
 from strata_jax.formats import QUANTIZE_CHOICES, quantized_config
@@ -255,7 +256,11 @@ class _Model:
         try:
             with open(path) as f:
                 hf = json.load(f)
-            return config_from_hf(hf, param_dtype=self.shape["dtype"])
+            config = config_from_hf(hf, param_dtype=self.shape["dtype"])
+            # The weights' files, each whole, before anything is printed: an empty or cut shard
+            # is bad input (one line), not a safetensors traceback once the header is out.
+            shard_files(self.checkpoint)
+            return config
         except OSError as e:
             raise UsageError(f"checkpoint {self.checkpoint!r}: cannot read config.json ({e})") from None
         except KeyError as e:

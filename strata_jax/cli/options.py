@@ -42,7 +42,8 @@ shape options (`--layers`, `--experts`, `--top-k`, `--hidden`, `--expert-width`,
 safetensors directory instead (its shapes are fixed).
 
 Exit codes: 0 done; 1 a run that failed (the demo's arms differ, an error in the engine);
-2 bad input (one line on stderr naming the problem and the way out); 130 interrupted.
+2 bad input (one line on stderr naming the problem and the way out); 130 interrupted; 141 stdout
+closed by its reader before the output ended (`| head`; quietly, no traceback).
 Progress bars and log lines go to stderr, so `--json` leaves exactly one JSON object on stdout.
 """
 

@@ -169,12 +169,11 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
 
 
 _QUANTIZED_PATHS = {"mosaic": "read by the fused Mosaic GPU kernel",
-                    "triton": "read by the fused Triton kernel",
                     "dequantize": "dequantized a layer at a time before the matmuls"}
 
 
 def _quantized_path(args, config, backend: str, device) -> str | None:
-    """The kernel quantized experts are read with (`quant_matmul.resolve_format` of
+    """The kernel quantized experts are read with (`kernels.quantized.resolve_format` of
     --quantized-matmul on the device the expert math runs on); None for a plain format."""
 
     return resolve_format(args.quantized_matmul, ExpertFormat.of(config),

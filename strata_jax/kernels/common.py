@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from strata_jax.formats import _check_int4_plane
+from strata_jax.formats import check_int4_plane
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
 
@@ -71,7 +71,7 @@ def check_operands(name: str, x: jax.Array, w, group_sizes: jax.Array) -> tuple[
     if group_sizes.shape != (e,):
         raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({e},)")
     if w.kind == "int4":
-        _check_int4_plane(w.q, w.shape, w.block)
+        check_int4_plane(w.q, w.shape, w.block)
     return m, k, n
 
 

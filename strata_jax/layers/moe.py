@@ -138,7 +138,7 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
 
     Gate's and up's inputs are gathered from x: x[rows] once, or for an act-order matrix
     (int4 with `perm`) its own rows with their columns in its stored order, in the same
-    gather (`quant_matmul.in_stored_order` with `rows`), so that no [M, H] copy is read
+    gather (`kernels.quantized.in_stored_order` with `rows`), so that no [M, H] copy is read
     again to reorder it.
     """
     mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized)

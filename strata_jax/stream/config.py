@@ -95,7 +95,7 @@ class StreamTuning:
             `tail_pieces` pieces. None (the default): `TAIL_FROM_TILED` (8,192) where the
             expert math pays per-expert tiles per piece (bf16 experts),
             `TAIL_FROM_VISITS` (1,024) where a kernel visits only the experts with rows (the
-            quantized Mosaic and Triton kernels: a piece costs its boundary tiles), and
+            quantized Mosaic kernels: a piece costs its boundary tiles), and
             `TAIL_FROM_DEQUANTIZED` (16,384) for quantized experts dequantized first, where
             each piece dequantizes the whole layer again.
         stream_floor: With the routed switch on (`StreamConfig.routed`), chunks shorter than

@@ -647,8 +647,8 @@ class NativeStreamer(Closable):
         tokens (its bucket; StreamTuning.tail_pieces): 1 for routed-only or short chunks.
         `grouped_matmul`, `quantized`: the model's `Kernels`, which decide what a piece costs.
 
-        A kernel that visits only the experts with rows (the quantized Mosaic and Triton
-        kernels, `quant_matmul.resolve_format`) costs a piece its boundary tiles: pieces from
+        A kernel that visits only the experts with rows (the quantized Mosaic
+        kernels, `kernels.quantized.resolve_format`) costs a piece its boundary tiles: pieces from
         `tail_from` tokens, by default 1,024 (`TAIL_FROM_VISITS`). A quantized format
         dequantized first dequantizes the whole layer again in every piece: pieces from
         16,384 tokens (`TAIL_FROM_DEQUANTIZED`). The bf16 grouped matmul pays per-expert tiles
@@ -662,7 +662,7 @@ class NativeStreamer(Closable):
             return 1
         pieces = self.tuning.tail_pieces
         path = resolve_format(quantized, self.format, self.jax_device)  # None: plain
-        visits = path in ("mosaic", "triton")
+        visits = path == "mosaic"
         floor = self.tuning.tail_from
         if floor is None:
             floor = (TAIL_FROM_VISITS if visits else
