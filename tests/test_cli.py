@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -408,6 +409,32 @@ def test_demo_builds_its_three_arms(monkeypatch):
     assert (routed.routed, routed.depth, routed.backend) == (True, 4, "cpu")
 
 
+def test_the_demos_routed_arm_skips_unrouted_experts():
+    """`strata-jax demo` as a user first runs it: the routed arm skips some of the experts no
+    token routes to (on the CPU the simulated link is paced at LINK_TO_COMPUTE times the
+    compute, timed on the resident arm: a faster link had every copy issued before its
+    layer's routing landed, "skipped 0 of 274 unrouted"), stream-all skips none, and every
+    arm gives the same bits."""
+    rc, out, err = run(["-q"])
+    assert rc == 0, err
+    lines = out.splitlines()
+
+    def counts(arm: str) -> tuple[int, int, int]:
+        line = next(line for line in lines if line.startswith(f"{arm:>10}: "))
+        found = re.search(r"copied (\d+), skipped (\d+) of (\d+) unrouted", line)
+        assert found, line
+        return tuple(int(g) for g in found.groups())
+
+    _, skipped, unrouted = counts("routed")
+    assert 0 < skipped <= unrouted, lines
+    assert counts("stream-all")[1] == 0
+    assert "identical in every arm" in lines[-1]
+    if "backend cpu" in lines[0]:
+        assert "(simulated link: set from the resident arm's compute)" in lines[0]
+        link = next(line for line in lines if "simulated link" in line and "GB/s" in line)
+        assert f"take {cli.demo.LINK_TO_COMPUTE:g}x its compute" in link, link
+
+
 @pytest.mark.slow
 def test_demo_says_what_its_numbers_depend_on():
     # A chunk of stream_floor (1024) tokens streams, so the routed arm's skips depend on when
@@ -532,8 +559,8 @@ BAD = {
                                       ["model.safetensors is truncated: cut inside its header",
                                        "download it again"]),
     "safetensors cut in its data": (["--checkpoint", "{cut_in_data}"],
-                                    ["model-00001-of-00001.safetensors is truncated: cut inside "
-                                     "its data", "download it again"]),
+                                    [("model-00001-of-00001.safetensors is truncated: cut inside "
+                                      "its data"), "download it again"]),
     "missing profile": ([*MODEL, "--profile", "/nonexistent/p.prof"], ["profile", "does not exist"]),
     "scale with a checkpoint": (["--checkpoint", "/tmp", "--scale", "tiny"],
                                 ["--scale", "checkpoint's shapes are fixed"]),

@@ -85,7 +85,7 @@ def check_file(path: str) -> None:
     try:
         header = json.loads(prefix[8:9] + raw)
         if not isinstance(header, dict):
-            raise ValueError("not an object")
+            raise TypeError(f"a JSON {type(header).__name__}, not an object")
         end = max((int(v["data_offsets"][1]) for k, v in header.items()
                    if k != "__metadata__"), default=0)
     except (ValueError, TypeError, KeyError, IndexError) as e:
