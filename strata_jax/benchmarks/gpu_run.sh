@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|timeline|chunked|score|all][,...]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|timeline|chunked|score|hashes|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
 # files (default tests/), TEST_K: a pytest -k expression over them, TEST_DONE: ids to leave
 # out, TEST_WORKERS: pytest-xdist workers sharing the GPU (below); SKIP_BUILD=1
@@ -110,6 +110,13 @@ fi
 if [ "$STAGE" = score ]; then  # Engine.score against prefill of the same prompt, per arm
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.score_bench ${SCORE_ARGS:-} \
     --json "$OUT/score_${NAME:-run}.json" 2>&1 | tee "$OUT/score_${NAME:-run}.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [ "$STAGE" = hashes ]; then  # every arm's output hashes (output_hashes), to compare with a
+  # run of another commit: HASH_ARGS picks cases and dtype
+  timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.output_hashes --backend cuda \
+    ${HASH_ARGS:---dtype bfloat16} --json "$OUT/hashes_${NAME:-run}.json" 2>&1 \
+    | tee "$OUT/hashes_${NAME:-run}.log" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 done
