@@ -213,10 +213,10 @@ def test_stream_bench_resident_ab_interleaves_the_plain_and_quantized_reads(tmp_
                               "resident-ab", "--quantize", "fp8", "--blocks", "1",
                               "--json", str(out)]) == 0
     (row,) = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "resident-ab"]
-    assert seen == ["plain" if s == "stream-all" else "fp8" for s in stream_bench.ORDER]
+    assert seen == ["plain" if s == "stream-all" else "fp8" for s in common.ORDER]
     t = row["times_ms"]
     assert row["pair_ratios"] == pytest.approx([t[on] / t[off] for on, off in
-                                                stream_bench.PAIRS])
+                                                common.PAIRS])
     assert row["plain_ms"] == pytest.approx(statistics.median(t[i] for i in (0, 3, 5, 6)))
     assert row["quantized_ms"] == pytest.approx(statistics.median(t[i] for i in (1, 2, 4, 7)))
     lo, hi = row["pair_ratio_ci95"]

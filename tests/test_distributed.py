@@ -35,7 +35,7 @@ if mode == "process":
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=rank, initialization_timeout=120)
 import numpy as np
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import Engine
 from strata_jax.synthetic import init_synthetic
 cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidden_size=32,

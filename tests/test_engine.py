@@ -345,7 +345,7 @@ def test_devices_of_a_two_device_host():
 
     code = """
 import jax, numpy as np
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import Engine
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic

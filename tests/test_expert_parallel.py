@@ -168,7 +168,7 @@ _SETUP = """
     import json
     import jax, numpy as np
     from strata_jax import parallel
-    from strata_jax.config import get_preset
+    from strata_jax.models import get_preset
     from strata_jax.engine import Engine
     from strata_jax.reference import reference_forward
     from strata_jax.synthetic import init_synthetic

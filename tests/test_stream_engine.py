@@ -513,7 +513,7 @@ def test_engines_made_alike_one_after_another_make_the_same_program():
 _INTERRUPT_SCRIPT = r"""
 import sys
 import numpy as np
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.experts import ExpertWeights
 from strata_jax.stream import StreamConfig, StreamTuning
@@ -837,7 +837,7 @@ _FORK_SCRIPT = r"""
 import os, sys, warnings
 import numpy as np
 warnings.simplefilter("ignore")  # JAX warns that fork() and its threads do not mix
-from strata_jax.config import get_preset
+from strata_jax.models import get_preset
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.experts import ExpertWeights
 from strata_jax.stream import StreamConfig, StreamTuning
@@ -1095,7 +1095,7 @@ def test_plan_stream_imports_without_the_native_library():
         "from strata_jax import native\n"
         "try:\n    native.module()\nexcept ImportError:\n    pass\n"
         "else:\n    raise SystemExit('the native library loaded')\n"
-        "from strata_jax.config import get_preset\n"
+        "from strata_jax.models import get_preset\n"
         "from strata_jax.stream import StreamConfig, plan_stream\n"
         "cfg = get_preset('qwen3-next-80b-a3b')\n"  # the full model: no weights needed
         "p = plan_stream(cfg, StreamConfig(resident_budget_gib=20))\n"
