@@ -38,7 +38,7 @@ from strata_jax.experts import ExpertWeights
 from strata_jax.formats import ExpertFormat
 from strata_jax.kernels import Kernels
 from strata_jax.kernels.quantized import resolve_format
-from strata_jax.models import KVCache, build_model, expert_plane_names, validate_inputs
+from strata_jax.models import build_model, expert_plane_names, init_cache, validate_inputs
 from strata_jax.parallel import (EXPERT_AXIS, ExpertParallel, replicated, set_parallel,
                                  shard_map, state_shardings)
 from strata_jax.profile import ExpertProfile
@@ -302,11 +302,8 @@ class Engine:
 
     # -- the compiled call ----------------------------------------------------------------------
 
-    def _zeros(self) -> KVCache:
-        c = self.config
-        shape = (self.capacity, c.n_kv_heads, c.head_dim)
-        return KVCache(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)),
-                       tuple(jnp.zeros(shape, c.dtype) for _ in range(c.n_layers)))
+    def _zeros(self):
+        return init_cache(self.config, self.capacity, slack=self.capacity - self.max_context)
 
     def _prefill_fn(self, state_leaves, resident, ids, cache, *, first: bool, mode: int,
                     sub: int, width: int, rows: int = 0, score: bool = False):
@@ -317,7 +314,7 @@ class Engine:
             and its number of real tokens (`_chunk_ids`); with `score`, [bucket + 3]: the token
             after the chunk's last (its last row's target) between the two. None with a
             stream, whose begin_chunk hands the chunk its staged ids (`_stage_ids`).
-        cache: the session's KVCache, or None with `first` (zeros made here, not by a dispatch
+        cache: the session's cache, or None with `first` (zeros made here, not by a dispatch
             of their own before the chunk).
 
         Returns (logits, cache, info): info is int32, end_chunk's stats [L, 2] (none without a
@@ -404,7 +401,7 @@ class Engine:
         take numpy."""
         self.streamer.stage_ids(np.concatenate(ids), reset=reset)
 
-    def _dispatch(self, piece: np.ndarray, bucket: int, cache: KVCache | None, start: int, *,
+    def _dispatch(self, piece: np.ndarray, bucket: int, cache, start: int, *,
                   mode: int, sub: int, prestart: bool = False, staged: bool = False,
                   rows: int = 0, next_token: int | None = None):
         """Queues one compiled call on `piece` padded to `bucket` tokens (returns at once).
@@ -489,7 +486,7 @@ class Engine:
     def reset_profile(self) -> None:
         self._profile = ExpertProfile.empty(self.config)
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self):
         """A zero KV cache of the engine's capacity (max_context plus the padding slack)."""
         return self._zero_cache()
 

@@ -28,7 +28,7 @@ import numpy as np
 from strata_jax.config import ModelConfig
 from strata_jax.devices import size
 from strata_jax.layers.attention import attention_bytes, attention_path
-from strata_jax.models import param_shapes
+from strata_jax.models import cache_bytes, param_shapes
 from strata_jax.parallel import expert_slices
 from strata_jax.stream import StreamConfig, plan_stream
 
@@ -51,9 +51,9 @@ TOKEN_ID_BYTES = 16
 
 
 def kv_cache_bytes(config: ModelConfig, capacity: int) -> int:
-    """Bytes of one KV cache (keys and values of every layer) of `capacity` positions."""
-    c = config
-    return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
+    """Bytes of one cache of the model (keys and values of every layer, for the decoder stack)
+    of `capacity` positions (`models.cache_bytes`)."""
+    return cache_bytes(config, capacity)
 
 
 def expert_bytes(config: ModelConfig, tokens: int) -> int:

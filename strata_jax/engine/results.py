@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Any
 
 import jax
 import numpy as np
 
 from strata_jax.engine.memory import MIN_BUCKET
-from strata_jax.models import KVCache
 from strata_jax.parallel import device_rows
 from strata_jax.stream import ChunkStats
 
@@ -51,16 +51,16 @@ class Session:
     0..position-1 are meaningful (`valid_cache`).
     """
 
-    cache: KVCache
+    cache: Any  # the model's cache (`models.init_cache`; a KVCache for the decoder stack)
     position: int
     engine_uid: int
     model_name: str
 
-    def valid_cache(self) -> KVCache:
-        """The cache's valid positions only: per layer [position, KVH, D]."""
+    def valid_cache(self):
+        """The cache's valid positions only (its `valid(position)`; the decoder stack's: per
+        layer [position, KVH, D])."""
         p = self.position
-        return KVCache(tuple(k[:p] for k in self.cache.keys),
-                       tuple(v[:p] for v in self.cache.values))
+        return self.cache.valid(p)
 
     def kv_sha256(self) -> str:
         """SHA-256 of the valid positions' keys then values, layer by layer."""

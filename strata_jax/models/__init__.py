@@ -10,13 +10,12 @@ Adding a family is a module here and a line in `FAMILIES`.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Callable, Mapping
 
 from strata_jax.config import ModelConfig
-from strata_jax.models import mixtral, olmoe, qwen3_moe, stand_ins
-from strata_jax.models.decoder import (KVCache, MoETransformer, abstract_model, build_model,
-                                       cache_shapes, expert_param_names, expert_plane_names,
-                                       forward, init_cache, param_shapes, validate_inputs)
+from strata_jax.models import decoder, mixtral, olmoe, qwen3_moe, stand_ins
+from strata_jax.models.decoder import KVCache, MoETransformer, forward
 from strata_jax.models.hf_config import (IGNORED_FIELDS, NO_EFFECT, QUANT_FIELDS,
                                          CheckpointError, Family, HFFields, quant_fields_markdown,
                                          quantization)
@@ -24,9 +23,9 @@ from strata_jax.models.hf_config import (IGNORED_FIELDS, NO_EFFECT, QUANT_FIELDS
 __all__ = [
     "FAMILIES", "PRESETS", "get_preset", "family_of", "config_from_hf", "fields_markdown",
     "quant_fields_markdown", "FIELDS", "IGNORED_FIELDS", "QUANT_FIELDS", "CheckpointError",
-    "Family", "KVCache", "MoETransformer", "abstract_model", "build_model", "cache_shapes",
-    "expert_param_names", "expert_plane_names", "forward", "init_cache", "param_shapes",
-    "validate_inputs",
+    "Family", "KVCache", "MoETransformer", "abstract_model", "build_model", "cache_bytes",
+    "cache_shapes", "expert_param_names", "expert_plane_names", "forward", "init_cache",
+    "model_module", "param_shapes", "validate_inputs",
 ]
 
 FAMILIES: dict[str, Family] = {
@@ -40,6 +39,67 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     **olmoe.FAMILY.presets,
     "deepseek-v3": stand_ins.PRESETS["deepseek-v3"],
 }
+
+# The module that builds a config's model, by config type. Every family today composes the shared
+# decoder stack; a family whose blocks hold other state (a recurrent state, a latent cache) adds
+# its config subclass and its module here, with the functions below, and the engine reads it
+# through them without naming it. A cache type has `valid(position)` (what a session keeps).
+MODELS: dict[type, ModuleType] = {ModelConfig: decoder}
+
+
+def model_module(config: ModelConfig) -> ModuleType:
+    """The module that builds `config`'s model (`MODELS`, by the config's type)."""
+    for cls in type(config).__mro__:
+        if cls in MODELS:
+            return MODELS[cls]
+    raise TypeError(f"no model is registered for {type(config).__name__} (strata_jax.models."
+                    "MODELS)")
+
+
+def build_model(config: ModelConfig, params, **kwargs):
+    """The model of `config` from flat arrays (`decoder.build_model` for the decoder stack)."""
+    return model_module(config).build_model(config, params, **kwargs)
+
+
+def abstract_model(config: ModelConfig, **kwargs):
+    """The model with `jax.ShapeDtypeStruct` leaves: allocates nothing."""
+    return model_module(config).abstract_model(config, **kwargs)
+
+
+def param_shapes(config: ModelConfig, **kwargs):
+    """Flat parameter names to shape/dtype, in model order."""
+    return model_module(config).param_shapes(config, **kwargs)
+
+
+def init_cache(config: ModelConfig, capacity: int, dtype=None, *, slack: int = 0):
+    """A zero cache of `capacity` positions (`slack` of them past max_seq_len allowed)."""
+    return model_module(config).init_cache(config, capacity, dtype, slack=slack)
+
+
+def cache_shapes(config: ModelConfig, capacity: int):
+    """The cache of `capacity` positions as `jax.ShapeDtypeStruct`s."""
+    return model_module(config).cache_shapes(config, capacity)
+
+
+def cache_bytes(config: ModelConfig, capacity: int) -> int:
+    """Bytes of one cache of `capacity` positions."""
+    return model_module(config).cache_bytes(config, capacity)
+
+
+def validate_inputs(config: ModelConfig, tokens, cache_capacity: int, start: int):
+    """A chunk's token ids checked on the host, before any device work (int32 numpy [T])."""
+    return model_module(config).validate_inputs(config, tokens, cache_capacity, start)
+
+
+def expert_plane_names(config: ModelConfig, layer: int) -> dict[str, str]:
+    """Plane name -> flat parameter name of layer `layer`'s routed experts, in blob order."""
+    return model_module(config).expert_plane_names(config, layer)
+
+
+def expert_param_names(config: ModelConfig, layer: int):
+    """Flat names of layer `layer`'s routed experts (gate, up, down) in the plain format."""
+    return model_module(config).expert_param_names(config, layer)
+
 
 # Field -> architecture -> how the loader treats it, over every family (docs/CHECKPOINTS.md).
 FIELDS: dict[str, dict[str, str]] = {}

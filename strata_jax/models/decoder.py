@@ -50,14 +50,22 @@ class KVCache(NamedTuple):
         """Positions the cache can hold."""
         return self.keys[0].shape[0]
 
+    def valid(self, position: int) -> "KVCache":
+        """The cache's first `position` positions: what a session holds (past them lie the
+        padded writes' slack)."""
+        return KVCache(tuple(k[:position] for k in self.keys),
+                       tuple(v[:position] for v in self.values))
 
-def init_cache(config: ModelConfig, capacity: int, dtype=None) -> KVCache:
+
+def init_cache(config: ModelConfig, capacity: int, dtype=None, *, slack: int = 0) -> KVCache:
     """Returns a zero KV cache of `capacity` positions in the parameter dtype (or `dtype`).
 
+    slack: positions allowed past `config.max_seq_len`, where an engine's padded writes land.
+
     Raises:
-        ValueError: capacity is not positive or exceeds `config.max_seq_len`.
+        ValueError: capacity is not positive or exceeds `config.max_seq_len` + `slack`.
     """
-    if not 0 < capacity <= config.max_seq_len:
+    if not 0 < capacity <= config.max_seq_len + slack:
         raise ValueError(
             f"cache capacity {capacity} must be within 1..max_seq_len={config.max_seq_len}")
     dtype = dtype or config.dtype
@@ -70,6 +78,12 @@ def cache_shapes(config: ModelConfig, capacity: int) -> KVCache:
     """`KVCache` of `jax.ShapeDtypeStruct`s, for `jax.eval_shape` (allocates nothing)."""
     spec = jax.ShapeDtypeStruct((capacity, config.n_kv_heads, config.head_dim), config.dtype)
     return KVCache((spec,) * config.n_layers, (spec,) * config.n_layers)
+
+
+def cache_bytes(config: ModelConfig, capacity: int) -> int:
+    """Bytes of one KV cache (keys and values of every layer) of `capacity` positions."""
+    c = config
+    return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
 
 
 def score_block_rows(vocab_size: int, rows: int) -> int:
