@@ -122,7 +122,7 @@ class ModelConfig:
         attention_bias: The q, k, v and o projections add a bias (Hugging Face
             `attention_bias`: Qwen3-MoE, OLMoE); q/k biases come before the q/k norm.
         rope_theta: RoPE base.
-        rope_scaling: Context-extension scaling of the RoPE frequencies (`strata_jax.rope`:
+        rope_scaling: Context-extension scaling of the RoPE frequencies (`strata_jax.layers.rope`:
             linear, dynamic, yarn); None: plain RoPE.
         sliding_window: Sliding-window attention: a query at position q sees the keys at
             positions q - sliding_window < k <= q (itself and the sliding_window - 1 before it;

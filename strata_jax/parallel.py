@@ -317,7 +317,7 @@ def state_shardings(state, config, mesh: Mesh, *, axis: str = EXPERT_AXIS):
 
 class ShardedExperts:
     """A layer's expert planes (read by plane name: `weights.LazyExperts` or a dict of [E, ...]
-    arrays) put on the mesh one plane at a time as `model.build_model` reads them, split along
+    arrays) put on the mesh one plane at a time as `models.build_model` reads them, split along
     the expert axis: no device holds more than its slice."""
 
     def __init__(self, planes, mesh: Mesh, axis: str = EXPERT_AXIS):

@@ -368,7 +368,7 @@ def init_synthetic(config: ModelConfig, seed: int = 0, routing_skew: float = 0.0
             progress bar; full-size presets take minutes). The weights do not depend on it.
 
     Returns:
-        flat name -> NumPy array in the parameter dtype (names as in `model.param_shapes`; the
+        flat name -> NumPy array in the parameter dtype (names as in `models.param_shapes`; the
         DeepSeek selection bias stays float32).
     """
     params = SyntheticParams(config, seed, routing_skew)

@@ -271,7 +271,7 @@ def write_hf_checkpoint(path, c, preset, tensors, *, shards=2, **fields):
 
 def read_in_chunks(model, tokens, bounds, cache):
     """Yields (lo, hi, logits) of `model` reading `tokens` in the chunks [lo, hi) of consecutive
-    `bounds` (`model.forward`: the first from position 0, the others over the cache the ones
+    `bounds` (`models.forward`: the first from position 0, the others over the cache the ones
     before filled)."""
 
     for lo, hi in itertools.pairwise(bounds):

@@ -60,7 +60,7 @@ class LazyExperts:
     and not kept here.
 
     Reads as an ExpertWeights does (`.gate`, `.up`, `.down`), or by plane (`lazy["gate_scale"]`;
-    `model.build_model` puts each on the device as it comes), and fills a host store's views
+    `models.build_model` puts each on the device as it comes), and fills a host store's views
     (`fill`). `on_taken` is called once, when every plane has been read or filled (a progress
     count).
     """
@@ -180,7 +180,7 @@ class QuantizedParams(Mapping):
     `params` holds the weights of `config` with plain experts (a bf16 checkpoint, synthetic
     weights); this mapping serves the same names for `config` itself, whose `expert_format`
     is quantized: each MoE layer's `<matrix>` and `<matrix>_scale` planes
-    (`model.expert_plane_names`) are `ExpertFormat.quantize_matrix_np` of the plain
+    (`models.expert_plane_names`) are `ExpertFormat.quantize_matrix_np` of the plain
     `<matrix>` tensor (round to nearest), made when either is asked for; the other plane is
     kept until asked for, then dropped. Every other tensor passes through. Where `params`
     repeats its experts (`SyntheticParams(tile=t)`: expert e is expert e % t), only the first

@@ -42,7 +42,7 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
     """A checkpoint's routed experts, read from its safetensors files when asked for.
 
     name -> tensor in the model's layout, one per plane of the config's expert format
-    (`model.expert_plane_names`): plain, "layers.3.mlp.gate": [E, H, I], "...up": [E, H, I],
+    (`models.expert_plane_names`): plain, "layers.3.mlp.gate": [E, H, I], "...up": [E, H, I],
     "...down": [E, I, H] in the parameter dtype; fp8 (`ModelConfig.expert_format`), each matrix
     in float8_e4m3fn and "...gate_scale" etc. float32 [E, ceil(in/b), ceil(out/b)] (the
     checkpoint's `weight` and `weight_scale_inv`, transposed); int4, GPTQ's `qweight` int32

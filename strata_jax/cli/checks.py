@@ -1,7 +1,7 @@
 """The refusals before any work: the resident and ring budgets (`_check_budget`,
 `_check_stream_budget`: prefill, profile and info refuse the same ones in the same words) and
-the memory plan of a prefill (`_check_plan`: the estimates of strata_jax/engine/memory.py against the
-memory of the device it will run on), each a UsageError.
+the memory plan of a prefill (`_check_plan`: the estimates of strata_jax/engine/memory.py
+against the memory of the device it will run on), each a UsageError.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def model_config(preset: str, scale: str | None = None, *, layers: int | None = 
     """The ModelConfig the command line describes: a preset, scaled, with fields overridden.
 
     Args:
-        preset: preset name (config.PRESETS).
+        preset: preset name (models.PRESETS).
         scale: None or "full" keeps the preset's shapes; "small" / "tiny" scale it down
             (SCALES) with ModelConfig.scaled().
         layers: MoE layers; a preset's dense layers stay in front (one of them when scaled).

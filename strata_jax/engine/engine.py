@@ -61,7 +61,7 @@ class Engine:
 
     Args:
         config: Model config.
-        params: Flat name -> array (see `model.param_shapes`), experts
+        params: Flat name -> array (see `models.param_shapes`), experts
             included (synthetic.init_synthetic or a checkpoint's arrays); host
             numpy arrays are fine: streamed experts stay in host memory. A mapping that
             makes each tensor when asked for (`synthetic.SyntheticParams`) is read one
@@ -260,7 +260,7 @@ class Engine:
         """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
         `capacity` positions: the hidden states (input, residual, normalised, [T, H] each), the
         q/k/v projections and attention output in float32 and the parameter dtype, the chunk's
-        attention on the path it runs (`attention.attention_bytes`), the router's logits and
+        attention on the path it runs (`layers.attention.attention_bytes`), the router's logits and
         routing, and the experts' sorted inputs and outputs ([T*k, H]) with their gate/up
         activations ([T*k, I], float32 and the parameter dtype). A streamed engine's fetch adds
         one layer's expert weights (the packed ring's outputs), and a quantized expert format
@@ -500,7 +500,7 @@ class Engine:
     def layer_major_bytes(self, n_tokens: int, expert_rows: int | None = None) -> int:
         """Estimated activation bytes of a layer-major read of `n_tokens` tokens whose router
         and experts run on `expert_rows` rows at a time (default one sub-chunk):
-        `memory.layer_major_bytes` on this engine's shapes and device."""
+        `engine.memory.layer_major_bytes` on this engine's shapes and device."""
         p, s = self.layer_major_shape(n_tokens)
         return layer_major_bytes(self.config, p, s, self.capacity,
                                  s if expert_rows is None else int(expert_rows),

@@ -69,7 +69,7 @@ def expert_bytes(config: ModelConfig, tokens: int) -> int:
 
 def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *, first: bool,
                             platform: str = "cpu", attention: str = "auto") -> int:
-    """Working memory of one chunk's attention (`attention.attention_bytes`) on the path
+    """Working memory of one chunk's attention (`layers.attention.attention_bytes`) on the path
     `attention_path` takes for `queries` tokens: over their own keys (`first`) or over a cache
     of `capacity` positions, with the `attention` path requested (`Kernels.attention`). The
     most of any layer's: layers with a sliding window (`ModelConfig.window_of`) run other
@@ -118,7 +118,7 @@ def layer_major_bytes(config: ModelConfig, padded: int, sub_chunk: int, capacity
         attention block and the normalised router input (3 x [P, H] in the parameter dtype),
         the routing (ids and weights, [P, k] int32 + float32) and positions;
       one sub-chunk's attention against the cache on the path it runs
-        (`attention.attention_bytes`: fused, no [N, S, C] scores; XLA, scores and
+        (`layers.attention.attention_bytes`: fused, no [N, S, C] scores; XLA, scores and
         probabilities; blocked, one key block's);
       one router/expert call's rows R: the router's logits and scores ([R, E] float32),
         the experts' sorted inputs and outputs ([R*k, H]) and the gate/up activations

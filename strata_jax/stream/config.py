@@ -85,7 +85,7 @@ class StreamTuning:
             bf16 grouped matmul each piece costs its per-expert tiles again, hence a floor on
             the length, and with the Mosaic kernel at most one piece per `n_experts` row tiles
             (128 rows) of the chunk (`NativeStreamer.tail_pieces`).
-        tail_shape: The pieces' sizes (`grouped_matmul.row_pieces`): "halving" (each piece
+        tail_shape: The pieces' sizes (`kernels.grouped.row_pieces`): "halving" (each piece
             half the one before, the last two equal, so 1/2, 1/4, 1/8, 1/8 of the rows in
             four), which leaves less math after the last copy where each piece's math keeps
             up with the next piece's copies; "equal"; or "auto" (the default): halving where a
