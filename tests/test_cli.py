@@ -372,7 +372,6 @@ def test_demo_builds_its_three_arms(monkeypatch):
     engines are stand-ins (the slow tests above run them)."""
     import types
 
-    import strata_jax.engine
     from strata_jax.stream import plan_stream
 
     made = []

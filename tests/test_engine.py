@@ -20,13 +20,7 @@ import numpy as np
 import pytest
 
 from strata_jax.models import get_preset
-from strata_jax.engine import (
-    Engine,
-    ScoreResult,
-    Session,
-    compile_buckets,
-    sha256_of,
-)
+from strata_jax.engine import Engine, ScoreResult, Session, compile_buckets, sha256_of
 from strata_jax.kernels import Kernels
 from strata_jax.models import build_model, forward, init_cache
 from strata_jax.profile import ExpertProfile

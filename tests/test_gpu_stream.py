@@ -449,7 +449,6 @@ def test_cuda_blocked_attention_matches_xla():
     import jax.numpy as jnp
     import ml_dtypes
 
-    from strata_jax.models import decoder as M
     from strata_jax.layers import attention
 
     from strata_jax.testing import assert_close

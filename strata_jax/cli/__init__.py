@@ -24,14 +24,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from strata_jax.cli.common import (
-    SCALES,
-    UsageError,
-    _Log,
-    model_config,
-    random_prompt,
-    read_prompt_file,
-)
+from strata_jax.cli.common import (SCALES, UsageError, _Log, model_config, random_prompt,
+                                   read_prompt_file)
 from strata_jax.cli.demo import cmd_demo
 from strata_jax.cli.info import cmd_info
 from strata_jax.cli.options import PROG, build_parser

@@ -8,14 +8,8 @@ import sys
 import time
 
 from strata_jax.cli.checks import _check_plan
-from strata_jax.cli.common import (
-    UsageError,
-    _context,
-    _Log,
-    _Model,
-    _resolve_backend,
-    random_prompt,
-)
+from strata_jax.cli.common import (UsageError, _context, _Log, _Model, _resolve_backend,
+                                   random_prompt)
 from strata_jax.cli.prefill import _skip_note
 from strata_jax.engine import Engine, sha256_of
 from strata_jax.kernels import Kernels

@@ -12,20 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from strata_jax.cli.checks import _check_budget, _check_plan
-from strata_jax.cli.common import (
-    UsageError,
-    _backends,
-    _context,
-    _jsonable,
-    _load_profile,
-    _Log,
-    _make_engine,
-    _Model,
-    _read_prompts,
-    _stream_config,
-    _stream_device,
-    random_prompt,
-)
+from strata_jax.cli.common import (UsageError, _backends, _context, _jsonable, _load_profile, _Log,
+                                   _make_engine, _Model, _read_prompts, _stream_config,
+                                   _stream_device, random_prompt)
 from strata_jax.formats import ExpertFormat
 from strata_jax.kernels.quantized import resolve_format
 

@@ -11,17 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from strata_jax.cli.checks import _check_budget, _check_plan
-from strata_jax.cli.common import (
-    UsageError,
-    _backends,
-    _context,
-    _load_profile,
-    _Log,
-    _make_engine,
-    _Model,
-    _read_prompts,
-    _stream_config,
-)
+from strata_jax.cli.common import (UsageError, _backends, _context, _load_profile, _Log,
+                                   _make_engine, _Model, _read_prompts, _stream_config)
 from strata_jax.profile import ExpertProfile
 
 

@@ -5,14 +5,8 @@ layer-major), what it returns (`Session`, `PrefillResult`, `ScoreResult`), the m
 
 from strata_jax.engine.engine import ORDERS, Engine
 from strata_jax.engine.memory import MIN_BUCKET
-from strata_jax.engine.results import (
-                                       ChunkRecord,
-                                       PrefillResult,
-                                       ScoreResult,
-                                       Session,
-                                       compile_buckets,
-                                       sha256_of,
-)
+from strata_jax.engine.results import (ChunkRecord, PrefillResult, ScoreResult, Session,
+                                       compile_buckets, sha256_of)
 
 __all__ = ["Engine", "Session", "PrefillResult", "ScoreResult", "ChunkRecord", "ORDERS",
            "MIN_BUCKET", "compile_buckets", "sha256_of"]

@@ -12,13 +12,7 @@ import numpy as np
 
 from strata_jax.config import ModelConfig
 from strata_jax.formats import ExpertWeights
-from strata_jax.parallel import (
-    EXPERT_AXIS,
-    ShardedExperts,
-    check_mesh,
-    expert_mesh,
-    replicated,
-)
+from strata_jax.parallel import EXPERT_AXIS, ShardedExperts, check_mesh, expert_mesh, replicated
 from strata_jax.stream import stream_platform
 from strata_jax.stream.group import group_devices
 from strata_jax.weights import LazyExperts
