@@ -137,3 +137,25 @@ def test_doc_length(doc, limit):
 
 def test_license_ships():
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+# The package's public names before the layout moved (every one must keep importing).
+PUBLIC = ("PRESETS", "ModelConfig", "get_preset", "ExpertSource", "ExpertWeights",
+          "ResidentExperts", "pack_expert_blobs", "unpack_expert_blobs", "KVCache",
+          "MoETransformer", "build_model", "forward", "init_cache", "SKEW_40_PERCENT_512_TOP10",
+          "init_synthetic", "SyntheticParams", "Engine", "StreamConfig", "StreamTuning", "Session",
+          "ExpertProfile", "Kernels")
+
+
+def test_public_names_keep_working():
+    import strata_jax
+
+    for name in PUBLIC:
+        assert name in strata_jax.__all__, name
+        assert getattr(strata_jax, name) is not None, name
+    text = subprocess.run([sys.executable, "-c", "import pydoc, strata_jax; print(pydoc.render_doc("
+                           "strata_jax, renderer=pydoc.plaintext))"],
+                          capture_output=True, text=True, timeout=120).stdout
+    for name in ("Engine", "StreamConfig", "Session"):  # help(strata_jax) shows them
+        assert f"\n    {name}" in text or f" {name} = " in text or f"class {name}" in text, name
+    assert "strata_jax - strata_jax" not in text  # the name line does not repeat itself
