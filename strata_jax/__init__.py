@@ -12,6 +12,7 @@ The main names:
     load_checkpoint (strata_jax.checkpoint)       Hugging Face safetensors checkpoints
     SyntheticParams, init_synthetic               synthetic weights with controlled routing
     ExpertProfile                                 routing counts, for choosing residents
+    Tokenizer (strata_jax.text)                   a checkpoint's tokenizer.json: text in and out
 
 Importing the package loads no native code: the stream and the engine load the native library
 on first use (`strata_jax.native`).
@@ -28,6 +29,7 @@ from strata_jax.models import (PRESETS, KVCache, MoETransformer, build_model, fo
 from strata_jax.profile import ExpertProfile
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams, init_synthetic
+from strata_jax.text import Tokenizer
 
 __all__ = [
     "__version__",
@@ -35,5 +37,5 @@ __all__ = [
     "ModelConfig", "PRESETS", "get_preset", "Kernels", "ExpertProfile", "ExpertSource",
     "ExpertWeights", "ResidentExperts", "pack_expert_blobs", "unpack_expert_blobs", "KVCache",
     "MoETransformer", "build_model", "forward", "init_cache", "SKEW_40_PERCENT_512_TOP10",
-    "init_synthetic", "SyntheticParams",
+    "init_synthetic", "SyntheticParams", "Tokenizer",
 ]

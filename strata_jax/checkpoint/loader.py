@@ -23,6 +23,7 @@ never holds them twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -38,6 +39,7 @@ from strata_jax.formats import INT4_ZERO
 from strata_jax.layers.rope import rope_frequencies
 from strata_jax.models import build_model, config_from_hf, family_of
 from strata_jax.models.hf_config import FP8, CheckpointError, Quant, quantization
+from strata_jax.text import Tokenizer, tokenizer_path
 
 
 @dataclasses.dataclass
@@ -48,11 +50,21 @@ class LoadedCheckpoint:
         config: model config derived from config.json.
         params: flat name -> NumPy array for every non-expert parameter (model layout).
         experts: the routed experts, read from the files when used (`CheckpointExperts`).
+        directory: where it was read from.
+        tokenizer: the directory's tokenizer.json bound to the model's vocabulary (a
+            `strata_jax.Tokenizer`, read when first asked for: `text.TokenizerError` naming
+            the file where it cannot be read), None where the directory has none.
     """
 
     config: ModelConfig
     params: dict[str, np.ndarray]
     experts: CheckpointExperts
+    directory: str | None = None
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        path = tokenizer_path(self.directory) if self.directory is not None else None
+        return None if path is None else Tokenizer.from_file(path, self.config.vocab_size)
 
     def build_model(self, *, resident_experts: bool = True):
         """The model with non-expert params on the device, and experts too when resident."""
@@ -169,7 +181,7 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
             files.update(expert_files(tensors, quant, c, family.tensors, layer))
     tensors.check_all_taken()
     return LoadedCheckpoint(config, params, CheckpointExperts(
-        config, family.tensors, files, quant.zero_offset if quant is not None else 0))
+        config, family.tensors, files, quant.zero_offset if quant is not None else 0), directory)
 
 
 def load_model(directory: str, *, resident_experts: bool = True, param_dtype: str | None = None,

@@ -28,6 +28,7 @@ from strata_jax.profile import ExpertProfile
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.stream.backend import BackendUnavailable, choose_backend
 from strata_jax.synthetic import SKEW_40_PERCENT_512_TOP10, SyntheticParams
+from strata_jax.text import Tokenizer, TokenizerError, tokenizer_path
 from strata_jax.weights import LazyExperts, QuantizedParams
 
 # Scaled-down sizes, applied with ModelConfig.scaled(); fields given on the command line
@@ -168,7 +169,8 @@ def read_prompt_file(path: str) -> np.ndarray:
             except ValueError:
                 raise UsageError(
                     f"prompt file {path!r}: {w[:20]!r} (item {i}) is not an integer token id; "
-                    "expected whitespace- or comma-separated integers, or a .npy file") from None
+                    "expected whitespace- or comma-separated integers, or a .npy file (prefill "
+                    "and score read a file of text with --prompt-format text)") from None
         tokens = np.asarray(values, np.int64)
     if tokens.size == 0:
         raise UsageError(f"prompt file {path!r} holds no token ids")
@@ -270,6 +272,28 @@ class _Model:
                              f"({e})") from None
         except (CheckpointError, ValueError) as e:
             raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
+
+    def tokenizer(self, text: str | None = None) -> Tokenizer | None:
+        """The checkpoint's tokenizer.json (None without one, or where it cannot be read:
+        `tokenizer_error` says why). `text` names what gives text ("--prompt"): then the
+        tokenizer is required (UsageError, one line, saying to pass ids)."""
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer, self.tokenizer_error = None, None
+            path = tokenizer_path(self.checkpoint) if self.checkpoint else None
+            try:
+                self._tokenizer = path and Tokenizer.from_file(path, self.config.vocab_size)
+            except TokenizerError as e:
+                self.tokenizer_error = str(e)
+        if text is not None and self._tokenizer is None:
+            ids = "pass token ids instead (--prompt-file FILE of ids, or --tokens N)"
+            if self.tokenizer_error:
+                raise UsageError(f"{text}: {self.tokenizer_error}; {ids}")
+            if not self.checkpoint:
+                raise UsageError(f"{text} needs a tokenizer, and a --preset model (synthetic "
+                                 f"weights) has none; {ids}")
+            raise UsageError(f"{text}: checkpoint {self.checkpoint!r} has no tokenizer.json to "
+                             f"encode it with; {ids}")
+        return self._tokenizer
 
     @property
     def scaled(self) -> bool:
@@ -456,10 +480,42 @@ def _devices(args, device) -> list:
 # ---- prompts, profile, stream, engine -----------------------------------------------------------
 
 
+def _text_prompt(args, model: _Model) -> tuple[np.ndarray, str]:
+    """The prompt given as text (--prompt TEXT, or --prompt-file F with --prompt-format text),
+    encoded by the checkpoint's tokenizer.json."""
+    path = args.prompt_file
+    if path is None and args.prompt is None:
+        raise UsageError("--prompt-format text applies to --prompt-file FILE (--prompt TEXT is "
+                         "text already)")
+    if path is not None and path.endswith(".npy"):
+        raise UsageError(f"prompt file {path!r} is a .npy array of token ids; drop "
+                         "--prompt-format text")
+    tokenizer = model.tokenizer("--prompt" if path is None else "--prompt-format text")
+    text, where = args.prompt, "--prompt"
+    if path is not None:
+        where = path
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"prompt file {path!r} cannot be read as UTF-8 text: {e}") from None
+    try:
+        tokens = tokenizer.encode(text).astype(np.int64)
+    except TokenizerError as e:
+        raise UsageError(f"{where}: {e}") from None
+    if tokens.size == 0:
+        raise UsageError(f"{where}: the text encodes to no tokens; give some text")
+    return tokens, (f"{tokens.size} tokens of text from {where} ({len(text)} characters, "
+                    f"{tokenizer.path})")
+
+
 def _read_prompts(args, model: _Model, *, many: bool) -> list[tuple[np.ndarray, str]]:
     vocab = model.config.vocab_size
     out = []
     files = args.prompt_file
+    if not many and (getattr(args, "prompt", None) is not None
+                     or getattr(args, "prompt_format", "ids") == "text"):
+        return [_text_prompt(args, model)]
     if files:
         for path in (files if many else [files]):
             tokens = read_prompt_file(path)

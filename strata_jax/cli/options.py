@@ -161,7 +161,7 @@ def _scale_text(name: str) -> str:
 
 
 def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: bool = True,
-                    many: bool = False, follow_up: bool = False) -> None:
+                    many: bool = False, follow_up: bool = False, text: bool = False) -> None:
     g = p.add_argument_group("prompts" if many else "prompt")
     if many:
         g.add_argument("--prompts", type=_positive_int, default=8, metavar="K",
@@ -174,7 +174,15 @@ def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: b
     if files:
         src.add_argument("--prompt-file", metavar="FILE", action="append" if many else "store",
                          help="token ids: whitespace- or comma-separated integers, or a 1-D "
-                              "integer .npy array" + (" (repeat for several prompts)" if many else ""))
+                              "integer .npy array" + (" (repeat for several prompts)" if many else
+                                                      "; text with --prompt-format text"))
+    if text:
+        src.add_argument("--prompt", metavar="TEXT",
+                         help="the prompt as text, encoded by the checkpoint's tokenizer.json "
+                              "(a --preset model has no tokenizer: give ids)")
+        g.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                       help="what --prompt-file holds: ids (as above) or text (UTF-8, encoded "
+                            "by the checkpoint's tokenizer.json)")
     g.add_argument("--max-context", type=_positive_int, metavar="N",
                    help="KV cache capacity in tokens (default: what "
                         + ("the longest prompt needs" if many else
@@ -362,9 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
             prompt_ms includes compiling them), plus arm, backend, model, compilations (the
             engine's, in all), depth (the routed stream's, as it ran: --depth, else
             STRATA_PREFILL_ROUTED_STREAM_DEPTH, else 16, clamped to 1..256; null when the routed
-            switch is off), and follow_up (the same keys for the second turn) with --follow-up."""))
+            switch is off), next_tokens (the 5 most likely tokens after the prompt: id, logprob,
+            text: null without a tokenizer.json), and follow_up (the same keys for the second
+            turn) with --follow-up."""))
     _model_options(pre, required=True)
-    _prompt_options(pre, tokens_default=1024, follow_up=True)
+    _prompt_options(pre, tokens_default=1024, follow_up=True, text=True)
     _stream_options(pre)
     _output_options(pre, json_help="print exactly one JSON object on stdout (keys below)")
 
@@ -383,9 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
             compilations, depth) plus scored, sum_logprob, mean_nll, perplexity,
             top1_accuracy, logprobs_sha256, logprobs (one float per scored token: entry i is
             log p(token i+1 | tokens 0..i)) and top1 (one token id per scored token: the most
-            likely token i+1 given tokens 0..i)."""))
+            likely token i+1 given tokens 0..i), next_tokens (as prefill's) and costliest (the
+            5 scored tokens of highest negative log-likelihood: position, id, nll, text)."""))
     _model_options(score, required=True)
-    _prompt_options(score, tokens_default=1024)
+    _prompt_options(score, tokens_default=1024, text=True)
     _stream_options(score)
     _output_options(score, json_help="print exactly one JSON object on stdout (keys below)")
     next(g for g in score._action_groups if g.title == "output").add_argument(

@@ -117,6 +117,7 @@ class _Read:
     max_context: int
     depth: int | None  # what runs (--depth, else the environment's, else 16; clamped)
     quantized: str | None  # the kernel quantized experts are read with (None: plain)
+    tokenizer: object = None  # the checkpoint's Tokenizer, None without one
 
 
 def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
@@ -124,8 +125,11 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
     made, prints the header unless --json, and returns it."""
     model = _Model(args)
     model.require()
-    # A prompt file is read now; a random prompt is drawn once the plan is known to fit.
-    files = _read_prompts(args, model, many=False) if args.prompt_file else None
+    # A prompt file or text is read now; a random prompt is drawn once the plan is known to fit.
+    given = args.prompt_file or args.prompt is not None or args.prompt_format == "text"
+    files = _read_prompts(args, model, many=False) if given else None
+    if model.tokenizer() is None and model.tokenizer_error:
+        _Log(args.quiet)(f"warning: {model.tokenizer_error}; tokens are shown as ids only")
     prompt = int(files[0][0].size) if files else args.tokens
     if scoring and prompt < 2:
         raise UsageError(f"a prompt of {prompt} token has nothing to score (each token is "
@@ -154,7 +158,8 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
                   + (", residents chosen from it" if (args.resident_gib or args.resident_per_layer)
                      else ""))
         print(f"prompt: {prompt_text}", flush=True)
-    return _Read(model, tokens, stream, backend, device, max_context, depth, path)
+    return _Read(model, tokens, stream, backend, device, max_context, depth, path,
+                 model.tokenizer())
 
 
 _QUANTIZED_PATHS = {"mosaic": "read by the fused Mosaic GPU kernel",
@@ -174,6 +179,31 @@ def _engine(args, read: _Read, log: _Log):
     cfg, params, experts = read.model.weights(log)
     return cfg, _make_engine(args, cfg, params, experts, read.stream, read.max_context, log,
                              read.device, read.model.weights_desc)
+
+
+def _shown(ids, tokenizer) -> list[str]:
+    """Each token id, with its text beside it where a tokenizer is known."""
+    ids = [int(i) for i in ids]
+    if tokenizer is None:
+        return [str(i) for i in ids]
+    return [f"{i} {piece!r}" for i, piece in zip(ids, tokenizer.pieces(ids))]
+
+
+def next_tokens(result, tokenizer, k: int = 5) -> list[dict]:
+    """The k most likely tokens after the prompt (its last position's logits): id, logprob and
+    text (where a tokenizer is known)."""
+    logits = np.asarray(result.logits, np.float64).reshape(-1)
+    logp = logits - logits.max()
+    logp -= np.log(np.exp(logp).sum())
+    top = np.argsort(-logp, kind="stable")[:k]
+    texts = tokenizer.pieces(top) if tokenizer is not None else [None] * len(top)
+    return [{"id": int(i), "logprob": float(logp[i]), "text": t} for i, t in zip(top, texts)]
+
+
+def _print_next(tops: list[dict], tokenizer) -> None:
+    print("next tokens: " + ", ".join(
+        f"{s} (p {np.exp(t['logprob']):.3f})"
+        for s, t in zip(_shown([t["id"] for t in tops], tokenizer), tops)))
 
 
 def _run_fields(args, read: _Read, engine) -> dict:
@@ -205,6 +235,7 @@ def cmd_prefill(args, log: _Log) -> int:
         first = _prefill(engine, read.tokens, None, log, "prefill")
         out = _jsonable(first.to_dict())
         out["compiled"] = int(engine.compilations) - before  # programs compiled by this call
+        out["next_tokens"] = next_tokens(first, read.tokenizer)
         follow = None
         if args.follow_up:
             more = random_prompt(cfg.vocab_size, args.follow_up, args.seed, 1)
@@ -229,6 +260,7 @@ def cmd_prefill(args, log: _Log) -> int:
                 f"{d}: copied {t['copied']}, skipped {t['skipped']} of {t['unrouted']} "
                 f"unrouted" for d, t in enumerate(per["streamed"])))
     print(f"logits sha256 {out['logits_sha256'][:16]}..., kv sha256 {out['kv_sha256'][:16]}...")
+    _print_next(out["next_tokens"], read.tokenizer)
     if follow is not None:
         print(f"follow-up: {follow.summary()}")
         note = _compiled_note(out["follow_up"]["compiled"])

@@ -8,8 +8,22 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from strata_jax.cli.common import UsageError, _jsonable, _Log
-from strata_jax.cli.prefill import _engine, _prepare, _print_notes, _run_fields
+from strata_jax.cli.prefill import (_engine, _prepare, _print_next, _print_notes, _run_fields,
+                                    _shown, next_tokens)
+
+
+def costliest(result, tokens, tokenizer, k: int = 5) -> list[dict]:
+    """The k scored tokens of highest negative log-likelihood, costliest first: position (in
+    the prompt), id, nll (nats) and text (where a tokenizer is known)."""
+    nll = -np.asarray(result.logprobs, np.float64)
+    worst = np.argsort(-nll, kind="stable")[:k]
+    ids = np.asarray(tokens)[worst + 1]
+    texts = tokenizer.pieces(ids) if tokenizer is not None else [None] * len(ids)
+    return [{"position": int(i) + 1, "id": int(t), "nll": float(nll[i]), "text": x}
+            for i, t, x in zip(worst, ids, texts)]
 
 
 def cmd_score(args, log: _Log) -> int:
@@ -24,6 +38,8 @@ def cmd_score(args, log: _Log) -> int:
                 raise UsageError(str(e).splitlines()[0]) from None
         out = _jsonable(result.to_dict())
         out["compiled"] = int(engine.compilations) - before  # programs compiled by this call
+        out["next_tokens"] = next_tokens(result, read.tokenizer)
+        out["costliest"] = costliest(result, read.tokens, read.tokenizer)
         out.update(_run_fields(args, read, engine))
 
     if args.json:
@@ -35,6 +51,11 @@ def cmd_score(args, log: _Log) -> int:
           f"(perplexity {result.perplexity:.6g}); top-1 {result.top1_hits} of {result.scored}")
     print(f"logprobs sha256 {out['logprobs_sha256'][:16]}..., kv sha256 "
           f"{out['kv_sha256'][:16]}...")
+    worst = out["costliest"]
+    print("costliest tokens: " + ", ".join(
+        f"position {c['position']}: {s} (NLL {c['nll']:.3f})"
+        for s, c in zip(_shown([c["id"] for c in worst], read.tokenizer), worst)))
+    _print_next(out["next_tokens"], read.tokenizer)
     if args.logprobs:
         print("logprobs (token i+1 given tokens 0..i): "
               + " ".join(f"{x:.4f}" for x in result.logprobs))

@@ -44,6 +44,7 @@ from strata_jax.parallel import (EXPERT_AXIS, ExpertParallel, replicated, set_pa
 from strata_jax.profile import ExpertProfile
 from strata_jax.stream import (_STREAM_MODES, NativeStreamer, StreamConfig, StreamedExperts,
                                StreamerGroup, stream_platform)
+from strata_jax.text import Tokenizer, model_tokenizer, prompt_ids
 from strata_jax.weights import LazyExperts, ParamsView
 
 __all__ = ["Engine", "Session", "PrefillResult", "ScoreResult", "ChunkRecord",
@@ -52,8 +53,6 @@ __all__ = ["Engine", "Session", "PrefillResult", "ScoreResult", "ChunkRecord",
 ORDERS = ("chunk-major", "layer-major")
 
 _engine_ids = itertools.count(1)
-
-
 
 
 class Engine:
@@ -102,6 +101,7 @@ class Engine:
             devices"). With a `stream`, each device streams its slice through its own native
             engine (`StreamerGroup`: its residents, ring and link; the budgets per device)
             and each chunk runs under `shard_map`. None: one device.
+        tokenizer: A `strata_jax.Tokenizer`: `prefill` and `score` then take text (a str).
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -112,7 +112,7 @@ class Engine:
                  layer_major_limit_bytes: int | None = None,
                  device: "jax.Device | str | None" = None,
                  progress: Callable[[int, int], object] | None = None,
-                 kernels: Kernels | None = None, mesh=None):
+                 kernels: Kernels | None = None, mesh=None, tokenizer: Tokenizer | None = None):
         if kernels is not None and not isinstance(kernels, Kernels):
             raise TypeError(f"kernels must be a strata_jax.Kernels, got {type(kernels).__name__}")
         self.kernels = kernels if kernels is not None else Kernels()
@@ -131,6 +131,7 @@ class Engine:
         if layer_major_limit_bytes is not None and layer_major_limit_bytes < 0:
             raise ValueError(f"layer_major_limit_bytes={layer_major_limit_bytes}: must be >= 0")
         self.config = config
+        self.tokenizer = model_tokenizer(tokenizer, config.vocab_size)
         self.max_context = int(max_context)
         self.order = order
         self.layer_major_limit_bytes = layer_major_limit_bytes
@@ -531,7 +532,7 @@ class Engine:
         """Reads `tokens` (after the session's positions, if any).
 
         Args:
-            tokens: int token ids [T] of the new text only.
+            tokens: int token ids [T] of the new text only, or a str (with a `tokenizer`).
             session: A Session from an earlier prefill of this engine, or None.
             order: "chunk-major" or "layer-major"; None: the engine's default
                 (`Engine(order=...)`).
@@ -554,6 +555,7 @@ class Engine:
             RuntimeError: called from inside this engine's own prefill (its `progress`), or
                 after `close()`.
             ValueError: chunk_size outside 1..the engine's chunk_size.
+            TypeError: a str prompt and no `tokenizer`.
 
         An engine reads one prompt at a time: a prefill called from another thread meanwhile
         waits for this one to end (the stream's chunk protocol runs in one order, and a
@@ -610,6 +612,7 @@ class Engine:
 
     def _prefill(self, tokens, session, order, progress, sync_chunks, chunk,
                  score: bool = False) -> PrefillResult:
+        tokens = prompt_ids(tokens, self.tokenizer)  # TypeError: text without a tokenizer
         order = self.order if order is None else order
         if chunk is None:
             chunk, buckets = self.chunk_size, self.buckets
