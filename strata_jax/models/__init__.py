@@ -102,10 +102,10 @@ def expert_param_names(config: ModelConfig, layer: int):
 
 
 # Field -> architecture -> how the loader treats it, over every family (docs/CHECKPOINTS.md).
-FIELDS: dict[str, dict[str, str]] = {}
-for _family in FAMILIES.values():
-    for _field, _status in _family.fields.items():
-        FIELDS.setdefault(_field, {})[_family.architecture] = _status
+FIELDS: dict[str, dict[str, str]] = {
+    field: {f.architecture: f.fields[field] for f in FAMILIES.values() if field in f.fields}
+    for field in dict.fromkeys(k for f in FAMILIES.values() for k in f.fields)
+}
 
 
 def get_preset(name: str) -> ModelConfig:
