@@ -399,8 +399,7 @@ class ModelConfig:
         types = (None if self.layer_types is None else
                  tuple(self.layer_types[(i + 1) * self.n_layers // depth - 1]
                        for i in range(depth)))
-        return dataclasses.replace(
-            self,
+        return dataclasses.replace(self, **self._scaled_fields(
             name=f"{self.name}-scaled",
             n_layers=depth,
             n_dense_layers=min(dense, depth),
@@ -419,4 +418,8 @@ class ModelConfig:
             vocab_size=vocab_size or 512,
             max_seq_len=max_seq_len or min(self.max_seq_len, 4096),
             param_dtype=param_dtype or self.param_dtype,
-        )
+        ))
+
+    def _scaled_fields(self, **fields) -> dict:
+        """`scaled`'s new field values; a subclass adds its own fields' (made to match)."""
+        return fields

@@ -63,6 +63,14 @@ def _from_normals(config: ModelConfig, leaf: str, z: np.ndarray) -> np.ndarray:
         return 0.02 * z
     if leaf == "weight":  # norms: near one so a wrong norm weight shows up in tests
         return 1.0 + 0.1 * z
+    if leaf == "centred_weight":  # zero-centred norms: the scale is 1 + this
+        return 0.1 * z
+    if leaf == "A_log":  # Gated DeltaNet decay rates A in about [1, 16] (log stored)
+        return np.log(1.0 + 15.0 / (1.0 + np.exp(-z)))
+    if leaf == "dt_bias":
+        return 0.5 * z
+    if leaf == "conv":  # taps [K, C]: fan-in K
+        return z / np.sqrt(z.shape[0])
     if leaf == "embed":
         return z
     if leaf in ("q_bias", "k_bias", "v_bias", "o_bias"):  # attention biases

@@ -6,6 +6,7 @@ the device (`CheckpointExperts`), and the checks of each MoE layer's expert tens
 
 from __future__ import annotations
 
+import re
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -81,7 +82,7 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
         expert: `<module>.<suffix>` (plain: `weight`, [out, in]: gate and up [I, H], down
         [H, I])."""
         hf = dict(zip(ExpertWeights._fields, arch.expert_names))[field]
-        base = f"model.layers.{layer}.{arch.moe_prefix}.experts."
+        base = f"{arch.layer(layer)}{arch.moe_prefix}.experts."
         return [f"{base}{e}.{hf}.{suffix}" for e in range(config.n_experts)]
 
     def _shape(self, plane: str) -> tuple[int, ...]:
@@ -222,12 +223,16 @@ def _gptq_shapes(quant: Quant, module: str, k: int, n: int) -> dict[str, tuple[i
             "qzeros": (k // g, n // INT4_PER_WORD), "g_idx": (k,)}
 
 
+_WITHIN_LAYER = re.compile(r"(?:.*\.)?layers\.\d+\.(.*)")
+
+
 def _gptq_quantized(tensors: Tensors, quant: Quant, module: str) -> bool:
     """Whether GPTQ linear `module` is quantized: it has a `qweight` (else a `weight`),
     cross-checked against modules_in_block_to_quantize where config.json gives it."""
     has = tensors.has(f"{module}.qweight")
-    if quant.in_block is not None and module.startswith("model.layers."):
-        rel = module.split(".", 3)[3]  # the name within the layer: "self_attn.q_proj"
+    within = _WITHIN_LAYER.match(module)
+    if quant.in_block is not None and within:
+        rel = within.group(1)  # the name within the layer: "self_attn.q_proj"
         if (rel in quant.in_block) != has:
             said = "names" if rel in quant.in_block else "does not name"
             raise CheckpointError(

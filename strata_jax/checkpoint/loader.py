@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -51,6 +52,8 @@ class LoadedCheckpoint:
         params: flat name -> NumPy array for every non-expert parameter (model layout).
         experts: the routed experts, read from the files when used (`CheckpointExperts`).
         directory: where it was read from.
+        skipped: tensor name prefix -> (tensors skipped, why) of the parts of the checkpoint
+            the model does not use (`Family.skipped`: a vision tower, multi-token prediction).
         tokenizer: the directory's tokenizer.json bound to the model's vocabulary (a
             `strata_jax.Tokenizer`, read when first asked for: `text.TokenizerError` naming
             the file where it cannot be read), None where the directory has none.
@@ -60,6 +63,7 @@ class LoadedCheckpoint:
     params: dict[str, np.ndarray]
     experts: CheckpointExperts
     directory: str | None = None
+    skipped: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer | None:
@@ -84,7 +88,8 @@ def _check_tied_head(tensors: Tensors, embed: np.ndarray, c: ModelConfig) -> Non
 def _check_rope_buffers(tensors: Tensors, c: ModelConfig) -> None:
     """Rotary frequency buffers some checkpoints carry (`...rotary_emb.inv_freq`) must match
     the frequencies config.json gives (the model computes its own)."""
-    inv_freq = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)[0]
+    rotated = getattr(c, "rotary_dim", 0) or c.head_dim  # a partial rotary config's part
+    inv_freq = rope_frequencies(rotated, c.rope_theta, c.rope_scaling)[0]
     for name in tensors.names():
         if name.endswith("rotary_emb.inv_freq"):
             saved = tensors.get(name, inv_freq.shape).astype(np.float64)
@@ -158,10 +163,10 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
         value = value.T if transpose else value
         return np.ascontiguousarray(value.astype(dtype, copy=False))
 
-    c = config
+    c, prefix = config, family.tensors.model_prefix
     params: dict[str, np.ndarray] = {
-        "embed": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), False),
-        "final_norm.weight": take("model.norm.weight", (c.hidden_size,), False),
+        "embed": take(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size), False),
+        family.final_norm: take(f"{prefix}norm.weight", (c.hidden_size,), False),
     }
     if not c.tie_embeddings:  # lm_head is never quantized (a quantized one is refused)
         params["lm_head"] = np.ascontiguousarray(tensors.get(
@@ -175,13 +180,27 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
     files: dict[str, str] = {}
     bar = tqdm(range(c.n_layers), desc="loading layers", unit="layer", disable=not progress)
     for layer in bar:
-        for ours, hf_name, shape, transpose in family.layer_tensors(c, layer):
-            params[ours] = take(hf_name, shape, transpose)
+        for item in family.layer_tensors(c, layer):
+            if len(item) == 5:  # several tensors make one of ours
+                ours, names, shapes, transpose, combine = item
+                params[ours] = np.ascontiguousarray(combine(
+                    [take(n, s, transpose) for n, s in zip(names, shapes)]))
+            else:
+                ours, hf_name, shape, transpose = item
+                params[ours] = take(hf_name, shape, transpose)
         if layer in c.moe_layers:
             files.update(expert_files(tensors, quant, c, family.tensors, layer))
+    skipped = {}
+    for skip_prefix, why in family.skipped.items():
+        n = tensors.skip(skip_prefix)
+        if n:
+            skipped[skip_prefix] = (n, why)
+            if progress:
+                print(f"skipped {n} tensor(s) under {skip_prefix!r}: {why}", file=sys.stderr)
     tensors.check_all_taken()
     return LoadedCheckpoint(config, params, CheckpointExperts(
-        config, family.tensors, files, quant.zero_offset if quant is not None else 0), directory)
+        config, family.tensors, files, quant.zero_offset if quant is not None else 0), directory,
+        skipped)
 
 
 def load_model(directory: str, *, resident_experts: bool = True, param_dtype: str | None = None,

@@ -198,6 +198,13 @@ class Tensors:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def skip(self, prefix: str) -> int:
+        """Marks every tensor under `prefix` as read (a part of the checkpoint the model does
+        not use, by name); returns how many there are."""
+        names = [n for n in self._where if n.startswith(prefix)]
+        self._taken.update(names)
+        return len(names)
+
     def check_all_taken(self) -> None:
         """Refuses tensors no step of the load read: weights the model would silently drop."""
         unused = sorted(set(self._where) - self._taken)

@@ -1,11 +1,15 @@
 """Grouped-query attention as a layer: q/k/v/o projections (optional biases), q/k RMSNorm
-(per head or over the whole projection), RoPE, the KV cache write, and the attention paths of
+(per head or over the whole projection), RoPE (over all of a head or its first `rotary_dim`
+dims), an optional sigmoid output gate (Qwen3-Next's gated attention), the KV cache write, and
+the attention paths of
 `layers.attention` (a first chunk causal and fused; a later chunk over its cached prefix, merged
 by log-sum-exp), within a sliding window where the config gives this layer one.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
@@ -19,28 +23,43 @@ from strata_jax.layers.rope import rope
 
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache; within a
-    sliding window where the config gives this layer one (`ModelConfig.window_of`)."""
+    sliding window where the config gives this layer one (`ModelConfig.window_of`).
+
+    output_gate: q_proj also gives each head a gate, [H, N*2D] with each head's D query
+        columns then its D gate columns; the attention output is multiplied by sigmoid(gate)
+        before o_proj.
+    rotary_dim: RoPE rotates the first `rotary_dim` dims of each head (partial rotary); None:
+        all of them.
+    centred_norms: the q/k norms' weights are zero-centred (`RMSNorm(centred=True)`).
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int,
-                 kernels: Kernels = Kernels()):
+                 kernels: Kernels = Kernels(), output_gate: bool = False,
+                 rotary_dim: int | None = None, centred_norms: bool = False):
         c, dt = config, config.dtype
         self.config = config
         self.kernels = kernels  # static: part of the graph jit keys on
         self.window = c.window_of(layer)  # static: None (full causal) or the window
-        self.q_proj = nnx.Param(normal(rngs, (c.hidden_size, c.q_dim), dt))  # [H, N*D]
+        self.output_gate = output_gate
+        self.rotary_dim = c.head_dim if rotary_dim is None else rotary_dim
+        if not 0 < self.rotary_dim <= c.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim={rotary_dim} must be even and within 1..head_dim="
+                             f"{c.head_dim}")
+        q_width = 2 * c.q_dim if output_gate else c.q_dim
+        self.q_proj = nnx.Param(normal(rngs, (c.hidden_size, q_width), dt))  # [H, N*D or N*2D]
         self.k_proj = nnx.Param(normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.v_proj = nnx.Param(normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.o_proj = nnx.Param(normal(rngs, (c.q_dim, c.hidden_size), dt))  # [N*D, H]
         if c.attention_bias:
-            self.q_bias = nnx.Param(filled(rngs, (c.q_dim,), dt, 0.0))  # [N*D]
+            self.q_bias = nnx.Param(filled(rngs, (q_width,), dt, 0.0))  # [N*D or N*2D]
             self.k_bias = nnx.Param(filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
             self.v_bias = nnx.Param(filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
             self.o_bias = nnx.Param(filled(rngs, (c.hidden_size,), dt, 0.0))  # [H]
         else:
             self.q_bias = self.k_bias = self.v_bias = self.o_bias = None
         if c.qk_norm == "per_head":
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs)
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs, centred=centred_norms)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs, centred=centred_norms)
         elif c.qk_norm == "full":
             self.q_norm = RMSNorm(c.q_dim, c.rms_norm_eps, dt, rngs)
             self.k_norm = RMSNorm(c.kv_dim, c.rms_norm_eps, dt, rngs)
@@ -51,7 +70,11 @@ class Attention(nnx.Module):
         """x [T, H]; cache_k/v [S, KVH, D]; start int (static 0 = first chunk) or int32 scalar."""
         c = self.config
         t = x.shape[0]
-        q = dot(x, self.q_proj[...], value(self.q_bias))  # [T, N*D]
+        q = dot(x, self.q_proj[...], value(self.q_bias))  # [T, N*D] (N*2D with a gate)
+        gate = None
+        if self.output_gate:
+            both = q.reshape(t, c.n_heads, 2 * c.head_dim)
+            q, gate = both[..., :c.head_dim].reshape(t, c.q_dim), both[..., c.head_dim:]
         k = dot(x, self.k_proj[...], value(self.k_bias))  # [T, KVH*D]
         v = dot(x, self.v_proj[...], value(self.v_bias))  # [T, KVH*D]
         if c.qk_norm == "full":
@@ -61,8 +84,7 @@ class Attention(nnx.Module):
         v = v.reshape(t, c.n_kv_heads, c.head_dim)  # [T, KVH, D]
         if c.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q, positions, c.rope_theta, c.rope_scaling)
-        k = rope(k, positions, c.rope_theta, c.rope_scaling)
+        q, k = self._rope(q, positions), self._rope(k, positions)
         k = k.astype(cache_k.dtype)
         v = v.astype(cache_v.dtype)
         cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
@@ -76,5 +98,15 @@ class Attention(nnx.Module):
             out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path, self.window)
         else:
             out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path, self.window)
+        if gate is not None:  # [T, N, D]
+            out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+                   ).astype(out.dtype)
         out = dot(out.reshape(t, c.q_dim), self.o_proj[...], value(self.o_bias))  # [T, H]
         return out, cache_k, cache_v
+
+    def _rope(self, x, positions):
+        c, r = self.config, self.rotary_dim
+        if r == c.head_dim:
+            return rope(x, positions, c.rope_theta, c.rope_scaling)
+        return jnp.concatenate([rope(x[..., :r], positions, c.rope_theta, c.rope_scaling),
+                                x[..., r:]], axis=-1)

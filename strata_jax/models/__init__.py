@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Callable, Mapping
 
 from strata_jax.config import ModelConfig
-from strata_jax.models import decoder, mixtral, olmoe, qwen3_moe, stand_ins
+from strata_jax.models import decoder, hybrid, mixtral, olmoe, qwen3_moe, qwen3_next, stand_ins
 from strata_jax.models.decoder import KVCache, MoETransformer, forward
 from strata_jax.models.hf_config import (IGNORED_FIELDS, NO_EFFECT, QUANT_FIELDS,
                                          CheckpointError, Family, HFFields, quant_fields_markdown,
@@ -29,22 +29,25 @@ __all__ = [
 ]
 
 FAMILIES: dict[str, Family] = {
-    m.FAMILY.architecture: m.FAMILY for m in (qwen3_moe, mixtral, olmoe)
+    f.architecture: f for f in (qwen3_moe.FAMILY, *qwen3_next.FAMILIES, mixtral.FAMILY,
+                                olmoe.FAMILY)
 }
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     **qwen3_moe.FAMILY.presets,
-    "qwen3-next-80b-a3b": stand_ins.PRESETS["qwen3-next-80b-a3b"],
+    **qwen3_next.FAMILY.presets,
+    **qwen3_next.TEXT35.presets,
     **mixtral.FAMILY.presets,
     **olmoe.FAMILY.presets,
     "deepseek-v3": stand_ins.PRESETS["deepseek-v3"],
 }
 
-# The module that builds a config's model, by config type. Every family today composes the shared
-# decoder stack; a family whose blocks hold other state (a recurrent state, a latent cache) adds
-# its config subclass and its module here, with the functions below, and the engine reads it
-# through them without naming it. A cache type has `valid(position)` (what a session keeps).
-MODELS: dict[type, ModuleType] = {ModelConfig: decoder}
+# The module that builds a config's model, by config type: the shared decoder stack, or the
+# hybrid stack of Gated DeltaNet and attention layers (`HybridConfig`, whose cache also holds
+# recurrent state). A family whose blocks hold other state adds its config subclass and its
+# module here, with the functions below, and the engine reads it through them without naming
+# it. A cache type has `valid(position)` (what a session keeps).
+MODELS: dict[type, ModuleType] = {ModelConfig: decoder, hybrid.HybridConfig: hybrid}
 
 
 def model_module(config: ModelConfig) -> ModuleType:

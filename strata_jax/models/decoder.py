@@ -121,14 +121,17 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(c.hidden_size, c.dense_intermediate, dt, rngs=rngs)
 
-    def attention_block(self, x, cache_k, cache_v, start, positions):
-        """x + attn(norm(x)), writing the block's keys/values into the cache at `start`."""
+    def attention_block(self, x, cache_k, cache_v, start, positions, valid=None):
+        """x + attn(norm(x)), writing the block's keys/values into the cache at `start`
+        (`valid`: the real rows, for a mixer with state; attention needs no mask: padding sits
+        after every real row)."""
         h, cache_k, cache_v = self.attn(self.input_norm(x), cache_k, cache_v, start, positions)
         return x + h, cache_k, cache_v
 
     def __call__(self, x, cache_k, cache_v, start, positions, expert_source, valid=None):
         with jax.named_scope(f"layer_{self.layer}"):
-            x, cache_k, cache_v = self.attention_block(x, cache_k, cache_v, start, positions)
+            x, cache_k, cache_v = self.attention_block(x, cache_k, cache_v, start, positions,
+                                                       valid)
             counts = None
             if self.is_moe:
                 h, counts = self.mlp(self.post_attn_norm(x), expert_source, valid)
@@ -142,7 +145,17 @@ class MoETransformer(nnx.Module):
 
     Call it as `model(tokens, cache, start, expert_source=None)` inside your own jit, or use
     `forward` for validated inputs and a cached jit.
+
+    A family whose layers differ (another mixer, other norms) subclasses it with its own
+    `layer_class` and `norm`; the two read orders, the head and scoring are shared.
     """
+
+    layer_class = DecoderLayer
+
+    @staticmethod
+    def norm(config: ModelConfig, rngs):
+        """The final norm."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype, rngs)
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None,
                  resident_experts: bool = True, kernels: Kernels = Kernels()):
@@ -155,10 +168,11 @@ class MoETransformer(nnx.Module):
         self.config = config
         self.kernels = kernels
         self.embed = nnx.Param(normal(rngs, (c.vocab_size, c.hidden_size), dt, std=1.0))  # [V, H]
-        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, resident_experts=resident_experts,
-                                             kernels=kernels)
+        self.layers = nnx.List([self.layer_class(c, i, rngs=rngs,
+                                                 resident_experts=resident_experts,
+                                                 kernels=kernels)
                                 for i in range(c.n_layers)])
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
+        self.final_norm = self.norm(c, rngs)
         self.lm_head = (None if c.tie_embeddings
                         else nnx.Param(normal(rngs, (c.hidden_size, c.vocab_size), dt)))  # [H, V]
 
@@ -200,7 +214,7 @@ class MoETransformer(nnx.Module):
             if layer_counts is not None:
                 counts.append(layer_counts)
         return self._finish(x, n_valid, last_logits, targets), \
-            KVCache(tuple(keys), tuple(values)), \
+            cache._replace(keys=tuple(keys), values=tuple(values)), \
             self._stack_counts(counts)
 
     def layer_major(self, tokens: jax.Array, cache: KVCache, start,
@@ -268,7 +282,7 @@ class MoETransformer(nnx.Module):
             k, v = cache.keys[i], cache.values[i]
             with jax.named_scope(f"layer_{layer.layer}"):
                 for j in range(n_sub):
-                    xs[j], k, v = layer.attention_block(xs[j], k, v, starts[j], pos[j])
+                    xs[j], k, v = layer.attention_block(xs[j], k, v, starts[j], pos[j], val[j])
                 if layer.is_moe:
                     normed = [layer.post_attn_norm(join(xs[a:b])) for a, b in groups]
                     gval = [join(val[a:b]) for a, b in groups]
@@ -292,7 +306,7 @@ class MoETransformer(nnx.Module):
             values.append(v)
         x = xs[0] if n_sub == 1 else jnp.concatenate(xs, axis=0)
         return self._finish(x, n_valid, last_logits, targets), \
-            KVCache(tuple(keys), tuple(values)), \
+            cache._replace(keys=tuple(keys), values=tuple(values)), \
             self._stack_counts(counts)
 
     # -- shared pieces of both orders --
@@ -374,7 +388,12 @@ def _get(variable):
 def param_shapes(config: ModelConfig, *, resident_experts: bool = True
                  ) -> dict[str, jax.ShapeDtypeStruct]:
     """Flat parameter names ("layers.3.mlp.gate", ...) to shape/dtype, in model order."""
-    _, state = nnx.split(abstract_model(config, resident_experts=resident_experts))
+    return flat_shapes(abstract_model(config, resident_experts=resident_experts))
+
+
+def flat_shapes(abstract: nnx.Module) -> dict[str, jax.ShapeDtypeStruct]:
+    """An abstract model's flat parameter names to shape/dtype, in model order."""
+    _, state = nnx.split(abstract)
     return {".".join(map(str, path)): _get(v) for path, v in nnx.to_flat_state(state)}
 
 
@@ -413,8 +432,16 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
         KeyError: a parameter is missing (named).
         ValueError: a parameter has the wrong shape (name and both shapes).
     """
-    graphdef, state = nnx.split(abstract_model(config, resident_experts=resident_experts,
-                                               kernels=kernels))
+    return fill_model(abstract_model(config, resident_experts=resident_experts,
+                                     kernels=kernels), config, params, experts)
+
+
+def fill_model(abstract: nnx.Module, config: ModelConfig,
+               params: Mapping[str, np.ndarray | jax.Array],
+               experts: Mapping[int, ExpertWeights] | None = None) -> nnx.Module:
+    """`abstract` (a model with `jax.ShapeDtypeStruct` leaves) with its leaves taken from
+    `params` (and routed experts from `experts`), as `build_model` describes."""
+    graphdef, state = nnx.split(abstract)
     planes = {p.name for p in expert_format(config).planes}
     filled = []
     for path, variable in nnx.to_flat_state(state):

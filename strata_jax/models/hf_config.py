@@ -30,18 +30,25 @@ class TensorNames:
     """Where a family's checkpoint keeps each MoE layer's router and routed experts.
 
     Attributes:
-        moe_prefix: the MoE block under `model.layers.N.` ("mlp", "block_sparse_moe").
+        moe_prefix: the MoE block under `<model_prefix>layers.N.` ("mlp", "block_sparse_moe").
         router: the router's module under the MoE block ("gate").
         expert_names: gate, up and down's modules under `experts.E.`.
+        model_prefix: where the decoder's tensors are ("model."; a multimodal checkpoint's
+            text model "model.language_model.").
     """
 
     moe_prefix: str
     router: str
     expert_names: tuple[str, str, str]
+    model_prefix: str = "model."
+
+    def layer(self, layer: int) -> str:
+        """The Hugging Face prefix of layer `layer`'s tensors ("model.layers.3.")."""
+        return f"{self.model_prefix}layers.{layer}."
 
     def expert(self, layer: int, expert: int, matrix: int) -> str:
         """The Hugging Face module of one routed expert's matrix (0 gate, 1 up, 2 down)."""
-        return (f"model.layers.{layer}.{self.moe_prefix}.experts.{expert}."
+        return (f"{self.layer(layer)}{self.moe_prefix}.experts.{expert}."
                 f"{self.expert_names[matrix]}")
 
 
@@ -59,7 +66,13 @@ class Family:
         config_from_hf: reads a checked config.json (`HFFields`) into a `ModelConfig`.
         presets: preset name -> the published model's config.
         layer_tensors: (our name, Hugging Face name, Hugging Face shape, transposed) of one
-            layer's non-expert tensors.
+            layer's non-expert tensors; or (our name, Hugging Face names, their shapes,
+            transposed, combine): the tensors read (each transposed when asked) and
+            `combine(list of arrays)` makes ours (a fused projection split or joined, a
+            conv's taps reordered).
+        skipped: tensor name prefix -> why the load skips the tensors under it (a multimodal
+            checkpoint's vision tower, multi-token-prediction layers); the loader says so.
+        final_norm: our name of the final norm's weight.
     """
 
     architecture: str
@@ -70,6 +83,8 @@ class Family:
     config_from_hf: Callable[["HFFields", "Quant | None", str | None], ModelConfig]
     presets: Mapping[str, Callable[[], ModelConfig]]
     layer_tensors: Callable[[ModelConfig, int], object]
+    skipped: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    final_norm: str = "final_norm.weight"
 
 
 HONOURED, NO_EFFECT = "honoured", "no effect"
@@ -423,10 +438,17 @@ class HFFields:
         return next(iter(given.values()))
 
 
-def read_rope(f: HFFields, max_position: int, default_theta: float
-              ) -> tuple[float, RopeScaling | None, int]:
+def read_rope(f: HFFields, max_position: int, default_theta: float, *,
+              partial: bool = False, extra: Mapping[str, Callable] | None = None):
     """(theta, scaling, longest context) from both spellings: transformers 4's rope_theta and
-    rope_scaling, transformers 5's rope_parameters (rope_theta, rope_type and scaling keys)."""
+    rope_scaling, transformers 5's rope_parameters (rope_theta, rope_type and scaling keys).
+
+    partial: a family with partial rotary embeddings: returns (theta, scaling, longest,
+        partial_rotary_factor), the factor from rope_parameters or the top level (1.0 when
+        absent); without it a factor other than 1 is refused.
+    extra: rope parameter key -> check(value) of keys the family reads itself (Qwen3.5's
+        mrope_section); each is popped and checked (the check raises to refuse).
+    """
     params = dict(f.get("rope_parameters", {}))
     legacy = dict(f.get("rope_scaling", {}))
     for name, d in (("rope_parameters", params), ("rope_scaling", legacy)):
@@ -449,10 +471,21 @@ def read_rope(f: HFFields, max_position: int, default_theta: float
     if len(types) > 1:
         raise CheckpointError(f"config.json RoPE type and rope_type disagree: {sorted(types)}")
     rope_type = types.pop() if types else "default"
-    partial = merged.pop("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise refuse("partial_rotary_factor", partial, "partial rotary embeddings are not "
-                                                        "implemented")
+    for key, check in (extra or {}).items():
+        if key in merged:
+            check(merged.pop(key))
+    factor = merged.pop("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    if factor is None:
+        factor = 1.0
+    if not partial and factor != 1:
+        raise refuse("partial_rotary_factor", factor, "partial rotary embeddings are not "
+                                                       "implemented for this architecture")
+    theta, scaling, longest = _rope_scaling(merged, rope_type, theta, max_position)
+    return (theta, scaling, longest, float(factor)) if partial else (theta, scaling, longest)
+
+
+def _rope_scaling(merged: dict, rope_type: str, theta: float, max_position: int
+                  ) -> tuple[float, RopeScaling | None, int]:
     if rope_type not in _ROPE_KEYS:
         raise refuse("rope_type", rope_type, f"RoPE scaling {rope_type!r} is not implemented; "
                                               f"implemented: {', '.join(_ROPE_KEYS)}")
@@ -488,10 +521,14 @@ def read_rope(f: HFFields, max_position: int, default_theta: float
 def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
                    intermediate: int, norm_topk_prob: bool, qk_norm: str,
                    sliding_window: int | None, rope_theta: float, rms_norm_eps: float,
-                   max_position_embeddings: int) -> ModelConfig:
+                   max_position_embeddings: int, rope=None, config_class=ModelConfig,
+                   **extra) -> ModelConfig:
     """The `ModelConfig` of a grouped-query-attention MoE checkpoint from the fields every such
     family reads alike (`COMMON_FIELDS`); the family gives what it reads its own way and the
     defaults transformers uses where config.json leaves a field out.
+
+    rope: (theta, scaling, longest context) the family read itself (`read_rope`); None: read
+    here. config_class and extra: a family's config subclass and its own fields.
 
     Raises:
         CheckpointError: a missing field, or a field or value this engine does not implement.
@@ -511,11 +548,11 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
     heads = f.need("num_attention_heads")
     hidden = f.need("hidden_size")
     max_position = int(f.get("max_position_embeddings", max_position_embeddings))
-    theta, scaling, longest = read_rope(f, max_position, rope_theta)
+    theta, scaling, longest = rope or read_rope(f, max_position, rope_theta)
     n_layers = f.need("num_hidden_layers")
     expert_format = expert_format_of(quant, family.tensors, n_layers, n_experts)
     try:
-        return ModelConfig(
+        return config_class(
             name=str(f.get("_name_or_path") or f.get("model_type") or family.architecture),
             vocab_size=f.need("vocab_size"),
             hidden_size=hidden,
@@ -540,6 +577,7 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
             expert_block=quant.block if expert_format != "plain" else 0,
             expert_zero_points=expert_format == "int4" and not quant.sym,
             expert_act_order=expert_format == "int4" and quant.act_order,
+            **extra,
         )
     except ValueError as e:
         raise CheckpointError(f"config.json describes a model this engine cannot build: {e}"

@@ -9,21 +9,6 @@ from __future__ import annotations
 from strata_jax.config import ModelConfig
 
 
-def qwen3_next_80b_a3b() -> ModelConfig:
-    """Qwen3-Next-80B-A3B-style: 512 experts per layer, top-10, plus a gated shared expert.
-
-    Expert, shared-expert and router shapes are the published ones. Attention is standard GQA
-    (16 q / 2 kv heads of 256) with per-head qk-norm in every layer, in place of the original's
-    mix of gated full attention and Gated DeltaNet linear attention (3 of every 4 layers), its
-    partial rotary embedding and zero-centred norms.
-    """
-    return ModelConfig(
-        name="qwen3-next-80b-a3b", vocab_size=151_936, hidden_size=2048, n_layers=48, n_heads=16,
-        n_kv_heads=2, head_dim=256, n_experts=512, top_k=10, expert_intermediate=512,
-        shared_expert_intermediate=512, shared_expert_gate=True, norm_topk_prob=True,
-        qk_norm="per_head", rope_theta=10_000_000.0, rms_norm_eps=1e-6, max_seq_len=262_144)
-
-
 def deepseek_v3() -> ModelConfig:
     """DeepSeek-V3-style: 256 routed experts, top-8, one shared expert, first 3 layers dense.
 
@@ -41,4 +26,4 @@ def deepseek_v3() -> ModelConfig:
         max_seq_len=163_840)
 
 
-PRESETS = {"qwen3-next-80b-a3b": qwen3_next_80b_a3b, "deepseek-v3": deepseek_v3}
+PRESETS = {"deepseek-v3": deepseek_v3}

@@ -1,0 +1,191 @@
+"""Gated DeltaNet (Yang, Kautz and Hatamizadeh 2024, arXiv:2412.06464) as a layer: the linear
+attention of Qwen3-Next and Qwen3.5's hybrid layers, prefilled in chunks.
+
+Per value head the layer keeps a recurrent state S [dk, dv] and, per token t,
+    S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T,   o_t = S_t^T q_t,
+with q and k L2-normalised (q also scaled by dk^-1/2), beta_t = sigmoid(b_t) and the log-decay
+g_t = -exp(A_log) softplus(a_t + dt_bias). Before it, q, k and v pass a depthwise causal conv1d
+(`conv_kernel` taps, SiLU) whose window of the last inputs is state too; after it, a gated
+RMSNorm (by z) and the output projection.
+
+The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut into blocks of
+`DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
+transform: one unit-lower-triangular solve per block), and a scan across blocks carries the
+state, two small matmuls a step. No step is per token.
+
+Padding: rows where `valid` is False get beta = 0 and g = 0, which leave the state as it was,
+and the conv window is read at the last real token, so a padded chunk hands the next one the
+state of its real tokens only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+from strata_jax.layers.norms import GatedRMSNorm
+from strata_jax.layers.params import dot, filled, normal
+
+__all__ = ["DELTA_BLOCK", "GatedDeltaNet", "gated_delta_rule", "causal_conv", "l2_normalize"]
+
+# Tokens per block of the chunkwise delta rule (the UT transform's triangular systems).
+DELTA_BLOCK = 64
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (float32 in, float32 out)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
+    """Depthwise causal conv1d with SiLU over a chunk, continuing from the previous window.
+
+    Args:
+        x: [T, C] the chunk's inputs.
+        window: [K-1, C] the inputs of the K-1 positions before the chunk (zeros at the start).
+        taps: [K, C]; out[t] = sum_j taps[j] * input[t - (K-1) + j], so taps[K-1] weighs the
+            current token.
+        n_valid: None (every row real) or an int32 scalar: the window handed on ends at the
+            last real row.
+
+    Returns:
+        (silu(conv) [T, C] in x.dtype, the next window [K-1, C] in window.dtype).
+    """
+    t, kk = x.shape[0], taps.shape[0]
+    full = jnp.concatenate([window.astype(x.dtype), x], axis=0)  # [K-1+T, C]
+    ff = full.astype(jnp.float32)
+    tf = taps.astype(jnp.float32)
+    out = sum(ff[j:j + t] * tf[j] for j in range(kk))
+    end = t if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+    nxt = lax.dynamic_slice_in_dim(full, end, kk - 1, axis=0)  # rows end..end+K-2 = last K-1 real
+    return jax.nn.silu(out).astype(x.dtype), nxt.astype(window.dtype)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
+    """The gated delta rule over a chunk, chunkwise-parallel.
+
+    Args:
+        q, k: float32 [T, Hv, dk] (normalised; q scaled).
+        v: float32 [T, Hv, dv].
+        g: float32 [T, Hv] log-decays (<= 0); beta: float32 [T, Hv] in [0, 1].
+        state: float32 [Hv, dk, dv], the state before the chunk.
+        block: tokens per block.
+
+    Returns:
+        (o float32 [T, Hv, dv], the state after the chunk's last row).
+    """
+    t, hv, dk = q.shape
+    dv = v.shape[-1]
+    n = -(-t // block)
+    pad = n * block - t
+    if pad:  # beta = 0, g = 0: the padded rows leave the state as it is
+        q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
+
+    def blocks(a):  # [n*C, Hv, ...] -> [Hv, n, C, ...]
+        a = a.reshape(n, block, hv, *a.shape[2:])
+        return jnp.moveaxis(a, 2, 0)
+
+    q, k, v, g, beta = (blocks(a) for a in (q, k, v, g, beta))
+    gam = jnp.cumsum(g, axis=-1)  # [Hv, n, C] log-decay from the block's start
+    lower = jnp.tril(jnp.ones((block, block), bool))
+    diff = gam[..., :, None] - gam[..., None, :]  # [Hv, n, C, C]
+    decay = jnp.exp(jnp.where(lower, diff, -jnp.inf))  # exp(gam_i - gam_j), i >= j; else 0
+    kb = k * beta[..., None]
+    vb = v * beta[..., None]
+    mm = lambda a, b: jnp.matmul(a, b, precision=_HIGHEST)  # noqa: E731
+    kkt = mm(kb, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C]
+    strict = jnp.tril(jnp.ones((block, block), bool), -1)
+    system = jnp.where(strict, kkt, 0.0) + jnp.eye(block, dtype=jnp.float32)
+    rhs = jnp.concatenate([vb, kb * jnp.exp(gam)[..., None]], axis=-1)  # [Hv, n, C, dv+dk]
+    solved = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    u, w = solved[..., :dv], solved[..., dv:]  # new values; decayed keys reading the state
+    attn = mm(q, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C], causal within the block
+    qd = q * jnp.exp(gam)[..., None]
+    last = gam[..., -1]  # [Hv, n]
+    kd = k * jnp.exp(last[..., None] - gam)[..., None]  # keys decayed to the block's end
+    reads = jnp.concatenate([w, qd], axis=-2)  # [Hv, n, 2C, dk]
+
+    def step(s, xs):
+        reads_i, u_i, kd_i, last_i = xs  # [Hv, 2C, dk], [Hv, C, dv], [Hv, C, dk], [Hv]
+        r = mm(reads_i, s)  # [Hv, 2C, dv]
+        v_new = u_i - r[:, :block]
+        s = s * jnp.exp(last_i)[:, None, None] + mm(jnp.swapaxes(kd_i, -1, -2), v_new)
+        return s, (r[:, block:], v_new)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (reads, u, kd, last))  # blocks first
+    state, (inter, v_new) = lax.scan(step, state.astype(jnp.float32), xs)
+    inter, v_new = (jnp.moveaxis(a, 0, 1) for a in (inter, v_new))  # [Hv, n, C, dv]
+    o = inter + mm(attn, v_new)
+    o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
+    return o, state
+
+
+class GatedDeltaNet(nnx.Module):
+    """A Gated DeltaNet layer (see the module docstring).
+
+    Parameters, in the model's layout:
+        in_proj [H, 2*Kd + 2*Vd]: q (Hk heads of dk), k, v (Hv heads of dv), z, in that order.
+        in_gates [H, 2*Hv]: b, then a.
+        conv [K, 2*Kd + Vd]: the conv taps over q, k, v.
+        dt_bias, A_log [Hv]; norm.weight [dv]; out_proj [Vd, H].
+    Value head h reads query/key head h // (Hv / Hk).
+    """
+
+    def __init__(self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
+                 conv_kernel: int, eps: float, dtype, *, rngs: nnx.Rngs | None):
+        if v_heads % k_heads:
+            raise ValueError(f"linear attention value heads ({v_heads}) must be a multiple of "
+                             f"its key heads ({k_heads})")
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim = k_heads, v_heads, k_dim, v_dim
+        self.conv_kernel = conv_kernel
+        kd, vd = k_heads * k_dim, v_heads * v_dim
+        self.conv_dim = 2 * kd + vd
+        self.in_proj = nnx.Param(normal(rngs, (hidden, 2 * kd + 2 * vd), dtype))
+        self.in_gates = nnx.Param(normal(rngs, (hidden, 2 * v_heads), dtype))
+        self.conv = nnx.Param(normal(rngs, (conv_kernel, self.conv_dim), dtype, std=0.5))
+        self.dt_bias = nnx.Param(filled(rngs, (v_heads,), dtype, 1.0))
+        self.A_log = nnx.Param(filled(rngs, (v_heads,), dtype, 0.0))
+        self.norm = GatedRMSNorm(v_dim, eps, dtype, rngs)
+        self.out_proj = nnx.Param(normal(rngs, (vd, hidden), dtype))
+
+    def state_shapes(self, dtype) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """(conv window [K-1, C] in `dtype`, recurrent state float32 [Hv, dk, dv])."""
+        return (jax.ShapeDtypeStruct((self.conv_kernel - 1, self.conv_dim), dtype),
+                jax.ShapeDtypeStruct((self.v_heads, self.k_dim, self.v_dim), jnp.float32))
+
+    def __call__(self, x, window, state, valid=None):
+        """x [T, H]; window [K-1, C]; state float32 [Hv, dk, dv]; valid: None (every row
+        real) or bool [T], True on a prefix of real rows.
+
+        Returns (out [T, H], next window, next state)."""
+        t = x.shape[0]
+        n_valid = None if valid is None else jnp.sum(valid.astype(jnp.int32))
+        kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        proj = dot(x, self.in_proj[...])  # [T, 2Kd + 2Vd]
+        gates = dot(x, self.in_gates[...])  # [T, 2Hv]
+        mixed, z = proj[:, :self.conv_dim], proj[:, self.conv_dim:]
+        mixed, window = causal_conv(mixed, window, self.conv[...], n_valid)
+        q = mixed[:, :kd].reshape(t, self.k_heads, self.k_dim)
+        k = mixed[:, kd:2 * kd].reshape(t, self.k_heads, self.k_dim)
+        v = mixed[:, 2 * kd:].reshape(t, self.v_heads, self.v_dim)
+        b, a = gates[:, :self.v_heads], gates[:, self.v_heads:]
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if valid is not None:
+            beta = jnp.where(valid[:, None], beta, 0.0)
+            g = jnp.where(valid[:, None], g, 0.0)
+        rep = self.v_heads // self.k_heads
+        qf = l2_normalize(q.astype(jnp.float32)) * (self.k_dim ** -0.5)
+        kf = l2_normalize(k.astype(jnp.float32))
+        if rep > 1:
+            qf, kf = (jnp.repeat(a, rep, axis=1) for a in (qf, kf))
+        with jax.named_scope("delta_rule"):
+            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state)
+        o = self.norm(o.astype(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
+        return dot(o.reshape(t, vd), self.out_proj[...]), window, state
