@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from strata_jax.kernels.grouped import (
-    grouped_matmul, is_hopper, piece_group_sizes, row_pieces, resolve_implementation
+    _mosaic_jit, grouped_matmul, is_hopper, piece_group_sizes, row_pieces, resolve_implementation
+)
+from strata_jax.kernels.mosaic import (
+    MANY_GROUPS, MOSAIC_BF16_WIDE_TILES, MOSAIC_SMALL_TILES, MosaicTiles, bf16_tiles_for,
+    mosaic_bf16_grouped_matmul
 )
 from strata_jax.testing import assert_close
 
@@ -156,6 +160,81 @@ def test_gpu_rows_past_groups_are_zero(impl, sizes, m):
     clean[n:] = 0
     assert_close(out[:n], grouped_matmul_reference(clean, w, g)[:n], ml_dtypes.bfloat16)
     np.testing.assert_array_equal(out[n:], 0.0)
+
+
+def test_bf16_kernel_choice_follows_groups_and_rows():
+    # jax's kernel below MANY_GROUPS groups (Qwen3-30B-A3B's 128 keep it); from them this
+    # package's: 64-row tiles where groups hold few rows, else two warpgroups on 128 rows.
+    bf16 = jnp.bfloat16
+    assert bf16_tiles_for(8192, 128, 2048, 768, bf16) is None
+    assert bf16_tiles_for(1024 * 10, 512, 2048, 512, bf16) == MOSAIC_SMALL_TILES
+    assert bf16_tiles_for(4096 * 10, 512, 512, 2048, bf16) == MOSAIC_BF16_WIDE_TILES
+    assert bf16_tiles_for(64 * MANY_GROUPS - 1, MANY_GROUPS, 256, 256, bf16) == MOSAIC_SMALL_TILES
+    assert bf16_tiles_for(64 * MANY_GROUPS, MANY_GROUPS, 256, 384, bf16) == MosaicTiles(
+        128, 128, 64, 4, 8, 1, 2)  # 384 columns: 128-column tiles
+    assert bf16_tiles_for(99999, 512, 256, 200, bf16) is None  # columns it cannot tile
+    assert bf16_tiles_for(99999, 512, 256, 256, jnp.float32) is None
+
+
+@pytest.mark.parametrize("tiles", [MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES,
+                                   MosaicTiles(128, 128, 64, 2, 1)])
+def test_interpreted_bf16_kernel_matches_reference(tiles):
+    # Pallas' Mosaic GPU interpreter: groups with no rows hold NaN, a group's rows cross row
+    # tiles, rows past the groups come back as zeros.
+    sizes = [50, 0, 130, 20, 0]
+    m = sum(sizes) + 7
+    x, w, g = _case(m, 128, 256, sizes, dtype=ml_dtypes.bfloat16)
+    w[[1, 4]] = np.nan
+    out = np.asarray(mosaic_bf16_grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g),
+                                                tiles=tiles, interpret=True))
+    assert_close(out[:200], grouped_matmul_reference(x, w, g)[:200], ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(out[200:], 0.0)
+
+
+def test_bf16_kernel_lowers_for_cuda():
+    # Mosaic's lowering (layouts, shared memory) runs on the CPU: the tilings bf16_tiles_for
+    # picks at 512 experts of width 512, gate's and down's shapes.
+    sizes = jnp.full((16,), 64, jnp.int32)
+    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES):
+        for k, n in ((2048, 512), (512, 2048)):
+            f = jax.jit(lambda x, w, s, tiles=tiles: mosaic_bf16_grouped_matmul(
+                x, w, s, tiles=tiles, interpret=False, num_sms=132))
+            jax.export.export(f, platforms=["cuda"], disabled_checks=[
+                jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu")])(
+                    jnp.zeros((1024, k), jnp.bfloat16), jnp.zeros((16, k, n), jnp.bfloat16),
+                    sizes).mlir_module()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [20, 150])  # MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES
+def test_many_groups_give_jax_kernels_bits(rows):
+    # From MANY_GROUPS groups grouped_matmul takes this package's bf16 kernel: the bits of
+    # jax's kernel (the one fewer groups take), groups with no rows (NaN weights) unread,
+    # rows past the groups zeros, and row pieces the whole's bits.
+    if not is_hopper():
+        pytest.skip("the Mosaic kernels need a Hopper GPU")
+    e, k, n = 2 * MANY_GROUPS, 512, 256
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(0, 2 * rows, e).astype(np.int32)
+    sizes[[0, 5, e - 1]] = 0
+    m = int(sizes.sum()) + 40
+    x, w, g = _case(m, k, n, sizes, dtype=ml_dtypes.bfloat16)
+    x[m - 40:] = np.nan
+    w[sizes == 0] = np.nan
+    x, w, g = jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
+    assert bf16_tiles_for(m, e, k, n, x.dtype) == (
+        MOSAIC_SMALL_TILES if rows < 64 else MOSAIC_BF16_WIDE_TILES)
+    got = np.asarray(jax.jit(grouped_matmul)(x, w, g))
+    want = np.asarray(jax.jit(_mosaic_jit)(x, w, g))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[m - 40:], 0.0)
+    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES):
+        other = np.asarray(mosaic_bf16_grouped_matmul(x, w, g, tiles=tiles))
+        np.testing.assert_array_equal(other.view(np.uint16), want.view(np.uint16), str(tiles))
+    bounds = row_pieces(m, 3)
+    pieces = jax.jit(lambda a, b, c: _by_pieces(a, b, c, bounds, "mosaic"))(x, w, g)
+    np.testing.assert_array_equal(np.asarray(pieces).view(np.uint16), got.view(np.uint16))
 
 
 @pytest.mark.gpu

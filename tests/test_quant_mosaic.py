@@ -14,7 +14,7 @@ import pytest
 
 from strata_jax.kernels.grouped import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.kernels.mosaic import (
-    MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP, MosaicTiles,
+    MANY_GROUPS, MOSAIC_SMALL_TILES, int4_tiles_for, MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP, MosaicTiles,
     fp8_tiles_for, int4_conversion, int4_values_f32, mosaic_grouped_matmul,
     mosaic_int4_grouped_matmul, mosaic_int4_supports, mosaic_supports, split_scale_bf16
 )
@@ -187,7 +187,9 @@ _LOWERED = {  # kernel, matrix, tiling
     # what the model reads fp8 and int4 with (fp8_tiles_for, MOSAIC_INT4_TILES; bf16x2)
     "model": (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
               ("fp8", mosaic_grouped_matmul, MOSAIC_WIDE_TILES),
-              ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES)),
+              ("fp8", mosaic_grouped_matmul, MOSAIC_SMALL_TILES),
+              ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
+              ("int4", mosaic_int4_grouped_matmul, MOSAIC_SMALL_TILES)),
     # the kernel with zero-points ("fused"), and int4's "bits" (fp16 inputs, float32 scales)
     "others": (("int4-zp", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
                ("int4-fp16", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
@@ -257,6 +259,17 @@ def test_what_the_kernel_reads_and_refuses():
     assert fp8_tiles_for(4096 * 8, 128) == MOSAIC_WIDE_TILES
     assert fp8_tiles_for(4096 * 8, 128, w8) == MOSAIC_WIDE_TILES
     assert fp8_tiles_for(4096 * 8, 128, _matrix("fp8", block=32)) == MOSAIC_TILES
+    # Many experts of few rows (512, top-10 at 1K-4K tokens): 64-row tiles, two programs an
+    # SM, for both formats; int4 only below INT4_SMALL_BELOW_ROWS_PER_GROUP rows an expert.
+    assert fp8_tiles_for(1024 * 10, 512) == fp8_tiles_for(4096 * 10, 512, w8) == (
+        MOSAIC_SMALL_TILES)
+    assert fp8_tiles_for(16384 * 10, 512) == MOSAIC_WIDE_TILES
+    assert fp8_tiles_for(1024 * 10, MANY_GROUPS - 1) == MOSAIC_TILES
+    assert mosaic_supports(w8, MOSAIC_SMALL_TILES)
+    assert mosaic_int4_supports(w4, MOSAIC_SMALL_TILES)
+    assert int4_tiles_for(1024 * 10, 512) == MOSAIC_SMALL_TILES
+    assert int4_tiles_for(4096 * 10, 512) == MOSAIC_INT4_TILES
+    assert int4_tiles_for(1024 * 8, 128) == MOSAIC_INT4_TILES
     if not is_hopper():
         # Off Hopper every choice dequantizes first.
         for w in (w8, w4):
@@ -313,6 +326,31 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
     np.testing.assert_array_equal(
         np.asarray(fn(x, neg, sizes)),
         np.asarray(grouped_matmul(x, neg.dequantize(), sizes, impl="mosaic")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_many_experts_give_dequantize_then_matmul_bits_on_hopper(kind):
+    # 512 experts of few rows (MOSAIC_SMALL_TILES for both formats): the bits of the
+    # dequantized matrix through the bf16 kernels (this package's, which grouped_matmul takes
+    # at this many groups, and jax's), experts with no rows (NaN scales) unread, rows past the
+    # groups zeros.
+    if not is_hopper():
+        pytest.skip("the Mosaic kernel needs a Hopper GPU")
+    e, k, n = 2 * MANY_GROUPS, 256, 256
+    sizes = np.random.default_rng(3).integers(0, 40, e).astype(np.int32)
+    sizes[[0, 7, e - 1]] = 0
+    w = _matrix(kind, e=e, k=k, n=n, nan_experts=(0, 7, e - 1))
+    m = int(sizes.sum()) + 9
+    x, sizes = _x(m, k), jnp.asarray(sizes)
+    tiles = fp8_tiles_for(m, e, w) if kind == "fp8" else int4_tiles_for(m, e)
+    assert tiles == MOSAIC_SMALL_TILES
+    got = np.asarray(grouped_matmul(x, w, sizes))
+    deq = w.dequantize()
+    from strata_jax.kernels.grouped import _mosaic_jit
+    for want in (grouped_matmul(x, deq, sizes, impl="mosaic"), _mosaic_jit(x, deq, sizes)):
+        np.testing.assert_array_equal(got, np.asarray(want))
+    assert np.isfinite(got).all() and (got[m - 9:] == 0).all()
 
 
 @pytest.mark.gpu

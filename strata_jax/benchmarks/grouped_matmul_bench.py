@@ -13,6 +13,7 @@ The bar on the H200 is grouped >= 50% of dense.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -23,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.models import get_preset
 from strata_jax.kernels.grouped import _mosaic_jit, grouped_matmul, resolve_implementation
 
 
@@ -102,8 +102,187 @@ def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, 
                 ratio=t_dense / t_grouped)
 
 
+def _tiles(spec: str):
+    """"jax" (the bf16 `ragged_dot_mgpu` kernel at the library's tiling) or
+    "bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs]]" -> MosaicTiles."""
+    from strata_jax.kernels.mosaic import MosaicTiles
+    return spec if spec == "jax" else MosaicTiles(*(int(v) for v in spec.split(",")))
+
+
+def _random_planes(kind: str, e: int, k: int, n: int, seed: int):
+    """A `QuantizedMatrix` [E, k, n] of random planes drawn on the device (a 512-expert layer
+    quantized on the host would take minutes): fp8 e4m3 values and float32 block scales,
+    int4 random bytes and float16 group scales."""
+    from strata_jax.formats import QuantizedMatrix
+    key1, key2 = jax.random.split(jax.random.key(seed))
+    if kind == "fp8":
+        q = jax.random.normal(key1, (e, k, n), jnp.float32).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(key2, (e, k // 128, n // 128), jnp.float32, 0.005, 0.02)
+    else:
+        q = jax.random.bits(key1, (e, k // 2, n), jnp.uint8)
+        s = jax.random.uniform(key2, (e, k // 128, n), jnp.float32, 0.002, 0.01
+                               ).astype(jnp.float16)
+    return QuantizedMatrix(q, s, kind, 128, (k, n), np.dtype(jnp.bfloat16))
+
+
+def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: int,
+          budget_s: float, out=None) -> list[dict]:
+    """Times one MoE layer's expert math (gate and up [M,H]x[H,I], SwiGLU, down [M,I]x[I,H])
+    per format at each candidate tiling, and the three dense products of the same rows.
+
+    shapes: (experts, hidden, intermediate, top_k) each; candidates: {format: [spec, ...]}
+    (`_tiles`; bf16 "jax" is the `ragged_dot_mgpu` kernel; fp8/int4 the kernels of
+    `kernels.mosaic`; "auto" what `grouped_matmul` picks; "A/B" tiling A for gate and up, B
+    for down). Two experts get no rows and NaN weights. Each row says whether its
+    output has the bits of the reference: the bf16 "jax" kernel over the weights (for fp8
+    and int4, over the dequantized weights). Stops starting rows after budget_s seconds;
+    each row is also written to `out` (a file) as a JSON line."""
+    from strata_jax.kernels.grouped import _mosaic_jit
+    from strata_jax.kernels.mosaic import (
+        mosaic_bf16_grouped_matmul, mosaic_grouped_matmul, mosaic_int4_grouped_matmul
+    )
+    t_start = time.perf_counter()
+    rows = []
+
+    def swiglu(mm):
+        def layer(x, w, s):
+            g, u = mm(x, w[0], s), mm(x, w[1], s)
+            h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+            return mm(h, w[2], s)
+        return jax.jit(layer)
+
+    def kernel(fmt, spec):
+        if spec == "jax":
+            return lambda a, b, c: _mosaic_jit(a, b, c)
+        if spec == "auto":  # what the library picks
+            return grouped_matmul
+        if "/" in spec:  # gate's and up's tiling / down's
+            wide, tall = (kernel(fmt, part) for part in spec.split("/"))
+            return lambda a, b, c: (wide if b.shape[-2] > b.shape[-1] else tall)(a, b, c)
+        t = _tiles(spec)
+        fn = {"bf16": mosaic_bf16_grouped_matmul, "fp8": mosaic_grouped_matmul,
+              "int4": mosaic_int4_grouped_matmul}[fmt]
+        return lambda a, b, c: fn(a, b, c, tiles=t)
+
+    def emit(r):
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
+    for e, hid, inter, top_k in shapes:
+        mats = ((hid, inter, 0), (hid, inter, 1), (inter, hid, 2))
+        wb = tuple((jax.random.normal(jax.random.key(10 + i), (e, a, b), jnp.float32) * 0.02
+                    ).astype(jnp.bfloat16) for a, b, i in mats)
+        quant = {kind: tuple(_random_planes(kind, e, a, b, 20 + i) for a, b, i in mats)
+                 for kind in ("fp8", "int4") if candidates.get(kind)}
+        poison = jnp.arange(e) < 2  # experts 0 and 1: no rows, NaN weights
+
+        def poisoned(w):
+            return jnp.where(poison[:, None, None], jnp.nan, w).astype(w.dtype)
+
+        weights = {"bf16": tuple(poisoned(w) for w in wb)}
+        for kind, ws in quant.items():
+            weights[kind] = tuple(dataclasses.replace(w, scale=poisoned(w.scale)) for w in ws)
+        reference = swiglu(lambda a, b, c: _mosaic_jit(a, b, c))
+        for tokens in tokens_list:
+            m = tokens * top_k
+            sizes = np.zeros(e, np.int32)
+            sizes[2:] = uniform_group_sizes(tokens, e - 2, top_k)
+            sizes = jnp.asarray(sizes)
+            x = jax.random.normal(jax.random.key(1), (m, hid), jnp.bfloat16)
+            h = jax.random.normal(jax.random.key(2), (m, inter), jnp.bfloat16)
+            flops = 3 * 2.0 * m * hid * inter
+            dense = jax.jit(lambda x, h, a, b, c: (x @ a, x @ b, h @ c))
+            t_dense = _time(dense, (x, h, wb[0][2], wb[1][2], wb[2][2]), warmup, repeats, batch)
+            base = dict(experts=e, hidden=hid, intermediate=inter, top_k=top_k, tokens=tokens,
+                        rows=m, rows_per_expert=m / (e - 2))
+            emit(dict(base, format="dense", ms=t_dense * 1e3,
+                      tflops=flops / t_dense / 1e12))
+            for fmt, specs in candidates.items():
+                if fmt not in weights:
+                    continue
+                wref = weights[fmt] if fmt == "bf16" else tuple(
+                    poisoned(w.dequantize()) for w in weights[fmt])
+                want = reference(x, wref, sizes)
+                del wref
+                for spec in specs:
+                    if time.perf_counter() - t_start > budget_s:
+                        emit(dict(base, format=fmt, tiles=spec, error="out of time budget"))
+                        continue
+                    try:
+                        f = swiglu(kernel(fmt, spec))
+                        got = f(x, weights[fmt], sizes)
+                        same = bool(jnp.all(got == want))
+                        finite = bool(jnp.all(jnp.isfinite(got)))
+                        t = _time(f, (x, weights[fmt], sizes), warmup, repeats, batch)
+                    except Exception as ex:  # noqa: BLE001 - a tiling that fails is reported
+                        emit(dict(base, format=fmt, tiles=spec,
+                                  error=f"{type(ex).__name__}: {ex}"[:400]))
+                        continue
+                    emit(dict(base, format=fmt, tiles=spec, ms=t * 1e3,
+                              tflops=flops / t / 1e12, over_dense=t / t_dense,
+                              same_bits=same, finite=finite))
+                del want
+        del wb, quant, weights
+    return rows
+
+
+SWEEP_512 = {
+    "bf16": ["jax", "128,128,64,4,8", "64,128,64,4,8", "64,128,64,3,8,2", "64,256,64,4,8",
+             "64,128,128,3,8", "128,128,64,4,8,1,2", "128,256,64,3,8,1,2",
+             "256,128,64,3,8,1,2"],
+    "fp8": ["128,128,128,3,8", "256,128,64,3,8,1,2", "64,128,128,3,8", "64,128,64,3,8,2",
+            "128,128,64,3,8,1,2"],
+    "int4": ["128,128,64,3,8,2", "64,128,64,3,8,2", "64,128,64,4,8"],
+}
+SWEEP_128 = {
+    "bf16": ["jax", "128,128,64,4,8", "64,128,64,4,8", "128,128,64,4,8,1,2",
+             "256,128,64,3,8,1,2"],
+    "fp8": ["128,128,128,3,8", "256,128,64,3,8,1,2", "64,128,128,3,8"],
+    "int4": ["128,128,64,3,8,2", "64,128,64,3,8,2"],
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status."""
+    from strata_jax.models import get_preset
+
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "sweep":  # the tiling sweep (gpu_moe512.sh): sweep --help
+        q = argparse.ArgumentParser(prog="grouped_matmul_bench sweep",
+                                    description=sweep.__doc__.split("\n\n")[0])
+        q.add_argument("--set", choices=("512", "128", "both"), default="both",
+                       help="512 experts of width 512 top-10 (H 2048), Qwen3-30B-A3B's 128 "
+                            "of width 768 top-8, or both")
+        q.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
+        q.add_argument("--formats", default="bf16,fp8,int4")
+        q.add_argument("--warmup", type=int, default=2)
+        q.add_argument("--repeats", type=int, default=5)
+        q.add_argument("--batch", type=int, default=5)
+        q.add_argument("--budget-s", type=float, default=1e9)
+        q.add_argument("--out", default=None, help="append each row here as a JSON line")
+        q.add_argument("--cand", action="append", default=[], metavar="FORMAT=SPEC",
+                       help="time these instead of the set's candidates (repeatable; SPEC: "
+                            "jax | auto | bm,bn,bk,stages,grid_block_n[,per_sm[,wgs]] | A/B)")
+        a = q.parse_args(argv[1:])
+        fmts = a.formats.split(",")
+        chosen = {}
+        for c in a.cand:
+            fmt, spec = c.split("=", 1)
+            chosen.setdefault(fmt, []).append(spec)
+        sets = {"512": [((512, 2048, 512, 10), chosen or SWEEP_512)],
+                "128": [((128, 2048, 768, 8), chosen or SWEEP_128)]}
+        todo = sets["512"] + sets["128"] if a.set == "both" else sets[a.set]
+        print(f"jax {jax.__version__} {jax.devices()}", flush=True)
+        t0 = time.perf_counter()
+        for shape, cands in todo:
+            sweep([shape], a.tokens, {f: c for f, c in cands.items() if f in fmts},
+                  warmup=a.warmup, repeats=a.repeats, batch=a.batch,
+                  budget_s=a.budget_s - (time.perf_counter() - t0), out=a.out)
+        return 0
     preset = get_preset("qwen3-30b-a3b")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write results here")

@@ -35,7 +35,7 @@ from strata_jax.experts import ExpertWeights
 from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantized_config
 from strata_jax.kernels.grouped import grouped_matmul
 from strata_jax.kernels.mosaic import (
-    MOSAIC_INT4_TILES, MosaicTiles, fp8_tiles_for, int4_conversion, mosaic_grouped_matmul,
+    MosaicTiles, fp8_tiles_for, int4_conversion, int4_tiles_for, mosaic_grouped_matmul,
     mosaic_int4_grouped_matmul, mosaic_int4_supports, mosaic_supports
 )
 from strata_jax.kernels.quantized import in_stored_order
@@ -60,9 +60,9 @@ def parse_mosaic(spec: str) -> MosaicTiles:
 
 def model_mosaic_tiles(kind: str, tokens: int, config) -> MosaicTiles:
     """The Mosaic tiling the model reads a `kind` layer of `tokens` tokens with (int4:
-    MOSAIC_INT4_TILES; fp8: `fp8_tiles_for` its rows and experts)."""
+    `int4_tiles_for`, fp8: `fp8_tiles_for` its rows and experts)."""
     if kind.startswith("int4"):
-        return MOSAIC_INT4_TILES
+        return int4_tiles_for(tokens * config.top_k, config.n_experts)
     return fp8_tiles_for(tokens * config.top_k, config.n_experts)
 
 

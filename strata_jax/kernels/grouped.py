@@ -9,7 +9,9 @@ Implementations, chosen by `Kernels.grouped_matmul` (auto|mosaic|lax|tiled, defa
 `impl` argument here):
     mosaic Pallas Mosaic GPU `ragged_dot` (Hopper only): only the tiles of each group are computed,
            a zero-size group owns no rows and stores nothing. Rows past the last group are never
-           stored by the kernel and are zeroed afterwards.
+           stored by the kernel and are zeroed afterwards. From `mosaic.MANY_GROUPS` groups
+           (512 experts) the bf16 kernel of `kernels.mosaic` (`bf16_tiles_for`), which finds
+           each tile's group in one load where jax's passes over every group; the same bits.
     lax    `lax.ragged_dot` (CPU, TPU). On CPU it lowers to a dense masked product that multiplies
            every group's weights by zeros, so NaN/Inf in an unrouted expert would leak (0 * NaN);
            the weights of zero-size groups are therefore replaced by zeros first. The routed rows
@@ -38,7 +40,9 @@ from jax import lax
 from strata_jax.formats import QuantizedMatrix
 from strata_jax.kernels import GROUPED_MATMULS as IMPLEMENTATIONS
 from strata_jax.kernels.common import is_hopper, zero_rows_past_groups
-from strata_jax.kernels.mosaic import fp8_tiles_for, mosaic_fp8, mosaic_int4
+from strata_jax.kernels.mosaic import (
+    bf16_tiles_for, fp8_tiles_for, int4_tiles_for, mosaic_bf16, mosaic_fp8, mosaic_int4
+)
 from strata_jax.kernels.quantized import in_stored_order, resolve_quantized
 
 __all__ = ["grouped_matmul", "resolve_implementation", "is_hopper", "row_pieces",
@@ -103,7 +107,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
         path = resolve_quantized(quantized, w)
         if path == "mosaic":
             if w.kind == "int4":
-                return mosaic_int4(x, w, group_sizes.astype(jnp.int32))
+                tiles = int4_tiles_for(x.shape[0], group_sizes.shape[0])
+                return mosaic_int4(x, w, group_sizes.astype(jnp.int32), tiles=tiles)
             tiles = fp8_tiles_for(x.shape[0], group_sizes.shape[0], w)
             return mosaic_fp8(x, w, group_sizes.astype(jnp.int32), tiles=tiles)
         with jax.named_scope("dequantize"):
@@ -121,6 +126,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
     if impl == "mosaic":
+        tiles = bf16_tiles_for(m, g, k, n, x.dtype)  # many groups: kernels.mosaic's
+        if tiles is not None:
+            return mosaic_bf16(x, w, group_sizes, tiles=tiles)
         if _mosaic_supports(k, n, x.dtype):
             return _mosaic_jit(x, w, group_sizes)
         impl = "tiled"  # shape the kernel cannot tile: stay memory-safe.

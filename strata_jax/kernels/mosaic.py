@@ -124,14 +124,61 @@ MOSAIC_WIDE_TILES = MosaicTiles(256, 128, 64, 3, 8, 1, compute_wgs=2)
 WIDE_FROM_ROWS_PER_GROUP = 256
 
 
+# Many groups (512 experts, top-10: Qwen3-Next's) hold few rows each, so a 128-row tile is
+# mostly empty and the kernel streams every expert's weights: 64-row tiles, two programs an SM
+# (about 96 KB of shared memory each), so that one program's loads and stores overlap the
+# other's steps. The H200 sweep's fastest for every format below its row bounds (DESIGN.md,
+# "Many small experts"); from MANY_GROUPS groups, so that the shapes of fewer, larger experts
+# (Qwen3-30B-A3B's 128) keep the tilings measured for them.
+MANY_GROUPS = 256
+MOSAIC_SMALL_TILES = MosaicTiles(64, 128, 64, 3, 8, 2)
+INT4_SMALL_BELOW_ROWS_PER_GROUP = 48
+
+
 def fp8_tiles_for(m: int, groups: int, w=None) -> MosaicTiles:
     """The fp8 tiling for a grouped matmul of `m` rows over `groups` groups: MOSAIC_WIDE_TILES
     from WIDE_FROM_ROWS_PER_GROUP rows a group on average (and where it reads `w`, if given),
-    else MOSAIC_TILES."""
+    else MOSAIC_SMALL_TILES from MANY_GROUPS groups, else MOSAIC_TILES."""
     if m >= WIDE_FROM_ROWS_PER_GROUP * max(groups, 1) and (
             w is None or mosaic_supports(w, MOSAIC_WIDE_TILES)):
         return MOSAIC_WIDE_TILES
+    if groups >= MANY_GROUPS and (w is None or mosaic_supports(w, MOSAIC_SMALL_TILES)):
+        return MOSAIC_SMALL_TILES
     return MOSAIC_TILES
+
+
+def int4_tiles_for(m: int, groups: int) -> MosaicTiles:
+    """The int4 tiling for a grouped matmul of `m` rows over `groups` groups:
+    MOSAIC_SMALL_TILES from MANY_GROUPS groups of fewer than INT4_SMALL_BELOW_ROWS_PER_GROUP
+    rows on average, else MOSAIC_INT4_TILES (every int4 matrix the kernel reads with one
+    it reads with the other: both have k steps of half a group)."""
+    if groups >= MANY_GROUPS and m < INT4_SMALL_BELOW_ROWS_PER_GROUP * groups:
+        return MOSAIC_SMALL_TILES
+    return MOSAIC_INT4_TILES
+
+
+# bf16 from MANY_GROUPS groups: the kernel of this module without a conversion, where the
+# bf16 kernel of jax (`kernels.grouped`) finds each tile's group by a pass over all the groups
+# (7.1 / 20.8 / 36.7 TFLOP/s at 1K / 4K / 16K tokens of 512 experts, against 60 / 177 / 321
+# here). Below BF16_WIDE_FROM_ROWS_PER_GROUP rows a group, MOSAIC_SMALL_TILES; from it two
+# compute warpgroups on the halves of a 128-row tile, 256 columns wide.
+BF16_WIDE_FROM_ROWS_PER_GROUP = 64
+MOSAIC_BF16_WIDE_TILES = MosaicTiles(128, 256, 64, 3, 8, 1, compute_wgs=2)
+
+
+def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | None:
+    """The tiling `mosaic_bf16_grouped_matmul` multiplies [m, k] rows over `groups` groups of
+    [k, n] matrices in `dtype` with, or None where jax's bf16 kernel does (fewer than
+    MANY_GROUPS groups, or a shape this kernel does not tile)."""
+    if groups < MANY_GROUPS:
+        return None
+    wide = MOSAIC_BF16_WIDE_TILES if n % 256 == 0 else dataclasses.replace(
+        MOSAIC_BF16_WIDE_TILES, block_n=128, stages=4)
+    for tiles in ((MOSAIC_SMALL_TILES, wide) if m < BF16_WIDE_FROM_ROWS_PER_GROUP * groups
+                  else (wide,)):
+        if mosaic_bf16_supports(k, n, dtype, tiles):
+            return tiles
+    return None
 
 
 def mosaic_supports(w, tiles: MosaicTiles) -> bool:
@@ -192,6 +239,44 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
         return _ragged_kernel(
             x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
             pipelined=[w.q], resident=[w.scale.astype(jnp.float32)], convert=convert)
+
+
+def mosaic_bf16_supports(k: int, n: int, dtype, tiles: MosaicTiles) -> bool:
+    """Whether the bf16 kernel (`mosaic_bf16_grouped_matmul`) multiplies [M, k] rows by
+    [E, k, n] matrices of `dtype` with `tiles`: whole k steps and column tiles, bf16 or
+    fp16."""
+    return (k % tiles.block_k == 0 and n % tiles.block_n == 0
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def mosaic_bf16_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                               tiles: MosaicTiles, interpret: bool | None = None,
+                               num_sms: int | None = None) -> jax.Array:
+    """Rows of x [M, K] sorted by group times their group's matrix of w [E, K, N] (bf16 or
+    fp16, x's dtype) -> [M, N], float32 accumulation, rows past the groups zero: the fp8
+    kernel's skeleton (visits from `group_metadata`, so a group with no rows is never read
+    and each program finds its visit in one load, however many groups) with each k step's
+    TMA-loaded weight tile multiplied as it lies. What `grouped_matmul` reads plain experts
+    with where `kernels.grouped.bf16_tiles_for` names a tiling (many small groups)."""
+    m, k = x.shape
+    e, k2, n = w.shape
+    if k2 != k or group_sizes.shape != (e,) or x.dtype != w.dtype:
+        raise ValueError(f"mosaic_bf16_grouped_matmul: x {x.shape} {x.dtype}, w {w.shape} "
+                         f"{w.dtype}, group_sizes {group_sizes.shape}")
+    if not mosaic_bf16_supports(k, n, x.dtype, tiles):
+        raise ValueError(f"mosaic_bf16_grouped_matmul: [{k}, {n}] in "
+                         f"{jnp.dtype(x.dtype).name} cannot be read by {tiles}")
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    interpret, num_sms = _launch(interpret, num_sms)
+    specs = [plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda kk, ni: (kk, ni))]
+    with jax.named_scope("grouped_matmul_bf16_mosaic"):
+        if tiles.compute_wgs == 2:
+            return _ragged_kernel_2wg(x, group_sizes, n, k, tiles, interpret, num_sms,
+                                      plane_specs=specs, pipelined=[w], resident=[],
+                                      convert_part=None)
+        return _ragged_kernel(x, group_sizes, n, k, tiles, interpret, num_sms,
+                              plane_specs=specs, pipelined=[w], resident=[], convert=None)
 
 
 def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
@@ -287,7 +372,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
 
-    def body(meta_ref, x_gmem, *refs, w_smem):
+    def body(meta_ref, x_gmem, *refs, w_smem=None):
         planes, o_gmem = refs[:-1], refs[-1]
         pipe_gmem, res_gmem = planes[:n_pipe], planes[n_pipe:]
 
@@ -295,16 +380,22 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
             def acc_scope(acc_ref):
                 def step(idx, x_smem, *plane_smem):
                     (kk,) = idx
-                    slot = lax.rem(kk, 2)
-                    convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
+                    if convert is None:  # bf16: the pipelined tile is the weights
+                        plgpu.wgmma(acc_ref, x_smem, plane_smem[0])
+                    else:
+                        slot = lax.rem(kk, 2)
+                        convert(kk, gid, ni, *plane_smem, *res_gmem, w_smem.at[slot])
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[slot])
                     # The previous step's product is done, so its x buffer (released after
                     # this step) and its weight slot (written next step) are free.
                     plgpu.wgmma_wait(1)
 
+                # Without a conversion the product reads the plane's buffer itself, a step
+                # past its own, as it reads x's.
                 specs = [plgpu.BlockSpec(spec.block_shape,
-                                         lambda kk, f=spec.index_map: f(kk, ni))
+                                         lambda kk, f=spec.index_map: f(kk, ni),
+                                         delay_release=int(convert is None))
                          for spec in plane_specs]
                 plgpu.emit_pipeline(
                     step, grid=(k // bk,),
@@ -324,9 +415,10 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
 
         _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
 
+    scratch = {} if convert is None else dict(w_smem=plgpu.SMEM((2, bk, bn), dtype))
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
                        interpret=interpret, grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
-                       scratch_types=dict(w_smem=plgpu.SMEM((2, bk, bn), dtype)))
+                       scratch_types=scratch)
 
 
 def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
@@ -372,13 +464,16 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
         allocs = pipeline(ignore, ignore, 0, 0).get_allocations(
             x_gmem, *(p.at[0] for p in pipe_gmem))
 
+        # bf16 (no conversion) has no converted slots to share, nor barriers over them
+        slots = {} if convert_part is None else dict(
+            w_smem=plgpu.SMEM((2, bk, bn), dtype),
+            conv=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            done=plgpu.Barrier(num_arrivals=2))
+
         @functools.partial(pl.run_scoped, allocs=allocs,
-                           w_smem=plgpu.SMEM((2, bk, bn), dtype),
-                           o_smem=plgpu.SMEM((2, hm, bn), dtype),
-                           conv=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-                           done=plgpu.Barrier(num_arrivals=2),
+                           o_smem=plgpu.SMEM((2, hm, bn), dtype), **slots,
                            collective_axes="wg")
-        def _scope(allocs, w_smem, o_smem, conv, done):
+        def _scope(allocs, o_smem, w_smem=None, conv=None, done=None):
             wg = lax.axis_index("wg")
 
             def visit(gid, ni, row0, first, rows):
@@ -390,6 +485,15 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                 def step(idx, x_smem, *rest):
                     *plane_smem, acc_ref = rest
                     (kk,) = idx
+                    if convert_part is None:  # bf16: both halves read the pipelined tile
+                        @pl.when(mine)
+                        def _():
+                            plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], plane_smem[0])
+
+                        # this warpgroup's product kk - 1 is done: the buffers released
+                        # after this step are free
+                        plgpu.wgmma_wait(1)
+                        return acc_ref
                     slot = lax.rem(kk, 2)
                     convert_part(kk, gid, ni, wg, *plane_smem, *res_gmem, w_smem.at[slot])
                     plgpu.wgmma_wait(0)  # this warpgroup's product kk - 1 is done
@@ -408,10 +512,11 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                     def _acc(acc_ref):
                         run(acc_ref)
                         acc = acc_ref[...]  # this warpgroup's products are done
-                        # and the other's: the next visit's first steps may write the slot
-                        # this visit's last products read.
-                        plgpu.barrier_arrive(done)
-                        plgpu.barrier_wait(done)
+                        if convert_part is not None:
+                            # and the other's: the next visit's first steps may write the
+                            # slot this visit's last products read.
+                            plgpu.barrier_arrive(done)
+                            plgpu.barrier_wait(done)
                         # This warpgroup's rows of the visit: [lo, hi) of its half.
                         lo = jnp.clip(first - wg * hm, 0, hm)
                         hi = jnp.clip(first + rows - wg * hm, 0, hm)
@@ -654,3 +759,10 @@ def mosaic_int4(x: jax.Array, w, group_sizes: jax.Array,
     """`mosaic_int4_grouped_matmul` at `tiles` (default `MOSAIC_INT4_TILES`) on the device's
     SMs."""
     return mosaic_int4_grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=False)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def mosaic_bf16(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                tiles: MosaicTiles) -> jax.Array:
+    """`mosaic_bf16_grouped_matmul` at `tiles` on the device's SMs."""
+    return mosaic_bf16_grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=False)
