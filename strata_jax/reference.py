@@ -27,10 +27,21 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
+def _norm(x, p, name, eps):
+    """RMSNorm `name` (".weight" or the zero-centred ".centred_weight", scale 1 + w)."""
+    if name + ".centred_weight" in p:
+        return _rms_norm(x, 1.0 + _f64(p[name + ".centred_weight"]), eps)
+    return _rms_norm(x, p[name + ".weight"], eps)
+
+
+def _rotated(c: ModelConfig) -> int:
+    return getattr(c, "rotary_dim", 0) or c.head_dim  # a partial rotary config's part
+
+
 def _rope_inv_freq(c: ModelConfig):
     """(inv_freq [D/2], cos/sin multiplier), one frequency at a time from the formulas (Hugging
     Face transformers' modeling_rope_utils semantics for linear, dynamic and yarn)."""
-    d, theta, s = c.head_dim, c.rope_theta, c.rope_scaling
+    d, theta, s = _rotated(c), c.rope_theta, c.rope_scaling
     plain = [theta ** (-2.0 * i / d) for i in range(d // 2)]
     if s is None or s.rope_type == "dynamic":  # dynamic: plain up to its original length
         return np.array(plain), 1.0
@@ -61,7 +72,9 @@ def _rope_inv_freq(c: ModelConfig):
 
 
 def _rope(x, positions, c: ModelConfig):
-    d = x.shape[-1]
+    d = _rotated(c)
+    if d < x.shape[-1]:  # partial rotary: the first d dims rotate, the rest pass
+        return np.concatenate([_rope(x[..., :d], positions, c), x[..., d:]], axis=-1)
     inv_freq, mult = _rope_inv_freq(c)
     ang = positions[:, None].astype(np.float64) * inv_freq[None]  # [T, D/2]
     cos, sin = mult * np.cos(ang)[:, None, :], mult * np.sin(ang)[:, None, :]
@@ -82,6 +95,10 @@ def visible(q_pos, k_pos, window: int | None) -> np.ndarray:
 def _attention(c: ModelConfig, p, prefix, x, window: int | None):
     t = x.shape[0]
     q = x @ _f64(p[prefix + "q_proj"])
+    gate = None
+    if q.shape[1] == 2 * c.q_dim:  # gated attention: each head's queries, then its gate
+        both = q.reshape(t, c.n_heads, 2, c.head_dim)
+        q, gate = both[:, :, 0].reshape(t, c.q_dim), both[:, :, 1]
     k = x @ _f64(p[prefix + "k_proj"])
     v = x @ _f64(p[prefix + "v_proj"])
     if c.attention_bias:  # added before any q/k norm, as Hugging Face's nn.Linear(bias=True)
@@ -94,8 +111,8 @@ def _attention(c: ModelConfig, p, prefix, x, window: int | None):
     k = k.reshape(t, c.n_kv_heads, c.head_dim)
     v = v.reshape(t, c.n_kv_heads, c.head_dim)
     if c.qk_norm == "per_head":
-        q = _rms_norm(q, p[prefix + "q_norm.weight"], c.rms_norm_eps)
-        k = _rms_norm(k, p[prefix + "k_norm.weight"], c.rms_norm_eps)
+        q = _norm(q, p, prefix + "q_norm", c.rms_norm_eps)
+        k = _norm(k, p, prefix + "k_norm", c.rms_norm_eps)
     pos = np.arange(t)
     q, k = _rope(q, pos, c), _rope(k, pos, c)
     out = np.zeros_like(q)
@@ -107,8 +124,51 @@ def _attention(c: ModelConfig, p, prefix, x, window: int | None):
         s = np.where(seen, s, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
+    if gate is not None:
+        out = out / (1.0 + np.exp(-gate))
     out = out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
     return out + _f64(p[prefix + "o_bias"]) if c.attention_bias else out
+
+
+def reference_deltanet(c: ModelConfig, p, prefix: str, x, window=None, state=None):
+    """Float64 Gated DeltaNet layer of a hybrid config, token by token from the published
+    recurrence (the model computes it chunkwise): depthwise causal conv with SiLU over q, k, v
+    continuing from `window` [K-1, C] (zeros: a prompt's start); q, k L2-normalised, q scaled
+    by dk^-1/2; per value head S <- exp(g) S, then S <- S + k (beta (v - S^T k))^T, o = S^T q;
+    the gated RMSNorm by z and out_proj.
+
+    Returns (out [T, H], the next window, the next state [Hv, dk, dv])."""
+    t = x.shape[0]
+    hk, hv, dk, dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
+    kd, vd, kk = hk * dk, hv * dv, c.conv_kernel
+    proj = x @ _f64(p[prefix + "in_proj"])
+    gates = x @ _f64(p[prefix + "in_gates"])
+    mixed, z = proj[:, :2 * kd + vd], proj[:, 2 * kd + vd:]
+    window = np.zeros((kk - 1, mixed.shape[1])) if window is None else _f64(window)
+    full = np.concatenate([window, mixed])
+    taps = _f64(p[prefix + "conv"])  # [K, C]
+    conv = np.stack([sum(taps[j] * full[i + j] for j in range(kk)) for i in range(t)])
+    conv = _silu(conv)
+    q = conv[:, :kd].reshape(t, hk, dk)
+    k = conv[:, kd:2 * kd].reshape(t, hk, dk)
+    v = conv[:, 2 * kd:].reshape(t, hv, dv)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(dk)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    beta = 1.0 / (1.0 + np.exp(-gates[:, :hv]))
+    a = gates[:, hv:] + _f64(p[prefix + "dt_bias"])
+    g = -np.exp(_f64(p[prefix + "A_log"])) * np.log1p(np.exp(a))
+    s = np.zeros((hv, dk, dv)) if state is None else _f64(state)
+    out = np.zeros((t, hv, dv))
+    rep = hv // hk
+    for i in range(t):
+        for h in range(hv):
+            kh = k[i, h // rep]
+            s[h] = np.exp(g[i, h]) * s[h]
+            s[h] = s[h] + np.outer(kh, beta[i, h] * (v[i, h] - s[h].T @ kh))
+            out[i, h] = s[h].T @ q[i, h // rep]
+    normed = out / np.sqrt(np.mean(out * out, -1, keepdims=True) + c.rms_norm_eps)
+    normed = normed * _f64(p[prefix + "norm.weight"]) * _silu(z.reshape(t, hv, dv))
+    return normed.reshape(t, vd) @ _f64(p[prefix + "out_proj"]), full[t:], s
 
 
 def reference_attention(q, k, v, positions, window: int | None = None) -> np.ndarray:
@@ -217,9 +277,12 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
     all_counts = []
     for layer in range(c.n_layers):
         pre = f"layers.{layer}."
-        h = _rms_norm(x, params[pre + "input_norm.weight"], c.rms_norm_eps)
-        x = x + _attention(c, params, pre + "attn.", h, c.window_of(layer))
-        h = _rms_norm(x, params[pre + "post_attn_norm.weight"], c.rms_norm_eps)
+        h = _norm(x, params, pre + "input_norm", c.rms_norm_eps)
+        if getattr(c, "mixers", None) and c.is_linear(layer):
+            x = x + reference_deltanet(c, params, pre + "linear_attn.", h)[0]
+        else:
+            x = x + _attention(c, params, pre + "attn.", h, c.window_of(layer))
+        h = _norm(x, params, pre + "post_attn_norm", c.rms_norm_eps)
         m = pre + "mlp."
         if layer not in c.moe_layers:
             x = x + _swiglu(h, _f64(params[m + "gate"]), _f64(params[m + "up"]),
@@ -248,7 +311,7 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
             out = out + shared
         x = x + out
         all_counts.append(counts)
-    x = _rms_norm(x, params["final_norm.weight"], c.rms_norm_eps)
+    x = _norm(x, params, "final_norm", c.rms_norm_eps)
     head = _f64(params["embed"]).T if c.tie_embeddings else _f64(params["lm_head"])
     counts = np.stack(all_counts) if all_counts else np.zeros((0, c.n_experts), np.int64)
     return x @ head, counts

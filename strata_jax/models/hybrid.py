@@ -92,6 +92,14 @@ class HybridConfig(ModelConfig):
             raise ValueError("a hybrid model's attention layers have no sliding window "
                              "(layer_types / sliding_window)")
 
+    def replace(self, **changes) -> "HybridConfig":
+        """`ModelConfig.replace`; a new `n_layers` without `mixers` repeats the layer kinds
+        from the first layer (the first n of the published pattern)."""
+        if "n_layers" in changes and "mixers" not in changes:
+            changes["mixers"] = tuple(self.mixers[i % self.n_layers]
+                                      for i in range(changes["n_layers"]))
+        return super().replace(**changes)
+
     def scaled(self, *, n_layers: int | None = None, **kw) -> "HybridConfig":
         """`ModelConfig.scaled`, 4 layers by default; the layer kinds repeat the original's from
         its first layer (Qwen3-Next's three DeltaNet layers then one attention layer), the
