@@ -590,3 +590,32 @@ def test_grouped_matmul_bench_rows_and_its_band_option(tmp_path, capsys):
     with pytest.raises(SystemExit):
         grouped_matmul_bench.main([*small, "--block-k", "48"])
     assert "--block-k 48: a power of two" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_chunked_bench_reads_a_hybrid_model(tmp_path):
+    # The hybrid preset (Gated DeltaNet + gated attention) through the chunked benchmark: every
+    # streamed read equal to the resident read of the same order, across chunks and layer-major.
+    from strata_jax.benchmarks import chunked_bench
+
+    out = tmp_path / "hybrid.json"
+    rc = chunked_bench.main(["--tiny", "--preset", "qwen3-next-80b-a3b", "--layers", "4",
+                             "--parts", "prefill", "--long", "256", "--chunk", "128",
+                             "--arms", "routed", "--reps-prefill", "1", "--json", str(out)])
+    assert rc == 0
+    reads = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "prefill"]
+    assert {r["arm"] for r in reads} == {"resident", "routed"} and len(reads) == 6
+    assert all(r["identical_to_resident"] is True for r in reads)
+
+
+@pytest.mark.slow
+def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
+    from strata_jax.benchmarks import hybrid_bench
+
+    out = tmp_path / "mixers.json"
+    assert hybrid_bench.main(["--tiny", "--tokens", "128", "--chunk", "64", "--reps", "1",
+                              "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mixer"] for r in rows[:2]] == ["gated-deltanet", "gated-attention"]
+    assert {r["delta_rule_block"] for r in rows if "delta_rule_block" in r} == {32, 64, 128}
+    assert rows[-1]["ratio_deltanet_over_attention"] > 0
