@@ -8,6 +8,9 @@ products as dense bf16 matmuls with one weight matrix, then reports TFLOP/s of e
 The bar on the H200 is grouped >= 50% of dense.
 
     python -m strata_jax.benchmarks.grouped_matmul_bench --json out.json
+
+`grouped_matmul_bench sweep` times one layer's expert math per format at candidate tilings (512
+experts of width 512, top-10, and Qwen3-30B-A3B's shape; `sweep`, gpu_moe512.sh).
 """
 
 from __future__ import annotations
