@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from strata_jax import models
 from strata_jax.models import decoder as M
 from strata_jax.layers import moe
 
@@ -38,7 +39,7 @@ def built(config, seed=0):
     key = (config, seed)
     if key not in _MODELS:
         params = init_synthetic(config, seed)
-        _MODELS[key] = (M.build_model(config, params), params)
+        _MODELS[key] = (models.build_model(config, params), params)
     return _MODELS[key]
 
 
@@ -50,7 +51,7 @@ def test_constant_prompt_matches_reference():
     c = small("qwen3-30b-a3b")
     model, params = built(c)
     toks = np.full(12, 7, np.int32)
-    logits, _, counts = M.forward(model, toks, M.init_cache(c, 32))
+    logits, _, counts = M.forward(model, toks, models.init_cache(c, 32))
     ref, ref_counts = reference_forward(c, params, toks)
     assert_close(logits, ref, np.float32)
     np.testing.assert_array_equal(np.asarray(counts), ref_counts)
@@ -67,7 +68,7 @@ def test_random_prompt_matches_reference(name):
     c = small(name)
     model, params = built(c)
     toks = tokens_for(c, 24)
-    logits, cache, counts = M.forward(model, toks, M.init_cache(c, 32))
+    logits, cache, counts = M.forward(model, toks, models.init_cache(c, 32))
     assert logits.dtype == jnp.float32 and logits.shape == (24, c.vocab_size)
     assert counts.dtype == jnp.int32 and counts.shape == (len(c.moe_layers), c.n_experts)
     ref, ref_counts = reference_forward(c, params, toks)
@@ -81,7 +82,7 @@ def test_tied_embeddings_match_reference():
     model, params = built(c)
     assert "lm_head" not in params
     toks = tokens_for(c, 10)
-    logits, _, _ = M.forward(model, toks, M.init_cache(c, 16))
+    logits, _, _ = M.forward(model, toks, models.init_cache(c, 16))
     assert_close(logits, reference_forward(c, params, toks)[0], np.float32)
 
 
@@ -91,7 +92,7 @@ def test_bfloat16_matches_reference():
     c = small("qwen3-30b-a3b", param_dtype="bfloat16", n_experts=8, top_k=4)
     model, params = built(c, seed=3)
     toks = tokens_for(c, 8)
-    logits, cache, _ = M.forward(model, toks, M.init_cache(c, 16))
+    logits, cache, _ = M.forward(model, toks, models.init_cache(c, 16))
     assert cache.keys[0].dtype == jnp.bfloat16
     assert_close(logits, reference_forward(c, params, toks)[0], ml_dtypes.bfloat16)
 
@@ -105,8 +106,8 @@ def test_chunked_prefill_equals_one_shot(name):
     c = small(name)
     model, _ = built(c)
     toks = tokens_for(c, 30)
-    one_logits, one_cache, one_counts = M.forward(model, toks, M.init_cache(c, 32))
-    cache = M.init_cache(c, 32)
+    one_logits, one_cache, one_counts = M.forward(model, toks, models.init_cache(c, 32))
+    cache = models.init_cache(c, 32)
     parts, counts = [], []
     for lo, hi in ((0, 7), (7, 19), (19, 30)):
         logits, cache, cnt = M.forward(model, toks[lo:hi], cache, lo)
@@ -135,7 +136,7 @@ def test_source_seam_unrouted_rows_never_read():
     c = small("qwen3-next-80b-a3b", n_experts=64, top_k=2)
     model, _ = built(c)
     toks = tokens_for(c, 5)  # 10 assignments over 64 experts: most are unrouted
-    cache = M.init_cache(c, 8)
+    cache = models.init_cache(c, 8)
     resident = M.forward(model, toks, cache, 0)
     source = PoisonUnrouted()
     assert isinstance(source, ExpertSource)
@@ -163,11 +164,11 @@ def test_model_without_resident_experts_uses_source():
     c = small("deepseek-v3")
     model, params = built(c)
     dense, experts = split_experts(c, params)
-    lean = M.build_model(c, dense, resident_experts=False)
-    lean_names = M.param_shapes(c, resident_experts=False)
+    lean = models.build_model(c, dense, resident_experts=False)
+    lean_names = models.param_shapes(c, resident_experts=False)
     assert not any(n in lean_names for l in c.moe_layers for n in M.expert_param_names(c, l))
     toks = tokens_for(c, 9)
-    cache = M.init_cache(c, 16)
+    cache = models.init_cache(c, 16)
     with pytest.raises(ValueError, match="no resident expert weights"):
         M.forward(lean, toks, cache, 0)
     blobs = {l: pack_expert_blobs_np(w) for l, w in experts.items()}
@@ -227,12 +228,12 @@ def test_einsum_attention_matches_xla():
     c = small("mixtral-8x7b")
     model, params = built(c)
     toks = tokens_for(c, 16)
-    cache = M.init_cache(c, 32)
+    cache = models.init_cache(c, 32)
     first, cache1, _ = M.forward(model, toks[:8], cache, 0)
     second, _, _ = M.forward(model, toks[8:], cache1, 8)
     # The same weights with the einsum path: the kernels are part of the model's static graph,
     # so forward's cached jit traces it anew.
-    einsum = M.build_model(c, params, kernels=Kernels(attention="einsum"))
+    einsum = models.build_model(c, params, kernels=Kernels(attention="einsum"))
     first_e, cache1_e, _ = M.forward(einsum, toks[:8], cache, 0)
     second_e, _, _ = M.forward(einsum, toks[8:], cache1_e, 8)
     assert_close(first_e, first, np.float32)
@@ -298,10 +299,10 @@ def test_blocked_attention_in_chunked_prefill():
     c = small("qwen3-30b-a3b")
     _, params = built(c)
     toks = tokens_for(c, 40)
-    cache = M.init_cache(c, 64)
+    cache = models.init_cache(c, 64)
     outs = []
     for impl in ("xla", "blocked"):
-        model = M.build_model(c, params, kernels=Kernels(attention=impl))
+        model = models.build_model(c, params, kernels=Kernels(attention=impl))
         first, cache1, _ = M.forward(model, toks[:16], cache, 0)
         second, cache2, _ = M.forward(model, toks[16:], cache1, 16)
         outs.append((second, cache2))
@@ -315,7 +316,7 @@ def test_blocked_attention_in_chunked_prefill():
                                   for n in sorted(PRESETS)])
 def test_eval_shape_full_size(name):
     c = get_preset(name)
-    shapes = M.param_shapes(c)
+    shapes = models.param_shapes(c)
     l = c.moe_layers[0]
     assert shapes[f"layers.{l}.mlp.gate"].shape == (c.n_experts, c.hidden_size,
                                                      c.expert_intermediate)
@@ -351,13 +352,13 @@ def test_bad_inputs_raise_before_device_work(tokens, start, pattern):
     c = small("qwen3-30b-a3b")
     model, _ = built(c)
     with pytest.raises(ValueError, match=pattern):
-        M.forward(model, tokens, M.init_cache(c, 32), start)
+        M.forward(model, tokens, models.init_cache(c, 32), start)
 
 
 def test_prompt_past_max_context():
     c = small("qwen3-30b-a3b", max_seq_len=16)
     with pytest.raises(ValueError, match="capacity 32"):
-        M.init_cache(c, 32)
+        models.init_cache(c, 32)
     with pytest.raises(ValueError, match="past max context.*max_seq_len=16"):
         M.validate_inputs(c, np.zeros(20, np.int32), cache_capacity=64, start=0)
 
@@ -368,10 +369,10 @@ def test_build_model_errors():
     missing = dict(params)
     del missing["layers.1.attn.k_proj"]
     with pytest.raises(KeyError, match="layers.1.attn.k_proj"):
-        M.build_model(c, missing)
+        models.build_model(c, missing)
     bad = dict(params, **{"layers.0.mlp.router": np.zeros((3, 3), np.float32)})
     with pytest.raises(ValueError, match=r"layers.0.mlp.router.*\(3, 3\).*\(64, 16\)"):
-        M.build_model(c, bad)
+        models.build_model(c, bad)
 
 
 @pytest.mark.gpu
@@ -379,9 +380,9 @@ def test_forward_8k_tokens_on_gpu():
     # Hopper-friendly shapes (K % 64, N % 128) so the Mosaic GPU grouped matmul runs.
     c = get_preset("qwen3-30b-a3b").scaled(hidden_size=256, expert_intermediate=256, n_experts=128,
                                            n_layers=2, max_seq_len=8192)
-    model = M.build_model(c, init_synthetic(c, 0))
+    model = models.build_model(c, init_synthetic(c, 0))
     toks = tokens_for(c, 8192)
-    logits, _, counts = M.forward(model, toks, M.init_cache(c, 8192))
+    logits, _, counts = M.forward(model, toks, models.init_cache(c, 8192))
     logits = np.asarray(logits)
     assert np.isfinite(logits).all()
     assert np.asarray(counts).sum(1).tolist() == [8192 * c.top_k] * len(c.moe_layers)
@@ -398,14 +399,14 @@ def test_build_model_with_separate_experts_keeps_shared_expert_weights():
                                                   param_dtype="float32")
     params = init_synthetic(c, seed=4)
     dense, experts = split_experts(c, params)
-    _, built = nnx.split(M.build_model(c, dense, experts=experts))
-    _, reference = nnx.split(M.build_model(c, params))
+    _, built = nnx.split(models.build_model(c, dense, experts=experts))
+    _, reference = nnx.split(models.build_model(c, params))
     for (pa, va), (pb, vb) in zip(nnx.to_flat_state(built), nnx.to_flat_state(reference)):
         assert pa == pb
         np.testing.assert_array_equal(np.asarray(M._get(va)), np.asarray(M._get(vb)))
     del dense["layers.0.mlp.shared.down"]
     with pytest.raises(KeyError, match="missing parameter 'layers.0.mlp.shared.down'"):
-        M.build_model(c, dense, experts=experts)
+        models.build_model(c, dense, experts=experts)
 
 
 # ---- padding (the engine's compile buckets) and layer-major order ------------------------------
@@ -425,20 +426,20 @@ def test_padding_changes_no_real_output(name):
     outs = []
     for fill in (0, 7, c.vocab_size - 1):
         padded = np.concatenate([toks, np.full(3, fill, np.int32)])
-        outs.append(run(jnp.asarray(padded), M.init_cache(c, 32), jnp.int32(13)))
+        outs.append(run(jnp.asarray(padded), models.init_cache(c, 32), jnp.int32(13)))
     for logits, cache, counts in outs[1:]:
         np.testing.assert_array_equal(np.asarray(logits)[:13], np.asarray(outs[0][0])[:13])
         np.testing.assert_array_equal(np.asarray(counts), np.asarray(outs[0][2]))
         for a, b in zip(cache.keys + cache.values, outs[0][1].keys + outs[0][1].values):
             np.testing.assert_array_equal(np.asarray(a)[:13], np.asarray(b)[:13])
-    ref_logits, ref_cache, ref_counts = M.forward(model, toks, M.init_cache(c, 32))
+    ref_logits, ref_cache, ref_counts = M.forward(model, toks, models.init_cache(c, 32))
     logits, cache, counts = outs[0]
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))  # padding uncounted
     assert_close(np.asarray(logits)[:13], ref_logits, np.float32)
     for a, b in zip(cache.keys + cache.values, ref_cache.keys + ref_cache.values):
         assert_close(np.asarray(a)[:13], np.asarray(b)[:13], np.float32)
     last = jax.jit(lambda t, k, n: model(t, k, 0, None, n_valid=n, last_logits=True))(
-        jnp.asarray(np.concatenate([toks, np.zeros(3, np.int32)])), M.init_cache(c, 32),
+        jnp.asarray(np.concatenate([toks, np.zeros(3, np.int32)])), models.init_cache(c, 32),
         jnp.int32(13))[0]
     assert last.shape == (c.vocab_size,)
     np.testing.assert_array_equal(np.asarray(last), np.asarray(logits)[12])
@@ -450,8 +451,8 @@ def test_padding_reads_no_unrouted_expert():
     model, _ = built(c)
     toks = np.concatenate([tokens_for(c, 5), np.zeros(11, np.int32)])
     f = jax.jit(lambda t, k, src: model(t, k, 0, src, n_valid=jnp.int32(5)), static_argnums=2)
-    resident = f(jnp.asarray(toks), M.init_cache(c, 16), None)
-    poisoned = f(jnp.asarray(toks), M.init_cache(c, 16), PoisonUnrouted())
+    resident = f(jnp.asarray(toks), models.init_cache(c, 16), None)
+    poisoned = f(jnp.asarray(toks), models.init_cache(c, 16), PoisonUnrouted())
     assert np.asarray(resident[2]).sum() == 5 * c.top_k * len(c.moe_layers)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  resident, poisoned)
@@ -468,7 +469,7 @@ def test_layer_major_equals_chunked(name):
     model, _ = built(c)
     toks = tokens_for(c, 21)
     padded = np.concatenate([toks, np.zeros(3, np.int32)])
-    cache = M.init_cache(c, 32)
+    cache = models.init_cache(c, 32)
     parts, counts = [], []
     for j in range(3):
         piece = padded[8 * j:8 * (j + 1)]
@@ -481,14 +482,14 @@ def test_layer_major_equals_chunked(name):
     source = ResidentCounting()
     lm_logits, lm_cache, lm_counts = jax.jit(
         lambda t, k: model.layer_major(t, k, 0, source, 8, n_valid=jnp.int32(21)))(
-        jnp.asarray(padded), M.init_cache(c, 32))
+        jnp.asarray(padded), models.init_cache(c, 32))
     assert source.layers == list(c.moe_layers)  # one fetch per layer per prompt
     np.testing.assert_array_equal(np.asarray(lm_counts), sum(counts))
     assert_close(np.asarray(lm_logits)[:21], np.concatenate(parts), np.float32)
     for a, b in zip(lm_cache.keys + lm_cache.values, cache.keys + cache.values):
         assert_close(np.asarray(a)[:21], np.asarray(b)[:21], np.float32)
     with pytest.raises(ValueError, match="not a whole number of sub-chunks"):
-        model.layer_major(jnp.asarray(toks), M.init_cache(c, 32), 0, None, 8)
+        model.layer_major(jnp.asarray(toks), models.init_cache(c, 32), 0, None, 8)
 
 
 class ResidentCounting(ResidentExperts):

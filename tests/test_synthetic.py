@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from strata_jax import models
 from strata_jax.models import decoder as M
 from strata_jax.models import get_preset
 from strata_jax.synthetic import (SKEW_40_PERCENT_512_TOP10, init_synthetic, synthetic_model,
@@ -12,7 +13,7 @@ from strata_jax.synthetic import (SKEW_40_PERCENT_512_TOP10, init_synthetic, syn
 def test_deterministic_and_typed():
     c = get_preset("deepseek-v3").scaled(n_experts=16)
     a, b = init_synthetic(c, 5), init_synthetic(c, 5)
-    assert a.keys() == set(M.param_shapes(c))
+    assert a.keys() == set(models.param_shapes(c))
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
     assert a["layers.1.mlp.gate"].dtype == c.dtype  # bf16 preset
@@ -40,7 +41,7 @@ def test_skewed_model_routes_fewer_experts():
     toks = np.random.default_rng(0).integers(0, c.vocab_size, 40).astype(np.int32)
     unrouted = []
     for skew in (0.0, 1.5):
-        _, _, counts = M.forward(synthetic_model(c, 0, skew), toks, M.init_cache(c, 64))
+        _, _, counts = M.forward(synthetic_model(c, 0, skew), toks, models.init_cache(c, 64))
         unrouted.append(int((np.asarray(counts) == 0).sum()))
     assert unrouted[1] > unrouted[0] + 20
 
