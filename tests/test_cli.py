@@ -611,7 +611,7 @@ def no_work(monkeypatch):
     ["prefill", *TINY, "--tokens", "1000000000", "--no-stream"],
     ["prefill", *TINY, "--tokens", "1000", "--max-context", "100000000"],
     ["profile", *TINY, "--prompts", "2", "--tokens", "100000000", "--out", "{tmp}/p.prof"],
-    ["demo", "--scale", "tiny", "--tokens", "1000000000"],  # a hybrid: 1 layer in 4 caches KV
+    ["demo", "--scale", "tiny", "--tokens", "1000000000"],  # a hybrid: few layers cache KV
 ], ids=["prefill", "prefill-no-stream", "max-context", "profile", "demo"])
 def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_path):
     """A KV cache (scaled presets grow max_seq_len to fit the prompt) past the device's memory:

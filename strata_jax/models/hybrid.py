@@ -102,7 +102,8 @@ class HybridConfig(ModelConfig):
 
     def scaled(self, *, n_layers: int | None = None, **kw) -> "HybridConfig":
         """`ModelConfig.scaled`, 4 layers by default; the layer kinds repeat the original's from
-        its first layer (Qwen3-Next's three DeltaNet layers then one attention layer), the
+        its first layer (Qwen3-Next's three DeltaNet layers then one attention layer; fewer
+        layers than that keep an attention layer last), the
         DeltaNet shrinks to 2 key and 4 value heads of 16 (the ratio of value to key heads
         kept up to 2), and the rotary part keeps its fraction of a head."""
         return super().scaled(n_layers=n_layers or 4, **kw)
@@ -112,7 +113,10 @@ class HybridConfig(ModelConfig):
         ratio = min(self.linear_v_heads // self.linear_k_heads, 2)
         rotary = 0 if not self.rotary_dim else max(2, round(
             self.rotary_dim / self.head_dim * head / 2) * 2)
-        return {**fields, "mixers": tuple(self.mixers[i % self.n_layers] for i in range(depth)),
+        mixers = tuple(self.mixers[i % self.n_layers] for i in range(depth))
+        if FULL in self.mixers and FULL not in mixers:  # fewer layers than the pattern's period
+            mixers = mixers[:-1] + (FULL,)
+        return {**fields, "mixers": mixers,
                 "linear_k_heads": 2, "linear_v_heads": 2 * ratio, "linear_k_dim": 16,
                 "linear_v_dim": 16, "rotary_dim": 0 if rotary == head else rotary}
 
