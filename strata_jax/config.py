@@ -188,14 +188,9 @@ class ModelConfig:
     expert_act_order: bool = False
 
     def __post_init__(self):
-        positive = (
+        self._check_positive(
             "vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-            "n_experts", "top_k", "expert_intermediate", "max_seq_len", "n_groups", "topk_groups",
-        )
-        for field in positive:
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+            "n_experts", "top_k", "expert_intermediate", "max_seq_len", "n_groups", "topk_groups")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
         if self.n_heads % self.n_kv_heads:
@@ -275,20 +270,33 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be None or a positive int, got {w!r}")
         if self.layer_types is None:
             return
-        if isinstance(self.layer_types, str):
-            raise ValueError(f"layer_types must be a sequence of {LAYER_TYPES}, one per layer, "
-                             f"got the string {self.layer_types!r}")
-        types = tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", types)  # a list from config.json: hashable
-        if len(types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for n_layers={self.n_layers}")
-        for i, kind in enumerate(types):
-            if kind not in LAYER_TYPES:
-                raise ValueError(f"layer_types[{i}]={kind!r}: only {LAYER_TYPES} are "
-                                 f"implemented")
+        types = self._check_per_layer("layer_types", LAYER_TYPES)
         if "sliding_attention" in types and w is None:
             raise ValueError("layer_types names sliding_attention layers but sliding_window is "
                              "None; give the window size")
+
+    def _check_positive(self, *fields: str) -> None:
+        """Refuses each of `fields` that is not a positive int (a bool is not), by name."""
+        for field in fields:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+
+    def _check_per_layer(self, field: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+        """Field `field`, one of `allowed` per layer, as a tuple (a list from config.json made
+        hashable); refused by name and entry otherwise."""
+        value = getattr(self, field)
+        if isinstance(value, str):
+            raise ValueError(f"{field} must be a sequence of {allowed}, one per layer, got the "
+                             f"string {value!r}")
+        kinds = tuple(value)
+        object.__setattr__(self, field, kinds)
+        if len(kinds) != self.n_layers:
+            raise ValueError(f"{field} has {len(kinds)} entries for n_layers={self.n_layers}")
+        for i, kind in enumerate(kinds):
+            if kind not in allowed:
+                raise ValueError(f"{field}[{i}]={kind!r}: only {allowed} are implemented")
+        return kinds
 
     # ---- derived values -------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 
 
 def _time(fn, args, reps: int) -> float:

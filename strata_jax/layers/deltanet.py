@@ -153,11 +153,6 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(v_dim, eps, dtype, rngs)
         self.out_proj = nnx.Param(normal(rngs, (vd, hidden), dtype))
 
-    def state_shapes(self, dtype) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-        """(conv window [K-1, C] in `dtype`, recurrent state float32 [Hv, dk, dv])."""
-        return (jax.ShapeDtypeStruct((self.conv_kernel - 1, self.conv_dim), dtype),
-                jax.ShapeDtypeStruct((self.v_heads, self.k_dim, self.v_dim), jnp.float32))
-
     def __call__(self, x, window, state, valid=None):
         """x [T, H]; window [K-1, C]; state float32 [Hv, dk, dv]; valid: None (every row
         real) or bool [T], True on a prefix of real rows.

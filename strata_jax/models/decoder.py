@@ -104,6 +104,15 @@ def _layer_boundary(x, k, v):
     return jax.lax.optimization_barrier((x, k, v))
 
 
+def feed_forward(config: ModelConfig, layer: int, rngs, resident_experts: bool,
+                 kernels: Kernels) -> nnx.Module:
+    """Layer `layer`'s block after its mixer: the MoE where the config has one, else the dense
+    MLP."""
+    if layer in config.moe_layers:
+        return MoE(config, layer, rngs=rngs, resident_experts=resident_experts, kernels=kernels)
+    return MLP(config.hidden_size, config.dense_intermediate, config.dtype, rngs=rngs)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) with an MoE or dense MLP."""
 
@@ -115,11 +124,7 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
         self.attn = Attention(c, rngs=rngs, kernels=kernels, layer=layer)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
-        if self.is_moe:
-            self.mlp = MoE(c, layer, rngs=rngs, resident_experts=resident_experts,
-                           kernels=kernels)
-        else:
-            self.mlp = MLP(c.hidden_size, c.dense_intermediate, dt, rngs=rngs)
+        self.mlp = feed_forward(c, layer, rngs, resident_experts, kernels)
 
     def attention_block(self, x, cache_k, cache_v, start, positions, valid=None):
         """x + attn(norm(x)), writing the block's keys/values into the cache at `start`

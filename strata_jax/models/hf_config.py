@@ -439,15 +439,15 @@ class HFFields:
 
 
 def read_rope(f: HFFields, max_position: int, default_theta: float, *,
-              partial: bool = False, extra: Mapping[str, Callable] | None = None):
+              partial: bool = False, no_effect: tuple[str, ...] = ()):
     """(theta, scaling, longest context) from both spellings: transformers 4's rope_theta and
     rope_scaling, transformers 5's rope_parameters (rope_theta, rope_type and scaling keys).
 
     partial: a family with partial rotary embeddings: returns (theta, scaling, longest,
         partial_rotary_factor), the factor from rope_parameters or the top level (1.0 when
         absent); without it a factor other than 1 is refused.
-    extra: rope parameter key -> check(value) of keys the family reads itself (Qwen3.5's
-        mrope_section); each is popped and checked (the check raises to refuse).
+    no_effect: rope parameter keys the family's field table says have no effect (Qwen3.5's
+        mrope_section for text): read past, any value.
     """
     params = dict(f.get("rope_parameters", {}))
     legacy = dict(f.get("rope_scaling", {}))
@@ -471,9 +471,8 @@ def read_rope(f: HFFields, max_position: int, default_theta: float, *,
     if len(types) > 1:
         raise CheckpointError(f"config.json RoPE type and rope_type disagree: {sorted(types)}")
     rope_type = types.pop() if types else "default"
-    for key, check in (extra or {}).items():
-        if key in merged:
-            check(merged.pop(key))
+    for key in no_effect:
+        merged.pop(key, None)
     factor = merged.pop("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
     if factor is None:
         factor = 1.0

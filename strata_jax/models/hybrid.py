@@ -24,12 +24,10 @@ from strata_jax.config import ModelConfig
 from strata_jax.kernels import Kernels
 from strata_jax.layers.deltanet import GatedDeltaNet
 from strata_jax.layers.gqa import Attention
-from strata_jax.layers.mlp import MLP
-from strata_jax.layers.moe import MoE
 from strata_jax.layers.norms import RMSNorm
 from strata_jax.models.decoder import (DecoderLayer, MoETransformer, expert_param_names,
-                                       expert_plane_names, fill_model, flat_shapes,
-                                       validate_inputs)
+                                       expert_plane_names, feed_forward, fill_model,
+                                       flat_shapes, validate_inputs)
 
 __all__ = ["HybridConfig", "HybridCache", "HybridTransformer", "MIXERS", "abstract_model",
            "build_model", "param_shapes", "init_cache", "cache_shapes", "cache_bytes",
@@ -63,20 +61,9 @@ class HybridConfig(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.mixers, str):
-            raise ValueError(f"mixers must be a sequence of {MIXERS}, one per layer")
-        mixers = tuple(self.mixers)
-        object.__setattr__(self, "mixers", mixers)  # a list from config.json: hashable
-        if len(mixers) != self.n_layers:
-            raise ValueError(f"mixers has {len(mixers)} entries for n_layers={self.n_layers}")
-        for i, kind in enumerate(mixers):
-            if kind not in MIXERS:
-                raise ValueError(f"mixers[{i}]={kind!r}: implemented are {MIXERS}")
-        for field in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim",
-                      "conv_kernel"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        self._check_per_layer("mixers", MIXERS)
+        self._check_positive("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim",
+                             "conv_kernel")
         if self.conv_kernel < 2:
             raise ValueError(f"conv_kernel={self.conv_kernel}: a causal conv needs 2 or more "
                              "taps")
@@ -190,11 +177,7 @@ class HybridLayer(DecoderLayer):
             self.attn = Attention(c, rngs=rngs, kernels=kernels, layer=layer, output_gate=True,
                                   rotary_dim=c.rotary_dim or None, centred_norms=True)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs, centred=True)
-        if self.is_moe:
-            self.mlp = MoE(c, layer, rngs=rngs, resident_experts=resident_experts,
-                           kernels=kernels)
-        else:
-            self.mlp = MLP(c.hidden_size, c.dense_intermediate, dt, rngs=rngs)
+        self.mlp = feed_forward(c, layer, rngs, resident_experts, kernels)
 
     def attention_block(self, x, cache_k, cache_v, start, positions, valid=None):
         """x + mixer(norm(x)): an attention layer writes its keys/values at `start`; a linear

@@ -99,10 +99,6 @@ def _mixers(f: HFFields) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _mrope(value) -> None:
-    """M-RoPE's section sizes or interleaving: any value; text ids make it plain RoPE."""
-
-
 def config_from_hf(f: HFFields, quant: Quant | None, param_dtype: str | None) -> HybridConfig:
     """A Qwen3-Next or Qwen3.5-MoE text config.json (checked by `f`) as a `HybridConfig`;
     defaults are transformers'."""
@@ -118,7 +114,7 @@ def config_from_hf(f: HFFields, quant: Quant | None, param_dtype: str | None) ->
     max_position = int(f.get("max_position_embeddings", 32_768))
     theta, scaling, longest, partial = read_rope(
         f, max_position, 10_000.0, partial=True,
-        extra={"mrope_section": _mrope, "mrope_interleaved": _mrope})
+        no_effect=("mrope_section", "mrope_interleaved"))  # text ids: plain RoPE
     head_dim = f.get("head_dim", 256)
     rotary = int(head_dim * partial)
     if rotary % 2 or rotary <= 0:
@@ -228,32 +224,30 @@ def layer_tensors(config: HybridConfig, layer: int, names: TensorNames, fused: b
     yield mine + "shared_gate", moe + "shared_expert_gate.weight", (1, h), True
 
 
+def _published(name: str, vocab: int, layers: int, experts: int, top_k: int) -> HybridConfig:
+    """The shape both families publish: hidden 2048, every fourth layer gated attention (16
+    query / 2 KV heads of 256, a quarter rotated), the others Gated DeltaNet (16 key / 32 value
+    heads of 128, 4 conv taps), experts and shared expert of width 512."""
+    return HybridConfig(
+        name=name, vocab_size=vocab, hidden_size=2048, n_layers=layers, n_heads=16,
+        n_kv_heads=2, head_dim=256, n_experts=experts, top_k=top_k, expert_intermediate=512,
+        shared_expert_intermediate=512, shared_expert_gate=True, norm_topk_prob=True,
+        qk_norm="per_head", rope_theta=10_000_000.0, rms_norm_eps=1e-6, max_seq_len=262_144,
+        mixers=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
+        linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
+        conv_kernel=4, rotary_dim=64)
+
+
 def qwen3_next_80b_a3b() -> HybridConfig:
     """Qwen3-Next-80B-A3B: 48 layers (Gated DeltaNet, every fourth gated attention), 512
     experts of width 512 per layer, top-10, and a gated shared expert."""
-    return HybridConfig(
-        name="qwen3-next-80b-a3b", vocab_size=151_936, hidden_size=2048, n_layers=48,
-        n_heads=16, n_kv_heads=2, head_dim=256, n_experts=512, top_k=10,
-        expert_intermediate=512, shared_expert_intermediate=512, shared_expert_gate=True,
-        norm_topk_prob=True, qk_norm="per_head", rope_theta=10_000_000.0, rms_norm_eps=1e-6,
-        max_seq_len=262_144, mixers=tuple(FULL if (i + 1) % 4 == 0 else LINEAR
-                                          for i in range(48)),
-        linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
-        conv_kernel=4, rotary_dim=64)
+    return _published("qwen3-next-80b-a3b", 151_936, 48, 512, 10)
 
 
 def qwen3_5_35b_a3b() -> HybridConfig:
     """Qwen3.5-35B-A3B (its text model): 40 layers (Gated DeltaNet, every fourth gated
     attention), 256 experts of width 512 per layer, top-8, and a gated shared expert."""
-    return HybridConfig(
-        name="qwen3.5-35b-a3b", vocab_size=248_320, hidden_size=2048, n_layers=40,
-        n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256, top_k=8,
-        expert_intermediate=512, shared_expert_intermediate=512, shared_expert_gate=True,
-        norm_topk_prob=True, qk_norm="per_head", rope_theta=10_000_000.0, rms_norm_eps=1e-6,
-        max_seq_len=262_144, mixers=tuple(FULL if (i + 1) % 4 == 0 else LINEAR
-                                          for i in range(40)),
-        linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
-        conv_kernel=4, rotary_dim=64)
+    return _published("qwen3.5-35b-a3b", 248_320, 40, 256, 8)
 
 
 FAMILY = Family(
