@@ -207,7 +207,7 @@ def reference_route(c: ModelConfig, logits: np.ndarray, bias: np.ndarray | None)
         keep = np.argsort(-group_score, kind="stable")[: c.topk_groups]
         mask = np.zeros(c.n_groups, bool)
         mask[keep] = True
-        choice = np.where(mask[:, None], grouped, 0.0).reshape(-1)
+        choice = np.where(mask[:, None], grouped, -np.inf).reshape(-1)
     ids = np.argsort(-choice, kind="stable")[: c.top_k]
     w = scores[ids]
     if c.norm_topk_prob:

@@ -191,7 +191,7 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
         if layer in c.moe_layers:
             files.update(expert_files(tensors, quant, c, family.tensors, layer))
     skipped = {}
-    for skip_prefix, why in family.skipped.items():
+    for skip_prefix, why in family.skipped_for(c, hf).items():
         n = tensors.skip(skip_prefix)
         if n:
             skipped[skip_prefix] = (n, why)

@@ -68,8 +68,9 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: Model
             group_scores = lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
             _, keep = lax.top_k(group_scores, c.topk_groups)  # [T, topk_groups]
             group_mask = jnp.zeros((t, c.n_groups), bool).at[jnp.arange(t)[:, None], keep].set(True)
-            # Hugging Face fills dropped groups with 0.0 (not -inf); kept for identical choices.
-            choice = jnp.where(group_mask[:, :, None], grouped, 0.0).reshape(t, c.n_experts)
+            # A dropped group's experts are never chosen (-inf, as DeepSeek's and transformers
+            # 5's routers; a negative selection bias cannot bring one back).
+            choice = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(t, c.n_experts)
         _, expert_ids = lax.top_k(choice, c.top_k)  # [T, k]
         weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [T, k]
         if c.norm_topk_prob:

@@ -71,7 +71,9 @@ class Family:
             `combine(list of arrays)` makes ours (a fused projection split or joined, a
             conv's taps reordered).
         skipped: tensor name prefix -> why the load skips the tensors under it (a multimodal
-            checkpoint's vision tower, multi-token-prediction layers); the loader says so.
+            checkpoint's vision tower, multi-token-prediction layers); the loader says so. Or
+            a function of (the `ModelConfig`, config.json) giving that mapping (MTP layers
+            numbered after the decoder's: `model.layers.<n_layers + i>.`).
         final_norm: our name of the final norm's weight.
     """
 
@@ -83,8 +85,13 @@ class Family:
     config_from_hf: Callable[["HFFields", "Quant | None", str | None], ModelConfig]
     presets: Mapping[str, Callable[[], ModelConfig]]
     layer_tensors: Callable[[ModelConfig, int], object]
-    skipped: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    skipped: Mapping[str, str] | Callable[[ModelConfig, Mapping], Mapping[str, str]] = \
+        dataclasses.field(default_factory=dict)
     final_norm: str = "final_norm.weight"
+
+    def skipped_for(self, config: ModelConfig, hf: Mapping) -> Mapping[str, str]:
+        """`skipped` for one checkpoint (config.json `hf`, read as `config`)."""
+        return self.skipped(config, hf) if callable(self.skipped) else self.skipped
 
 
 HONOURED, NO_EFFECT = "honoured", "no effect"
