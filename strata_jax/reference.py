@@ -38,10 +38,11 @@ def _rotated(c: ModelConfig) -> int:
     return getattr(c, "rotary_dim", 0) or c.head_dim  # a partial rotary config's part
 
 
-def _rope_inv_freq(c: ModelConfig):
-    """(inv_freq [D/2], cos/sin multiplier), one frequency at a time from the formulas (Hugging
-    Face transformers' modeling_rope_utils semantics for linear, dynamic and yarn)."""
-    d, theta, s = _rotated(c), c.rope_theta, c.rope_scaling
+def _rope_inv_freq(c: ModelConfig, d: int | None = None):
+    """(inv_freq [d/2], cos/sin multiplier) of `d` rotated dims (default the config's), one
+    frequency at a time from the formulas (Hugging Face transformers' modeling_rope_utils
+    semantics for linear, dynamic and yarn)."""
+    d, theta, s = d or _rotated(c), c.rope_theta, c.rope_scaling
     plain = [theta ** (-2.0 * i / d) for i in range(d // 2)]
     if s is None or s.rope_type == "dynamic":  # dynamic: plain up to its original length
         return np.array(plain), 1.0
@@ -80,6 +81,57 @@ def _rope(x, positions, c: ModelConfig):
     cos, sin = mult * np.cos(ang)[:, None, :], mult * np.sin(ang)[:, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _pairs_rope(x, positions, c: ModelConfig):
+    """RoPE of x [T, heads, d] with the dims as interleaved pairs (x[2i], x[2i+1]) each
+    rotated by frequency i (DeepSeek's layout), or half-split without rope_interleave."""
+    d = x.shape[-1]
+    inv_freq, mult = _rope_inv_freq(c, d)
+    ang = positions[:, None].astype(np.float64) * inv_freq[None]  # [T, d/2]
+    cos, sin = mult * np.cos(ang)[:, None, :], mult * np.sin(ang)[:, None, :]
+    if not c.rope_interleave:
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = np.empty_like(x)
+    out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
+    out[..., 1::2] = x[..., 1::2] * cos + x[..., 0::2] * sin
+    return out
+
+
+def _mla_attention(c: ModelConfig, p, prefix, x):
+    """Float64 multi-head latent attention from the published formulas (DeepSeek-V2/V3):
+    queries from q_proj (or q_a_proj, RMSNorm, q_b_proj); the latent c = RMSNorm(x W_a[:R])
+    and one rotary key from x W_a[R:] shared by every head; head h's key [c W_k,h | rotary
+    key] and value c W_v,h; scores scaled by Dq^-1/2 and, with YaRN's mscale_all_dim, by
+    (0.1 mscale_all_dim ln(factor) + 1)^2. The latent norms use eps 1e-6."""
+    t, n = x.shape[0], c.n_heads
+    dr, dv, r = c.qk_rope_dim, c.v_head_dim, c.kv_lora_rank
+    dn = c.head_dim - dr
+    if c.q_lora_rank:
+        q = _rms_norm(x @ _f64(p[prefix + "q_a_proj"]), p[prefix + "q_norm.weight"], 1e-6)
+        q = q @ _f64(p[prefix + "q_b_proj"])
+    else:
+        q = x @ _f64(p[prefix + "q_proj"])
+    q = q.reshape(t, n, dn + dr)
+    kv = x @ _f64(p[prefix + "kv_a_proj"])  # [T, R + Dr]
+    latent = _rms_norm(kv[:, :r], p[prefix + "kv_norm.weight"], 1e-6)
+    up = (latent @ _f64(p[prefix + "kv_b_proj"])).reshape(t, n, dn + dv)
+    pos = np.arange(t)
+    q_rot = _pairs_rope(q[..., dn:], pos, c)
+    k_rot = _pairs_rope(kv[:, None, r:], pos, c)[:, 0]  # [T, Dr]
+    scale = 1.0 / np.sqrt(dn + dr)
+    s = c.rope_scaling
+    if s is not None and s.rope_type == "yarn" and s.mscale_all_dim and s.factor > 1:
+        scale *= (0.1 * s.mscale_all_dim * np.log(s.factor) + 1.0) ** 2
+    seen = visible(pos, pos, None)
+    out = np.zeros((t, n, dv))
+    for h in range(n):
+        scores = (q[:, h, :dn] @ up[:, h, :dn].T + q_rot[:, h] @ k_rot.T) * scale
+        scores = np.where(seen, scores, -np.inf)
+        e = np.exp(scores - scores.max(-1, keepdims=True))
+        out[:, h] = (e / e.sum(-1, keepdims=True)) @ up[:, h, dn:]
+    return out.reshape(t, n * dv) @ _f64(p[prefix + "o_proj"])
 
 
 def visible(q_pos, k_pos, window: int | None) -> np.ndarray:
@@ -280,6 +332,8 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
         h = _norm(x, params, pre + "input_norm", c.rms_norm_eps)
         if getattr(c, "mixers", None) and c.is_linear(layer):
             x = x + reference_deltanet(c, params, pre + "linear_attn.", h)[0]
+        elif getattr(c, "kv_lora_rank", 0):
+            x = x + _mla_attention(c, params, pre + "attn.", h)
         else:
             x = x + _attention(c, params, pre + "attn.", h, c.window_of(layer))
         h = _norm(x, params, pre + "post_attn_norm", c.rms_norm_eps)

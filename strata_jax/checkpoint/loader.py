@@ -38,7 +38,7 @@ from strata_jax.checkpoint.safetensors import Tensors
 from strata_jax.config import ModelConfig
 from strata_jax.formats import INT4_ZERO
 from strata_jax.layers.rope import rope_frequencies
-from strata_jax.models import build_model, config_from_hf, family_of
+from strata_jax.models import build_model, config_from_hf, family_of, param_shapes
 from strata_jax.models.hf_config import FP8, CheckpointError, Quant, quantization
 from strata_jax.text import Tokenizer, tokenizer_path
 
@@ -154,14 +154,19 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
     tensors = Tensors(directory)
     dtype = config.dtype
 
-    def take(hf_name: str, shape, transpose: bool) -> np.ndarray:
+    # Each tensor in the dtype the model holds it in (the parameter dtype; float32 where the
+    # model keeps a parameter in float32, as a router's selection bias).
+    held = {n: s.dtype for n, s in param_shapes(config, resident_experts=False).items()}
+
+    def take(hf_name: str, shape, transpose: bool, ours: str | None = None) -> np.ndarray:
+        want = held.get(ours, dtype)
         if transpose and quant is not None:  # a linear, perhaps quantized: [in, out]
             module = hf_name[:-len(".weight")]
-            return _linear(tensors, quant, module, shape, dtype,
+            return _linear(tensors, quant, module, shape, want,
                            config.attention_bias and ".self_attn." in module)
         value = tensors.get(hf_name, shape)
         value = value.T if transpose else value
-        return np.ascontiguousarray(value.astype(dtype, copy=False))
+        return np.ascontiguousarray(value.astype(want, copy=False))
 
     c, prefix = config, family.tensors.model_prefix
     params: dict[str, np.ndarray] = {
@@ -184,10 +189,10 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
             if len(item) == 5:  # several tensors make one of ours
                 ours, names, shapes, transpose, combine = item
                 params[ours] = np.ascontiguousarray(combine(
-                    [take(n, s, transpose) for n, s in zip(names, shapes)]))
+                    [take(n, s, transpose, ours) for n, s in zip(names, shapes)]))
             else:
                 ours, hf_name, shape, transpose = item
-                params[ours] = take(hf_name, shape, transpose)
+                params[ours] = take(hf_name, shape, transpose, ours)
         if layer in c.moe_layers:
             files.update(expert_files(tensors, quant, c, family.tensors, layer))
     skipped = {}

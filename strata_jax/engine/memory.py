@@ -28,7 +28,7 @@ import numpy as np
 from strata_jax.config import ModelConfig
 from strata_jax.devices import size
 from strata_jax.layers.attention import attention_bytes, attention_path
-from strata_jax.models import cache_bytes, param_shapes
+from strata_jax.models import cache_bytes, model_module, param_shapes
 from strata_jax.parallel import expert_slices
 from strata_jax.stream import StreamConfig, plan_stream
 
@@ -77,6 +77,9 @@ def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *,
     c = config
     path = attention_path(c.dtype, c.head_dim, c.n_heads, queries, capacity, first=first,
                           platform=platform, impl=attention)
+    own = getattr(model_module(c), "attention_bytes", None)  # a model with its own attention
+    if own is not None:
+        return own(c, queries, capacity, first=first, fused=path == "cudnn")
     windows = {None} if first else {c.window_of(i) for i in range(c.n_layers)}
     return max(attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
                                queries if first else capacity, c.head_dim, window=w)

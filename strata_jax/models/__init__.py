@@ -14,7 +14,8 @@ from types import ModuleType
 from typing import Callable, Mapping
 
 from strata_jax.config import ModelConfig
-from strata_jax.models import decoder, hybrid, mixtral, olmoe, qwen3_moe, qwen3_next, stand_ins
+from strata_jax.models import (decoder, deepseek_v3, hybrid, mixtral, mla, olmoe, qwen3_moe,
+                               qwen3_next)
 from strata_jax.models.decoder import KVCache, MoETransformer, forward
 from strata_jax.models.hf_config import (IGNORED_FIELDS, NO_EFFECT, QUANT_FIELDS,
                                          CheckpointError, Family, HFFields, quant_fields_markdown,
@@ -30,7 +31,7 @@ __all__ = [
 
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (qwen3_moe.FAMILY, *qwen3_next.FAMILIES, mixtral.FAMILY,
-                                olmoe.FAMILY)
+                                olmoe.FAMILY, deepseek_v3.FAMILY)
 }
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -39,15 +40,17 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     **qwen3_next.TEXT35.presets,
     **mixtral.FAMILY.presets,
     **olmoe.FAMILY.presets,
-    "deepseek-v3": stand_ins.PRESETS["deepseek-v3"],
+    **deepseek_v3.FAMILY.presets,
 }
 
-# The module that builds a config's model, by config type: the shared decoder stack, or the
+# The module that builds a config's model, by config type: the shared decoder stack, the
 # hybrid stack of Gated DeltaNet and attention layers (`HybridConfig`, whose cache also holds
-# recurrent state). A family whose blocks hold other state adds its config subclass and its
+# recurrent state), or the latent-attention stack (`MLAConfig`, whose cache holds latents;
+# its module also gives its attention's working memory, `attention_bytes`). A family whose blocks hold other state adds its config subclass and its
 # module here, with the functions below, and the engine reads it through them without naming
 # it. A cache type has `valid(position)` (what a session keeps).
-MODELS: dict[type, ModuleType] = {ModelConfig: decoder, hybrid.HybridConfig: hybrid}
+MODELS: dict[type, ModuleType] = {ModelConfig: decoder, hybrid.HybridConfig: hybrid,
+                                  mla.MLAConfig: mla}
 
 
 def model_module(config: ModelConfig) -> ModuleType:

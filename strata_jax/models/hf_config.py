@@ -528,26 +528,32 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
                    intermediate: int, norm_topk_prob: bool, qk_norm: str,
                    sliding_window: int | None, rope_theta: float, rms_norm_eps: float,
                    max_position_embeddings: int, rope=None, config_class=ModelConfig,
+                   n_experts: int | None = None, any_model_type: bool = False,
                    **extra) -> ModelConfig:
     """The `ModelConfig` of a grouped-query-attention MoE checkpoint from the fields every such
     family reads alike (`COMMON_FIELDS`); the family gives what it reads its own way and the
     defaults transformers uses where config.json leaves a field out.
 
     rope: (theta, scaling, longest context) the family read itself (`read_rope`); None: read
-    here. config_class and extra: a family's config subclass and its own fields.
+    here. n_experts: the routed experts where the family spells them its own way; None:
+    num_experts / num_local_experts. any_model_type: the family reads any model_type on its
+    architecture (its fields decide). config_class and extra: a family's config subclass and
+    its own fields, or values it reads its own way (they replace the ones read here).
 
     Raises:
         CheckpointError: a missing field, or a field or value this engine does not implement.
     """
     family = f.family
-    f.only("model_type", (family.model_type,),
-           f"{family.architecture} checkpoints have model_type {family.model_type!r}")
+    if not any_model_type:
+        f.only("model_type", (family.model_type,),
+               f"{family.architecture} checkpoints have model_type {family.model_type!r}")
     f.only("hidden_act", ("silu", "swish"), "only SiLU-gated experts (silu, swish) are "
                                             "implemented")
     f.only("pruned_heads", ({}, None), "pruned attention heads are not implemented")
     f.only("is_encoder_decoder", (False,), "a decoder-only model has no encoder")
     f.only("add_cross_attention", (False,), "cross-attention is not implemented")
-    n_experts = f.one_of("num_experts", "num_local_experts")
+    if n_experts is None:
+        n_experts = f.one_of("num_experts", "num_local_experts")
     dtype = param_dtype or str(f.one_of("dtype", "torch_dtype", required=False) or "bfloat16")
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -558,7 +564,7 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
     n_layers = f.need("num_hidden_layers")
     expert_format = expert_format_of(quant, family.tensors, n_layers, n_experts)
     try:
-        return config_class(
+        return config_class(**{**dict(
             name=str(f.get("_name_or_path") or f.get("model_type") or family.architecture),
             vocab_size=f.need("vocab_size"),
             hidden_size=hidden,
@@ -583,8 +589,7 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
             expert_block=quant.block if expert_format != "plain" else 0,
             expert_zero_points=expert_format == "int4" and not quant.sym,
             expert_act_order=expert_format == "int4" and quant.act_order,
-            **extra,
-        )
+        ), **extra})
     except ValueError as e:
         raise CheckpointError(f"config.json describes a model this engine cannot build: {e}"
                               ) from None
