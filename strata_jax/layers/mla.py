@@ -24,7 +24,6 @@ rotation.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -186,7 +185,9 @@ class LatentAttention(nnx.Module):
             if static:
                 acc = merge_into(acc, part())
             else:
-                none = (jnp.zeros((t, c.n_heads, dv), acc_t),
-                        jnp.full((t, c.n_heads), -jnp.inf, acc_t))
-                acc = merge_into(acc, lax.cond(start > b0, part, lambda: none))
+                def nothing():  # a block wholly past the prefix
+                    return (jnp.zeros((t, c.n_heads, dv), acc_t),
+                            jnp.full((t, c.n_heads), -jnp.inf, acc_t))
+
+                acc = merge_into(acc, lax.cond(start > b0, part, nothing))
         return acc[0].astype(q.dtype)

@@ -555,3 +555,28 @@ def layer_tensors(config: ModelConfig, layer: int, names: TensorNames
         yield ours + "attn.k_norm.weight", hf + "self_attn.k_norm.weight", (k_dim,), False
     yield (ours + "mlp.router", hf + f"{names.moe_prefix}.{names.router}.weight",
            (c.n_experts, c.hidden_size), True)
+
+
+def sigmoid_moe_tensors(c: ModelConfig, layer: int, names: TensorNames) -> Iterator[tuple]:
+    """The loader's entries of a DeepSeek-style MLP block (DeepSeek-V3, GLM-4.5): the dense
+    MLP of a first dense layer, or the MoE's router (never quantized: transformers' FP8
+    converts only nn.Linear modules; read as stored and transposed), its selection bias
+    `e_score_correction_bias` (held in float32) and the shared experts as one MLP."""
+    hf, mine = names.layer(layer) + f"{names.moe_prefix}.", f"layers.{layer}.mlp."
+    h = c.hidden_size
+    projections = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+    if layer not in c.moe_layers:
+        i = c.dense_intermediate
+        for ours, proj in projections:
+            shape = (h, i) if ours == "down" else (i, h)
+            yield mine + ours, hf + f"{proj}.weight", shape, True
+        return
+    gate = hf + f"{names.router}."
+    yield (mine + "router", (gate + "weight",), ((c.n_experts, h),), False,
+           lambda a: a[0].T)
+    yield mine + "selection_bias", gate + "e_score_correction_bias", (c.n_experts,), False
+    si = c.shared_expert_intermediate
+    if si:
+        for ours, proj in projections:
+            shape = (h, si) if ours == "down" else (si, h)
+            yield mine + f"shared.{ours}", hf + f"shared_experts.{proj}.weight", shape, True

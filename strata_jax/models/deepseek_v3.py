@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Iterator, Mapping
 
 from strata_jax.config import RopeScaling
+from strata_jax.models.decoder import sigmoid_moe_tensors
 from strata_jax.models.hf_config import (COMMON_FIELDS, HONOURED, NO_EFFECT, Family, HFFields,
                                          Quant, TensorNames, decoder_config, read_rope, refuse)
 from strata_jax.models.mla import MLAConfig
@@ -127,30 +128,7 @@ def layer_tensors(config: MLAConfig, layer: int) -> Iterator[tuple]:
     yield (mine + "kv_b_proj", at + "kv_b_proj.weight",
            (n * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank), True)
     yield mine + "o_proj", at + "o_proj.weight", (h, n * c.v_head_dim), True
-    yield from mlp_tensors(c, layer, TENSORS)
-
-
-def mlp_tensors(c, layer: int, names: TensorNames) -> Iterator[tuple]:
-    """Entries of a DeepSeek-style MLP block: the dense MLP, or the MoE's router (never
-    quantized: read as stored and transposed), selection bias (float32) and shared experts."""
-    hf, mine = names.layer(layer) + f"{names.moe_prefix}.", f"layers.{layer}.mlp."
-    h = c.hidden_size
-    projections = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
-    if layer not in c.moe_layers:
-        i = c.dense_intermediate
-        for ours, proj in projections:
-            shape = (h, i) if ours == "down" else (i, h)
-            yield mine + ours, hf + f"{proj}.weight", shape, True
-        return
-    gate = hf + f"{names.router}."
-    yield (mine + "router", (gate + "weight",), ((c.n_experts, h),), False,
-           lambda a: a[0].T)
-    yield mine + "selection_bias", gate + "e_score_correction_bias", (c.n_experts,), False
-    si = c.shared_expert_intermediate
-    if si:
-        for ours, proj in projections:
-            shape = (h, si) if ours == "down" else (si, h)
-            yield mine + f"shared.{ours}", hf + f"shared_experts.{proj}.weight", shape, True
+    yield from sigmoid_moe_tensors(c, layer, TENSORS)
 
 
 def mtp_layers(config, hf: Mapping) -> dict[str, str]:
