@@ -101,7 +101,8 @@ class Engine:
             devices"). With a `stream`, each device streams its slice through its own native
             engine (`StreamerGroup`: its residents, ring and link; the budgets per device)
             and each chunk runs under `shard_map`. None: one device.
-        tokenizer: A `strata_jax.Tokenizer`: `prefill` and `score` then take text (a str).
+        tokenizer: A `strata_jax.Tokenizer`: `prefill` and `score` then take text (a str),
+            in a first turn and in follow-up turns (`session=`) alike.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -532,7 +533,9 @@ class Engine:
         """Reads `tokens` (after the session's positions, if any).
 
         Args:
-            tokens: int token ids [T] of the new text only, or a str (with a `tokenizer`).
+            tokens: int token ids [T] of the new text only, or a str (with a `tokenizer`):
+                encoded with the tokenizer's special tokens in a first turn, without them in
+                a follow-up turn (a `session` given), so the turns read as one sequence.
             session: A Session from an earlier prefill of this engine, or None.
             order: "chunk-major" or "layer-major"; None: the engine's default
                 (`Engine(order=...)`).
@@ -612,7 +615,9 @@ class Engine:
 
     def _prefill(self, tokens, session, order, progress, sync_chunks, chunk,
                  score: bool = False) -> PrefillResult:
-        tokens = prompt_ids(tokens, self.tokenizer)  # TypeError: text without a tokenizer
+        # TypeError: text without a tokenizer. A follow-up turn's text is encoded without the
+        # special tokens (the first turn has them: one BOS, at the start).
+        tokens = prompt_ids(tokens, self.tokenizer, continuation=session is not None)
         order = self.order if order is None else order
         if chunk is None:
             chunk, buckets = self.chunk_size, self.buckets
