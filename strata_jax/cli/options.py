@@ -182,8 +182,9 @@ def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: b
                               "(a --preset model has no tokenizer: give ids)"
                               + (" (repeat for several prompts)" if many else ""))
         g.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
-                       help="what --prompt-file" + (" and --follow-up-file" if follow_up else "")
-                            + " holds: ids (as above) or text (UTF-8, encoded by the "
+                       help="what --prompt-file" + (" and --follow-up-file hold" if follow_up
+                                                    else " holds")
+                            + ": ids (as above) or text (UTF-8, encoded by the "
                             "checkpoint's tokenizer.json)")
     g.add_argument("--max-context", type=_positive_int, metavar="N",
                    help="KV cache capacity in tokens (default: what "
@@ -194,7 +195,9 @@ def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: b
     if follow_up:
         g.add_argument("--follow-up", type=_nonneg_int, default=0, metavar="N",
                        help="then a second turn of N random tokens with the session "
-                            "(reports reused + read; 0: none)")
+                            "(reports reused + read; 0: none)"
+                            + ("; --follow-up-prompt or --follow-up-file give it instead"
+                               if text else ""))
     if follow_up and text:
         fu = g.add_mutually_exclusive_group()
         fu.add_argument("--follow-up-prompt", metavar="TEXT",

@@ -101,8 +101,7 @@ class Engine:
             devices"). With a `stream`, each device streams its slice through its own native
             engine (`StreamerGroup`: its residents, ring and link; the budgets per device)
             and each chunk runs under `shard_map`. None: one device.
-        tokenizer: A `strata_jax.Tokenizer`: `prefill` and `score` then take text (a str),
-            in a first turn and in follow-up turns (`session=`) alike.
+        tokenizer: A `strata_jax.Tokenizer`: `prefill` and `score` then take text (a str).
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -533,9 +532,8 @@ class Engine:
         """Reads `tokens` (after the session's positions, if any).
 
         Args:
-            tokens: int token ids [T] of the new text only, or a str (with a `tokenizer`):
-                encoded with the tokenizer's special tokens in a first turn, without them in
-                a follow-up turn (a `session` given), so the turns read as one sequence.
+            tokens: int token ids [T] of the new text only, or a str (with a `tokenizer`; with a
+                `session`, encoded without special tokens: the turns read as one sequence).
             session: A Session from an earlier prefill of this engine, or None.
             order: "chunk-major" or "layer-major"; None: the engine's default
                 (`Engine(order=...)`).
@@ -615,8 +613,7 @@ class Engine:
 
     def _prefill(self, tokens, session, order, progress, sync_chunks, chunk,
                  score: bool = False) -> PrefillResult:
-        # TypeError: text without a tokenizer. A follow-up turn's text is encoded without the
-        # special tokens (the first turn has them: one BOS, at the start).
+        # TypeError: text without a tokenizer; a follow-up turn's without special tokens (a BOS).
         tokens = prompt_ids(tokens, self.tokenizer, continuation=session is not None)
         order = self.order if order is None else order
         if chunk is None:
