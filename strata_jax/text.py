@@ -2,7 +2,8 @@
 
 `Tokenizer.from_checkpoint(dir)` (or `from_file(path)`) encodes text to the model's token ids
 and decodes ids back, refusing ids outside the model's vocabulary; `prompt_ids` is what
-`Engine.prefill` / `Engine.score` do with a prompt (a str is encoded, ids pass through).
+`Engine.prefill` / `Engine.score` do with a prompt (a str is encoded, ids pass through; a
+follow-up turn's text without the special tokens, which the first turn already has).
 """
 
 from __future__ import annotations
@@ -126,12 +127,14 @@ def model_tokenizer(tokenizer: Tokenizer | None, vocab_size: int) -> Tokenizer |
     return tokenizer.with_vocab(vocab_size)
 
 
-def prompt_ids(prompt, tokenizer: Tokenizer | None):
-    """A prompt as token ids: a str encoded by `tokenizer`, anything else as given."""
+def prompt_ids(prompt, tokenizer: Tokenizer | None, *, continuation: bool = False):
+    """A prompt as token ids: a str encoded by `tokenizer`, anything else as given. A
+    `continuation` (a follow-up turn, after a session's positions) is encoded without the
+    tokenizer's special tokens (a BOS belongs at the start of the sequence, not mid-way)."""
     if not isinstance(prompt, str):
         return prompt
     if tokenizer is None:
         raise TypeError("a text prompt needs a tokenizer: pass token ids, or make the Engine "
                         "with tokenizer=Tokenizer.from_checkpoint(dir) (or "
                         "load_checkpoint(dir).tokenizer)")
-    return tokenizer.encode(prompt)
+    return tokenizer.encode(prompt, add_special_tokens=not continuation)

@@ -241,8 +241,12 @@ def test_readable_output_with_progress_on_stderr():
     lines = out.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("128 tokens = "))
     assert lines[first + 1:first + 3] == [COMPILED.format(n=2, s="s"), SKIPS]
+    assert "follow-up prompt: 16 random tokens (seed 0)" in lines
     follow = next(i for i, line in enumerate(lines) if line.startswith("follow-up: "))
-    assert lines[follow + 1:] == [COMPILED.format(n=1, s="")]
+    assert lines[follow + 1] == COMPILED.format(n=1, s="")
+    # The second turn's 5 most likely next tokens: ids (a preset has no tokenizer).
+    assert re.fullmatch(r"follow-up next tokens: (\d+ \(p [01]\.\d{3}\)(, |$)){5}",
+                        lines[follow + 2]) and len(lines) == follow + 3
     assert "arm routed" in out and "backend cpu" in out
     table = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert [row[0] for row in table] == ["0", "1"]  # one row per MoE layer
@@ -288,6 +292,41 @@ def test_profile_json(tmp_path):
     for pairs in d["hottest"].values():
         counts = [c for _, c in pairs]
         assert len(pairs) == 3 and counts == sorted(counts, reverse=True)
+
+
+def test_profile_reads_prompt_files_as_prefill_does(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.npy"
+    a.write_text("1, 2, 3, 4, 5, 6, 7, 8, 9, 10")
+    np.save(b, np.arange(20, 24))
+    files = ["--prompt-file", str(a), "--prompt-file", str(b)]
+    d = run_json(["profile", *MODEL, *files, "--chunk", "32", "--no-stream",
+                  "--out", str(tmp_path / "p.prof")])
+    assert (d["prompts"], d["tokens"]) == (2, 14)
+    assert d["inputs"] == [
+        {"tokens": 10, "source": f"10 tokens from {a}", "head": list(range(1, 9)),
+         "head_text": None},  # a preset has no tokenizer: ids only
+        {"tokens": 4, "source": f"4 tokens from {b}", "head": [20, 21, 22, 23],
+         "head_text": None}]
+    rc, out, err = run(["profile", *MODEL, *files, "--chunk", "32", "--no-stream", "-q",
+                        "--out", str(tmp_path / "q.prof")])
+    assert rc == 0, err
+    assert f"prompt 1: 10 tokens from {a}; first tokens: 1, 2, 3, 4, 5, 6, 7, 8, ..." in out
+    assert f"prompt 2: 4 tokens from {b}; first tokens: 20, 21, 22, 23" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--prompt", "the cat"], ["--prompt needs a tokenizer", "--preset model",
+                               "--prompt-file FILE of ids, or --tokens N"]),
+    (["--prompt-file", "/nonexistent/p.txt"], ["does not exist"]),
+    (["--prompt-file", "/nonexistent/p.txt", "--prompt-format", "text"],
+     ["does not exist", "UTF-8 text file"]),
+])
+def test_profile_refuses_prompts_as_prefill_does(argv, words, no_work, tmp_path):
+    rc, out, err = run(["profile", *MODEL, *argv, "--out", str(tmp_path / "p.prof")])
+    assert (rc, out) == (2, ""), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
 
 
 def test_info_json_plan_matches_the_engine():
@@ -454,7 +493,7 @@ def test_demo_says_what_its_numbers_depend_on():
         "window)")
 
 
-@pytest.mark.parametrize("command", ["prefill", "score"])
+@pytest.mark.parametrize("command", ["prefill", "score", "profile"])
 def test_every_option_is_documented(command):
     parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
     help_text = parser.format_help()
@@ -567,6 +606,16 @@ BAD = {
                                      ["host memory", "--scale small|tiny"]),
     "residents with --no-stream": ([*MODEL, "--no-stream", "--resident-per-layer", "4"],
                                  ["--no-stream", "streamed run"]),
+    "follow-up text without a tokenizer": ([*MODEL, "--follow-up-prompt", "the cat"],
+                                           ["--follow-up-prompt needs a tokenizer",
+                                            "--follow-up-file FILE of ids, or --follow-up N"]),
+    "follow-up given two ways": ([*MODEL, "--follow-up", "8", "--follow-up-file", "{text}"],
+                                 ["--follow-up 8 and --follow-up-file", "give one"]),
+    "follow-up file not integers": ([*MODEL, "--follow-up-file", "{text}"],
+                                    ["'three'", "not an integer"]),
+    "follow-up file outside the vocabulary": ([*MODEL, "--follow-up-file", "{oov}"],
+                                              ["600", "vocabulary"]),
+    "empty follow-up file": ([*MODEL, "--follow-up-file", "{empty}"], ["no token ids"]),
 }
 
 

@@ -42,6 +42,10 @@ SCALES: dict[str, dict] = {
 _SHAPE_OPTIONS = ("layers", "experts", "top_k", "hidden", "expert_width", "vocab", "dtype")
 
 
+# How to give token ids where text needs a tokenizer the model lacks.
+IDS_WAY_OUT = "pass token ids instead (--prompt-file FILE of ids, or --tokens N)"
+
+
 class UsageError(Exception):
     """Bad input: main() prints the message as one line on stderr and returns 2."""
 
@@ -273,10 +277,10 @@ class _Model:
         except (CheckpointError, ValueError) as e:
             raise UsageError(f"checkpoint {self.checkpoint!r}: {e}") from None
 
-    def tokenizer(self, text: str | None = None) -> Tokenizer | None:
+    def tokenizer(self, text: str | None = None, ids: str = IDS_WAY_OUT) -> Tokenizer | None:
         """The checkpoint's tokenizer.json (None without one, or where it cannot be read:
         `tokenizer_error` says why). `text` names what gives text ("--prompt"): then the
-        tokenizer is required (UsageError, one line, saying to pass ids)."""
+        tokenizer is required (UsageError, one line, saying to pass ids: `ids`)."""
         if not hasattr(self, "_tokenizer"):
             self._tokenizer, self.tokenizer_error = None, None
             path = tokenizer_path(self.checkpoint) if self.checkpoint else None
@@ -285,7 +289,6 @@ class _Model:
             except TokenizerError as e:
                 self.tokenizer_error = str(e)
         if text is not None and self._tokenizer is None:
-            ids = "pass token ids instead (--prompt-file FILE of ids, or --tokens N)"
             if self.tokenizer_error:
                 raise UsageError(f"{text}: {self.tokenizer_error}; {ids}")
             if not self.checkpoint:
@@ -480,27 +483,15 @@ def _devices(args, device) -> list:
 # ---- prompts, profile, stream, engine -----------------------------------------------------------
 
 
-def _text_prompt(args, model: _Model) -> tuple[np.ndarray, str]:
-    """The prompt given as text (--prompt TEXT, or --prompt-file F with --prompt-format text),
-    encoded by the checkpoint's tokenizer.json."""
-    path = args.prompt_file
-    if path is None and args.prompt is None:
-        raise UsageError("--prompt-format text applies to --prompt-file FILE (--prompt TEXT is "
-                         "text already)")
-    if path is not None and path.endswith(".npy"):
-        raise UsageError(f"prompt file {path!r} is a .npy array of token ids; drop "
-                         "--prompt-format text")
-    tokenizer = model.tokenizer("--prompt" if path is None else "--prompt-format text")
-    text, where = args.prompt, "--prompt"
-    if path is not None:
-        where = path
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"prompt file {path!r} cannot be read as UTF-8 text: {e}") from None
+def _encode_text(model: _Model, text: str, where: str, option: str, ids: str = IDS_WAY_OUT,
+                 continuation: bool = False) -> tuple[np.ndarray, str]:
+    """`text` (from `where`: an option or a file) encoded by the checkpoint's tokenizer.json;
+    `option` and `ids` name what gave text and the way to give ids instead where there is no
+    tokenizer. A `continuation` (a follow-up turn) is encoded without the special tokens, as
+    `Engine.prefill(text, session)` encodes it."""
+    tokenizer = model.tokenizer(option, ids)
     try:
-        tokens = tokenizer.encode(text).astype(np.int64)
+        tokens = tokenizer.encode(text, add_special_tokens=not continuation).astype(np.int64)
     except TokenizerError as e:
         raise UsageError(f"{where}: {e}") from None
     if tokens.size == 0:
@@ -509,24 +500,73 @@ def _text_prompt(args, model: _Model) -> tuple[np.ndarray, str]:
                     f"{tokenizer.path})")
 
 
+def _read_text(path: str) -> str:
+    """A prompt file's text (--prompt-format text)."""
+    if path.endswith(".npy"):
+        raise UsageError(f"prompt file {path!r} is a .npy array of token ids; drop "
+                         "--prompt-format text")
+    if not os.path.isfile(path):
+        raise UsageError(f"prompt file {path!r} does not exist (give a UTF-8 text file with "
+                         "--prompt-format text)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"prompt file {path!r} cannot be read as UTF-8 text: {e}") from None
+
+
+def _prompt_source(model: _Model, *, text: str | None = None, path: str | None = None,
+                  as_text: bool = False, where: str = "--prompt", ids: str = IDS_WAY_OUT,
+                  continuation: bool = False) -> tuple[np.ndarray, str]:
+    """(token ids, what they are) of one prompt: `text` (an option's value, named by `where`),
+    or the file `path` (given by the option `where`) of text (`as_text`: --prompt-format text)
+    or of token ids. `ids` is the way to give ids where text needs a tokenizer the model lacks;
+    a `continuation` (a follow-up turn) is encoded without the special tokens."""
+    if text is not None:
+        return _encode_text(model, text, where, where, ids, continuation)
+    if as_text:
+        option = "--prompt-format text" + ("" if where == "--prompt" else f" ({where})")
+        return _encode_text(model, _read_text(path), path, option, ids, continuation)
+    tokens = read_prompt_file(path)
+    _check_vocab(tokens, model.config.vocab_size, f"prompt file {path!r}")
+    return tokens, f"{tokens.size} tokens from {path}"
+
+
+def _prompts_given(args) -> bool:
+    """Whether the prompts are given (text, or files) rather than drawn (--tokens N)."""
+    return bool(args.prompt_file or getattr(args, "prompt", None) is not None
+                or (getattr(args, "prompt_format", "ids") == "text"
+                    and not getattr(args, "follow_up_file", None)))
+
+
 def _read_prompts(args, model: _Model, *, many: bool) -> list[tuple[np.ndarray, str]]:
+    """The prompts, each (token ids, what they are): --prompt TEXT (repeatable where `many`),
+    --prompt-file FILE (ids, or text with --prompt-format text) or random (--tokens N, and
+    --prompts K where `many`)."""
     vocab = model.config.vocab_size
-    out = []
-    files = args.prompt_file
-    if not many and (getattr(args, "prompt", None) is not None
-                     or getattr(args, "prompt_format", "ids") == "text"):
-        return [_text_prompt(args, model)]
+    texts, files = getattr(args, "prompt", None), args.prompt_file
+    as_text = getattr(args, "prompt_format", "ids") == "text"
+    if texts is not None:
+        texts = texts if many else [texts]
+        return [_prompt_source(model, text=t, where="--prompt" if len(texts) == 1 else
+                              f"--prompt #{i + 1}") for i, t in enumerate(texts)]
+    if as_text and not files and not getattr(args, "follow_up_file", None):
+        raise UsageError("--prompt-format text applies to --prompt-file FILE (--prompt TEXT is "
+                         "text already)")
     if files:
-        for path in (files if many else [files]):
-            tokens = read_prompt_file(path)
-            _check_vocab(tokens, vocab, f"prompt file {path!r}")
-            out.append((tokens, f"{tokens.size} tokens from {path}"))
-    else:
-        count = args.prompts if many else 1
-        for i in range(count):
-            out.append((random_prompt(vocab, args.tokens, args.seed, 10 + i),
-                        f"{args.tokens} random tokens (seed {args.seed})"))
-    return out
+        return [_prompt_source(model, path=path, as_text=as_text)
+                for path in (files if many else [files])]
+    count = args.prompts if many else 1
+    return [(random_prompt(vocab, args.tokens, args.seed, 10 + i),
+             f"{args.tokens} random tokens (seed {args.seed})") for i in range(count)]
+
+
+def _output_tokenizer(model: _Model, log: _Log) -> Tokenizer | None:
+    """The tokenizer that shows tokens as text (None without one: a warning where the
+    checkpoint's tokenizer.json cannot be read)."""
+    if model.tokenizer() is None and model.tokenizer_error:
+        log(f"warning: {model.tokenizer_error}; tokens are shown as ids only")
+    return model.tokenizer()
 
 
 def _context(args, model: _Model, needed: int, what: str) -> int:

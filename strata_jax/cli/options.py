@@ -166,7 +166,7 @@ def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: b
     if many:
         g.add_argument("--prompts", type=_positive_int, default=8, metavar="K",
                        help="random prompts to read, each a new session (ignored with "
-                            "--prompt-file)")
+                            "--prompt-file or --prompt)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--tokens", type=_positive_int, default=tokens_default, metavar="N",
                      help="random prompt of N token ids (seeded by --seed)"
@@ -174,25 +174,39 @@ def _prompt_options(p: argparse.ArgumentParser, *, tokens_default: int, files: b
     if files:
         src.add_argument("--prompt-file", metavar="FILE", action="append" if many else "store",
                          help="token ids: whitespace- or comma-separated integers, or a 1-D "
-                              "integer .npy array" + (" (repeat for several prompts)" if many else
-                                                      "; text with --prompt-format text"))
+                              "integer .npy array; text with --prompt-format text"
+                              + (" (repeat for several prompts)" if many else ""))
     if text:
-        src.add_argument("--prompt", metavar="TEXT",
+        src.add_argument("--prompt", metavar="TEXT", action="append" if many else "store",
                          help="the prompt as text, encoded by the checkpoint's tokenizer.json "
-                              "(a --preset model has no tokenizer: give ids)")
+                              "(a --preset model has no tokenizer: give ids)"
+                              + (" (repeat for several prompts)" if many else ""))
         g.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
-                       help="what --prompt-file holds: ids (as above) or text (UTF-8, encoded "
-                            "by the checkpoint's tokenizer.json)")
+                       help="what --prompt-file" + (" and --follow-up-file hold" if follow_up
+                                                    else " holds")
+                            + ": ids (as above) or text (UTF-8, encoded by the "
+                            "checkpoint's tokenizer.json)")
     g.add_argument("--max-context", type=_positive_int, metavar="N",
                    help="KV cache capacity in tokens (default: what "
                         + ("the longest prompt needs" if many else
-                           "the prompt and --follow-up need" if follow_up else
+                           "the prompt and the follow-up need" if follow_up else
                            "the prompt needs") + "); scaled presets' "
                         "max_seq_len grows to fit it")
     if follow_up:
         g.add_argument("--follow-up", type=_nonneg_int, default=0, metavar="N",
                        help="then a second turn of N random tokens with the session "
-                            "(reports reused + read; 0: none)")
+                            "(reports reused + read; 0: none)"
+                            + ("; --follow-up-prompt or --follow-up-file give it instead"
+                               if text else ""))
+    if follow_up and text:
+        fu = g.add_mutually_exclusive_group()
+        fu.add_argument("--follow-up-prompt", metavar="TEXT",
+                        help="then a second turn of this text with the session, encoded by "
+                             "the checkpoint's tokenizer.json without its special tokens (the "
+                             "first turn has them); instead of --follow-up N")
+        fu.add_argument("--follow-up-file", metavar="FILE",
+                        help="then a second turn read from FILE as --prompt-file is: token "
+                             "ids, or text with --prompt-format text; instead of --follow-up N")
 
 
 def _stream_options(p: argparse.ArgumentParser, *, depth_default: int | None = None,
@@ -362,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a prompt through a model and report the prefill: the summary line "
                     "('N tokens = R reused + K read ...'), a per-layer table of streamed, "
                     "copied, skipped and unrouted experts, the arm and the backend. With "
-                    "--follow-up N a second turn of N tokens reuses the session's KV cache.",
+                    "--follow-up N (random ids), --follow-up-prompt TEXT or --follow-up-file "
+                    "FILE a second turn reuses the session's KV cache.",
         epilog=textwrap.dedent("""\
             --json prints one object on stdout with: tokens, reused, read, prompt_ms,
             experts_streamed, copied, skipped, unrouted, bytes_copied, logits_sha256, kv_sha256,
@@ -372,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
             STRATA_PREFILL_ROUTED_STREAM_DEPTH, else 16, clamped to 1..256; null when the routed
             switch is off), next_tokens (the 5 most likely tokens after the prompt: id, logprob,
             text: null without a tokenizer.json), and follow_up (the same keys for the second
-            turn) with --follow-up."""))
+            turn, its next_tokens included) with --follow-up, --follow-up-prompt or
+            --follow-up-file."""))
     _model_options(pre, required=True)
     _prompt_options(pre, tokens_default=1024, follow_up=True, text=True)
     _stream_options(pre)
@@ -407,13 +423,18 @@ def build_parser() -> argparse.ArgumentParser:
         "profile", formatter_class=_Formatter, help="record an expert profile from prefills",
         description="Run prefills of several prompts, each a new session, and save the "
                     "per-(layer, expert) routing counts (an ExpertProfile) to --out; print "
-                    "where it went and each layer's hottest experts.")
+                    "each prompt (its first tokens, as text beside the ids where the "
+                    "checkpoint has a tokenizer.json), where the profile went and each layer's "
+                    "hottest experts. The prompts are --prompts K random ones, --prompt TEXT "
+                    "or --prompt-file FILE (each repeatable), as prefill reads them.")
     _model_options(prof, required=True)
-    _prompt_options(prof, tokens_default=1024, many=True)
+    _prompt_options(prof, tokens_default=1024, many=True, text=True)
     _stream_options(prof)
     _output_options(prof, json_help="print one JSON object on stdout: out, prompts, tokens, "
                                     "model, hottest (per layer [expert, count] pairs), "
-                                    "never_routed (per layer)")
+                                    "never_routed (per layer), inputs (per prompt: tokens, "
+                                    "source, head: its first 8 ids, head_text: their text, "
+                                    "null without a tokenizer.json)")
     og = next(g for g in prof._action_groups if g.title == "output")
     og.add_argument("--out", metavar="FILE", required=True,
                     help="where to save the profile (ExpertProfile.save; required)")

@@ -13,8 +13,9 @@ import numpy as np
 
 from strata_jax.cli.checks import _check_budget, _check_plan
 from strata_jax.cli.common import (UsageError, _backends, _context, _jsonable, _load_profile, _Log,
-                                   _make_engine, _Model, _read_prompts, _stream_config,
-                                   _stream_device, random_prompt)
+                                   _make_engine, _Model, _output_tokenizer, _prompt_source,
+                                   _prompts_given, _read_prompts, _stream_config, _stream_device,
+                                   random_prompt)
 from strata_jax.formats import ExpertFormat
 from strata_jax.kernels.quantized import resolve_format
 
@@ -118,22 +119,42 @@ class _Read:
     depth: int | None  # what runs (--depth, else the environment's, else 16; clamped)
     quantized: str | None  # the kernel quantized experts are read with (None: plain)
     tokenizer: object = None  # the checkpoint's Tokenizer, None without one
+    follow_up: np.ndarray | None = None  # the second turn's ids (None: no second turn)
 
 
-def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
+_FOLLOW_UP_IDS = "pass token ids instead (--follow-up-file FILE of ids, or --follow-up N)"
+
+
+def _follow_up(args, model: _Model) -> tuple[np.ndarray, str] | None:
+    """The second turn given as text or a file ((ids, what they are)), read as the prompt is
+    (its text encoded without the special tokens: a continuation); None where there is none or
+    it is --follow-up N random ids (drawn once the plan is known to fit)."""
+    text, path = getattr(args, "follow_up_prompt", None), getattr(args, "follow_up_file", None)
+    given = "--follow-up-prompt" if text is not None else "--follow-up-file" if path else None
+    if given and getattr(args, "follow_up", 0):
+        raise UsageError(f"--follow-up {args.follow_up} and {given} both give the second turn; "
+                         f"give one: --follow-up N random ids, or {given} "
+                         + ("TEXT" if text is not None else "FILE"))
+    if given is None:
+        return None
+    return _prompt_source(model, text=text, path=path, as_text=args.prompt_format == "text",
+                          where=given, ids=_FOLLOW_UP_IDS, continuation=True)
+
+
+def _prepare(args, *, scoring: bool = False) -> _Read:
     """Checks the whole read (the prompt, the plan, budgets, host memory) before any weight is
     made, prints the header unless --json, and returns it."""
     model = _Model(args)
     model.require()
     # A prompt file or text is read now; a random prompt is drawn once the plan is known to fit.
-    given = args.prompt_file or args.prompt is not None or args.prompt_format == "text"
-    files = _read_prompts(args, model, many=False) if given else None
-    if model.tokenizer() is None and model.tokenizer_error:
-        _Log(args.quiet)(f"warning: {model.tokenizer_error}; tokens are shown as ids only")
+    files = _read_prompts(args, model, many=False) if _prompts_given(args) else None
+    more = _follow_up(args, model)
+    tokenizer = _output_tokenizer(model, _Log(args.quiet))
     prompt = int(files[0][0].size) if files else args.tokens
     if scoring and prompt < 2:
         raise UsageError(f"a prompt of {prompt} token has nothing to score (each token is "
                          "scored given the ones before it); give at least 2 tokens")
+    follow_up = int(more[0].size) if more else getattr(args, "follow_up", 0)
     needed = prompt + follow_up
     what = "the prompt and the follow-up need" if follow_up else "the prompt needs"
     max_context = _context(args, model, needed, what)
@@ -158,8 +179,13 @@ def _prepare(args, *, follow_up: int = 0, scoring: bool = False) -> _Read:
                   + (", residents chosen from it" if (args.resident_gib or args.resident_per_layer)
                      else ""))
         print(f"prompt: {prompt_text}", flush=True)
-    return _Read(model, tokens, stream, backend, device, max_context, depth, path,
-                 model.tokenizer())
+    if follow_up and not more:
+        more = (random_prompt(model.config.vocab_size, follow_up, args.seed, 1),
+                f"{follow_up} random tokens (seed {args.seed})")
+    if more and not args.json:
+        print(f"follow-up prompt: {more[1]}", flush=True)
+    return _Read(model, tokens, stream, backend, device, max_context, depth, path, tokenizer,
+                 more[0] if more else None)
 
 
 _QUANTIZED_PATHS = {"mosaic": "read by the fused Mosaic GPU kernel",
@@ -200,8 +226,8 @@ def next_tokens(result, tokenizer, k: int = 5) -> list[dict]:
     return [{"id": int(i), "logprob": float(logp[i]), "text": t} for i, t in zip(top, texts)]
 
 
-def _print_next(tops: list[dict], tokenizer) -> None:
-    print("next tokens: " + ", ".join(
+def _print_next(tops: list[dict], tokenizer, label: str = "next tokens") -> None:
+    print(f"{label}: " + ", ".join(
         f"{s} (p {np.exp(t['logprob']):.3f})"
         for s, t in zip(_shown([t["id"] for t in tops], tokenizer), tops)))
 
@@ -228,7 +254,7 @@ def _print_notes(result, compiled: int, depth: int | None) -> None:
 
 
 def cmd_prefill(args, log: _Log) -> int:
-    read = _prepare(args, follow_up=args.follow_up)
+    read = _prepare(args)
     cfg, engine = _engine(args, read, log)
     with engine:
         before = int(engine.compilations)
@@ -237,12 +263,12 @@ def cmd_prefill(args, log: _Log) -> int:
         out["compiled"] = int(engine.compilations) - before  # programs compiled by this call
         out["next_tokens"] = next_tokens(first, read.tokenizer)
         follow = None
-        if args.follow_up:
-            more = random_prompt(cfg.vocab_size, args.follow_up, args.seed, 1)
+        if read.follow_up is not None:
             before = int(engine.compilations)
-            follow = _prefill(engine, more, first.session, log, "follow-up")
+            follow = _prefill(engine, read.follow_up, first.session, log, "follow-up")
             out["follow_up"] = _jsonable(follow.to_dict())
             out["follow_up"]["compiled"] = int(engine.compilations) - before
+            out["follow_up"]["next_tokens"] = next_tokens(follow, read.tokenizer)
         out.update(_run_fields(args, read, engine))
 
     if args.json:
@@ -266,4 +292,5 @@ def cmd_prefill(args, log: _Log) -> int:
         note = _compiled_note(out["follow_up"]["compiled"])
         if note:
             print(note)
+        _print_next(out["follow_up"]["next_tokens"], read.tokenizer, "follow-up next tokens")
     return 0

@@ -12,8 +12,12 @@ import numpy as np
 
 from strata_jax.cli.checks import _check_budget, _check_plan
 from strata_jax.cli.common import (UsageError, _backends, _context, _load_profile, _Log,
-                                   _make_engine, _Model, _read_prompts, _stream_config)
+                                   _make_engine, _Model, _output_tokenizer, _prompts_given,
+                                   _read_prompts, _stream_config)
+from strata_jax.cli.prefill import _shown
 from strata_jax.profile import ExpertProfile
+
+HEAD = 8  # tokens shown of each prompt
 
 
 def hottest(counts: np.ndarray, layers: Sequence[int], top: int) -> dict[int, list[list[int]]]:
@@ -25,12 +29,22 @@ def hottest(counts: np.ndarray, layers: Sequence[int], top: int) -> dict[int, li
     return out
 
 
+def _input(tokens: np.ndarray, source: str, tokenizer) -> dict:
+    """A prompt as the output shows it: its size, where it came from, its first HEAD ids and
+    their text (None without a tokenizer)."""
+    head = [int(t) for t in tokens[:HEAD]]
+    return {"tokens": int(tokens.size), "source": source, "head": head,
+            "head_text": tokenizer.decode(head) if tokenizer is not None else None}
+
+
 def cmd_profile(args, log: _Log) -> int:
 
     model = _Model(args)
     model.require()
-    # Prompt files are read now; random prompts are drawn once the plan is known to fit.
-    prompts = _read_prompts(args, model, many=True) if args.prompt_file else None
+    # Prompt files and texts are read now; random prompts are drawn once the plan is known to
+    # fit.
+    prompts = _read_prompts(args, model, many=True) if _prompts_given(args) else None
+    tokenizer = _output_tokenizer(model, log)
     sizes = [int(t.size) for t, _ in prompts] if prompts else [args.tokens] * args.prompts
     max_context = _context(args, model, max(sizes), "the longest prompt needs")
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -46,8 +60,13 @@ def cmd_profile(args, log: _Log) -> int:
                 devices=args.devices)
     prompts = prompts or _read_prompts(args, model, many=True)
 
+    inputs = [_input(tokens, source, tokenizer) for tokens, source in prompts]
     if not args.json:
-        print(model.describe(), flush=True)
+        print(model.describe())
+        for i, d in enumerate(inputs):
+            print(f"prompt {i + 1}: {d['source']}; first tokens: "
+                  + ", ".join(_shown(d["head"], tokenizer))
+                  + (", ..." if d["tokens"] > HEAD else ""), flush=True)
     cfg, params, experts = model.weights(log)
     profile = ExpertProfile.empty(cfg)
     total = 0
@@ -71,7 +90,7 @@ def cmd_profile(args, log: _Log) -> int:
     if args.json:
         print(json.dumps({"out": args.out, "prompts": len(prompts), "tokens": total,
                           "model": model.summary(),
-                          "hottest": {str(l): v for l, v in hot.items()},
+                          "hottest": {str(l): v for l, v in hot.items()}, "inputs": inputs,
                           "never_routed": {str(l): int((counts[l] == 0).sum())
                                            for l in cfg.moe_layers}}, sort_keys=True))
         return 0

@@ -532,7 +532,8 @@ class Engine:
         """Reads `tokens` (after the session's positions, if any).
 
         Args:
-            tokens: int token ids [T] of the new text only, or a str (with a `tokenizer`).
+            tokens: int token ids [T] of the new text only, or a str (with a `tokenizer`; with a
+                `session`, encoded without special tokens: the turns read as one sequence).
             session: A Session from an earlier prefill of this engine, or None.
             order: "chunk-major" or "layer-major"; None: the engine's default
                 (`Engine(order=...)`).
@@ -612,7 +613,8 @@ class Engine:
 
     def _prefill(self, tokens, session, order, progress, sync_chunks, chunk,
                  score: bool = False) -> PrefillResult:
-        tokens = prompt_ids(tokens, self.tokenizer)  # TypeError: text without a tokenizer
+        # TypeError: text without a tokenizer; a follow-up turn's without special tokens (a BOS).
+        tokens = prompt_ids(tokens, self.tokenizer, continuation=session is not None)
         order = self.order if order is None else order
         if chunk is None:
             chunk, buckets = self.chunk_size, self.buckets
