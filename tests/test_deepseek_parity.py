@@ -94,9 +94,9 @@ def test_logits_match_transformers(written, case, monkeypatch):
     assert c.q_lora_rank == (CASES[case]["q_lora_rank"] or 0)
     whole, _, _ = forward(model, toks, init_cache(c, 128))
     assert_close(whole, logits, np.float32, err_msg=f"{case}: one chunk")
-    # Later chunks read their prefix in blocks of 256 positions at least: shrink the block
-    # bytes so a prefix here spans several blocks.
+    # Blocks of 16 positions: a later chunk's prefix spans several.
     monkeypatch.setattr(mla, "PREFIX_BLOCK_BYTES", 1)
+    monkeypatch.setattr(mla, "PREFIX_MIN_BLOCK", 16)
     cache, parts, at = init_cache(c, 128), [], 0
     for n in (30, 1, T - 31):
         out, cache, _ = forward(model, toks[at:at + n], cache, start=at)

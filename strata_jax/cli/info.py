@@ -92,7 +92,8 @@ def cmd_info(args, log: _Log) -> int:
               f"per layer, {size(p['expert_bytes_total'])} in all ({p['moe_layers']} MoE layers)"
               " — kept in host RAM")
         print(f"  dense weights {size(p['dense_bytes'])}; KV cache {size(p['kv_bytes'])} for "
-              f"{p['max_context']} positions")
+              f"{p['max_context']} positions ({p['kv_values_per_position']} values a "
+              "position over all layers)")
         print(f"  resident {p['resident_per_layer']} experts per layer "
               f"({size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
               f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} layer "

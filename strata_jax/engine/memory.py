@@ -289,6 +289,8 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         "moe_layers": n_moe,
         "dense_bytes": dense,
         "kv_bytes": kv,
+        "kv_values_per_position": (kv_cache_bytes(config, 2) - kv_cache_bytes(config, 1))
+        // np.dtype(config.dtype).itemsize,
         "max_context": max_context,
         "resident_per_layer": per,
         "resident_bytes": plan.resident_bytes,

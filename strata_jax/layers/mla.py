@@ -42,15 +42,17 @@ LATENT_NORM_EPS = 1e-6
 PREFIX_BLOCK_BYTES = 1 << 29
 # Float32 score bytes of one prefix block on the XLA parts.
 PREFIX_SCORE_BYTES = 1 << 28
+# The fewest positions a prefix block holds where the cache has them.
+PREFIX_MIN_BLOCK = 256
 
 
 def prefix_block(n_heads: int, head_dim: int, itemsize: int, n_queries: int, capacity: int,
                  fused: bool) -> int:
     """Cache positions expanded at a time for a later chunk: the largest power of two from
-    256 whose keys and values [B, N, D] fit PREFIX_BLOCK_BYTES (and, on the XLA parts, whose
-    float32 scores [N, T, B] fit PREFIX_SCORE_BYTES); at most `capacity`."""
+    PREFIX_MIN_BLOCK whose keys and values [B, N, D] fit PREFIX_BLOCK_BYTES (and, on the XLA
+    parts, whose float32 scores [N, T, B] fit PREFIX_SCORE_BYTES); at most `capacity`."""
     block = 1 << 16
-    while block > 256 and (block * n_heads * 2 * head_dim * itemsize > PREFIX_BLOCK_BYTES or (
+    while block > PREFIX_MIN_BLOCK and (block * n_heads * 2 * head_dim * itemsize > PREFIX_BLOCK_BYTES or (
             not fused and n_heads * n_queries * block * 4 > PREFIX_SCORE_BYTES)):
         block //= 2
     return max(1, min(block, capacity))
