@@ -14,7 +14,8 @@ from types import ModuleType
 from typing import Callable, Mapping
 
 from strata_jax.config import ModelConfig
-from strata_jax.models import decoder, hybrid, mixtral, olmoe, qwen3_moe, qwen3_next, stand_ins
+from strata_jax.models import (decoder, glm4_moe, hybrid, mixtral, olmoe, qwen3_moe, qwen3_next,
+                               stand_ins)
 from strata_jax.models.decoder import KVCache, MoETransformer, forward
 from strata_jax.models.hf_config import (IGNORED_FIELDS, NO_EFFECT, QUANT_FIELDS,
                                          CheckpointError, Family, HFFields, quant_fields_markdown,
@@ -30,7 +31,7 @@ __all__ = [
 
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (qwen3_moe.FAMILY, *qwen3_next.FAMILIES, mixtral.FAMILY,
-                                olmoe.FAMILY)
+                                olmoe.FAMILY, glm4_moe.FAMILY)
 }
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -39,6 +40,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     **qwen3_next.TEXT35.presets,
     **mixtral.FAMILY.presets,
     **olmoe.FAMILY.presets,
+    **glm4_moe.FAMILY.presets,
     "deepseek-v3": stand_ins.PRESETS["deepseek-v3"],
 }
 
