@@ -348,16 +348,18 @@ def quantization(hf: Mapping) -> Quant | None:
                   act_order=act_order)
 
 
-def expert_format_of(quant: Quant | None, tensors: TensorNames, n_layers: int, n_experts: int) -> str:
-    """The routed experts' store format: the checkpoint's, unless the config leaves every routed
-    expert unquantized ("plain"); some quantized and some not is refused (one store format)."""
+def expert_format_of(quant: Quant | None, tensors: TensorNames, moe_layers: range,
+                     n_experts: int) -> str:
+    """The routed experts' store format (of the MoE layers `moe_layers`): the checkpoint's,
+    unless the config leaves every routed expert unquantized ("plain"); some quantized and some
+    not is refused (one store format)."""
     if quant is None:
         return "plain"
     if quant.method == FP8:
         if not quant.not_converted:
             return quant.expert_format
         flags = {}
-        for l in range(n_layers):
+        for l in moe_layers:
             for e in range(n_experts):
                 for matrix in range(3):
                     m = tensors.expert(l, e, matrix)
@@ -577,7 +579,8 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
     max_position = int(f.get("max_position_embeddings", max_position_embeddings))
     theta, scaling, longest = rope or read_rope(f, max_position, rope_theta)
     n_layers = f.need("num_hidden_layers")
-    expert_format = expert_format_of(quant, family.tensors, n_layers, n_experts)
+    moe_layers = range(extra.get("n_dense_layers", 0), n_layers)
+    expert_format = expert_format_of(quant, family.tensors, moe_layers, n_experts)
     try:
         return config_class(
             name=str(f.get("_name_or_path") or f.get("model_type") or family.architecture),
