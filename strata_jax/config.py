@@ -119,8 +119,13 @@ class ModelConfig:
         topk_groups: Groups kept per token when `n_groups > 1` (DeepSeek-V3: 4).
         qk_norm: "none", "per_head" (Qwen3: RMSNorm over each head's D) or "full" (OLMoE: RMSNorm over
             the whole q / k projection).
-        attention_bias: The q, k, v and o projections add a bias (Hugging Face
-            `attention_bias`: Qwen3-MoE, OLMoE); q/k biases come before the q/k norm.
+        attention_bias: The q, k and v projections add a bias (Hugging Face
+            `attention_bias`: Qwen3-MoE, OLMoE, GLM-4.5), and o too unless
+            `attention_out_bias` is False; q/k biases come before the q/k norm.
+        attention_out_bias: With `attention_bias`, whether the o projection adds a bias too
+            (Qwen3-MoE, OLMoE: yes; GLM-4.5: no). False needs `attention_bias`.
+        rotary_dim: RoPE rotates the first `rotary_dim` dims of each attention head (partial
+            rotary: Hugging Face `partial_rotary_factor` x head_dim); 0: every dim.
         rope_theta: RoPE base.
         rope_scaling: Context-extension scaling of the RoPE frequencies (`strata_jax.layers.rope`:
             linear, dynamic, yarn); None: plain RoPE.
@@ -174,6 +179,8 @@ class ModelConfig:
     topk_groups: int = 1
     qk_norm: str = "none"
     attention_bias: bool = False
+    attention_out_bias: bool = True
+    rotary_dim: int = 0
     rope_theta: float = 1_000_000.0
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
@@ -214,6 +221,7 @@ class ModelConfig:
             raise ValueError(f"router_scores={self.router_scores!r}, expected one of {ROUTER_SCORES}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r}, expected one of {QK_NORMS}")
+        self._check_attention()
         if self.param_dtype not in DTYPES:
             raise ValueError(f"param_dtype={self.param_dtype!r}, expected one of {sorted(DTYPES)}")
         if self.expert_format not in EXPERT_FORMATS:
@@ -262,6 +270,20 @@ class ModelConfig:
                 " original context: past them its frequencies depend on the prompt's length,"
                 " which is not implemented")
         self._check_windows()
+
+    def _check_attention(self):
+        for name in ("attention_bias", "attention_out_bias"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.attention_out_bias and not self.attention_bias:
+            raise ValueError("attention_out_bias=False drops the o projection's bias of "
+                             "attention_bias=True (q, k, v biases without o's); without "
+                             "attention_bias no projection has one: leave it True")
+        r = self.rotary_dim
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not (
+                0 <= r <= self.head_dim) or r % 2:
+            raise ValueError(f"rotary_dim={r!r} must be an even int within 0..head_dim="
+                             f"{self.head_dim} (0: every dim)")
 
     def _check_windows(self):
         w = self.sliding_window
@@ -348,6 +370,19 @@ class ModelConfig:
         return len(self.moe_layers) * self.expert_bytes_per_layer
 
     @functools.cached_property
+    def attention_biases(self) -> tuple[str, ...]:
+        """The attention projections that add a bias: ("q", "k", "v", "o"), ("q", "k", "v")
+        (`attention_out_bias` False) or none."""
+        if not self.attention_bias:
+            return ()
+        return ("q", "k", "v", "o") if self.attention_out_bias else ("q", "k", "v")
+
+    @functools.cached_property
+    def rotated_dims(self) -> int:
+        """The dims of each attention head RoPE rotates: `rotary_dim`, or all of them."""
+        return self.rotary_dim or self.head_dim
+
+    @functools.cached_property
     def q_dim(self) -> int:
         """Width of the query projection, n_heads * head_dim."""
         return self.n_heads * self.head_dim
@@ -382,8 +417,8 @@ class ModelConfig:
 
         Defaults: 2 layers beyond the dense ones (so DeepSeek keeps one dense and one MoE layer at
         least), hidden 64, head_dim 16, heads divided keeping the q/kv ratio, vocab 512, widths
-        divided proportionally. Routing kind, shared experts, qk-norm, tying and group-limited
-        routing are kept; experts and top-k are kept unless given. A sliding window is kept,
+        divided proportionally. Routing kind, shared experts, qk-norm, tying, group-limited
+        routing and the rotated fraction of a head (`rotary_dim`) are kept; experts and top-k are kept unless given. A sliding window is kept,
         and `layer_types` is resampled to the new depth: new layer i takes the kind of the last
         old layer of its share, (i + 1) * n_layers_old // n_layers_new - 1.
 
@@ -429,5 +464,9 @@ class ModelConfig:
         ))
 
     def _scaled_fields(self, **fields) -> dict:
-        """`scaled`'s new field values; a subclass adds its own fields' (made to match)."""
-        return fields
+        """`scaled`'s new field values (the rotary part keeps its fraction of a head); a
+        subclass adds its own fields' (made to match)."""
+        head = fields["head_dim"]
+        rotary = 0 if not self.rotary_dim else max(2, round(
+            self.rotary_dim / self.head_dim * head / 2) * 2)
+        return {**fields, "rotary_dim": 0 if rotary >= head else rotary}

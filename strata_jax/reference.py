@@ -34,15 +34,11 @@ def _norm(x, p, name, eps):
     return _rms_norm(x, p[name + ".weight"], eps)
 
 
-def _rotated(c: ModelConfig) -> int:
-    return getattr(c, "rotary_dim", 0) or c.head_dim  # a partial rotary config's part
-
-
 def _rope_inv_freq(c: ModelConfig, d: int | None = None):
     """(inv_freq [d/2], cos/sin multiplier) of `d` rotated dims (default the config's), one
     frequency at a time from the formulas (Hugging Face transformers' modeling_rope_utils
     semantics for linear, dynamic and yarn)."""
-    d, theta, s = d or _rotated(c), c.rope_theta, c.rope_scaling
+    d, theta, s = d or c.rotated_dims, c.rope_theta, c.rope_scaling
     plain = [theta ** (-2.0 * i / d) for i in range(d // 2)]
     if s is None or s.rope_type == "dynamic":  # dynamic: plain up to its original length
         return np.array(plain), 1.0
@@ -73,7 +69,7 @@ def _rope_inv_freq(c: ModelConfig, d: int | None = None):
 
 
 def _rope(x, positions, c: ModelConfig):
-    d = _rotated(c)
+    d = c.rotated_dims
     if d < x.shape[-1]:  # partial rotary: the first d dims rotate, the rest pass
         return np.concatenate([_rope(x[..., :d], positions, c), x[..., d:]], axis=-1)
     inv_freq, mult = _rope_inv_freq(c)
@@ -179,7 +175,7 @@ def _attention(c: ModelConfig, p, prefix, x, window: int | None):
     if gate is not None:
         out = out / (1.0 + np.exp(-gate))
     out = out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
-    return out + _f64(p[prefix + "o_bias"]) if c.attention_bias else out
+    return out + _f64(p[prefix + "o_bias"]) if "o" in c.attention_biases else out
 
 
 def reference_deltanet(c: ModelConfig, p, prefix: str, x, window=None, state=None):

@@ -99,7 +99,7 @@ def hf_tensors(c, params, preset):
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             t[q + f"self_attn.{proj}.weight"] = params[p + f"attn.{proj}"].T
         if c.attention_bias:
-            for b in "qkvo":
+            for b in c.attention_biases:
                 t[q + f"self_attn.{b}_proj.bias"] = params[p + f"attn.{b}_bias"]
         if c.qk_norm != "none":
             t[q + "self_attn.q_norm.weight"] = params[p + "attn.q_norm.weight"]

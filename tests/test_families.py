@@ -18,7 +18,8 @@ from strata_jax.models.hf_config import CheckpointError
 def test_every_family_is_registered_by_its_architecture():
     assert set(FAMILIES) == {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                              "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
-                             "Qwen3_5MoeForConditionalGeneration", "DeepseekV3ForCausalLM"}
+                             "Qwen3_5MoeForConditionalGeneration", "DeepseekV3ForCausalLM",
+                             "Glm4MoeForCausalLM"}
     for arch, family in FAMILIES.items():
         assert family.architecture == arch
         assert family_of({"architectures": [arch]}) is family

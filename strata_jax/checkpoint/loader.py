@@ -88,8 +88,7 @@ def _check_tied_head(tensors: Tensors, embed: np.ndarray, c: ModelConfig) -> Non
 def _check_rope_buffers(tensors: Tensors, c: ModelConfig) -> None:
     """Rotary frequency buffers some checkpoints carry (`...rotary_emb.inv_freq`) must match
     the frequencies config.json gives (the model computes its own)."""
-    rotated = getattr(c, "rotary_dim", 0) or c.head_dim  # a partial rotary config's part
-    inv_freq = rope_frequencies(rotated, c.rope_theta, c.rope_scaling)[0]
+    inv_freq = rope_frequencies(c.rotated_dims, c.rope_theta, c.rope_scaling)[0]
     for name in tensors.names():
         if name.endswith("rotary_emb.inv_freq"):
             saved = tensors.get(name, inv_freq.shape).astype(np.float64)
@@ -97,6 +96,13 @@ def _check_rope_buffers(tensors: Tensors, c: ModelConfig) -> None:
                 raise CheckpointError(
                     f"tensor {name!r} holds RoPE frequencies that differ from config.json's "
                     f"(rope_theta={c.rope_theta}, rope_scaling={c.rope_scaling})")
+
+
+def _biased(c: ModelConfig, module: str) -> bool:
+    """Whether the model reads linear `module`'s bias itself: an attention projection that
+    `ModelConfig.attention_biases` names."""
+    parent, leaf = module.split(".")[-2:]
+    return parent == "self_attn" and leaf.removesuffix("_proj") in c.attention_biases
 
 
 def _linear(tensors: Tensors, quant: Quant, module: str, shape: tuple[int, int],
@@ -152,30 +158,30 @@ def load_checkpoint(directory: str, *, param_dtype: str | None = None,
     family = family_of(hf)
     quant = quantization(hf)
     tensors = Tensors(directory)
-    dtype = config.dtype
+    # Each parameter in its model dtype: the config's, or float32 where the model keeps one
+    # (a sigmoid router's selection bias).
+    dtypes = {name: np.dtype(spec.dtype) for name, spec in
+              param_shapes(config, resident_experts=False).items()}
 
-    # Each tensor in the dtype the model holds it in (the parameter dtype; float32 where the
-    # model keeps a parameter in float32, as a router's selection bias).
-    held = {n: s.dtype for n, s in param_shapes(config, resident_experts=False).items()}
-
-    def take(hf_name: str, shape, transpose: bool, ours: str | None = None) -> np.ndarray:
-        want = held.get(ours, dtype)
+    def take(hf_name: str, shape, transpose: bool, ours: str) -> np.ndarray:
+        dtype = dtypes.get(ours, config.dtype)
         if transpose and quant is not None:  # a linear, perhaps quantized: [in, out]
             module = hf_name[:-len(".weight")]
-            return _linear(tensors, quant, module, shape, want,
-                           config.attention_bias and ".self_attn." in module)
+            return _linear(tensors, quant, module, shape, dtype, _biased(config, module))
         value = tensors.get(hf_name, shape)
         value = value.T if transpose else value
-        return np.ascontiguousarray(value.astype(want, copy=False))
+        return np.ascontiguousarray(value.astype(dtype, copy=False))
 
     c, prefix = config, family.tensors.model_prefix
     params: dict[str, np.ndarray] = {
-        "embed": take(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size), False),
-        family.final_norm: take(f"{prefix}norm.weight", (c.hidden_size,), False),
+        "embed": take(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size), False,
+                      "embed"),
+        family.final_norm: take(f"{prefix}norm.weight", (c.hidden_size,), False,
+                                family.final_norm),
     }
     if not c.tie_embeddings:  # lm_head is never quantized (a quantized one is refused)
         params["lm_head"] = np.ascontiguousarray(tensors.get(
-            "lm_head.weight", (c.vocab_size, c.hidden_size)).T.astype(dtype, copy=False))
+            "lm_head.weight", (c.vocab_size, c.hidden_size)).T.astype(c.dtype, copy=False))
     elif tensors.has("lm_head.weight"):
         _check_tied_head(tensors, params["embed"], c)
     _check_rope_buffers(tensors, c)

@@ -1,6 +1,6 @@
 """Grouped-query attention as a layer: q/k/v/o projections (optional biases), q/k RMSNorm
-(per head or over the whole projection), RoPE (over all of a head or its first `rotary_dim`
-dims), an optional sigmoid output gate (Qwen3-Next's gated attention), the KV cache write, and
+(per head or over the whole projection), RoPE (over all of a head or its first
+`ModelConfig.rotary_dim` dims), an optional sigmoid output gate (Qwen3-Next's gated attention), the KV cache write, and
 the attention paths of
 `layers.attention` (a first chunk causal and fused; a later chunk over its cached prefix, merged
 by log-sum-exp), within a sliding window where the config gives this layer one.
@@ -23,40 +23,33 @@ from strata_jax.layers.rope import rope
 
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache; within a
-    sliding window where the config gives this layer one (`ModelConfig.window_of`).
+    sliding window where the config gives this layer one (`ModelConfig.window_of`). RoPE
+    rotates the config's `rotated_dims` of each head (partial rotary: the first ones); the
+    projections named in its `attention_biases` add a bias.
 
     output_gate: q_proj also gives each head a gate, [H, N*2D] with each head's D query
         columns then its D gate columns; the attention output is multiplied by sigmoid(gate)
         before o_proj.
-    rotary_dim: RoPE rotates the first `rotary_dim` dims of each head (partial rotary); None:
-        all of them.
     centred_norms: the q/k norms' weights are zero-centred (`RMSNorm(centred=True)`).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int,
                  kernels: Kernels = Kernels(), output_gate: bool = False,
-                 rotary_dim: int | None = None, centred_norms: bool = False):
+                 centred_norms: bool = False):
         c, dt = config, config.dtype
         self.config = config
         self.kernels = kernels  # static: part of the graph jit keys on
         self.window = c.window_of(layer)  # static: None (full causal) or the window
         self.output_gate = output_gate
-        self.rotary_dim = c.head_dim if rotary_dim is None else rotary_dim
-        if not 0 < self.rotary_dim <= c.head_dim or self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim={rotary_dim} must be even and within 1..head_dim="
-                             f"{c.head_dim}")
         q_width = 2 * c.q_dim if output_gate else c.q_dim
         self.q_proj = nnx.Param(normal(rngs, (c.hidden_size, q_width), dt))  # [H, N*D or N*2D]
         self.k_proj = nnx.Param(normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.v_proj = nnx.Param(normal(rngs, (c.hidden_size, c.kv_dim), dt))  # [H, KVH*D]
         self.o_proj = nnx.Param(normal(rngs, (c.q_dim, c.hidden_size), dt))  # [N*D, H]
-        if c.attention_bias:
-            self.q_bias = nnx.Param(filled(rngs, (q_width,), dt, 0.0))  # [N*D or N*2D]
-            self.k_bias = nnx.Param(filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
-            self.v_bias = nnx.Param(filled(rngs, (c.kv_dim,), dt, 0.0))  # [KVH*D]
-            self.o_bias = nnx.Param(filled(rngs, (c.hidden_size,), dt, 0.0))  # [H]
-        else:
-            self.q_bias = self.k_bias = self.v_bias = self.o_bias = None
+        widths = {"q": q_width, "k": c.kv_dim, "v": c.kv_dim, "o": c.hidden_size}
+        for proj, width in widths.items():  # q [N*D or N*2D], k/v [KVH*D], o [H]
+            setattr(self, f"{proj}_bias", nnx.Param(filled(rngs, (width,), dt, 0.0))
+                    if proj in c.attention_biases else None)
         if c.qk_norm == "per_head":
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs, centred=centred_norms)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, rngs, centred=centred_norms)
@@ -105,7 +98,7 @@ class Attention(nnx.Module):
         return out, cache_k, cache_v
 
     def _rope(self, x, positions):
-        c, r = self.config, self.rotary_dim
+        c, r = self.config, self.config.rotated_dims
         if r == c.head_dim:
             return rope(x, positions, c.rope_theta, c.rope_scaling)
         return jnp.concatenate([rope(x[..., :r], positions, c.rope_theta, c.rope_scaling),

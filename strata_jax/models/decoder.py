@@ -535,25 +535,33 @@ def forward(model: MoETransformer, tokens, cache: KVCache, start: int = 0,
 # ---- checkpoint tensor names ----------------------------------------------------------------------
 
 
-def layer_tensors(config: ModelConfig, layer: int, names: TensorNames
-                  ) -> Iterator[tuple[str, str, tuple[int, ...], bool]]:
-    """(our name, Hugging Face name, Hugging Face shape, transposed) of one layer's non-expert
-    tensors, as the GQA MoE families name them (`names`: where their router is)."""
-    c, hf, ours = config, f"model.layers.{layer}.", f"layers.{layer}."
+def attention_tensors(config: ModelConfig, layer: int, names: TensorNames
+                      ) -> Iterator[tuple[str, str, tuple[int, ...], bool]]:
+    """(our name, Hugging Face name, Hugging Face shape, transposed) of one layer's two norms
+    and its grouped-query attention (projections, the biases `attention_biases` names, q/k
+    norms), as the GQA families name them."""
+    c, hf, ours = config, names.layer(layer), f"layers.{layer}."
     yield ours + "input_norm.weight", hf + "input_layernorm.weight", (c.hidden_size,), False
     yield ours + "post_attn_norm.weight", hf + "post_attention_layernorm.weight", (c.hidden_size,), False
     for proj, out_dim in (("q_proj", c.q_dim), ("k_proj", c.kv_dim), ("v_proj", c.kv_dim)):
         yield ours + f"attn.{proj}", hf + f"self_attn.{proj}.weight", (out_dim, c.hidden_size), True
     yield ours + "attn.o_proj", hf + "self_attn.o_proj.weight", (c.hidden_size, c.q_dim), True
-    if c.attention_bias:
-        for proj, out_dim in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim),
-                              ("o", c.hidden_size)):
+    for proj, out_dim in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim), ("o", c.hidden_size)):
+        if proj in c.attention_biases:
             yield ours + f"attn.{proj}_bias", hf + f"self_attn.{proj}_proj.bias", (out_dim,), False
     if c.qk_norm != "none":
         q_dim, k_dim = ((c.head_dim, c.head_dim) if c.qk_norm == "per_head" else (c.q_dim, c.kv_dim))
         yield ours + "attn.q_norm.weight", hf + "self_attn.q_norm.weight", (q_dim,), False
         yield ours + "attn.k_norm.weight", hf + "self_attn.k_norm.weight", (k_dim,), False
-    yield (ours + "mlp.router", hf + f"{names.moe_prefix}.{names.router}.weight",
+
+
+def layer_tensors(config: ModelConfig, layer: int, names: TensorNames
+                  ) -> Iterator[tuple[str, str, tuple[int, ...], bool]]:
+    """(our name, Hugging Face name, Hugging Face shape, transposed) of one layer's non-expert
+    tensors, as the GQA MoE families name them (`names`: where their router is)."""
+    c, hf = config, names.layer(layer)
+    yield from attention_tensors(c, layer, names)
+    yield (f"layers.{layer}.mlp.router", f"{hf}{names.moe_prefix}.{names.router}.weight",
            (c.n_experts, c.hidden_size), True)
 
 

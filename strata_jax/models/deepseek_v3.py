@@ -22,7 +22,8 @@ from typing import Iterator, Mapping
 from strata_jax.config import RopeScaling
 from strata_jax.models.decoder import sigmoid_moe_tensors
 from strata_jax.models.hf_config import (COMMON_FIELDS, HONOURED, NO_EFFECT, Family, HFFields,
-                                         Quant, TensorNames, decoder_config, read_rope, refuse)
+                                         Quant, TensorNames, decoder_config, deepseek_style_skips,
+                                         read_rope, refuse)
 from strata_jax.models.mla import MLAConfig
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -95,7 +96,7 @@ def config_from_hf(f: HFFields, quant: Quant | None, param_dtype: str | None) ->
         norm_topk_prob=f.get("norm_topk_prob", True), qk_norm="none", sliding_window=None,
         rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=4096,
         rope=(theta, scaling, longest), config_class=MLAConfig,
-        n_experts=f.get("n_routed_experts", 256), any_model_type=True, head_dim=nope + rot,
+        expert_keys=("n_routed_experts",), any_model_type=True, head_dim=nope + rot,
         n_kv_heads=heads,
         n_dense_layers=min(f.get("first_k_dense_replace", 3), f.need("num_hidden_layers")),
         dense_intermediate=f.get("intermediate_size", 18_432),
@@ -131,14 +132,6 @@ def layer_tensors(config: MLAConfig, layer: int) -> Iterator[tuple]:
     yield from sigmoid_moe_tensors(c, layer, TENSORS)
 
 
-def mtp_layers(config, hf: Mapping) -> dict[str, str]:
-    """The multi-token-prediction layers a checkpoint stores after its decoder layers
-    (`num_nextn_predict_layers`, or transformers' `num_mtp_layers`), to skip by name."""
-    n = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
-    return {TENSORS.layer(config.n_layers + i): "a multi-token-prediction layer (speculative "
-            "decoding; a prefill does not use it)" for i in range(int(n))}
-
-
 def deepseek_v3() -> MLAConfig:
     """DeepSeek-V3 (and R1, V3.1): 61 layers, MLA with 128 heads (queries through rank 1536,
     latent 512, heads of 128 + 64, values 128), the first 3 layers dense (width 18432), then
@@ -158,4 +151,5 @@ def deepseek_v3() -> MLAConfig:
 FAMILY = Family(
     architecture=ARCHITECTURE, label="DeepSeek-V3", model_type="deepseek_v3", fields=FIELDS,
     tensors=TENSORS, config_from_hf=config_from_hf, presets={"deepseek-v3": deepseek_v3},
-    layer_tensors=layer_tensors, skipped=mtp_layers)
+    layer_tensors=layer_tensors,
+    skipped=lambda config, hf: deepseek_style_skips(TENSORS, config, hf))

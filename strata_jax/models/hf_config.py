@@ -348,16 +348,18 @@ def quantization(hf: Mapping) -> Quant | None:
                   act_order=act_order)
 
 
-def expert_format_of(quant: Quant | None, tensors: TensorNames, n_layers: int, n_experts: int) -> str:
-    """The routed experts' store format: the checkpoint's, unless the config leaves every routed
-    expert unquantized ("plain"); some quantized and some not is refused (one store format)."""
+def expert_format_of(quant: Quant | None, tensors: TensorNames, moe_layers: range,
+                     n_experts: int) -> str:
+    """The routed experts' store format (of the MoE layers `moe_layers`): the checkpoint's,
+    unless the config leaves every routed expert unquantized ("plain"); some quantized and some
+    not is refused (one store format)."""
     if quant is None:
         return "plain"
     if quant.method == FP8:
         if not quant.not_converted:
             return quant.expert_format
         flags = {}
-        for l in range(n_layers):
+        for l in moe_layers:
             for e in range(n_experts):
                 for matrix in range(3):
                     m = tensors.expert(l, e, matrix)
@@ -376,10 +378,12 @@ _TYPED_FIELDS = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "num_experts", "num_local_experts",
                      "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
-                     "max_position_embeddings"), "an integer"),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta"), "a number"),
+                     "max_position_embeddings", "n_routed_experts", "n_shared_experts",
+                     "first_k_dense_replace", "n_group", "topk_group",
+                     "num_nextn_predict_layers", "num_mtp_layers"), "an integer"),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "routed_scaling_factor"), "a number"),
     **dict.fromkeys(("norm_topk_prob", "tie_word_embeddings", "attention_bias",
-                     "use_sliding_window"), "true or false"),
+                     "use_sliding_window", "use_qk_norm"), "true or false"),
 }
 
 
@@ -446,13 +450,15 @@ class HFFields:
 
 
 def read_rope(f: HFFields, max_position: int, default_theta: float, *,
-              partial: bool = False, no_effect: tuple[str, ...] = ()):
+              partial: bool = False, no_effect: tuple[str, ...] = (),
+              partial_default: float = 1.0):
     """(theta, scaling, longest context) from both spellings: transformers 4's rope_theta and
     rope_scaling, transformers 5's rope_parameters (rope_theta, rope_type and scaling keys).
 
     partial: a family with partial rotary embeddings: returns (theta, scaling, longest,
-        partial_rotary_factor), the factor from rope_parameters or the top level (1.0 when
-        absent); without it a factor other than 1 is refused.
+        partial_rotary_factor), the factor from rope_parameters or the top level
+        (`partial_default`, transformers' for the family, when absent); without it a factor
+        other than 1 is refused.
     no_effect: rope parameter keys the family's field table says have no effect (Qwen3.5's
         mrope_section for text): read past, any value.
     """
@@ -480,14 +486,29 @@ def read_rope(f: HFFields, max_position: int, default_theta: float, *,
     rope_type = types.pop() if types else "default"
     for key in no_effect:
         merged.pop(key, None)
-    factor = merged.pop("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    factor = merged.pop("partial_rotary_factor", f.hf.get("partial_rotary_factor"))
     if factor is None:
-        factor = 1.0
+        factor = partial_default
     if not partial and factor != 1:
         raise refuse("partial_rotary_factor", factor, "partial rotary embeddings are not "
                                                        "implemented for this architecture")
     theta, scaling, longest = _rope_scaling(merged, rope_type, theta, max_position)
     return (theta, scaling, longest, float(factor)) if partial else (theta, scaling, longest)
+
+
+def rotary_dim(head_dim: int, partial: float) -> int:
+    """`ModelConfig.rotary_dim` of a head of `head_dim` with `partial_rotary_factor` `partial`
+    (transformers: int(head_dim x factor) dims rotate); 0 when every dim does.
+
+    Raises:
+        CheckpointError: the factor gives an odd number of dims, or none.
+    """
+    rotary = int(head_dim * partial)
+    if rotary % 2 or rotary <= 0 or rotary > head_dim:
+        raise refuse("partial_rotary_factor", partial,
+                     f"rotates {head_dim} x {partial} = {head_dim * partial} dims of each head; "
+                     f"an even number within 2..{head_dim} is needed")
+    return 0 if rotary == head_dim else rotary
 
 
 def _rope_scaling(merged: dict, rope_type: str, theta: float, max_position: int
@@ -528,17 +549,18 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
                    intermediate: int, norm_topk_prob: bool, qk_norm: str,
                    sliding_window: int | None, rope_theta: float, rms_norm_eps: float,
                    max_position_embeddings: int, rope=None, config_class=ModelConfig,
-                   n_experts: int | None = None, any_model_type: bool = False,
+                   expert_keys: tuple[str, ...] = ("num_experts", "num_local_experts"),
+                   any_model_type: bool = False,
                    **extra) -> ModelConfig:
     """The `ModelConfig` of a grouped-query-attention MoE checkpoint from the fields every such
     family reads alike (`COMMON_FIELDS`); the family gives what it reads its own way and the
     defaults transformers uses where config.json leaves a field out.
 
     rope: (theta, scaling, longest context) the family read itself (`read_rope`); None: read
-    here. n_experts: the routed experts where the family spells them its own way; None:
-    num_experts / num_local_experts. any_model_type: the family reads any model_type on its
-    architecture (its fields decide). config_class and extra: a family's config subclass and
-    its own fields, or values it reads its own way (they replace the ones read here).
+    here. expert_keys: the spellings of the routed experts' count (GLM-4.5, DeepSeek-V3:
+    n_routed_experts). any_model_type: the family reads any model_type on its architecture
+    (its fields decide). config_class and extra: a family's config subclass and its own
+    fields, or values it reads its own way (they replace the ones read here).
 
     Raises:
         CheckpointError: a missing field, or a field or value this engine does not implement.
@@ -552,8 +574,7 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
     f.only("pruned_heads", ({}, None), "pruned attention heads are not implemented")
     f.only("is_encoder_decoder", (False,), "a decoder-only model has no encoder")
     f.only("add_cross_attention", (False,), "cross-attention is not implemented")
-    if n_experts is None:
-        n_experts = f.one_of("num_experts", "num_local_experts")
+    n_experts = f.one_of(*expert_keys)
     dtype = param_dtype or str(f.one_of("dtype", "torch_dtype", required=False) or "bfloat16")
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -562,7 +583,8 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
     max_position = int(f.get("max_position_embeddings", max_position_embeddings))
     theta, scaling, longest = rope or read_rope(f, max_position, rope_theta)
     n_layers = f.need("num_hidden_layers")
-    expert_format = expert_format_of(quant, family.tensors, n_layers, n_experts)
+    moe_layers = range(extra.get("n_dense_layers", 0), n_layers)
+    expert_format = expert_format_of(quant, family.tensors, moe_layers, n_experts)
     try:
         return config_class(**{**dict(
             name=str(f.get("_name_or_path") or f.get("model_type") or family.architecture),
@@ -593,3 +615,21 @@ def decoder_config(f: HFFields, quant: Quant | None, param_dtype: str | None, *,
     except ValueError as e:
         raise CheckpointError(f"config.json describes a model this engine cannot build: {e}"
                               ) from None
+
+
+MTP_WHY = "a multi-token-prediction layer (speculative decoding; a prefill does not use it)"
+
+
+def deepseek_style_skips(names: TensorNames, config: ModelConfig, hf: Mapping
+                         ) -> dict[str, str]:
+    """What a DeepSeek-style checkpoint (DeepSeek-V3, GLM-4.5) holds that a prefill does not
+    read, by name: its multi-token-prediction layers, numbered after the decoder's
+    (`num_nextn_predict_layers`, transformers' `num_mtp_layers`; absent: transformers'
+    default 1), and with n_shared_experts 0 the empty shared-expert tensors transformers
+    writes."""
+    n = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers"))
+    out = {names.layer(config.n_layers + i): MTP_WHY for i in range(1 if n is None else int(n))}
+    if not config.shared_expert_intermediate:
+        out.update({f"{names.layer(l)}{names.moe_prefix}.shared_experts.": "n_shared_experts=0: "
+                    "the shared expert's empty tensors" for l in config.moe_layers})
+    return out

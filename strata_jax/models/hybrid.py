@@ -48,7 +48,6 @@ class HybridConfig(ModelConfig):
         linear_k_heads, linear_v_heads: the DeltaNet's query/key and value heads.
         linear_k_dim, linear_v_dim: their widths.
         conv_kernel: taps of the DeltaNet's causal conv1d.
-        rotary_dim: the rotated dims of each full-attention head (partial rotary); 0: all.
     """
 
     mixers: tuple[str, ...] = ()
@@ -57,7 +56,6 @@ class HybridConfig(ModelConfig):
     linear_k_dim: int = 128
     linear_v_dim: int = 128
     conv_kernel: int = 4
-    rotary_dim: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,11 +68,6 @@ class HybridConfig(ModelConfig):
         if self.linear_v_heads % self.linear_k_heads:
             raise ValueError(f"linear_v_heads={self.linear_v_heads} is not a multiple of "
                              f"linear_k_heads={self.linear_k_heads}")
-        r = self.rotary_dim
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not (
-                0 <= r <= self.head_dim) or r % 2:
-            raise ValueError(f"rotary_dim={r!r} must be an even int within 0..head_dim="
-                             f"{self.head_dim} (0: every dim)")
         if self.layer_types is not None or self.sliding_window is not None:
             raise ValueError("a hybrid model's attention layers have no sliding window "
                              "(layer_types / sliding_window)")
@@ -96,16 +89,15 @@ class HybridConfig(ModelConfig):
         return super().scaled(n_layers=n_layers or 4, **kw)
 
     def _scaled_fields(self, **fields) -> dict:
-        depth, head = fields["n_layers"], fields["head_dim"]
+        fields = super()._scaled_fields(**fields)
+        depth = fields["n_layers"]
         ratio = min(self.linear_v_heads // self.linear_k_heads, 2)
-        rotary = 0 if not self.rotary_dim else max(2, round(
-            self.rotary_dim / self.head_dim * head / 2) * 2)
         mixers = tuple(self.mixers[i % self.n_layers] for i in range(depth))
         if FULL in self.mixers and FULL not in mixers:  # fewer layers than the pattern's period
             mixers = mixers[:-1] + (FULL,)
         return {**fields, "mixers": mixers,
                 "linear_k_heads": 2, "linear_v_heads": 2 * ratio, "linear_k_dim": 16,
-                "linear_v_dim": 16, "rotary_dim": 0 if rotary == head else rotary}
+                "linear_v_dim": 16}
 
     def is_linear(self, layer: int) -> bool:
         """Whether layer `layer` is a Gated DeltaNet layer."""
@@ -175,7 +167,7 @@ class HybridLayer(DecoderLayer):
                 c.linear_v_dim, c.conv_kernel, c.rms_norm_eps, dt, rngs=rngs)
         else:
             self.attn = Attention(c, rngs=rngs, kernels=kernels, layer=layer, output_gate=True,
-                                  rotary_dim=c.rotary_dim or None, centred_norms=True)
+                                  centred_norms=True)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs, centred=True)
         self.mlp = feed_forward(c, layer, rngs, resident_experts, kernels)
 

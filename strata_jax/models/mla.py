@@ -73,9 +73,15 @@ class MLAConfig(ModelConfig):
         if not isinstance(self.rope_interleave, (bool, np.bool_)):
             raise ValueError(f"rope_interleave must be a bool, got {self.rope_interleave!r}")
         if (self.sliding_window is not None or self.layer_types is not None
-                or self.qk_norm != "none" or self.attention_bias):
-            raise ValueError("latent attention has no sliding window, q/k norm or attention "
-                             "bias (sliding_window, layer_types, qk_norm, attention_bias)")
+                or self.qk_norm != "none" or self.attention_bias or self.rotary_dim):
+            raise ValueError("latent attention has no sliding window, q/k norm, attention "
+                             "bias or rotary_dim (sliding_window, layer_types, qk_norm, "
+                             "attention_bias, rotary_dim: its rotary part is qk_rope_dim)")
+
+    @property
+    def rotated_dims(self) -> int:
+        """The dims RoPE rotates: the rotary part of each query and of the shared key."""
+        return self.qk_rope_dim
 
     @property
     def qk_nope_dim(self) -> int:
@@ -98,6 +104,7 @@ class MLAConfig(ModelConfig):
 
     def _scaled_fields(self, **fields) -> dict:
         return {**fields, "n_kv_heads": fields["n_heads"], "head_dim": 24, "qk_rope_dim": 8,
+                "rotary_dim": 0,
                 "v_head_dim": 16, "kv_lora_rank": 32,
                 "q_lora_rank": 24 if self.q_lora_rank else 0}
 

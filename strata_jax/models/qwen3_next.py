@@ -22,7 +22,7 @@ import numpy as np
 
 from strata_jax.models.hf_config import (COMMON_FIELDS, HONOURED, NO_EFFECT, CheckpointError,
                                          Family, HFFields, Quant, TensorNames, decoder_config,
-                                         read_rope, refuse)
+                                         read_rope, refuse, rotary_dim)
 from strata_jax.models.hybrid import FULL, LINEAR, HybridConfig
 
 TENSORS = TensorNames("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
@@ -115,12 +115,6 @@ def config_from_hf(f: HFFields, quant: Quant | None, param_dtype: str | None) ->
     theta, scaling, longest, partial = read_rope(
         f, max_position, 10_000.0, partial=True,
         no_effect=("mrope_section", "mrope_interleaved"))  # text ids: plain RoPE
-    head_dim = f.get("head_dim", 256)
-    rotary = int(head_dim * partial)
-    if rotary % 2 or rotary <= 0:
-        raise refuse("partial_rotary_factor", partial,
-                     f"rotates {head_dim} x {partial} = {head_dim * partial} dims of each head; "
-                     "an even number of at least 2 is needed")
     return decoder_config(
         f, quant, param_dtype, intermediate=f.need("moe_intermediate_size"),
         norm_topk_prob=f.get("norm_topk_prob", True), qk_norm="per_head", sliding_window=None,
@@ -133,7 +127,7 @@ def config_from_hf(f: HFFields, quant: Quant | None, param_dtype: str | None) ->
         linear_k_dim=f.get("linear_key_head_dim", 128),
         linear_v_dim=f.get("linear_value_head_dim", 128),
         conv_kernel=f.get("linear_conv_kernel_dim", 4),
-        rotary_dim=0 if rotary == head_dim else rotary)
+        rotary_dim=rotary_dim(f.get("head_dim", 256), partial))
 
 
 def config_from_vl(f: HFFields, quant: Quant | None, param_dtype: str | None) -> HybridConfig:
@@ -210,8 +204,8 @@ def layer_tensors(config: HybridConfig, layer: int, names: TensorNames, fused: b
         for proj, out in (("q_proj", 2 * c.q_dim), ("k_proj", c.kv_dim), ("v_proj", c.kv_dim)):
             yield mine + proj, at + f"{proj}.weight", (out, h), True
         yield mine + "o_proj", at + "o_proj.weight", (h, c.q_dim), True
-        if c.attention_bias:
-            for proj, out in (("q", 2 * c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim), ("o", h)):
+        for proj, out in (("q", 2 * c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim), ("o", h)):
+            if proj in c.attention_biases:
                 yield mine + f"{proj}_bias", at + f"{proj}_proj.bias", (out,), False
         for norm in ("q_norm", "k_norm"):
             yield mine + f"{norm}.centred_weight", at + f"{norm}.weight", (c.head_dim,), False
