@@ -619,3 +619,17 @@ def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
     assert [r["mixer"] for r in rows[:2]] == ["gated-deltanet", "gated-attention"]
     assert {r["delta_rule_block"] for r in rows if "delta_rule_block" in r} == {32, 64, 128}
     assert rows[-1]["ratio_deltanet_over_attention"] > 0
+
+
+@pytest.mark.slow
+def test_mla_bench_tiny_times_first_and_later_chunks(tmp_path):
+    from strata_jax.benchmarks import mla_bench
+
+    out = tmp_path / "mla.json"
+    assert mla_bench.main(["--tiny", "--tokens", "256", "--chunk", "64", "--reps", "1",
+                           "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["what"] for r in rows[:3]] == ["attention, first chunk",
+                                             "attention, later chunk (static start)",
+                                             "attention, later chunk (traced start)"]
+    assert rows[1]["prefix"] == 192 and rows[-1]["ratio_later_over_first_tflops"] > 0

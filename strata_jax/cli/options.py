@@ -15,6 +15,7 @@ from strata_jax.cli.common import SCALES
 from strata_jax.cli.demo import LINK_TO_COMPUTE
 from strata_jax.formats import QUANTIZE_CHOICES
 from strata_jax.kernels import ATTENTION_PATHS, GROUPED_MATMULS, QUANTIZED_MATMULS
+from strata_jax.models import FAMILIES, PRESETS
 
 PROG = "strata-jax"
 
@@ -114,12 +115,12 @@ def _float(text: str) -> float:
 def _model_options(p: argparse.ArgumentParser, *, required: bool) -> None:
     g = p.add_argument_group("model (a preset with synthetic weights, or a checkpoint)")
     g.add_argument("--preset", metavar="NAME",
-                   help="model preset: qwen3-30b-a3b, qwen3-235b-a22b, qwen3-next-80b-a3b, "
-                        "mixtral-8x7b, olmoe-1b-7b, deepseek-v3"
+                   help="model preset: " + ", ".join(PRESETS)
                         + ("" if required else " (no model: no memory plan)"))
     g.add_argument("--checkpoint", metavar="DIR",
                    help="Hugging Face safetensors directory (config.json + model.safetensors "
-                        "[.index.json]) of a Qwen3-MoE, Mixtral or OLMoE model; instead of --preset")
+                        "[.index.json]) of a model of one of the families (" + ", ".join(FAMILIES)
+                        + "); instead of --preset")
     g.add_argument("--scale", choices=["full", "small", "tiny"], default=None,
                    help="size of a preset: full = its published shapes; small = "
                         f"{_scale_text('small')}; tiny = {_scale_text('tiny')} (default: full)")
