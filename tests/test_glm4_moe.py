@@ -244,6 +244,7 @@ ARMS = {
 }
 
 
+@pytest.mark.slow  # the decoder's arms; tests/test_glm4_moe_parity.py runs them against transformers
 def test_engine_arms_are_byte_identical_across_turns():
     """bf16: 70 tokens in chunks of 32 (the last padded), then a 20-token follow-up turn; every
     arm's logits and KV caches equal the resident arm's bit for bit."""

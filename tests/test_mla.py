@@ -74,7 +74,7 @@ def test_cache_holds_latents_and_rotary_keys():
         init_cache(F32, F32.max_seq_len + 1)
 
 
-@pytest.mark.parametrize("q_lora", [24, 0])
+@pytest.mark.parametrize("q_lora", [24, pytest.param(0, marks=pytest.mark.slow)])
 def test_model_matches_float64_reference_whole_and_in_chunks(f32_params, small_blocks, q_lora):
     """One chunk, then three chunks whose prefixes span several 16-position blocks (a
     traced start), against the float64 reference (YaRN with its softmax-scale correction and
