@@ -57,6 +57,14 @@ class KVCache(NamedTuple):
                        tuple(v[:position] for v in self.values))
 
 
+def check_capacity(config: ModelConfig, capacity: int, slack: int = 0) -> None:
+    """Refuses a cache capacity that is not positive or exceeds `config.max_seq_len` +
+    `slack` (positions an engine's padded writes may use)."""
+    if not 0 < capacity <= config.max_seq_len + slack:
+        raise ValueError(
+            f"cache capacity {capacity} must be within 1..max_seq_len={config.max_seq_len}")
+
+
 def init_cache(config: ModelConfig, capacity: int, dtype=None, *, slack: int = 0) -> KVCache:
     """Returns a zero KV cache of `capacity` positions in the parameter dtype (or `dtype`).
 
@@ -65,9 +73,7 @@ def init_cache(config: ModelConfig, capacity: int, dtype=None, *, slack: int = 0
     Raises:
         ValueError: capacity is not positive or exceeds `config.max_seq_len` + `slack`.
     """
-    if not 0 < capacity <= config.max_seq_len + slack:
-        raise ValueError(
-            f"cache capacity {capacity} must be within 1..max_seq_len={config.max_seq_len}")
+    check_capacity(config, capacity, slack)
     dtype = dtype or config.dtype
     shape = (capacity, config.n_kv_heads, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
@@ -122,9 +128,14 @@ class DecoderLayer(nnx.Module):
         self.layer = layer
         self.is_moe = layer in c.moe_layers
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
-        self.attn = Attention(c, rngs=rngs, kernels=kernels, layer=layer)
+        self.attn = self.attention(c, layer, rngs, kernels)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
         self.mlp = feed_forward(c, layer, rngs, resident_experts, kernels)
+
+    @staticmethod
+    def attention(config: ModelConfig, layer: int, rngs, kernels: Kernels) -> nnx.Module:
+        """The layer's attention (a subclass gives its own kind)."""
+        return Attention(config, rngs=rngs, kernels=kernels, layer=layer)
 
     def attention_block(self, x, cache_k, cache_v, start, positions, valid=None):
         """x + attn(norm(x)), writing the block's keys/values into the cache at `start`

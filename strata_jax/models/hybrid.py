@@ -25,9 +25,9 @@ from strata_jax.kernels import Kernels
 from strata_jax.layers.deltanet import GatedDeltaNet
 from strata_jax.layers.gqa import Attention
 from strata_jax.layers.norms import RMSNorm
-from strata_jax.models.decoder import (DecoderLayer, MoETransformer, expert_param_names,
-                                       expert_plane_names, feed_forward, fill_model,
-                                       flat_shapes, validate_inputs)
+from strata_jax.models.decoder import (DecoderLayer, MoETransformer, check_capacity,
+                                       expert_param_names, expert_plane_names, feed_forward,
+                                       fill_model, flat_shapes, validate_inputs)
 
 __all__ = ["HybridConfig", "HybridCache", "HybridTransformer", "MIXERS", "abstract_model",
            "build_model", "param_shapes", "init_cache", "cache_shapes", "cache_bytes",
@@ -237,9 +237,7 @@ def init_cache(config: HybridConfig, capacity: int, dtype=None, *, slack: int = 
     Raises:
         ValueError: capacity is not positive or exceeds `config.max_seq_len` + `slack`.
     """
-    if not 0 < capacity <= config.max_seq_len + slack:
-        raise ValueError(
-            f"cache capacity {capacity} must be within 1..max_seq_len={config.max_seq_len}")
+    check_capacity(config, capacity, slack)
     specs = list(_layer_specs(config, capacity, dtype or config.dtype))
     zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
     return HybridCache([zeros(k) for k, _ in specs], [zeros(v) for _, v in specs],

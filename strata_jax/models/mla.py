@@ -15,15 +15,13 @@ import math
 
 import jax
 import numpy as np
-from flax import nnx
 
 from strata_jax.config import ModelConfig
 from strata_jax.kernels import Kernels
 from strata_jax.layers.mla import LatentAttention, prefix_block
-from strata_jax.layers.norms import RMSNorm
-from strata_jax.models.decoder import (DecoderLayer, KVCache, MoETransformer,
-                                       expert_param_names, expert_plane_names, feed_forward,
-                                       fill_model, flat_shapes, validate_inputs)
+from strata_jax.models.decoder import (DecoderLayer, KVCache, MoETransformer, check_capacity,
+                                       expert_param_names, expert_plane_names, fill_model,
+                                       flat_shapes, validate_inputs)
 
 __all__ = ["MLAConfig", "MLATransformer", "abstract_model", "build_model", "param_shapes",
            "init_cache", "cache_shapes", "cache_bytes", "validate_inputs",
@@ -112,15 +110,9 @@ class MLAConfig(ModelConfig):
 class MLALayer(DecoderLayer):
     """Pre-norm block: x + MLA(norm(x)), then + the MoE or dense MLP of norm(x)."""
 
-    def __init__(self, config: MLAConfig, layer: int, *, rngs: nnx.Rngs,
-                 resident_experts: bool = True, kernels: Kernels = Kernels()):
-        c, dt = config, config.dtype
-        self.layer = layer
-        self.is_moe = layer in c.moe_layers
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
-        self.attn = LatentAttention(c, rngs=rngs, layer=layer, kernels=kernels)
-        self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs)
-        self.mlp = feed_forward(c, layer, rngs, resident_experts, kernels)
+    @staticmethod
+    def attention(config: MLAConfig, layer: int, rngs, kernels: Kernels) -> LatentAttention:
+        return LatentAttention(config, rngs=rngs, layer=layer, kernels=kernels)
 
 
 class MLATransformer(MoETransformer):
@@ -164,9 +156,7 @@ def init_cache(config: MLAConfig, capacity: int, dtype=None, *, slack: int = 0) 
     Raises:
         ValueError: capacity is not positive or exceeds `config.max_seq_len` + `slack`.
     """
-    if not 0 < capacity <= config.max_seq_len + slack:
-        raise ValueError(
-            f"cache capacity {capacity} must be within 1..max_seq_len={config.max_seq_len}")
+    check_capacity(config, capacity, slack)
     spec = cache_shapes(config, capacity, dtype)
     zeros = lambda s: jax.numpy.zeros(s.shape, s.dtype)  # noqa: E731
     return KVCache(tuple(map(zeros, spec.keys)), tuple(map(zeros, spec.values)))
