@@ -25,6 +25,9 @@ DTYPES = {
 }
 
 ROUTER_SCORES = ("softmax", "sigmoid")
+# The routed experts' activation between their gate/up and down products (`layers.moe`):
+# silu(gate) * up, or gpt-oss's clamped SwiGLU.
+EXPERT_ACTS = ("silu", "clamped_swiglu")
 QK_NORMS = ("none", "per_head", "full")
 # Attention kinds a layer may have (Hugging Face `layer_types` spelling).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -117,6 +120,18 @@ class ModelConfig:
             (DeepSeek-V3 `e_score_correction_bias`); weights come from the unbiased scores.
         n_groups: Expert groups for group-limited routing (DeepSeek-V3: 8); 1 disables it.
         topk_groups: Groups kept per token when `n_groups > 1` (DeepSeek-V3: 4).
+        router_bias: The router adds a learned per-expert bias to its logits (gpt-oss).
+        expert_bias: Each routed expert's gate, up and down products add a bias of their own
+            (gpt-oss), held in the expert's blob beside its weights (`strata_jax.formats`) and
+            streamed with them.
+        expert_act: The experts' activation: "silu" (silu(gate) * up) or "clamped_swiglu"
+            (gpt-oss: gate clamped above at `swiglu_limit`, up clamped to +-swiglu_limit,
+            (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+        swiglu_alpha: clamped_swiglu's sigmoid gain (gpt-oss: 1.702).
+        swiglu_limit: clamped_swiglu's clamp (gpt-oss: 7.0).
+        attention_sinks: Each attention head has a learned sink logit that joins every
+            softmax row as one more term with no value (gpt-oss): out = sum_j p_j v_j with
+            p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink)).
         qk_norm: "none", "per_head" (Qwen3: RMSNorm over each head's D) or "full" (OLMoE: RMSNorm over
             the whole q / k projection).
         attention_bias: The q, k and v projections add a bias (Hugging Face
@@ -177,6 +192,12 @@ class ModelConfig:
     selection_bias: bool = False
     n_groups: int = 1
     topk_groups: int = 1
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False
     qk_norm: str = "none"
     attention_bias: bool = False
     attention_out_bias: bool = True
@@ -219,6 +240,7 @@ class ModelConfig:
             raise ValueError("shared_expert_gate=True needs shared_expert_intermediate > 0")
         if self.router_scores not in ROUTER_SCORES:
             raise ValueError(f"router_scores={self.router_scores!r}, expected one of {ROUTER_SCORES}")
+        self._check_experts()
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r}, expected one of {QK_NORMS}")
         self._check_attention()
@@ -270,6 +292,18 @@ class ModelConfig:
                 " original context: past them its frequencies depend on the prompt's length,"
                 " which is not implemented")
         self._check_windows()
+
+    def _check_experts(self):
+        for name in ("router_bias", "expert_bias", "attention_sinks"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.expert_act not in EXPERT_ACTS:
+            raise ValueError(f"expert_act={self.expert_act!r}, expected one of {EXPERT_ACTS}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
     def _check_attention(self):
         for name in ("attention_bias", "attention_out_bias"):
