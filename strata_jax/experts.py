@@ -19,10 +19,10 @@ from typing import Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from strata_jax.formats import ExpertFormat, ExpertWeights
+from strata_jax.formats import BiasedExpertWeights, ExpertFormat, ExpertWeights
 
-__all__ = ["ExpertWeights", "ExpertSource", "ResidentExperts", "blob_size", "pack_expert_blobs",
-           "unpack_expert_blobs", "pack_expert_blobs_np", "unpack_expert_blobs_np"]
+__all__ = ["ExpertWeights", "BiasedExpertWeights", "ExpertSource", "ResidentExperts", "blob_size",
+           "pack_expert_blobs", "unpack_expert_blobs", "pack_expert_blobs_np", "unpack_expert_blobs_np"]
 
 
 
@@ -89,7 +89,13 @@ def _plain(dtype, hidden: int, intermediate: int):
     return ExpertFormat.plain(hidden, intermediate, dtype)
 
 
-def pack_expert_blobs(w: ExpertWeights) -> jax.Array:
+def _plain_of(w: ExpertWeights):
+    """The plain format of weights `w` (with bias planes where `w` has biases)."""
+    fmt = _plain(w.gate.dtype, w.gate.shape[1], w.gate.shape[2])
+    return fmt.with_biases() if isinstance(w, BiasedExpertWeights) else fmt
+
+
+def pack_expert_blobs(w: ExpertWeights | BiasedExpertWeights) -> jax.Array:
     """Packs [E, H, I] / [E, H, I] / [E, I, H] expert weights into blobs.
 
     Args:
@@ -97,10 +103,9 @@ def pack_expert_blobs(w: ExpertWeights) -> jax.Array:
 
     Returns:
         [E, 3*H*I] array in the weights' dtype, row e = concat(gate[e], up[e], down[e]) raveled
-        (the plain `strata_jax.formats.ExpertFormat`).
+        (the plain `strata_jax.formats.ExpertFormat`), then the biases where `w` has them.
     """
-    fmt = _plain(w.gate.dtype, w.gate.shape[1], w.gate.shape[2])
-    return fmt.pack(w._asdict())  # [E, 3*H*I]
+    return _plain_of(w).pack(w._asdict())  # [E, 3*H*I (+ 2*I + H with biases)]
 
 
 def unpack_expert_blobs(blobs: jax.Array, hidden: int, intermediate: int) -> ExpertWeights:
@@ -120,9 +125,8 @@ def unpack_expert_blobs(blobs: jax.Array, hidden: int, intermediate: int) -> Exp
 
 def pack_expert_blobs_np(w: ExpertWeights) -> np.ndarray:
     """NumPy `pack_expert_blobs` for host stores; returns a new C-contiguous [E, 3*H*I] array."""
-    w = ExpertWeights(*(np.asarray(a) for a in w))
-    fmt = _plain(w.gate.dtype, w.gate.shape[1], w.gate.shape[2])
-    return fmt.pack_np(w._asdict())
+    w = type(w)(*(np.asarray(a) for a in w))
+    return _plain_of(w).pack_np(w._asdict())
 
 
 def unpack_expert_blobs_np(blobs: np.ndarray, hidden: int, intermediate: int) -> ExpertWeights:

@@ -39,8 +39,11 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         as plain int4 (GPTQ's groups hold G rows each; `act_order_perm`).
 
 Plane order in a blob: each matrix's weight plane followed by its scale plane (and int4's
-zero-point and row-permutation planes), matrices in the order gate, up, down. Each plane starts at a multiple of its
-dtype's size (padding zero bytes where needed; the plain format never needs any).
+zero-point and row-permutation planes), matrices in the order gate, up, down; then, with expert
+biases (`ModelConfig.expert_bias`, gpt-oss), gate_bias [I], up_bias [I] and down_bias [H] in the
+parameter dtype, whatever the format: a bias streams with its expert's weights. Each plane
+starts at a multiple of its dtype's size (padding zero bytes where needed; the plain format
+never needs any).
 
 Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax (int4
 with zero-points: from the group's min and max, GPTQ's asymmetric grid; with act-order each
@@ -80,8 +83,29 @@ class ExpertWeights(NamedTuple):
     down: jax.Array
 
 
+class BiasedExpertWeights(NamedTuple):
+    """`ExpertWeights` of experts whose products add biases (`ModelConfig.expert_bias`,
+    gpt-oss): gate, up, down as there, and gate_bias [E, I], up_bias [E, I], down_bias [E, H]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_bias: jax.Array
+    up_bias: jax.Array
+    down_bias: jax.Array
+
+
+def expert_weights_of(**fields) -> ExpertWeights | BiasedExpertWeights:
+    """The ExpertWeights of `fields` (gate, up, down), or BiasedExpertWeights where they hold
+    the biases too."""
+    if "gate_bias" in fields:
+        return BiasedExpertWeights(**fields)
+    return ExpertWeights(**fields)
+
+
 EXPERT_FORMATS = ("plain", "fp8", "int4")  # ModelConfig.expert_format
-MATRICES = ExpertWeights._fields  # ("gate", "up", "down"), in blob order
+MATRICES = ("gate", "up", "down")  # the expert matrices, in blob order
+BIASES = tuple(f"{m}_bias" for m in MATRICES)  # their bias planes (`ExpertFormat.bias`)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size [128, 128]
 INT4_GROUP = 128  # GPTQ group_size
@@ -203,7 +227,8 @@ class Plane:
 
     Attributes:
         name: "gate", "up", "down" (weights), "<matrix>_scale" (scales), "<matrix>_zero"
-            (int4's zero-points) or "<matrix>_perm" (int4's act-order row permutation).
+            (int4's zero-points), "<matrix>_perm" (int4's act-order row permutation) or
+            "<matrix>_bias" (the product's bias).
         dtype: Storage dtype.
         shape: Per-expert shape (a layer's plane is [E, *shape]).
     """
@@ -227,7 +252,7 @@ class Plane:
         return self.size * self.dtype.itemsize
 
 
-PLANE_SUFFIXES = ("_scale", "_zero", "_perm")  # a matrix's side planes, after its values
+PLANE_SUFFIXES = ("_scale", "_zero", "_perm", "_bias")  # a matrix's side planes
 
 
 def plane_matrix(name: str) -> str:
@@ -277,12 +302,23 @@ class ExpertFormat:
     def of(cls, config: "ModelConfig", kind: str | None = None) -> "ExpertFormat":
         """The format `kind` ("plain": in the config's dtype; "fp8"; "int4"; default the
         config's `expert_format`) of the config's routed experts, with its `expert_block` and
-        (int4) `expert_zero_points` and `expert_act_order`."""
+        (int4) `expert_zero_points` and `expert_act_order`; with `expert_bias` each
+        matrix's bias plane after them (`with_biases`)."""
         kind = kind or config.expert_format
-        return cls.make(kind, config.hidden_size, config.expert_intermediate, config.dtype,
-                        block=config.expert_block or None,
-                        zero_points=kind == "int4" and bool(config.expert_zero_points),
-                        act_order=kind == "int4" and bool(config.expert_act_order))
+        fmt = cls.make(kind, config.hidden_size, config.expert_intermediate, config.dtype,
+                       block=config.expert_block or None,
+                       zero_points=kind == "int4" and bool(config.expert_zero_points),
+                       act_order=kind == "int4" and bool(config.expert_act_order))
+        return fmt.with_biases() if config.expert_bias else fmt
+
+    def with_biases(self) -> "ExpertFormat":
+        """This format with the experts' biases after its planes: gate_bias [I], up_bias [I],
+        down_bias [H] in the dtype the expert math reads (named "<name>+bias")."""
+        if self.bias:
+            return self
+        h, i = self.hidden, self.intermediate
+        planes = tuple(Plane(b, self.dtype, (w,)) for b, w in zip(BIASES, (i, i, h)))
+        return dataclasses.replace(self, name=f"{self.name}+bias", planes=self.planes + planes)
 
     @classmethod
     def make(cls, kind: str, hidden: int, intermediate: int, dtype,
@@ -359,6 +395,11 @@ class ExpertFormat:
     def zero_points(self) -> bool:
         """Whether each matrix has a zero-point plane (int4 with zero-points)."""
         return any(p.name.endswith("_zero") for p in self.planes)
+
+    @functools.cached_property
+    def bias(self) -> bool:
+        """Whether each matrix has a bias plane (`with_biases`)."""
+        return any(p.name in BIASES for p in self.planes)
 
     @functools.cached_property
     def act_order(self) -> bool:
@@ -496,10 +537,16 @@ class ExpertFormat:
 
     def quantize_np(self, w: ExpertWeights) -> dict[str, np.ndarray]:
         """The planes ([E, *shape] each) of experts `w` (gate/up [E, H, I], down [E, I, H],
-        any float dtype): cast (plain) or round-to-nearest quantized (fp8, int4)."""
+        any float dtype): cast (plain) or round-to-nearest quantized (fp8, int4); a format
+        with biases casts `w`'s (a BiasedExpertWeights)."""
         out = {}
         for m in MATRICES:
             out.update(self.quantize_matrix_np(m, getattr(w, m)))
+        for b in BIASES if self.bias else ():
+            if getattr(w, b, None) is None:
+                raise ValueError(f"the {self.name} format holds the experts' biases; the "
+                                 f"ExpertWeights have no {b}")
+            out[b] = np.asarray(getattr(w, b)).astype(self.dtype)
         return out
 
     def quantize_matrix_np(self, matrix: str, x) -> dict[str, np.ndarray]:
@@ -568,8 +615,13 @@ class ExpertFormat:
 
     def expert_weights(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
         """The ExpertWeights (JAX) of a layer's planes, dequantized; for a plain format in its
-        own dtype the planes themselves (no op)."""
-        return ExpertWeights(*(self.dequantize(planes, m, dtype) for m in MATRICES))
+        own dtype the planes themselves (no op); the biases as held."""
+        return expert_weights_of(**{m: self.dequantize(planes, m, dtype) for m in MATRICES},
+                                 **self._biases(planes))
+
+    def _biases(self, planes: Mapping[str, jax.Array]) -> dict:
+        """The bias planes of a layer's planes by name (none without biases)."""
+        return {b: planes[b] for b in BIASES} if self.bias else {}
 
     def expert_matrices(self, planes: Mapping[str, jax.Array], dtype=None) -> ExpertWeights:
         """What the expert math reads from a layer's planes: for a quantized format one
@@ -577,7 +629,8 @@ class ExpertFormat:
         fused kernel: `Kernels.quantized_matmul`); for a plain format `expert_weights`."""
         if self.kind == "plain":
             return self.expert_weights(planes, dtype)
-        return ExpertWeights(*(self.matrix(planes, m, dtype) for m in MATRICES))
+        return expert_weights_of(**{m: self.matrix(planes, m, dtype) for m in MATRICES},
+                                 **self._biases(planes))
 
 
 def _rows_of(grid: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -231,7 +231,7 @@ class ExpertParallel:
             if pieces is None:
                 order = sort_order(ids)
                 y_sorted = experts_swiglu(x, order // k, _in_dtype(w, x.dtype), cnt, impl,
-                                            quantized)
+                                            quantized, moe.act)
             else:
                 # The device's sorted rows: its own copies first (its slice's groups), the
                 # other devices' after them (the sentinel, no group). Each piece readies the
@@ -241,7 +241,7 @@ class ExpertParallel:
                 with jax.named_scope("experts"):
                     y_sorted = experts_swiglu_pieces(x, order, k, cnt, bounds,
                                                        weights_for_piece, impl=impl,
-                                                       quantized=quantized)
+                                                       quantized=quantized, act=moe.act)
             partial = unpermute(y_sorted.astype(jnp.float32), order, wts)  # [T, H] float32
             with jax.named_scope("combine"):
                 return lax.psum(partial, axis)
@@ -255,8 +255,7 @@ class ExpertParallel:
                 "row pieces on a mesh run only where the whole chunk is traced per device "
                 "(ExpertParallel(manual=True), a streamed engine's); this layer makes its own "
                 "shard_map")
-        spec_w = type(w)(*(P(axis) for _ in w)) if isinstance(w, tuple) else \
-            {k: P(axis) for k in w}
+        spec_w = jax.tree.map(lambda _: P(axis), w)  # every plane split along its experts
         with jax.named_scope("expert_parallel"):
             out = shard_map(local, mesh=self.mesh,
                             in_specs=(P(), P(), P(), P(), spec_w), out_specs=P())(

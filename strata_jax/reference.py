@@ -240,6 +240,19 @@ def _swiglu(x, gate, up, down):
     return (_silu(x @ gate) * (x @ up)) @ down
 
 
+def _expert(c: ModelConfig, x, gate, up, down, biases=None):
+    """One routed expert of x: silu(x @ gate) * (x @ up) @ down, or gpt-oss's clamped SwiGLU
+    (g = min(g, limit), u = clip(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)); with
+    `biases` (gate's, up's, down's) each product adds its own."""
+    bg, bu, bd = biases if biases is not None else (0.0, 0.0, 0.0)
+    g, u = x @ gate + bg, x @ up + bu
+    if c.expert_act == "silu":
+        return (_silu(g) * u) @ down + bd
+    g = np.minimum(g, c.swiglu_limit)
+    u = np.clip(u, -c.swiglu_limit, c.swiglu_limit)
+    return ((u + 1.0) * g / (1.0 + np.exp(-c.swiglu_alpha * g))) @ down + bd
+
+
 def reference_route(c: ModelConfig, logits: np.ndarray, bias: np.ndarray | None):
     """Top-k choice and weights for one token's router logits [E] -> (ids [k], weights [k])."""
     if c.router_scores == "softmax":
@@ -343,8 +356,15 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
         elif m + "gate" in params:
             gate, up, down = (_f64(params[m + n]) for n in ("gate", "up", "down"))
         else:
-            gate, up, down = (_f64(a) for a in experts[layer])
+            gate, up, down = (_f64(a) for a in tuple(experts[layer])[:3])
+        biases = None
+        if c.expert_bias:
+            source = params if m + "gate_bias" in params else experts[layer]._asdict()
+            biases = [_f64(source[(m if source is params else "") + b])
+                      for b in ("gate_bias", "up_bias", "down_bias")]
         logits = h @ _f64(params[m + "router"])  # [T, E]
+        if c.router_bias:
+            logits = logits + _f64(params[m + "router_bias"])
         bias = params.get(m + "selection_bias")
         counts = np.zeros(c.n_experts, np.int64)
         out = np.zeros_like(h)
@@ -352,7 +372,8 @@ def reference_forward(config: ModelConfig, params: Mapping[str, np.ndarray], tok
             ids, w = reference_route(c, logits[t], bias)
             for e, we in zip(ids, w):
                 counts[e] += 1
-                out[t] += we * _swiglu(h[t], gate[e], up[e], down[e])
+                out[t] += we * _expert(c, h[t], gate[e], up[e], down[e],
+                                       None if biases is None else [b[e] for b in biases])
         if c.shared_expert_intermediate:
             shared = _swiglu(h, _f64(params[m + "shared.gate"]), _f64(params[m + "shared.up"]),
                              _f64(params[m + "shared.down"]))

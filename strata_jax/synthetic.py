@@ -27,6 +27,7 @@ import numpy as np
 
 from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertWeights
+from strata_jax.formats import BiasedExpertWeights, expert_weights_of
 from strata_jax.models import build_model, expert_param_names, param_shapes
 
 # Skew that leaves ~40% of a 512-expert top-10 layer unrouted at 1,000 tokens (see module doc).
@@ -399,8 +400,10 @@ def split_experts(config: ModelConfig, params: dict[str, np.ndarray]
     dense = dict(params)
     experts = {}
     for layer in config.moe_layers:
-        names = [f"layers.{layer}.mlp.{n}" for n in ExpertWeights._fields]
-        experts[layer] = ExpertWeights(*(dense.pop(n) for n in names))
+        prefix = f"layers.{layer}.mlp."
+        experts[layer] = expert_weights_of(**{n: dense.pop(prefix + n)
+                                              for n in BiasedExpertWeights._fields
+                                              if prefix + n in dense})
     return dense, experts
 
 

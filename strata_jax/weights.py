@@ -28,7 +28,7 @@ from typing import Callable, Collection, Iterator, Mapping
 import numpy as np
 
 from strata_jax.experts import ExpertWeights
-from strata_jax.formats import expert_format, plane_matrix
+from strata_jax.formats import BIASES, MATRICES, expert_format, plane_matrix
 from strata_jax.models import expert_plane_names
 
 __all__ = ["LazyExperts", "ParamsView", "QuantizedParams", "fill_tensor"]
@@ -68,7 +68,7 @@ class LazyExperts:
     def __init__(self, params: Mapping, names: Mapping[str, str] | ExpertWeights,
                  on_taken: Callable[[], object] | None = None):
         self.params = params
-        self.names = dict(names._asdict() if isinstance(names, ExpertWeights) else names)
+        self.names = dict(names._asdict() if isinstance(names, tuple) else names)
         self._on_taken = on_taken
         self._taken: set[str] = set()
 
@@ -79,7 +79,8 @@ class LazyExperts:
         with `on_taken`."""
         if isinstance(weights, LazyExperts):
             return cls(weights.params, weights.names, on_taken)
-        return cls(_Fields(weights), {f: f for f in ExpertWeights._fields}, on_taken)
+        fields = weights._fields if isinstance(weights, tuple) else MATRICES
+        return cls(_Fields(weights, fields), {f: f for f in fields}, on_taken)
 
     @property
     def planes(self) -> tuple[str, ...]:
@@ -118,7 +119,7 @@ class LazyExperts:
         gate [E, H, I], up [E, H, I], down [E, I, H]), one tensor at a time, in the order the
         mapping makes its tensors (`params.draw_order(name)` where it has one: a synthetic
         mapping draws in sequence)."""
-        if isinstance(out, ExpertWeights):
+        if isinstance(out, tuple):  # ExpertWeights (BiasedExpertWeights) of views
             out = out._asdict()
         if set(out) != set(self.names):
             raise ValueError(f"fill: the store's planes {sorted(out)} are not the layer's "
@@ -135,19 +136,19 @@ class LazyExperts:
 class _Fields(Mapping):
     """gate, up, down -> the attributes of an ExpertWeights-like object, read when asked for."""
 
-    def __init__(self, weights):
-        self._weights = weights
+    def __init__(self, weights, fields: tuple[str, ...] = MATRICES):
+        self._weights, self._fields = weights, tuple(fields)
 
     def __getitem__(self, field: str):
-        if field not in ExpertWeights._fields:
+        if field not in self._fields:
             raise KeyError(field)
         return getattr(self._weights, field)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(ExpertWeights._fields)
+        return iter(self._fields)
 
     def __len__(self) -> int:
-        return len(ExpertWeights._fields)
+        return len(self._fields)
 
 
 class ParamsView(Mapping):
@@ -206,6 +207,8 @@ class QuantizedParams(Mapping):
         self._planes_of: dict[str, list[str]] = {}  # plain name -> its planes' names
         for layer in config.moe_layers:
             for plane, name in expert_plane_names(config, layer).items():
+                if plane in BIASES:  # a bias is the plain model's, as it is
+                    continue
                 matrix = plane_matrix(plane)
                 src = f"layers.{layer}.mlp.{matrix}"
                 self._source[name] = (src, matrix)

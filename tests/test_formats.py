@@ -32,7 +32,7 @@ def _experts(e, h, i, dtype=np.float64, seed=0, scale=1.0):
 def _old_pack(w: ExpertWeights) -> np.ndarray:
     """The packing before formats existed: concat(gate, up, down) raveled per expert."""
     e = w.gate.shape[0]
-    return np.concatenate([np.asarray(a).reshape(e, -1) for a in w], axis=1)
+    return np.concatenate([np.asarray(a).reshape(e, -1) for a in (w.gate, w.up, w.down)], axis=1)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -128,8 +128,10 @@ class PoisonUnrouted:
     def expert_weights(self, layer, counts, resident):
         assert isinstance(layer, int)
         self.calls.append((layer, counts.shape, counts.dtype))
-        keep = (counts > 0)[:, None, None]
-        return ExpertWeights(*(jnp.where(keep, a, jnp.nan) for a in resident))
+        keep = counts > 0  # every plane's rows of an unrouted expert (biases too) poisoned
+        return resident._replace(**{
+            name: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.nan)
+            for name, a in resident._asdict().items()})
 
 
 def test_source_seam_unrouted_rows_never_read():
@@ -213,7 +215,7 @@ def test_blob_roundtrip():
     assert blobs.shape == (e, 3 * h * i) and blobs.dtype == np.float32
     np.testing.assert_array_equal(blobs[1, : h * i], w.gate[1].ravel())  # layout: gate first
     np.testing.assert_array_equal(blobs[2, 2 * h * i:], w.down[2].ravel())
-    jblobs = pack_expert_blobs(ExpertWeights(*map(jnp.asarray, w)))
+    jblobs = pack_expert_blobs(jax.tree.map(jnp.asarray, w))
     np.testing.assert_array_equal(np.asarray(jblobs), blobs)
     for a, b in zip(jax.jit(unpack_expert_blobs, static_argnums=(1, 2))(jblobs, h, i), w):
         np.testing.assert_array_equal(np.asarray(a), b)

@@ -44,12 +44,12 @@ def write(path, c, preset, method, block, *, keep=(), tensors=None, v2=False, sy
 
 
 def experts_of(params, layer):
-    return ExpertWeights(*(params[f"layers.{layer}.mlp.{m}"] for m in ExpertWeights._fields))
+    return ExpertWeights(*(params[f"layers.{layer}.mlp.{m}"] for m in ("gate", "up", "down")))
 
 
 def expert_module(preset, layer, e, field):
     _, moe, names = HF_ARCH[preset]
-    name = dict(zip(ExpertWeights._fields, names))[field]
+    name = dict(zip(("gate", "up", "down"), names))[field]
     return f"model.layers.{layer}.{moe}.experts.{e}.{name}"
 
 
@@ -124,7 +124,7 @@ def test_fp8_dequantized_weights_match_the_files_in_float64(tmp_path):
     ckpt = load_checkpoint(str(tmp_path), progress=False)
     for layer in c.moe_layers:
         got = ckpt.experts.layer(layer)
-        for field in ExpertWeights._fields:
+        for field in ("gate", "up", "down"):
             for e in range(c.n_experts):
                 m = expert_module(QWEN, layer, e, field)
                 ref = fp8_f64(t[f"{m}.weight"], t[f"{m}.weight_scale_inv"], block)
@@ -194,7 +194,7 @@ def test_gptq_experts_are_the_files_and_dequantize_in_float64(tmp_path, preset, 
     for layer in c.moe_layers:
         planes = ckpt.experts.planes(layer)
         got = ckpt.experts.layer(layer)
-        for field in ExpertWeights._fields:
+        for field in ("gate", "up", "down"):
             ms = [expert_module(preset, layer, e, field) for e in range(c.n_experts)]
             vals = nibbles(np.stack([t[f"{m}.qweight"] for m in ms])).astype(np.uint8)
             e, k, n = vals.shape
@@ -233,7 +233,7 @@ def test_gptq_zero_points_are_a_plane_and_dequantize_in_float64(tmp_path, v2):
         planes = ckpt.experts.planes(layer)
         assert set(planes) == set(expert_plane_names(cfg, layer))
         got = ckpt.experts.layer(layer)
-        for field in ExpertWeights._fields:
+        for field in ("gate", "up", "down"):
             ms = [expert_module(QWEN, layer, e, field) for e in range(c.n_experts)]
             zeros = np.stack([gptq_zeros(t, m, v2) for m in ms])
             assert planes[f"{field}_zero"].dtype == np.uint8
@@ -272,7 +272,7 @@ def test_gptq_act_order_stores_expert_rows_in_group_order_and_dequantizes_in_flo
     for layer in c.moe_layers:
         planes = ckpt.experts.planes(layer)
         got = ckpt.experts.layer(layer)
-        for field in ExpertWeights._fields:
+        for field in ("gate", "up", "down"):
             ms = [expert_module(QWEN, layer, e, field) for e in range(c.n_experts)]
             g_idx = np.stack([t[f"{m}.g_idx"] for m in ms])
             k = g_idx.shape[1]
@@ -329,7 +329,7 @@ def test_gptq_plane_rounding_matches_quantize_np_where_the_scales_agree(tmp_path
     fmt = ExpertFormat.of(ckpt.config)
     want = fmt.quantize_np(experts_of(params, 0))
     planes = ckpt.experts.planes(0)
-    for field in ExpertWeights._fields:
+    for field in ("gate", "up", "down"):
         same = planes[f"{field}_scale"] == want[f"{field}_scale"]  # [E, groups, out]
         assert same.mean() > 0.2, field  # the test compares something
         mask = np.repeat(same, 32, axis=1)  # [E, in, out]

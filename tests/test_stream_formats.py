@@ -39,7 +39,7 @@ def _planes(config, seed: int) -> dict[int, dict[str, np.ndarray]]:
     out = {}
     for l in config.moe_layers:
         w = ExpertWeights(*(rng.standard_normal((E, *fmt.matrix_shape(m)), np.float32)
-                            for m in ExpertWeights._fields))
+                            for m in ("gate", "up", "down")))
         out[l] = fmt.quantize_np(w)
     return out
 
@@ -170,7 +170,7 @@ def test_model_reads_the_dequantized_planes(kind, backend):
     planes = _planes(config, seed=2)
     eng = _streamer(config, planes, routed=False, backend=backend)
     last = max(config.moe_layers)
-    want = {l: [fmt.dequantize_np(planes[l], m, config.dtype) for m in ExpertWeights._fields]
+    want = {l: [fmt.dequantize_np(planes[l], m, config.dtype) for m in ("gate", "up", "down")]
             for l in config.moe_layers}
     try:
         # Packed; frames copied out by fetch (frames=None); frames read in place where the
@@ -205,7 +205,7 @@ def test_model_reads_the_dequantized_planes(kind, backend):
             assert f"{last}:1" in got  # the tail layer ran in pieces
             for key, w in got.items():
                 l = int(key.split(":")[0])
-                for m, a, b in zip(ExpertWeights._fields, w, want[l]):
+                for m, a, b in zip(("gate", "up", "down"), w, want[l]):
                     assert a.dtype == config.dtype
                     if key.endswith(":0"):
                         continue  # an early piece: only its experts are there yet
@@ -231,7 +231,7 @@ def test_model_reads_the_dequantized_planes(kind, backend):
 
         _, got = jax.jit(read)(frames)
         for l in config.moe_layers:
-            for m, a, b in zip(ExpertWeights._fields, got[l], want[l]):
+            for m, a, b in zip(("gate", "up", "down"), got[l], want[l]):
                 np.testing.assert_array_equal(_bytes(a), _bytes(b), err_msg=f"frame {m} {l}")
     finally:
         eng.close()
@@ -339,7 +339,7 @@ def test_experts_in_a_form_the_format_does_not_take_are_refused():
     fmt = ExpertFormat.of(config)
     planes = _planes(config, seed=5)
     w = ExpertWeights(*(np.zeros((E, *fmt.matrix_shape(m)), np.float32)
-                        for m in ExpertWeights._fields))
+                        for m in ("gate", "up", "down")))
     wrong_dtype = {**planes[1], "gate_scale": planes[1]["gate_scale"].astype(np.float32)}
     cases = [(w, TypeError, "quantize them with ExpertFormat.quantize_np"),
              ({k: v for k, v in planes[1].items() if k != "up"}, ValueError, r"missing \['up'\]"),

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from strata_jax.checkpoint.safetensors import Tensors, st_header, st_read
 from strata_jax.experts import blob_size, unpack_expert_blobs_np
-from strata_jax.formats import (INT4_PER_WORD, INT4_ZERO, ExpertFormat, ExpertWeights, g_idx_perm,
+from strata_jax.formats import (BIASES, INT4_PER_WORD, INT4_ZERO, MATRICES, ExpertFormat,
+                                ExpertWeights, expert_weights_of, g_idx_perm,
                                 gptq_halves_np, int4_halves_np, int4_values_np, unequal_group)
 from strata_jax.models import expert_plane_names
 from strata_jax.models.hf_config import GPTQ, CheckpointError, Quant, TensorNames
@@ -29,13 +30,13 @@ from strata_jax.weights import LazyExperts
 # `scales` [in / group, out], already [in, out], and with zero-points `qzeros` [in / group,
 # out / 8] (its words unpacked along out, plus the v1 offset).
 _PLANE_SOURCES = {
-    "plain": {m: (m, "weight", True) for m in ExpertWeights._fields},
-    "fp8": {**{m: (m, "weight", True) for m in ExpertWeights._fields},
-            **{f"{m}_scale": (m, "weight_scale_inv", True) for m in ExpertWeights._fields}},
-    "int4": {**{m: (m, "qweight", False) for m in ExpertWeights._fields},
-             **{f"{m}_scale": (m, "scales", False) for m in ExpertWeights._fields},
-             **{f"{m}_zero": (m, "qzeros", False) for m in ExpertWeights._fields},
-             **{f"{m}_perm": (m, "g_idx", False) for m in ExpertWeights._fields}},
+    "plain": {m: (m, "weight", True) for m in MATRICES},
+    "fp8": {**{m: (m, "weight", True) for m in MATRICES},
+            **{f"{m}_scale": (m, "weight_scale_inv", True) for m in MATRICES}},
+    "int4": {**{m: (m, "qweight", False) for m in MATRICES},
+             **{f"{m}_scale": (m, "scales", False) for m in MATRICES},
+             **{f"{m}_zero": (m, "qzeros", False) for m in MATRICES},
+             **{f"{m}_perm": (m, "g_idx", False) for m in MATRICES}},
 }
 
 
@@ -81,7 +82,7 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
         """The Hugging Face names of `layer`'s `field` ("gate", "up", "down") tensors, one per
         expert: `<module>.<suffix>` (plain: `weight`, [out, in]: gate and up [I, H], down
         [H, I])."""
-        hf = dict(zip(ExpertWeights._fields, arch.expert_names))[field]
+        hf = dict(zip(MATRICES, arch.expert_names))[field]
         base = f"{arch.layer(layer)}{arch.moe_prefix}.experts."
         return [f"{base}{e}.{hf}.{suffix}" for e in range(config.n_experts)]
 
@@ -174,9 +175,9 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
         quantized format (`ExpertFormat.dequantize_np`)."""
         planes = self.planes(layer)
         if self.format.kind == "plain":
-            return ExpertWeights(*(planes[m] for m in ExpertWeights._fields))
-        return ExpertWeights(*(self.format.dequantize_np(planes, m)
-                               for m in ExpertWeights._fields))
+            return expert_weights_of(**planes)
+        return expert_weights_of(**{m: self.format.dequantize_np(planes, m) for m in MATRICES},
+                                 **{b: planes[b] for b in BIASES if b in planes})
 
     def blobs(self, layer: int) -> np.ndarray:
         """`layer`'s experts read now into new blobs (`strata_jax.formats`): plain [E, 3*H*I]
@@ -308,7 +309,7 @@ def expert_files(tensors: Tensors, quant: Quant | None, c: ModelConfig, arch: Te
     and checked) and returns Hugging Face name -> file of those its `CheckpointExperts` reads."""
     files: dict[str, str] = {}
     fmt = ExpertFormat.of(c)
-    for field in ExpertWeights._fields:
+    for field in MATRICES:
         k, n = fmt.matrix_shape(field)  # [in, out]
         weights = CheckpointExperts.hf_names(c, arch, layer, field)
         modules = [w[:-len(".weight")] for w in weights]

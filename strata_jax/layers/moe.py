@@ -20,7 +20,7 @@ from jax import lax
 
 from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights, ResidentExperts
-from strata_jax.formats import QuantizedMatrix, expert_format
+from strata_jax.formats import MATRICES, BiasedExpertWeights, QuantizedMatrix, expert_format
 from strata_jax.kernels import Kernels
 from strata_jax.kernels.grouped import grouped_matmul, piece_group_sizes
 from strata_jax.kernels.quantized import in_stored_order
@@ -43,8 +43,11 @@ class Routing(NamedTuple):
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: ModelConfig,
-          valid: jax.Array | None = None) -> Routing:
+          valid: jax.Array | None = None, logit_bias: jax.Array | None = None) -> Routing:
     """Chooses top-k experts per token and their weights.
+
+    logit_bias: None, or [E] added to the logits (`ModelConfig.router_bias`, gpt-oss) before
+    anything else; `bias` is the selection bias of sigmoid routers.
 
     Softmax routers take softmax(logits) in float32, keep the top k and optionally renormalise.
     Sigmoid routers (DeepSeek-V3) choose by sigmoid(logits) + selection bias (group-limited when
@@ -58,6 +61,8 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, config: Model
         c = config
         t = x.shape[0]
         logits = jnp.dot(x, router, preferred_element_type=jnp.float32)  # [T, E]
+        if logit_bias is not None:
+            logits = logits + logit_bias.astype(jnp.float32)[None, :]
         if c.router_scores == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
         else:
@@ -120,8 +125,49 @@ def sort_order(expert_ids: jax.Array) -> jax.Array:
         return jnp.argsort(expert_ids.reshape(-1), stable=True).astype(jnp.int32)
 
 
+class ExpertAct(NamedTuple):
+    """The routed experts' activation (`ModelConfig.expert_act`): "silu", silu(g) * u; or
+    "clamped_swiglu" (gpt-oss), g' = min(g, limit), u' = clip(u, -limit, limit),
+    (u' + 1) * g' * sigmoid(alpha * g'). Static (part of the traced graph)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "ExpertAct":
+        if config.expert_act == "silu":
+            return cls()
+        return cls(config.expert_act, float(config.swiglu_alpha), float(config.swiglu_limit))
+
+    def __call__(self, g: jax.Array, u: jax.Array) -> jax.Array:
+        """The activation of float32 gate and up products."""
+        if self.kind == "silu":
+            return jax.nn.silu(g) * u
+        g = jnp.minimum(g, self.limit)
+        u = jnp.clip(u, -self.limit, self.limit)
+        return (u + 1.0) * (g * jax.nn.sigmoid(self.alpha * g))
+
+
+def row_experts(counts: jax.Array, m: int) -> jax.Array:
+    """The expert of each of `m` rows sorted by expert with group sizes `counts` [E]: int32
+    [M], E for rows past the last group."""
+    ends = jnp.cumsum(counts.astype(jnp.int32))
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _add_bias(y: jax.Array, bias: jax.Array, experts: jax.Array) -> jax.Array:
+    """float32 y [M, N] plus each row's expert's bias (bias [E, N]); rows past the groups
+    (expert E) get none: their outputs are dropped, and a streamed bias of an expert no row
+    routes to is never read."""
+    n_experts = bias.shape[0]
+    rows = jnp.take(bias, jnp.minimum(experts, n_experts - 1), axis=0).astype(jnp.float32)
+    return y + jnp.where((experts < n_experts)[:, None], rows, 0.0)
+
+
 def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.Array,
-                   impl: str | None = None, quantized: str | None = None) -> jax.Array:
+                   impl: str | None = None, quantized: str | None = None,
+                   act: ExpertAct = ExpertAct()) -> jax.Array:
     """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
 
     Args:
@@ -133,9 +179,13 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
         counts: int32 [E] group sizes.
         impl: the grouped matmul (`Kernels.grouped_matmul`); None: auto.
         quantized: how quantized matrices are read (`Kernels.quantized_matmul`); None: auto.
+        act: the activation between the gate/up and down products (`ExpertAct`).
 
     Returns:
         [M, H] in x.dtype.
+
+    With biases (`w` a BiasedExpertWeights), each product adds its row's expert's bias in float32
+    (`row_experts`): gate and up before the activation, down before the cast to x.dtype.
 
     Gate's and up's inputs are gathered from x: x[rows] once, or for an act-order matrix
     (int4 with `perm`) its own rows with their columns in its stored order, in the same
@@ -158,13 +208,19 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
 
         g = mm(*inputs(w.gate), counts)  # [M, I]
         u = mm(*inputs(w.up), counts)  # [M, I]
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
-        return mm(h, w.down, counts)  # [M, H]
+        g, u = g.astype(jnp.float32), u.astype(jnp.float32)
+        if not isinstance(w, BiasedExpertWeights):
+            return mm(act(g, u).astype(x.dtype), w.down, counts)  # [M, H]
+        experts = row_experts(counts, rows.shape[0])
+        g, u = _add_bias(g, w.gate_bias, experts), _add_bias(u, w.up_bias, experts)
+        y = mm(act(g, u).astype(x.dtype), w.down, counts)  # [M, H]
+        return _add_bias(y.astype(jnp.float32), w.down_bias, experts).astype(x.dtype)
 
 
 def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Array,
                           bounds: tuple[int, ...], weights_for_piece,
-                          impl: str | None = None, quantized: str | None = None) -> jax.Array:
+                          impl: str | None = None, quantized: str | None = None,
+                          act: ExpertAct = ExpertAct()) -> jax.Array:
     """`experts_swiglu` over the sorted rows in pieces [bounds[p], bounds[p+1]), each with the
     weights `weights_for_piece(p, after)` gives (`after`: the piece before's output, None for
     piece 0), so a piece's math can start once its own experts are there. Each row keeps its
@@ -183,14 +239,19 @@ def experts_swiglu_pieces(x: jax.Array, order: jax.Array, k: int, counts: jax.Ar
             w = _in_dtype(weights_for_piece(p, after), x.dtype)
             # this piece's rows of the sorted copies: tokens order[a:b] // k
             after = experts_swiglu(x, order[a:b] // k, w, piece_group_sizes(counts, a, b),
-                                   impl, quantized)
+                                   impl, quantized, act)
             ys.append(after)
     return jnp.concatenate(ys)
 
 
 def _in_dtype(w: ExpertWeights, dtype) -> ExpertWeights:
-    """The arrays of `w` in `dtype` (a QuantizedMatrix already reads as the model's dtype)."""
-    return ExpertWeights(*(a if isinstance(a, QuantizedMatrix) else a.astype(dtype) for a in w))
+    """The matrices of `w` in `dtype` (a QuantizedMatrix already reads as the model's dtype;
+    biases stay as held: they are added in float32)."""
+    matrices = {m: a if isinstance(a, QuantizedMatrix) else a.astype(dtype)
+                for m, a in zip(MATRICES, w)}
+    if isinstance(w, BiasedExpertWeights):
+        return w._replace(**matrices)
+    return ExpertWeights(**matrices)  # a source may return any (gate, up, down) tuple
 
 
 def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
@@ -221,15 +282,18 @@ class MoE(nnx.Module):
     """Routed SwiGLU experts with an optional shared expert.
 
     Steps for one chunk of T tokens:
-      1. Router: logits = x @ router [T, E] in float32 -> scores -> top-k experts and weights.
+      1. Router: logits = x @ router (+ its bias) [T, E] in float32 -> scores -> top-k experts
+         and weights.
       2. Counts: tokens per expert, int32 [E], known before any expert runs.
       3. Source: weights = expert_source.expert_weights(layer, counts, resident) - the streaming
          seam; the returned rows of experts with count 0 are never read.
       4. Permute: copy each token k times and sort the copies by expert id (stable): order
          [T*k]; gate's and up's input rows are gathered from x by it (x[order // k], [T*k, H];
          an act-order matrix's with its columns in stored order, in the same gather).
-      5. Experts: grouped matmuls gate and up [T*k, I], silu(gate) * up, grouped matmul down
-         [T*k, H]; zero-size groups compute nothing.
+      5. Experts: grouped matmuls gate and up [T*k, I] (plus their biases, where the experts
+         have them), the activation (`ExpertAct`: silu(gate) * up, or gpt-oss's clamped
+         SwiGLU), grouped matmul down [T*k, H] (plus its bias); zero-size groups compute
+         nothing.
       6. Unpermute: gather back to token order [T, k, H], weighted sum over k in float32 -> [T, H].
       7. Shared expert (if any): dense SwiGLU of x, times sigmoid(x @ shared_gate) when gated,
          added to the routed output.
@@ -245,6 +309,9 @@ class MoE(nnx.Module):
         self.router = nnx.Param(normal(rngs, (c.hidden_size, c.n_experts), dt))  # [H, E]
         self.selection_bias = (nnx.Param(filled(rngs, (c.n_experts,), jnp.float32, 0.0))
                                if c.selection_bias else None)  # [E]
+        self.router_bias = (nnx.Param(normal(rngs, (c.n_experts,), dt))
+                            if c.router_bias else None)  # [E]
+        self.act = ExpertAct.of(c)  # static
         if not resident_experts:
             self.gate = self.up = self.down = None
         elif c.expert_format == "plain":
@@ -252,6 +319,10 @@ class MoE(nnx.Module):
             self.gate = nnx.Param(normal(rngs, (e, h, i), dt))  # [E, H, I]
             self.up = nnx.Param(normal(rngs, (e, h, i), dt))  # [E, H, I]
             self.down = nnx.Param(normal(rngs, (e, i, h), dt))  # [E, I, H]
+            if c.expert_bias:  # [E, I], [E, I], [E, H]
+                self.gate_bias = nnx.Param(normal(rngs, (e, i), dt))
+                self.up_bias = nnx.Param(normal(rngs, (e, i), dt))
+                self.down_bias = nnx.Param(normal(rngs, (e, h), dt))
         else:
             # A quantized format's planes (gate, gate_scale, up, ...: [E, *plane shape] each
             # in its storage dtype), read by the expert math as one QuantizedMatrix per matrix.
@@ -284,7 +355,8 @@ class MoE(nnx.Module):
         """Steps 1-2: the router's choices for x [T, H] (padding, where `valid` is False, routes
         to the sentinel E and is not counted)."""
         bias = self.selection_bias[...] if self.selection_bias is not None else None
-        return route(x, self.router[...], bias, self.config, valid)
+        logit_bias = self.router_bias[...] if self.router_bias is not None else None
+        return route(x, self.router[...], bias, self.config, valid, logit_bias)
 
     def fetch_weights(self, counts: jax.Array,
                       expert_source: ExpertSource | None = None) -> ExpertWeights:
@@ -310,14 +382,15 @@ class MoE(nnx.Module):
             y_sorted = experts_swiglu(x, order // routing.expert_ids.shape[1],
                                       _in_dtype(w, x.dtype), routing.counts,
                                       self.kernels.grouped_matmul,
-                                      self.kernels.quantized_matmul)
+                                      self.kernels.quantized_matmul, self.act)
         else:
             order = sort_order(routing.expert_ids)
             with jax.named_scope("experts"):
                 y_sorted = experts_swiglu_pieces(x, order, routing.expert_ids.shape[1],
                                                  routing.counts, *pieces,
                                                  impl=self.kernels.grouped_matmul,
-                                                 quantized=self.kernels.quantized_matmul)
+                                                 quantized=self.kernels.quantized_matmul,
+                                                 act=self.act)
         if self.parallel is None:
             out = unpermute(y_sorted, order, routing.weights)
         if self.shared is not None:

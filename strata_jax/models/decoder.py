@@ -19,7 +19,7 @@ from jax import lax
 
 from strata_jax.config import ModelConfig
 from strata_jax.experts import ExpertSource, ExpertWeights
-from strata_jax.formats import expert_format
+from strata_jax.formats import BIASES, MATRICES, expert_format, expert_weights_of
 from strata_jax.kernels import Kernels
 from strata_jax.layers.gqa import Attention
 from strata_jax.layers.mlp import MLP
@@ -421,12 +421,14 @@ def expert_plane_names(config: ModelConfig, layer: int) -> dict[str, str]:
 
 
 def expert_param_names(config: ModelConfig, layer: int) -> ExpertWeights:
-    """Flat names of layer `layer`'s routed expert parameters (gate, up, down) in the plain
-    format; a quantized format's are `expert_plane_names`."""
+    """Flat names of layer `layer`'s routed expert parameters (gate, up, down; with
+    `expert_bias` a BiasedExpertWeights with their biases' too) in the plain format; a
+    quantized format's are `expert_plane_names`."""
     if config.expert_format != "plain":
         raise ValueError(f"expert_param_names: {config.name}'s experts are "
                          f"{config.expert_format}; their names are expert_plane_names'")
-    return ExpertWeights(*(f"layers.{layer}.mlp.{n}" for n in ExpertWeights._fields))
+    return expert_weights_of(**{n: f"layers.{layer}.mlp.{n}"
+                                for n in MATRICES + (BIASES if config.expert_bias else ())})
 
 
 def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array], *,
@@ -471,7 +473,7 @@ def fill_model(abstract: nnx.Module, config: ModelConfig,
             layer = int(path[1])
             if layer in experts:
                 w = experts[layer]
-                value = getattr(w, path[-1]) if isinstance(w, ExpertWeights) else w[path[-1]]
+                value = getattr(w, path[-1]) if isinstance(w, tuple) else w[path[-1]]
         if value is None:
             raise KeyError(f"missing parameter {name!r} (expected shape {tuple(spec.shape)})")
         if tuple(value.shape) != tuple(spec.shape):

@@ -20,7 +20,7 @@ import numpy as np
 
 from strata_jax import _dlpack, native
 from strata_jax.config import ModelConfig
-from strata_jax.experts import ExpertWeights
+from strata_jax.experts import BiasedExpertWeights, ExpertWeights
 from strata_jax.formats import ExpertFormat
 from strata_jax.kernels.grouped import MOSAIC_BLOCK_M, resolve_implementation
 from strata_jax.devices import check_host_bytes, device_memory
@@ -408,8 +408,8 @@ class NativeStreamer(Closable):
             return
         if isinstance(w, Mapping):
             planes = w
-        elif fmt.kind == "plain" and all(hasattr(w, m) for m in ExpertWeights._fields):
-            planes = {m: getattr(w, m) for m in ExpertWeights._fields}
+        elif fmt.kind == "plain" and isinstance(w, (ExpertWeights, BiasedExpertWeights)):
+            planes = w._asdict()
         else:
             raise TypeError(
                 f"layer {layer} experts are a {type(w).__name__}; the {fmt.name} format takes "
