@@ -78,7 +78,11 @@ CASES = ((40, 0, None, False), (40, 0, 7, False), (40, 0, 60, False),
          (30, 50, None, False), (30, 50, None, True), (30, 0, None, True), (30, 0, 7, True),
          (30, 50, 7, True), (30, 50, 7, False), (30, 50, 1, True), (30, 50, 31, True),
          (5, 100, 20, True), (5, 10, 20, True), (5, 16, 20, False))
-PATHS = ("xla", "split", "blocked", "cudnn")
+# The default run: every case of "split" (the merge), the first chunk, the three-part case,
+# a static and a traced start on the others; the slow run every pair.
+FEW = ((40, 0, 7, False), (30, 50, None, True), (30, 50, 7, False), (5, 100, 20, True))
+FAST = {"split": CASES, "xla": FEW, "blocked": FEW[1:], "cudnn": FEW}
+FAST_FLOAT64 = ((40, 0, 7, False), (30, 0, None, True), (30, 50, 1, True), (5, 10, 20, True))
 
 
 def _case_id(case):
@@ -86,8 +90,13 @@ def _case_id(case):
     return f"T{t}-start{start}{'t' if traced else ''}-w{window}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-@pytest.mark.parametrize("path", PATHS)
+def _path_cases():
+    return [pytest.param(path, case, id=f"{path}-{_case_id(case)}",
+                         marks=() if case in FAST[path] else (pytest.mark.slow,))
+            for path in FAST for case in CASES]
+
+
+@pytest.mark.parametrize("path, case", _path_cases())
 def test_paths_with_sinks_match_reference(path, case):
     t, start, window, traced = case
     q, k, v, positions = _inputs(np.float32, start, t)
@@ -98,12 +107,15 @@ def test_paths_with_sinks_match_reference(path, case):
     got = _attend(path, q, k, v, start, window, sinks, traced=traced)
     assert got.dtype == np.float32
     assert_close(got, want, np.float32, err_msg=f"{path}: {_case_id(case)}")
-    if path == "cudnn":  # the path as given: cuDNN's parts raise on the CPU, then fall back
+    if path == "cudnn" and jax.default_backend() == "cpu":
+        # The path as given: cuDNN's parts raise on the CPU, and the call falls back to XLA.
         got = _attend(path, q, k, v, start, window, sinks, traced=traced, resolve=False)
         assert_close(got, want, np.float32, err_msg=f"cudnn as given: {_case_id(case)}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", [
+    pytest.param(case, id=_case_id(case),
+                 marks=() if case in FAST_FLOAT64 else (pytest.mark.slow,)) for case in CASES])
 def test_float64_paths_with_sinks(case):
     # float64 "auto" is "einsum"; a later chunk's split and blocked parts keep float64 too, so
     # the merge with the sink is checked at float64's tolerance.
@@ -223,7 +235,7 @@ def sinks_model():
     return c, params, toks, ref
 
 
-@pytest.mark.parametrize("path", ["auto", "split", "blocked"])
+@pytest.mark.parametrize("path", ["auto", "split", pytest.param("blocked", marks=pytest.mark.slow)])
 def test_model_with_sinks_matches_reference(sinks_model, path):
     c, params, toks, ref = sinks_model
     model = M.build_model(c, params, kernels=Kernels(attention=path))

@@ -38,7 +38,7 @@ less than one. Every path takes it as one more log-sum-exp part with lse = sink 
 (`merge_parts(parts, dtype, sinks)`): a single part's output is scaled by sigmoid(lse - sink).
 "cudnn" takes its float32 lse from `cudnn_part` (a first chunk too), "xla" and "einsum" from
 `xla_part`'s math, "split" merges it with its parts, and "blocked" starts its online softmax
-at it (running max = sink, running sum 1). Without sinks every path is the program it was.
+at it (running max = sink, running sum 1). Without sinks (None) no path adds an op for them.
 
 Every path computes the same function within the dtype's rounding; a given path and shape is
 one fixed op sequence, so the streamed and resident arms of the engine (which differ only in
