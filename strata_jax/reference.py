@@ -140,6 +140,17 @@ def visible(q_pos, k_pos, window: int | None) -> np.ndarray:
     return seen
 
 
+def _softmax_rows(scores, sink=None):
+    """Row softmax of scores [T, S] (-inf: not seen); with `sink` (a scalar logit), as
+    transformers' gpt-oss eager attention: the sink joins each row as one more column, the
+    row's max is subtracted, the softmax taken and the sink's column dropped."""
+    if sink is not None:
+        scores = np.concatenate([scores, np.full((scores.shape[0], 1), float(sink))], axis=1)
+    e = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = e / e.sum(-1, keepdims=True)
+    return probs if sink is None else probs[:, :-1]
+
+
 def _attention(c: ModelConfig, p, prefix, x, window: int | None):
     t = x.shape[0]
     q = x @ _f64(p[prefix + "q_proj"])
@@ -166,12 +177,12 @@ def _attention(c: ModelConfig, p, prefix, x, window: int | None):
     out = np.zeros_like(q)
     group = c.n_heads // c.n_kv_heads
     seen = visible(pos, pos, window)
+    sinks = _f64(p[prefix + "sinks"]) if c.attention_sinks else None  # [N]
     for h in range(c.n_heads):
         kh = h // group  # query head h reads kv head h // group
         s = q[:, h] @ k[:, kh].T / np.sqrt(c.head_dim)  # [T, T]
         s = np.where(seen, s, -np.inf)
-        s = np.exp(s - s.max(-1, keepdims=True))
-        out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
+        out[:, h] = _softmax_rows(s, None if sinks is None else sinks[h]) @ v[:, kh]
     if gate is not None:
         out = out / (1.0 + np.exp(-gate))
     out = out.reshape(t, c.q_dim) @ _f64(p[prefix + "o_proj"])
@@ -219,10 +230,12 @@ def reference_deltanet(c: ModelConfig, p, prefix: str, x, window=None, state=Non
     return normed.reshape(t, vd) @ _f64(p[prefix + "out_proj"]), full[t:], s
 
 
-def reference_attention(q, k, v, positions, window: int | None = None) -> np.ndarray:
+def reference_attention(q, k, v, positions, window: int | None = None,
+                        sinks=None) -> np.ndarray:
     """float64 GQA attention of queries q [T, N, D] at `positions` over keys k/v [S, KVH, D]
     0..position, or position - window + 1..position with a sliding window (keys past the last
-    query are never read, whatever they hold)."""
+    query are never read, whatever they hold); `sinks` [N] (or None): each query head's sink
+    logit, one more softmax column with no value (`_softmax_rows`)."""
     seen = int(np.max(positions)) + 1
     q, k, v = (_f64(a) for a in (q, k[:seen], v[:seen]))
     t, n, d = q.shape
@@ -231,8 +244,7 @@ def reference_attention(q, k, v, positions, window: int | None = None) -> np.nda
     for h in range(n):
         scores = q[:, h] @ k[:, h // g].T / np.sqrt(d)  # [T, S]
         scores[~visible(positions, np.arange(k.shape[0]), window)] = -np.inf
-        p = np.exp(scores - scores.max(axis=1, keepdims=True))
-        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g]
+        out[:, h] = _softmax_rows(scores, None if sinks is None else _f64(sinks)[h]) @ v[:, h // g]
     return out
 
 

@@ -76,6 +76,8 @@ def _from_normals(config: ModelConfig, leaf: str, z: np.ndarray) -> np.ndarray:
         return z
     if leaf in ("q_bias", "k_bias", "v_bias", "o_bias"):  # attention biases
         return 0.2 * z
+    if leaf == "sinks":  # attention sink logits [N]: N(0, 4), a sizable share of some rows
+        return 2.0 * z
     value = z / np.sqrt(z.shape[-2])  # fan-in
     if leaf in ("o_proj", "down"):
         value *= _residual_scale(config)

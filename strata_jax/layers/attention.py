@@ -32,6 +32,14 @@ runs the full-attention program. Otherwise every path honours it exactly:
     "blocked"  the band in each block's mask; blocks wholly before every query's window are
                skipped.
 
+Attention sinks (`sinks`, gpt-oss: `ModelConfig.attention_sinks`): one learned logit per query
+head that joins every softmax row as one more term with no value, so a row's weights sum to
+less than one. Every path takes it as one more log-sum-exp part with lse = sink and output 0
+(`merge_parts(parts, dtype, sinks)`): a single part's output is scaled by sigmoid(lse - sink).
+"cudnn" takes its float32 lse from `cudnn_part` (a first chunk too), "xla" and "einsum" from
+`xla_part`'s math, "split" merges it with its parts, and "blocked" starts its online softmax
+at it (running max = sink, running sum 1). Without sinks (None) no path adds an op for them.
+
 Every path computes the same function within the dtype's rounding; a given path and shape is
 one fixed op sequence, so the streamed and resident arms of the engine (which differ only in
 where expert weights come from) get the same bits.
@@ -104,7 +112,7 @@ def attention_path(dtype, head_dim: int, n_heads: int, n_queries: int, n_keys: i
 
 
 def attention_bytes(path: str, itemsize: int, n_heads: int, n_queries: int, n_keys: int,
-                    head_dim: int, window: int | None = None) -> int:
+                    head_dim: int, window: int | None = None, sinks: bool = False) -> int:
     """Working memory of one chunk's attention on `path` beyond q, k, v and the output.
 
     Fused ("cudnn"): each part's output and float32 statistics, the merge in float32. XLA paths
@@ -115,8 +123,19 @@ def attention_bytes(path: str, itemsize: int, n_heads: int, n_queries: int, n_ke
     window: a later chunk's sliding window (None for a first chunk: it changes no path's
     memory there). "cudnn" then has three parts and reversed copies of the first min(T, w - 1)
     queries and of the w - 1 keys and values read (counted with N heads, an upper bound);
-    "split" forms scores over its own keys and the w - 1 before them only."""
+    "split" forms scores over its own keys and the w - 1 before them only.
+
+    sinks: the layer has attention sinks. Every path but "blocked" (which starts its running
+    max and sum at the sink: no more memory) then merges a float32 output [T, N, D] with its
+    log-sum-exp, the sinks broadcast and the weights ([T, N] float32 each) once more."""
     n, t, s, d = n_heads, n_queries, n_keys, head_dim
+    extra = n * t * (d * 4 + 4 * 4) if sinks and path != "blocked" else 0
+    return extra + _attention_bytes(path, itemsize, n, t, s, d, window)
+
+
+def _attention_bytes(path: str, itemsize: int, n: int, t: int, s: int, d: int,
+                     window: int | None) -> int:
+    """`attention_bytes` without sinks."""
     window = effective_window(window, s)
     if window is not None and path in ("cudnn", "split"):
         m = window - 1
@@ -183,7 +202,7 @@ def attention_key_block(n_heads: int, n_queries: int, n_keys: int) -> int:
     return max(1, min(block, n_keys))
 
 
-def blocked_attention(q, k, v, positions, block: int, window: int | None = None):
+def blocked_attention(q, k, v, positions, block: int, window: int | None = None, sinks=None):
     """Grouped-query attention of queries at `positions` over keys 0..positions[t], one key block
     at a time with an online softmax: memory [N, T, block] instead of [N, T, S].
 
@@ -194,6 +213,8 @@ def blocked_attention(q, k, v, positions, block: int, window: int | None = None)
             S - block (overlapping the block before it) and counts only the keys past it.
         window: a sliding window (keys positions[t] - window < k only); the blocks before the
             first key any query sees are skipped.
+        sinks: [N] each query head's sink logit (or None): the online softmax starts from it,
+            running max = sink and running sum 1 (its term, which has no value).
 
     Returns:
         [T, N, D] in q.dtype. Scores, running maxima and sums are float32 (float64 inputs: 64).
@@ -226,8 +247,8 @@ def blocked_attention(q, k, v, positions, block: int, window: int | None = None)
         scores = jnp.where(visible[None, None], scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         # Without a window block 0 holds key 0, which every query sees, so m is finite from
-        # the first block on. With one a query may have seen nothing yet (m_new -inf): its
-        # terms are taken against 0 and come out 0.
+        # the first block on (with sinks, from the start). With one a query may have seen
+        # nothing yet (m_new -inf): its terms are taken against 0 and come out 0.
         m_ref = m_new if window is None else jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(scores - m_ref[..., None])
         corr = jnp.exp(m - m_ref)
@@ -236,8 +257,12 @@ def blocked_attention(q, k, v, positions, block: int, window: int | None = None)
         return m_new, l, acc * corr[..., None] + pv
 
     g = n // kvh
-    init = (jnp.full((kvh, g, t), -jnp.inf, acc_t), jnp.zeros((kvh, g, t), acc_t),
-            jnp.zeros((kvh, g, t, d), acc_t))
+    if sinks is None:
+        init = (jnp.full((kvh, g, t), -jnp.inf, acc_t), jnp.zeros((kvh, g, t), acc_t),
+                jnp.zeros((kvh, g, t, d), acc_t))
+    else:  # the sink as the first term seen: max = sink, sum = exp(sink - sink)
+        m0 = jnp.broadcast_to(jnp.asarray(sinks, acc_t).reshape(kvh, g, 1), (kvh, g, t))
+        init = (m0, jnp.ones((kvh, g, t), acc_t), jnp.zeros((kvh, g, t, d), acc_t))
     _, l, acc = lax.fori_loop(first_block, n_blocks, body, init)
     out = acc / l[..., None]  # [KVH, G, T, D]
     return out.transpose(2, 0, 1, 3).reshape(t, n, d).astype(q.dtype)
@@ -318,12 +343,18 @@ def attention_part(path: str, q, k, v, *, kv_len=None, causal: bool = False,
     return xla_part(q, k, v, mask)
 
 
-def merge_parts(parts, dtype):
+def merge_parts(parts, dtype, sinks=None):
     """Combines attention over disjoint key sets: sum_i out_i * exp(lse_i - lse), with lse the
     log-sum-exp of all parts, in float32 (float64 for float64 inputs). A part with lse = -inf
-    (no key seen) contributes nothing; every query must see a key in some part."""
+    (no key seen) contributes nothing; every query must see a key in some part, or have a sink.
+
+    sinks: [N] each query head's sink logit, or None. The sink joins as one more part with
+    lse = sink and no value: it adds exp(sink - m) to the denominator only, so one part's
+    output is scaled by sigmoid(lse - sink)."""
     acc_t = jnp.promote_types(jnp.float32, dtype)
     lses = [l.astype(acc_t) for _, l in parts]
+    if sinks is not None:  # a part with lse = sink [T, N] and no output (zip below skips it)
+        lses.append(jnp.broadcast_to(jnp.asarray(sinks, acc_t), lses[0].shape))
     m = lses[0]
     for l in lses[1:]:
         m = jnp.maximum(m, l)
@@ -335,7 +366,7 @@ def merge_parts(parts, dtype):
 
 
 def chunk_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, *, path: str,
-                     window: int | None = None):
+                     window: int | None = None, sinks=None):
     """A later chunk's attention as two parts merged: its queries over the cache positions
     0..start-1 and over its own keys (causal). Never forms [T, S] scores on "cudnn".
 
@@ -346,13 +377,14 @@ def chunk_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, *, path: str,
         start: int32 scalar (or int), the chunk's first position; 0 is allowed (no prefix).
         path: "cudnn" or "split" (XLA parts).
         window: a sliding window (`windowed_over_cache`); None or one of at least S: full.
+        sinks: [N] float32 sink logits (one more part with no value, `merge_parts`) or None.
     """
     t = q.shape[0]
     s = cache_k.shape[0]
     window = effective_window(window, s)
     if window is not None:
         return windowed_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, window,
-                                   path=path)
+                                   path=path, sinks=sinks)
     start = jnp.asarray(start, jnp.int32)
     kc, vc = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
     if path == "cudnn":
@@ -366,7 +398,7 @@ def chunk_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, *, path: str,
     has_prefix = start > 0
     l1 = jnp.where(has_prefix, l1, -jnp.inf)
     o1 = jnp.where(has_prefix, o1, jnp.zeros_like(o1))
-    return merge_parts([(o1, l1), (o2, l2)], q.dtype)
+    return merge_parts([(o1, l1), (o2, l2)], q.dtype, sinks)
 
 
 def _seen_only_if(has, out, lse):
@@ -376,7 +408,7 @@ def _seen_only_if(has, out, lse):
 
 
 def windowed_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, window: int, *,
-                        path: str):
+                        path: str, sinks=None):
     """A later chunk's attention with a sliding window, as parts merged by log-sum-exp. Only
     the m = window - 1 cache positions before the chunk are read; no part has a band mask.
 
@@ -390,15 +422,15 @@ def windowed_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, window: in
              those at positions >= 0 come first: a padding length only.
 
     Args:
-        q, k_chunk, v_chunk, cache_k, cache_v, start, path: as in `chunk_over_cache`.
+        q, k_chunk, v_chunk, cache_k, cache_v, start, path, sinks: as in `chunk_over_cache`.
         window: the window, 1 <= window < S.
     """
     t = q.shape[0]
     m = window - 1
     own = attention_part(path, q, k_chunk, v_chunk, causal=True,
                          window=window if window < t else None)
-    if m == 0:
-        return own[0]  # a query sees itself only
+    if m == 0:  # a query sees itself only
+        return own[0] if sinks is None else merge_parts([own], q.dtype, sinks)
     start = jnp.asarray(start, jnp.int32)
 
     def gather(positions):  # keys at `positions` (descending); those below 0 are padding
@@ -421,56 +453,64 @@ def windowed_over_cache(q, k_chunk, v_chunk, cache_k, cache_v, start, window: in
         len_b = jnp.clip(start, 0, nb)  # key m - 1 - j at position start - m + j
         kb, vb = gather(start - 1 - jnp.arange(nb, dtype=jnp.int32))
         parts.append(_seen_only_if(len_b > 0, *attention_part(path, q, kb, vb, kv_len=len_b)))
-    return merge_parts(parts, q.dtype)
+    return merge_parts(parts, q.dtype, sinks)
 
 
 # ---- one chunk ----------------------------------------------------------------------------------
 
 
-def _masked(q, k, v, mask, path: str):
+def _masked(q, k, v, mask, path: str, sinks=None):
     """The exact paths over keys k/v [S, KVH, D] where mask [T, S] allows: explicit einsums
-    ("einsum") or XLA's dot_product_attention (every other path that lands here)."""
+    ("einsum") or XLA's dot_product_attention (every other path that lands here). With sinks
+    both are `xla_part` (float64 inputs: float64 throughout) merged with the sink."""
+    if sinks is not None:
+        return merge_parts([xla_part(q, k, v, mask)], q.dtype, sinks)
     if path == "einsum":
         return einsum_attention(q, k, v, mask)
     return jax.nn.dot_product_attention(
         q[None], k[None], v[None], mask=mask[None, None], implementation="xla")[0]
 
 
-def attend_first(q, k, v, path: str, window: int | None = None):
+def attend_first(q, k, v, path: str, window: int | None = None, sinks=None):
     """A first chunk: q [T, N, D] over its own keys k/v [T, KVH, D], causally (within
-    `window`, a sliding window, when it is smaller than T)."""
+    `window`, a sliding window, when it is smaller than T). sinks: [N] float32 sink logits
+    (float64 for float64 inputs) or None; on "cudnn" the fused part's float32 lse merges them."""
     t = q.shape[0]
     window = effective_window(window, t)
     if path == "cudnn":
         try:
+            if sinks is not None:
+                return merge_parts([cudnn_part(q, k, v, causal=True, window=window)], q.dtype,
+                                   sinks)
             return jax.nn.dot_product_attention(
                 q[None], k[None], v[None], is_causal=True, implementation="cudnn",
                 local_window_size=None if window is None else (window - 1, 0))[0]
         except (NotImplementedError, ValueError, RuntimeError):
             pass  # this cuDNN build rejects the shape: the XLA path below is exact too.
     if window is None:
-        return _masked(q, k, v, jnp.tril(jnp.ones((t, t), bool)), path)
+        return _masked(q, k, v, jnp.tril(jnp.ones((t, t), bool)), path, sinks)
     pos = jnp.arange(t, dtype=jnp.int32)
-    return _masked(q, k, v, band_mask(pos, pos, window), path)
+    return _masked(q, k, v, band_mask(pos, pos, window), path, sinks)
 
 
 def attend_cached(q, k_chunk, v_chunk, cache_k, cache_v, start, positions, path: str,
-                  window: int | None = None):
+                  window: int | None = None, sinks=None):
     """A later chunk: q [T, N, D] at `positions` (start..start+T-1) over the cache (which
     already holds the chunk's own keys at start..start+T-1) on `path`, within `window` (a
-    sliding window) when it is smaller than the cache."""
+    sliding window) when it is smaller than the cache; sinks as in `attend_first`."""
     window = effective_window(window, cache_k.shape[0])
     if path in ("cudnn", "split"):
         kc, vc = k_chunk.astype(q.dtype), v_chunk.astype(q.dtype)
         try:
-            return chunk_over_cache(q, kc, vc, cache_k, cache_v, start, path=path, window=window)
+            return chunk_over_cache(q, kc, vc, cache_k, cache_v, start, path=path, window=window,
+                                    sinks=sinks)
         except (NotImplementedError, ValueError, RuntimeError):
             if path == "split":
                 raise
             path = "xla"  # this cuDNN build rejects the shape: the exact XLA path below
     if path == "blocked":
         block = attention_key_block(q.shape[1], q.shape[0], cache_k.shape[0])
-        return blocked_attention(q, cache_k, cache_v, positions, block, window)
+        return blocked_attention(q, cache_k, cache_v, positions, block, window, sinks)
     key_pos = jnp.arange(cache_k.shape[0], dtype=jnp.int32)  # [S]
     mask = band_mask(positions, key_pos, window)  # [T, S]
-    return _masked(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, path)
+    return _masked(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, path, sinks)

@@ -1,7 +1,7 @@
 """Grouped-query attention as a layer: q/k/v/o projections (optional biases), q/k RMSNorm
 (per head or over the whole projection), RoPE (over all of a head or its first
-`ModelConfig.rotary_dim` dims), an optional sigmoid output gate (Qwen3-Next's gated attention), the KV cache write, and
-the attention paths of
+`ModelConfig.rotary_dim` dims), an optional sigmoid output gate (Qwen3-Next's gated attention),
+optional attention sinks (gpt-oss), the KV cache write, and the attention paths of
 `layers.attention` (a first chunk causal and fused; a later chunk over its cached prefix, merged
 by log-sum-exp), within a sliding window where the config gives this layer one.
 """
@@ -25,7 +25,10 @@ class Attention(nnx.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm and a KV cache; within a
     sliding window where the config gives this layer one (`ModelConfig.window_of`). RoPE
     rotates the config's `rotated_dims` of each head (partial rotary: the first ones); the
-    projections named in its `attention_biases` add a bias.
+    projections named in its `attention_biases` add a bias. With `attention_sinks` each query
+    head has a learned sink logit, `sinks` [N] in the parameter dtype (gpt-oss), that every
+    attention path takes as one more softmax term with no value (`layers.attention`), in
+    float32 (float64 for a float64 model).
 
     output_gate: q_proj also gives each head a gate, [H, N*2D] with each head's D query
         columns then its D gate columns; the attention output is multiplied by sigmoid(gate)
@@ -58,6 +61,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.kv_dim, c.rms_norm_eps, dt, rngs)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nnx.Param(normal(rngs, (c.n_heads,), dt)) if c.attention_sinks else None
 
     def __call__(self, x, cache_k, cache_v, start, positions):
         """x [T, H]; cache_k/v [S, KVH, D]; start int (static 0 = first chunk) or int32 scalar."""
@@ -83,14 +87,18 @@ class Attention(nnx.Module):
         cache_k = lax.dynamic_update_slice(cache_k, k, (start, 0, 0))  # [S, KVH, D]
         cache_v = lax.dynamic_update_slice(cache_v, v, (start, 0, 0))
         first = isinstance(start, int) and start == 0
+        sinks = (None if self.sinks is None  # [N]
+                 else self.sinks[...].astype(jnp.promote_types(jnp.float32, q.dtype)))
         path = attention_path(q.dtype, c.head_dim, c.n_heads, t, cache_k.shape[0], first=first,
                               impl=self.kernels.attention)
         if first:
             # First chunk: the cache holds nothing before it, so attending to the chunk's own keys
             # causally is the same math and lets cuDNN run it fused.
-            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path, self.window)
+            out = attend_first(q, k.astype(q.dtype), v.astype(q.dtype), path, self.window,
+                               sinks)
         else:
-            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path, self.window)
+            out = attend_cached(q, k, v, cache_k, cache_v, start, positions, path, self.window,
+                                sinks)
         if gate is not None:  # [T, N, D]
             out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
                    ).astype(out.dtype)
