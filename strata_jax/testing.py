@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from strata_jax.formats import act_order_g_idx
+from strata_jax.formats import act_order_g_idx, mxfp4_to_blocks_np
 from strata_jax.models import forward
 
 # dtype of the computation -> (rtol, atol) against the float64 reference. bfloat16 keeps 8 bits of
@@ -65,6 +65,7 @@ HF_ARCH = {
     "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral-8x7b": ("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
     "olmoe-1b-7b": ("OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "gpt-oss-20b": ("GptOssForCausalLM", "mlp", ("gate_up_proj", "gate_up_proj", "down_proj")),
 }
 
 
@@ -78,6 +79,16 @@ def hf_config(c, arch: str) -> dict:
                torch_dtype=c.param_dtype)
     if arch == "MixtralForCausalLM":
         cfg.update(num_local_experts=c.n_experts, intermediate_size=c.expert_intermediate)
+    elif arch == "GptOssForCausalLM":
+        r = c.rope_scaling
+        cfg.update(num_local_experts=c.n_experts, intermediate_size=c.expert_intermediate,
+                   attention_bias=c.attention_bias, sliding_window=c.sliding_window,
+                   layer_types=list(c.layer_types), swiglu_limit=c.swiglu_limit,
+                   swiglu_alpha=c.swiglu_alpha, model_type="gpt_oss",
+                   rope_scaling=None if r is None else {
+                       "rope_type": r.rope_type, "factor": r.factor, "beta_fast": r.beta_fast,
+                       "beta_slow": r.beta_slow, "truncate": r.truncate,
+                       "original_max_position_embeddings": r.original_max_position_embeddings})
     elif arch == "Qwen3MoeForCausalLM":
         cfg.update(num_experts=c.n_experts, moe_intermediate_size=c.expert_intermediate,
                    norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
@@ -104,12 +115,58 @@ def hf_tensors(c, params, preset):
         if c.qk_norm != "none":
             t[q + "self_attn.q_norm.weight"] = params[p + "attn.q_norm.weight"]
             t[q + "self_attn.k_norm.weight"] = params[p + "attn.k_norm.weight"]
+        if c.attention_sinks:
+            t[q + "self_attn.sinks"] = params[p + "attn.sinks"]
+        if preset.startswith("gpt-oss"):
+            t.update(_gpt_oss_layer(c, params, p, q))
+            continue
         t[q + f"{moe}.gate.weight"] = params[p + "mlp.router"].T
         for ours, hf in zip(("gate", "up", "down"), (g, u, d)):
             w = params[p + f"mlp.{ours}"]  # once a layer: a lazy mapping makes it on each access
             for e in range(c.n_experts):
                 t[q + f"{moe}.experts.{e}.{hf}.weight"] = w[e].T
     return {k: np.ascontiguousarray(v) for k, v in t.items()}
+
+
+def _interleave(even, odd, axis: int):
+    """even and odd stacked alternately along `axis` (gpt-oss's gate and up)."""
+    both = np.stack([even, odd], axis=axis + 1)
+    shape = list(even.shape)
+    shape[axis] *= 2
+    return both.reshape(shape)
+
+
+def _gpt_oss_layer(c, params, p: str, q: str) -> dict:
+    """One gpt-oss layer's router and fused experts in Hugging Face names: `mlp.router`
+    (weight [E, H], bias), `mlp.experts.gate_up_proj` [E, H, 2I] (gate the even outputs) and
+    its bias, `down_proj` [E, I, H] and its bias."""
+    m, x = p + "mlp.", q + "mlp.experts."
+    t = {q + "mlp.router.weight": params[m + "router"].T,
+         q + "mlp.router.bias": params[m + "router_bias"],
+         x + "gate_up_proj": _interleave(params[m + "gate"], params[m + "up"], 2),
+         x + "down_proj": params[m + "down"]}
+    if c.expert_bias:
+        t[x + "gate_up_proj_bias"] = _interleave(params[m + "gate_bias"], params[m + "up_bias"], 1)
+        t[x + "down_proj_bias"] = params[m + "down_bias"]
+    return t
+
+
+def gpt_oss_mxfp4(c, tensors, planes_of) -> dict:
+    """`tensors` (a gpt-oss checkpoint's, `hf_tensors`) with each MoE layer's gate_up_proj and
+    down_proj replaced by MXFP4 `_blocks` and `_scales` in the published layout, from that
+    layer's mxfp4 planes (`planes_of(layer)`: gate, gate_scale, ... as
+    `ExpertFormat.quantize_np` makes them)."""
+    out = dict(tensors)
+    for l in c.moe_layers:
+        x = f"model.layers.{l}.mlp.experts."
+        planes = planes_of(l)
+        conv = {m: mxfp4_to_blocks_np(planes[m], planes[m + "_scale"])
+                for m in ("gate", "up", "down")}
+        del out[x + "gate_up_proj"], out[x + "down_proj"]
+        out[x + "gate_up_proj_blocks"] = _interleave(conv["gate"][0], conv["up"][0], 1)
+        out[x + "gate_up_proj_scales"] = _interleave(conv["gate"][1], conv["up"][1], 1)
+        out[x + "down_proj_blocks"], out[x + "down_proj_scales"] = conv["down"]
+    return out
 
 
 # ---- quantized Hugging Face checkpoints, written by hand in the published layouts ---------------

@@ -18,6 +18,7 @@ from strata_jax.checkpoint.safetensors import Tensors, st_header, st_read
 from strata_jax.experts import blob_size, unpack_expert_blobs_np
 from strata_jax.formats import (BIASES, INT4_PER_WORD, INT4_ZERO, MATRICES, ExpertFormat,
                                 ExpertWeights, expert_weights_of, g_idx_perm,
+                                mxfp4_from_blocks_np,
                                 gptq_halves_np, int4_halves_np, int4_values_np, unequal_group)
 from strata_jax.models import expert_plane_names
 from strata_jax.models.hf_config import GPTQ, CheckpointError, Quant, TensorNames
@@ -38,6 +39,45 @@ _PLANE_SOURCES = {
              **{f"{m}_zero": (m, "qzeros", False) for m in MATRICES},
              **{f"{m}_perm": (m, "g_idx", False) for m in MATRICES}},
 }
+
+
+# A fused layout's planes (`TensorNames.fused`, gpt-oss): plane -> (the layer's tensor, by its
+# suffix on the matrix's module; what one expert's [...] of it gives the plane). gate and up
+# are the even and odd outputs of gate_up_proj ([in, out] as stored: [H, 2I]; its MXFP4 blocks
+# and scales [out, ...]: rows); down_proj is [I, H].
+def _even(a):
+    return a[..., 0::2]
+
+
+def _odd(a):
+    return a[..., 1::2]
+
+
+def _fused_sources(kind: str) -> dict:
+    gate_up, down = (0, 2)  # indices into TensorNames.expert_names
+    out = {"gate_bias": (gate_up, "_bias", _even), "up_bias": (gate_up, "_bias", _odd),
+           "down_bias": (down, "_bias", None)}
+    if kind == "mxfp4":
+        def values(pick):
+            return lambda blocks: mxfp4_from_blocks_np(
+                pick(blocks), np.zeros(pick(blocks).shape[:-1], np.uint8))[0]
+
+        def scales(pick):
+            return lambda s: np.ascontiguousarray(pick(s).T)
+
+        rows_even = lambda a: a[0::2]  # noqa: E731 - the [out, ...] rows of gate
+        rows_odd = lambda a: a[1::2]  # noqa: E731
+        every = lambda a: a  # noqa: E731
+        return out | {"gate": (gate_up, "_blocks", values(rows_even)),
+                      "up": (gate_up, "_blocks", values(rows_odd)),
+                      "down": (down, "_blocks", values(every)),
+                      "gate_scale": (gate_up, "_scales", scales(rows_even)),
+                      "up_scale": (gate_up, "_scales", scales(rows_odd)),
+                      "down_scale": (down, "_scales", scales(every))}
+    if kind != "plain":
+        raise CheckpointError(f"fused expert tensors (gpt-oss) in the {kind} format are not "
+                              "read: they are stored plain or as MXFP4")
+    return out | {"gate": (gate_up, "", _even), "up": (gate_up, "", _odd), "down": (down, "", None)}
 
 
 class CheckpointExperts(Mapping[str, np.ndarray]):
@@ -112,6 +152,9 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
         if tuple(out.shape) != self._shape(plane):
             raise ValueError(f"parameter {name!r} has shape {self._shape(plane)}; the array to "
                              f"fill has {tuple(out.shape)}")
+        if self._arch.fused:
+            self._fill_fused(layer, plane, out)
+            return
         kind = self.format.kind
         field, suffix, transpose = _PLANE_SOURCES[kind][plane]
         want = self.format.plane(plane).dtype
@@ -145,6 +188,25 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
                         out[e] = _unpack_int4(value, axis=1) + self._zero_offset
                     else:
                         out[e] = value.T if transpose else value
+
+    def _fill_fused(self, layer: int, plane: str, out: np.ndarray) -> None:
+        """`fill` of a fused layout (`TensorNames.fused`): each expert's slice of the layer's
+        tensor read alone (the experts lead: one contiguous byte range each) and made the
+        plane (`_fused_sources`)."""
+        matrix, suffix, make = _fused_sources(self.format.kind)[plane]
+        hf = fused_name(self._arch, layer, matrix, suffix)
+        path = self._files[hf]
+        if path not in self._headers:
+            self._headers[path] = st_header(path)
+        start, header = self._headers[path]
+        info = header[hf]
+        per = (info["data_offsets"][1] - info["data_offsets"][0]) // info["shape"][0]
+        with open(path, "rb") as f:
+            for e in range(self.config.n_experts):
+                lo = info["data_offsets"][0] + e * per
+                value = st_read(f, start, {**info, "shape": info["shape"][1:],
+                                           "data_offsets": [lo, lo + per]})
+                out[e] = value if make is None else make(value)
 
     def _perm(self, layer: int, field: str, expert: int) -> np.ndarray:
         """An act-order expert matrix's stored row order, from its `g_idx`."""
@@ -303,10 +365,45 @@ def _gptq_g_idx(tensors: Tensors, quant: Quant, module: str, k: int, n: int) -> 
     return rows
 
 
+def fused_name(arch: TensorNames, layer: int, matrix: int, suffix: str = "") -> str:
+    """The Hugging Face name of a fused layout's tensor: matrix 0 gate_up (1 the same), 2 down,
+    with `suffix` ("", "_bias", "_blocks", "_scales")."""
+    return (f"{arch.layer(layer)}{arch.moe_prefix}.experts.{arch.expert_names[matrix]}"
+            f"{suffix}")
+
+
+def fused_expert_files(tensors: Tensors, c: ModelConfig, arch: TensorNames,
+                       layer: int) -> dict[str, str]:
+    """`expert_files` of a fused layout (gpt-oss): gate_up and down as one tensor each with
+    the experts leading, plain ([E, H, 2I], [E, I, H]) or MXFP4 (`_blocks` [E, out, in/32,
+    16] and `_scales` [E, out, in/32] uint8), and their biases ([E, 2I], [E, H]) where the
+    model has them; a bias in the files the model has no place for must be zero."""
+    fmt = ExpertFormat.of(c)
+    e, h, i = c.n_experts, c.hidden_size, c.expert_intermediate
+    files = {}
+    for matrix, (k, n) in ((0, (h, 2 * i)), (2, (i, h))):
+        if fmt.kind == "mxfp4":
+            names = {"_blocks": ((e, n, k // 32, 16), "U8"), "_scales": ((e, n, k // 32), "U8")}
+        else:
+            names = {"": ((e, k, n), None)}
+        for suffix, (shape, dt) in names.items():
+            name = fused_name(arch, layer, matrix, suffix)
+            files[name] = tensors.path(name, shape, dt)
+        bias = fused_name(arch, layer, matrix, "_bias")
+        if c.expert_bias:
+            files[bias] = tensors.path(bias, (e, n))
+        elif tensors.has(bias) and np.any(tensors.get(bias, (e, n)) != 0):
+            raise CheckpointError(f"tensor {bias!r} is not zero, and the model's experts have "
+                                  "no bias")
+    return files
+
+
 def expert_files(tensors: Tensors, quant: Quant | None, c: ModelConfig, arch: TensorNames,
                   layer: int) -> dict[str, str]:
     """Checks `layer`'s routed expert tensors (names, shapes, dtypes; GPTQ's side tensors read
     and checked) and returns Hugging Face name -> file of those its `CheckpointExperts` reads."""
+    if arch.fused:
+        return fused_expert_files(tensors, c, arch, layer)
     files: dict[str, str] = {}
     fmt = ExpertFormat.of(c)
     for field in MATRICES:

@@ -39,7 +39,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.formats import INT4_ZERO
 from strata_jax.layers.rope import rope_frequencies
 from strata_jax.models import build_model, config_from_hf, family_of, param_shapes
-from strata_jax.models.hf_config import FP8, CheckpointError, Quant, quantization
+from strata_jax.models.hf_config import FP8, MXFP4, CheckpointError, Quant, quantization
 from strata_jax.text import Tokenizer, tokenizer_path
 
 
@@ -111,6 +111,11 @@ def _linear(tensors: Tensors, quant: Quant, module: str, shape: tuple[int, int],
     the parameter dtype: a quantized one dequantized (one float32 product per value, one cast,
     as `formats.ExpertFormat.dequantize_np` does)."""
     n, k = shape
+    if quant.method == MXFP4:  # only the routed experts are MXFP4 (fused, read on their own)
+        if tensors.has(f"{module}_blocks") or tensors.has(f"{module}.weight_blocks"):
+            raise CheckpointError(f"linear {module!r} is MXFP4-quantized in the files; only "
+                                  "the routed experts' MXFP4 is read")
+        return np.ascontiguousarray(tensors.get(f"{module}.weight", shape).T.astype(dtype))
     if quant.method == FP8:
         if not quant.fp8(module):
             return np.ascontiguousarray(tensors.get(f"{module}.weight", shape).T.astype(dtype))

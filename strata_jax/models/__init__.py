@@ -14,8 +14,8 @@ from types import ModuleType
 from typing import Callable, Mapping
 
 from strata_jax.config import ModelConfig
-from strata_jax.models import (decoder, deepseek_v3, glm4_moe, hybrid, mixtral, mla, olmoe,
-                               qwen3_moe, qwen3_next)
+from strata_jax.models import (decoder, deepseek_v3, glm4_moe, gpt_oss, hybrid, mixtral, mla,
+                               olmoe, qwen3_moe, qwen3_next)
 from strata_jax.models.decoder import KVCache, MoETransformer, forward
 from strata_jax.models.hf_config import (IGNORED_FIELDS, NO_EFFECT, QUANT_FIELDS,
                                          CheckpointError, Family, HFFields, quant_fields_markdown,
@@ -31,7 +31,8 @@ __all__ = [
 
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (qwen3_moe.FAMILY, *qwen3_next.FAMILIES, mixtral.FAMILY,
-                                olmoe.FAMILY, deepseek_v3.FAMILY, glm4_moe.FAMILY)
+                                olmoe.FAMILY, deepseek_v3.FAMILY, glm4_moe.FAMILY,
+                                gpt_oss.FAMILY)
 }
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -42,6 +43,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     **olmoe.FAMILY.presets,
     **deepseek_v3.FAMILY.presets,
     **glm4_moe.FAMILY.presets,
+    **gpt_oss.FAMILY.presets,
 }
 
 # The module that builds a config's model, by config type: the shared decoder stack, the

@@ -551,8 +551,8 @@ def forward(model: MoETransformer, tokens, cache: KVCache, start: int = 0,
 def attention_tensors(config: ModelConfig, layer: int, names: TensorNames
                       ) -> Iterator[tuple[str, str, tuple[int, ...], bool]]:
     """(our name, Hugging Face name, Hugging Face shape, transposed) of one layer's two norms
-    and its grouped-query attention (projections, the biases `attention_biases` names, q/k
-    norms), as the GQA families name them."""
+    and its grouped-query attention (projections, the biases `attention_biases` names, the
+    sinks where the config has them, q/k norms), as the GQA families name them."""
     c, hf, ours = config, names.layer(layer), f"layers.{layer}."
     yield ours + "input_norm.weight", hf + "input_layernorm.weight", (c.hidden_size,), False
     yield ours + "post_attn_norm.weight", hf + "post_attention_layernorm.weight", (c.hidden_size,), False
@@ -562,6 +562,8 @@ def attention_tensors(config: ModelConfig, layer: int, names: TensorNames
     for proj, out_dim in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim), ("o", c.hidden_size)):
         if proj in c.attention_biases:
             yield ours + f"attn.{proj}_bias", hf + f"self_attn.{proj}_proj.bias", (out_dim,), False
+    if c.attention_sinks:
+        yield ours + "attn.sinks", hf + "self_attn.sinks", (c.n_heads,), False
     if c.qk_norm != "none":
         q_dim, k_dim = ((c.head_dim, c.head_dim) if c.qk_norm == "per_head" else (c.q_dim, c.kv_dim))
         yield ours + "attn.q_norm.weight", hf + "self_attn.q_norm.weight", (q_dim,), False

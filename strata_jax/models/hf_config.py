@@ -12,11 +12,12 @@ reader (`HFFields`: required fields, spellings, refusals, types), RoPE in both s
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 from typing import Callable, Mapping
 
 from strata_jax.config import DTYPES, ModelConfig
-from strata_jax.formats import INT4_ZERO
+from strata_jax.formats import INT4_ZERO, MXFP4_GROUP
 from strata_jax.config import RopeScaling
 
 
@@ -35,12 +36,17 @@ class TensorNames:
         expert_names: gate, up and down's modules under `experts.E.`.
         model_prefix: where the decoder's tensors are ("model."; a multimodal checkpoint's
             text model "model.language_model.").
+        fused: each layer's experts are one tensor per matrix with the experts leading
+            (gpt-oss: `experts.gate_up_proj` [E, H, 2I], gate and up interleaved along the
+            output, `experts.down_proj` [E, I, H], their biases and MXFP4 `_blocks` /
+            `_scales`), read per expert; `expert_names` then names (gate_up, gate_up, down).
     """
 
     moe_prefix: str
     router: str
     expert_names: tuple[str, str, str]
     model_prefix: str = "model."
+    fused: bool = False
 
     def layer(self, layer: int) -> str:
         """The Hugging Face prefix of layer `layer`'s tensors ("model.layers.3.")."""
@@ -161,7 +167,7 @@ _ROPE_KEYS = {
 
 # ---- quantization_config: the FP8 and GPTQ checkpoints, in one place -----------------------------
 
-FP8, GPTQ = "fp8", "gptq"
+FP8, GPTQ, MXFP4 = "fp8", "gptq", "mxfp4"
 
 # quantization_config field -> quant_method -> how the loader treats it (as `Family.fields`). Routed experts
 # keep the checkpoint's format in the engine's store (`strata_jax.formats`: ModelConfig
@@ -170,7 +176,8 @@ FP8, GPTQ = "fp8", "gptq"
 # routed experts stream. docs/CHECKPOINTS.md shows this table.
 QUANT_FIELDS: dict[str, dict[str, str]] = {
     "quant_method": {FP8: "honoured: fp8 (experts stored as fp8)",
-                     GPTQ: "honoured: gptq (experts stored as int4)"},
+                     GPTQ: "honoured: gptq (experts stored as int4)",
+                     MXFP4: "honoured: mxfp4 (routed experts stored as mxfp4; gpt-oss)"},
     "fmt": {FP8: "refused unless e4m3 (float8_e4m3fn weights)"},
     "weight_block_size": {FP8: "honoured: a square block [b, b] of float32 `weight_scale_inv` "
                                 "(experts: expert_block = b); non-square and absent (per-tensor "
@@ -178,9 +185,12 @@ QUANT_FIELDS: dict[str, dict[str, str]] = {
     "activation_scheme": {FP8: "honoured: dynamic, as weight-only quantization (activations stay "
                                 "in the parameter dtype; FP8 kernels would round them to e4m3 per "
                                 "token group: a deliberate difference); static refused"},
-    "modules_to_not_convert": {FP8: "honoured: the linears it names (whole dotted components, "
-                                     "e.g. `model.layers.0.mlp.gate`) stay unquantized; lm_head "
-                                     "always does"},
+    "modules_to_not_convert": {
+        FP8: "honoured: the linears it names (whole dotted components, e.g. "
+             "`model.layers.0.mlp.gate`) stay unquantized; lm_head always does",
+        MXFP4: "honoured: patterns (`*` any run of characters) of what stays unquantized; "
+               "only the routed experts are read as MXFP4 (`_blocks`, `_scales`), and a "
+               "pattern naming them makes them plain"},
     "ignored_layers": {FP8: "honoured: as modules_to_not_convert (vLLM's spelling; refused if "
                              "both are given and differ)"},
     "bits": {GPTQ: "refused unless 4"},
@@ -214,9 +224,9 @@ QUANT_FIELDS: dict[str, dict[str, str]] = {
 
 def quant_fields_markdown() -> str:
     """The quantization_config table of docs/CHECKPOINTS.md, from `QUANT_FIELDS`."""
-    lines = ["| field | fp8 | gptq |", "|---|---|---|"]
+    lines = ["| field | fp8 | gptq | mxfp4 |", "|---|---|---|---|"]
     for field, per in QUANT_FIELDS.items():
-        cells = [per.get(m, "refused (not a field)") for m in (FP8, GPTQ)]
+        cells = [per.get(m, "refused (not a field)") for m in (FP8, GPTQ, MXFP4)]
         lines.append(f"| `{field}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -253,7 +263,14 @@ class Quant:
     @property
     def expert_format(self) -> str:
         """The routed experts' store format when they are quantized."""
-        return "fp8" if self.method == FP8 else "int4"
+        return {FP8: "fp8", GPTQ: "int4", MXFP4: "mxfp4"}[self.method]
+
+    def mxfp4_kept(self, module: str) -> bool:
+        """mxfp4: whether modules_to_not_convert keeps `module` unquantized (a pattern, `*`
+        any run of characters, matching it or a dotted prefix of it)."""
+        parts = module.split(".")
+        return any(fnmatch.fnmatchcase(".".join(parts[:j]), pattern)
+                   for pattern in self.not_converted for j in range(1, len(parts) + 1))
 
     def fp8(self, module: str) -> bool:
         """fp8: whether linear `module` (a Hugging Face module name) is quantized per the config:
@@ -277,9 +294,10 @@ def quantization(hf: Mapping) -> Quant | None:
     if not isinstance(q, Mapping):
         raise refuse("quantization_config", q, "expected an object of fields")
     method = q.get("quant_method")
-    if method not in (FP8, GPTQ):
+    if method not in (FP8, GPTQ, MXFP4):
         raise quant_refuse("quant_method", method, "implemented: fp8 (block-scaled e4m3, as "
-                            "Qwen3-30B-A3B-FP8) and gptq (4-bit, as Qwen3-30B-A3B-GPTQ-Int4)")
+                            "Qwen3-30B-A3B-FP8), gptq (4-bit, as Qwen3-30B-A3B-GPTQ-Int4) and "
+                            "mxfp4 (gpt-oss's experts)")
     unknown = sorted(k for k in q if method not in QUANT_FIELDS.get(k, {}))
     if unknown:
         raise unknown_fields(q, unknown, "quantization_config field(s)", f"{method} fields")
@@ -295,6 +313,11 @@ def quantization(hf: Mapping) -> Quant | None:
             raise quant_refuse(key, q.get(key), "expected a positive integer")
         return value
 
+    if method == MXFP4:
+        keep = q.get("modules_to_not_convert", [])
+        if not isinstance(keep, (list, tuple)) or not all(isinstance(v, str) for v in keep):
+            raise quant_refuse("modules_to_not_convert", keep, "expected a list of module names")
+        return Quant(MXFP4, MXFP4_GROUP, frozenset(keep))
     if method == FP8:
         only("fmt", ("e4m3",), "only e4m3 (float8_e4m3fn) weights are implemented", "e4m3")
         only("activation_scheme", ("dynamic",), "static activation scales are not "
@@ -355,6 +378,14 @@ def expert_format_of(quant: Quant | None, tensors: TensorNames, moe_layers: rang
     not is refused (one store format)."""
     if quant is None:
         return "plain"
+    if quant.method == MXFP4:
+        kept = {quant.mxfp4_kept(f"{tensors.layer(l)}{tensors.moe_prefix}.experts")
+                for l in moe_layers}
+        if len(kept) > 1:
+            raise CheckpointError("config.json quantization_config modules_to_not_convert keeps "
+                                  "some layers' routed experts unquantized and not others: "
+                                  "routed experts are all quantized or none")
+        return "plain" if kept == {True} else quant.expert_format
     if quant.method == FP8:
         if not quant.not_converted:
             return quant.expert_format
