@@ -159,10 +159,11 @@ class ModelConfig:
         param_dtype: Parameter and activation dtype name ("bfloat16", "float32", ...).
         expert_format: How the routed experts are stored, on the host, over the link and in
             device memory (`strata_jax.formats`): "plain" (the parameter dtype), "fp8" (e4m3
-            with block scales) or "int4" (GPTQ's 4-bit values and group scales). The expert
-            math reads them (`Kernels.quantized_matmul`).
+            with block scales), "int4" (GPTQ's 4-bit values and group scales) or "mxfp4" (OCP
+            Microscaling FP4, gpt-oss's: e2m1 values, an e8m0 scale per 32 inputs; the input
+            widths multiples of 64). The expert math reads them (`Kernels.quantized_matmul`).
         expert_block: fp8's scale block side or int4's group along the input dim; 0 means the
-            checkpoints' 128.
+            checkpoints' 128 (mxfp4: 0 or 32, its one scale group).
         expert_zero_points: int4 only: each group and column has its own 4-bit zero-point z
             (asymmetric GPTQ, `sym: false`), w = (q - z) * scale, held as a plane of its own;
             False: the implicit zero 8 of symmetric GPTQ.
@@ -251,7 +252,7 @@ class ModelConfig:
                              f"{EXPERT_FORMATS}")
         if (isinstance(self.expert_block, bool) or not isinstance(self.expert_block, (int, np.integer))
                 or self.expert_block < 0):
-            raise ValueError(f"expert_block must be an int >= 0 (0: the format's 128), got "
+            raise ValueError(f"expert_block must be an int >= 0 (0: the format's own), got "
                              f"{self.expert_block!r}")
         for name, what in (("expert_zero_points", "zero-points (asymmetric GPTQ)"),
                            ("expert_act_order", "act-order group indices (GPTQ desc_act)")):
@@ -263,7 +264,7 @@ class ModelConfig:
                                  f"{what} are an int4 format's; set expert_format='int4' or "
                                  f"leave {name} off")
         if self.expert_format != "plain":
-            ExpertFormat.of(self)  # the widths must suit the format (int4's groups)
+            ExpertFormat.of(self)  # the widths must suit the format (int4's groups, mxfp4's packs)
         if self.n_experts % self.n_groups:
             raise ValueError(
                 f"n_experts={self.n_experts} is not a multiple of n_groups={self.n_groups}")

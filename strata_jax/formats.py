@@ -37,6 +37,12 @@ Formats (H = hidden_size, I = expert_intermediate; every matrix in the model's o
         m_scale[i // G, n] (z: 8 or m_zero). x @ w is then x[:, m_perm] @ (the stored rows):
         the expert math gathers each row's inputs by its expert's m_perm and reads the rest
         as plain int4 (GPTQ's groups hold G rows each; `act_order_perm`).
+    mxfp4  OCP Microscaling FP4 (gpt-oss's experts; `strata_jax.mxfp4`): per matrix m of shape
+        [K, N], K a multiple of 64: m uint8 [K/2, N], e2m1 codes in pack halves (byte row r of
+        pack p holds input p*64 + r in its low nibble and p*64 + 32 + r in its high one:
+        `int4_halves_np(codes, 64)`), then m_scale uint8 [K/32, N], one e8m0 exponent s per 32
+        inputs: w[k, n] = FP4_VALUES[code] * 2**(m_scale[k // 32, n] - 127). The checkpoints'
+        `_blocks` [N, K/32, 16] and `_scales` [N, K/32] convert with `mxfp4_from_blocks_np`.
 
 Plane order in a blob: each matrix's weight plane followed by its scale plane (and int4's
 zero-point and row-permutation planes), matrices in the order gate, up, down; then, with expert
@@ -48,10 +54,11 @@ never needs any).
 Quantizing (`quantize_np`) is round-to-nearest with the block/group scale from the amax (int4
 with zero-points: from the group's min and max, GPTQ's asymmetric grid; with act-order each
 matrix's rows grouped in descending order of their largest magnitude, a stand-in for GPTQ's
-order, which needs calibration data); it makes the layout of those checkpoints, not their
-values (GPTQ's calibrated rounding is not redone). Dequantizing:
-`dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device runs) compute each value as one float32 product and one cast to the output dtype, so the two
-agree bit for bit.
+order, which needs calibration data; mxfp4: the OCP MX rule, `mxfp4_quantize_np`); it makes
+the layout of those checkpoints, not their values (GPTQ's calibrated rounding is not redone).
+Dequantizing: `dequantize_np` (NumPy reference) and `dequantize` (JAX, what the device runs)
+compute each value as one float32 product and one cast to the output dtype, so the two agree
+bit for bit.
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from strata_jax.mxfp4 import (  # noqa: F401 - the conversions re-exported for the checkpoints
+    FP4_VALUES, MXFP4_GROUP, MXFP4_PACK, check_mxfp4_block, check_mxfp4_plane, check_mxfp4_width,
+    mxfp4_dequantize, mxfp4_dequantize_np, mxfp4_from_blocks_np, mxfp4_quantize_np,
+    mxfp4_to_blocks_np
+)
+from strata_jax.nibbles import int4_halves_np, int4_values_np
 
 if TYPE_CHECKING:
     from strata_jax.config import ModelConfig
@@ -103,7 +116,7 @@ def expert_weights_of(**fields) -> ExpertWeights | BiasedExpertWeights:
     return ExpertWeights(**fields)
 
 
-EXPERT_FORMATS = ("plain", "fp8", "int4")  # ModelConfig.expert_format
+EXPERT_FORMATS = ("plain", "fp8", "int4", "mxfp4")  # ModelConfig.expert_format
 MATRICES = ("gate", "up", "down")  # the expert matrices, in blob order
 BIASES = tuple(f"{m}_bias" for m in MATRICES)  # their bias planes (`ExpertFormat.bias`)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -111,10 +124,10 @@ FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size [128, 128]
 INT4_GROUP = 128  # GPTQ group_size
 INT4_ZERO = 8  # the implicit zero-point of symmetric GPTQ
 INT4_PER_WORD = 8  # 4-bit values per int32 word of GPTQ's qweight
-KINDS = EXPERT_FORMATS  # ("plain", "fp8", "int4")
+KINDS = EXPERT_FORMATS  # ("plain", "fp8", "int4", "mxfp4")
 # What a plain model's experts can be quantized to on load (`--quantize`): int4-zp is int4 with
 # zero-points (GPTQ's asymmetric grid), int4-act int4 with act-order group indices.
-QUANTIZE_CHOICES = ("fp8", "int4", "int4-zp", "int4-act")
+QUANTIZE_CHOICES = ("fp8", "int4", "int4-zp", "int4-act", "mxfp4")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "zero", "perm"],
@@ -124,11 +137,12 @@ class QuantizedMatrix:
     """One matrix of a layer's experts in a quantized format (`strata_jax.formats`).
 
     Attributes:
-        q: fp8: float8_e4m3fn [E, K, N]; int4: uint8 [E, K/2, N] (each group's values in
-            two nibble halves, `formats.int4_halves_np`).
-        scale: fp8: float32 [E, ceil(K/b), ceil(N/b)]; int4: float16 [E, K/b, N].
-        kind: "fp8" or "int4".
-        block: fp8's scale block side, int4's group (b).
+        q: fp8: float8_e4m3fn [E, K, N]; int4, mxfp4: uint8 [E, K/2, N] (each group's, or
+            pack's, values in two nibble halves, `formats.int4_halves_np`).
+        scale: fp8: float32 [E, ceil(K/b), ceil(N/b)]; int4: float16 [E, K/b, N]; mxfp4:
+            uint8 e8m0 exponents [E, K/32, N].
+        kind: "fp8", "int4" or "mxfp4".
+        block: fp8's scale block side, int4's group, mxfp4's scale group 32 (b).
         shape: (K, N), the matrix's [in, out] shape.
         dtype: the dtype the expert math reads (`dequantize` gives it).
         zero: int4 with zero-points: uint8 [E, K/b, N], each group and column's zero-point
@@ -165,14 +179,17 @@ def dequantize_matrix(kind: str, block: int, shape: tuple[int, int], q: jax.Arra
                       perm: jax.Array | None = None) -> jax.Array:
     """A quantized matrix's values in `dtype`: fp8 float(q) * scale[k // b, n // b]; int4
     (nibble - z) * scale[k // b, n], z the implicit 8 or `zero`[k // b, n], and with act-order
-    stored row k put at input row `perm`[k]; one float32 product and one cast each."""
+    stored row k put at input row `perm`[k]; mxfp4 `mxfp4.mxfp4_dequantize`; one float32
+    product and one cast each."""
     k, n = shape
+    if kind == "mxfp4":
+        return mxfp4_dequantize(q, scale, shape, dtype)
     s = scale.astype(jnp.float32)
     if kind == "fp8":
         s = jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :k, :n]
         return (q.astype(jnp.float32) * s).astype(dtype)
     if kind != "int4":
-        raise ValueError(f"quantized matrix kind {kind!r}: expected one of ('fp8', 'int4')")
+        raise ValueError(f"quantized matrix kind {kind!r}: expected one of {KINDS[1:]}")
     check_int4_plane(q, shape, block)
     lead = q.shape[:-2]
     # [..., group, half, row of the half, column]: one elementwise fusion (shift, mask, product,
@@ -279,13 +296,14 @@ class ExpertFormat:
 
     Attributes:
         name: "bfloat16" / "float32" / ... (plain, named after its dtype), "fp8", "int4",
-            "int4-zp" (with zero-points), "int4-act" (act-order) or "int4-zp-act".
-        kind: "plain", "fp8" or "int4".
+            "int4-zp" (with zero-points), "int4-act" (act-order), "int4-zp-act" or "mxfp4".
+        kind: "plain", "fp8", "int4" or "mxfp4".
         planes: The planes, in blob order.
         dtype: The dtype the expert math reads (what `dequantize` gives).
         hidden: H.
         intermediate: I.
-        block: fp8: the scale block's side (128); int4: the group (128); plain: 0.
+        block: fp8: the scale block's side (128); int4: the group (128); mxfp4: the scale
+            group (32, its only one); plain: 0.
     """
 
     name: str
@@ -300,7 +318,7 @@ class ExpertFormat:
 
     @classmethod
     def of(cls, config: "ModelConfig", kind: str | None = None) -> "ExpertFormat":
-        """The format `kind` ("plain": in the config's dtype; "fp8"; "int4"; default the
+        """The format `kind` ("plain": in the config's dtype; "fp8"; "int4"; "mxfp4"; default the
         config's `expert_format`) of the config's routed experts, with its `expert_block` and
         (int4) `expert_zero_points` and `expert_act_order`; with `expert_bias` each
         matrix's bias plane after them (`with_biases`)."""
@@ -325,7 +343,8 @@ class ExpertFormat:
              block: int | None = None, zero_points: bool = False,
              act_order: bool = False) -> "ExpertFormat":
         """The format `kind` for experts of width H = `hidden`, I = `intermediate`, read by the
-        expert math in `dtype`; `block`: fp8's scale block side or int4's group (default 128);
+        expert math in `dtype`; `block`: fp8's scale block side or int4's group (default 128;
+        mxfp4: 32 or None, its one group);
         `zero_points`: int4 with a zero-point plane per matrix; `act_order`: int4 with a
         group-index plane per matrix."""
         if zero_points and kind != "int4":
@@ -340,6 +359,9 @@ class ExpertFormat:
             return cls.plain(hidden, intermediate, dtype)
         if kind == "fp8":
             return cls.fp8(hidden, intermediate, dtype, block=block or FP8_BLOCK)
+        if kind == "mxfp4":
+            check_mxfp4_block(block)
+            return cls.mxfp4(hidden, intermediate, dtype)
         raise ValueError(f"expert format {kind!r} is not implemented; choose one of {KINDS}")
 
     @classmethod
@@ -388,6 +410,18 @@ class ExpertFormat:
         name = "int4" + ("-zp" if zero_points else "") + ("-act" if act_order else "")
         return cls(name, "int4", tuple(planes), np.dtype(dtype), int(hidden), int(intermediate),
                    int(group))
+
+    @classmethod
+    def mxfp4(cls, hidden: int, intermediate: int, dtype) -> "ExpertFormat":
+        """OCP MXFP4 (`strata_jax.mxfp4`): e2m1 codes in pack halves of 64 inputs and a uint8
+        e8m0 exponent per 32 inputs and column."""
+        planes = []
+        for m, (k, n) in _matrix_shapes(hidden, intermediate).items():
+            check_mxfp4_width(m, k)
+            planes += [Plane(m, np.uint8, (k // 2, n)),
+                       Plane(f"{m}_scale", np.uint8, (k // MXFP4_GROUP, n))]
+        return cls("mxfp4", "mxfp4", tuple(planes), np.dtype(dtype), int(hidden),
+                   int(intermediate), MXFP4_GROUP)
 
     # ---- layout --------------------------------------------------------------------------------
 
@@ -537,8 +571,8 @@ class ExpertFormat:
 
     def quantize_np(self, w: ExpertWeights) -> dict[str, np.ndarray]:
         """The planes ([E, *shape] each) of experts `w` (gate/up [E, H, I], down [E, I, H],
-        any float dtype): cast (plain) or round-to-nearest quantized (fp8, int4); a format
-        with biases casts `w`'s (a BiasedExpertWeights)."""
+        any float dtype): cast (plain) or round-to-nearest quantized (fp8, int4, mxfp4); a
+        format with biases casts `w`'s (a BiasedExpertWeights)."""
         out = {}
         for m in MATRICES:
             out.update(self.quantize_matrix_np(m, getattr(w, m)))
@@ -551,7 +585,7 @@ class ExpertFormat:
 
     def quantize_matrix_np(self, matrix: str, x) -> dict[str, np.ndarray]:
         """The planes of one matrix ("gate", "up", "down") of experts x [E, in, out]: {matrix}
-        (plain: cast) or {matrix, matrix_scale} (fp8, int4: round to nearest), and int4's
+        (plain: cast) or {matrix, matrix_scale} (fp8, int4, mxfp4: round to nearest), and int4's
         {matrix}_zero with zero-points and {matrix}_perm with act-order (`act_order_perm`)."""
         x = np.asarray(x)
         if x.ndim != 3 or x.shape[1:] != self.matrix_shape(matrix):
@@ -559,6 +593,9 @@ class ExpertFormat:
                              f"[E, {', '.join(map(str, self.matrix_shape(matrix)))}]")
         if self.kind == "plain":
             return {matrix: x.astype(self.dtype)}
+        if self.kind == "mxfp4":
+            q, scale = mxfp4_quantize_np(x)
+            return {matrix: q, f"{matrix}_scale": scale}
         out = {}
         if self.act_order:  # the rows in group order, then quantized as plain int4
             out[f"{matrix}_perm"] = perm = act_order_perm(x, self.block)
@@ -573,11 +610,13 @@ class ExpertFormat:
     def dequantize_np(self, planes: Mapping[str, np.ndarray], matrix: str,
                       dtype=None) -> np.ndarray:
         """NumPy reference: `matrix` ([E, in, out]) in `dtype` (default the format's) from
-        its planes: each value one float32 product (fp8, int4) cast to `dtype`."""
+        its planes: each value one float32 product (fp8, int4, mxfp4) cast to `dtype`."""
         dtype = np.dtype(dtype or self.dtype)
         q = np.asarray(planes[matrix])
         if self.kind == "plain":
             return q.astype(dtype)
+        if self.kind == "mxfp4":
+            return mxfp4_dequantize_np(q, planes[f"{matrix}_scale"], dtype)
         s = np.asarray(planes[f"{matrix}_scale"]).astype(np.float32)
         k, n = self.matrix_shape(matrix)
         if self.kind == "fp8":
@@ -704,31 +743,6 @@ def _fp8_quantize_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]
     full = np.repeat(np.repeat(scale, block, axis=1), block, axis=2)[:, :k, :n]
     y = np.clip(x.astype(np.float32) / full, -FP8_MAX, FP8_MAX)  # f32 rounding may pass 448
     return y.astype(ml_dtypes.float8_e4m3fn), scale
-
-
-def int4_halves_np(values: np.ndarray, group: int) -> np.ndarray:
-    """4-bit values [..., K, N] (0..15) -> the int4 plane's bytes uint8 [..., K/2, N]: byte
-    row r of group g holds row g*group + r in its low nibble, g*group + group/2 + r in its
-    high one."""
-    *lead, k, n = values.shape
-    if k % group or group % 2:
-        raise ValueError(f"int4 halves: {k} inputs are not whole groups of {group}")
-    v = np.asarray(values, dtype=np.uint8).reshape(*lead, k // group, 2, group // 2, n)
-    out = np.left_shift(v[..., 1, :, :], 4)
-    np.bitwise_or(out, v[..., 0, :, :], out=out)
-    return out.reshape(*lead, k // 2, n)
-
-
-def int4_values_np(q: np.ndarray, group: int) -> np.ndarray:
-    """The int4 plane's bytes uint8 [..., K/2, N] -> its 4-bit values uint8 [..., K, N]
-    (`int4_halves_np` undone)."""
-    q = np.asarray(q)
-    *lead, k2, n = q.shape
-    half = group // 2
-    if k2 % half:
-        raise ValueError(f"int4 plane of {k2} byte rows: not whole groups of {group}")
-    b = q.reshape(*lead, k2 // half, 1, half, n)
-    return np.concatenate([b & 15, b >> 4], axis=-3).reshape(*lead, 2 * k2, n)
 
 
 def gptq_halves_np(qweight: np.ndarray, group: int) -> np.ndarray:

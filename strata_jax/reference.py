@@ -294,7 +294,8 @@ def _dequantized(c: ModelConfig, params, prefix: str, matrix: str) -> np.ndarray
     q the 4-bit values, each group's first half of rows in the low nibbles of its byte rows
     and its second half in the high nibbles, z 8 (symmetric) or the zero-point plane's
     z[k // g, n]; with act-order the rows stored in group order, stored row k being input row
-    perm[k])."""
+    perm[k]; MXFP4 w = e2m1(code) * 2^(s[k // 32, n] - 127), the codes in halves of packs of
+    64 rows as int4's of groups of 64)."""
 
     fmt = expert_format(c)
     return dequantized64(fmt.kind, fmt.block, fmt.matrix_shape(matrix),
@@ -308,20 +309,26 @@ def dequantized64(kind: str, block: int, shape: tuple[int, int], q, scale,
     """Float64 [E, K, N] of one quantized matrix's planes q and scale (and int4's zero-points
     `zero`, [E, K/g, N]; None: 8; and act-order's row order `perm`, [E, K]: stored row k is
     input row perm[k]; None: itself) by the published formulas (`_dequantized`), `block` the
-    fp8 block side or the int4 group."""
+    fp8 block side, the int4 group or mxfp4's 32."""
     q = np.asarray(q)
     s = np.asarray(scale).astype(np.float64)
     k, n = shape
     if kind == "fp8":
         rows, cols = np.arange(k) // block, np.arange(n) // block
         return q.astype(np.float64) * s[:, rows][:, :, cols]
-    vals = np.empty((q.shape[0], k, n), np.float64)  # byte row r of group g: rows g*b + r
-    half = block // 2                                 # (low nibble) and g*b + b/2 + r (high)
-    for g in range(k // block):
+    pack = 2 * block if kind == "mxfp4" else block  # rows a byte tile's two halves hold
+    vals = np.empty((q.shape[0], k, n), np.float64)  # byte row r of tile g: rows g*p + r
+    half = pack // 2                                  # (low nibble) and g*p + p/2 + r (high)
+    for g in range(k // pack):
         rows = q[:, g * half:(g + 1) * half].astype(np.int64)
-        vals[:, g * block:g * block + half] = rows % 16
-        vals[:, g * block + half:(g + 1) * block] = rows // 16
+        vals[:, g * pack:g * pack + half] = rows % 16
+        vals[:, g * pack + half:(g + 1) * pack] = rows // 16
     groups = np.arange(k) // block
+    if kind == "mxfp4":  # e2m1: sign bit 3, value (1 + m/2) * 2^(e - 1), e = 0: m / 2
+        sign = np.where(vals >= 8, -1.0, 1.0)
+        e, m = (vals % 8) // 2, vals % 2
+        e2m1 = sign * np.where(e == 0, m / 2, (1 + m / 2) * 2.0 ** (e - 1))
+        return e2m1 * 2.0 ** (s[:, groups, :] - 127)
     z = 8.0 if zero is None else np.asarray(zero).astype(np.float64)[:, groups, :]
     w = (vals - z) * s[:, groups, :]
     if perm is None:

@@ -145,6 +145,23 @@ def test_stream_bench_resident_arm_alone(tmp_path):
 
 
 @pytest.mark.slow
+def test_stream_bench_tiny_mxfp4_widens_to_its_packs_and_streams_the_resident_bits(tmp_path):
+    # --tiny --quantize mxfp4: the tiny model 64 wide (mxfp4 reads inputs in packs of 64), the
+    # routed arm's reads the resident ones' bits.
+    out = tmp_path / "mxfp4.json"
+    assert stream_bench.main(["--tiny", "--layers", "2", "--lengths", "40", "--parts", "sweep",
+                              "--blocks", "1", "--quantize", "mxfp4", "--arms",
+                              "resident,routed", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["expert_format"], result["expert_block"]) == ("mxfp4", 32)
+    assert result["quantized_matmul"] == "dequantize"
+    rows = [r for r in result["rows"] if r["part"] == "sweep" and r["arm"] == "routed"]
+    assert rows and all(r["identical_to_resident"] for r in rows)
+    cfg = common.model_config("qwen3-30b-a3b", 2, 512, 40, tiny=True, quantize="mxfp4")
+    assert cfg.hidden_size % 64 == 0 and cfg.expert_intermediate == 64
+
+
+@pytest.mark.slow
 def test_stream_bench_sweep_stopped_midway_keeps_the_lengths_it_finished(tmp_path, capsys,
                                                                           monkeypatch):
     # A run stopped inside its second length (here an error in a streamed call; on the GPU

@@ -1,4 +1,4 @@
-"""Quantized experts (issue 21), the model side: a model whose routed experts are fp8 or int4
+"""Quantized experts (issue 21), the model side: a model whose routed experts are fp8, int4 or mxfp4
 planes (`ModelConfig.expert_format`) dequantizes them before the expert math, against the
 float64 reference of the published formulas; `QuantizedParams` quantizes plain weights as
 they are asked for; the CLI's --quantize; refusals. The stream's side (the same bits in every
@@ -32,6 +32,10 @@ FORMATS = {"fp8": PLAIN.replace(expert_format="fp8", expert_block=16),
            # and with act-order (GPTQ desc_act): rows stored in group order, a permutation plane
            "int4-zp-act": PLAIN.replace(expert_format="int4", expert_block=16,
                                         expert_zero_points=True, expert_act_order=True)}
+# mxfp4 reads its inputs in packs of 64: its model has experts 64 wide (PLAIN's are 32), and
+# plain weights of its own.
+PLAIN_64 = PLAIN.replace(expert_intermediate=64)
+WIDE = {"mxfp4": PLAIN_64.replace(expert_format="mxfp4")}
 
 
 def _tokens(n: int, seed: int = 5) -> np.ndarray:
@@ -43,16 +47,22 @@ def plain_params():
     return SyntheticParams(PLAIN, 3, 1.0)
 
 
+def _quantized(kind, plain_params):
+    """(config, QuantizedParams) of format `kind` (FORMATS, or WIDE over PLAIN_64's weights)."""
+    if kind in WIDE:
+        return WIDE[kind], QuantizedParams(SyntheticParams(PLAIN_64, 3, 1.0), WIDE[kind])
+    return FORMATS[kind], QuantizedParams(plain_params, FORMATS[kind])
+
+
 # int4-zp-act reads both side planes (zero-points and group indices): int4-zp alone in the
 # slow run.
 @pytest.mark.parametrize("kind", [pytest.param("fp8", marks=pytest.mark.slow), "int4",
                                   pytest.param("int4-zp", marks=pytest.mark.slow),
-                                  "int4-zp-act"])
+                                  "int4-zp-act", pytest.param("mxfp4", marks=pytest.mark.slow)])
 def test_quantized_model_matches_float64_reference(plain_params, kind):
     # The resident engine's logits at every position against the float64 forward of the
     # dequantized planes, within the parameter dtype's tolerance.
-    cfg = FORMATS[kind]
-    params = QuantizedParams(plain_params, cfg)
+    cfg, params = _quantized(kind, plain_params)
     toks = _tokens(24)
     with Engine(cfg, params, max_context=32, chunk_size=16) as eng:
         got = eng.prefill(toks)
@@ -80,11 +90,11 @@ def test_quantized_logits_report_accuracy_against_the_plain_model(plain_params):
     assert report["fp8"][2] >= 0.75 and min(report["int4"][2], report["int4-zp"][2]) >= 0.5
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp", "int4-zp-act"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "int4-zp", "int4-zp-act", "mxfp4"])
 def test_reference_dequantization_equals_the_formats(kind):
     # Two implementations of the dequantization: the reference's float64 formulas and the
     # format's float32 products (what the device runs) agree to float32 rounding.
-    cfg = FORMATS[kind]
+    cfg = {**FORMATS, **WIDE}[kind]
     fmt = ExpertFormat.of(cfg)
     rng = np.random.default_rng(0)
     w = {m: rng.standard_normal((3, *fmt.matrix_shape(m))).astype(np.float32) * 0.05
@@ -98,8 +108,9 @@ def test_reference_dequantization_equals_the_formats(kind):
         assert ref.dtype == np.float64 and np.isfinite(ref).all()
         np.testing.assert_allclose(fmt.dequantize_np(planes, m, np.float32), ref, rtol=2**-23,
                                    atol=0)
-        # and the quantization is near the original (the format's own resolution)
-        step = 2**-3 if kind == "fp8" else 1 / 7.5
+        # and the quantization is near the original (the format's own resolution; mxfp4's
+        # scale is at most amax / 4, a value within it or, past 6 scales, 2 of them)
+        step = {"fp8": 2**-3, "mxfp4": 1 / 2}.get(kind, 1 / 7.5)
         assert np.abs(ref - x).max() <= step * np.abs(x).max()
 
 
@@ -289,7 +300,10 @@ def test_the_chunk_plan_counts_a_dequantized_layer_only_on_the_dequantize_path(p
     # int4-zp-act streams the zero-point plane too: int4-zp alone in the slow run
     pytest.param("int4-zp", False, marks=pytest.mark.slow),
     pytest.param("int4-zp", True, marks=pytest.mark.slow),
-    ("int4-zp-act", False), pytest.param("int4-zp-act", True, marks=pytest.mark.slow)])
+    ("int4-zp-act", False), pytest.param("int4-zp-act", True, marks=pytest.mark.slow),
+    # mxfp4 (all-uint8 planes) streams as test_stream_formats checks in the default run
+    pytest.param("mxfp4", False, marks=pytest.mark.slow),
+    pytest.param("mxfp4", True, marks=pytest.mark.slow)])
 def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, every):
     # For a given format: resident, stream-all and routed (packed and frames rings, the last
     # layer in pieces) read the same logits and KV cache, in chunks and on a follow-up turn;
@@ -297,8 +311,7 @@ def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, e
     # (frames, pieces) in one chunk, without the follow-up.
     from strata_jax.stream import StreamConfig, StreamTuning
 
-    cfg = FORMATS[kind]
-    params = QuantizedParams(plain_params, cfg)
+    cfg, params = _quantized(kind, plain_params)
     toks, more = _tokens(40), _tokens(12, seed=6)
     arms = {"resident": None}
     for layout in ("packed", "frames"):

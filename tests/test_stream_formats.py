@@ -1,9 +1,9 @@
 """Quantized expert formats through the native engine (CPU backend, simulated link): issue 21.
 
-The engine reads an expert's layout as data (its plane table): fp8 and int4 blobs, six planes of
-unequal sizes and dtypes, stream like the plain one. Every plane fetch returns must be the host
-store's bytes (streamed, resident or routed-only; frames or packed ring; whole or in pieces),
-unrouted rows that were not copied zero, and the weights the model reads the format's
+The engine reads an expert's layout as data (its plane table): fp8, int4 and mxfp4 blobs, six
+planes of unequal sizes (and dtypes), stream like the plain one. Every plane fetch returns must be
+the host store's bytes (streamed, resident or routed-only; frames or packed ring; whole or in
+pieces), unrouted rows that were not copied zero, and the weights the model reads the format's
 dequantization of those planes, bit for bit.
 """
 
@@ -22,8 +22,11 @@ BASE = get_preset("qwen3-30b-a3b").scaled(n_layers=2, n_experts=8, top_k=2, hidd
                                           expert_intermediate=16, param_dtype="bfloat16")
 # fp8 with 16 x 16 blocks: 8-byte scale planes, so planes sit at offsets that are not multiples
 # of 16 (the CUDA split's byte path) and the planes are unequal (no single strided copy).
+# mxfp4 (uint8 codes and uint8 exponents: planes of 2,048 and 128 bytes) reads its inputs in
+# packs of 64: its model is 64 wide.
 CONFIGS = {"fp8": BASE.replace(expert_format="fp8", expert_block=16),
-           "int4": BASE.replace(expert_format="int4", expert_block=8)}
+           "int4": BASE.replace(expert_format="int4", expert_block=8),
+           "mxfp4": BASE.replace(hidden_size=64, expert_intermediate=64, expert_format="mxfp4")}
 E = BASE.n_experts
 # Router counts per MoE layer: experts 1, 3, 4 and 7 (layer 0) and 0, 2, 5 (layer 1) get no row.
 COUNTS = {0: np.array([3, 0, 2, 0, 0, 1, 4, 2], np.int32),
@@ -105,7 +108,7 @@ def _chunk(eng, fmt, mode: int, pieces: int = 1):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "mxfp4"])
 @pytest.mark.parametrize("routed", [False, True])
 def test_quantized_planes_stream_byte_for_byte(kind, routed, backend):
     config = CONFIGS[kind]
@@ -113,7 +116,9 @@ def test_quantized_planes_stream_byte_for_byte(kind, routed, backend):
     planes = _planes(config, seed=1)
     eng = _streamer(config, planes, routed, backend)
     try:
-        assert eng.blob_bytes == fmt.blob_bytes and eng.blob_elems is None
+        assert eng.blob_bytes == fmt.blob_bytes
+        # fp8 and int4 mix dtypes; mxfp4's planes are all uint8: a blob is an array of them
+        assert eng.blob_elems == (fmt.blob_bytes if kind == "mxfp4" else None)
         for l in config.moe_layers:
             # The host store holds the format's blobs, whichever form the layer came in, and
             # the residents are uint8 rows of it.
@@ -155,7 +160,7 @@ def test_quantized_planes_stream_byte_for_byte(kind, routed, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "mxfp4"])
 def test_model_reads_the_dequantized_planes(kind, backend):
     # What StreamedExperts hands the expert math: fmt.expert_weights of the fetched planes in the
     # parameter dtype, the NumPy reference's bits, whole and in pieces (the tail layer), packed

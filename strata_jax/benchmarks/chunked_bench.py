@@ -465,7 +465,8 @@ def main(argv=None) -> int:
         save()
     if "prefill" in parts or "follow-up" in parts:
         cfg = model_config(args.preset, args.layers, args.vocab,
-                           max(args.long, args.turn1 + args.turn2), tiny=args.tiny)
+                           max(args.long, args.turn1 + args.turn2), tiny=args.tiny,
+                           quantize=args.quantize)
         from strata_jax.synthetic import SyntheticParams
 
         # Nothing is drawn here: each engine draws the experts into its store or the device.

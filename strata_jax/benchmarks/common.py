@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from strata_jax.formats import quantized_config
+from strata_jax.formats import MXFP4_GROUP, quantized_config
 
 QUANTIZED_MATMUL = {"impl": "auto"}  # --quantized-matmul
 
@@ -67,22 +67,26 @@ def fast_params(config, seed: int, skew: float) -> dict:
 
 
 def quantized(cfg, params, kind: str | None, tile: int | None = None):
-    """(config, params) with the experts in format `kind` ("fp8", "int4"; None: as they are),
-    quantized as each engine takes them (`weights.QuantizedParams`, 128-wide blocks, or the
-    widest of 128, 64, ..., 8 dividing tiny widths)."""
+    """(config, params) with the experts in format `kind` (`formats.QUANTIZE_CHOICES`; None: as
+    they are), quantized as each engine takes them (`weights.QuantizedParams`, 128-wide blocks,
+    or the widest of 128, 64, ..., 8 dividing tiny widths; mxfp4's 32)."""
     if kind is None:
         return cfg, params
     from strata_jax.weights import QuantizedParams
 
     widths = (cfg.hidden_size, cfg.expert_intermediate)
     block = next((b for b in (128, 64, 32, 16, 8) if all(w % b == 0 for w in widths)), 128)
+    if kind == "mxfp4":
+        block = MXFP4_GROUP
     qcfg = quantized_config(cfg, kind, block)
     return qcfg, QuantizedParams(params, qcfg, tile=tile)
 
 
-def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bool = False):
+def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bool = False,
+                 quantize: str | None = None):
     """The preset cut to `layers` layers and a `vocab` vocabulary, full expert shapes (or tiny
-    widths with `tiny`, for a quick run of the script itself on a CPU)."""
+    widths with `tiny`, for a quick run of the script itself on a CPU; 64 wide for `quantize`
+    mxfp4, which reads its inputs in packs of 64)."""
     from strata_jax.models import get_preset
 
     base = get_preset(preset)
@@ -90,6 +94,9 @@ def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bo
         base = base.scaled(n_layers=layers, n_experts=min(base.n_experts, 32),
                            top_k=min(base.top_k, 4), vocab_size=min(vocab, 512),
                            max_seq_len=max(4096, max_tokens))
+        if quantize == "mxfp4":
+            base = base.replace(hidden_size=64 * -(-base.hidden_size // 64),
+                                expert_intermediate=64 * -(-base.expert_intermediate // 64))
     return base.replace(name=f"{base.name}-{layers}L", n_layers=layers,
                         n_dense_layers=min(base.n_dense_layers, layers - 1),
                         vocab_size=min(vocab, base.vocab_size) if tiny else vocab,

@@ -115,12 +115,17 @@ def _tiles(spec: str):
 def _random_planes(kind: str, e: int, k: int, n: int, seed: int):
     """A `QuantizedMatrix` [E, k, n] of random planes drawn on the device (a 512-expert layer
     quantized on the host would take minutes): fp8 e4m3 values and float32 block scales,
-    int4 random bytes and float16 group scales."""
-    from strata_jax.formats import QuantizedMatrix
+    int4 random bytes and float16 group scales, mxfp4 random bytes and e8m0 exponents 2**-9 ..
+    2**-6 per 32 inputs."""
+    from strata_jax.formats import MXFP4_GROUP, QuantizedMatrix
     key1, key2 = jax.random.split(jax.random.key(seed))
     if kind == "fp8":
         q = jax.random.normal(key1, (e, k, n), jnp.float32).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key2, (e, k // 128, n // 128), jnp.float32, 0.005, 0.02)
+    elif kind == "mxfp4":
+        q = jax.random.bits(key1, (e, k // 2, n), jnp.uint8)
+        s = jax.random.randint(key2, (e, k // MXFP4_GROUP, n), 118, 122).astype(jnp.uint8)
+        return QuantizedMatrix(q, s, kind, MXFP4_GROUP, (k, n), np.dtype(jnp.bfloat16))
     else:
         q = jax.random.bits(key1, (e, k // 2, n), jnp.uint8)
         s = jax.random.uniform(key2, (e, k // 128, n), jnp.float32, 0.002, 0.01
@@ -135,10 +140,11 @@ def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: 
 
     shapes: (experts, hidden, intermediate, top_k) each; candidates: {format: [spec, ...]}
     (`_tiles`; bf16 "jax" is the `ragged_dot_mgpu` kernel; fp8/int4 the kernels of
-    `kernels.mosaic`; "auto" what `grouped_matmul` picks; "A/B" tiling A for gate and up, B
-    for down). Two experts get no rows and NaN weights. Each row says whether its
-    output has the bits of the reference: the bf16 "jax" kernel over the weights (for fp8
-    and int4, over the dequantized weights). Stops starting rows after budget_s seconds;
+    `kernels.mosaic`; "auto" what `grouped_matmul` picks, mxfp4's only one: no Mosaic kernel
+    reads it, so it is dequantized first; "A/B" tiling A for gate and up, B for down). Two
+    experts get no rows and NaN weights. Each row says whether its output has the bits of the
+    reference: the bf16 "jax" kernel over the weights (for fp8, int4 and mxfp4, over the
+    dequantized weights). Stops starting rows after budget_s seconds;
     each row is also written to `out` (a file) as a JSON line."""
     from strata_jax.kernels.grouped import _mosaic_jit
     from strata_jax.kernels.mosaic import (
@@ -162,6 +168,9 @@ def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: 
         if "/" in spec:  # gate's and up's tiling / down's
             wide, tall = (kernel(fmt, part) for part in spec.split("/"))
             return lambda a, b, c: (wide if b.shape[-2] > b.shape[-1] else tall)(a, b, c)
+        if fmt not in ("bf16", "fp8", "int4"):
+            raise ValueError(f"{fmt} has no Mosaic kernel to tile ({spec!r}): its candidate "
+                             "is 'auto' (dequantized first)")
         t = _tiles(spec)
         fn = {"bf16": mosaic_bf16_grouped_matmul, "fp8": mosaic_grouped_matmul,
               "int4": mosaic_int4_grouped_matmul}[fmt]
@@ -179,7 +188,7 @@ def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: 
         wb = tuple((jax.random.normal(jax.random.key(10 + i), (e, a, b), jnp.float32) * 0.02
                     ).astype(jnp.bfloat16) for a, b, i in mats)
         quant = {kind: tuple(_random_planes(kind, e, a, b, 20 + i) for a, b, i in mats)
-                 for kind in ("fp8", "int4") if candidates.get(kind)}
+                 for kind in ("fp8", "int4", "mxfp4") if candidates.get(kind)}
         poison = jnp.arange(e) < 2  # experts 0 and 1: no rows, NaN weights
 
         def poisoned(w):
@@ -239,12 +248,14 @@ SWEEP_512 = {
     "fp8": ["128,128,128,3,8", "256,128,64,3,8,1,2", "64,128,128,3,8", "64,128,64,3,8,2",
             "128,128,64,3,8,1,2"],
     "int4": ["128,128,64,3,8,2", "64,128,64,3,8,2", "64,128,64,4,8"],
+    "mxfp4": ["auto"],  # dequantized first: no Mosaic kernel reads it yet
 }
 SWEEP_128 = {
     "bf16": ["jax", "128,128,64,4,8", "64,128,64,4,8", "128,128,64,4,8,1,2",
              "256,128,64,3,8,1,2"],
     "fp8": ["128,128,128,3,8", "256,128,64,3,8,1,2", "64,128,128,3,8"],
     "int4": ["128,128,64,3,8,2", "64,128,64,3,8,2"],
+    "mxfp4": ["auto"],
 }
 
 
@@ -261,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="512 experts of width 512 top-10 (H 2048), Qwen3-30B-A3B's 128 "
                             "of width 768 top-8, or both")
         q.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
-        q.add_argument("--formats", default="bf16,fp8,int4")
+        q.add_argument("--formats", default="bf16,fp8,int4",
+                       help="comma list of bf16|fp8|int4|mxfp4 (mxfp4: auto only)")
         q.add_argument("--warmup", type=int, default=2)
         q.add_argument("--repeats", type=int, default=5)
         q.add_argument("--batch", type=int, default=5)
@@ -275,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         chosen = {}
         for c in a.cand:
             fmt, spec = c.split("=", 1)
+            if fmt == "mxfp4" and spec != "auto":
+                q.error(f"--cand {c}: mxfp4 has no Mosaic kernel to tile; its one candidate "
+                        "is auto (dequantized first)")
             chosen.setdefault(fmt, []).append(spec)
         sets = {"512": [((512, 2048, 512, 10), chosen or SWEEP_512)],
                 "128": [((128, 2048, 768, 8), chosen or SWEEP_128)]}

@@ -10,7 +10,7 @@ tokens * top_k rows sorted by expert) in these ways per format:
                 the model reads the layer with, `model_mosaic_tiles`): fp8
                 `kernels.mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
                 (k steps of half a scale group; its conversion, `int4_conversion`, in the
-                row's "int_to_float").
+                row's "int_to_float"); mxfp4 has none yet (a row says so).
 It reports each time over bf16's and dequantize's, whether a kernel's output has exactly the
 dequantize path's bits, and its largest difference from them relative to the output's largest
 magnitude (both read the same quantized values).
@@ -58,9 +58,12 @@ def parse_mosaic(spec: str) -> MosaicTiles:
     return MosaicTiles(*(int(p) for p in parts))
 
 
-def model_mosaic_tiles(kind: str, tokens: int, config) -> MosaicTiles:
+def model_mosaic_tiles(kind: str, tokens: int, config) -> MosaicTiles | None:
     """The Mosaic tiling the model reads a `kind` layer of `tokens` tokens with (int4:
-    `int4_tiles_for`, fp8: `fp8_tiles_for` its rows and experts)."""
+    `int4_tiles_for`, fp8: `fp8_tiles_for` its rows and experts; None for mxfp4, which no
+    kernel reads)."""
+    if kind == "mxfp4":
+        return None
     if kind.startswith("int4"):
         return int4_tiles_for(tokens * config.top_k, config.n_experts)
     return fp8_tiles_for(tokens * config.top_k, config.n_experts)
@@ -76,7 +79,7 @@ def bench_one(tokens: int, config, kind: str, *, warmup: int, repeats: int,
     sizes = jnp.asarray(uniform_group_sizes(tokens, e, config.top_k))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, h), np.float32), jnp.bfloat16)
-    # block 0: the checkpoints' 128 (fp8's block side, int4's group)
+    # block 0: the checkpoints' 128 (fp8's block side, int4's group; mxfp4's 32)
     fmt = ExpertFormat.of(quantized_config(config.replace(param_dtype="bfloat16"), kind, 0))
     shapes = {"gate": (h, i), "up": (h, i), "down": (i, h)}
     w32 = ExpertWeights(*(rng.standard_normal((e, *shapes[mt]), np.float32) * 0.02
@@ -141,6 +144,10 @@ def bench_one(tokens: int, config, kind: str, *, warmup: int, repeats: int,
                             ms=t * 1e3, over_bf16=t / t_matrix[mt], **extra))
         return out
 
+    if fmt.kind == "mxfp4":  # dequantized first on every device (kernels.quantized)
+        rows.append(dict(kind=kind, tokens=tokens, path="mosaic",
+                         error="unsupported (no Mosaic kernel reads mxfp4 yet)"))
+        return rows
     for tiles in ([model_mosaic_tiles(kind, tokens, config)] if mosaic is None else mosaic):
         name = ",".join(str(int(v)) for v in dataclasses.astuple(tiles))
         if fmt.kind == "int4":

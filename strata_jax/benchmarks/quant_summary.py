@@ -1,7 +1,7 @@
 """Quantized experts against bf16: issue 21's targets from one stream_bench sweep per format.
 
 Reads the JSON of `stream_bench --parts sweep` run once with bf16 experts and once per
-quantized format (`--quantize fp8`, `int4`, `int4-zp` or `int4-act`), same preset, layers,
+quantized format (`--quantize fp8`, `int4`, `int4-zp`, `int4-act` or `mxfp4`), same preset, layers,
 lengths and arms, and gives per format and length (the ratios to bf16 only where the bf16 run
 has that length: a run cut short, or none at all, leaves them out):
 

@@ -639,7 +639,8 @@ def main(argv=None) -> int:
         ap.error(f"--accuracy-prompts {args.accuracy_prompts}: must be at least 1")
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths + [args.turn1 + args.turn2, args.long])
-    cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny)
+    cfg = model_config(args.preset, args.layers, args.vocab, longest, tiny=args.tiny,
+                       quantize=args.quantize)
     gpu = jax.devices()[0].platform == "gpu"
     if gpu:
         link = native.measure_h2d(256 * 2**20, 10)

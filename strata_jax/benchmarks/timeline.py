@@ -183,7 +183,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown arms {sorted(unknown)}")
     os.makedirs(args.out, exist_ok=True)
-    cfg = model_config(args.preset, args.layers, args.vocab, args.tokens, tiny=args.tiny)
+    cfg = model_config(args.preset, args.layers, args.vocab, args.tokens, tiny=args.tiny,
+                       quantize=args.quantize)
     cfg, params = quantized(cfg, fast_params(cfg, 0, 0.0), args.quantize)
     rng = np.random.default_rng(1)
     summary = {"tokens": args.tokens, "chunk": args.chunk or args.tokens,

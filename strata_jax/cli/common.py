@@ -20,7 +20,7 @@ from strata_jax.checkpoint import CheckpointError, config_from_hf, load_checkpoi
 from strata_jax.checkpoint.safetensors import shard_files
 from strata_jax.devices import HostMemoryError, gib, host_memory, size
 from strata_jax.engine import Engine, memory
-from strata_jax.formats import QUANTIZE_CHOICES, quantized_config
+from strata_jax.formats import MXFP4_GROUP, QUANTIZE_CHOICES, quantized_config
 from strata_jax.kernels import Kernels
 from strata_jax.models import PRESETS, expert_plane_names, get_preset
 from strata_jax.parallel import expert_mesh
@@ -235,6 +235,8 @@ class _Model:
             raise UsageError(f"--quantize {self.quantize}: the checkpoint's experts are already "
                              f"{config.expert_format} (drop --quantize)")
         block = self.quant_block
+        if block is None and self.quantize == "mxfp4":
+            block = MXFP4_GROUP  # its one scale group
         if block is None:
             widths = (config.hidden_size, config.expert_intermediate)
             block = next((b for b in (128, 64, 32, 16, 8) if all(w % b == 0 for w in widths)),

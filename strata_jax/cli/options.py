@@ -137,16 +137,18 @@ def _model_options(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="parameter dtype (default: the preset's or the checkpoint's)")
     g.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
                    help="store, stream and read the routed experts quantized: fp8 (e4m3, "
-                        "block scales), int4 (GPTQ's values, group scales, symmetric) or "
+                        "block scales), int4 (GPTQ's values, group scales, symmetric), "
                         "int4-zp (int4 with a zero-point per group, GPTQ's asymmetric grid), "
                         "int4-act (int4 with act-order: each matrix's rows grouped by "
-                        "magnitude and stored in group order, the inputs gathered into it), "
+                        "magnitude and stored in group order, the inputs gathered into it) or "
+                        "mxfp4 (OCP Microscaling FP4, gpt-oss's: e2m1 values, a power-of-two "
+                        "scale per 32 inputs; widths multiples of 64), "
                         "made from the preset's or the bf16 checkpoint's weights as they are "
                         "loaded")
     g.add_argument("--quant-block", type=_positive_int, default=None, metavar="N",
                    help="fp8's scale block side or int4's group (default: the largest of "
                         "128, 64, 32, 16, 8 that divides the hidden and expert widths; 128 "
-                        "for the presets)")
+                        "for the presets); mxfp4's is 32, its only one")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic weights and of the random prompts")
     g.add_argument("--skew", type=_float, default=_DEFAULT_SKEW, metavar="S",
@@ -298,10 +300,10 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
                    help="the experts' grouped matmul (auto: the Mosaic GPU kernel on Hopper, "
                         "row tiles on other GPUs, lax.ragged_dot on the CPU)")
     g.add_argument("--quantized-matmul", choices=QUANTIZED_MATMULS, default="auto",
-                   help="how fp8/int4 experts are read (--quantize or a quantized checkpoint): "
-                        "fused kernels that dequantize tiles as they multiply, or the layer "
-                        "dequantized first (auto: the Mosaic kernels for fp8 and int4 on "
-                        "Hopper, else dequantize)")
+                   help="how fp8/int4/mxfp4 experts are read (--quantize or a quantized "
+                        "checkpoint): fused kernels that dequantize tiles as they multiply, or "
+                        "the layer dequantized first (auto: the Mosaic kernels for fp8 and int4 "
+                        "on Hopper, else dequantize; mxfp4: always dequantize)")
     g.add_argument("--attention", choices=ATTENTION_PATHS, default="auto",
                    help="the attention path (auto: fused cuDNN for bf16/fp16 on a GPU, exact "
                         "XLA paths elsewhere)")

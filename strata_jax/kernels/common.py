@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from strata_jax.formats import check_int4_plane
+from strata_jax.formats import check_int4_plane, check_mxfp4_plane
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
 
@@ -62,7 +62,7 @@ def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
 def check_operands(name: str, x: jax.Array, w, group_sizes: jax.Array) -> tuple[int, int, int]:
     """(M, K, N) of a grouped matmul of x [M, K] by quantized matrix `w`'s [E, K, N]
     (`formats.QuantizedMatrix`) with group_sizes [E]; a ValueError naming `name` where the
-    shapes disagree or an int4 plane is not the format's."""
+    shapes disagree or an int4 or mxfp4 plane is not the format's."""
     m, k = x.shape
     e = w.q.shape[0]
     n = w.shape[1]
@@ -72,6 +72,8 @@ def check_operands(name: str, x: jax.Array, w, group_sizes: jax.Array) -> tuple[
         raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({e},)")
     if w.kind == "int4":
         check_int4_plane(w.q, w.shape, w.block)
+    elif w.kind == "mxfp4":
+        check_mxfp4_plane(w.q, w.shape)
     return m, k, n
 
 

@@ -22,9 +22,10 @@ Implementations, chosen by `Kernels.grouped_matmul` (auto|mosaic|lax|tiled, defa
 "auto" picks mosaic on Hopper (device kind H100/H200/H800/GH200 or compute capability 9.x), tiled
 on other GPUs and lax elsewhere.
 
-A quantized matrix (`formats.QuantizedMatrix`, fp8 or int4 planes) is read as
+A quantized matrix (`formats.QuantizedMatrix`, fp8, int4 or mxfp4 planes) is read as
 `Kernels.quantized_matmul` resolves it (`kernels.quantized.resolve_quantized`): by the Mosaic
-GPU kernels of `kernels.mosaic` on Hopper, or dequantized first and then multiplied as above.
+GPU kernels of `kernels.mosaic` on Hopper (fp8, int4), or dequantized first and then multiplied
+as above.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
 
     Args:
         x: [M, K] rows sorted by group: rows 0..group_sizes[0]-1 belong to group 0, and so on.
-        w: [G, K, N] one matrix per group, same dtype as `x`; or a `QuantizedMatrix` (fp8/int4
-            planes) whose dtype is x's.
+        w: [G, K, N] one matrix per group, same dtype as `x`; or a `QuantizedMatrix`
+            (fp8/int4/mxfp4 planes) whose dtype is x's.
         group_sizes: int32 [G]; sum(group_sizes) <= M. Rows past the sum (padding, which the
             model routes to no group) come back as zeros in every implementation; rows inside the
             groups are the same whether or not such rows exist.

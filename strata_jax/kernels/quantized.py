@@ -2,7 +2,8 @@
 
 `QuantizedMatrix` (`strata_jax.formats`) is one matrix of a layer's experts as its planes hold it
 (fp8: e4m3 values and 128 x 128 block scales; int4: 4-bit values in group halves and group
-scales, optionally zero-points and an act-order permutation). The expert math hands one for
+scales, optionally zero-points and an act-order permutation; mxfp4: e2m1 codes in pack halves
+and e8m0 exponents per 32 inputs). The expert math hands one for
 each of gate, up and down to `kernels.grouped.grouped_matmul`, which reads it one of two ways,
 chosen here from `Kernels.quantized_matmul` and the device (`resolve_quantized`):
 
@@ -10,7 +11,8 @@ chosen here from `Kernels.quantized_matmul` and the device (`resolve_quantized`)
                 dequantized in registers between its load and the tensor-core product, so the
                 layer is never written out in bf16. They give dequantize's bits.
     dequantize  the whole matrix to the parameter dtype first (`QuantizedMatrix.dequantize`),
-                then the bf16 grouped matmul.
+                then the bf16 grouped matmul. The only path of mxfp4 for now: the Mosaic
+                kernels read fp8 and int4 (`mosaic_supports`, `mosaic_int4_supports`).
 
 An act-order matrix (`perm`) is read as its stored rows with each row's inputs gathered into
 stored order first (`in_stored_order`), by either path.
@@ -62,7 +64,7 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
                       device: jax.Device | None = None) -> str:
     """The path that reads `w` for `impl` (`Kernels.quantized_matmul`; None: auto): "mosaic"
     (`kernels.mosaic`, fp8 and int4 on a Hopper GPU) or "dequantize" (the matrix to its dtype
-    first, then the plain grouped matmul).
+    first, then the plain grouped matmul; mxfp4 always, as any matrix no kernel reads).
 
     fused: mosaic where it reads the matrix, else dequantize. auto: the same, but int4 with
     zero-points dequantizes (the kernel reading them is slower than dequantizing first:

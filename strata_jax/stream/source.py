@@ -31,7 +31,7 @@ class StreamedExperts:
 
     The stream moves the experts in the config's expert format (`fmt`, default
     `ExpertFormat.of(config)`): fetch gives the layer's planes, and the model gets them as
-    `fmt.expert_matrices` of them (for fp8 and int4 one QuantizedMatrix a matrix, which the
+    `fmt.expert_matrices` of them (for fp8, int4, mxfp4 one QuantizedMatrix a matrix, which the
     grouped matmul reads; for a plain format the fetched arrays themselves, no op added).
 
     `tail_pieces` > 1 (a streamed chunk; StreamTuning.tail_pieces): the layer `tail_layer`
