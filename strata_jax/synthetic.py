@@ -78,6 +78,10 @@ def _from_normals(config: ModelConfig, leaf: str, z: np.ndarray) -> np.ndarray:
         return 0.2 * z
     if leaf == "sinks":  # attention sink logits [N]: N(0, 4), a sizable share of some rows
         return 2.0 * z
+    if leaf == "router_bias":  # [E], of the routing logits' order: it changes choices
+        return 0.5 * z
+    if leaf in ("gate_bias", "up_bias", "down_bias"):  # expert biases [E, I] / [E, H]
+        return 0.2 * z
     value = z / np.sqrt(z.shape[-2])  # fan-in
     if leaf in ("o_proj", "down"):
         value *= _residual_scale(config)

@@ -148,7 +148,7 @@ def test_bf16_checkpoint_loads_fused_experts_as_stored(tmp_path, f32_params):
     assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 128)
     _write(tmp_path, BF16, tensors)
     ckpt = load_checkpoint(str(tmp_path), progress=False)
-    assert ckpt.config == BF16.replace(name="gpt_oss")
+    assert ckpt.config == BF16.replace(name="gpt_oss", max_seq_len=131_072)  # yarn x32
     assert set(ckpt.params) | set(ckpt.experts) == set(param_shapes(BF16))
     for name in (*ckpt.params, *ckpt.experts):
         got = ckpt.params[name] if name in ckpt.params else ckpt.experts[name]
@@ -178,7 +178,7 @@ def _mxfp4_checkpoint(path, params):
 def test_mxfp4_checkpoint_keeps_its_experts_mxfp4(tmp_path, f32_params):
     q, fmt, planes = _mxfp4_checkpoint(tmp_path, f32_params)
     ckpt = load_checkpoint(str(tmp_path), progress=False)
-    assert ckpt.config == q.replace(name="gpt_oss", expert_block=32)
+    assert ckpt.config == q.replace(name="gpt_oss", expert_block=32, max_seq_len=131_072)
     for l in q.moe_layers:
         for p, want in planes[l].items():
             np.testing.assert_array_equal(ckpt.experts[f"layers.{l}.mlp.{p}"], want)
