@@ -19,7 +19,7 @@ def test_every_family_is_registered_by_its_architecture():
     assert set(FAMILIES) == {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                              "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
                              "Qwen3_5MoeForConditionalGeneration", "DeepseekV3ForCausalLM",
-                             "Glm4MoeForCausalLM"}
+                             "Glm4MoeForCausalLM", "GptOssForCausalLM"}
     for arch, family in FAMILIES.items():
         assert family.architecture == arch
         assert family_of({"architectures": [arch]}) is family

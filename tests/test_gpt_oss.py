@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -232,3 +234,25 @@ def test_engine_arms_are_byte_identical_with_mxfp4_experts_across_turns(tmp_path
     # Layer-major runs the same math in another order (the tolerance table bounds it).
     for turn in (0, 2):
         assert_close(seen["layer-major"][turn], seen["resident"][turn], np.float32)
+
+
+class _PoisonUnrouted:
+    """Every plane of an unrouted expert NaN, its biases too: a worst-case streamed buffer."""
+
+    def expert_weights(self, layer, counts, resident):
+        keep = counts > 0
+        return resident._replace(**{
+            name: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.nan)
+            for name, a in resident._asdict().items()})
+
+
+def test_unrouted_experts_biases_are_never_read(f32_params):
+    """A 5-token chunk routes to few of the 8 experts: NaN in every other expert's weights
+    and biases changes no output bit (the bias rows are taken by each row's own expert)."""
+    model = build_model(F32, f32_params)
+    toks = _tokens(3)
+    resident = forward(model, toks, init_cache(F32, 8))
+    assert (np.asarray(resident[2]) == 0).any()  # some expert is unrouted
+    poisoned = forward(model, toks, init_cache(F32, 8), expert_source=_PoisonUnrouted())
+    for a, b in zip(jax.tree.leaves(resident), jax.tree.leaves(poisoned)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
