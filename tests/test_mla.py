@@ -309,3 +309,5 @@ def test_bad_mla_configs_name_the_field():
         F32.replace(q_lora_rank=-1)
     with pytest.raises(ValueError, match="sliding window"):
         F32.replace(sliding_window=8)
+    with pytest.raises(ValueError, match="attention_sinks"):
+        F32.replace(attention_sinks=True)

@@ -71,10 +71,12 @@ class MLAConfig(ModelConfig):
         if not isinstance(self.rope_interleave, (bool, np.bool_)):
             raise ValueError(f"rope_interleave must be a bool, got {self.rope_interleave!r}")
         if (self.sliding_window is not None or self.layer_types is not None
-                or self.qk_norm != "none" or self.attention_bias or self.rotary_dim):
+                or self.qk_norm != "none" or self.attention_bias or self.rotary_dim
+                or self.attention_sinks):
             raise ValueError("latent attention has no sliding window, q/k norm, attention "
-                             "bias or rotary_dim (sliding_window, layer_types, qk_norm, "
-                             "attention_bias, rotary_dim: its rotary part is qk_rope_dim)")
+                             "bias, sinks or rotary_dim (sliding_window, layer_types, qk_norm, "
+                             "attention_bias, attention_sinks, rotary_dim: its rotary part is "
+                             "qk_rope_dim)")
 
     @property
     def rotated_dims(self) -> int:
