@@ -26,9 +26,8 @@ from strata_jax.models.hf_config import (COMMON_FIELDS, HONOURED, NO_EFFECT, Fam
 TENSORS = TensorNames("mlp", "router", ("gate_up_proj", "gate_up_proj", "down_proj"),
                       fused=True)
 
-# transformers' GptOssConfig defaults where config.json leaves them out.
-_ROPE_DEFAULT = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                 "truncate": False, "original_max_position_embeddings": 4096}
+# transformers' GptOssConfig default where config.json gives no RoPE scaling.
+_YARN_DEFAULT = RopeScaling("yarn", 32.0, 4096, beta_fast=32.0, beta_slow=1.0, truncate=False)
 
 FIELDS = {
     **{k: v for k, v in COMMON_FIELDS.items() if k != "num_experts"},
@@ -64,10 +63,11 @@ def _layer_types(f: HFFields, n_layers: int) -> tuple[str, ...]:
 def config_from_hf(f: HFFields, quant: Quant | None, param_dtype: str | None) -> ModelConfig:
     """A gpt-oss config.json (checked by `f`) as a `ModelConfig`; defaults are transformers'."""
     max_position = int(f.get("max_position_embeddings", 131_072))
-    if f.get("rope_scaling") is None and not any(
-            k != "rope_theta" for k in (f.get("rope_parameters") or {})):
-        f.hf = {**f.hf, "rope_parameters": {**(f.get("rope_parameters") or {}), **_ROPE_DEFAULT}}
     rope = read_rope(f, max_position, 150_000.0)
+    if f.get("rope_scaling") is None and not set(f.get("rope_parameters") or {}) - {
+            "rope_theta"}:  # no scaling given: transformers' gpt-oss YaRN
+        y = _YARN_DEFAULT
+        rope = (rope[0], y, max(max_position, int(y.factor * y.original_max_position_embeddings)))
     n_layers = f.need("num_hidden_layers")
     top_k = f.one_of("num_experts_per_tok", "experts_per_token")
     alpha, limit = f.get("swiglu_alpha", 1.702), f.get("swiglu_limit", 7.0)
