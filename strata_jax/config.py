@@ -430,7 +430,13 @@ class ModelConfig:
     # ---- variants -------------------------------------------------------------------------------
 
     def replace(self, **changes) -> "ModelConfig":
-        """Returns a copy with `changes` applied (validated again)."""
+        """Returns a copy with `changes` applied (validated again); a new `n_layers` without
+        `layer_types` repeats the layer kinds from the first layer (the first n of the
+        published pattern)."""
+        if ("n_layers" in changes and "layer_types" not in changes
+                and self.layer_types is not None):
+            changes["layer_types"] = tuple(self.layer_types[i % self.n_layers]
+                                           for i in range(changes["n_layers"]))
         return dataclasses.replace(self, **changes)
 
     def scaled(

@@ -62,6 +62,9 @@ def test_presets_have_the_published_shapes():
         assert c.attention_biases == ("q", "k", "v", "o") and c.sliding_window == 128
         assert [c.window_of(i) for i in range(4)] == [128, None, 128, None]
         assert c.rope_scaling.rope_type == "yarn" and not c.rope_scaling.truncate
+    # Fewer layers (--layers, the benchmarks' slices) keep the published alternation.
+    assert small.replace(n_layers=3).layer_types == (
+        "sliding_attention", "full_attention", "sliding_attention")
     # MXFP4 is the release's expert format: 4.25 bits a weight, the biases beside them.
     fmt = ExpertFormat.of(quantized_config(big, "mxfp4", 0))
     h, i = 2880, 2880

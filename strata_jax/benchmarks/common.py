@@ -97,9 +97,7 @@ def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bo
         if quantize == "mxfp4":
             base = base.replace(hidden_size=64 * -(-base.hidden_size // 64),
                                 expert_intermediate=64 * -(-base.expert_intermediate // 64))
-    per_layer = {f: getattr(base, f)[:layers] for f in ("layer_types", "mixers")
-                 if getattr(base, f, None) is not None}  # the first layers' kinds
-    return base.replace(name=f"{base.name}-{layers}L", n_layers=layers, **per_layer,
+    return base.replace(name=f"{base.name}-{layers}L", n_layers=layers,
                         n_dense_layers=min(base.n_dense_layers, layers - 1),
                         vocab_size=min(vocab, base.vocab_size) if tiny else vocab,
                         max_seq_len=max(base.max_seq_len, max_tokens))
