@@ -426,6 +426,7 @@ def test_quant_matmul_bench_times_the_models_tiling_without_mosaic_flags():
     assert model_mosaic_tiles("int4-zp", 1024, cfg) == MOSAIC_INT4_TILES
     assert model_mosaic_tiles("fp8", 1024, cfg) == MOSAIC_TILES
     assert model_mosaic_tiles("fp8", 8192, cfg) == MOSAIC_WIDE_TILES
+    assert model_mosaic_tiles("mxfp4", 1024, cfg) is None  # each matrix's mxfp4_tiles_for
 
 
 @pytest.mark.slow
@@ -461,6 +462,18 @@ def test_quant_matmul_bench_rows_on_a_small_layer():
         ("int4-zp", "bf16"), ("int4-zp", "dequantize"), ("int4-zp", "mosaic")]
     assert "error" not in rows[2] and rows[2]["finite"], rows[2]
     assert rows[2]["max_diff_over_max"] < 0.02, rows[2]
+    # mxfp4: the kernel at each matrix's tiling (the model's: one name, both widths whole
+    # 128-column tiles) and at a given one; a whole pack of 128 a step is unsupported
+    rows = bench_one(64, cfg, "mxfp4", warmup=0, repeats=1)
+    assert [(r["kind"], r["path"], r.get("tiles")) for r in rows] == [
+        ("mxfp4", "bf16", None), ("mxfp4", "dequantize", None),
+        ("mxfp4", "mosaic", "128,128,64,3,8,2,1")]
+    assert "error" not in rows[2] and rows[2]["finite"], rows[2]
+    assert rows[2]["max_diff_over_max"] < 0.02, rows[2]
+    rows = bench_one(64, cfg, "mxfp4", warmup=0, repeats=1,
+                     mosaic=[parse_mosaic("64,128,64,2,1"), parse_mosaic("64,128,128,2,1")])
+    assert "error" not in rows[2] and rows[2]["finite"], rows[2]
+    assert "unsupported" in rows[3]["error"]
     for bad in ("128,128,64", "128,128,64,3,8,1,2,0"):
         with pytest.raises(ValueError, match="bm,bn,bk,stages,grid_block_n"):
             parse_mosaic(bad)

@@ -10,7 +10,8 @@ The bar on the H200 is grouped >= 50% of dense.
     python -m strata_jax.benchmarks.grouped_matmul_bench --json out.json
 
 `grouped_matmul_bench sweep` times one layer's expert math per format at candidate tilings (512
-experts of width 512, top-10, and Qwen3-30B-A3B's shape; `sweep`, gpu_moe512.sh).
+experts of width 512, top-10, and Qwen3-30B-A3B's shape; `sweep`, gpu_moe512.sh; `--set gptoss`:
+gpt-oss-120b's 128 experts of 2880 x 2880, top-4, bf16 and mxfp4).
 """
 
 from __future__ import annotations
@@ -140,15 +141,20 @@ def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: 
 
     shapes: (experts, hidden, intermediate, top_k) each; candidates: {format: [spec, ...]}
     (`_tiles`; bf16 "jax" is the `ragged_dot_mgpu` kernel; fp8/int4 the kernels of
-    `kernels.mosaic`; "auto" what `grouped_matmul` picks, mxfp4's only one: no Mosaic kernel
-    reads it, so it is dequantized first; "A/B" tiling A for gate and up, B for down). Two
-    experts get no rows and NaN weights. Each row says whether its output has the bits of the
-    reference: the bf16 "jax" kernel over the weights (for fp8, int4 and mxfp4, over the
-    dequantized weights). Stops starting rows after budget_s seconds;
+    `kernels.mosaic`, mxfp4 `kernels.mosaic_mxfp4`'s; "auto" what `grouped_matmul` picks
+    (mxfp4: dequantized first), "fused" what it reads with quantized_matmul="fused"; "A/B"
+    tiling A for gate and up, B for down). Two experts get no rows and NaN weights. Each row
+    says whether its output has the bits of the reference: the bf16 "jax" kernel over the
+    weights (for fp8, int4 and mxfp4, over the dequantized weights), or where its 128-column
+    tiles do not cover the widths (gpt-oss's 2880) this package's bf16 kernel at the mxfp4
+    kernel's 64-column tiling. Stops starting rows after budget_s seconds;
     each row is also written to `out` (a file) as a JSON line."""
     from strata_jax.kernels.grouped import _mosaic_jit
     from strata_jax.kernels.mosaic import (
         mosaic_bf16_grouped_matmul, mosaic_grouped_matmul, mosaic_int4_grouped_matmul
+    )
+    from strata_jax.kernels.mosaic_mxfp4 import (
+        MOSAIC_MXFP4_NARROW_TILES, mosaic_mxfp4_grouped_matmul
     )
     t_start = time.perf_counter()
     rows = []
@@ -165,15 +171,14 @@ def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: 
             return lambda a, b, c: _mosaic_jit(a, b, c)
         if spec == "auto":  # what the library picks
             return grouped_matmul
+        if spec == "fused":  # what the library reads a quantized matrix with, asked to fuse
+            return lambda a, b, c: grouped_matmul(a, b, c, quantized="fused")
         if "/" in spec:  # gate's and up's tiling / down's
             wide, tall = (kernel(fmt, part) for part in spec.split("/"))
             return lambda a, b, c: (wide if b.shape[-2] > b.shape[-1] else tall)(a, b, c)
-        if fmt not in ("bf16", "fp8", "int4"):
-            raise ValueError(f"{fmt} has no Mosaic kernel to tile ({spec!r}): its candidate "
-                             "is 'auto' (dequantized first)")
         t = _tiles(spec)
         fn = {"bf16": mosaic_bf16_grouped_matmul, "fp8": mosaic_grouped_matmul,
-              "int4": mosaic_int4_grouped_matmul}[fmt]
+              "int4": mosaic_int4_grouped_matmul, "mxfp4": mosaic_mxfp4_grouped_matmul}[fmt]
         return lambda a, b, c: fn(a, b, c, tiles=t)
 
     def emit(r):
@@ -197,7 +202,11 @@ def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: 
         weights = {"bf16": tuple(poisoned(w) for w in wb)}
         for kind, ws in quant.items():
             weights[kind] = tuple(dataclasses.replace(w, scale=poisoned(w.scale)) for w in ws)
-        reference = swiglu(lambda a, b, c: _mosaic_jit(a, b, c))
+        if hid % 128 == 0 and inter % 128 == 0:
+            reference = swiglu(lambda a, b, c: _mosaic_jit(a, b, c))
+        else:  # jax's kernel tiles 128 columns: this package's at the mxfp4 kernel's 64
+            reference = swiglu(lambda a, b, c: mosaic_bf16_grouped_matmul(
+                a, b, c, tiles=MOSAIC_MXFP4_NARROW_TILES))
         for tokens in tokens_list:
             m = tokens * top_k
             sizes = np.zeros(e, np.int32)
@@ -248,14 +257,21 @@ SWEEP_512 = {
     "fp8": ["128,128,128,3,8", "256,128,64,3,8,1,2", "64,128,128,3,8", "64,128,64,3,8,2",
             "128,128,64,3,8,1,2"],
     "int4": ["128,128,64,3,8,2", "64,128,64,3,8,2", "64,128,64,4,8"],
-    "mxfp4": ["auto"],  # dequantized first: no Mosaic kernel reads it yet
+    "mxfp4": ["auto", "fused", "64,128,64,3,8,2", "128,64,64,3,16,2"],
 }
 SWEEP_128 = {
     "bf16": ["jax", "128,128,64,4,8", "64,128,64,4,8", "128,128,64,4,8,1,2",
              "256,128,64,3,8,1,2"],
     "fp8": ["128,128,128,3,8", "256,128,64,3,8,1,2", "64,128,128,3,8"],
     "int4": ["128,128,64,3,8,2", "64,128,64,3,8,2"],
-    "mxfp4": ["auto"],
+    "mxfp4": ["auto", "fused", "128,64,64,3,16,2", "128,128,64,4,8,1"],
+}
+# gpt-oss-120b's experts (2880 = 45 x 64 wide both ways): bf16 as grouped_matmul reads it (row
+# tiles: jax's kernel tiles 128 columns) and at 64-column tiles of this package's kernel; mxfp4
+# dequantized first, fused, and at other tilings.
+SWEEP_GPTOSS = {
+    "bf16": ["auto", "128,64,64,4,16", "128,64,64,3,16,2"],
+    "mxfp4": ["auto", "fused", "128,64,64,4,16,1", "64,64,64,3,16,2", "256,64,64,3,16,1"],
 }
 
 
@@ -268,12 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "sweep":  # the tiling sweep (gpu_moe512.sh): sweep --help
         q = argparse.ArgumentParser(prog="grouped_matmul_bench sweep",
                                     description=sweep.__doc__.split("\n\n")[0])
-        q.add_argument("--set", choices=("512", "128", "both"), default="both",
+        q.add_argument("--set", choices=("512", "128", "both", "gptoss"), default="both",
                        help="512 experts of width 512 top-10 (H 2048), Qwen3-30B-A3B's 128 "
-                            "of width 768 top-8, or both")
+                            "of width 768 top-8, both, or gpt-oss-120b's 128 of 2880 x 2880 "
+                            "top-4 (--formats bf16,mxfp4 --tokens 1024 4096 8192)")
         q.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
         q.add_argument("--formats", default="bf16,fp8,int4",
-                       help="comma list of bf16|fp8|int4|mxfp4 (mxfp4: auto only)")
+                       help="comma list of bf16|fp8|int4|mxfp4")
         q.add_argument("--warmup", type=int, default=2)
         q.add_argument("--repeats", type=int, default=5)
         q.add_argument("--batch", type=int, default=5)
@@ -281,18 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--out", default=None, help="append each row here as a JSON line")
         q.add_argument("--cand", action="append", default=[], metavar="FORMAT=SPEC",
                        help="time these instead of the set's candidates (repeatable; SPEC: "
-                            "jax | auto | bm,bn,bk,stages,grid_block_n[,per_sm[,wgs]] | A/B)")
+                            "jax | auto | fused | bm,bn,bk,stages,grid_block_n[,per_sm[,wgs]] | "
+                            "A/B)")
         a = q.parse_args(argv[1:])
         fmts = a.formats.split(",")
         chosen = {}
         for c in a.cand:
             fmt, spec = c.split("=", 1)
-            if fmt == "mxfp4" and spec != "auto":
-                q.error(f"--cand {c}: mxfp4 has no Mosaic kernel to tile; its one candidate "
-                        "is auto (dequantized first)")
             chosen.setdefault(fmt, []).append(spec)
         sets = {"512": [((512, 2048, 512, 10), chosen or SWEEP_512)],
-                "128": [((128, 2048, 768, 8), chosen or SWEEP_128)]}
+                "128": [((128, 2048, 768, 8), chosen or SWEEP_128)],
+                "gptoss": [((128, 2880, 2880, 4), chosen or SWEEP_GPTOSS)]}
         todo = sets["512"] + sets["128"] if a.set == "both" else sets[a.set]
         print(f"jax {jax.__version__} {jax.devices()}", flush=True)
         t0 = time.perf_counter()

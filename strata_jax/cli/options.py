@@ -303,7 +303,8 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
                    help="how fp8/int4/mxfp4 experts are read (--quantize or a quantized "
                         "checkpoint): fused kernels that dequantize tiles as they multiply, or "
                         "the layer dequantized first (auto: the Mosaic kernels for fp8 and int4 "
-                        "on Hopper, else dequantize; mxfp4: always dequantize)")
+                        "on Hopper, else dequantize; mxfp4: fused reads it with its kernel on "
+                        "Hopper, auto dequantizes it)")
     g.add_argument("--attention", choices=ATTENTION_PATHS, default="auto",
                    help="the attention path (auto: fused cuDNN for bf16/fp16 on a GPU, exact "
                         "XLA paths elsewhere)")

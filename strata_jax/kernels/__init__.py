@@ -8,13 +8,13 @@ another (jit keys on it). Nothing is read from the environment.
                     GPU kernel on Hopper, row tiles on other GPUs, lax.ragged_dot on the CPU)
     quantized_matmul  "auto" | "fused" | "dequantize"  (`kernels.quantized.resolve_quantized`:
                     how a grouped matmul reads fp8/int4/mxfp4 expert planes). fused: the Mosaic GPU
-                    kernel that dequantizes each tile as it multiplies (`kernels.mosaic`) where
-                    it reads the matrix (a Hopper GPU; fp8 in 128 x 128 blocks, int4 in
-                    groups of 128, zero-points and act-order included), else dequantize;
-                    dequantize: the whole matrix to its dtype first, then grouped_matmul; auto: as
-                    fused (the kernel gives dequantize's bits), but int4 with zero-points is
-                    dequantized first (faster there than the kernel). mxfp4 is dequantized
-                    first by every choice on every device (no kernel reads it yet).
+                    kernel that dequantizes each tile as it multiplies (`kernels.mosaic`,
+                    `kernels.mosaic_mxfp4`) where it reads the matrix (a Hopper GPU; fp8 in
+                    128 x 128 blocks, int4 in groups of 128, zero-points and act-order
+                    included, mxfp4 with columns a multiple of 64), else dequantize; dequantize:
+                    the whole matrix to its dtype first, then grouped_matmul; auto: as fused
+                    (the kernels give dequantize's bits), but int4 with zero-points and mxfp4
+                    are dequantized first (int4-zp: faster there than the kernel).
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`layers.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)

@@ -2,8 +2,8 @@
 checks, and the zeroing of rows past the groups.
 
 The kernels package imports in one direction: `common` (and `strata_jax.formats`) below
-`mosaic`, `mosaic` below `quantized`, and `grouped` over all of them; nothing in it imports
-anything else of strata_jax.
+`mosaic`, `mosaic` below `mosaic_mxfp4`, both below `quantized`, and `grouped` over all of them
+(pyproject.toml's import-linter contracts); nothing in it imports anything else of strata_jax.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ on other GPUs and lax elsewhere.
 
 A quantized matrix (`formats.QuantizedMatrix`, fp8, int4 or mxfp4 planes) is read as
 `Kernels.quantized_matmul` resolves it (`kernels.quantized.resolve_quantized`): by the Mosaic
-GPU kernels of `kernels.mosaic` on Hopper (fp8, int4), or dequantized first and then multiplied
-as above.
+GPU kernels of `kernels.mosaic` (fp8, int4) and `kernels.mosaic_mxfp4` (mxfp4) on Hopper, or
+dequantized first and then multiplied as above.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from strata_jax.kernels.common import is_hopper, zero_rows_past_groups
 from strata_jax.kernels.mosaic import (
     bf16_tiles_for, fp8_tiles_for, int4_tiles_for, mosaic_bf16, mosaic_fp8, mosaic_int4
 )
+from strata_jax.kernels.mosaic_mxfp4 import mosaic_mxfp4, mxfp4_tiles_for
 from strata_jax.kernels.quantized import in_stored_order, resolve_quantized
 
 __all__ = ["grouped_matmul", "resolve_implementation", "is_hopper", "row_pieces",
@@ -107,6 +108,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
         x, w = in_stored_order(x, w, group_sizes)  # act-order: x's columns in stored order
         path = resolve_quantized(quantized, w)
         if path == "mosaic":
+            if w.kind == "mxfp4":
+                return mosaic_mxfp4(x, w, group_sizes.astype(jnp.int32),
+                                    tiles=mxfp4_tiles_for(w.shape[1]))
             if w.kind == "int4":
                 tiles = int4_tiles_for(x.shape[0], group_sizes.shape[0])
                 return mosaic_int4(x, w, group_sizes.astype(jnp.int32), tiles=tiles)

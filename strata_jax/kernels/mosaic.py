@@ -50,6 +50,8 @@ groups (`bf16_tiles_for`), where jax's bf16 kernel finds each tile's group by a 
 group (its time grows with the groups: 7 / 21 / 37 TFLOP/s at 1K / 4K / 16K tokens of 512
 experts of width 512, top-10, on the H200, against 60 / 177 / 321 here); the same bits.
 
+mxfp4 (`kernels.mosaic_mxfp4`): the same skeleton, a k step one pack of 64 inputs.
+
 On the CPU the kernels run in Pallas' Mosaic GPU interpret mode (tests), where there are no
 layouts and both conversions run the float32 arithmetic of "bits" (the same values).
 """

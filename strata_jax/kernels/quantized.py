@@ -7,12 +7,12 @@ and e8m0 exponents per 32 inputs). The expert math hands one for
 each of gate, up and down to `kernels.grouped.grouped_matmul`, which reads it one of two ways,
 chosen here from `Kernels.quantized_matmul` and the device (`resolve_quantized`):
 
-    mosaic      the Hopper Mosaic GPU kernels (`kernels.mosaic`): each weight tile is
-                dequantized in registers between its load and the tensor-core product, so the
-                layer is never written out in bf16. They give dequantize's bits.
+    mosaic      the Hopper Mosaic GPU kernels (`kernels.mosaic`, fp8 and int4;
+                `kernels.mosaic_mxfp4`, mxfp4): each weight tile is dequantized in registers
+                between its load and the tensor-core product, so the layer is never written
+                out in bf16. They give dequantize's bits.
     dequantize  the whole matrix to the parameter dtype first (`QuantizedMatrix.dequantize`),
-                then the bf16 grouped matmul. The only path of mxfp4 for now: the Mosaic
-                kernels read fp8 and int4 (`mosaic_supports`, `mosaic_int4_supports`).
+                then the bf16 grouped matmul.
 
 An act-order matrix (`perm`) is read as its stored rows with each row's inputs gathered into
 stored order first (`in_stored_order`), by either path.
@@ -30,6 +30,7 @@ from strata_jax.kernels.common import is_hopper
 from strata_jax.kernels.mosaic import (
     MOSAIC_INT4_TILES, MOSAIC_TILES, mosaic_int4_supports, mosaic_supports
 )
+from strata_jax.kernels.mosaic_mxfp4 import mosaic_mxfp4_supports, mxfp4_tiles_for
 
 __all__ = ["in_stored_order", "resolve_quantized", "resolve_format"]
 
@@ -63,13 +64,15 @@ def in_stored_order(x: jax.Array, w: QuantizedMatrix | jax.Array, group_sizes: j
 def resolve_quantized(impl: str | None, w: QuantizedMatrix,
                       device: jax.Device | None = None) -> str:
     """The path that reads `w` for `impl` (`Kernels.quantized_matmul`; None: auto): "mosaic"
-    (`kernels.mosaic`, fp8 and int4 on a Hopper GPU) or "dequantize" (the matrix to its dtype
-    first, then the plain grouped matmul; mxfp4 always, as any matrix no kernel reads).
+    (on a Hopper GPU: `kernels.mosaic` for fp8 and int4, `kernels.mosaic_mxfp4` for mxfp4) or
+    "dequantize" (the matrix to its dtype first, then the plain grouped matmul; any matrix no
+    kernel reads).
 
-    fused: mosaic where it reads the matrix, else dequantize. auto: the same, but int4 with
-    zero-points dequantizes (the kernel reading them is slower than dequantizing first:
-    DESIGN.md, "int4 with zero-points"). An act-order matrix (`perm`) resolves as its stored
-    rows do: `grouped_matmul` reorders the inputs first."""
+    fused: mosaic where a kernel reads the matrix, else dequantize. auto: the same, but int4
+    with zero-points dequantizes (the kernel reading them is slower than dequantizing first:
+    DESIGN.md, "int4 with zero-points"), and auto dequantizes mxfp4 first; fused reads it with
+    the kernel. An act-order matrix (`perm`) resolves as its stored rows do: `grouped_matmul`
+    reorders the inputs first."""
     impl = (impl or "auto").lower()
     if impl not in QUANTIZED_MATMULS:
         raise ValueError(f"quantized matmul {impl!r}: expected one of "
@@ -78,10 +81,13 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
         return impl
     w = w.stored()
     device = device or jax.devices()[0]
-    if is_hopper(device) and (mosaic_supports(w, MOSAIC_TILES)
-                              or mosaic_int4_supports(w, MOSAIC_INT4_TILES)):
+    if not is_hopper(device):
+        return "dequantize"
+    if mosaic_supports(w, MOSAIC_TILES) or mosaic_int4_supports(w, MOSAIC_INT4_TILES):
         if w.zero is None or impl == "fused":  # zero-points take the kernel only when asked for
             return "mosaic"
+    if impl == "fused" and mosaic_mxfp4_supports(w, mxfp4_tiles_for(w.shape[1])):
+        return "mosaic"  # mxfp4 takes the kernel only when asked for
     return "dequantize"
 
 
