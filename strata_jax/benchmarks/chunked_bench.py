@@ -47,7 +47,7 @@ import numpy as np
 from strata_jax.formats import QUANTIZE_CHOICES
 
 from strata_jax.benchmarks.common import (
-    PinnedHostBaseline, _hashes, _timed, model_config, quantized
+    QUANTIZED_MATMUL, PinnedHostBaseline, _hashes, _timed, model_config, quantized
 )
 
 # Each routed expert tensor repeats this many experts' draws (SyntheticParams(tile=...)).
@@ -71,6 +71,7 @@ def _engine(cfg, params, stream, **kwargs):
     from tqdm.auto import tqdm
 
     from strata_jax.engine import Engine
+    from strata_jax.kernels import Kernels
 
     where = "the host store" if stream is not None else "the device"
     with tqdm(total=len(cfg.moe_layers), desc=f"experts into {where}", unit="layer",
@@ -79,7 +80,8 @@ def _engine(cfg, params, stream, **kwargs):
             bar.total = total
             bar.update(done - bar.n)
 
-        return Engine(cfg, params, stream, progress=update, **kwargs)
+        return Engine(cfg, params, stream, progress=update,
+                      kernels=Kernels(quantized_matmul=QUANTIZED_MATMUL["impl"]), **kwargs)
 
 
 def _link_gbps(eng) -> list[float] | None:
@@ -422,6 +424,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps-prefill", type=int, default=3)
     ap.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
                     help="the experts in this format (stored, streamed and read quantized)")
+    ap.add_argument("--quantized-matmul", choices=["auto", "fused", "dequantize"], default="auto",
+                    help="how quantized experts are read (Kernels.quantized_matmul)")
     ap.add_argument("--drop-dense", action="store_true",
                     help="keep no dense weight in host memory once on the device (each engine "
                          "draws them again): for a model whose dense weights do not fit in host "
@@ -432,6 +436,7 @@ def main(argv=None) -> int:
                          "is one device's and is left out. On the CPU, N simulated devices.")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    QUANTIZED_MATMUL["impl"] = args.quantized_matmul
     if args.devices < 1:
         ap.error(f"--devices {args.devices}: expected at least 1")
     if args.devices > 1:

@@ -5,6 +5,7 @@
 #           and its fused kernel, the families' GPU tests) ($OUT/gpu_tests.log).
 # qmm:      the MXFP4 grouped matmul, fused kernel against dequantize-first and bf16, at
 #           gpt-oss-120b's expert shape (128 experts, 2880 x 2880, top-4), 1K/4K/8K tokens.
+#           Run it first: QMM=fused makes the other stages read MXFP4 with the kernel.
 # link:     gpt-oss-120b's first LAYERS (default 4) layers, bf16 against MXFP4 experts, 1K-8K
 #           tokens, resident / stream-all / routed (targets: MXFP4 <= 0.30x the bf16 time
 #           link-bound, stream-all >= 0.94 of the link, resident at 8K <= 1.05x bf16).
@@ -19,20 +20,22 @@
 set -uo pipefail
 OUT=${OUT:-out}
 RUN="bash strata_jax/benchmarks/gpu_run.sh"
-MODEL="--preset gpt-oss-120b --layers 36 --quantize mxfp4 --parts prefill"
+# QMM: how the MXFP4 experts are read (auto dequantizes first; fused: the Hopper kernel).
+MODEL="--preset gpt-oss-120b --layers 36 --quantize mxfp4 --parts prefill --quantized-matmul ${QMM:-auto}"
 rc=0
 build=""
 for STAGE in ${1//,/ }; do
   case $STAGE in
     tests)
-      TESTS="tests/test_sinks.py tests/test_mxfp4.py tests/test_quant_mosaic.py tests/test_gpt_oss.py
+      TESTS="tests/test_sinks.py tests/test_mxfp4.py tests/test_mxfp4_mosaic.py tests/test_gpt_oss.py tests/test_quant_mosaic.py
         tests/test_quant_matmul.py tests/test_gpu_stream.py" $RUN tests || rc=1 ;;
     qmm)
       QMM_ARGS="--preset gpt-oss-120b --formats mxfp4 --tokens 1024,4096,8192" $RUN qmm \
         || rc=1 ;;
     link)
       PRESET=gpt-oss-120b LAYERS=${LAYERS:-4} FORMATS=bf16,mxfp4 LENGTHS=1024,2048,4096,8192 \
-        QUANT_ARMS=resident,stream-all,routed $RUN quant || rc=1 ;;
+        QUANT_ARMS=resident,stream-all,routed BENCH_ARGS="--quantized-matmul ${QMM:-auto}" \
+        $RUN quant || rc=1 ;;
     resident)
       for L in 32768 4096; do
         NAME=gptoss_resident_$L CHUNKED_ARGS="$MODEL --arms resident --resident-orders one --long $L
