@@ -216,6 +216,7 @@ ARMS = {
 }
 
 
+@pytest.mark.slow  # the arms against transformers: tests/test_gpt_oss_parity.py
 def test_engine_arms_are_byte_identical_with_mxfp4_experts_across_turns(tmp_path, f32_params):
     """The MXFP4 checkpoint: 40 tokens in chunks of 16 (past the window, the last chunk
     padded), then a 20-token follow-up turn; every arm's logits and caches equal the resident

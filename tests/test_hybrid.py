@@ -113,7 +113,8 @@ ARMS = {
 }
 
 
-@pytest.mark.parametrize("order", ["chunk-major", "layer-major"])
+@pytest.mark.parametrize("order", [pytest.param("chunk-major", marks=pytest.mark.slow),
+                                   "layer-major"])
 def test_engine_arms_are_byte_identical_across_turns(order):
     """bf16: 80 tokens in chunks of 32 (the last padded), then a 21-token follow-up turn; every
     arm's logits and session (KV caches, conv windows, recurrent states) equal the resident
