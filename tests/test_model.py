@@ -17,6 +17,7 @@ from strata_jax.layers import attention
 
 from strata_jax.models import PRESETS, get_preset
 from strata_jax.kernels import Kernels
+from strata_jax.formats import ExpertFormat
 from strata_jax.experts import (ExpertSource, ExpertWeights, ResidentExperts, pack_expert_blobs,
                                 pack_expert_blobs_np, unpack_expert_blobs, unpack_expert_blobs_np)
 from strata_jax.reference import reference_attention, reference_forward
@@ -325,8 +326,9 @@ def test_eval_shape_full_size(name):
     assert shapes[f"layers.{l}.mlp.down"].shape == (c.n_experts, c.expert_intermediate,
                                                      c.hidden_size)
     assert shapes[f"layers.{l}.mlp.router"].shape == (c.hidden_size, c.n_experts)
+    planes = {p.name for p in ExpertFormat.of(c).planes}  # gate, up, down (and biases)
     expert_bytes = sum(s.size * s.dtype.itemsize for k, s in shapes.items()
-                       if k.rsplit(".", 1)[-1] in ("gate", "up", "down") and ".shared" not in k
+                       if k.rsplit(".", 1)[-1] in planes and ".shared" not in k
                        and int(k.split(".")[1]) in c.moe_layers)
     assert expert_bytes == c.expert_bytes_total
     graphdef, state = nnx.split(M.abstract_model(c))  # ShapeDtypeStruct leaves: nothing allocated
