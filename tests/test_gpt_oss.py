@@ -23,7 +23,7 @@ from strata_jax.reference import reference_forward
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import (assert_close, gpt_oss_mxfp4, hf_config, hf_tensors,
-                                save_safetensors)
+                                save_safetensors, write_hf_checkpoint)
 from strata_jax.weights import QuantizedParams
 
 PRESET = "gpt-oss-20b"
@@ -151,7 +151,7 @@ def test_bf16_checkpoint_loads_fused_experts_as_stored(tmp_path, f32_params):
     params = {k: np.asarray(f32_params[k]) for k in param_shapes(F32)}
     tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_tensors(F32, params, PRESET).items()}
     assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 128)
-    _write(tmp_path, BF16, tensors)
+    write_hf_checkpoint(tmp_path, BF16, PRESET, tensors, shards=3)  # a layer across shards
     ckpt = load_checkpoint(str(tmp_path), progress=False)
     assert ckpt.config == BF16.replace(name="gpt_oss", max_seq_len=131_072)  # yarn x32
     assert set(ckpt.params) | set(ckpt.experts) == set(param_shapes(BF16))
