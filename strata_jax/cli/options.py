@@ -302,9 +302,9 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantized-matmul", choices=QUANTIZED_MATMULS, default="auto",
                    help="how fp8/int4/mxfp4 experts are read (--quantize or a quantized "
                         "checkpoint): fused kernels that dequantize tiles as they multiply, or "
-                        "the layer dequantized first (auto: the Mosaic kernels for fp8 and int4 "
-                        "on Hopper, else dequantize; mxfp4: fused reads it with its kernel on "
-                        "Hopper, auto dequantizes it)")
+                        "the layer dequantized first (auto: the Mosaic kernels for fp8, int4 "
+                        "and mxfp4 on Hopper, int4 with zero-points dequantized; elsewhere "
+                        "dequantize)")
     g.add_argument("--attention", choices=ATTENTION_PATHS, default="auto",
                    help="the attention path (auto: fused cuDNN for bf16/fp16 on a GPU, exact "
                         "XLA paths elsewhere)")

@@ -13,8 +13,8 @@ another (jit keys on it). Nothing is read from the environment.
                     128 x 128 blocks, int4 in groups of 128, zero-points and act-order
                     included, mxfp4 with columns a multiple of 64), else dequantize; dequantize:
                     the whole matrix to its dtype first, then grouped_matmul; auto: as fused
-                    (the kernels give dequantize's bits), but int4 with zero-points and mxfp4
-                    are dequantized first (int4-zp: faster there than the kernel).
+                    (the kernels give dequantize's bits), but int4 with zero-points is
+                    dequantized first (faster there than the kernel).
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`layers.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)

@@ -70,8 +70,7 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
 
     fused: mosaic where a kernel reads the matrix, else dequantize. auto: the same, but int4
     with zero-points dequantizes (the kernel reading them is slower than dequantizing first:
-    DESIGN.md, "int4 with zero-points"), and auto dequantizes mxfp4 first; fused reads it with
-    the kernel. An act-order matrix (`perm`) resolves as its stored rows do: `grouped_matmul`
+    DESIGN.md, "int4 with zero-points"). An act-order matrix (`perm`) resolves as its stored rows do: `grouped_matmul`
     reorders the inputs first."""
     impl = (impl or "auto").lower()
     if impl not in QUANTIZED_MATMULS:
@@ -86,8 +85,8 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
     if mosaic_supports(w, MOSAIC_TILES) or mosaic_int4_supports(w, MOSAIC_INT4_TILES):
         if w.zero is None or impl == "fused":  # zero-points take the kernel only when asked for
             return "mosaic"
-    if impl == "fused" and mosaic_mxfp4_supports(w, mxfp4_tiles_for(w.shape[1])):
-        return "mosaic"  # mxfp4 takes the kernel only when asked for
+    if mosaic_mxfp4_supports(w, mxfp4_tiles_for(w.shape[1])):
+        return "mosaic"
     return "dequantize"
 
 
