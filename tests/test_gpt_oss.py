@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -23,7 +22,8 @@ from strata_jax.reference import reference_forward
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
 from strata_jax.testing import (assert_close, gpt_oss_mxfp4, hf_config, hf_tensors,
-                                save_safetensors, write_hf_checkpoint)
+                                read_in_chunks, save_safetensors, write_hf_checkpoint)
+from test_model import PoisonUnrouted
 from strata_jax.weights import QuantizedParams
 
 PRESET = "gpt-oss-20b"
@@ -137,12 +137,10 @@ def test_model_matches_float64_reference_past_the_window(f32_params):
     logits, _, counts = forward(model, toks, init_cache(F32, 64))
     assert_close(logits, ref, np.float32)
     np.testing.assert_array_equal(np.asarray(counts), ref_counts)
-    cache, parts = init_cache(F32, 64), []
-    for a, b in ((0, 17), (17, 41), (41, 60)):
-        out, cache, _ = forward(model, toks[a:b], cache, start=a)
-        parts.append(np.asarray(out))
+    parts = [np.asarray(out) for *_, out in read_in_chunks(model, toks, (0, 17, 41, 60),
+                                                          init_cache(F32, 64))]
     assert_close(np.concatenate(parts), ref, np.float32, err_msg="three chunks")
-    # The clamp is reached and the sinks matter: without them the reference moves.
+    # The clamp is reached: without it the reference moves.
     loose = reference_forward(F32.replace(swiglu_limit=1e3), f32_params, toks)[0]
     assert np.abs(loose - ref).max() > 1e-3
 
@@ -240,16 +238,6 @@ def test_engine_arms_are_byte_identical_with_mxfp4_experts_across_turns(tmp_path
         assert_close(seen["layer-major"][turn], seen["resident"][turn], np.float32)
 
 
-class _PoisonUnrouted:
-    """Every plane of an unrouted expert NaN, its biases too: a worst-case streamed buffer."""
-
-    def expert_weights(self, layer, counts, resident):
-        keep = counts > 0
-        return resident._replace(**{
-            name: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.nan)
-            for name, a in resident._asdict().items()})
-
-
 def test_unrouted_experts_biases_are_never_read(f32_params):
     """A 5-token chunk routes to few of the 8 experts: NaN in every other expert's weights
     and biases changes no output bit (the bias rows are taken by each row's own expert)."""
@@ -257,6 +245,6 @@ def test_unrouted_experts_biases_are_never_read(f32_params):
     toks = _tokens(3)
     resident = forward(model, toks, init_cache(F32, 8))
     assert (np.asarray(resident[2]) == 0).any()  # some expert is unrouted
-    poisoned = forward(model, toks, init_cache(F32, 8), expert_source=_PoisonUnrouted())
+    poisoned = forward(model, toks, init_cache(F32, 8), expert_source=PoisonUnrouted())
     for a, b in zip(jax.tree.leaves(resident), jax.tree.leaves(poisoned)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

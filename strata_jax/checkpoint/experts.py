@@ -58,9 +58,11 @@ def _fused_sources(kind: str) -> dict:
     out = {"gate_bias": (gate_up, "_bias", _even), "up_bias": (gate_up, "_bias", _odd),
            "down_bias": (down, "_bias", None)}
     if kind == "mxfp4":
-        def values(pick):
-            return lambda blocks: mxfp4_from_blocks_np(
-                pick(blocks), np.zeros(pick(blocks).shape[:-1], np.uint8))[0]
+        def values(pick):  # the codes alone: the scales are their own plane
+            def make(blocks):
+                rows = pick(blocks)
+                return mxfp4_from_blocks_np(rows, np.zeros(rows.shape[:-1], np.uint8))[0]
+            return make
 
         def scales(pick):
             return lambda s: np.ascontiguousarray(pick(s).T)
@@ -170,9 +172,7 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
                     for e, hf in items:
                         out[e] = handle.get_tensor(hf).T  # [out, in] -> [in, out]
                 continue
-            if path not in self._headers:
-                self._headers[path] = st_header(path)
-            start, header = self._headers[path]
+            start, header = self._header(path)
             with open(path, "rb") as f:
                 for e, hf in items:
                     value = st_read(f, start, header[hf])
@@ -196,9 +196,7 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
         matrix, suffix, make = _fused_sources(self.format.kind)[plane]
         hf = fused_name(self._arch, layer, matrix, suffix)
         path = self._files[hf]
-        if path not in self._headers:
-            self._headers[path] = st_header(path)
-        start, header = self._headers[path]
+        start, header = self._header(path)
         info = header[hf]
         per = (info["data_offsets"][1] - info["data_offsets"][0]) // info["shape"][0]
         with open(path, "rb") as f:
@@ -208,13 +206,17 @@ class CheckpointExperts(Mapping[str, np.ndarray]):
                                            "data_offsets": [lo, lo + per]})
                 out[e] = value if make is None else make(value)
 
+    def _header(self, path: str) -> tuple[int, dict]:
+        """`st_header(path)`, read once per file."""
+        if path not in self._headers:
+            self._headers[path] = st_header(path)
+        return self._headers[path]
+
     def _perm(self, layer: int, field: str, expert: int) -> np.ndarray:
         """An act-order expert matrix's stored row order, from its `g_idx`."""
         hf = self.hf_names(self.config, self._arch, layer, field, "g_idx")[expert]
         path = self._files[hf]
-        if path not in self._headers:
-            self._headers[path] = st_header(path)
-        start, header = self._headers[path]
+        start, header = self._header(path)
         with open(path, "rb") as f:
             return g_idx_perm(st_read(f, start, header[hf]), self.format.block)
 
