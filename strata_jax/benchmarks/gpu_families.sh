@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The hybrid Qwen (issue 46) and latent-attention (issue 47) families on the GPU machine, through
+# gpu_run.sh's stages, one build a call:
+#   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|mla|gmm512|chunks|routed512|next-resident|next-e2e|ds-link][,...]
+# tests:         the families' GPU tests (MLA on cuDNN, the hybrid and MLA arms byte-identical).
+# kernels:       the grouped / quantized matmul GPU tests (512 experts included).
+# mixers:        Qwen3-Next's Gated DeltaNet layer against its gated attention layer at 32K
+#                tokens, and an 8K chunk over the rest (target: DeltaNet <= 0.5x attention).
+# mla:           DeepSeek-V3's latent attention, an 8K chunk over a 24K prefix against a first
+#                chunk of the same work (target >= 0.60).
+# gmm512:        the grouped matmul at 512 experts of width 512, top-10, the library's choice,
+#                against dense at 1K / 4K / 16K tokens.
+# chunks:        Qwen3-Next's first 8 layers all resident, 32K tokens: one chunk against 8K
+#                chunks (target <= 1.10).
+# routed512:     Qwen3-Next's first 8 layers, bf16 experts, 1K / 4K: routed against its link
+#                floor and stream-all (target routed <= 1.05 of its floor).
+# next-resident: the whole Qwen3-Next-80B-A3B (48 layers, int4 experts) all resident, one chunk
+#                at 32K and 4K on the whole H200: the times next-e2e divides by.
+# next-e2e:      the same streamed within a 16 GB card's footprint (XLA's pool capped at
+#                XLA_CLIENT_MEM_FRACTION=0.0925 plus a 2.5 GiB ring), 32K layer-major
+#                (RESIDENT_MS from next-resident).
+# ds-link:       a DeepSeek-V3 slice (its 3 dense layers + 8 MoE layers, fp8 experts), 1K-8K:
+#                stream-all against the link, routed against its floor.
+# Run from the repository root (the device tool's working directory).
+set -uo pipefail
+OUT=${OUT:-out}
+RUN="bash strata_jax/benchmarks/gpu_run.sh"
+PY=${PY:-python3}
+NEXT="--preset qwen3-next-80b-a3b --layers 48 --quantize int4 --parts prefill"
+rc=0
+for STAGE in ${1//,/ }; do
+  case $STAGE in
+    tests)
+      TESTS="tests/test_gpu_mla.py tests/test_gpu_hybrid.py" TEST_TIMEOUT=${TEST_TIMEOUT:-200} \
+        $RUN tests || rc=1 ;;
+    kernels)
+      TESTS="tests/test_grouped_matmul.py tests/test_quant_mosaic.py tests/test_quant_matmul.py" \
+        TEST_TIMEOUT=${TEST_TIMEOUT:-240} $RUN tests || rc=1 ;;
+    mixers)
+      BENCH_TIMEOUT=200 NAME=next_32k HYBRID_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
+        $RUN hybrid || rc=1 ;;
+    mla)
+      BENCH_TIMEOUT=200 NAME=dsv3_32k MLA_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
+        $RUN mla || rc=1 ;;
+    gmm512)
+      $RUN none >/dev/null 2>&1  # the build, where this is the call's first stage
+      timeout 150 $PY -m strata_jax.benchmarks.grouped_matmul_bench --hidden 2048 \
+        --intermediate 512 --experts 512 --top-k 10 --tokens 1024 4096 16384 --repeats 10 \
+        --json "$OUT/grouped_matmul_512.json" 2>&1 | tail -8
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    chunks)
+      BENCH_TIMEOUT=240 NAME=next_l8 CHUNKED_ARGS="--preset qwen3-next-80b-a3b --layers 8
+        --parts prefill --arms resident --resident-orders one,chunked --long 32768 --chunk 8192
+        --reps-prefill 3" $RUN chunked || rc=1 ;;
+    routed512)
+      BENCH_TIMEOUT=300 PRESET=qwen3-next-80b-a3b LAYERS=8 FORMATS=bf16 LENGTHS=1024,4096 \
+        QUANT_ARMS=resident,stream-all,routed $RUN quant || rc=1 ;;
+    next-resident)
+      for L in 32768 4096; do
+        BENCH_TIMEOUT=280 NAME=next_resident_$L CHUNKED_ARGS="$NEXT --arms resident
+          --resident-orders one --long $L --reps-prefill 2" $RUN chunked || rc=1
+        export SKIP_BUILD=1
+      done ;;
+    next-e2e)
+      XLA_CLIENT_MEM_FRACTION=0.0925 BENCH_TIMEOUT=500 NAME=next_l48_16g CHUNKED_ARGS="$NEXT
+        --arms routed --no-resident ${RESIDENT_MS:+--resident-ms $RESIDENT_MS} --ring-gib 2.5
+        --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
+    ds-link)
+      BENCH_TIMEOUT=400 PRESET=deepseek-v3 LAYERS=11 FORMATS=fp8 LENGTHS=1024,2048,4096,8192 \
+        QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
+    *) echo "unknown stage $STAGE"; rc=2 ;;
+  esac
+  export SKIP_BUILD=1  # one build a call
+done
+exit $rc
