@@ -15,7 +15,7 @@
 #           resident stage's one-chunk time; give it from an earlier call).
 # e2e4k:    the same at 4K tokens (one chunk).
 # resident: the whole model all resident in one chunk on the whole H200 (61 GB of MXFP4
-#           experts fit), 32K and 4K: the times e2e divides by.
+#           experts fit), 32K and 4K (RESIDENT_LENGTHS): the times e2e divides by.
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -37,7 +37,7 @@ for STAGE in ${1//,/ }; do
         QUANT_ARMS=resident,stream-all,routed BENCH_ARGS="--quantized-matmul ${QMM:-auto}" \
         $RUN quant || rc=1 ;;
     resident)
-      for L in 32768 4096; do
+      for L in ${RESIDENT_LENGTHS:-32768 4096}; do
         NAME=gptoss_resident_$L CHUNKED_ARGS="$MODEL --arms resident --resident-orders one --long $L
           --reps-prefill 3" $RUN chunked || rc=1
         export SKIP_BUILD=1
@@ -46,9 +46,12 @@ for STAGE in ${1//,/ }; do
       XLA_CLIENT_MEM_FRACTION=0.0925 NAME=gptoss_l36_16g CHUNKED_ARGS="$MODEL --arms routed
         --no-resident ${RESIDENT_MS:+--resident-ms $RESIDENT_MS} --ring-gib 2.5
         --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
-    e2e4k)
+    e2e4k)  # against the resident 4K run of this call where there is one (its bits checked)
+      R4K="$OUT/chunked_gptoss_resident_4096.json"
+      if [ -f "$R4K" ]; then R4K="--resident-json $R4K"
+      else R4K=${RESIDENT_MS_4K:+--resident-ms $RESIDENT_MS_4K}; fi
       XLA_CLIENT_MEM_FRACTION=0.0925 NAME=gptoss_l36_16g_4k CHUNKED_ARGS="$MODEL --arms routed
-        --no-resident ${RESIDENT_MS_4K:+--resident-ms $RESIDENT_MS_4K} --ring-gib 2.5
+        --no-resident $R4K --ring-gib 2.5
         --orders one --long 4096 --chunk 4096 --reps-prefill 3" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;
   esac

@@ -51,7 +51,7 @@ def run(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) -> 
     c = get_preset(preset)
     if tiny:
         c = c.scaled(n_experts=8, top_k=2)
-    c = c.replace(n_layers=1, max_seq_len=max(c.max_seq_len, tokens))
+    c = c.replace(n_layers=1, n_dense_layers=0, max_seq_len=max(c.max_seq_len, tokens))
     prefix = tokens - chunk
     work = 2 * c.n_heads * (c.head_dim + c.v_head_dim)
     layer = LatentAttention(c, rngs=nnx.Rngs(0), layer=0)
