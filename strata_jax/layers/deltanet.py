@@ -10,8 +10,9 @@ RMSNorm (by z) and the output projection.
 
 The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut into blocks of
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
-transform: one unit-lower-triangular solve per block), and a scan across blocks carries the
-state, two small matmuls a step. No step is per token.
+transform: one unit-lower-triangular solve per block), and the state walks across the blocks,
+three small matmuls a block: on a GPU in one Pallas kernel (`kernels.delta_rule`), elsewhere as
+a scan. No step is per token.
 
 Padding: rows where `valid` is False get beta = 0 and g = 0, which leave the state as it was,
 and the conv window is read at the last real token, so a padded chunk hands the next one the
@@ -26,6 +27,7 @@ from flax import nnx
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
+from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_path
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
@@ -65,7 +67,7 @@ def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
     return jax.nn.silu(out).astype(x.dtype), nxt.astype(window.dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
+def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: str = "auto"):
     """The gated delta rule over a chunk, chunkwise-parallel.
 
     Args:
@@ -74,6 +76,8 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
         g: float32 [T, Hv] log-decays (<= 0); beta: float32 [T, Hv] in [0, 1].
         state: float32 [Hv, dk, dv], the state before the chunk.
         block: tokens per block.
+        carry: how the state walks the blocks (`Kernels.delta_rule`): "pallas" (one kernel,
+            `kernels.delta_rule`), "xla" (a scan) or "auto" (the kernel on a GPU).
 
     Returns:
         (o float32 [T, Hv, dv], the state after the chunk's last row).
@@ -97,32 +101,48 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
     decay = jnp.exp(jnp.where(lower, diff, -jnp.inf))  # exp(gam_i - gam_j), i >= j; else 0
     kb = k * beta[..., None]
     vb = v * beta[..., None]
-    mm = lambda a, b: jnp.matmul(a, b, precision=_HIGHEST)  # noqa: E731
-    kkt = mm(kb, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C]
+    kkt = _mm(kb, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C]
     strict = jnp.tril(jnp.ones((block, block), bool), -1)
     system = jnp.where(strict, kkt, 0.0) + jnp.eye(block, dtype=jnp.float32)
     rhs = jnp.concatenate([vb, kb * jnp.exp(gam)[..., None]], axis=-1)  # [Hv, n, C, dv+dk]
     solved = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
     u, w = solved[..., :dv], solved[..., dv:]  # new values; decayed keys reading the state
-    attn = mm(q, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C], causal within the block
+    attn = _mm(q, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C], causal within the block
     qd = q * jnp.exp(gam)[..., None]
     last = gam[..., -1]  # [Hv, n]
     kd = k * jnp.exp(last[..., None] - gam)[..., None]  # keys decayed to the block's end
+    if delta_rule_path(carry) == "pallas":
+        flat = lambda a: a.reshape(hv, n * block, a.shape[-1])  # noqa: E731
+        inter, v_new, state = delta_rule_carry(flat(w), flat(qd), flat(kd), flat(u),
+                                               jnp.exp(last), state, block=block)
+        inter, v_new = (a.reshape(hv, n, block, dv) for a in (inter, v_new))
+    else:
+        inter, v_new, state = _carry_scan(w, qd, kd, u, last, state)
+    o = inter + _mm(attn, v_new)
+    o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
+    return o, state
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=_HIGHEST)
+
+
+def _carry_scan(w, qd, kd, u, last, state):
+    """`kernels.delta_rule`'s walk over the blocks as a scan: w, qd, kd [Hv, n, C, dk], u
+    [Hv, n, C, dv], last [Hv, n]. Returns (inter, new [Hv, n, C, dv], the last state)."""
+    block = w.shape[2]
     reads = jnp.concatenate([w, qd], axis=-2)  # [Hv, n, 2C, dk]
 
     def step(s, xs):
         reads_i, u_i, kd_i, last_i = xs  # [Hv, 2C, dk], [Hv, C, dv], [Hv, C, dk], [Hv]
-        r = mm(reads_i, s)  # [Hv, 2C, dv]
+        r = _mm(reads_i, s)  # [Hv, 2C, dv]
         v_new = u_i - r[:, :block]
-        s = s * jnp.exp(last_i)[:, None, None] + mm(jnp.swapaxes(kd_i, -1, -2), v_new)
+        s = s * jnp.exp(last_i)[:, None, None] + _mm(jnp.swapaxes(kd_i, -1, -2), v_new)
         return s, (r[:, block:], v_new)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (reads, u, kd, last))  # blocks first
     state, (inter, v_new) = lax.scan(step, state.astype(jnp.float32), xs)
-    inter, v_new = (jnp.moveaxis(a, 0, 1) for a in (inter, v_new))  # [Hv, n, C, dv]
-    o = inter + mm(attn, v_new)
-    o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
-    return o, state
+    return tuple(jnp.moveaxis(a, 0, 1) for a in (inter, v_new)) + (state,)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -137,12 +157,14 @@ class GatedDeltaNet(nnx.Module):
     """
 
     def __init__(self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
-                 conv_kernel: int, eps: float, dtype, *, rngs: nnx.Rngs | None):
+                 conv_kernel: int, eps: float, dtype, *, rngs: nnx.Rngs | None,
+                 delta_rule: str = "auto"):
         if v_heads % k_heads:
             raise ValueError(f"linear attention value heads ({v_heads}) must be a multiple of "
                              f"its key heads ({k_heads})")
         self.k_heads, self.v_heads, self.k_dim, self.v_dim = k_heads, v_heads, k_dim, v_dim
         self.conv_kernel = conv_kernel
+        self.delta_rule = delta_rule  # `Kernels.delta_rule`
         kd, vd = k_heads * k_dim, v_heads * v_dim
         self.conv_dim = 2 * kd + vd
         self.in_proj = nnx.Param(normal(rngs, (hidden, 2 * kd + 2 * vd), dtype))
@@ -181,6 +203,7 @@ class GatedDeltaNet(nnx.Module):
         if rep > 1:
             qf, kf = (jnp.repeat(a, rep, axis=1) for a in (qf, kf))
         with jax.named_scope("delta_rule"):
-            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state)
+            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state,
+                                        carry=self.delta_rule)
         o = self.norm(o.astype(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
         return dot(o.reshape(t, vd), self.out_proj[...]), window, state
