@@ -8,8 +8,8 @@
 #                tokens, and an 8K chunk over the rest (target: DeltaNet <= 0.5x attention).
 # mla:           DeepSeek-V3's latent attention, an 8K chunk over a 24K prefix against a first
 #                chunk of the same work (target >= 0.60).
-# gmm512:        the grouped matmul at 512 experts of width 512, top-10, the library's choice,
-#                against dense at 1K / 4K / 16K tokens.
+# gmm512:        the expert math at 512 experts of width 512, top-10, the library's choice
+#                in every format, against dense at 1K / 4K / 16K tokens (gpu_moe512.sh confirm).
 # chunks:        Qwen3-Next's first 8 layers all resident, 32K tokens: one chunk against 8K
 #                chunks (target <= 1.10).
 # routed512:     Qwen3-Next's first 8 layers, bf16 experts, 1K / 4K: routed against its link
@@ -42,12 +42,8 @@ for STAGE in ${1//,/ }; do
     mla)
       BENCH_TIMEOUT=200 NAME=dsv3_32k MLA_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
         $RUN mla || rc=1 ;;
-    gmm512)
-      $RUN none >/dev/null 2>&1  # the build, where this is the call's first stage
-      timeout 150 $PY -m strata_jax.benchmarks.grouped_matmul_bench --hidden 2048 \
-        --intermediate 512 --experts 512 --top-k 10 --tokens 1024 4096 16384 --repeats 10 \
-        --json "$OUT/grouped_matmul_512.json" 2>&1 | tail -8
-      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    gmm512)  # the library's choice at 512 experts, every format (gpu_moe512.sh confirm)
+      DEADLINE=${GMM_DEADLINE:-380} bash strata_jax/benchmarks/gpu_moe512.sh confirm || rc=1 ;;
     chunks)
       BENCH_TIMEOUT=240 NAME=next_l8 CHUNKED_ARGS="--preset qwen3-next-80b-a3b --layers 8
         --parts prefill --arms resident --resident-orders one,chunked --long 32768 --chunk 8192

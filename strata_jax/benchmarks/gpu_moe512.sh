@@ -19,7 +19,8 @@ PY=${PY:-python3}
 t0=$(date +%s)
 left() { echo $(( t0 + ${DEADLINE:-390} - $(date +%s) - ${1:-0} )); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee "$OUT/machine.txt"
-$PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+# the build gpu_run.sh makes (the native library with CUDA), unless SKIP_BUILD=1
+[ -n "${SKIP_BUILD:-}" ] || PACK_LOGS=0 bash strata_jax/benchmarks/gpu_run.sh none > /dev/null \
   || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 SW="$PY -m strata_jax.benchmarks.grouped_matmul_bench sweep --warmup 1 --repeats 3 --batch 5"
