@@ -86,7 +86,9 @@ def delta_rule_blocks(c, tokens: int, reps: int, blocks=(32, 64, 128)) -> list[d
     import jax.numpy as jnp
 
     from strata_jax.kernels.delta_rule import delta_rule_carry
-    from strata_jax.layers.deltanet import gated_delta_rule
+    from jax.scipy.linalg import solve_triangular
+
+    from strata_jax.layers.deltanet import block_terms, gated_delta_rule
 
     hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     keys = jax.random.split(jax.random.key(1), 5)
@@ -105,6 +107,17 @@ def delta_rule_blocks(c, tokens: int, reps: int, blocks=(32, 64, 128)) -> list[d
             ms = _time(fn, (q, k, v, g, beta, state), reps)
             rows.append({"delta_rule_block": b, "carry": carry, "tokens": tokens, "ms": ms})
             print(f"delta rule alone, blocks of {b:4d}, {carry:6s}: {ms:8.2f} ms", flush=True)
+    for b in (64, 128):  # the parallel part alone (block_terms), and its solve alone
+        fn = jax.jit(lambda *a, b=b: block_terms(*a, block=b))
+        ms = _time(fn, (q, k, v, g, beta), reps)
+        c_ = b
+        system = jnp.tril(jax.random.normal(keys[0], (hv, tokens // c_, c_, c_)) * 0.1, -1)
+        rhs = jax.random.normal(keys[1], (hv, tokens // c_, c_, dk + dv))
+        solve = jax.jit(lambda s, r: solve_triangular(s, r, lower=True, unit_diagonal=True))
+        ms_solve = _time(solve, (system, rhs), reps)
+        rows.append({"block_terms_block": b, "tokens": tokens, "ms": ms, "solve_ms": ms_solve})
+        print(f"the parallel part alone, blocks of {b:4d}: {ms:8.2f} ms (its solve "
+              f"{ms_solve:.2f} ms)", flush=True)
     if "pallas" in carries:
         block = 64
         n = tokens // block

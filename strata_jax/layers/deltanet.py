@@ -90,6 +90,31 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
 
+    w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block)
+    if delta_rule_path(carry) == "pallas":
+        flat = lambda a: a.reshape(hv, n * block, a.shape[-1])  # noqa: E731
+        inter, v_new, state = delta_rule_carry(flat(w), flat(qd), flat(kd), flat(u),
+                                               jnp.exp(last), state, block=block)
+        inter, v_new = (a.reshape(hv, n, block, dv) for a in (inter, v_new))
+    else:
+        inter, v_new, state = _carry_scan(w, qd, kd, u, last, state)
+    o = inter + _mm(attn, v_new)
+    o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
+    return o, state
+
+
+def block_terms(q, k, v, g, beta, block: int):
+    """The parallel part of the chunkwise rule: per block of `block` tokens (T a multiple of
+    it), the UT transform's solve and the products that need no state.
+
+    Returns (w, qd, kd [Hv, n, C, dk]; u [Hv, n, C, dv]; attn [Hv, n, C, C] (causal within the
+    block, decayed); last [Hv, n] (each block's total log-decay)): the block's keys reading
+    the state, its queries and keys decayed from the block's start and to its end, its new
+    values before the state's part."""
+    t, hv, _ = q.shape
+    n = t // block
+    dv = v.shape[-1]
+
     def blocks(a):  # [n*C, Hv, ...] -> [Hv, n, C, ...]
         a = a.reshape(n, block, hv, *a.shape[2:])
         return jnp.moveaxis(a, 2, 0)
@@ -111,16 +136,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
     qd = q * jnp.exp(gam)[..., None]
     last = gam[..., -1]  # [Hv, n]
     kd = k * jnp.exp(last[..., None] - gam)[..., None]  # keys decayed to the block's end
-    if delta_rule_path(carry) == "pallas":
-        flat = lambda a: a.reshape(hv, n * block, a.shape[-1])  # noqa: E731
-        inter, v_new, state = delta_rule_carry(flat(w), flat(qd), flat(kd), flat(u),
-                                               jnp.exp(last), state, block=block)
-        inter, v_new = (a.reshape(hv, n, block, dv) for a in (inter, v_new))
-    else:
-        inter, v_new, state = _carry_scan(w, qd, kd, u, last, state)
-    o = inter + _mm(attn, v_new)
-    o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
-    return o, state
+    return w, qd, kd, u, attn, last
 
 
 def _mm(a, b):
