@@ -48,6 +48,7 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     x = (0.5 * jax.random.normal(jax.random.key(0), (tokens, c.hidden_size))).astype(c.dtype)
     positions = jnp.arange(tokens, dtype=jnp.int32)
     for layer, kind, kernels in ((0, "gated-deltanet", Kernels()),
+                                 (0, "gated-deltanet (kernel)", Kernels(delta_rule="pallas")),
                                  (0, "gated-deltanet (scan)", Kernels(delta_rule="xla")),
                                  (3, "gated-attention", Kernels())):
         block = HybridLayer(c, layer, rngs=nnx.Rngs(layer), kernels=kernels)
@@ -69,11 +70,11 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
         rows.append({"mixer": kind, "delta_rule": kernels.delta_rule, "layer": layer,
                      "tokens": tokens, "first_chunk_ms": ms,
                      "chunk": chunk, "later_chunk_ms": ms_later})
-        print(f"{kind:22s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
+        print(f"{kind:24s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
               f"over {tokens - chunk}: {ms_later:8.2f} ms", flush=True)
     rows += delta_rule_blocks(c, tokens, reps)
     rows.append({"ratio_deltanet_over_attention": rows[0]["first_chunk_ms"]
-                 / rows[2]["first_chunk_ms"]})
+                 / rows[3]["first_chunk_ms"]})
     print(f"DeltaNet / attention at {tokens}: {rows[-1]['ratio_deltanet_over_attention']:.3f}")
     return rows
 

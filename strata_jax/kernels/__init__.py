@@ -19,8 +19,8 @@ another (jit keys on it). Nothing is read from the environment.
                     (`layers.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)
     delta_rule      "auto" | "pallas" | "xla"  (`kernels.delta_rule`: how a Gated DeltaNet
-                    layer's state walks the blocks of a chunk; auto: the Pallas kernel on the
-                    GPU, a scan elsewhere)
+                    layer's state walks the blocks of a chunk: the Pallas kernel or a scan;
+                    auto: `kernels.delta_rule.AUTO_ON_GPU` on a GPU, the scan elsewhere)
 
 The defaults are the measured best on each platform; the others exist for tests and
 comparisons.

@@ -28,18 +28,21 @@ from jax.experimental import pallas as pl
 
 from strata_jax.kernels import DELTA_RULES
 
-__all__ = ["delta_rule_carry", "delta_rule_path"]
+__all__ = ["delta_rule_carry", "delta_rule_path", "AUTO_ON_GPU"]
+
+# What "auto" runs on a GPU: the scan until the kernel is measured there (hybrid_bench).
+AUTO_ON_GPU = "xla"
 
 
 def delta_rule_path(impl: str = "auto", platform: str | None = None) -> str:
-    """The carry's implementation: "pallas" (the kernel) or "xla" (a scan); auto: the kernel
-    on a CUDA GPU, the scan elsewhere."""
+    """The carry's implementation: "pallas" (the kernel) or "xla" (a scan); auto: the scan
+    (`AUTO_ON_GPU` on a GPU)."""
     impl = (impl or "auto").lower()
     if impl not in DELTA_RULES:
         raise ValueError(f"delta rule {impl!r}: expected one of {'|'.join(DELTA_RULES)}")
     if impl == "auto":
         platform = platform or jax.default_backend()
-        return "pallas" if platform == "gpu" else "xla"
+        return AUTO_ON_GPU if platform == "gpu" else "xla"
     return impl
 
 

@@ -11,8 +11,8 @@ RMSNorm (by z) and the output projection.
 The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut into blocks of
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
 transform: one unit-lower-triangular solve per block), and the state walks across the blocks,
-three small matmuls a block: on a GPU in one Pallas kernel (`kernels.delta_rule`), elsewhere as
-a scan. No step is per token.
+three small matmuls a block: as a scan, or in one Pallas kernel (`kernels.delta_rule`). No step
+is per token.
 
 Padding: rows where `valid` is False get beta = 0 and g = 0, which leave the state as it was,
 and the conv window is read at the last real token, so a padded chunk hands the next one the
@@ -77,7 +77,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         state: float32 [Hv, dk, dv], the state before the chunk.
         block: tokens per block.
         carry: how the state walks the blocks (`Kernels.delta_rule`): "pallas" (one kernel,
-            `kernels.delta_rule`), "xla" (a scan) or "auto" (the kernel on a GPU).
+            `kernels.delta_rule`), "xla" (a scan) or "auto" (`delta_rule_path`).
 
     Returns:
         (o float32 [T, Hv, dv], the state after the chunk's last row).
