@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from strata_jax.kernels import DELTA_RULES
 
@@ -94,7 +95,8 @@ def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, bv: int = 32,
                          f"dv={dv} in slices of {bv}")
     if interpret is None:
         interpret = jax.devices()[0].platform != "gpu"
-    kw = {} if interpret else {"compiler_params": _triton_params(num_warps)}
+    kw = {} if interpret else {
+        "compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=1)}
     f32 = jnp.float32
     return pl.pallas_call(
         functools.partial(_kernel, n_blocks=n, block=block, bv=bv),
@@ -106,8 +108,3 @@ def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, bv: int = 32,
     )(w.astype(f32), qd.astype(f32), kd.astype(f32), u.astype(f32), decay.astype(f32),
       state.astype(f32))
 
-
-def _triton_params(num_warps: int):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
