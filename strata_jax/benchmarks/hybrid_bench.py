@@ -36,7 +36,6 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     from flax import nnx
 
     from strata_jax.models import get_preset, init_cache
-    from strata_jax.kernels import Kernels
     from strata_jax.models.hybrid import HybridLayer
 
     c = get_preset(preset)
@@ -47,11 +46,8 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     cache = init_cache(c, tokens)
     x = (0.5 * jax.random.normal(jax.random.key(0), (tokens, c.hidden_size))).astype(c.dtype)
     positions = jnp.arange(tokens, dtype=jnp.int32)
-    for layer, kind, kernels in ((0, "gated-deltanet", Kernels()),
-                                 (0, "gated-deltanet (kernel)", Kernels(delta_rule="pallas")),
-                                 (0, "gated-deltanet (scan)", Kernels(delta_rule="xla")),
-                                 (3, "gated-attention", Kernels())):
-        block = HybridLayer(c, layer, rngs=nnx.Rngs(layer), kernels=kernels)
+    for layer, kind in ((0, "gated-deltanet"), (3, "gated-attention")):
+        block = HybridLayer(c, layer, rngs=nnx.Rngs(layer))
         graph, state = nnx.split(block)
 
         def first(state, x, k, v, graph=graph):
@@ -67,26 +63,22 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
         ms = _time(jax.jit(first), (state, x, k, v), reps)
         start = jnp.int32(tokens - chunk)
         ms_later = _time(jax.jit(later), (state, x[:chunk], k, v, start), reps)
-        rows.append({"mixer": kind, "delta_rule": kernels.delta_rule, "layer": layer,
-                     "tokens": tokens, "first_chunk_ms": ms,
+        rows.append({"mixer": kind, "layer": layer, "tokens": tokens, "first_chunk_ms": ms,
                      "chunk": chunk, "later_chunk_ms": ms_later})
-        print(f"{kind:24s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
+        print(f"{kind:16s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
               f"over {tokens - chunk}: {ms_later:8.2f} ms", flush=True)
     rows += delta_rule_blocks(c, tokens, reps)
     rows.append({"ratio_deltanet_over_attention": rows[0]["first_chunk_ms"]
-                 / rows[3]["first_chunk_ms"]})
+                 / rows[1]["first_chunk_ms"]})
     print(f"DeltaNet / attention at {tokens}: {rows[-1]['ratio_deltanet_over_attention']:.3f}")
     return rows
 
 
 def delta_rule_blocks(c, tokens: int, reps: int, blocks=(32, 64, 128)) -> list[dict]:
-    """The chunkwise delta rule alone (float32, the layer's shapes) at several block sizes,
-    its state's walk as a scan and as the Pallas kernel (on a GPU), and the kernel alone at
-    several column slices and warps."""
+    """The chunkwise delta rule alone (float32, the layer's shapes) at several block sizes, and
+    its parallel part (`block_terms`) and that part's triangular solve alone."""
     import jax
     import jax.numpy as jnp
-
-    from strata_jax.kernels.delta_rule import delta_rule_carry
     from jax.scipy.linalg import solve_triangular
 
     from strata_jax.layers.deltanet import block_terms, gated_delta_rule
@@ -101,39 +93,21 @@ def delta_rule_blocks(c, tokens: int, reps: int, blocks=(32, 64, 128)) -> list[d
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (tokens, hv)))
     state = jnp.zeros((hv, dk, dv), jnp.float32)
     rows = []
-    carries = ("xla", "pallas") if jax.default_backend() == "gpu" else ("xla",)
-    for carry in carries:
-        for b in blocks:
-            fn = jax.jit(lambda *a, b=b, carry=carry: gated_delta_rule(*a, block=b, carry=carry))
-            ms = _time(fn, (q, k, v, g, beta, state), reps)
-            rows.append({"delta_rule_block": b, "carry": carry, "tokens": tokens, "ms": ms})
-            print(f"delta rule alone, blocks of {b:4d}, {carry:6s}: {ms:8.2f} ms", flush=True)
-    for b in (64, 128):  # the parallel part alone (block_terms), and its solve alone
+    for b in blocks:
+        fn = jax.jit(lambda *a, b=b: gated_delta_rule(*a, block=b))
+        ms = _time(fn, (q, k, v, g, beta, state), reps)
+        rows.append({"delta_rule_block": b, "tokens": tokens, "ms": ms})
+        print(f"delta rule alone, blocks of {b:4d}: {ms:8.2f} ms", flush=True)
+    for b in (64, 128):
         fn = jax.jit(lambda *a, b=b: block_terms(*a, block=b))
         ms = _time(fn, (q, k, v, g, beta), reps)
-        c_ = b
-        system = jnp.tril(jax.random.normal(keys[0], (hv, tokens // c_, c_, c_)) * 0.1, -1)
-        rhs = jax.random.normal(keys[1], (hv, tokens // c_, c_, dk + dv))
+        system = jnp.tril(jax.random.normal(keys[0], (hv, tokens // b, b, b)) * 0.1, -1)
+        rhs = jax.random.normal(keys[1], (hv, tokens // b, b, dk + dv))
         solve = jax.jit(lambda s, r: solve_triangular(s, r, lower=True, unit_diagonal=True))
         ms_solve = _time(solve, (system, rhs), reps)
         rows.append({"block_terms_block": b, "tokens": tokens, "ms": ms, "solve_ms": ms_solve})
         print(f"the parallel part alone, blocks of {b:4d}: {ms:8.2f} ms (its solve "
               f"{ms_solve:.2f} ms)", flush=True)
-    if "pallas" in carries:
-        block = 64
-        n = tokens // block
-        w = jax.random.normal(keys[0], (hv, n * block, dk)) * 0.01
-        u = jax.random.normal(keys[1], (hv, n * block, dv))
-        decay = jnp.full((hv, n), 0.9, jnp.float32)
-        for bv in (16, 32, 64):
-            for warps in (4, 8):
-                fn = jax.jit(lambda *a, bv=bv, warps=warps: delta_rule_carry(
-                    *a, block=block, bv=bv, num_warps=warps))
-                ms = _time(fn, (w, w, w, u, decay, state), reps)
-                rows.append({"carry_kernel_block": block, "bv": bv, "num_warps": warps,
-                             "tokens": tokens, "ms": ms})
-                print(f"the carry kernel alone, blocks of {block}, {bv} columns, {warps} "
-                      f"warps: {ms:8.2f} ms", flush=True)
     return rows
 
 

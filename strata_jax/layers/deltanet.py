@@ -11,8 +11,7 @@ RMSNorm (by z) and the output projection.
 The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut into blocks of
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
 transform: one unit-lower-triangular solve per block), and the state walks across the blocks,
-three small matmuls a block: as a scan, or in one Pallas kernel (`kernels.delta_rule`). No step
-is per token.
+two small matmuls a block, as a scan. No step is per token.
 
 Padding: rows where `valid` is False get beta = 0 and g = 0, which leave the state as it was,
 and the conv window is read at the last real token, so a padded chunk hands the next one the
@@ -27,11 +26,11 @@ from flax import nnx
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
-from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_path
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
-__all__ = ["DELTA_BLOCK", "GatedDeltaNet", "gated_delta_rule", "causal_conv", "l2_normalize"]
+__all__ = ["DELTA_BLOCK", "GatedDeltaNet", "gated_delta_rule", "block_terms", "causal_conv",
+           "l2_normalize"]
 
 # Tokens per block of the chunkwise delta rule (the UT transform's triangular systems).
 DELTA_BLOCK = 64
@@ -67,7 +66,7 @@ def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
     return jax.nn.silu(out).astype(x.dtype), nxt.astype(window.dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: str = "auto"):
+def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
     """The gated delta rule over a chunk, chunkwise-parallel.
 
     Args:
@@ -76,8 +75,6 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         g: float32 [T, Hv] log-decays (<= 0); beta: float32 [T, Hv] in [0, 1].
         state: float32 [Hv, dk, dv], the state before the chunk.
         block: tokens per block.
-        carry: how the state walks the blocks (`Kernels.delta_rule`): "pallas" (one kernel,
-            `kernels.delta_rule`), "xla" (a scan) or "auto" (`delta_rule_path`).
 
     Returns:
         (o float32 [T, Hv, dv], the state after the chunk's last row).
@@ -91,13 +88,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
 
     w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block)
-    if delta_rule_path(carry) == "pallas":
-        flat = lambda a: a.reshape(hv, n * block, a.shape[-1])  # noqa: E731
-        inter, v_new, state = delta_rule_carry(flat(w), flat(qd), flat(kd), flat(u),
-                                               jnp.exp(last), state, block=block)
-        inter, v_new = (a.reshape(hv, n, block, dv) for a in (inter, v_new))
-    else:
-        inter, v_new, state = _carry_scan(w, qd, kd, u, last, state)
+    inter, v_new, state = _carry_scan(w, qd, kd, u, last, state)
     o = inter + _mm(attn, v_new)
     o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
     return o, state
@@ -144,8 +135,10 @@ def _mm(a, b):
 
 
 def _carry_scan(w, qd, kd, u, last, state):
-    """`kernels.delta_rule`'s walk over the blocks as a scan: w, qd, kd [Hv, n, C, dk], u
-    [Hv, n, C, dv], last [Hv, n]. Returns (inter, new [Hv, n, C, dv], the last state)."""
+    """The state's walk over the blocks: per block i, inter_i = qd_i S (its queries reading
+    the state), new_i = u_i - w_i S (its new values), S = exp(last_i) S + kd_i^T new_i.
+    w, qd, kd [Hv, n, C, dk], u [Hv, n, C, dv], last [Hv, n]. Returns (inter, new [Hv, n, C,
+    dv], the last state)."""
     block = w.shape[2]
     reads = jnp.concatenate([w, qd], axis=-2)  # [Hv, n, 2C, dk]
 
@@ -173,14 +166,12 @@ class GatedDeltaNet(nnx.Module):
     """
 
     def __init__(self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
-                 conv_kernel: int, eps: float, dtype, *, rngs: nnx.Rngs | None,
-                 delta_rule: str = "auto"):
+                 conv_kernel: int, eps: float, dtype, *, rngs: nnx.Rngs | None):
         if v_heads % k_heads:
             raise ValueError(f"linear attention value heads ({v_heads}) must be a multiple of "
                              f"its key heads ({k_heads})")
         self.k_heads, self.v_heads, self.k_dim, self.v_dim = k_heads, v_heads, k_dim, v_dim
         self.conv_kernel = conv_kernel
-        self.delta_rule = delta_rule  # `Kernels.delta_rule`
         kd, vd = k_heads * k_dim, v_heads * v_dim
         self.conv_dim = 2 * kd + vd
         self.in_proj = nnx.Param(normal(rngs, (hidden, 2 * kd + 2 * vd), dtype))
@@ -219,7 +210,6 @@ class GatedDeltaNet(nnx.Module):
         if rep > 1:
             qf, kf = (jnp.repeat(a, rep, axis=1) for a in (qf, kf))
         with jax.named_scope("delta_rule"):
-            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state,
-                                        carry=self.delta_rule)
+            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state)
         o = self.norm(o.astype(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
         return dot(o.reshape(t, vd), self.out_proj[...]), window, state
