@@ -3,7 +3,7 @@
 # gpu_run.sh's stages, one build a call:
 #   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|mla|gmm512|chunks|routed512|next-resident|next-e2e|ds-link][,...]
 # tests:         the families' GPU tests (MLA on cuDNN, the hybrid and MLA arms byte-identical).
-# kernels:       the grouped / quantized matmul GPU tests (512 experts included).
+# kernels:       the grouped / quantized matmul GPU tests (gpu_moe512.sh tests).
 # mixers:        Qwen3-Next's Gated DeltaNet layer against its gated attention layer at 32K
 #                tokens, and an 8K chunk over the rest (target: DeltaNet <= 0.5x attention).
 # mla:           DeepSeek-V3's latent attention, an 8K chunk over a 24K prefix against a first
@@ -33,9 +33,8 @@ for STAGE in ${1//,/ }; do
     tests)
       TESTS="tests/test_gpu_mla.py tests/test_gpu_hybrid.py" TEST_TIMEOUT=${TEST_TIMEOUT:-200} \
         $RUN tests || rc=1 ;;
-    kernels)
-      TESTS="tests/test_grouped_matmul.py tests/test_quant_mosaic.py tests/test_quant_matmul.py" \
-        TEST_TIMEOUT=${TEST_TIMEOUT:-240} $RUN tests || rc=1 ;;
+    kernels)  # gpu_moe512.sh's test stage
+      bash strata_jax/benchmarks/gpu_moe512.sh tests || rc=1 ;;
     mixers)
       BENCH_TIMEOUT=200 NAME=next_32k HYBRID_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
         $RUN hybrid || rc=1 ;;

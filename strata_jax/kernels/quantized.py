@@ -70,8 +70,8 @@ def resolve_quantized(impl: str | None, w: QuantizedMatrix,
 
     fused: mosaic where a kernel reads the matrix, else dequantize. auto: the same, but int4
     with zero-points dequantizes (the kernel reading them is slower than dequantizing first:
-    DESIGN.md, "int4 with zero-points"). An act-order matrix (`perm`) resolves as its stored rows do: `grouped_matmul`
-    reorders the inputs first."""
+    DESIGN.md, "int4 with zero-points"). An act-order matrix (`perm`) resolves as its stored
+    rows do: `grouped_matmul` reorders the inputs first."""
     impl = (impl or "auto").lower()
     if impl not in QUANTIZED_MATMULS:
         raise ValueError(f"quantized matmul {impl!r}: expected one of "
