@@ -40,10 +40,11 @@ def test_cuda_hybrid_turns_and_layer_major_identical():
     assert out["routed"] == out["resident"]
 
 
-def test_cuda_deltanet_layer_matches_the_float64_recurrence():
-    """One float32 Gated DeltaNet layer on the GPU (the UT transform's solve through cuBLAS,
-    the scan's matmuls at HIGHEST) against the token-by-token float64 recurrence: a 300-token
-    prompt in one call, then in two calls (the window and state handed on)."""
+def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
+    """One float32 Gated DeltaNet layer on the GPU, its state walked by the Pallas kernel and by
+    the scan, each against the token-by-token float64 recurrence: a 300-token prompt in one
+    call, then in two calls (the state handed on)."""
+    from strata_jax.kernels import Kernels
     from strata_jax.models import build_model, get_preset, init_cache
     from strata_jax.reference import reference_deltanet
     from strata_jax.synthetic import init_synthetic
@@ -54,10 +55,45 @@ def test_cuda_deltanet_layer_matches_the_float64_recurrence():
     x = np.random.default_rng(3).standard_normal((300, cfg.hidden_size)).astype(np.float32)
     ref, _, ref_state = reference_deltanet(cfg, params, "layers.0.linear_attn.", x)
     zeros = init_cache(cfg, 8)
-    layer = build_model(cfg, params).layers[0].linear_attn
-    out, _, state = layer(x, zeros.keys[0], zeros.values[0])
-    assert_close(out, ref, np.float32, err_msg="one call")
-    assert_close(state, ref_state, np.float32, err_msg="the state")
-    a, w, s = layer(x[:130], zeros.keys[0], zeros.values[0])
-    b, _, s = layer(x[130:], w, s)
-    assert_close(np.concatenate([a, b]), ref, np.float32, err_msg="two calls")
+    for carry in ("pallas", "xla"):
+        layer = build_model(cfg, params, kernels=Kernels(delta_rule=carry)).layers[0].linear_attn
+        out, _, state = layer(x, zeros.keys[0], zeros.values[0])
+        assert_close(out, ref, np.float32, err_msg=f"{carry}: one call")
+        assert_close(state, ref_state, np.float32, err_msg=f"{carry}: the state")
+        a, w, s = layer(x[:130], zeros.keys[0], zeros.values[0])
+        b, _, s = layer(x[130:], w, s)
+        assert_close(np.concatenate([a, b]), ref, np.float32, err_msg=f"{carry}: two calls")
+
+
+def test_cuda_tf32_delta_rule_matches_the_float64_recurrence():
+    """The delta rule with TF32 products (what a bf16 layer on the GPU runs: `products_for`),
+    its state walked by the Pallas kernel and by the scan, against the token-by-token float64
+    recurrence at the real head sizes (dk = dv = 128): 300 tokens from a random state, in
+    blocks of 64 (the last padded). TF32 carries float16's 10-bit mantissa: float16's row of the
+    tolerance table."""
+    import jax.numpy as jnp
+
+    from strata_jax.layers.deltanet import gated_delta_rule, products_for
+    from strata_jax.testing import assert_close
+
+    assert products_for(jnp.bfloat16) == "tf32" and products_for(jnp.float32) == "float32"
+    rng = np.random.default_rng(11)
+    t, hv, dk, dv = 300, 4, 128, 128
+    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(rng.standard_normal((t, hv, dk))) * dk ** -0.5
+    k = unit(rng.standard_normal((t, hv, dk)))
+    v = rng.standard_normal((t, hv, dv))
+    g = -np.log1p(np.exp(rng.standard_normal((t, hv)) - 2.0))
+    beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
+    s0 = 0.1 * rng.standard_normal((hv, dk, dv))
+    s, ref = s0.copy(), np.empty((t, hv, dv))
+    for i in range(t):
+        s *= np.exp(g[i])[:, None, None]
+        err = v[i] - np.einsum("hkv,hk->hv", s, k[i])
+        s += np.einsum("hk,hv->hkv", k[i], beta[i][:, None] * err)
+        ref[i] = np.einsum("hkv,hk->hv", s, q[i])
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
+    for carry in ("pallas", "xla"):
+        out, state = gated_delta_rule(*args, carry=carry, products="tf32")
+        assert_close(out, ref, np.float16, err_msg=f"{carry}: outputs")
+        assert_close(state, s, np.float16, err_msg=f"{carry}: the state")

@@ -77,6 +77,51 @@ def test_deltanet_layer_matches_the_float64_recurrence_across_chunks(f32_params)
     assert 150 > 2 * DELTA_BLOCK
 
 
+def test_delta_rule_kernel_interpreted_gives_the_scan_bits():
+    """The Pallas carry (interpret mode here) reads the same float32 products as the scan: 150
+    tokens in blocks of 64 (the last padded), bit for bit; it lowers for CUDA to one Triton
+    call; a slice that is not a power of two is refused by name."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.kernels import Kernels
+    from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_path
+    from strata_jax.layers.deltanet import gated_delta_rule
+
+    rng = np.random.default_rng(7)
+    t, hv, dk, dv = 150, 4, 16, 32
+    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(rng.standard_normal((t, hv, dk))) * dk ** -0.5
+    k = unit(rng.standard_normal((t, hv, dk)))
+    v = rng.standard_normal((t, hv, dv))
+    g = -np.log1p(np.exp(rng.standard_normal((t, hv))))
+    beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
+    s0 = rng.standard_normal((hv, dk, dv))
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
+    scan = gated_delta_rule(*args, block=64, carry="xla")
+    kernel = gated_delta_rule(*args, block=64, carry="pallas")
+    for a, b in zip(scan, kernel):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert delta_rule_path("auto", "cpu") == "xla"
+    with pytest.raises(ValueError, match="delta_rule='scan'"):
+        Kernels(delta_rule="scan")
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    shapes = (f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128),
+              f32(32, 64), f32(32, 128, 128))
+    for products in ("float32", "tf32"):
+        hlo = jax.jit(lambda *a, p=products: delta_rule_carry(
+            *a, block=64, products=p, interpret=False)).trace(*shapes).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert hlo.count("__gpu$xla.gpu.triton") == 1 and "grid_y = 4" in hlo
+    assert delta_rule_path("auto", "gpu", "tf32") == "pallas"
+    assert delta_rule_path("auto", "gpu", "float32") == "xla"
+    with pytest.raises(ValueError, match="products='bf16'"):
+        delta_rule_carry(*[np.zeros(a.shape, np.float32) for a in shapes], block=64,
+                         products="bf16")
+    with pytest.raises(ValueError, match="bv=48 must be a power of two"):
+        delta_rule_carry(*[np.zeros(a.shape, np.float32) for a in shapes], block=64, bv=48)
+
+
 def test_model_matches_float64_reference_whole_and_in_chunks(f32_params):
     model = build_model(F32, f32_params)
     toks = _tokens(140)

@@ -36,6 +36,7 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     from flax import nnx
 
     from strata_jax.models import get_preset, init_cache
+    from strata_jax.kernels import Kernels
     from strata_jax.models.hybrid import HybridLayer
 
     c = get_preset(preset)
@@ -46,8 +47,11 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     cache = init_cache(c, tokens)
     x = (0.5 * jax.random.normal(jax.random.key(0), (tokens, c.hidden_size))).astype(c.dtype)
     positions = jnp.arange(tokens, dtype=jnp.int32)
-    for layer, kind in ((0, "gated-deltanet"), (3, "gated-attention")):
-        block = HybridLayer(c, layer, rngs=nnx.Rngs(layer))
+    for layer, kind, kernels in ((0, "gated-deltanet", Kernels()),
+                                 (0, "gated-deltanet (kernel)", Kernels(delta_rule="pallas")),
+                                 (0, "gated-deltanet (scan)", Kernels(delta_rule="xla")),
+                                 (3, "gated-attention", Kernels())):
+        block = HybridLayer(c, layer, rngs=nnx.Rngs(layer), kernels=kernels)
         graph, state = nnx.split(block)
 
         def first(state, x, k, v, graph=graph):
@@ -63,25 +67,30 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
         ms = _time(jax.jit(first), (state, x, k, v), reps)
         start = jnp.int32(tokens - chunk)
         ms_later = _time(jax.jit(later), (state, x[:chunk], k, v, start), reps)
-        rows.append({"mixer": kind, "layer": layer, "tokens": tokens, "first_chunk_ms": ms,
+        rows.append({"mixer": kind, "delta_rule": kernels.delta_rule, "layer": layer,
+                     "tokens": tokens, "first_chunk_ms": ms,
                      "chunk": chunk, "later_chunk_ms": ms_later})
-        print(f"{kind:16s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
+        print(f"{kind:24s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
               f"over {tokens - chunk}: {ms_later:8.2f} ms", flush=True)
     rows += delta_rule_blocks(c, tokens, reps)
     rows.append({"ratio_deltanet_over_attention": rows[0]["first_chunk_ms"]
-                 / rows[1]["first_chunk_ms"]})
+                 / rows[3]["first_chunk_ms"]})
     print(f"DeltaNet / attention at {tokens}: {rows[-1]['ratio_deltanet_over_attention']:.3f}")
     return rows
 
 
-def delta_rule_blocks(c, tokens: int, reps: int, blocks=(32, 64, 128)) -> list[dict]:
-    """The chunkwise delta rule alone (float32, the layer's shapes) at several block sizes, and
-    its parallel part (`block_terms`) and that part's triangular solve alone."""
+def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
+    """The chunkwise delta rule alone (float32 data, the layer's shapes): float32 products with
+    the scan; TF32 products (a bf16 layer on a GPU) with the scan and with the Pallas kernel,
+    at several block sizes; its parallel part (`block_terms`) and the UT transform's solve as
+    the library runs it (inverse, then a matmul) and solved for the dk + dv columns; the kernel
+    alone at several column slices, warps and stages."""
     import jax
     import jax.numpy as jnp
     from jax.scipy.linalg import solve_triangular
 
-    from strata_jax.layers.deltanet import block_terms, gated_delta_rule
+    from strata_jax.kernels.delta_rule import delta_rule_carry
+    from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule
 
     hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     keys = jax.random.split(jax.random.key(1), 5)
@@ -93,21 +102,54 @@ def delta_rule_blocks(c, tokens: int, reps: int, blocks=(32, 64, 128)) -> list[d
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (tokens, hv)))
     state = jnp.zeros((hv, dk, dv), jnp.float32)
     rows = []
-    for b in blocks:
-        fn = jax.jit(lambda *a, b=b: gated_delta_rule(*a, block=b))
+    gpu = jax.default_backend() == "gpu"
+    cases = [("float32", "xla", 64)]
+    if gpu:
+        cases += [("tf32", "xla", 64), ("tf32", "pallas", 32), ("tf32", "pallas", 64),
+                  ("tf32", "pallas", 128)]
+    for products, carry, b in cases:
+        fn = jax.jit(lambda *a, b=b, carry=carry, products=products: gated_delta_rule(
+            *a, block=b, carry=carry, products=products))
         ms = _time(fn, (q, k, v, g, beta, state), reps)
-        rows.append({"delta_rule_block": b, "tokens": tokens, "ms": ms})
-        print(f"delta rule alone, blocks of {b:4d}: {ms:8.2f} ms", flush=True)
-    for b in (64, 128):
-        fn = jax.jit(lambda *a, b=b: block_terms(*a, block=b))
+        rows.append({"delta_rule_block": b, "products": products, "carry": carry,
+                     "tokens": tokens, "ms": ms})
+        print(f"delta rule alone, blocks of {b:4d}, {products:7s} products, {carry:6s}: "
+              f"{ms:8.2f} ms", flush=True)
+    b = 64
+    system = jnp.eye(b) + jnp.tril(jax.random.normal(keys[0], (hv, tokens // b, b, b)) * 0.1, -1)
+    rhs = jax.random.normal(keys[1], (hv, tokens // b, b, dk + dv))
+    solve = lambda s, r: solve_triangular(s, r, lower=True, unit_diagonal=True)  # noqa: E731
+    ms_columns = _time(jax.jit(solve), (system, rhs), reps)
+    for products in ("float32", "tf32") if gpu else ("float32",):
+        fn = jax.jit(lambda *a, products=products: block_terms(*a, block=b, products=products))
         ms = _time(fn, (q, k, v, g, beta), reps)
-        system = jnp.tril(jax.random.normal(keys[0], (hv, tokens // b, b, b)) * 0.1, -1)
-        rhs = jax.random.normal(keys[1], (hv, tokens // b, b, dk + dv))
-        solve = jax.jit(lambda s, r: solve_triangular(s, r, lower=True, unit_diagonal=True))
-        ms_solve = _time(solve, (system, rhs), reps)
-        rows.append({"block_terms_block": b, "tokens": tokens, "ms": ms, "solve_ms": ms_solve})
-        print(f"the parallel part alone, blocks of {b:4d}: {ms:8.2f} ms (its solve "
-              f"{ms_solve:.2f} ms)", flush=True)
+        inverse = jax.jit(lambda s, r, products=products: _mm(
+            solve(s, jnp.broadcast_to(jnp.eye(b), s.shape)), r, products))
+        ms_inverse = _time(inverse, (system, rhs), reps)
+        rows.append({"block_terms_block": b, "products": products, "tokens": tokens, "ms": ms,
+                     "solve_inverse_ms": ms_inverse, "solve_columns_ms": ms_columns})
+        print(f"the parallel part alone, blocks of {b}, {products:7s}: {ms:8.2f} ms (its "
+              f"transform {ms_inverse:.2f} ms; solved for the {dk + dv} columns "
+              f"{ms_columns:.2f} ms)", flush=True)
+    if gpu:
+        n = tokens // b
+        w = jax.random.normal(keys[0], (hv, n * b, dk)) * 0.01
+        u = jax.random.normal(keys[1], (hv, n * b, dv))
+        decay = jnp.full((hv, n), 0.9, jnp.float32)
+        for bv, warps, stages in ((16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 8, 1), (64, 4, 1),
+                                  (64, 8, 1), (64, 8, 2), (128, 8, 1)):
+            fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: delta_rule_carry(
+                *a, block=b, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
+            try:
+                ms = _time(fn, (w, w, w, u, decay, state), reps)
+            except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
+                print(f"the carry kernel, {bv} columns, {warps} warps, {stages} stages: "
+                      f"failed: {str(e)[:200]}", flush=True)
+                continue
+            rows.append({"carry_kernel_block": b, "products": "tf32", "bv": bv,
+                         "num_warps": warps, "num_stages": stages, "tokens": tokens, "ms": ms})
+            print(f"the carry kernel alone (tf32), blocks of {b}, {bv} columns, {warps} warps, "
+                  f"{stages} stages: {ms:8.2f} ms", flush=True)
     return rows
 
 

@@ -18,6 +18,9 @@ another (jit keys on it). Nothing is read from the environment.
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`layers.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)
+    delta_rule      "auto" | "pallas" | "xla"  (`kernels.delta_rule`: how a Gated DeltaNet
+                    layer's state walks the blocks of a chunk: the Pallas kernel or a scan;
+                    auto: `kernels.delta_rule.AUTO_ON_GPU` on a GPU, the scan elsewhere)
 
 The defaults are the measured best on each platform; the others exist for tests and
 comparisons.
@@ -27,11 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Kernels", "GROUPED_MATMULS", "QUANTIZED_MATMULS", "ATTENTION_PATHS"]
+__all__ = ["Kernels", "GROUPED_MATMULS", "QUANTIZED_MATMULS", "ATTENTION_PATHS", "DELTA_RULES"]
 
 GROUPED_MATMULS = ("auto", "mosaic", "lax", "tiled")
 QUANTIZED_MATMULS = ("auto", "fused", "dequantize")
 ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
+DELTA_RULES = ("auto", "pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +45,13 @@ class Kernels:
     grouped_matmul: str = "auto"
     attention: str = "auto"
     quantized_matmul: str = "auto"
+    delta_rule: str = "auto"
 
     def __post_init__(self):
         for field, allowed in (("grouped_matmul", GROUPED_MATMULS),
                                ("attention", ATTENTION_PATHS),
-                               ("quantized_matmul", QUANTIZED_MATMULS)):
+                               ("quantized_matmul", QUANTIZED_MATMULS),
+                               ("delta_rule", DELTA_RULES)):
             value = getattr(self, field)
             if not isinstance(value, str) or value.lower() not in allowed:
                 raise ValueError(f"Kernels({field}={value!r}): expected one of "

@@ -10,8 +10,13 @@ RMSNorm (by z) and the output projection.
 
 The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut into blocks of
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
-transform: one unit-lower-triangular solve per block), and the state walks across the blocks,
-two small matmuls a block, as a scan. No step is per token.
+transform: each block's unit-lower-triangular system inverted, then matmuls), and the state
+walks across the blocks, three small matmuls a block: as a scan, or in one Pallas kernel
+(`kernels.delta_rule`). No step is per token.
+
+Products: a float32 layer takes every product of the rule at full float32 (`HIGHEST`); a
+bf16/fp16 layer on a GPU takes them at TF32 (tensor cores; a 10-bit mantissa, finer than the
+layer's bf16 activations and outputs), its state and sums staying float32 (`products_for`).
 
 Padding: rows where `valid` is False get beta = 0 and g = 0, which leave the state as it was,
 and the conv window is read at the last real token, so a padded chunk hands the next one the
@@ -26,15 +31,24 @@ from flax import nnx
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
+from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_path
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
-__all__ = ["DELTA_BLOCK", "GatedDeltaNet", "gated_delta_rule", "block_terms", "causal_conv",
-           "l2_normalize"]
+__all__ = ["DELTA_BLOCK", "GatedDeltaNet", "gated_delta_rule", "causal_conv", "l2_normalize"]
 
 # Tokens per block of the chunkwise delta rule (the UT transform's triangular systems).
 DELTA_BLOCK = 64
 _HIGHEST = lax.Precision.HIGHEST
+# The rule's products: "float32" (HIGHEST) or "tf32" (tensor cores, float32 sums).
+PRODUCTS = ("float32", "tf32")
+
+
+def products_for(dtype, platform: str | None = None) -> str:
+    """The delta rule's products for a layer whose activations are `dtype`: "tf32" for a
+    bf16/fp16 layer on a GPU, "float32" otherwise."""
+    platform = platform or jax.default_backend()
+    return "tf32" if platform == "gpu" and jnp.dtype(dtype).itemsize < 4 else "float32"
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -66,7 +80,8 @@ def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
     return jax.nn.silu(out).astype(x.dtype), nxt.astype(window.dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
+def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: str = "auto",
+                     products: str = "float32"):
     """The gated delta rule over a chunk, chunkwise-parallel.
 
     Args:
@@ -75,6 +90,9 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
         g: float32 [T, Hv] log-decays (<= 0); beta: float32 [T, Hv] in [0, 1].
         state: float32 [Hv, dk, dv], the state before the chunk.
         block: tokens per block.
+        carry: how the state walks the blocks (`Kernels.delta_rule`): "pallas" (one kernel,
+            `kernels.delta_rule`), "xla" (a scan) or "auto" (`delta_rule_path`).
+        products: "float32" or "tf32" (`products_for`).
 
     Returns:
         (o float32 [T, Hv, dv], the state after the chunk's last row).
@@ -87,16 +105,28 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK):
         q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
 
-    w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block)
-    inter, v_new, state = _carry_scan(w, qd, kd, u, last, state)
-    o = inter + _mm(attn, v_new)
+    if products not in PRODUCTS:
+        raise ValueError(f"delta rule products {products!r}: expected one of "
+                         f"{'|'.join(PRODUCTS)}")
+    w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block, products)
+    if delta_rule_path(carry, products=products) == "pallas":
+        flat = lambda a: a.reshape(hv, n * block, a.shape[-1])  # noqa: E731
+        inter, v_new, state = delta_rule_carry(flat(w), flat(qd), flat(kd), flat(u),
+                                               jnp.exp(last), state, block=block,
+                                               products=products)
+        inter, v_new = (a.reshape(hv, n, block, dv) for a in (inter, v_new))
+    else:
+        inter, v_new, state = _carry_scan(w, qd, kd, u, last, state, products)
+    o = inter + _mm(attn, v_new, products)
     o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
     return o, state
 
 
-def block_terms(q, k, v, g, beta, block: int):
+def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     """The parallel part of the chunkwise rule: per block of `block` tokens (T a multiple of
-    it), the UT transform's solve and the products that need no state.
+    it), the UT transform and the products that need no state. The transform inverts each
+    block's unit-lower system (a triangular solve against the identity: `block` right-hand
+    sides) and multiplies: a quarter of the solve's work of solving for the dk + dv columns.
 
     Returns (w, qd, kd [Hv, n, C, dk]; u [Hv, n, C, dv]; attn [Hv, n, C, C] (causal within the
     block, decayed); last [Hv, n] (each block's total log-decay)): the block's keys reading
@@ -117,36 +147,41 @@ def block_terms(q, k, v, g, beta, block: int):
     decay = jnp.exp(jnp.where(lower, diff, -jnp.inf))  # exp(gam_i - gam_j), i >= j; else 0
     kb = k * beta[..., None]
     vb = v * beta[..., None]
-    kkt = _mm(kb, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C]
+    kkt = _mm(kb, jnp.swapaxes(k, -1, -2), products) * decay  # [Hv, n, C, C]
     strict = jnp.tril(jnp.ones((block, block), bool), -1)
-    system = jnp.where(strict, kkt, 0.0) + jnp.eye(block, dtype=jnp.float32)
+    eye = jnp.eye(block, dtype=jnp.float32)
+    system = jnp.where(strict, kkt, 0.0) + eye
+    inverse = solve_triangular(system, jnp.broadcast_to(eye, system.shape), lower=True,
+                               unit_diagonal=True)
     rhs = jnp.concatenate([vb, kb * jnp.exp(gam)[..., None]], axis=-1)  # [Hv, n, C, dv+dk]
-    solved = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    solved = _mm(inverse, rhs, products)
     u, w = solved[..., :dv], solved[..., dv:]  # new values; decayed keys reading the state
-    attn = _mm(q, jnp.swapaxes(k, -1, -2)) * decay  # [Hv, n, C, C], causal within the block
+    attn = _mm(q, jnp.swapaxes(k, -1, -2), products) * decay  # [Hv, n, C, C], causal
     qd = q * jnp.exp(gam)[..., None]
     last = gam[..., -1]  # [Hv, n]
     kd = k * jnp.exp(last[..., None] - gam)[..., None]  # keys decayed to the block's end
     return w, qd, kd, u, attn, last
 
 
-def _mm(a, b):
+def _mm(a, b, products: str = "float32"):
+    if products == "tf32":
+        return jnp.matmul(a, b, precision=lax.DotAlgorithmPreset.TF32_TF32_F32,
+                          preferred_element_type=jnp.float32)
     return jnp.matmul(a, b, precision=_HIGHEST)
 
 
-def _carry_scan(w, qd, kd, u, last, state):
-    """The state's walk over the blocks: per block i, inter_i = qd_i S (its queries reading
-    the state), new_i = u_i - w_i S (its new values), S = exp(last_i) S + kd_i^T new_i.
-    w, qd, kd [Hv, n, C, dk], u [Hv, n, C, dv], last [Hv, n]. Returns (inter, new [Hv, n, C,
-    dv], the last state)."""
+def _carry_scan(w, qd, kd, u, last, state, products: str = "float32"):
+    """`kernels.delta_rule`'s walk over the blocks as a scan: w, qd, kd [Hv, n, C, dk], u
+    [Hv, n, C, dv], last [Hv, n]. Returns (inter, new [Hv, n, C, dv], the last state)."""
     block = w.shape[2]
     reads = jnp.concatenate([w, qd], axis=-2)  # [Hv, n, 2C, dk]
 
     def step(s, xs):
         reads_i, u_i, kd_i, last_i = xs  # [Hv, 2C, dk], [Hv, C, dv], [Hv, C, dk], [Hv]
-        r = _mm(reads_i, s)  # [Hv, 2C, dv]
+        r = _mm(reads_i, s, products)  # [Hv, 2C, dv]
         v_new = u_i - r[:, :block]
-        s = s * jnp.exp(last_i)[:, None, None] + _mm(jnp.swapaxes(kd_i, -1, -2), v_new)
+        s = s * jnp.exp(last_i)[:, None, None] + _mm(jnp.swapaxes(kd_i, -1, -2), v_new,
+                                                     products)
         return s, (r[:, block:], v_new)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (reads, u, kd, last))  # blocks first
@@ -166,12 +201,14 @@ class GatedDeltaNet(nnx.Module):
     """
 
     def __init__(self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
-                 conv_kernel: int, eps: float, dtype, *, rngs: nnx.Rngs | None):
+                 conv_kernel: int, eps: float, dtype, *, rngs: nnx.Rngs | None,
+                 delta_rule: str = "auto"):
         if v_heads % k_heads:
             raise ValueError(f"linear attention value heads ({v_heads}) must be a multiple of "
                              f"its key heads ({k_heads})")
         self.k_heads, self.v_heads, self.k_dim, self.v_dim = k_heads, v_heads, k_dim, v_dim
         self.conv_kernel = conv_kernel
+        self.delta_rule = delta_rule  # `Kernels.delta_rule`
         kd, vd = k_heads * k_dim, v_heads * v_dim
         self.conv_dim = 2 * kd + vd
         self.in_proj = nnx.Param(normal(rngs, (hidden, 2 * kd + 2 * vd), dtype))
@@ -210,6 +247,7 @@ class GatedDeltaNet(nnx.Module):
         if rep > 1:
             qf, kf = (jnp.repeat(a, rep, axis=1) for a in (qf, kf))
         with jax.named_scope("delta_rule"):
-            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state)
+            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state,
+                                        carry=self.delta_rule, products=products_for(x.dtype))
         o = self.norm(o.astype(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
         return dot(o.reshape(t, vd), self.out_proj[...]), window, state

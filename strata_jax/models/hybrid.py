@@ -164,7 +164,8 @@ class HybridLayer(DecoderLayer):
         if self.linear:
             self.linear_attn = GatedDeltaNet(
                 c.hidden_size, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
-                c.linear_v_dim, c.conv_kernel, c.rms_norm_eps, dt, rngs=rngs)
+                c.linear_v_dim, c.conv_kernel, c.rms_norm_eps, dt, rngs=rngs,
+                delta_rule=kernels.delta_rule)
         else:
             self.attn = Attention(c, rngs=rngs, kernels=kernels, layer=layer, output_gate=True,
                                   centred_norms=True)
