@@ -216,18 +216,27 @@ def reference_deltanet(c: ModelConfig, p, prefix: str, x, window=None, state=Non
     beta = 1.0 / (1.0 + np.exp(-gates[:, :hv]))
     a = gates[:, hv:] + _f64(p[prefix + "dt_bias"])
     g = -np.exp(_f64(p[prefix + "A_log"])) * np.log1p(np.exp(a))
-    s = np.zeros((hv, dk, dv)) if state is None else _f64(state)
-    out = np.zeros((t, hv, dv))
+    s = np.zeros((hv, dk, dv)) if state is None else state
     rep = hv // hk
-    for i in range(t):
-        for h in range(hv):
-            kh = k[i, h // rep]
-            s[h] = np.exp(g[i, h]) * s[h]
-            s[h] = s[h] + np.outer(kh, beta[i, h] * (v[i, h] - s[h].T @ kh))
-            out[i, h] = s[h].T @ q[i, h // rep]
+    out, s = reference_delta_rule(np.repeat(q, rep, 1), np.repeat(k, rep, 1), v, g, beta, s)
     normed = out / np.sqrt(np.mean(out * out, -1, keepdims=True) + c.rms_norm_eps)
     normed = normed * _f64(p[prefix + "norm.weight"]) * _silu(z.reshape(t, hv, dv))
     return normed.reshape(t, vd) @ _f64(p[prefix + "out_proj"]), full[t:], s
+
+
+def reference_delta_rule(q, k, v, g, beta, state):
+    """Float64 gated delta rule, token by token: per value head S <- exp(g) S, then
+    S <- S + k (beta (v - S^T k))^T, o = S^T q. q, k [T, Hv, dk] (normalised, q scaled), v
+    [T, Hv, dv], g and beta [T, Hv], state [Hv, dk, dv]. Returns (o [T, Hv, dv], the state)."""
+    q, k, v, g, beta = (_f64(a) for a in (q, k, v, g, beta))
+    s = _f64(state).copy()
+    out = np.zeros(v.shape)
+    for i in range(q.shape[0]):
+        s *= np.exp(g[i])[:, None, None]
+        err = v[i] - np.einsum("hkv,hk->hv", s, k[i])
+        s += np.einsum("hk,hv->hkv", k[i], beta[i][:, None] * err)
+        out[i] = np.einsum("hkv,hk->hv", s, q[i])
+    return out, s
 
 
 def reference_attention(q, k, v, positions, window: int | None = None,

@@ -41,9 +41,10 @@ def test_cuda_hybrid_turns_and_layer_major_identical():
 
 
 def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
-    """One float32 Gated DeltaNet layer on the GPU, its state walked by the Pallas kernel and by
-    the scan, each against the token-by-token float64 recurrence: a 300-token prompt in one
-    call, then in two calls (the state handed on)."""
+    """One float32 Gated DeltaNet layer on the GPU through each delta-rule implementation (the
+    scan, the Pallas walk, the fused kernels; float32 products), each against the
+    token-by-token float64 recurrence: a 300-token prompt in one call, then in two calls (the
+    window and state handed on)."""
     from strata_jax.kernels import Kernels
     from strata_jax.models import build_model, get_preset, init_cache
     from strata_jax.reference import reference_deltanet
@@ -55,7 +56,7 @@ def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
     x = np.random.default_rng(3).standard_normal((300, cfg.hidden_size)).astype(np.float32)
     ref, _, ref_state = reference_deltanet(cfg, params, "layers.0.linear_attn.", x)
     zeros = init_cache(cfg, 8)
-    for carry in ("pallas", "xla"):
+    for carry in ("pallas", "fused", "xla"):
         layer = build_model(cfg, params, kernels=Kernels(delta_rule=carry)).layers[0].linear_attn
         out, _, state = layer(x, zeros.keys[0], zeros.values[0])
         assert_close(out, ref, np.float32, err_msg=f"{carry}: one call")
@@ -66,17 +67,18 @@ def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
 
 
 def test_cuda_tf32_delta_rule_matches_the_float64_recurrence():
-    """The delta rule with TF32 products (what a bf16 layer on the GPU runs: `products_for`),
-    its state walked by the Pallas kernel and by the scan, against the token-by-token float64
-    recurrence at the real head sizes (dk = dv = 128): 300 tokens from a random state, in
-    blocks of 64 (the last padded). TF32 carries float16's 10-bit mantissa: float16's row of the
-    tolerance table."""
+    """The delta rule with TF32 products (what a bf16 layer on the GPU runs through the
+    kernels: `products_for`): the Pallas walk, the fused rule and the scan at TF32, against the
+    token-by-token float64 recurrence at the real head sizes (dk = dv = 128): 300 tokens from a
+    random state in blocks of 64 (the last padded). TF32 carries float16's 10-bit mantissa:
+    float16's row of the tolerance table."""
     import jax.numpy as jnp
 
     from strata_jax.layers.deltanet import gated_delta_rule, products_for
+    from strata_jax.reference import reference_delta_rule
     from strata_jax.testing import assert_close
 
-    assert products_for(jnp.bfloat16) == "tf32" and products_for(jnp.float32) == "float32"
+    assert products_for(jnp.bfloat16, "fused") == "tf32"
     rng = np.random.default_rng(11)
     t, hv, dk, dv = 300, 4, 128, 128
     unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
@@ -86,14 +88,9 @@ def test_cuda_tf32_delta_rule_matches_the_float64_recurrence():
     g = -np.log1p(np.exp(rng.standard_normal((t, hv)) - 2.0))
     beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
     s0 = 0.1 * rng.standard_normal((hv, dk, dv))
-    s, ref = s0.copy(), np.empty((t, hv, dv))
-    for i in range(t):
-        s *= np.exp(g[i])[:, None, None]
-        err = v[i] - np.einsum("hkv,hk->hv", s, k[i])
-        s += np.einsum("hk,hv->hkv", k[i], beta[i][:, None] * err)
-        ref[i] = np.einsum("hkv,hk->hv", s, q[i])
+    ref, ref_state = reference_delta_rule(q, k, v, g, beta, s0)
     args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
-    for carry in ("pallas", "xla"):
+    for carry in ("pallas", "fused", "xla"):
         out, state = gated_delta_rule(*args, carry=carry, products="tf32")
         assert_close(out, ref, np.float16, err_msg=f"{carry}: outputs")
-        assert_close(state, s, np.float16, err_msg=f"{carry}: the state")
+        assert_close(state, ref_state, np.float16, err_msg=f"{carry}: the state")

@@ -77,49 +77,89 @@ def test_deltanet_layer_matches_the_float64_recurrence_across_chunks(f32_params)
     assert 150 > 2 * DELTA_BLOCK
 
 
-def test_delta_rule_kernel_interpreted_gives_the_scan_bits():
-    """The Pallas carry (interpret mode here) reads the same float32 products as the scan: 150
-    tokens in blocks of 64 (the last padded), bit for bit; it lowers for CUDA to one Triton
-    call; a slice that is not a power of two is refused by name."""
-    import jax
-    import jax.numpy as jnp
-
-    from strata_jax.kernels import Kernels
-    from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_path
-    from strata_jax.layers.deltanet import gated_delta_rule
-
-    rng = np.random.default_rng(7)
-    t, hv, dk, dv = 150, 4, 16, 32
+def _delta_inputs(t, hv, dk, dv, seed):
+    rng = np.random.default_rng(seed)
     unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
     q = unit(rng.standard_normal((t, hv, dk))) * dk ** -0.5
     k = unit(rng.standard_normal((t, hv, dk)))
     v = rng.standard_normal((t, hv, dv))
     g = -np.log1p(np.exp(rng.standard_normal((t, hv))))
     beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
-    s0 = rng.standard_normal((hv, dk, dv))
-    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
+    return q, k, v, g, beta, rng.standard_normal((hv, dk, dv))
+
+
+def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
+    """The Pallas kernels in interpret mode: the carry reads the scan's float32 products (bit
+    for bit); the fused rule (its own inverse, tokens-first) is within float32 of the float64
+    recurrence, and so is the scan; 150 tokens in blocks of 64, the last padded; four value
+    heads reading two key heads."""
+    import jax.numpy as jnp
+
+    from strata_jax.layers.deltanet import gated_delta_rule
+    from strata_jax.reference import reference_delta_rule
+
+    inputs = _delta_inputs(150, 4, 16, 32, seed=7)
+    args = [jnp.asarray(a, jnp.float32) for a in inputs]
+    ref = reference_delta_rule(*inputs)
     scan = gated_delta_rule(*args, block=64, carry="xla")
     kernel = gated_delta_rule(*args, block=64, carry="pallas")
     for a, b in zip(scan, kernel):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for carry, got in (("xla", scan), ("fused", gated_delta_rule(*args, block=64,
+                                                                 carry="fused"))):
+        assert_close(got[0], ref[0], np.float32, err_msg=f"{carry}: outputs")
+        assert_close(got[1], ref[1], np.float32, err_msg=f"{carry}: the state")
+    q2, k2 = inputs[0][:, :2], inputs[1][:, :2]  # 2 key heads for 4 value heads: h // 2
+    ref = reference_delta_rule(np.repeat(q2, 2, 1), np.repeat(k2, 2, 1), *inputs[2:])
+    for carry in ("xla", "pallas", "fused"):
+        got = gated_delta_rule(jnp.asarray(q2, jnp.float32), jnp.asarray(k2, jnp.float32),
+                               *args[2:], block=64, carry=carry)
+        assert_close(got[0], ref[0], np.float32, err_msg=f"{carry}, shared keys: outputs")
+
+
+def test_delta_rule_kernels_lower_for_cuda_and_refuse_bad_shapes():
+    """Both kernels lower for CUDA (the carry to one Triton call, the fused rule to two) at the
+    real head sizes with either products; "auto" and the products each path takes; a slice
+    that is not a power of two and unknown products are refused by name."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.kernels import Kernels
+    from strata_jax.kernels.delta_rule import (AUTO_ON_GPU, delta_rule_carry, delta_rule_chunk,
+                                               delta_rule_path)
+    from strata_jax.layers.deltanet import gated_delta_rule, products_for
+
     assert delta_rule_path("auto", "cpu") == "xla"
+    assert delta_rule_path("auto", "gpu") == AUTO_ON_GPU
+    assert products_for(jnp.bfloat16, "fused", "gpu") == "tf32"
+    assert products_for(jnp.bfloat16, "xla", "gpu") == "float32"
+    assert products_for(jnp.float32, "pallas", "gpu") == "float32"
+    assert products_for(jnp.bfloat16, "fused", "cpu") == "float32"
     with pytest.raises(ValueError, match="delta_rule='scan'"):
         Kernels(delta_rule="scan")
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    shapes = (f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128),
-              f32(32, 64), f32(32, 128, 128))
+    walk = (f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128),
+            f32(32, 64), f32(32, 128, 128))
+    rule = (f32(4096, 32, 128), f32(4096, 32, 128), f32(4096, 32, 128), f32(4096, 32),
+            f32(4096, 32), f32(32, 128, 128))
     for products in ("float32", "tf32"):
         hlo = jax.jit(lambda *a, p=products: delta_rule_carry(
-            *a, block=64, products=p, interpret=False)).trace(*shapes).lower(
+            *a, block=64, products=p, interpret=False)).trace(*walk).lower(
             lowering_platforms=("cuda",)).as_text()
         assert hlo.count("__gpu$xla.gpu.triton") == 1 and "grid_y = 4" in hlo
-    assert delta_rule_path("auto", "gpu", "tf32") == "pallas"
-    assert delta_rule_path("auto", "gpu", "float32") == "xla"
+        hlo = jax.jit(lambda *a, p=products: delta_rule_chunk(
+            *a, block=64, products=p, interpret=False)).trace(*rule).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert hlo.count("__gpu$xla.gpu.triton") == 2
+    zeros = [np.zeros(a.shape, np.float32) for a in walk]
     with pytest.raises(ValueError, match="products='bf16'"):
-        delta_rule_carry(*[np.zeros(a.shape, np.float32) for a in shapes], block=64,
-                         products="bf16")
+        delta_rule_carry(*zeros, block=64, products="bf16")
     with pytest.raises(ValueError, match="bv=48 must be a power of two"):
-        delta_rule_carry(*[np.zeros(a.shape, np.float32) for a in shapes], block=64, bv=48)
+        delta_rule_carry(*zeros, block=64, bv=48)
+    with pytest.raises(ValueError, match="bv=48 must be a power of two"):
+        delta_rule_chunk(*[np.zeros(a.shape, np.float32) for a in rule], block=64, bv=48)
+    with pytest.raises(ValueError, match="products 'bf16'"):
+        gated_delta_rule(*[np.zeros(a.shape, np.float32) for a in rule], products="bf16")
 
 
 def test_model_matches_float64_reference_whole_and_in_chunks(f32_params):

@@ -47,10 +47,10 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     cache = init_cache(c, tokens)
     x = (0.5 * jax.random.normal(jax.random.key(0), (tokens, c.hidden_size))).astype(c.dtype)
     positions = jnp.arange(tokens, dtype=jnp.int32)
-    for layer, kind, kernels in ((0, "gated-deltanet", Kernels()),
-                                 (0, "gated-deltanet (kernel)", Kernels(delta_rule="pallas")),
-                                 (0, "gated-deltanet (scan)", Kernels(delta_rule="xla")),
-                                 (3, "gated-attention", Kernels())):
+    for layer, kind, kernels in ((3, "gated-attention", Kernels()),
+                                 (0, "gated-deltanet", Kernels()),
+                                 (0, "gated-deltanet (walk kernel)", Kernels(delta_rule="pallas")),
+                                 (0, "gated-deltanet (fused)", Kernels(delta_rule="fused"))):
         block = HybridLayer(c, layer, rngs=nnx.Rngs(layer), kernels=kernels)
         graph, state = nnx.split(block)
 
@@ -70,27 +70,29 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
         rows.append({"mixer": kind, "delta_rule": kernels.delta_rule, "layer": layer,
                      "tokens": tokens, "first_chunk_ms": ms,
                      "chunk": chunk, "later_chunk_ms": ms_later})
-        print(f"{kind:24s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
+        print(f"{kind:29s} {tokens} tokens, first chunk {ms:8.2f} ms; a {chunk}-token chunk "
               f"over {tokens - chunk}: {ms_later:8.2f} ms", flush=True)
+    attention = rows[0]["first_chunk_ms"]
+    for row in rows[1:]:
+        row["over_attention"] = row["first_chunk_ms"] / attention
+        print(f"{row['mixer']} / attention at {tokens}: {row['over_attention']:.3f}")
     rows += delta_rule_blocks(c, tokens, reps)
-    rows.append({"ratio_deltanet_over_attention": rows[0]["first_chunk_ms"]
-                 / rows[3]["first_chunk_ms"]})
-    print(f"DeltaNet / attention at {tokens}: {rows[-1]['ratio_deltanet_over_attention']:.3f}")
     return rows
 
 
 def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
-    """The chunkwise delta rule alone (float32 data, the layer's shapes): float32 products with
-    the scan; TF32 products (a bf16 layer on a GPU) with the scan and with the Pallas kernel,
-    at several block sizes; its parallel part (`block_terms`) and the UT transform's solve as
-    the library runs it (inverse, then a matmul) and solved for the dk + dv columns; the kernel
-    alone at several column slices, warps and stages."""
+    """The chunkwise delta rule alone (float32 data, the layer's shapes): the scan and the fused
+    kernels with float32 products; on a GPU with TF32 products (a bf16 layer's kernels) the
+    scan, the walk kernel and the fused rule at several block sizes; the scan's parallel part
+    (`block_terms`) and its UT transform (the inverse by doubling, then a matmul; against a
+    triangular solve for the dk + dv columns); the fused rule's inverse kernel alone; the fused rule and the walk
+    kernel at several column slices, warps and stages."""
     import jax
     import jax.numpy as jnp
     from jax.scipy.linalg import solve_triangular
 
-    from strata_jax.kernels.delta_rule import delta_rule_carry
-    from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule
+    from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_chunk, ut_inverse
+    from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule, unit_lower_inverse
 
     hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     keys = jax.random.split(jax.random.key(1), 5)
@@ -103,10 +105,10 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     state = jnp.zeros((hv, dk, dv), jnp.float32)
     rows = []
     gpu = jax.default_backend() == "gpu"
-    cases = [("float32", "xla", 64)]
+    cases = [("float32", "xla", 64), ("float32", "fused", 64)]
     if gpu:
-        cases += [("tf32", "xla", 64), ("tf32", "pallas", 32), ("tf32", "pallas", 64),
-                  ("tf32", "pallas", 128)]
+        cases += [("tf32", "xla", 64), ("tf32", "pallas", 64), ("tf32", "fused", 32),
+                  ("tf32", "fused", 64), ("tf32", "fused", 128)]
     for products, carry, b in cases:
         fn = jax.jit(lambda *a, b=b, carry=carry, products=products: gated_delta_rule(
             *a, block=b, carry=carry, products=products))
@@ -124,20 +126,40 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
         fn = jax.jit(lambda *a, products=products: block_terms(*a, block=b, products=products))
         ms = _time(fn, (q, k, v, g, beta), reps)
         inverse = jax.jit(lambda s, r, products=products: _mm(
-            solve(s, jnp.broadcast_to(jnp.eye(b), s.shape)), r, products))
+            unit_lower_inverse(s, products), r, products))
         ms_inverse = _time(inverse, (system, rhs), reps)
         rows.append({"block_terms_block": b, "products": products, "tokens": tokens, "ms": ms,
                      "solve_inverse_ms": ms_inverse, "solve_columns_ms": ms_columns})
         print(f"the parallel part alone, blocks of {b}, {products:7s}: {ms:8.2f} ms (its "
               f"transform {ms_inverse:.2f} ms; solved for the {dk + dv} columns "
               f"{ms_columns:.2f} ms)", flush=True)
+    gam = jnp.cumsum(g.reshape(-1, b, hv), axis=1).reshape(-1, hv)
+    for products in ("float32", "tf32") if gpu else ("float32",):
+        fn = jax.jit(lambda *a, products=products: ut_inverse(*a, block=b, products=products))
+        ms = _time(fn, (k, gam, beta), reps)
+        rows.append({"ut_inverse_block": b, "products": products, "tokens": tokens, "ms": ms})
+        print(f"the UT inverse kernel alone, blocks of {b}, {products:7s}: {ms:8.2f} ms",
+              flush=True)
     if gpu:
+        for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2), (128, 8, 1)):
+            fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: delta_rule_chunk(
+                *a, block=b, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
+            try:
+                ms = _time(fn, (q, k, v, g, beta, state), reps)
+            except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
+                print(f"the fused rule, {bv} columns, {warps} warps, {stages} stages: "
+                      f"failed: {str(e)[:200]}", flush=True)
+                continue
+            rows.append({"fused_block": b, "products": "tf32", "bv": bv, "num_warps": warps,
+                         "num_stages": stages, "tokens": tokens, "ms": ms})
+            print(f"the fused rule (tf32), blocks of {b}, {bv} columns, {warps} warps, "
+                  f"{stages} stages: {ms:8.2f} ms", flush=True)
         n = tokens // b
         w = jax.random.normal(keys[0], (hv, n * b, dk)) * 0.01
         u = jax.random.normal(keys[1], (hv, n * b, dv))
         decay = jnp.full((hv, n), 0.9, jnp.float32)
-        for bv, warps, stages in ((16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 8, 1), (64, 4, 1),
-                                  (64, 8, 1), (64, 8, 2), (128, 8, 1)):
+        for bv, warps, stages in ((16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 4, 1), (64, 8, 1),
+                                  (64, 8, 2)):
             fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: delta_rule_carry(
                 *a, block=b, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
             try:

@@ -635,7 +635,8 @@ def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, dev
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
                   order=args.order, device=device,
                   kernels=Kernels(grouped_matmul=args.grouped_matmul, attention=args.attention,
-                                  quantized_matmul=args.quantized_matmul))
+                                  quantized_matmul=args.quantized_matmul,
+                                  delta_rule=args.delta_rule))
     if getattr(args, "devices", 1) > 1:  # expert parallel: the mesh says where it runs
 
         if device is None:  # streamed: the stream backend's devices

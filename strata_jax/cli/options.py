@@ -14,7 +14,7 @@ from strata_jax._version import __version__
 from strata_jax.cli.common import SCALES
 from strata_jax.cli.demo import LINK_TO_COMPUTE
 from strata_jax.formats import QUANTIZE_CHOICES
-from strata_jax.kernels import ATTENTION_PATHS, GROUPED_MATMULS, QUANTIZED_MATMULS
+from strata_jax.kernels import ATTENTION_PATHS, DELTA_RULES, GROUPED_MATMULS, QUANTIZED_MATMULS
 from strata_jax.models import FAMILIES, PRESETS
 
 PROG = "strata-jax"
@@ -308,6 +308,11 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=ATTENTION_PATHS, default="auto",
                    help="the attention path (auto: fused cuDNN for bf16/fp16 on a GPU, exact "
                         "XLA paths elsewhere)")
+    g.add_argument("--delta-rule", choices=DELTA_RULES, default="auto",
+                   help="a Gated DeltaNet layer's chunkwise rule (hybrid models): XLA's matmuls "
+                        "with a scan over the blocks, the walk as one Pallas kernel, or the whole "
+                        "rule fused in two (auto: xla; the kernels take TF32 products in a "
+                        "bf16/fp16 model on a GPU)")
 
 
 def _devices_option(g) -> None:

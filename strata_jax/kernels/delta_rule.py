@@ -1,4 +1,4 @@
-"""The sequential part of the chunkwise gated delta rule as one Pallas (Triton) kernel.
+"""The chunkwise gated delta rule in Pallas (Triton) kernels.
 
 `layers.deltanet.gated_delta_rule` folds each block of C tokens into matmuls that need only the
 state before the block; what stays sequential is the state's walk over the blocks: per block i
@@ -8,14 +8,18 @@ and value head,
     new_i   = u_i - w_i @ S     (the block's new values, [C, dv])
     S       = exp(last_i) S + kd_i^T @ new_i
 
-As an XLA scan this is a loop of small batched matmuls and several kernels a block. Here one
-program walks all blocks of one value head for one slice of `bv` state columns (the columns are
-independent: a column of S only reads the same column of u and S), its [dk, bv] part of the state
-in registers, so a block costs three small matmuls and no launch. float32 data and state; the
-products as the layer asks (`layers.deltanet.products_for`): "tf32" on tensor cores (a bf16/fp16
-layer), or "float32" (Triton's "ieee": CUDA-core products, for float32 layers and tests).
+As an XLA scan this is a loop of small batched matmuls and several kernels a block.
+`delta_rule_carry` ("pallas") walks it in one kernel: a program per value head and slice of `bv`
+state columns (the columns are independent: a column of S only reads the same column of u and
+S), its [dk, bv] part of the state in registers, so a block costs three small matmuls and no
+launch. `delta_rule_chunk` ("fused") runs the whole rule in two kernels over the tokens-first
+layout: `ut_inverse` (every block's UT transform, in parallel), then a walk that computes each
+block's values, outputs and state update from q, k, v, the decays and the inverse, so nothing of
+size [T, Hv, dk] is written between them.
 
-On the CPU the kernel runs in Pallas' interpret mode (tests).
+float32 data and state; the products as the layer asks (`layers.deltanet.products_for`): "tf32"
+on tensor cores (a bf16/fp16 layer), or "float32" (Triton's "ieee": CUDA-core products, for
+float32 layers and tests). On the CPU the kernels run in Pallas' interpret mode (tests).
 """
 
 from __future__ import annotations
@@ -30,24 +34,24 @@ from jax.experimental.pallas import triton as pltriton
 
 from strata_jax.kernels import DELTA_RULES
 
-__all__ = ["delta_rule_carry", "delta_rule_path", "AUTO_ON_GPU"]
+__all__ = ["delta_rule_carry", "delta_rule_chunk", "ut_inverse", "delta_rule_path",
+           "AUTO_ON_GPU"]
 
-# What "auto" runs on a GPU for TF32 products (float32 products: the scan).
-AUTO_ON_GPU = "pallas"
+# What "auto" runs on a GPU: the scan, as measured (hybrid_bench); the kernels are the choice
+# a user makes by name.
+AUTO_ON_GPU = "xla"
 
 
-def delta_rule_path(impl: str = "auto", platform: str | None = None,
-                    products: str = "float32") -> str:
-    """The carry's implementation: "pallas" (the kernel) or "xla" (a scan); auto: on a GPU with
-    TF32 products `AUTO_ON_GPU`, else the scan."""
+def delta_rule_path(impl: str = "auto", platform: str | None = None) -> str:
+    """The rule's implementation: "xla", "pallas" (the walk as one kernel) or "fused" (the
+    whole rule as `delta_rule_chunk`); auto: `AUTO_ON_GPU` on a GPU, "xla" elsewhere."""
     impl = (impl or "auto").lower()
     if impl not in DELTA_RULES:
         raise ValueError(f"delta rule {impl!r}: expected one of {'|'.join(DELTA_RULES)}")
     if impl == "auto":
         platform = platform or jax.default_backend()
-        return AUTO_ON_GPU if platform == "gpu" and products == "tf32" else "xla"
+        return AUTO_ON_GPU if platform == "gpu" else "xla"
     return impl
-
 
 def _kernel(w_ref, qd_ref, kd_ref, u_ref, decay_ref, s0_ref, inter_ref, new_ref, s_ref, *,
             n_blocks: int, block: int, bv: int, precision):
@@ -99,13 +103,8 @@ def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, products: str = 
     if rows != n * block or dv % bv:
         raise ValueError(f"delta_rule_carry: {rows} rows for {n} blocks of {block}, "
                          f"dv={dv} in slices of {bv}")
-    if products not in ("float32", "tf32"):
-        raise ValueError(f"delta_rule_carry: products={products!r}: expected float32|tf32")
-    precision = lax.Precision.DEFAULT if products == "tf32" else lax.Precision.HIGHEST
-    if interpret is None:
-        interpret = jax.devices()[0].platform != "gpu"
-    kw = {} if interpret else {
-        "compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+    precision = _precision(products, "delta_rule_carry")
+    interpret, kw = _launch(interpret, num_warps, num_stages)
     f32 = jnp.float32
     return pl.pallas_call(
         functools.partial(_kernel, n_blocks=n, block=block, bv=bv, precision=precision),
@@ -117,3 +116,146 @@ def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, products: str = 
     )(w.astype(f32), qd.astype(f32), kd.astype(f32), u.astype(f32), decay.astype(f32),
       state.astype(f32))
 
+
+
+def _dot_nt(a, b, precision):  # a @ b.T
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b, precision):  # a.T @ b
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _inverse_kernel(k_ref, gam_ref, beta_ref, t_ref, *, block: int, rep: int, precision):
+    h, i = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(i * block, block)
+    k = k_ref[rows, h // rep, :]  # [C, dk]
+    gam = gam_ref[rows, h]  # [C]
+    beta = beta_ref[rows, h]
+    r = lax.broadcasted_iota(jnp.int32, (block, block), 0)
+    c = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+    low = _dot_nt(k * beta[:, None], k, precision) * jnp.exp(
+        jnp.where(r > c, gam[:, None] - gam[None, :], -jnp.inf))  # strictly lower L
+    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+    # Doubling: x holds the inverses of the diagonal b x b blocks; each pair [[A, 0], [B, D]]
+    # of them gets its lower-left block -D^-1 B A^-1 = -(x (L masked to the B blocks) x).
+    x = jnp.where(r == c, 1.0, 0.0)
+    b = 1
+    while b < block:
+        pair_b = ((r // (2 * b)) == (c // (2 * b))) & ((r // b) % 2 == 1) & ((c // b) % 2 == 0)
+        x = x - dot(dot(x, jnp.where(pair_b, low, 0.0)), x)
+        b *= 2
+    t_ref[h, i, :, :] = x
+
+
+def _chunk_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, t_ref, s0_ref, o_ref, s_ref, *,
+                  n_blocks: int, block: int, bv: int, rep: int, precision):
+    h, j = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * bv, bv)
+    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+    r = lax.broadcasted_iota(jnp.int32, (block, block), 0)
+    c = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+
+    def step(i, s):
+        rows = pl.ds(i * block, block)
+        q = q_ref[rows, h // rep, :]  # [C, dk]
+        k = k_ref[rows, h // rep, :]
+        v = v_ref[rows, h, cols]  # [C, bv]
+        gam = gam_ref[rows, h]  # [C], log-decay from the block's start
+        beta = beta_ref[rows, h]
+        eg = jnp.exp(gam)
+        last = jnp.min(gam)  # the block's total log-decay (gam never increases)
+        # new = T (beta (v - exp(gam) k S)): the UT transform's values less the state's part
+        new = dot(t_ref[h, i, :, :], beta[:, None] * (v - eg[:, None] * dot(k, s)))
+        attn = _dot_nt(q, k, precision) * jnp.exp(
+            jnp.where(r >= c, gam[:, None] - gam[None, :], -jnp.inf))
+        o_ref[rows, h, cols] = eg[:, None] * dot(q, s) + dot(attn, new)
+        return s * jnp.exp(last) + _dot_tn(k, new * jnp.exp(last - gam)[:, None], precision)
+
+    s_ref[h, :, cols] = lax.fori_loop(0, n_blocks, step, s0_ref[h, :, cols])
+
+
+def _launch(interpret, num_warps, num_stages):
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    kw = {} if interpret else {
+        "compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+    return interpret, kw
+
+
+def _precision(products: str, who: str):
+    if products not in ("float32", "tf32"):
+        raise ValueError(f"{who}: products={products!r}: expected float32|tf32")
+    return lax.Precision.DEFAULT if products == "tf32" else lax.Precision.HIGHEST
+
+
+def ut_inverse(k, gam, beta, *, block: int, products: str = "float32",
+               interpret: bool | None = None, num_warps: int = 4):
+    """Each block's UT transform: T = (I + L)^-1 with L[i, j] = beta_i k_i.k_j exp(gam_i - gam_j)
+    for i > j (0 elsewhere), by doubling (2 log2 C matmuls of C x C, as
+    `layers.deltanet.unit_lower_inverse`); a program per head and block.
+
+    Args:
+        k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); gam: float32
+            [n*C, Hv], the log-decay from each block's start; beta: float32 [n*C, Hv].
+
+    Returns float32 [Hv, n, C, C]."""
+    rows, hk, dk = k.shape
+    hv = gam.shape[1]
+    n = rows // block
+    if rows != n * block or hv % hk:
+        raise ValueError(f"ut_inverse: {rows} rows are not whole blocks of {block}, or {hk} "
+                         f"key heads do not divide {hv} value heads")
+    precision = _precision(products, "ut_inverse")
+    interpret, kw = _launch(interpret, num_warps, 1)
+    f32 = jnp.float32
+    return pl.pallas_call(
+        functools.partial(_inverse_kernel, block=block, rep=hv // hk, precision=precision),
+        grid=(hv, n), out_shape=jax.ShapeDtypeStruct((hv, n, block, block), f32),
+        interpret=interpret, name="ut_inverse", **kw,
+    )(k.astype(f32), gam.astype(f32), beta.astype(f32))
+
+
+def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "float32",
+                     bv: int = 64, interpret: bool | None = None, num_warps: int = 8,
+                     num_stages: int = 1):
+    """The whole chunkwise delta rule in two kernels, in the tokens-first layout (no
+    transposes): `ut_inverse` (every block in parallel), then one program per value head and
+    slice of `bv` state columns walks the blocks, per block i (S the state before it)
+        new_i = T_i (beta (v - exp(gam) k S))      (the block's new values)
+        o_i   = exp(gam) q S + (q k^T * decay) new_i
+        S     = exp(last_i) S + (k exp(last_i - gam))^T new_i.
+
+    Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
+    [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0). Returns
+    (o [T, Hv, dv], the state after the last row)."""
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hv % hk:
+        raise ValueError(f"delta_rule_chunk: {hk} key heads do not divide {hv} value heads")
+    bv = min(bv, dv)
+    for name, size in (("block", block), ("dk", dk), ("dv", dv), ("bv", bv)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"delta_rule_chunk: {name}={size} must be a power of two >= 16")
+    precision = _precision(products, "delta_rule_chunk")
+    n = -(-t // block)
+    pad = n * block - t
+    f32 = jnp.float32
+    q, k, v, g, beta = (a.astype(f32) for a in (q, k, v, g, beta))
+    if pad:  # beta = 0, g = 0: the padded rows leave the state as it is
+        q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
+    gam = jnp.cumsum(g.reshape(n, block, hv), axis=1).reshape(n * block, hv)
+    inverse = ut_inverse(k, gam, beta, block=block, products=products, interpret=interpret)
+    interpret, kw = _launch(interpret, num_warps, num_stages)
+    o, state = pl.pallas_call(
+        functools.partial(_chunk_kernel, n_blocks=n, block=block, bv=bv, rep=hv // hk,
+                          precision=precision),
+        grid=(hv, dv // bv),
+        out_shape=(jax.ShapeDtypeStruct((n * block, hv, dv), f32),
+                   jax.ShapeDtypeStruct((hv, dk, dv), f32)),
+        interpret=interpret, name="delta_rule_chunk", **kw,
+    )(q, k, v, gam, beta, inverse, state.astype(f32))
+    return o[:t], state

@@ -10,13 +10,15 @@ RMSNorm (by z) and the output projection.
 
 The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut into blocks of
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
-transform: each block's unit-lower-triangular system inverted, then matmuls), and the state
+transform: each block's unit-lower-triangular system inverted by doubling, then matmuls; no
+LAPACK or cuBLAS triangular solve), and the state
 walks across the blocks, three small matmuls a block: as a scan, or in one Pallas kernel
 (`kernels.delta_rule`). No step is per token.
 
 Products: a float32 layer takes every product of the rule at full float32 (`HIGHEST`); a
-bf16/fp16 layer on a GPU takes them at TF32 (tensor cores; a 10-bit mantissa, finer than the
-layer's bf16 activations and outputs), its state and sums staying float32 (`products_for`).
+bf16/fp16 layer on a GPU, through the Pallas kernels, takes them at TF32 (tensor cores; a 10-bit
+mantissa, finer than the layer's bf16 activations and outputs), its state and sums staying
+float32 (`products_for`).
 
 Padding: rows where `valid` is False get beta = 0 and g = 0, which leave the state as it was,
 and the conv window is read at the last real token, so a padded chunk hands the next one the
@@ -29,9 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
-from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_path
+from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_chunk, delta_rule_path
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
@@ -44,12 +45,13 @@ _HIGHEST = lax.Precision.HIGHEST
 PRODUCTS = ("float32", "tf32")
 
 
-def products_for(dtype, platform: str | None = None) -> str:
-    """The delta rule's products for a layer whose activations are `dtype`: "tf32" for a
-    bf16/fp16 layer on a GPU, "float32" otherwise."""
+def products_for(dtype, carry: str = "xla", platform: str | None = None) -> str:
+    """The delta rule's products for a layer whose activations are `dtype`, run by `carry`
+    (`kernels.delta_rule.delta_rule_path`): "tf32" for the Pallas kernels in a bf16/fp16 layer
+    on a GPU; "float32" otherwise (the scan keeps the float32 products it was measured with)."""
     platform = platform or jax.default_backend()
-    return "tf32" if platform == "gpu" and jnp.dtype(dtype).itemsize < 4 else "float32"
-
+    fast = platform == "gpu" and jnp.dtype(dtype).itemsize < 4 and carry in ("pallas", "fused")
+    return "tf32" if fast else "float32"
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis (float32 in, float32 out)."""
@@ -85,31 +87,40 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
     """The gated delta rule over a chunk, chunkwise-parallel.
 
     Args:
-        q, k: float32 [T, Hv, dk] (normalised; q scaled).
+        q, k: float32 [T, Hk, dk] (normalised; q scaled), Hk dividing Hv: value head h reads
+            query/key head h // (Hv / Hk).
         v: float32 [T, Hv, dv].
         g: float32 [T, Hv] log-decays (<= 0); beta: float32 [T, Hv] in [0, 1].
         state: float32 [Hv, dk, dv], the state before the chunk.
         block: tokens per block.
-        carry: how the state walks the blocks (`Kernels.delta_rule`): "pallas" (one kernel,
-            `kernels.delta_rule`), "xla" (a scan) or "auto" (`delta_rule_path`).
+        carry: the implementation (`Kernels.delta_rule`): "xla" (a scan walks the state),
+            "pallas" (one kernel walks it), "fused" (`kernels.delta_rule.delta_rule_chunk`)
+            or "auto" (`delta_rule_path`).
         products: "float32" or "tf32" (`products_for`).
 
     Returns:
         (o float32 [T, Hv, dv], the state after the chunk's last row).
     """
-    t, hv, dk = q.shape
-    dv = v.shape[-1]
+    if products not in PRODUCTS:
+        raise ValueError(f"delta rule products {products!r}: expected one of "
+                         f"{'|'.join(PRODUCTS)}")
+    carry = delta_rule_path(carry)
+    if carry == "fused":
+        return delta_rule_chunk(q, k, v, g, beta, state, block=block, products=products)
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hv % hk:
+        raise ValueError(f"delta rule: {hk} key heads do not divide {hv} value heads")
+    if hv > hk:
+        q, k = (jnp.repeat(a, hv // hk, axis=1) for a in (q, k))
     n = -(-t // block)
     pad = n * block - t
     if pad:  # beta = 0, g = 0: the padded rows leave the state as it is
         q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
 
-    if products not in PRODUCTS:
-        raise ValueError(f"delta rule products {products!r}: expected one of "
-                         f"{'|'.join(PRODUCTS)}")
     w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block, products)
-    if delta_rule_path(carry, products=products) == "pallas":
+    if carry == "pallas":
         flat = lambda a: a.reshape(hv, n * block, a.shape[-1])  # noqa: E731
         inter, v_new, state = delta_rule_carry(flat(w), flat(qd), flat(kd), flat(u),
                                                jnp.exp(last), state, block=block,
@@ -125,8 +136,8 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
 def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     """The parallel part of the chunkwise rule: per block of `block` tokens (T a multiple of
     it), the UT transform and the products that need no state. The transform inverts each
-    block's unit-lower system (a triangular solve against the identity: `block` right-hand
-    sides) and multiplies: a quarter of the solve's work of solving for the dk + dv columns.
+    block's unit-lower system (`unit_lower_inverse`: matmuls, no triangular solve) and
+    multiplies the block's values and keys by it.
 
     Returns (w, qd, kd [Hv, n, C, dk]; u [Hv, n, C, dv]; attn [Hv, n, C, C] (causal within the
     block, decayed); last [Hv, n] (each block's total log-decay)): the block's keys reading
@@ -149,10 +160,8 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     vb = v * beta[..., None]
     kkt = _mm(kb, jnp.swapaxes(k, -1, -2), products) * decay  # [Hv, n, C, C]
     strict = jnp.tril(jnp.ones((block, block), bool), -1)
-    eye = jnp.eye(block, dtype=jnp.float32)
-    system = jnp.where(strict, kkt, 0.0) + eye
-    inverse = solve_triangular(system, jnp.broadcast_to(eye, system.shape), lower=True,
-                               unit_diagonal=True)
+    system = jnp.where(strict, kkt, 0.0) + jnp.eye(block, dtype=jnp.float32)
+    inverse = unit_lower_inverse(system, products)
     rhs = jnp.concatenate([vb, kb * jnp.exp(gam)[..., None]], axis=-1)  # [Hv, n, C, dv+dk]
     solved = _mm(inverse, rhs, products)
     u, w = solved[..., :dv], solved[..., dv:]  # new values; decayed keys reading the state
@@ -161,6 +170,28 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     last = gam[..., -1]  # [Hv, n]
     kd = k * jnp.exp(last[..., None] - gam)[..., None]  # keys decayed to the block's end
     return w, qd, kd, u, attn, last
+
+
+def unit_lower_inverse(system, products: str = "float32"):
+    """The inverse of unit-lower-triangular matrices `system` [..., C, C] (C a power of two)
+    by doubling, matmuls only: the inverse of [[A, 0], [B, D]] is [[A^-1, 0], [-D^-1 B A^-1,
+    D^-1]], from the 1 x 1 diagonal blocks up (log2 C steps, each over every block pair)."""
+    *lead, c, _ = system.shape
+    if c & (c - 1):
+        raise ValueError(f"unit_lower_inverse: blocks of {c} rows; expected a power of two")
+    inverse = jnp.ones((*lead, c, 1, 1), system.dtype)  # the 1 x 1 diagonal blocks' inverses
+    b = 1
+    while b < c:
+        nb = c // (2 * b)
+        pairs = system.reshape(*lead, nb, 2 * b, nb, 2 * b)
+        diag = jnp.moveaxis(jnp.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # [.., nb, 2b, 2b]
+        halves = inverse.reshape(*lead, nb, 2, b, b)
+        a, d = halves[..., 0, :, :], halves[..., 1, :, :]
+        below = -_mm(_mm(d, diag[..., b:, :b], products), a, products)
+        inverse = jnp.concatenate([jnp.concatenate([a, jnp.zeros_like(a)], -1),
+                                   jnp.concatenate([below, d], -1)], -2)
+        b *= 2
+    return inverse.reshape(*lead, c, c)
 
 
 def _mm(a, b, products: str = "float32"):
@@ -241,13 +272,11 @@ class GatedDeltaNet(nnx.Module):
         if valid is not None:
             beta = jnp.where(valid[:, None], beta, 0.0)
             g = jnp.where(valid[:, None], g, 0.0)
-        rep = self.v_heads // self.k_heads
         qf = l2_normalize(q.astype(jnp.float32)) * (self.k_dim ** -0.5)
         kf = l2_normalize(k.astype(jnp.float32))
-        if rep > 1:
-            qf, kf = (jnp.repeat(a, rep, axis=1) for a in (qf, kf))
         with jax.named_scope("delta_rule"):
+            carry = delta_rule_path(self.delta_rule)
             o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state,
-                                        carry=self.delta_rule, products=products_for(x.dtype))
+                                        carry=carry, products=products_for(x.dtype, carry))
         o = self.norm(o.astype(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
         return dot(o.reshape(t, vd), self.out_proj[...]), window, state
