@@ -1,6 +1,6 @@
 """Test helpers: one tolerance table and a finite-first closeness check; Hugging Face
 checkpoints written from a model's params (plain, FP8 and GPTQ layouts); a chunked read of a
-model against its one-shot logits.
+model against its one-shot logits; an expert source that poisons unrouted experts.
 
 Guards against tolerances drifting test by test and against NaN passing a loose comparison
 (`assert_allclose` with NaN on both sides, or an infinite error hidden by a large atol).
@@ -15,6 +15,7 @@ import pathlib
 import struct
 import time
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
@@ -58,6 +59,23 @@ def assert_close(actual, expected, dtype, *, err_msg: str = "") -> None:
             f"(first at {np.argwhere(bad)[0].tolist()})")
     rtol, atol = tolerance(dtype)
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+class PoisonUnrouted:
+    """An expert source (`ExpertSource`) that replaces every unrouted expert's rows with NaN,
+    as a worst-case streamed buffer: a forward pass through it equals the resident one only if
+    no unrouted expert is read. `calls` records (layer, counts shape, counts dtype)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def expert_weights(self, layer, counts, resident):
+        assert isinstance(layer, int)
+        self.calls.append((layer, counts.shape, counts.dtype))
+        keep = counts > 0  # every plane's rows of an unrouted expert (biases too) poisoned
+        return resident._replace(**{
+            name: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.nan)
+            for name, a in resident._asdict().items()})
 
 
 # Preset -> (architecture, the MoE block's module name, its gate/up/down projection names).

@@ -21,9 +21,9 @@ from strata_jax.models import (FAMILIES, build_model, config_from_hf, forward, g
 from strata_jax.reference import reference_forward
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
-from strata_jax.testing import (assert_close, gpt_oss_mxfp4, hf_config, hf_tensors,
-                                read_in_chunks, save_safetensors, write_hf_checkpoint)
-from test_model import PoisonUnrouted
+from strata_jax.testing import (PoisonUnrouted, assert_close, gpt_oss_mxfp4, hf_config,
+                                hf_tensors, read_in_chunks, save_safetensors,
+                                write_hf_checkpoint)
 from strata_jax.weights import QuantizedParams
 
 PRESET = "gpt-oss-20b"

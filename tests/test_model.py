@@ -22,7 +22,7 @@ from strata_jax.experts import (ExpertSource, ExpertWeights, ResidentExperts, pa
                                 pack_expert_blobs_np, unpack_expert_blobs, unpack_expert_blobs_np)
 from strata_jax.reference import reference_attention, reference_forward
 from strata_jax.synthetic import init_synthetic, split_experts
-from strata_jax.testing import assert_close
+from strata_jax.testing import PoisonUnrouted, assert_close
 
 
 def small(name, **kw):
@@ -118,21 +118,6 @@ def test_chunked_prefill_equals_one_shot(name):
     np.testing.assert_array_equal(sum(counts), np.asarray(one_counts))
     for a, b in zip(cache.keys + cache.values, one_cache.keys + one_cache.values):
         assert_close(a, b, np.float32)
-
-
-class PoisonUnrouted:
-    """Replaces every unrouted expert's rows with NaN, as a worst-case streamed buffer."""
-
-    def __init__(self):
-        self.calls = []
-
-    def expert_weights(self, layer, counts, resident):
-        assert isinstance(layer, int)
-        self.calls.append((layer, counts.shape, counts.dtype))
-        keep = counts > 0  # every plane's rows of an unrouted expert (biases too) poisoned
-        return resident._replace(**{
-            name: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.nan)
-            for name, a in resident._asdict().items()})
 
 
 def test_source_seam_unrouted_rows_never_read():

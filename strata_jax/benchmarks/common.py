@@ -103,6 +103,20 @@ def model_config(preset: str, layers: int, vocab: int, max_tokens: int, tiny: bo
                         max_seq_len=max(base.max_seq_len, max_tokens))
 
 
+def median_ms(fn, args, reps: int) -> float:
+    """The median wall time of `fn(*args)` in ms over `reps` calls, after one call that
+    compiles (each call waits for its outputs)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def bootstrap_ci(ratios, n: int = 20000, seed: int = 0) -> tuple[float, float]:
     """Percentile-bootstrap 95% interval of the mean of `ratios`."""
     r = np.asarray(ratios, np.float64)

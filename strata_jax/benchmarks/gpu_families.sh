@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The hybrid Qwen (issue 46) and latent-attention (issue 47) families on the GPU machine, through
 # gpu_run.sh's stages, one build a call:
-#   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|mla|gmm512|chunks|routed512|next-resident|next-e2e|ds-link][,...]
+#   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|mla|gmm512|chunks|routed512|next-resident|next-e2e|ds-link|ds-32k|glm-resident|glm-e2e][,...]
 # tests:         the families' GPU tests (MLA on cuDNN, the hybrid and MLA arms byte-identical).
 # kernels:       the grouped / quantized matmul GPU tests (gpu_moe512.sh tests).
-# mixers:        Qwen3-Next's Gated DeltaNet layer against its gated attention layer at 32K
-#                tokens, and an 8K chunk over the rest (target: DeltaNet <= 0.5x attention).
+# mixers:        Qwen3-Next's Gated DeltaNet layer (each Kernels.delta_rule) against its gated
+#                attention layer at 32K tokens, and an 8K chunk over the rest (target: DeltaNet
+#                <= 0.5x attention); the delta rule's variants, pieces and kernel launches.
 # mla:           DeepSeek-V3's latent attention, an 8K chunk over a 24K prefix against a first
 #                chunk of the same work (target >= 0.60).
 # gmm512:        the expert math at 512 experts of width 512, top-10, the library's choice
@@ -21,12 +22,17 @@
 #                (RESIDENT_MS from next-resident).
 # ds-link:       a DeepSeek-V3 slice (its 3 dense layers + 8 MoE layers, fp8 experts), 1K-8K:
 #                stream-all against the link, routed against its floor.
+# ds-32k:        the same slice, 32K tokens layer-major within a 16 GB card's footprint.
+# glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk, 32K.
+# glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
+#                call's glm-resident JSON (its bits checked) or RESIDENT_MS.
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 OUT=${OUT:-out}
 RUN="bash strata_jax/benchmarks/gpu_run.sh"
 PY=${PY:-python3}
 NEXT="--preset qwen3-next-80b-a3b --layers 48 --quantize int4 --parts prefill"
+GLM="--preset glm-4.5-air --layers 46 --quantize int4 --parts prefill"
 rc=0
 for STAGE in ${1//,/ }; do
   case $STAGE in
@@ -63,6 +69,19 @@ for STAGE in ${1//,/ }; do
     ds-link)
       BENCH_TIMEOUT=400 PRESET=deepseek-v3 LAYERS=11 FORMATS=fp8 LENGTHS=1024,2048,4096,8192 \
         QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
+    ds-32k)
+      XLA_CLIENT_MEM_FRACTION=0.0925 BENCH_TIMEOUT=500 NAME=dsv3_l11_16g CHUNKED_ARGS="--preset
+        deepseek-v3 --layers 11 --quantize fp8 --parts prefill --arms routed --no-resident
+        --ring-gib 2.5 --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
+    glm-resident)
+      BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 CHUNKED_ARGS="$GLM --arms resident
+        --resident-orders one --long 32768 --reps-prefill 2" $RUN chunked || rc=1 ;;
+    glm-e2e)
+      R="$OUT/chunked_glm_air_resident_32768.json"
+      if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
+      XLA_CLIENT_MEM_FRACTION=0.0925 BENCH_TIMEOUT=500 NAME=glm_air_l46_16g CHUNKED_ARGS="$GLM
+        --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major
+        --reps-prefill 1" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;
   esac
   export SKIP_BUILD=1  # one build a call

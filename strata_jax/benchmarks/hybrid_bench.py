@@ -12,22 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
-
-
-def _time(fn, args, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from strata_jax.benchmarks.common import median_ms
 
 
 def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) -> list[dict]:
@@ -64,9 +51,9 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
             return m.attention_block(x, k, v, start, pos)
 
         k, v = cache.keys[layer], cache.values[layer]
-        ms = _time(jax.jit(first), (state, x, k, v), reps)
+        ms = median_ms(jax.jit(first), (state, x, k, v), reps)
         start = jnp.int32(tokens - chunk)
-        ms_later = _time(jax.jit(later), (state, x[:chunk], k, v, start), reps)
+        ms_later = median_ms(jax.jit(later), (state, x[:chunk], k, v, start), reps)
         rows.append({"mixer": kind, "delta_rule": kernels.delta_rule, "layer": layer,
                      "tokens": tokens, "first_chunk_ms": ms,
                      "chunk": chunk, "later_chunk_ms": ms_later})
@@ -85,8 +72,8 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     kernels with float32 products; on a GPU with TF32 products (a bf16 layer's kernels) the
     scan, the walk kernel and the fused rule at several block sizes; the scan's parallel part
     (`block_terms`) and its UT transform (the inverse by doubling, then a matmul; against a
-    triangular solve for the dk + dv columns); the fused rule's inverse kernel alone; the fused rule and the walk
-    kernel at several column slices, warps and stages."""
+    triangular solve for the dk + dv columns); the fused rule's inverse kernel alone; the fused
+    rule and the walk kernel at several column slices, warps and stages."""
     import jax
     import jax.numpy as jnp
     from jax.scipy.linalg import solve_triangular
@@ -112,7 +99,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     for products, carry, b in cases:
         fn = jax.jit(lambda *a, b=b, carry=carry, products=products: gated_delta_rule(
             *a, block=b, carry=carry, products=products))
-        ms = _time(fn, (q, k, v, g, beta, state), reps)
+        ms = median_ms(fn, (q, k, v, g, beta, state), reps)
         rows.append({"delta_rule_block": b, "products": products, "carry": carry,
                      "tokens": tokens, "ms": ms})
         print(f"delta rule alone, blocks of {b:4d}, {products:7s} products, {carry:6s}: "
@@ -121,13 +108,13 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     system = jnp.eye(b) + jnp.tril(jax.random.normal(keys[0], (hv, tokens // b, b, b)) * 0.1, -1)
     rhs = jax.random.normal(keys[1], (hv, tokens // b, b, dk + dv))
     solve = lambda s, r: solve_triangular(s, r, lower=True, unit_diagonal=True)  # noqa: E731
-    ms_columns = _time(jax.jit(solve), (system, rhs), reps)
+    ms_columns = median_ms(jax.jit(solve), (system, rhs), reps)
     for products in ("float32", "tf32") if gpu else ("float32",):
         fn = jax.jit(lambda *a, products=products: block_terms(*a, block=b, products=products))
-        ms = _time(fn, (q, k, v, g, beta), reps)
+        ms = median_ms(fn, (q, k, v, g, beta), reps)
         inverse = jax.jit(lambda s, r, products=products: _mm(
             unit_lower_inverse(s, products), r, products))
-        ms_inverse = _time(inverse, (system, rhs), reps)
+        ms_inverse = median_ms(inverse, (system, rhs), reps)
         rows.append({"block_terms_block": b, "products": products, "tokens": tokens, "ms": ms,
                      "solve_inverse_ms": ms_inverse, "solve_columns_ms": ms_columns})
         print(f"the parallel part alone, blocks of {b}, {products:7s}: {ms:8.2f} ms (its "
@@ -136,7 +123,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     gam = jnp.cumsum(g.reshape(-1, b, hv), axis=1).reshape(-1, hv)
     for products in ("float32", "tf32") if gpu else ("float32",):
         fn = jax.jit(lambda *a, products=products: ut_inverse(*a, block=b, products=products))
-        ms = _time(fn, (k, gam, beta), reps)
+        ms = median_ms(fn, (k, gam, beta), reps)
         rows.append({"ut_inverse_block": b, "products": products, "tokens": tokens, "ms": ms})
         print(f"the UT inverse kernel alone, blocks of {b}, {products:7s}: {ms:8.2f} ms",
               flush=True)
@@ -145,7 +132,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
             fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: delta_rule_chunk(
                 *a, block=b, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
             try:
-                ms = _time(fn, (q, k, v, g, beta, state), reps)
+                ms = median_ms(fn, (q, k, v, g, beta, state), reps)
             except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
                 print(f"the fused rule, {bv} columns, {warps} warps, {stages} stages: "
                       f"failed: {str(e)[:200]}", flush=True)
@@ -163,7 +150,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
             fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: delta_rule_carry(
                 *a, block=b, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
             try:
-                ms = _time(fn, (w, w, w, u, decay, state), reps)
+                ms = median_ms(fn, (w, w, w, u, decay, state), reps)
             except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
                 print(f"the carry kernel, {bv} columns, {warps} warps, {stages} stages: "
                       f"failed: {str(e)[:200]}", flush=True)

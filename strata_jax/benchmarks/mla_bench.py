@@ -17,21 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
-
-def _time(fn, args, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from strata_jax.benchmarks.common import median_ms
 
 
 def pairs(queries: int, prefix: int) -> int:
@@ -90,7 +78,7 @@ def run(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) -> 
         return nnx.merge(graph, state)(x, latent, rotary, start, pos)[0]
 
     rows = []
-    first_ms = _time(jax.jit(attention_first), (state, x), reps)
+    first_ms = median_ms(jax.jit(attention_first), (state, x), reps)
     rows.append({"what": "attention, first chunk", "queries": tokens, "prefix": 0,
                  "ms": first_ms, "tflops": work * pairs(tokens, 0) / first_ms / 1e9})
     xc = x[prefix:]
@@ -98,13 +86,13 @@ def run(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) -> 
             ("static start", prefix, jax.jit(lambda s, x: attention_later(s, x, prefix))),
             ("traced start", jnp.int32(prefix), jax.jit(attention_later))):
         args = (state, xc) if kind == "static start" else (state, xc, start)
-        ms = _time(fn, args, reps)
+        ms = median_ms(fn, args, reps)
         rows.append({"what": f"attention, later chunk ({kind})", "queries": chunk,
                      "prefix": prefix, "ms": ms, "tflops": work * pairs(chunk, prefix) / ms / 1e9})
     rows.append({"what": "layer, first chunk", "queries": tokens, "prefix": 0,
-                 "ms": _time(jax.jit(layer_first), (state, x), reps)})
+                 "ms": median_ms(jax.jit(layer_first), (state, x), reps)})
     rows.append({"what": "layer, later chunk (traced start)", "queries": chunk, "prefix": prefix,
-                 "ms": _time(jax.jit(layer_later), (state, xc, jnp.int32(prefix)), reps)})
+                 "ms": median_ms(jax.jit(layer_later), (state, xc, jnp.int32(prefix)), reps)})
     for r in rows:
         tf = f", {r['tflops']:7.1f} TFLOP/s" if "tflops" in r else ""
         print(f"{r['what']:38s} {r['queries']:6d} over {r['prefix']:6d}: {r['ms']:9.2f} ms{tf}",

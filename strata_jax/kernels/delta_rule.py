@@ -103,7 +103,7 @@ def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, products: str = 
     if rows != n * block or dv % bv:
         raise ValueError(f"delta_rule_carry: {rows} rows for {n} blocks of {block}, "
                          f"dv={dv} in slices of {bv}")
-    precision = _precision(products, "delta_rule_carry")
+    precision, _ = _precision(products, "delta_rule_carry")
     interpret, kw = _launch(interpret, num_warps, num_stages)
     f32 = jnp.float32
     return pl.pallas_call(
@@ -128,16 +128,26 @@ def _dot_tn(a, b, precision):  # a.T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _inverse_kernel(k_ref, gam_ref, beta_ref, t_ref, *, block: int, rep: int, precision):
+def _decay_sums(g, r, c, exact):
+    """In a kernel: [C, C], entry (i, j) the sum of g over (j, i] (0 where i <= j), each over
+    its own range (`layers.deltanet.decay_sums`), as one 0/1-mask matmul; and gam [C], the sums
+    from the block's start."""
+    upto = jnp.where(c <= r, g[None, :], 0.0)  # [i, t]: g_t for t <= i
+    sums = jnp.dot(upto, jnp.where(r > c, 1.0, 0.0), precision=exact,
+                   preferred_element_type=jnp.float32)  # [i, j]: t > j too
+    return sums, jnp.sum(upto, axis=1)
+
+
+def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *, block: int, rep: int, precision, exact):
     h, i = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block, block)
     k = k_ref[rows, h // rep, :]  # [C, dk]
-    gam = gam_ref[rows, h]  # [C]
     beta = beta_ref[rows, h]
     r = lax.broadcasted_iota(jnp.int32, (block, block), 0)
     c = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+    sums, _ = _decay_sums(g_ref[rows, h], r, c, exact)
     low = _dot_nt(k * beta[:, None], k, precision) * jnp.exp(
-        jnp.where(r > c, gam[:, None] - gam[None, :], -jnp.inf))  # strictly lower L
+        jnp.where(r > c, sums, -jnp.inf))  # strictly lower L
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
     # Doubling: x holds the inverses of the diagonal b x b blocks; each pair [[A, 0], [B, D]]
     # of them gets its lower-left block -D^-1 B A^-1 = -(x (L masked to the B blocks) x).
@@ -150,29 +160,31 @@ def _inverse_kernel(k_ref, gam_ref, beta_ref, t_ref, *, block: int, rep: int, pr
     t_ref[h, i, :, :] = x
 
 
-def _chunk_kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, t_ref, s0_ref, o_ref, s_ref, *,
-                  n_blocks: int, block: int, bv: int, rep: int, precision):
+def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, t_ref, s0_ref, o_ref, s_ref, *,
+                  n_blocks: int, block: int, bv: int, rep: int, precision, exact):
     h, j = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(j * bv, bv)
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
     r = lax.broadcasted_iota(jnp.int32, (block, block), 0)
     c = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+    row = lax.broadcasted_iota(jnp.int32, (block,), 0)
 
     def step(i, s):
         rows = pl.ds(i * block, block)
         q = q_ref[rows, h // rep, :]  # [C, dk]
         k = k_ref[rows, h // rep, :]
         v = v_ref[rows, h, cols]  # [C, bv]
-        gam = gam_ref[rows, h]  # [C], log-decay from the block's start
         beta = beta_ref[rows, h]
+        sums, gam = _decay_sums(g_ref[rows, h], r, c, exact)  # gam: decay from the start
         eg = jnp.exp(gam)
-        last = jnp.min(gam)  # the block's total log-decay (gam never increases)
+        last = jnp.sum(jnp.where(row == block - 1, gam, 0.0))  # the block's total decay
+        to_end = jnp.sum(jnp.where(r == block - 1, sums, 0.0), axis=0)  # [C]: over (j, C-1]
         # new = T (beta (v - exp(gam) k S)): the UT transform's values less the state's part
         new = dot(t_ref[h, i, :, :], beta[:, None] * (v - eg[:, None] * dot(k, s)))
         attn = _dot_nt(q, k, precision) * jnp.exp(
-            jnp.where(r >= c, gam[:, None] - gam[None, :], -jnp.inf))
+            jnp.where(r >= c, sums, -jnp.inf))
         o_ref[rows, h, cols] = eg[:, None] * dot(q, s) + dot(attn, new)
-        return s * jnp.exp(last) + _dot_tn(k, new * jnp.exp(last - gam)[:, None], precision)
+        return s * jnp.exp(last) + _dot_tn(k, new * jnp.exp(to_end)[:, None], precision)
 
     s_ref[h, :, cols] = lax.fori_loop(0, n_blocks, step, s0_ref[h, :, cols])
 
@@ -186,36 +198,41 @@ def _launch(interpret, num_warps, num_stages):
 
 
 def _precision(products: str, who: str):
+    """(the products' precision, the decay sums'): TF32, with the sums at TF32x3 (float32's
+    accuracy on tensor cores); or both at full float32."""
     if products not in ("float32", "tf32"):
         raise ValueError(f"{who}: products={products!r}: expected float32|tf32")
-    return lax.Precision.DEFAULT if products == "tf32" else lax.Precision.HIGHEST
+    if products == "tf32":
+        return lax.Precision.DEFAULT, lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return lax.Precision.HIGHEST, lax.Precision.HIGHEST
 
 
-def ut_inverse(k, gam, beta, *, block: int, products: str = "float32",
+def ut_inverse(k, g, beta, *, block: int, products: str = "float32",
                interpret: bool | None = None, num_warps: int = 4):
-    """Each block's UT transform: T = (I + L)^-1 with L[i, j] = beta_i k_i.k_j exp(gam_i - gam_j)
-    for i > j (0 elsewhere), by doubling (2 log2 C matmuls of C x C, as
+    """Each block's UT transform: T = (I + L)^-1 with L[i, j] = beta_i k_i.k_j exp(g summed over
+    (j, i]) for i > j (0 elsewhere), by doubling (2 log2 C matmuls of C x C, as
     `layers.deltanet.unit_lower_inverse`); a program per head and block.
 
     Args:
-        k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); gam: float32
-            [n*C, Hv], the log-decay from each block's start; beta: float32 [n*C, Hv].
+        k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); g: float32
+            [n*C, Hv], the log-decays; beta: float32 [n*C, Hv].
 
     Returns float32 [Hv, n, C, C]."""
     rows, hk, dk = k.shape
-    hv = gam.shape[1]
+    hv = g.shape[1]
     n = rows // block
     if rows != n * block or hv % hk:
         raise ValueError(f"ut_inverse: {rows} rows are not whole blocks of {block}, or {hk} "
                          f"key heads do not divide {hv} value heads")
-    precision = _precision(products, "ut_inverse")
+    precision, exact = _precision(products, "ut_inverse")
     interpret, kw = _launch(interpret, num_warps, 1)
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial(_inverse_kernel, block=block, rep=hv // hk, precision=precision),
+        functools.partial(_inverse_kernel, block=block, rep=hv // hk, precision=precision,
+                          exact=exact),
         grid=(hv, n), out_shape=jax.ShapeDtypeStruct((hv, n, block, block), f32),
         interpret=interpret, name="ut_inverse", **kw,
-    )(k.astype(f32), gam.astype(f32), beta.astype(f32))
+    )(k.astype(f32), g.astype(f32), beta.astype(f32))
 
 
 def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "float32",
@@ -239,7 +256,7 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "fl
     for name, size in (("block", block), ("dk", dk), ("dv", dv), ("bv", bv)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"delta_rule_chunk: {name}={size} must be a power of two >= 16")
-    precision = _precision(products, "delta_rule_chunk")
+    precision, exact = _precision(products, "delta_rule_chunk")
     n = -(-t // block)
     pad = n * block - t
     f32 = jnp.float32
@@ -247,15 +264,14 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "fl
     if pad:  # beta = 0, g = 0: the padded rows leave the state as it is
         q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
-    gam = jnp.cumsum(g.reshape(n, block, hv), axis=1).reshape(n * block, hv)
-    inverse = ut_inverse(k, gam, beta, block=block, products=products, interpret=interpret)
+    inverse = ut_inverse(k, g, beta, block=block, products=products, interpret=interpret)
     interpret, kw = _launch(interpret, num_warps, num_stages)
     o, state = pl.pallas_call(
         functools.partial(_chunk_kernel, n_blocks=n, block=block, bv=bv, rep=hv // hk,
-                          precision=precision),
+                          precision=precision, exact=exact),
         grid=(hv, dv // bv),
         out_shape=(jax.ShapeDtypeStruct((n * block, hv, dv), f32),
                    jax.ShapeDtypeStruct((hv, dk, dv), f32)),
         interpret=interpret, name="delta_rule_chunk", **kw,
-    )(q, k, v, gam, beta, inverse, state.astype(f32))
+    )(q, k, v, g, beta, inverse, state.astype(f32))
     return o[:t], state

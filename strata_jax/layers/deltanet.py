@@ -154,7 +154,7 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     q, k, v, g, beta = (blocks(a) for a in (q, k, v, g, beta))
     gam = jnp.cumsum(g, axis=-1)  # [Hv, n, C] log-decay from the block's start
     lower = jnp.tril(jnp.ones((block, block), bool))
-    diff = gam[..., :, None] - gam[..., None, :]  # [Hv, n, C, C]
+    diff = decay_sums(g)  # [Hv, n, C, C]: gam_i - gam_j, summed over (j, i] only
     decay = jnp.exp(jnp.where(lower, diff, -jnp.inf))  # exp(gam_i - gam_j), i >= j; else 0
     kb = k * beta[..., None]
     vb = v * beta[..., None]
@@ -168,8 +168,19 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     attn = _mm(q, jnp.swapaxes(k, -1, -2), products) * decay  # [Hv, n, C, C], causal
     qd = q * jnp.exp(gam)[..., None]
     last = gam[..., -1]  # [Hv, n]
-    kd = k * jnp.exp(last[..., None] - gam)[..., None]  # keys decayed to the block's end
+    kd = k * jnp.exp(diff[..., -1, :])[..., None]  # keys decayed to the block's end
     return w, qd, kd, u, attn, last
+
+
+def decay_sums(g):
+    """[..., C, C]: entry (i, j) the sum of g over (j, i] (0 where i <= j), each summed over its
+    own range: not gam_i - gam_j of the cumulative sums, which cancels (within a block of 64
+    fast-decaying tokens gam reaches hundreds, and float32's difference of two such sums is
+    off by ~1e-5 of them). One matmul of 0/1 masks at full float32."""
+    c = g.shape[-1]
+    upto = jnp.tril(jnp.ones((c, c), g.dtype))  # [i, t]: t <= i
+    after = jnp.triu(jnp.ones((c, c), g.dtype), 1).T  # [t, j]: t > j
+    return jnp.matmul(upto * g[..., None, :], after, precision=_HIGHEST)
 
 
 def unit_lower_inverse(system, products: str = "float32"):
