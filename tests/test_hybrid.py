@@ -230,6 +230,28 @@ def test_follow_up_turn_continues_the_state(f32_params):
     assert valid.keys[3].shape[0] == 100  # the attention layer's positions only
 
 
+@pytest.mark.slow
+def test_fused_delta_rule_through_the_engine(f32_params):
+    """Kernels(delta_rule="fused") (interpret mode here) through the engine: 80 tokens in
+    chunks of 32 (the last padded), then a 21-token follow-up turn; resident and routed-streamed
+    byte-identical, and the turn's logits within float32 of the scan's over the whole prompt."""
+    from strata_jax.kernels import Kernels
+
+    toks = _tokens(101, seed=6)
+    seen = {}
+    for arm in ("resident", "routed"):
+        with Engine(F32, f32_params, ARMS[arm], max_context=256, chunk_size=32,
+                    kernels=Kernels(delta_rule="fused")) as eng:
+            first = eng.prefill(toks[:80])
+            second = eng.prefill(toks[80:], first.session)
+            seen[arm] = (first.logits.tobytes(), second.logits.tobytes(),
+                         second.session.kv_sha256(), second.logits)
+    assert seen["routed"][:3] == seen["resident"][:3]
+    with Engine(F32, f32_params, None, max_context=256, chunk_size=32) as eng:
+        scan = eng.prefill(toks)
+    assert_close(seen["resident"][3], scan.logits, np.float32)
+
+
 # ---- checkpoints as the files store them ---------------------------------------------------------
 
 
