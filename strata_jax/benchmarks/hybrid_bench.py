@@ -120,45 +120,46 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
         print(f"the parallel part alone, blocks of {b}, {products:7s}: {ms:8.2f} ms (its "
               f"transform {ms_inverse:.2f} ms; solved for the {dk + dv} columns "
               f"{ms_columns:.2f} ms)", flush=True)
-    gam = jnp.cumsum(g.reshape(-1, b, hv), axis=1).reshape(-1, hv)
     for products in ("float32", "tf32") if gpu else ("float32",):
         fn = jax.jit(lambda *a, products=products: ut_inverse(*a, block=b, products=products))
-        ms = median_ms(fn, (k, gam, beta), reps)
+        ms = median_ms(fn, (k, g, beta), reps)
         rows.append({"ut_inverse_block": b, "products": products, "tokens": tokens, "ms": ms})
         print(f"the UT inverse kernel alone, blocks of {b}, {products:7s}: {ms:8.2f} ms",
               flush=True)
     if gpu:
-        for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2), (128, 8, 1)):
-            fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: delta_rule_chunk(
-                *a, block=b, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
-            try:
-                ms = median_ms(fn, (q, k, v, g, beta, state), reps)
-            except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
-                print(f"the fused rule, {bv} columns, {warps} warps, {stages} stages: "
-                      f"failed: {str(e)[:200]}", flush=True)
-                continue
-            rows.append({"fused_block": b, "products": "tf32", "bv": bv, "num_warps": warps,
-                         "num_stages": stages, "tokens": tokens, "ms": ms})
-            print(f"the fused rule (tf32), blocks of {b}, {bv} columns, {warps} warps, "
-                  f"{stages} stages: {ms:8.2f} ms", flush=True)
+        rows += _launches("the fused rule", "fused_block", delta_rule_chunk,
+                          (q, k, v, g, beta, state), b, tokens, reps,
+                          ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2), (128, 8, 1)))
         n = tokens // b
         w = jax.random.normal(keys[0], (hv, n * b, dk)) * 0.01
         u = jax.random.normal(keys[1], (hv, n * b, dv))
         decay = jnp.full((hv, n), 0.9, jnp.float32)
-        for bv, warps, stages in ((16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 4, 1), (64, 8, 1),
-                                  (64, 8, 2)):
-            fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: delta_rule_carry(
-                *a, block=b, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
-            try:
-                ms = median_ms(fn, (w, w, w, u, decay, state), reps)
-            except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
-                print(f"the carry kernel, {bv} columns, {warps} warps, {stages} stages: "
-                      f"failed: {str(e)[:200]}", flush=True)
-                continue
-            rows.append({"carry_kernel_block": b, "products": "tf32", "bv": bv,
-                         "num_warps": warps, "num_stages": stages, "tokens": tokens, "ms": ms})
-            print(f"the carry kernel alone (tf32), blocks of {b}, {bv} columns, {warps} warps, "
-                  f"{stages} stages: {ms:8.2f} ms", flush=True)
+        rows += _launches("the carry kernel alone", "carry_kernel_block", delta_rule_carry,
+                          (w, w, w, u, decay, state), b, tokens, reps,
+                          ((16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 4, 1), (64, 8, 1),
+                           (64, 8, 2)))
+    return rows
+
+
+def _launches(what, key, kernel, args, block, tokens, reps, launches) -> list[dict]:
+    """`kernel(*args, block=, products="tf32", bv=, num_warps=, num_stages=)` timed at each
+    (bv, warps, stages) of `launches`; a launch Triton refuses is printed and skipped."""
+    import jax
+
+    rows = []
+    for bv, warps, stages in launches:
+        fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: kernel(
+            *a, block=block, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
+        try:
+            ms = median_ms(fn, args, reps)
+        except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
+            print(f"{what}, {bv} columns, {warps} warps, {stages} stages: failed: "
+                  f"{str(e)[:200]}", flush=True)
+            continue
+        rows.append({key: block, "products": "tf32", "bv": bv, "num_warps": warps,
+                     "num_stages": stages, "tokens": tokens, "ms": ms})
+        print(f"{what} (tf32), blocks of {block}, {bv} columns, {warps} warps, {stages} "
+              f"stages: {ms:8.2f} ms", flush=True)
     return rows
 
 
