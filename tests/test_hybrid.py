@@ -230,6 +230,29 @@ def test_follow_up_turn_continues_the_state(f32_params):
     assert valid.keys[3].shape[0] == 100  # the attention layer's positions only
 
 
+def test_memory_plan_counts_the_deltanet_layers():
+    """The plan's working memory of a Qwen3-Next chunk is the DeltaNet layer's (its delta rule
+    at the real head sizes holds more than the fused attention), and `mixer_bytes` bounds what
+    XLA's buffer assignment gives the delta rule's scan path (temporaries, inputs, output)."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.engine.memory import attention_working_bytes
+    from strata_jax.layers.deltanet import gated_delta_rule
+    from strata_jax.models.hybrid import mixer_bytes
+
+    c = get_preset("qwen3-next-80b-a3b")
+    assert attention_working_bytes(c, 8192, 32768, first=False, platform="gpu") == \
+        mixer_bytes(c, 8192)
+    t, hk, hv, dk, dv = 1024, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    m = jax.jit(lambda *a: gated_delta_rule(*a, carry="xla")).lower(
+        f32(t, hk, dk), f32(t, hk, dk), f32(t, hv, dv), f32(t, hv), f32(t, hv),
+        f32(hv, dk, dv)).compile().memory_analysis()
+    held = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+    assert held <= mixer_bytes(c, t)
+
+
 @pytest.mark.slow
 def test_fused_delta_rule_through_the_engine(f32_params):
     """Kernels(delta_rule="fused") (interpret mode here) through the engine: 80 tokens in

@@ -73,18 +73,22 @@ def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *,
     `attention_path` takes for `queries` tokens: over their own keys (`first`) or over a cache
     of `capacity` positions, with the `attention` path requested (`Kernels.attention`). The
     most of any layer's: layers with a sliding window (`ModelConfig.window_of`) run other
-    parts than full ones; attention sinks add their merge's [T, N, D] and [T, N] float32."""
+    parts than full ones; attention sinks add their merge's [T, N, D] and [T, N] float32; a
+    model module's `mixer_bytes` (a hybrid's DeltaNet layers) counts where it is the larger."""
     c = config
     path = attention_path(c.dtype, c.head_dim, c.n_heads, queries, capacity, first=first,
                           platform=platform, impl=attention)
-    own = getattr(model_module(c), "attention_bytes", None)  # a model with its own attention
+    module = model_module(c)
+    own = getattr(module, "attention_bytes", None)  # a model with its own attention
     if own is not None:
         return own(c, queries, capacity, first=first, fused=path == "cudnn")
     windows = {None} if first else {c.window_of(i) for i in range(c.n_layers)}
-    return max(attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
+    attn = max(attention_bytes(path, np.dtype(c.dtype).itemsize, c.n_heads, queries,
                                queries if first else capacity, c.head_dim, window=w,
                                sinks=c.attention_sinks)
                for w in windows)
+    mixers = getattr(module, "mixer_bytes", None)  # other token mixers (a hybrid's DeltaNet)
+    return attn if mixers is None else max(attn, mixers(c, queries))
 
 
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,

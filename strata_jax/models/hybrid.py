@@ -22,7 +22,7 @@ from flax import nnx
 
 from strata_jax.config import ModelConfig
 from strata_jax.kernels import Kernels
-from strata_jax.layers.deltanet import GatedDeltaNet
+from strata_jax.layers.deltanet import DELTA_BLOCK, GatedDeltaNet
 from strata_jax.layers.gqa import Attention
 from strata_jax.layers.norms import RMSNorm
 from strata_jax.models.decoder import (DecoderLayer, MoETransformer, check_capacity,
@@ -31,7 +31,7 @@ from strata_jax.models.decoder import (DecoderLayer, MoETransformer, check_capac
 
 __all__ = ["HybridConfig", "HybridCache", "HybridTransformer", "MIXERS", "abstract_model",
            "build_model", "param_shapes", "init_cache", "cache_shapes", "cache_bytes",
-           "validate_inputs", "expert_plane_names", "expert_param_names"]
+           "validate_inputs", "expert_plane_names", "expert_param_names", "mixer_bytes"]
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MIXERS = (LINEAR, FULL)
@@ -243,6 +243,29 @@ def init_cache(config: HybridConfig, capacity: int, dtype=None, *, slack: int = 
     zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
     return HybridCache([zeros(k) for k, _ in specs], [zeros(v) for _, v in specs],
                        [config.is_linear(i) for i in range(config.n_layers)], capacity)
+
+
+# The delta rule's float32 temporaries, in arrays of [T, Hv, max(dk, dv)]: XLA's buffer
+# assignment of the scan's path (`gated_delta_rule`) holds 9.5 (tests/test_hybrid.py checks the
+# bound); the fused kernels' fewer.
+DELTA_TEMPORARIES = 10
+
+
+def mixer_bytes(config: HybridConfig, queries: int) -> int:
+    """Working memory of one chunk's Gated DeltaNet layer on `queries` tokens (padded to whole
+    blocks), beyond its input and output: the projections ([T, 2Kd + 2Vd + 2Hv] in the
+    parameter dtype), q, k, v in float32 (the conv's output in the parameter dtype too), the
+    delta rule's temporaries (`DELTA_TEMPORARIES`) and its float32 output. The engine's memory plan takes the larger
+    of this and the attention layers' working memory (`engine.memory`)."""
+    c = config
+    t = -(-queries // DELTA_BLOCK) * DELTA_BLOCK
+    it = np.dtype(c.dtype).itemsize
+    kd, vd = c.linear_k_heads * c.linear_k_dim, c.linear_v_heads * c.linear_v_dim
+    proj = t * (2 * kd + 2 * vd + 2 * c.linear_v_heads) * it
+    qkv = t * (2 * kd + vd) * (4 + it)
+    rule = (DELTA_TEMPORARIES + 1) * t * c.linear_v_heads * max(c.linear_k_dim,
+                                                                c.linear_v_dim) * 4
+    return int(proj + qkv + rule)
 
 
 def cache_bytes(config: HybridConfig, capacity: int) -> int:
