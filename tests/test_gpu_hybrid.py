@@ -1,7 +1,8 @@
 """The hybrid Qwen model (Gated DeltaNet + gated attention) on a CUDA GPU through the real
 stream: padded chunks, a follow-up turn and a layer-major read, byte-identical across the
 resident, stream-all and routed arms, with the kernels "auto" picks (Mosaic grouped matmul and
-cuDNN attention on Hopper). Run with STRATA_REQUIRE_GPU=1 on the GPU machine."""
+cuDNN attention on Hopper) and with the fused delta rule; the delta rule's kernels against the
+float64 recurrence. Run with STRATA_REQUIRE_GPU=1 on the GPU machine."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_cuda_hybrid_turns_and_layer_major_identical():
+@pytest.mark.parametrize("delta_rule", ["auto", "fused"])
+def test_cuda_hybrid_turns_and_layer_major_identical(delta_rule):
     from strata_jax.engine import Engine
+    from strata_jax.kernels import Kernels
     from strata_jax.models import get_preset
     from strata_jax.stream import StreamConfig, StreamTuning
     from strata_jax.synthetic import init_synthetic
@@ -29,7 +32,8 @@ def test_cuda_hybrid_turns_and_layer_major_identical():
                                                 tuning=StreamTuning(stream_floor=16))),
                     ("routed", StreamConfig(routed=True, depth=4, backend="cuda",
                                             tuning=StreamTuning(stream_floor=16)))):
-        with Engine(cfg, params, sc, max_context=1024, chunk_size=64) as eng:
+        with Engine(cfg, params, sc, max_context=1024, chunk_size=64,
+                    kernels=Kernels(delta_rule=delta_rule)) as eng:
             first = eng.prefill(tokens)
             second = eng.prefill(follow, first.session)
             lm = eng.prefill(tokens, order="layer-major")
