@@ -684,6 +684,24 @@ def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_p
     assert elapsed < 1.0, elapsed
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["prefill", *TINY, "--tokens", "8", "--delta-rule", "fused"],
+     ["--delta-rule fused", "no Gated DeltaNet layers", "leave it out"]),
+    (["profile", *TINY, "--tokens", "8", "--delta-rule", "pallas", "--out", "{tmp}/p.prof"],
+     ["--delta-rule pallas", "no Gated DeltaNet layers"]),
+    (["prefill", *TINY, "--tokens", "8", "--quantized-matmul", "fused"],
+     ["--quantized-matmul fused", "not quantized", "leave it out"]),
+], ids=["delta-rule", "profile-delta-rule", "quantized-matmul"])
+def test_kernel_choices_that_do_nothing_are_refused(argv, words, no_work, tmp_path):
+    """A kernel option for layers or experts the model does not have: one line naming it,
+    before any work; the same options where they apply run (test_hybrid, test_quant_*)."""
+    rc, out, err = run([a.format(tmp=tmp_path) for a in argv])
+    assert (rc, out) == (2, ""), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
 def test_the_plan_check_uses_the_engines_estimates(monkeypatch):
     """The refusal's KV cache and activations are the engine's (engine.memory.chunk_memory, which
     the engine chooses its chunk by); the positions it says fit pass the check, one more does
@@ -945,8 +963,8 @@ def test_score_refuses_what_it_cannot_score_before_any_work(argv, words, no_work
 
 
 def test_kernel_options_reach_the_engine(monkeypatch):
-    # --grouped-matmul / --quantized-matmul / --attention build the engine's Kernels; a choice
-    # the kernels do not have is refused by argparse, naming the choices.
+    # --grouped-matmul / --quantized-matmul / --attention / --delta-rule build the engine's
+    # Kernels; a choice the kernels do not have is refused by argparse, naming the choices.
     from strata_jax import engine as engine_module
 
     seen = []
@@ -963,5 +981,8 @@ def test_kernel_options_reach_the_engine(monkeypatch):
     assert d["tokens"] == 32
     (k,) = seen
     assert (k.grouped_matmul, k.quantized_matmul, k.attention) == ("tiled", "dequantize", "xla")
+    d = run_json(["prefill", "--preset", "qwen3-next-80b-a3b", "--scale", "tiny", "--tokens",
+                  "16", "--no-stream", "--delta-rule", "fused"])  # a hybrid's DeltaNet layers
+    assert d["tokens"] == 16 and seen[-1].delta_rule == "fused"
     rc, out, err = run(["prefill", *MODEL, "--quantized-matmul", "fast"])
     assert (rc, out) == (2, "") and "invalid choice: 'fast'" in err and "dequantize" in err

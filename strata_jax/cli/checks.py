@@ -1,5 +1,6 @@
-"""The refusals before any work: the resident and ring budgets (`_check_budget`,
-`_check_stream_budget`: prefill, profile and info refuse the same ones in the same words) and
+"""The refusals before any work: the resident and ring budgets and kernel choices that would do
+nothing (`_check_budget`, `_check_stream_budget`, `_check_kernel_options`: prefill, profile and
+info refuse the same ones in the same words) and
 the memory plan of a prefill (`_check_plan`: the estimates of strata_jax/engine/memory.py
 against the memory of the device it will run on), each a UsageError.
 """
@@ -14,6 +15,7 @@ from strata_jax.stream import plan_stream
 
 def _check_budget(args, model: _Model, backend: str) -> None:
     cfg = model.config
+    _check_kernel_options(args, cfg)
     if not args.stream and (args.resident_gib is not None or args.resident_per_layer is not None
                             or args.profile):
         raise UsageError("--no-stream keeps every expert resident; --resident-gib, "
@@ -42,6 +44,16 @@ def _check_stream_budget(args, cfg, platform: str) -> None:
         if limit is not None and args.resident_gib * 2**30 > limit:
             raise UsageError(f"--resident-gib {args.resident_gib} is more than the device has "
                              f"({gib(limit)} of {what}); use a smaller budget")
+
+
+def _check_kernel_options(args, cfg) -> None:
+    """Kernel choices that would do nothing for this model are refused by name."""
+    if args.delta_rule != "auto" and "linear_attention" not in getattr(cfg, "mixers", ()):
+        raise UsageError(f"--delta-rule {args.delta_rule}: this model has no Gated DeltaNet "
+                         "layers (Qwen3-Next / Qwen3.5-MoE hybrids have); leave it out")
+    if args.quantized_matmul != "auto" and cfg.expert_format == "plain":
+        raise UsageError(f"--quantized-matmul {args.quantized_matmul}: the experts are not "
+                         "quantized (--quantize or a quantized checkpoint); leave it out")
 
 
 def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
