@@ -16,10 +16,10 @@
 # routed512:     Qwen3-Next's first 8 layers, bf16 experts, 1K / 4K: routed against its link
 #                floor and stream-all (target routed <= 1.05 of its floor).
 # next-resident: the whole Qwen3-Next-80B-A3B (48 layers, int4 experts) all resident, one chunk
-#                at 32K and 4K on the whole H200: the times next-e2e divides by.
+#                at 32K and 4K on the whole card: the times next-e2e divides by.
 # next-e2e:      the same streamed within a 16 GB card's footprint (XLA's pool capped at
-#                XLA_CLIENT_MEM_FRACTION=0.0925 plus a 2.5 GiB ring), 32K layer-major
-#                (RESIDENT_MS from next-resident).
+#                POOL_GIB=12.93, 0.0925 of an H200, plus a 2.5 GiB ring), 32K layer-major,
+#                against this call's next-resident JSON (its bits checked) or RESIDENT_MS.
 # ds-link:       a DeepSeek-V3 slice (its 3 dense layers + 8 MoE layers, fp8 experts), 1K-8K:
 #                stream-all against the link, routed against its floor.
 # ds-32k:        the same slice, 32K tokens layer-major within a 16 GB card's footprint.
@@ -33,6 +33,9 @@ RUN="bash strata_jax/benchmarks/gpu_run.sh"
 PY=${PY:-python3}
 NEXT="--preset qwen3-next-80b-a3b --layers 48 --quantize int4 --parts prefill"
 GLM="--preset glm-4.5-air --layers 46 --quantize int4 --parts prefill"
+# All-resident runs take the whole card (XLA's default 75% leaves an H100 short of a whole
+# int4 model); the 16 GB runs cap XLA's pool with POOL_GIB (gpu_run.sh).
+WHOLE=${WHOLE_FRACTION:-0.92}
 rc=0
 for STAGE in ${1//,/ }; do
   case $STAGE in
@@ -58,28 +61,31 @@ for STAGE in ${1//,/ }; do
         QUANT_ARMS=resident,stream-all,routed $RUN quant || rc=1 ;;
     next-resident)
       for L in 32768 4096; do
-        BENCH_TIMEOUT=280 NAME=next_resident_$L CHUNKED_ARGS="$NEXT --arms resident
-          --resident-orders one --long $L --reps-prefill 2" $RUN chunked || rc=1
+        XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=280 NAME=next_resident_$L CHUNKED_ARGS="$NEXT
+          --arms resident --resident-orders one --long $L --reps-prefill 2" $RUN chunked || rc=1
         export SKIP_BUILD=1
       done ;;
     next-e2e)
-      XLA_CLIENT_MEM_FRACTION=0.0925 BENCH_TIMEOUT=500 NAME=next_l48_16g CHUNKED_ARGS="$NEXT
-        --arms routed --no-resident ${RESIDENT_MS:+--resident-ms $RESIDENT_MS} --ring-gib 2.5
+      R="$OUT/chunked_next_resident_32768.json"
+      if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
+      POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=next_l48_16g CHUNKED_ARGS="$NEXT
+        --arms routed --no-resident $R --ring-gib 2.5
         --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
     ds-link)
       BENCH_TIMEOUT=400 PRESET=deepseek-v3 LAYERS=11 FORMATS=fp8 LENGTHS=1024,2048,4096,8192 \
         QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
     ds-32k)
-      XLA_CLIENT_MEM_FRACTION=0.0925 BENCH_TIMEOUT=500 NAME=dsv3_l11_16g CHUNKED_ARGS="--preset
+      POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=dsv3_l11_16g CHUNKED_ARGS="--preset
         deepseek-v3 --layers 11 --quantize fp8 --parts prefill --arms routed --no-resident
         --ring-gib 2.5 --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
     glm-resident)
-      BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 CHUNKED_ARGS="$GLM --arms resident
-        --resident-orders one --long 32768 --reps-prefill 2" $RUN chunked || rc=1 ;;
+      XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 \
+        CHUNKED_ARGS="$GLM --arms resident --resident-orders one --long 32768 --reps-prefill 2" \
+        $RUN chunked || rc=1 ;;
     glm-e2e)
       R="$OUT/chunked_glm_air_resident_32768.json"
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
-      XLA_CLIENT_MEM_FRACTION=0.0925 BENCH_TIMEOUT=500 NAME=glm_air_l46_16g CHUNKED_ARGS="$GLM
+      POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=glm_air_l46_16g CHUNKED_ARGS="$GLM
         --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major
         --reps-prefill 1" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;

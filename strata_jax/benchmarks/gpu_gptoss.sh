@@ -11,11 +11,12 @@
 #           link-bound, stream-all >= 0.94 of the link, resident at 8K <= 1.05x bf16).
 # e2e:      the whole gpt-oss-120b (36 layers, MXFP4 experts streamed, nothing resident),
 #           32K tokens layer-major within a 16 GB card's footprint (XLA's pool capped at
-#           XLA_CLIENT_MEM_FRACTION=0.0925 plus a 2.5 GiB ring), against RESIDENT_MS (the
+#           POOL_GIB=12.93, 0.0925 of an H200, plus a 2.5 GiB ring), against RESIDENT_MS (the
 #           resident stage's one-chunk time; give it from an earlier call).
 # e2e4k:    the same at 4K tokens (one chunk).
-# resident: the whole model all resident in one chunk on the whole H200 (61 GB of MXFP4
-#           experts fit), 32K and 4K (RESIDENT_LENGTHS): the times e2e divides by.
+# resident: the whole model all resident in one chunk on the whole card (61 GB of MXFP4
+#           experts fit; XLA_CLIENT_MEM_FRACTION=WHOLE_FRACTION, default 0.92), 32K and 4K
+#           (RESIDENT_LENGTHS): the times e2e divides by.
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -38,19 +39,20 @@ for STAGE in ${1//,/ }; do
         $RUN quant || rc=1 ;;
     resident)
       for L in ${RESIDENT_LENGTHS:-32768 4096}; do
-        NAME=gptoss_resident_$L CHUNKED_ARGS="$MODEL --arms resident --resident-orders one --long $L
+        XLA_CLIENT_MEM_FRACTION=${WHOLE_FRACTION:-0.92} NAME=gptoss_resident_$L CHUNKED_ARGS="$MODEL
+          --arms resident --resident-orders one --long $L
           --reps-prefill 3" $RUN chunked || rc=1
         export SKIP_BUILD=1
       done ;;
     e2e)
-      XLA_CLIENT_MEM_FRACTION=0.0925 NAME=gptoss_l36_16g CHUNKED_ARGS="$MODEL --arms routed
+      POOL_GIB=12.93 NAME=gptoss_l36_16g CHUNKED_ARGS="$MODEL --arms routed
         --no-resident ${RESIDENT_MS:+--resident-ms $RESIDENT_MS} --ring-gib 2.5
         --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
     e2e4k)  # against the resident 4K run of this call where there is one (its bits checked)
       R4K="$OUT/chunked_gptoss_resident_4096.json"
       if [ -f "$R4K" ]; then R4K="--resident-json $R4K"
       else R4K=${RESIDENT_MS_4K:+--resident-ms $RESIDENT_MS_4K}; fi
-      XLA_CLIENT_MEM_FRACTION=0.0925 NAME=gptoss_l36_16g_4k CHUNKED_ARGS="$MODEL --arms routed
+      POOL_GIB=12.93 NAME=gptoss_l36_16g_4k CHUNKED_ARGS="$MODEL --arms routed
         --no-resident $R4K --ring-gib 2.5
         --orders one --long 4096 --chunk 4096 --reps-prefill 3" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;

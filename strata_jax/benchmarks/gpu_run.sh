@@ -28,6 +28,15 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
   --format=csv > "$OUT/machine.txt" 2>&1
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
+# POOL_GIB: cap XLA's pool at that many GiB whatever the card (a smaller card's footprint on a
+# larger one): XLA_CLIENT_MEM_FRACTION from the GPU's total memory.
+if [ -n "${POOL_GIB:-}" ]; then
+  total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  XLA_CLIENT_MEM_FRACTION=$(awk -v g="$POOL_GIB" -v t="$total" 'BEGIN {printf "%.4f", g * 1024 / t}')
+  export XLA_CLIENT_MEM_FRACTION
+  echo "XLA's pool: $POOL_GIB GiB of $total MiB (XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION)" \
+    | tee -a "$OUT/machine.txt"
+fi
 t0=$(date +%s)
 if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second invocation in the same call
 $PY -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.STRATA_CUDA=ON > "$OUT/build.log" 2>&1 \
