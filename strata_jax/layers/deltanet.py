@@ -27,6 +27,8 @@ state of its real tokens only.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -82,6 +84,7 @@ def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
     return jax.nn.silu(out).astype(x.dtype), nxt.astype(window.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "carry", "products"))
 def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: str = "auto",
                      products: str = "float32"):
     """The gated delta rule over a chunk, chunkwise-parallel.
@@ -186,23 +189,24 @@ def decay_sums(g):
 def unit_lower_inverse(system, products: str = "float32"):
     """The inverse of unit-lower-triangular matrices `system` [..., C, C] (C a power of two)
     by doubling, matmuls only: the inverse of [[A, 0], [B, D]] is [[A^-1, 0], [-D^-1 B A^-1,
-    D^-1]], from the 1 x 1 diagonal blocks up (log2 C steps, each over every block pair)."""
+    D^-1]]. X starts as I (the 1 x 1 diagonal blocks' inverses); at block size b, X holds the
+    b x b diagonal blocks' inverses and X - X (L masked to each pair's B block) X the 2b x 2b
+    ones: log2 C steps of two full-size matmuls, one loop body (as `kernels.delta_rule`'s
+    inverse does it)."""
     *lead, c, _ = system.shape
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse: blocks of {c} rows; expected a power of two")
-    inverse = jnp.ones((*lead, c, 1, 1), system.dtype)  # the 1 x 1 diagonal blocks' inverses
-    b = 1
-    while b < c:
-        nb = c // (2 * b)
-        pairs = system.reshape(*lead, nb, 2 * b, nb, 2 * b)
-        diag = jnp.moveaxis(jnp.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # [.., nb, 2b, 2b]
-        halves = inverse.reshape(*lead, nb, 2, b, b)
-        a, d = halves[..., 0, :, :], halves[..., 1, :, :]
-        below = -_mm(_mm(d, diag[..., b:, :b], products), a, products)
-        inverse = jnp.concatenate([jnp.concatenate([a, jnp.zeros_like(a)], -1),
-                                   jnp.concatenate([below, d], -1)], -2)
-        b *= 2
-    return inverse.reshape(*lead, c, c)
+    r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    eye = jnp.eye(c, dtype=system.dtype)
+    low = system - eye
+
+    def double(level, x):
+        b = jnp.left_shift(1, level)
+        pair_b = (r // (2 * b) == col // (2 * b)) & (r // b % 2 == 1) & (col // b % 2 == 0)
+        return x - _mm(_mm(x, jnp.where(pair_b, low, 0.0), products), x, products)
+
+    return lax.fori_loop(0, c.bit_length() - 1, double, jnp.broadcast_to(eye, system.shape))
 
 
 def _mm(a, b, products: str = "float32"):
