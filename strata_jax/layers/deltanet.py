@@ -11,9 +11,10 @@ RMSNorm (by z) and the output projection.
 The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut into blocks of
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
 transform: each block's unit-lower-triangular system inverted by doubling, then matmuls; no
-LAPACK or cuBLAS triangular solve), and the state
-walks across the blocks, three small matmuls a block: as a scan, or in one Pallas kernel
-(`kernels.delta_rule`). No step is per token.
+LAPACK or cuBLAS triangular solve), and the state walks across the blocks, three small matmuls
+a block: as a scan, or in one Pallas kernel; or the whole rule runs in two Pallas kernels
+(`kernels.delta_rule`, `Kernels.delta_rule`). No step is per token. Decays between two tokens
+of a block are summed over their own range (`decay_sums`), not differenced.
 
 Products: a float32 layer takes every product of the rule at full float32 (`HIGHEST`); a
 bf16/fp16 layer on a GPU, through the Pallas kernels, takes them at TF32 (tensor cores; a 10-bit
@@ -38,7 +39,8 @@ from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_chunk, de
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
-__all__ = ["DELTA_BLOCK", "GatedDeltaNet", "gated_delta_rule", "causal_conv", "l2_normalize"]
+__all__ = ["DELTA_BLOCK", "PRODUCTS", "GatedDeltaNet", "gated_delta_rule", "block_terms",
+           "causal_conv", "decay_sums", "l2_normalize", "products_for", "unit_lower_inverse"]
 
 # Tokens per block of the chunkwise delta rule (the UT transform's triangular systems).
 DELTA_BLOCK = 64
@@ -54,6 +56,7 @@ def products_for(dtype, carry: str = "xla", platform: str | None = None) -> str:
     platform = platform or jax.default_backend()
     fast = platform == "gpu" and jnp.dtype(dtype).itemsize < 4 and carry in ("pallas", "fused")
     return "tf32" if fast else "float32"
+
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis (float32 in, float32 out)."""
