@@ -684,6 +684,25 @@ def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_p
     assert elapsed < 1.0, elapsed
 
 
+@pytest.mark.slow
+def test_delta_rule_option_reaches_a_hybrids_engine(monkeypatch):
+    """--delta-rule builds the engine's Kernels for a hybrid (its DeltaNet layers run the fused
+    rule, interpreted here)."""
+    from strata_jax import engine as engine_module
+
+    seen = []
+    real = engine_module.Engine.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("kernels"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", spy)
+    d = run_json(["prefill", "--preset", "qwen3-next-80b-a3b", "--scale", "tiny", "--tokens",
+                  "16", "--no-stream", "--delta-rule", "fused"])
+    assert d["tokens"] == 16 and [k.delta_rule for k in seen] == ["fused"]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["prefill", *TINY, "--tokens", "8", "--delta-rule", "fused"],
      ["--delta-rule fused", "no Gated DeltaNet layers", "leave it out"]),
@@ -963,8 +982,8 @@ def test_score_refuses_what_it_cannot_score_before_any_work(argv, words, no_work
 
 
 def test_kernel_options_reach_the_engine(monkeypatch):
-    # --grouped-matmul / --quantized-matmul / --attention / --delta-rule build the engine's
-    # Kernels; a choice the kernels do not have is refused by argparse, naming the choices.
+    # --grouped-matmul / --quantized-matmul / --attention build the engine's Kernels; a choice
+    # the kernels do not have is refused by argparse, naming the choices.
     from strata_jax import engine as engine_module
 
     seen = []
@@ -981,8 +1000,5 @@ def test_kernel_options_reach_the_engine(monkeypatch):
     assert d["tokens"] == 32
     (k,) = seen
     assert (k.grouped_matmul, k.quantized_matmul, k.attention) == ("tiled", "dequantize", "xla")
-    d = run_json(["prefill", "--preset", "qwen3-next-80b-a3b", "--scale", "tiny", "--tokens",
-                  "16", "--no-stream", "--delta-rule", "fused"])  # a hybrid's DeltaNet layers
-    assert d["tokens"] == 16 and seen[-1].delta_rule == "fused"
     rc, out, err = run(["prefill", *MODEL, "--quantized-matmul", "fast"])
     assert (rc, out) == (2, "") and "invalid choice: 'fast'" in err and "dequantize" in err

@@ -88,6 +88,7 @@ def _delta_inputs(t, hv, dk, dv, seed):
     return q, k, v, g, beta, rng.standard_normal((hv, dk, dv))
 
 
+@pytest.mark.slow
 def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
     """The Pallas kernels in interpret mode: the carry reads the scan's float32 products (bit
     for bit); the fused rule (its own inverse, tokens-first) is within float32 of the float64
