@@ -53,6 +53,7 @@ def delta_rule_path(impl: str = "auto", platform: str | None = None) -> str:
         return AUTO_ON_GPU if platform == "gpu" else "xla"
     return impl
 
+
 def _kernel(w_ref, qd_ref, kd_ref, u_ref, decay_ref, s0_ref, inter_ref, new_ref, s_ref, *,
             n_blocks: int, block: int, bv: int, precision):
     h, j = pl.program_id(0), pl.program_id(1)

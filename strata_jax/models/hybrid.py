@@ -255,8 +255,8 @@ def mixer_bytes(config: HybridConfig, queries: int) -> int:
     """Working memory of one chunk's Gated DeltaNet layer on `queries` tokens (padded to whole
     blocks), beyond its input and output: the projections ([T, 2Kd + 2Vd + 2Hv] in the
     parameter dtype), q, k, v in float32 (the conv's output in the parameter dtype too), the
-    delta rule's temporaries (`DELTA_TEMPORARIES`) and its float32 output. The engine's memory plan takes the larger
-    of this and the attention layers' working memory (`engine.memory`)."""
+    delta rule's temporaries (`DELTA_TEMPORARIES`) and its float32 output. The engine's memory
+    plan takes the larger of this and the attention layers' working memory (`engine.memory`)."""
     c = config
     t = -(-queries // DELTA_BLOCK) * DELTA_BLOCK
     it = np.dtype(c.dtype).itemsize
