@@ -45,8 +45,8 @@ for STAGE in ${1//,/ }; do
     kernels)  # gpu_moe512.sh's test stage
       bash strata_jax/benchmarks/gpu_moe512.sh tests || rc=1 ;;
     mixers)
-      BENCH_TIMEOUT=${MIXERS_TIMEOUT:-420} NAME=next_32k HYBRID_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
-        $RUN hybrid || rc=1 ;;
+      BENCH_TIMEOUT=${MIXERS_TIMEOUT:-420} NAME=next_32k \
+        HYBRID_ARGS="--tokens 32768 --chunk 8192 --reps 5" $RUN hybrid || rc=1 ;;
     mla)
       BENCH_TIMEOUT=200 NAME=dsv3_32k MLA_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
         $RUN mla || rc=1 ;;
