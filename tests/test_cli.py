@@ -684,10 +684,9 @@ def test_a_plan_past_memory_is_refused_at_once(argv, no_work, monkeypatch, tmp_p
     assert elapsed < 1.0, elapsed
 
 
-@pytest.mark.slow
-def test_delta_rule_option_reaches_a_hybrids_engine(monkeypatch):
-    """--delta-rule builds the engine's Kernels for a hybrid (its DeltaNet layers run the fused
-    rule, interpreted here)."""
+@pytest.fixture
+def engine_kernels(monkeypatch):
+    """The `kernels` of every Engine the command line builds, in order."""
     from strata_jax import engine as engine_module
 
     seen = []
@@ -698,6 +697,14 @@ def test_delta_rule_option_reaches_a_hybrids_engine(monkeypatch):
         return real(self, *a, **kw)
 
     monkeypatch.setattr(engine_module.Engine, "__init__", spy)
+    return seen
+
+
+@pytest.mark.slow
+def test_delta_rule_option_reaches_a_hybrids_engine(engine_kernels):
+    """--delta-rule builds the engine's Kernels for a hybrid (its DeltaNet layers run the fused
+    rule, interpreted here)."""
+    seen = engine_kernels
     d = run_json(["prefill", "--preset", "qwen3-next-80b-a3b", "--scale", "tiny", "--tokens",
                   "16", "--no-stream", "--delta-rule", "fused"])
     assert d["tokens"] == 16 and [k.delta_rule for k in seen] == ["fused"]
@@ -981,19 +988,10 @@ def test_score_refuses_what_it_cannot_score_before_any_work(argv, words, no_work
     assert "score" in cli.build_parser().format_help()
 
 
-def test_kernel_options_reach_the_engine(monkeypatch):
+def test_kernel_options_reach_the_engine(engine_kernels):
     # --grouped-matmul / --quantized-matmul / --attention build the engine's Kernels; a choice
     # the kernels do not have is refused by argparse, naming the choices.
-    from strata_jax import engine as engine_module
-
-    seen = []
-    real = engine_module.Engine.__init__
-
-    def spy(self, *a, **kw):
-        seen.append(kw.get("kernels"))
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(engine_module.Engine, "__init__", spy)
+    seen = engine_kernels
     d = run_json(["prefill", *MODEL, "--tokens", "32", "--no-stream", "--quantize", "int4",
                   "--grouped-matmul", "tiled", "--quantized-matmul", "dequantize",
                   "--attention", "xla"])
