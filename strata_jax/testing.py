@@ -1,6 +1,7 @@
 """Test helpers: one tolerance table and a finite-first closeness check; Hugging Face
 checkpoints written from a model's params (plain, FP8 and GPTQ layouts); a chunked read of a
-model against its one-shot logits; an expert source that poisons unrouted experts.
+model against its one-shot logits; an expert source that poisons unrouted experts; random
+inputs of the gated delta rule.
 
 Guards against tolerances drifting test by test and against NaN passing a loose comparison
 (`assert_allclose` with NaN on both sides, or an infinite error hidden by a large atol).
@@ -76,6 +77,21 @@ class PoisonUnrouted:
         return resident._replace(**{
             name: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.nan)
             for name, a in resident._asdict().items()})
+
+
+def delta_rule_inputs(t: int, hv: int, dk: int, dv: int, seed: int, *, decay_shift: float = 0.0,
+                      state_scale: float = 1.0):
+    """Random float64 inputs of the gated delta rule: q, k [T, Hv, dk] unit rows (q scaled by
+    dk^-1/2), v [T, Hv, dv], log-decays g = -softplus(N(0, 1) + decay_shift) and beta =
+    sigmoid(N(0, 1)) [T, Hv], and a state [Hv, dk, dv] of N(0, state_scale^2)."""
+    rng = np.random.default_rng(seed)
+    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(rng.standard_normal((t, hv, dk))) * dk ** -0.5
+    k = unit(rng.standard_normal((t, hv, dk)))
+    v = rng.standard_normal((t, hv, dv))
+    g = -np.log1p(np.exp(rng.standard_normal((t, hv)) + decay_shift))
+    beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
+    return q, k, v, g, beta, state_scale * rng.standard_normal((hv, dk, dv))
 
 
 # Preset -> (architecture, the MoE block's module name, its gate/up/down projection names).

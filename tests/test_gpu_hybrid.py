@@ -80,20 +80,12 @@ def test_cuda_tf32_delta_rule_matches_the_float64_recurrence():
 
     from strata_jax.layers.deltanet import gated_delta_rule, products_for
     from strata_jax.reference import reference_delta_rule
-    from strata_jax.testing import assert_close
+    from strata_jax.testing import assert_close, delta_rule_inputs
 
     assert products_for(jnp.bfloat16, "fused") == "tf32"
-    rng = np.random.default_rng(11)
-    t, hv, dk, dv = 300, 4, 128, 128
-    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
-    q = unit(rng.standard_normal((t, hv, dk))) * dk ** -0.5
-    k = unit(rng.standard_normal((t, hv, dk)))
-    v = rng.standard_normal((t, hv, dv))
-    g = -np.log1p(np.exp(rng.standard_normal((t, hv)) - 2.0))
-    beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
-    s0 = 0.1 * rng.standard_normal((hv, dk, dv))
-    ref, ref_state = reference_delta_rule(q, k, v, g, beta, s0)
-    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
+    inputs = delta_rule_inputs(300, 4, 128, 128, seed=11, decay_shift=-2.0, state_scale=0.1)
+    ref, ref_state = reference_delta_rule(*inputs)
+    args = [jnp.asarray(a, jnp.float32) for a in inputs]
     for carry in ("pallas", "fused", "xla"):
         out, state = gated_delta_rule(*args, carry=carry, products="tf32")
         assert_close(out, ref, np.float16, err_msg=f"{carry}: outputs")

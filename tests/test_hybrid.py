@@ -19,7 +19,7 @@ from strata_jax.models.qwen3_next import _gates_order, _in_proj_order
 from strata_jax.reference import reference_deltanet, reference_forward
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
-from strata_jax.testing import assert_close, save_safetensors
+from strata_jax.testing import assert_close, delta_rule_inputs, save_safetensors
 
 F32 = get_preset("qwen3-next-80b-a3b").scaled(n_experts=8, top_k=2, param_dtype="float32")
 BF16 = F32.replace(param_dtype="bfloat16")
@@ -77,17 +77,6 @@ def test_deltanet_layer_matches_the_float64_recurrence_across_chunks(f32_params)
     assert 150 > 2 * DELTA_BLOCK
 
 
-def _delta_inputs(t, hv, dk, dv, seed):
-    rng = np.random.default_rng(seed)
-    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
-    q = unit(rng.standard_normal((t, hv, dk))) * dk ** -0.5
-    k = unit(rng.standard_normal((t, hv, dk)))
-    v = rng.standard_normal((t, hv, dv))
-    g = -np.log1p(np.exp(rng.standard_normal((t, hv))))
-    beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
-    return q, k, v, g, beta, rng.standard_normal((hv, dk, dv))
-
-
 @pytest.mark.slow
 def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
     """The Pallas kernels in interpret mode: the carry reads the scan's float32 products (bit
@@ -99,7 +88,7 @@ def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
     from strata_jax.layers.deltanet import gated_delta_rule
     from strata_jax.reference import reference_delta_rule
 
-    inputs = _delta_inputs(150, 4, 16, 32, seed=7)
+    inputs = delta_rule_inputs(150, 4, 16, 32, seed=7)
     args = [jnp.asarray(a, jnp.float32) for a in inputs]
     ref = reference_delta_rule(*inputs)
     scan = gated_delta_rule(*args, block=64, carry="xla")

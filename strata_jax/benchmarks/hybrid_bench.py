@@ -92,6 +92,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     state = jnp.zeros((hv, dk, dv), jnp.float32)
     rows = []
     gpu = jax.default_backend() == "gpu"
+    products_here = ("float32", "tf32") if gpu else ("float32",)  # TF32: a GPU's
     cases = [("float32", "xla", 64), ("float32", "fused", 64)]
     if gpu:
         cases += [("tf32", "xla", 64), ("tf32", "pallas", 64), ("tf32", "fused", 32),
@@ -109,7 +110,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     rhs = jax.random.normal(keys[1], (hv, tokens // b, b, dk + dv))
     solve = lambda s, r: solve_triangular(s, r, lower=True, unit_diagonal=True)  # noqa: E731
     ms_columns = median_ms(jax.jit(solve), (system, rhs), reps)
-    for products in ("float32", "tf32") if gpu else ("float32",):
+    for products in products_here:
         fn = jax.jit(lambda *a, products=products: block_terms(*a, block=b, products=products))
         ms = median_ms(fn, (q, k, v, g, beta), reps)
         inverse = jax.jit(lambda s, r, products=products: _mm(
@@ -120,7 +121,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
         print(f"the parallel part alone, blocks of {b}, {products:7s}: {ms:8.2f} ms (its "
               f"transform {ms_inverse:.2f} ms; solved for the {dk + dv} columns "
               f"{ms_columns:.2f} ms)", flush=True)
-    for products in ("float32", "tf32") if gpu else ("float32",):
+    for products in products_here:
         fn = jax.jit(lambda *a, products=products: ut_inverse(*a, block=b, products=products))
         ms = median_ms(fn, (k, g, beta), reps)
         rows.append({"ut_inverse_block": b, "products": products, "tokens": tokens, "ms": ms})

@@ -35,7 +35,10 @@ from jax.experimental.pallas import triton as pltriton
 from strata_jax.kernels import DELTA_RULES
 
 __all__ = ["delta_rule_carry", "delta_rule_chunk", "ut_inverse", "delta_rule_path",
-           "AUTO_ON_GPU"]
+           "decay_sums", "doubling_step", "pad_blocks", "AUTO_ON_GPU", "PRODUCTS"]
+
+# The rule's products: "float32" (full float32) or "tf32" (tensor cores, float32 sums).
+PRODUCTS = ("float32", "tf32")
 
 # What "auto" runs on a GPU: the scan, as measured (hybrid_bench); the kernels are the choice
 # a user makes by name.
@@ -52,6 +55,48 @@ def delta_rule_path(impl: str = "auto", platform: str | None = None) -> str:
         platform = platform or jax.default_backend()
         return AUTO_ON_GPU if platform == "gpu" else "xla"
     return impl
+
+
+def decay_sums(g, precision=lax.Precision.HIGHEST):
+    """Log-decays g [..., C] of a block -> (sums [..., C, C], entry (i, j) the sum of g over
+    (j, i], 0 where i <= j; gam [..., C], the sums over [0, i]). Each sum is taken over its own
+    range, as one 0/1-mask matmul: not gam_i - gam_j, which cancels (within a block of 64
+    fast-decaying tokens gam reaches hundreds, and float32's difference of two such sums is off
+    by ~1e-5 of them). In XLA over batches of blocks and in the kernels over one."""
+    c = g.shape[-1]
+    r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    upto = jnp.where(col <= r, g[..., None, :], 0.0)  # [i, t]: g_t for t <= i
+    sums = jnp.matmul(upto, jnp.where(r > col, 1.0, 0.0), precision=precision,
+                      preferred_element_type=jnp.float32)  # [i, j]: t > j too
+    return sums, jnp.sum(upto, axis=-1)
+
+
+def doubling_step(x, low, r, c, b, dot):
+    """One step of inverting unit-lower-triangular blocks I + L by doubling: x holds the inverses
+    of the diagonal b x b blocks (I at b = 1); each pair [[A, 0], [B, D]] of them gets its
+    lower-left block -D^-1 B A^-1 = -(x (L masked to the B blocks) x), giving the 2b x 2b
+    ones. r, c: row and column iotas of [C, C]; b a power of two (an int or traced)."""
+    pair_b = (r // (2 * b) == c // (2 * b)) & (r // b % 2 == 1) & (c // b % 2 == 0)
+    return x - dot(dot(x, jnp.where(pair_b, low, 0.0)), x)
+
+
+def pad_blocks(block: int, q, k, v, g, beta):
+    """The rule's inputs ([T, H, d] and [T, Hv]) padded to whole blocks: (n blocks, q, k, v, g,
+    beta). Padded rows get beta = 0, g = 0, which leave the state as it is."""
+    t = q.shape[0]
+    n = -(-t // block)
+    pad = n * block - t
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
+    return n, q, k, v, g, beta
+
+
+def _check_sizes(who: str, **sizes) -> None:
+    for name, size in sizes.items():
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{who}: {name}={size} must be a power of two >= 16")
 
 
 def _kernel(w_ref, qd_ref, kd_ref, u_ref, decay_ref, s0_ref, inter_ref, new_ref, s_ref, *,
@@ -98,9 +143,7 @@ def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, products: str = 
     dv = u.shape[-1]
     n = decay.shape[1]
     bv = min(bv, dv)
-    for name, size in (("block", block), ("dk", dk), ("dv", dv), ("bv", bv)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"delta_rule_carry: {name}={size} must be a power of two >= 16")
+    _check_sizes("delta_rule_carry", block=block, dk=dk, dv=dv, bv=bv)
     if rows != n * block or dv % bv:
         raise ValueError(f"delta_rule_carry: {rows} rows for {n} blocks of {block}, "
                          f"dv={dv} in slices of {bv}")
@@ -118,7 +161,6 @@ def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, products: str = 
       state.astype(f32))
 
 
-
 def _dot_nt(a, b, precision):  # a @ b.T
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
@@ -129,16 +171,6 @@ def _dot_tn(a, b, precision):  # a.T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _decay_sums(g, r, c, exact):
-    """In a kernel: [C, C], entry (i, j) the sum of g over (j, i] (0 where i <= j), each over
-    its own range (`layers.deltanet.decay_sums`), as one 0/1-mask matmul; and gam [C], the sums
-    from the block's start."""
-    upto = jnp.where(c <= r, g[None, :], 0.0)  # [i, t]: g_t for t <= i
-    sums = jnp.dot(upto, jnp.where(r > c, 1.0, 0.0), precision=exact,
-                   preferred_element_type=jnp.float32)  # [i, j]: t > j too
-    return sums, jnp.sum(upto, axis=1)
-
-
 def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *, block: int, rep: int, precision, exact):
     h, i = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block, block)
@@ -146,17 +178,14 @@ def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *, block: int, rep: int, prec
     beta = beta_ref[rows, h]
     r = lax.broadcasted_iota(jnp.int32, (block, block), 0)
     c = lax.broadcasted_iota(jnp.int32, (block, block), 1)
-    sums, _ = _decay_sums(g_ref[rows, h], r, c, exact)
+    sums, _ = decay_sums(g_ref[rows, h], exact)
     low = _dot_nt(k * beta[:, None], k, precision) * jnp.exp(
         jnp.where(r > c, sums, -jnp.inf))  # strictly lower L
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
-    # Doubling: x holds the inverses of the diagonal b x b blocks; each pair [[A, 0], [B, D]]
-    # of them gets its lower-left block -D^-1 B A^-1 = -(x (L masked to the B blocks) x).
     x = jnp.where(r == c, 1.0, 0.0)
     b = 1
-    while b < block:
-        pair_b = ((r // (2 * b)) == (c // (2 * b))) & ((r // b) % 2 == 1) & ((c // b) % 2 == 0)
-        x = x - dot(dot(x, jnp.where(pair_b, low, 0.0)), x)
+    while b < block:  # unrolled: log2 C steps
+        x = doubling_step(x, low, r, c, b, dot)
         b *= 2
     t_ref[h, i, :, :] = x
 
@@ -176,7 +205,7 @@ def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, t_ref, s0_ref, o_ref, s_
         k = k_ref[rows, h // rep, :]
         v = v_ref[rows, h, cols]  # [C, bv]
         beta = beta_ref[rows, h]
-        sums, gam = _decay_sums(g_ref[rows, h], r, c, exact)  # gam: decay from the start
+        sums, gam = decay_sums(g_ref[rows, h], exact)  # gam: decay from the start
         eg = jnp.exp(gam)
         last = jnp.sum(jnp.where(row == block - 1, gam, 0.0))  # the block's total decay
         to_end = jnp.sum(jnp.where(r == block - 1, sums, 0.0), axis=0)  # [C]: over (j, C-1]
@@ -201,8 +230,8 @@ def _launch(interpret, num_warps, num_stages):
 def _precision(products: str, who: str):
     """(the products' precision, the decay sums'): TF32, with the sums at TF32x3 (float32's
     accuracy on tensor cores); or both at full float32."""
-    if products not in ("float32", "tf32"):
-        raise ValueError(f"{who}: products={products!r}: expected float32|tf32")
+    if products not in PRODUCTS:
+        raise ValueError(f"{who}: products={products!r}: expected {'|'.join(PRODUCTS)}")
     if products == "tf32":
         return lax.Precision.DEFAULT, lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.Precision.HIGHEST, lax.Precision.HIGHEST
@@ -212,7 +241,7 @@ def ut_inverse(k, g, beta, *, block: int, products: str = "float32",
                interpret: bool | None = None, num_warps: int = 4):
     """Each block's UT transform: T = (I + L)^-1 with L[i, j] = beta_i k_i.k_j exp(g summed over
     (j, i]) for i > j (0 elsewhere), by doubling (2 log2 C matmuls of C x C, as
-    `layers.deltanet.unit_lower_inverse`); a program per head and block.
+    `layers.deltanet.unit_lower_inverse`, unrolled); a program per head and block.
 
     Args:
         k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); g: float32
@@ -254,17 +283,10 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "fl
     if hv % hk:
         raise ValueError(f"delta_rule_chunk: {hk} key heads do not divide {hv} value heads")
     bv = min(bv, dv)
-    for name, size in (("block", block), ("dk", dk), ("dv", dv), ("bv", bv)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"delta_rule_chunk: {name}={size} must be a power of two >= 16")
+    _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv)
     precision, exact = _precision(products, "delta_rule_chunk")
-    n = -(-t // block)
-    pad = n * block - t
     f32 = jnp.float32
-    q, k, v, g, beta = (a.astype(f32) for a in (q, k, v, g, beta))
-    if pad:  # beta = 0, g = 0: the padded rows leave the state as it is
-        q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
-        g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
+    n, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
     inverse = ut_inverse(k, g, beta, block=block, products=products, interpret=interpret)
     interpret, kw = _launch(interpret, num_warps, num_stages)
     o, state = pl.pallas_call(

@@ -35,7 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_chunk, delta_rule_path
+from strata_jax.kernels.delta_rule import (PRODUCTS, decay_sums, delta_rule_carry,
+                                           delta_rule_chunk, delta_rule_path, doubling_step,
+                                           pad_blocks)
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
@@ -45,8 +47,6 @@ __all__ = ["DELTA_BLOCK", "PRODUCTS", "GatedDeltaNet", "gated_delta_rule", "bloc
 # Tokens per block of the chunkwise delta rule (the UT transform's triangular systems).
 DELTA_BLOCK = 64
 _HIGHEST = lax.Precision.HIGHEST
-# The rule's products: "float32" (HIGHEST) or "tf32" (tensor cores, float32 sums).
-PRODUCTS = ("float32", "tf32")
 
 
 def products_for(dtype, carry: str = "xla", platform: str | None = None) -> str:
@@ -119,11 +119,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         raise ValueError(f"delta rule: {hk} key heads do not divide {hv} value heads")
     if hv > hk:
         q, k = (jnp.repeat(a, hv // hk, axis=1) for a in (q, k))
-    n = -(-t // block)
-    pad = n * block - t
-    if pad:  # beta = 0, g = 0: the padded rows leave the state as it is
-        q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
-        g, beta = (jnp.pad(a, ((0, pad), (0, 0))) for a in (g, beta))
+    n, q, k, v, g, beta = pad_blocks(block, q, k, v, g, beta)
 
     w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block, products)
     if carry == "pallas":
@@ -160,7 +156,7 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     q, k, v, g, beta = (blocks(a) for a in (q, k, v, g, beta))
     gam = jnp.cumsum(g, axis=-1)  # [Hv, n, C] log-decay from the block's start
     lower = jnp.tril(jnp.ones((block, block), bool))
-    diff = decay_sums(g)  # [Hv, n, C, C]: gam_i - gam_j, summed over (j, i] only
+    diff, _ = decay_sums(g)  # [Hv, n, C, C]: gam_i - gam_j, summed over (j, i] only
     decay = jnp.exp(jnp.where(lower, diff, -jnp.inf))  # exp(gam_i - gam_j), i >= j; else 0
     kb = k * beta[..., None]
     vb = v * beta[..., None]
@@ -178,24 +174,13 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     return w, qd, kd, u, attn, last
 
 
-def decay_sums(g):
-    """[..., C, C]: entry (i, j) the sum of g over (j, i] (0 where i <= j), each summed over its
-    own range: not gam_i - gam_j of the cumulative sums, which cancels (within a block of 64
-    fast-decaying tokens gam reaches hundreds, and float32's difference of two such sums is
-    off by ~1e-5 of them). One matmul of 0/1 masks at full float32."""
-    c = g.shape[-1]
-    upto = jnp.tril(jnp.ones((c, c), g.dtype))  # [i, t]: t <= i
-    after = jnp.triu(jnp.ones((c, c), g.dtype), 1).T  # [t, j]: t > j
-    return jnp.matmul(upto * g[..., None, :], after, precision=_HIGHEST)
-
-
 def unit_lower_inverse(system, products: str = "float32"):
     """The inverse of unit-lower-triangular matrices `system` [..., C, C] (C a power of two)
     by doubling, matmuls only: the inverse of [[A, 0], [B, D]] is [[A^-1, 0], [-D^-1 B A^-1,
     D^-1]]. X starts as I (the 1 x 1 diagonal blocks' inverses); at block size b, X holds the
     b x b diagonal blocks' inverses and X - X (L masked to each pair's B block) X the 2b x 2b
-    ones: log2 C steps of two full-size matmuls, one loop body (as `kernels.delta_rule`'s
-    inverse does it)."""
+    ones: log2 C steps of two full-size matmuls (`kernels.delta_rule.doubling_step`), one loop
+    body (the inverse kernel unrolls the same steps)."""
     *lead, c, _ = system.shape
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse: blocks of {c} rows; expected a power of two")
@@ -203,11 +188,10 @@ def unit_lower_inverse(system, products: str = "float32"):
     col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     eye = jnp.eye(c, dtype=system.dtype)
     low = system - eye
+    mm = functools.partial(_mm, products=products)
 
     def double(level, x):
-        b = jnp.left_shift(1, level)
-        pair_b = (r // (2 * b) == col // (2 * b)) & (r // b % 2 == 1) & (col // b % 2 == 0)
-        return x - _mm(_mm(x, jnp.where(pair_b, low, 0.0), products), x, products)
+        return doubling_step(x, low, r, col, jnp.left_shift(1, level), mm)
 
     return lax.fori_loop(0, c.bit_length() - 1, double, jnp.broadcast_to(eye, system.shape))
 
