@@ -633,13 +633,12 @@ def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
     assert hybrid_bench.main(["--tiny", "--tokens", "128", "--chunk", "64", "--reps", "1",
                               "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mixer"] for r in rows[:4]] == ["gated-attention", "gated-deltanet",
-                                              "gated-deltanet (walk kernel)",
-                                              "gated-deltanet (fused)"]
-    assert all(r["over_attention"] > 0 for r in rows[1:4])
+    assert [r["mixer"] for r in rows[:3]] == ["gated-attention", "gated-deltanet",
+                                              "gated-deltanet (pallas)"]
+    assert all(r["over_attention"] > 0 for r in rows[1:3])
     rules = [(r["products"], r["carry"]) for r in rows if "delta_rule_block" in r]
-    assert rules == [("float32", "xla"), ("float32", "fused")]  # TF32 cases need a GPU
-    assert any("ut_inverse_block" in r for r in rows)
+    assert rules == [("float32", "xla"), ("float32", "pallas")]  # TF32 cases need a GPU
+    assert any("ut_transform_block" in r for r in rows)
 
 
 @pytest.mark.slow

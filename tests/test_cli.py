@@ -702,19 +702,19 @@ def engine_kernels(monkeypatch):
 
 @pytest.mark.slow
 def test_delta_rule_option_reaches_a_hybrids_engine(engine_kernels):
-    """--delta-rule builds the engine's Kernels for a hybrid (its DeltaNet layers run the fused
-    rule, interpreted here)."""
+    """--delta-rule builds the engine's Kernels for a hybrid (its DeltaNet layers run the Pallas
+    kernels, interpreted here)."""
     seen = engine_kernels
     d = run_json(["prefill", "--preset", "qwen3-next-80b-a3b", "--scale", "tiny", "--tokens",
-                  "16", "--no-stream", "--delta-rule", "fused"])
-    assert d["tokens"] == 16 and [k.delta_rule for k in seen] == ["fused"]
+                  "16", "--no-stream", "--delta-rule", "pallas"])
+    assert d["tokens"] == 16 and [k.delta_rule for k in seen] == ["pallas"]
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["prefill", *TINY, "--tokens", "8", "--delta-rule", "fused"],
-     ["--delta-rule fused", "no Gated DeltaNet layers", "leave it out"]),
-    (["profile", *TINY, "--tokens", "8", "--delta-rule", "pallas", "--out", "{tmp}/p.prof"],
-     ["--delta-rule pallas", "no Gated DeltaNet layers"]),
+    (["prefill", *TINY, "--tokens", "8", "--delta-rule", "pallas"],
+     ["--delta-rule pallas", "no Gated DeltaNet layers", "leave it out"]),
+    (["profile", *TINY, "--tokens", "8", "--delta-rule", "xla", "--out", "{tmp}/p.prof"],
+     ["--delta-rule xla", "no Gated DeltaNet layers"]),
     (["prefill", *TINY, "--tokens", "8", "--quantized-matmul", "fused"],
      ["--quantized-matmul fused", "not quantized", "leave it out"]),
 ], ids=["delta-rule", "profile-delta-rule", "quantized-matmul"])

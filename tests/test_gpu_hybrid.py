@@ -1,7 +1,7 @@
 """The hybrid Qwen model (Gated DeltaNet + gated attention) on a CUDA GPU through the real
 stream: padded chunks, a follow-up turn and a layer-major read, byte-identical across the
 resident, stream-all and routed arms, with the kernels "auto" picks (Mosaic grouped matmul and
-cuDNN attention on Hopper) and with the fused delta rule; the delta rule's kernels against the
+cuDNN attention on Hopper) and with the Pallas delta rule; the delta rule's kernels against the
 float64 recurrence. Run with STRATA_REQUIRE_GPU=1 on the GPU machine."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("delta_rule", ["auto", "fused"])
+@pytest.mark.parametrize("delta_rule", ["auto", "pallas"])
 def test_cuda_hybrid_turns_and_layer_major_identical(delta_rule):
     from strata_jax.engine import Engine
     from strata_jax.kernels import Kernels
@@ -46,7 +46,7 @@ def test_cuda_hybrid_turns_and_layer_major_identical(delta_rule):
 
 def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
     """One float32 Gated DeltaNet layer on the GPU through each delta-rule implementation (the
-    scan, the Pallas walk, the fused kernels; float32 products), each against the
+    scan, the Pallas kernels; float32 products), each against the
     token-by-token float64 recurrence: a 300-token prompt in one call, then in two calls (the
     window and state handed on)."""
     from strata_jax.kernels import Kernels
@@ -60,7 +60,7 @@ def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
     x = np.random.default_rng(3).standard_normal((300, cfg.hidden_size)).astype(np.float32)
     ref, _, ref_state = reference_deltanet(cfg, params, "layers.0.linear_attn.", x)
     zeros = init_cache(cfg, 8)
-    for carry in ("pallas", "fused", "xla"):
+    for carry in ("pallas", "xla"):
         layer = build_model(cfg, params, kernels=Kernels(delta_rule=carry)).layers[0].linear_attn
         out, _, state = layer(x, zeros.keys[0], zeros.values[0])
         assert_close(out, ref, np.float32, err_msg=f"{carry}: one call")
@@ -72,7 +72,7 @@ def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
 
 def test_cuda_tf32_delta_rule_matches_the_float64_recurrence():
     """The delta rule with TF32 products (what a bf16 layer on the GPU runs through the
-    kernels: `products_for`): the Pallas walk, the fused rule and the scan at TF32, against the
+    kernels: `products_for`): the Pallas kernels and the scan at TF32, against the
     token-by-token float64 recurrence at the real head sizes (dk = dv = 128): 300 tokens from a
     random state in blocks of 64 (the last padded). TF32 carries float16's 10-bit mantissa:
     float16's row of the tolerance table."""
@@ -82,11 +82,11 @@ def test_cuda_tf32_delta_rule_matches_the_float64_recurrence():
     from strata_jax.reference import reference_delta_rule
     from strata_jax.testing import assert_close, delta_rule_inputs
 
-    assert products_for(jnp.bfloat16, "fused") == "tf32"
+    assert products_for(jnp.bfloat16, "pallas") == "tf32"
     inputs = delta_rule_inputs(300, 4, 128, 128, seed=11, decay_shift=-2.0, state_scale=0.1)
     ref, ref_state = reference_delta_rule(*inputs)
     args = [jnp.asarray(a, jnp.float32) for a in inputs]
-    for carry in ("pallas", "fused", "xla"):
+    for carry in ("pallas", "xla"):
         out, state = gated_delta_rule(*args, carry=carry, products="tf32")
         assert_close(out, ref, np.float16, err_msg=f"{carry}: outputs")
         assert_close(state, ref_state, np.float16, err_msg=f"{carry}: the state")

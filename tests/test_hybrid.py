@@ -79,10 +79,9 @@ def test_deltanet_layer_matches_the_float64_recurrence_across_chunks(f32_params)
 
 @pytest.mark.slow
 def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
-    """The Pallas kernels in interpret mode: the carry reads the scan's float32 products (bit
-    for bit); the fused rule (its own inverse, tokens-first) is within float32 of the float64
-    recurrence, and so is the scan; 150 tokens in blocks of 64, the last padded; four value
-    heads reading two key heads."""
+    """The Pallas kernels in interpret mode and the scan, each within float32 of the float64
+    recurrence: 150 tokens in blocks of 64 (the last padded), then four value heads reading two
+    key heads (the kernels read them in place, the scan repeats them)."""
     import jax.numpy as jnp
 
     from strata_jax.layers.deltanet import gated_delta_rule
@@ -91,65 +90,78 @@ def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
     inputs = delta_rule_inputs(150, 4, 16, 32, seed=7)
     args = [jnp.asarray(a, jnp.float32) for a in inputs]
     ref = reference_delta_rule(*inputs)
-    scan = gated_delta_rule(*args, block=64, carry="xla")
-    kernel = gated_delta_rule(*args, block=64, carry="pallas")
-    for a, b in zip(scan, kernel):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for carry, got in (("xla", scan), ("fused", gated_delta_rule(*args, block=64,
-                                                                 carry="fused"))):
+    for carry in ("xla", "pallas"):
+        got = gated_delta_rule(*args, block=64, carry=carry)
         assert_close(got[0], ref[0], np.float32, err_msg=f"{carry}: outputs")
         assert_close(got[1], ref[1], np.float32, err_msg=f"{carry}: the state")
     q2, k2 = inputs[0][:, :2], inputs[1][:, :2]  # 2 key heads for 4 value heads: h // 2
     ref = reference_delta_rule(np.repeat(q2, 2, 1), np.repeat(k2, 2, 1), *inputs[2:])
-    for carry in ("xla", "fused"):  # the scan and the walk kernel share the repeat
+    for carry in ("xla", "pallas"):
         got = gated_delta_rule(jnp.asarray(q2, jnp.float32), jnp.asarray(k2, jnp.float32),
                                *args[2:], block=64, carry=carry)
         assert_close(got[0], ref[0], np.float32, err_msg=f"{carry}, shared keys: outputs")
 
 
+def test_kernels_decay_sums_are_float32_exact_from_tf32_parts():
+    """The kernels sum decays as three TF32 matmuls of exact parts: each part has TF32's 10
+    mantissa bits (the low 13 of a float32 clear), the parts sum back to x bit for bit, and the
+    sums match one float32 matmul's to float32 rounding (over log-decays reaching hundreds)."""
+    import jax.numpy as jnp
+
+    from strata_jax.kernels.delta_rule import decay_sums, tf32_parts
+
+    rng = np.random.default_rng(4)
+    x = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-8, 4, 4096),
+                        [0.0, -0.0, 1e-30, -3.4e38]]).astype(np.float32)  # parts stay normal
+    parts = [np.asarray(p) for p in tf32_parts(jnp.asarray(x))]
+    for p in parts:
+        assert not (p.view(np.int32) & 0x1FFF).any()
+    np.testing.assert_array_equal((parts[0] + parts[1]) + parts[2], x)
+    g = -np.abs(rng.standard_normal((3, 64)) * 8.0).astype(np.float32)
+    split, gam_split = decay_sums(jnp.asarray(g), "split")
+    full, gam = decay_sums(jnp.asarray(g))
+    np.testing.assert_array_equal(np.asarray(gam_split), np.asarray(gam))
+    exact = np.array([[[g[b, j + 1:i + 1].astype(np.float64).sum() if i > j else 0.0
+                        for j in range(64)] for i in range(64)] for b in range(3)])
+    for got in (split, full):
+        assert_close(got, exact, np.float32)
+
+
 def test_delta_rule_kernels_lower_for_cuda_and_refuse_bad_shapes():
-    """Both kernels lower for CUDA (the carry to one Triton call, the fused rule to two) at the
-    real head sizes with either products; "auto" and the products each path takes; a slice
-    that is not a power of two and unknown products are refused by name."""
+    """The Pallas rule lowers for CUDA to three Triton calls at the real head sizes with either
+    products; "auto" and the products each path takes; a slice that is not a power of two
+    and unknown products are refused by name."""
     import jax
     import jax.numpy as jnp
 
     from strata_jax.kernels import Kernels
-    from strata_jax.kernels.delta_rule import (AUTO_ON_GPU, delta_rule_carry, delta_rule_chunk,
-                                               delta_rule_path)
+    from strata_jax.kernels.delta_rule import AUTO_ON_GPU, delta_rule_chunk, delta_rule_path
     from strata_jax.layers.deltanet import gated_delta_rule, products_for
 
     assert delta_rule_path("auto", "cpu") == "xla"
     assert delta_rule_path("auto", "gpu") == AUTO_ON_GPU
-    assert products_for(jnp.bfloat16, "fused", "gpu") == "tf32"
+    assert products_for(jnp.bfloat16, "pallas", "gpu") == "tf32"
     assert products_for(jnp.bfloat16, "xla", "gpu") == "float32"
     assert products_for(jnp.float32, "pallas", "gpu") == "float32"
-    assert products_for(jnp.bfloat16, "fused", "cpu") == "float32"
-    with pytest.raises(ValueError, match="delta_rule='scan'"):
-        Kernels(delta_rule="scan")
+    assert products_for(jnp.bfloat16, "pallas", "cpu") == "float32"
+    for name in ("scan", "fused"):
+        with pytest.raises(ValueError, match=f"delta_rule='{name}'"):
+            Kernels(delta_rule=name)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    walk = (f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128), f32(32, 4096, 128),
-            f32(32, 64), f32(32, 128, 128))
-    rule = (f32(4096, 32, 128), f32(4096, 32, 128), f32(4096, 32, 128), f32(4096, 32),
+    rule = (f32(4096, 16, 128), f32(4096, 16, 128), f32(4096, 32, 128), f32(4096, 32),
             f32(4096, 32), f32(32, 128, 128))
     for products in ("float32", "tf32"):
-        hlo = jax.jit(lambda *a, p=products: delta_rule_carry(
-            *a, block=64, products=p, interpret=False)).trace(*walk).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert hlo.count("__gpu$xla.gpu.triton") == 1 and "grid_y = 4" in hlo
         hlo = jax.jit(lambda *a, p=products: delta_rule_chunk(
             *a, block=64, products=p, interpret=False)).trace(*rule).lower(
             lowering_platforms=("cuda",)).as_text()
-        assert hlo.count("__gpu$xla.gpu.triton") == 2
-    zeros = [np.zeros(a.shape, np.float32) for a in walk]
+        assert hlo.count("__gpu$xla.gpu.triton") == 3
+    zeros = [np.zeros(a.shape, np.float32) for a in rule]
     with pytest.raises(ValueError, match="products='bf16'"):
-        delta_rule_carry(*zeros, block=64, products="bf16")
+        delta_rule_chunk(*zeros, block=64, products="bf16")
     with pytest.raises(ValueError, match="bv=48 must be a power of two"):
-        delta_rule_carry(*zeros, block=64, bv=48)
-    with pytest.raises(ValueError, match="bv=48 must be a power of two"):
-        delta_rule_chunk(*[np.zeros(a.shape, np.float32) for a in rule], block=64, bv=48)
+        delta_rule_chunk(*zeros, block=64, bv=48)
     with pytest.raises(ValueError, match="products 'bf16'"):
-        gated_delta_rule(*[np.zeros(a.shape, np.float32) for a in rule], products="bf16")
+        gated_delta_rule(*zeros, products="bf16")
 
 
 def test_model_matches_float64_reference_whole_and_in_chunks(f32_params):
@@ -244,8 +256,8 @@ def test_memory_plan_counts_the_deltanet_layers():
 
 
 @pytest.mark.slow
-def test_fused_delta_rule_through_the_engine(f32_params):
-    """Kernels(delta_rule="fused") (interpret mode here) through the engine: 80 tokens in
+def test_pallas_delta_rule_through_the_engine(f32_params):
+    """Kernels(delta_rule="pallas") (interpret mode here) through the engine: 80 tokens in
     chunks of 32 (the last padded), then a 21-token follow-up turn; resident and routed-streamed
     byte-identical, and the turn's logits within float32 of the scan's over the whole prompt."""
     from strata_jax.kernels import Kernels
@@ -254,7 +266,7 @@ def test_fused_delta_rule_through_the_engine(f32_params):
     seen = {}
     for arm in ("resident", "routed"):
         with Engine(F32, f32_params, ARMS[arm], max_context=256, chunk_size=32,
-                    kernels=Kernels(delta_rule="fused")) as eng:
+                    kernels=Kernels(delta_rule="pallas")) as eng:
             first = eng.prefill(toks[:80])
             second = eng.prefill(toks[80:], first.session)
             seen[arm] = (first.logits.tobytes(), second.logits.tobytes(),

@@ -36,8 +36,7 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     positions = jnp.arange(tokens, dtype=jnp.int32)
     for layer, kind, kernels in ((3, "gated-attention", Kernels()),
                                  (0, "gated-deltanet", Kernels()),
-                                 (0, "gated-deltanet (walk kernel)", Kernels(delta_rule="pallas")),
-                                 (0, "gated-deltanet (fused)", Kernels(delta_rule="fused"))):
+                                 (0, "gated-deltanet (pallas)", Kernels(delta_rule="pallas"))):
         block = HybridLayer(c, layer, rngs=nnx.Rngs(layer), kernels=kernels)
         graph, state = nnx.split(block)
 
@@ -68,17 +67,17 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
 
 
 def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
-    """The chunkwise delta rule alone (float32 data, the layer's shapes): the scan and the fused
-    kernels with float32 products; on a GPU with TF32 products (a bf16 layer's kernels) the
-    scan, the walk kernel and the fused rule at several block sizes; the scan's parallel part
-    (`block_terms`) and its UT transform (the inverse by doubling, then a matmul; against a
-    triangular solve for the dk + dv columns); the fused rule's inverse kernel alone; the fused
-    rule and the walk kernel at several column slices, warps and stages."""
+    """The chunkwise delta rule alone (float32 data, the layer's shapes): the scan and the
+    Pallas kernels with float32 products; on a GPU with TF32 products (a bf16 layer's kernels)
+    the scan, and the kernels in blocks of 32 and 64; the scan's parallel part (`block_terms`)
+    and its UT transform (the inverse by doubling, then a matmul; against a triangular solve
+    for the dk + dv columns); the kernels' UT transform alone; the kernels at the walk's
+    launches that compile without spilled registers (`compile_check`)."""
     import jax
     import jax.numpy as jnp
     from jax.scipy.linalg import solve_triangular
 
-    from strata_jax.kernels.delta_rule import delta_rule_carry, delta_rule_chunk, ut_inverse
+    from strata_jax.kernels.delta_rule import delta_rule_chunk, ut_transform
     from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule, unit_lower_inverse
 
     hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
@@ -93,10 +92,9 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     rows = []
     gpu = jax.default_backend() == "gpu"
     products_here = ("float32", "tf32") if gpu else ("float32",)  # TF32: a GPU's
-    cases = [("float32", "xla", 64), ("float32", "fused", 64)]
+    cases = [("float32", "xla", 64), ("float32", "pallas", 64)]
     if gpu:
-        cases += [("tf32", "xla", 64), ("tf32", "pallas", 64), ("tf32", "fused", 32),
-                  ("tf32", "fused", 64), ("tf32", "fused", 128)]
+        cases += [("tf32", "xla", 64), ("tf32", "pallas", 32), ("tf32", "pallas", 64)]
     for products, carry, b in cases:
         fn = jax.jit(lambda *a, b=b, carry=carry, products=products: gated_delta_rule(
             *a, block=b, carry=carry, products=products))
@@ -122,23 +120,15 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
               f"transform {ms_inverse:.2f} ms; solved for the {dk + dv} columns "
               f"{ms_columns:.2f} ms)", flush=True)
     for products in products_here:
-        fn = jax.jit(lambda *a, products=products: ut_inverse(*a, block=b, products=products))
-        ms = median_ms(fn, (k, g, beta), reps)
-        rows.append({"ut_inverse_block": b, "products": products, "tokens": tokens, "ms": ms})
-        print(f"the UT inverse kernel alone, blocks of {b}, {products:7s}: {ms:8.2f} ms",
+        fn = jax.jit(lambda *a, products=products: ut_transform(*a, block=b, products=products))
+        ms = median_ms(fn, (k, v, g, beta), reps)
+        rows.append({"ut_transform_block": b, "products": products, "tokens": tokens, "ms": ms})
+        print(f"the UT transform kernel alone, blocks of {b}, {products:7s}: {ms:8.2f} ms",
               flush=True)
     if gpu:
-        rows += _launches("the fused rule", "fused_block", delta_rule_chunk,
+        rows += _launches("the Pallas rule", "pallas_block", delta_rule_chunk,
                           (q, k, v, g, beta, state), b, tokens, reps,
-                          ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2), (128, 8, 1)))
-        n = tokens // b
-        w = jax.random.normal(keys[0], (hv, n * b, dk)) * 0.01
-        u = jax.random.normal(keys[1], (hv, n * b, dv))
-        decay = jnp.full((hv, n), 0.9, jnp.float32)
-        rows += _launches("the carry kernel alone", "carry_kernel_block", delta_rule_carry,
-                          (w, w, w, u, decay, state), b, tokens, reps,
-                          ((16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 4, 1), (64, 8, 1),
-                           (64, 8, 2)))
+                          ((16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 8, 1), (64, 8, 1)))
     return rows
 
 

@@ -18,12 +18,12 @@ another (jit keys on it). Nothing is read from the environment.
     attention       "auto" | "cudnn" | "split" | "xla" | "einsum" | "blocked"
                     (`layers.attention`; auto: fused cuDNN for bf16/fp16 on the GPU, exact XLA
                     paths elsewhere)
-    delta_rule      "auto" | "xla" | "pallas" | "fused"  (`kernels.delta_rule`: a Gated DeltaNet
-                    layer's chunkwise rule. xla: XLA's solve and matmuls, the state walked by a
-                    scan; pallas: the same, the walk in one Pallas kernel; fused: two Pallas
-                    kernels, the UT transform's inverses then the whole walk, in the tokens-first
-                    layout; auto: `kernels.delta_rule.AUTO_ON_GPU` on a GPU, xla elsewhere. The
-                    kernels take TF32 products in a bf16/fp16 layer on a GPU)
+    delta_rule      "auto" | "xla" | "pallas"  (`kernels.delta_rule`: a Gated DeltaNet layer's
+                    chunkwise rule. xla: XLA's matmuls, the state walked by a scan; pallas:
+                    three Pallas (Triton) kernels in the tokens-first layout, the UT transform,
+                    the state's walk, the outputs; auto: `kernels.delta_rule.AUTO_ON_GPU` on a
+                    GPU, xla elsewhere. The kernels take TF32 products in a bf16/fp16 layer on
+                    a GPU)
 
 The defaults are the measured best on each platform; the others exist for tests and
 comparisons.
@@ -38,7 +38,7 @@ __all__ = ["Kernels", "GROUPED_MATMULS", "QUANTIZED_MATMULS", "ATTENTION_PATHS",
 GROUPED_MATMULS = ("auto", "mosaic", "lax", "tiled")
 QUANTIZED_MATMULS = ("auto", "fused", "dequantize")
 ATTENTION_PATHS = ("auto", "cudnn", "split", "xla", "einsum", "blocked")
-DELTA_RULES = ("auto", "xla", "pallas", "fused")
+DELTA_RULES = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,25 +1,28 @@
-"""The chunkwise gated delta rule in Pallas (Triton) kernels.
+"""The chunkwise gated delta rule in Pallas (Triton) kernels (`Kernels.delta_rule="pallas"`).
 
 `layers.deltanet.gated_delta_rule` folds each block of C tokens into matmuls that need only the
-state before the block; what stays sequential is the state's walk over the blocks: per block i
-and value head,
+state S before the block; what stays sequential is the state's walk over the blocks. Per block
+i and value head, with T_i the block's UT transform (`ut_transform`), gam the decay from the
+block's start and last_i its total:
 
-    inter_i = qd_i @ S          (the block's queries reading the state, [C, dv])
-    new_i   = u_i - w_i @ S     (the block's new values, [C, dv])
-    S       = exp(last_i) S + kd_i^T @ new_i
+    w_i = T_i (beta exp(gam) k),  u_i = T_i (beta v)     (every block in parallel)
+    new_i   = u_i - w_i S                                 (the block's new values)
+    inter_i = exp(gam) q S                                (its queries reading the state)
+    S       = exp(last_i) S + (k exp(last_i - gam))^T new_i
+    o_i     = inter_i + (q k^T * decay) new_i             (every block in parallel)
 
-As an XLA scan this is a loop of small batched matmuls and several kernels a block.
-`delta_rule_carry` ("pallas") walks it in one kernel: a program per value head and slice of `bv`
-state columns (the columns are independent: a column of S only reads the same column of u and
-S), its [dk, bv] part of the state in registers, so a block costs three small matmuls and no
-launch. `delta_rule_chunk` ("fused") runs the whole rule in two kernels over the tokens-first
-layout: `ut_inverse` (every block's UT transform, in parallel), then a walk that computes each
-block's values, outputs and state update from q, k, v, the decays and the inverse, so nothing of
-size [T, Hv, dk] is written between them.
+`delta_rule_chunk` runs this as three kernels over the tokens-first layout ([T, heads, d], key
+heads read in place: no transposes, no repeated heads): `ut_transform` (a program per value head
+and block), the walk (a program per value head and slice of state columns, holding its [dk, bv]
+part of the state in registers: the columns are independent), and the outputs (a program per
+value head, block and column slice). The walk holds only the state and a block's q, k, w and u:
+everything C x C is in the parallel kernels, and the launches are sized so no kernel spills
+registers on Hopper at the real head sizes (`benchmarks.compile_check`).
 
 float32 data and state; the products as the layer asks (`layers.deltanet.products_for`): "tf32"
 on tensor cores (a bf16/fp16 layer), or "float32" (Triton's "ieee": CUDA-core products, for
-float32 layers and tests). On the CPU the kernels run in Pallas' interpret mode (tests).
+float32 layers and tests); the decays' sums float32-exact either way (`decay_sums`). On the
+CPU the kernels run in Pallas' interpret mode (tests).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from strata_jax.kernels import DELTA_RULES
 
-__all__ = ["delta_rule_carry", "delta_rule_chunk", "ut_inverse", "delta_rule_path",
-           "decay_sums", "doubling_step", "pad_blocks", "AUTO_ON_GPU", "PRODUCTS"]
+__all__ = ["delta_rule_chunk", "ut_transform", "delta_rule_path",
+           "decay_sums", "doubling_step", "iotas", "pad_blocks", "tf32_parts", "AUTO_ON_GPU", "PRODUCTS"]
 
 # The rule's products: "float32" (full float32) or "tf32" (tensor cores, float32 sums).
 PRODUCTS = ("float32", "tf32")
@@ -44,10 +47,18 @@ PRODUCTS = ("float32", "tf32")
 # a user makes by name.
 AUTO_ON_GPU = "xla"
 
+# The kernels' launch at blocks of 64 and dk = dv = 128 (Qwen3-Next's), each without spilled
+# registers on Hopper (`benchmarks.compile_check`): the walk's state columns a program and
+# warps (32 value heads x 4 slices: 128 programs, one wave), the output kernel's columns a
+# program and warps, the transform's warps.
+WALK_COLUMNS, WALK_WARPS = 32, 4
+OUTPUT_COLUMNS, OUTPUT_WARPS = 64, 8
+TRANSFORM_WARPS = 8
+
 
 def delta_rule_path(impl: str = "auto", platform: str | None = None) -> str:
-    """The rule's implementation: "xla", "pallas" (the walk as one kernel) or "fused" (the
-    whole rule as `delta_rule_chunk`); auto: `AUTO_ON_GPU` on a GPU, "xla" elsewhere."""
+    """The rule's implementation: "xla" (the scan) or "pallas" (`delta_rule_chunk`); auto:
+    `AUTO_ON_GPU` on a GPU, "xla" elsewhere."""
     impl = (impl or "auto").lower()
     if impl not in DELTA_RULES:
         raise ValueError(f"delta rule {impl!r}: expected one of {'|'.join(DELTA_RULES)}")
@@ -57,26 +68,52 @@ def delta_rule_path(impl: str = "auto", platform: str | None = None) -> str:
     return impl
 
 
+def iotas(c: int):
+    """Row and column iotas [C, 1] and [1, C] of a C x C block: masks built from them broadcast
+    (no [C, C] index arrays held, in a kernel's registers or XLA's buffers)."""
+    return (lax.broadcasted_iota(jnp.int32, (c, 1), 0),
+            lax.broadcasted_iota(jnp.int32, (1, c), 1))
+
+
 def decay_sums(g, precision=lax.Precision.HIGHEST):
     """Log-decays g [..., C] of a block -> (sums [..., C, C], entry (i, j) the sum of g over
     (j, i], 0 where i <= j; gam [..., C], the sums over [0, i]). Each sum is taken over its own
-    range, as one 0/1-mask matmul: not gam_i - gam_j, which cancels (within a block of 64
+    range, as a 0/1-mask matmul: not gam_i - gam_j, which cancels (within a block of 64
     fast-decaying tokens gam reaches hundreds, and float32's difference of two such sums is off
-    by ~1e-5 of them). In XLA over batches of blocks and in the kernels over one."""
-    c = g.shape[-1]
-    r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    upto = jnp.where(col <= r, g[..., None, :], 0.0)  # [i, t]: g_t for t <= i
-    sums = jnp.matmul(upto, jnp.where(r > col, 1.0, 0.0), precision=precision,
-                      preferred_element_type=jnp.float32)  # [i, j]: t > j too
-    return sums, jnp.sum(upto, axis=-1)
+    by ~1e-5 of them). In XLA over batches of blocks (one matmul at `precision`) and in the
+    kernels over one (precision "split": `tf32_parts`, three TF32 matmuls whose products are
+    exact: a float32 matmul spills a kernel's registers at C = 64)."""
+    r, col = iotas(g.shape[-1])
+    ones = jnp.where(r > col, 1.0, 0.0)  # [t, j]: t > j
+    parts = tf32_parts(g) if precision == "split" else (g,)
+    sums = None
+    for part in parts:
+        upto = jnp.where(col <= r, part[..., None, :], 0.0)  # [i, t]: g_t for t <= i
+        term = jnp.matmul(upto, ones, preferred_element_type=jnp.float32,
+                          precision=lax.Precision.DEFAULT if precision == "split" else precision)
+        sums = term if sums is None else sums + term
+    return sums, jnp.sum(jnp.where(col <= r, g[..., None, :], 0.0), axis=-1)
+
+
+def tf32_parts(x):
+    """float32 x as three float32 parts, each exact in TF32 (10 mantissa bits), summing to x
+    exactly: each part keeps the top bits of what is left (a float32 has 24 significant
+    bits). A product of a part with 0 or 1 is exact on tensor cores. (A remainder below
+    float32's smallest normal flushes to zero: an error under 1.2e-38.)"""
+    parts = []
+    for _ in range(2):
+        top = lax.bitcast_convert_type(
+            lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192), jnp.float32)
+        parts.append(top)
+        x = x - top
+    return parts + [x]
 
 
 def doubling_step(x, low, r, c, b, dot):
     """One step of inverting unit-lower-triangular blocks I + L by doubling: x holds the inverses
     of the diagonal b x b blocks (I at b = 1); each pair [[A, 0], [B, D]] of them gets its
     lower-left block -D^-1 B A^-1 = -(x (L masked to the B blocks) x), giving the 2b x 2b
-    ones. r, c: row and column iotas of [C, C]; b a power of two (an int or traced)."""
+    ones. r, c: `iotas(C)`; b a power of two (an int or traced)."""
     pair_b = (r // (2 * b) == c // (2 * b)) & (r // b % 2 == 1) & (c // b % 2 == 0)
     return x - dot(dot(x, jnp.where(pair_b, low, 0.0)), x)
 
@@ -99,68 +136,6 @@ def _check_sizes(who: str, **sizes) -> None:
             raise ValueError(f"{who}: {name}={size} must be a power of two >= 16")
 
 
-def _kernel(w_ref, qd_ref, kd_ref, u_ref, decay_ref, s0_ref, inter_ref, new_ref, s_ref, *,
-            n_blocks: int, block: int, bv: int, precision):
-    h, j = pl.program_id(0), pl.program_id(1)
-    cols = pl.ds(j * bv, bv)
-    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
-
-    def step(i, s):
-        rows = pl.ds(i * block, block)
-        w = w_ref[h, rows, :]  # [C, dk]
-        qd = qd_ref[h, rows, :]
-        kd = kd_ref[h, rows, :]
-        u = u_ref[h, rows, cols]  # [C, bv]
-        inter_ref[h, rows, cols] = dot(qd, s)
-        new = u - dot(w, s)
-        new_ref[h, rows, cols] = new
-        return s * decay_ref[h, i] + lax.dot_general(
-            kd, new, (((0,), (0,)), ((), ())), precision=precision,
-            preferred_element_type=jnp.float32)
-
-    s_ref[h, :, cols] = lax.fori_loop(0, n_blocks, step, s0_ref[h, :, cols])
-
-
-def delta_rule_carry(w, qd, kd, u, decay, state, *, block: int, products: str = "float32",
-                     bv: int = 32, interpret: bool | None = None, num_warps: int = 4,
-                     num_stages: int = 1):
-    """The state's walk over the blocks (see the module docstring).
-
-    Args:
-        w, qd, kd: float32 [Hv, n*C, dk], block i in rows i*C..(i+1)*C-1.
-        u: float32 [Hv, n*C, dv].
-        decay: float32 [Hv, n], exp of each block's total log-decay.
-        state: float32 [Hv, dk, dv], the state before the first block.
-        block: C, a power of two >= 16; dk, dv and `bv` powers of two >= 16, bv dividing dv
-            (a slice wider than dv is dv).
-        products: "tf32" (tensor cores) or "float32" (full float32 products).
-        bv, num_warps, num_stages: the program's state columns and Triton's launch options.
-
-    Returns:
-        (inter [Hv, n*C, dv], new [Hv, n*C, dv], the state after the last block).
-    """
-    hv, rows, dk = w.shape
-    dv = u.shape[-1]
-    n = decay.shape[1]
-    bv = min(bv, dv)
-    _check_sizes("delta_rule_carry", block=block, dk=dk, dv=dv, bv=bv)
-    if rows != n * block or dv % bv:
-        raise ValueError(f"delta_rule_carry: {rows} rows for {n} blocks of {block}, "
-                         f"dv={dv} in slices of {bv}")
-    precision, _ = _precision(products, "delta_rule_carry")
-    interpret, kw = _launch(interpret, num_warps, num_stages)
-    f32 = jnp.float32
-    return pl.pallas_call(
-        functools.partial(_kernel, n_blocks=n, block=block, bv=bv, precision=precision),
-        grid=(hv, dv // bv),
-        out_shape=(jax.ShapeDtypeStruct((hv, rows, dv), f32),
-                   jax.ShapeDtypeStruct((hv, rows, dv), f32),
-                   jax.ShapeDtypeStruct((hv, dk, dv), f32)),
-        interpret=interpret, name="delta_rule_carry", **kw,
-    )(w.astype(f32), qd.astype(f32), kd.astype(f32), u.astype(f32), decay.astype(f32),
-      state.astype(f32))
-
-
 def _dot_nt(a, b, precision):  # a @ b.T
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
@@ -171,14 +146,14 @@ def _dot_tn(a, b, precision):  # a.T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *, block: int, rep: int, precision, exact):
+def _inverse_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, eg_ref, et_ref, el_ref, *,
+                    block: int, rep: int, precision):
     h, i = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block, block)
     k = k_ref[rows, h // rep, :]  # [C, dk]
     beta = beta_ref[rows, h]
-    r = lax.broadcasted_iota(jnp.int32, (block, block), 0)
-    c = lax.broadcasted_iota(jnp.int32, (block, block), 1)
-    sums, _ = decay_sums(g_ref[rows, h], exact)
+    r, c = iotas(block)
+    sums, gam = decay_sums(g_ref[rows, h], "split")
     low = _dot_nt(k * beta[:, None], k, precision) * jnp.exp(
         jnp.where(r > c, sums, -jnp.inf))  # strictly lower L
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
@@ -187,36 +162,42 @@ def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *, block: int, rep: int, prec
     while b < block:  # unrolled: log2 C steps
         x = doubling_step(x, low, r, c, b, dot)
         b *= 2
-    t_ref[h, i, :, :] = x
+    eg = jnp.exp(gam)  # decay from the block's start
+    w_ref[rows, h, :] = dot(x, k * (beta * eg)[:, None])  # the keys reading the state
+    u_ref[rows, h, :] = dot(x, v_ref[rows, h, :] * beta[:, None])  # the new values before it
+    eg_ref[rows, h] = eg
+    et_ref[rows, h] = jnp.exp(jnp.sum(jnp.where(r == block - 1, sums, 0.0), axis=0))  # to its end
+    last = lax.broadcasted_iota(jnp.int32, (block,), 0) == block - 1
+    el_ref[h, i] = jnp.exp(jnp.sum(jnp.where(last, gam, 0.0)))  # its total
 
 
-def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, t_ref, s0_ref, o_ref, s_ref, *,
-                  n_blocks: int, block: int, bv: int, rep: int, precision, exact):
+def _walk_kernel(q_ref, k_ref, w_ref, u_ref, eg_ref, et_ref, el_ref, s0_ref, inter_ref,
+                 new_ref, s_ref, *, n_blocks: int, block: int, bv: int, rep: int, precision):
     h, j = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(j * bv, bv)
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
-    r = lax.broadcasted_iota(jnp.int32, (block, block), 0)
-    c = lax.broadcasted_iota(jnp.int32, (block, block), 1)
-    row = lax.broadcasted_iota(jnp.int32, (block,), 0)
 
     def step(i, s):
         rows = pl.ds(i * block, block)
-        q = q_ref[rows, h // rep, :]  # [C, dk]
-        k = k_ref[rows, h // rep, :]
-        v = v_ref[rows, h, cols]  # [C, bv]
-        beta = beta_ref[rows, h]
-        sums, gam = decay_sums(g_ref[rows, h], exact)  # gam: decay from the start
-        eg = jnp.exp(gam)
-        last = jnp.sum(jnp.where(row == block - 1, gam, 0.0))  # the block's total decay
-        to_end = jnp.sum(jnp.where(r == block - 1, sums, 0.0), axis=0)  # [C]: over (j, C-1]
-        # new = T (beta (v - exp(gam) k S)): the UT transform's values less the state's part
-        new = dot(t_ref[h, i, :, :], beta[:, None] * (v - eg[:, None] * dot(k, s)))
-        attn = _dot_nt(q, k, precision) * jnp.exp(
-            jnp.where(r >= c, sums, -jnp.inf))
-        o_ref[rows, h, cols] = eg[:, None] * dot(q, s) + dot(attn, new)
-        return s * jnp.exp(last) + _dot_tn(k, new * jnp.exp(to_end)[:, None], precision)
+        new = u_ref[rows, h, cols] - dot(w_ref[rows, h, :], s)  # [C, bv]
+        inter_ref[rows, h, cols] = eg_ref[rows, h][:, None] * dot(q_ref[rows, h // rep, :], s)
+        new_ref[rows, h, cols] = new
+        return s * el_ref[h, i] + _dot_tn(k_ref[rows, h // rep, :],
+                                          new * et_ref[rows, h][:, None], precision)
 
     s_ref[h, :, cols] = lax.fori_loop(0, n_blocks, step, s0_ref[h, :, cols])
+
+
+def _output_kernel(q_ref, k_ref, g_ref, inter_ref, new_ref, o_ref, *, block: int, bv: int,
+                   rep: int, precision):
+    h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, cols = pl.ds(i * block, block), pl.ds(j * bv, bv)
+    r, c = iotas(block)
+    sums, _ = decay_sums(g_ref[rows, h], "split")
+    attn = _dot_nt(q_ref[rows, h // rep, :], k_ref[rows, h // rep, :], precision) * jnp.exp(
+        jnp.where(r >= c, sums, -jnp.inf))  # causal within the block, decayed
+    o_ref[rows, h, cols] = inter_ref[rows, h, cols] + jnp.dot(
+        attn, new_ref[rows, h, cols], precision=precision, preferred_element_type=jnp.float32)
 
 
 def _launch(interpret, num_warps, num_stages):
@@ -228,73 +209,89 @@ def _launch(interpret, num_warps, num_stages):
 
 
 def _precision(products: str, who: str):
-    """(the products' precision, the decay sums'): TF32, with the sums at TF32x3 (float32's
-    accuracy on tensor cores); or both at full float32."""
+    """The products' precision: TF32 (tensor cores) or full float32. (The decay sums are
+    float32-exact either way: `decay_sums`' "split".)"""
     if products not in PRODUCTS:
         raise ValueError(f"{who}: products={products!r}: expected {'|'.join(PRODUCTS)}")
-    if products == "tf32":
-        return lax.Precision.DEFAULT, lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return lax.Precision.HIGHEST, lax.Precision.HIGHEST
+    return lax.Precision.DEFAULT if products == "tf32" else lax.Precision.HIGHEST
 
 
-def ut_inverse(k, g, beta, *, block: int, products: str = "float32",
-               interpret: bool | None = None, num_warps: int = 4):
-    """Each block's UT transform: T = (I + L)^-1 with L[i, j] = beta_i k_i.k_j exp(g summed over
-    (j, i]) for i > j (0 elsewhere), by doubling (2 log2 C matmuls of C x C, as
-    `layers.deltanet.unit_lower_inverse`, unrolled); a program per head and block.
+def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
+                 interpret: bool | None = None, num_warps: int = 8):
+    """Each block's UT transform applied: T = (I + L)^-1 with L[i, j] = beta_i k_i.k_j exp(g
+    summed over (j, i]) for i > j (0 elsewhere), by doubling (2 log2 C matmuls of C x C, as
+    `layers.deltanet.unit_lower_inverse`, unrolled); then w = T (beta exp(gam) k), the keys
+    that read the state, and u = T (beta v), the new values before the state's part. A program
+    per value head and block; tokens-first, key heads read in place.
 
     Args:
-        k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); g: float32
-            [n*C, Hv], the log-decays; beta: float32 [n*C, Hv].
+        k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); v: float32
+            [n*C, Hv, dv]; g: float32 [n*C, Hv], the log-decays; beta: float32 [n*C, Hv].
 
-    Returns float32 [Hv, n, C, C]."""
+    Returns (w [n*C, Hv, dk], u [n*C, Hv, dv]; [n*C, Hv] exp of each row's decay from its
+    block's start (g summed over the block's rows up to it) and to its end (over the rows
+    after it); [Hv, n] exp of each block's total), all float32."""
     rows, hk, dk = k.shape
-    hv = g.shape[1]
+    hv, dv = v.shape[1:]
     n = rows // block
     if rows != n * block or hv % hk:
-        raise ValueError(f"ut_inverse: {rows} rows are not whole blocks of {block}, or {hk} "
+        raise ValueError(f"ut_transform: {rows} rows are not whole blocks of {block}, or {hk} "
                          f"key heads do not divide {hv} value heads")
-    precision, exact = _precision(products, "ut_inverse")
+    precision = _precision(products, "ut_transform")
     interpret, kw = _launch(interpret, num_warps, 1)
     f32 = jnp.float32
+    per_row = jax.ShapeDtypeStruct((rows, hv), f32)
     return pl.pallas_call(
-        functools.partial(_inverse_kernel, block=block, rep=hv // hk, precision=precision,
-                          exact=exact),
-        grid=(hv, n), out_shape=jax.ShapeDtypeStruct((hv, n, block, block), f32),
-        interpret=interpret, name="ut_inverse", **kw,
-    )(k.astype(f32), g.astype(f32), beta.astype(f32))
+        functools.partial(_inverse_kernel, block=block, rep=hv // hk, precision=precision),
+        grid=(hv, n),
+        out_shape=(jax.ShapeDtypeStruct((rows, hv, dk), f32),
+                   jax.ShapeDtypeStruct((rows, hv, dv), f32), per_row, per_row,
+                   jax.ShapeDtypeStruct((hv, n), f32)),
+        interpret=interpret, name="ut_transform", **kw,
+    )(k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32))
 
 
 def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "float32",
-                     bv: int = 64, interpret: bool | None = None, num_warps: int = 8,
-                     num_stages: int = 1):
-    """The whole chunkwise delta rule in two kernels, in the tokens-first layout (no
-    transposes): `ut_inverse` (every block in parallel), then one program per value head and
-    slice of `bv` state columns walks the blocks, per block i (S the state before it)
-        new_i = T_i (beta (v - exp(gam) k S))      (the block's new values)
-        o_i   = exp(gam) q S + (q k^T * decay) new_i
-        S     = exp(last_i) S + (k exp(last_i - gam))^T new_i.
+                     bv: int = WALK_COLUMNS, interpret: bool | None = None,
+                     num_warps: int = WALK_WARPS, num_stages: int = 1,
+                     out_columns: int = OUTPUT_COLUMNS):
+    """The whole chunkwise delta rule in three kernels over the tokens-first layout (the
+    module docstring): `ut_transform` (w, u and the decays of every block, in parallel), the
+    walk (a program per value head and slice of `bv` state columns: inter, new and the state),
+    the outputs o = inter + (q k^T * decay) new (a program per value head, block and slice of
+    `out_columns`, accumulating over inter in place).
 
     Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
-    [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0). Returns
-    (o [T, Hv, dv], the state after the last row)."""
+    [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
+    the walk's `bv`, `num_warps`, `num_stages`; the output kernel's column slice
+    `out_columns`. Returns (o [T, Hv, dv], the state after the last row)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
         raise ValueError(f"delta_rule_chunk: {hk} key heads do not divide {hv} value heads")
-    bv = min(bv, dv)
-    _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv)
-    precision, exact = _precision(products, "delta_rule_chunk")
+    bv, out_columns = min(bv, dv), min(out_columns, dv)
+    _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv, out_columns=out_columns)
+    precision = _precision(products, "delta_rule_chunk")
     f32 = jnp.float32
     n, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
-    inverse = ut_inverse(k, g, beta, block=block, products=products, interpret=interpret)
-    interpret, kw = _launch(interpret, num_warps, num_stages)
-    o, state = pl.pallas_call(
-        functools.partial(_chunk_kernel, n_blocks=n, block=block, bv=bv, rep=hv // hk,
-                          precision=precision, exact=exact),
+    w, u, eg, et, el = ut_transform(k, v, g, beta, block=block, products=products,
+                                    interpret=interpret, num_warps=TRANSFORM_WARPS)
+    rep = hv // hk
+    walk_interpret, kw = _launch(interpret, num_warps, num_stages)
+    values = jax.ShapeDtypeStruct((n * block, hv, dv), f32)
+    inter, new, state = pl.pallas_call(
+        functools.partial(_walk_kernel, n_blocks=n, block=block, bv=bv, rep=rep,
+                          precision=precision),
         grid=(hv, dv // bv),
-        out_shape=(jax.ShapeDtypeStruct((n * block, hv, dv), f32),
-                   jax.ShapeDtypeStruct((hv, dk, dv), f32)),
-        interpret=interpret, name="delta_rule_chunk", **kw,
-    )(q, k, v, g, beta, inverse, state.astype(f32))
+        out_shape=(values, values, jax.ShapeDtypeStruct((hv, dk, dv), f32)),
+        interpret=walk_interpret, name="delta_rule_walk", **kw,
+    )(q, k, w, u, eg, et, el, state.astype(f32))
+    out_interpret, kw = _launch(interpret, OUTPUT_WARPS, 1)
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, block=block, bv=out_columns, rep=rep,
+                          precision=precision),
+        grid=(hv, n, dv // out_columns), out_shape=values,
+        input_output_aliases={3: 0},  # the outputs accumulate over `inter`
+        interpret=out_interpret, name="delta_rule_output", **kw,
+    )(q, k, g, inter, new)
     return o[:t], state

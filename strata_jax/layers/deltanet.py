@@ -12,8 +12,8 @@ The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut i
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
 transform: each block's unit-lower-triangular system inverted by doubling, then matmuls; no
 LAPACK or cuBLAS triangular solve), and the state walks across the blocks, three small matmuls
-a block: as a scan, or in one Pallas kernel; or the whole rule runs in two Pallas kernels
-(`kernels.delta_rule`, `Kernels.delta_rule`). No step is per token. Decays between two tokens
+a block, as a scan; or the whole rule runs in three Pallas kernels (`kernels.delta_rule`,
+`Kernels.delta_rule`). No step is per token. Decays between two tokens
 of a block are summed over their own range (`decay_sums`), not differenced.
 
 Products: a float32 layer takes every product of the rule at full float32 (`HIGHEST`); a
@@ -35,9 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from strata_jax.kernels.delta_rule import (PRODUCTS, decay_sums, delta_rule_carry,
-                                           delta_rule_chunk, delta_rule_path, doubling_step,
-                                           pad_blocks)
+from strata_jax.kernels.delta_rule import (PRODUCTS, decay_sums, delta_rule_chunk,
+                                           delta_rule_path, doubling_step, iotas, pad_blocks)
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
@@ -54,7 +53,7 @@ def products_for(dtype, carry: str = "xla", platform: str | None = None) -> str:
     (`kernels.delta_rule.delta_rule_path`): "tf32" for the Pallas kernels in a bf16/fp16 layer
     on a GPU; "float32" otherwise (the scan keeps the float32 products it was measured with)."""
     platform = platform or jax.default_backend()
-    fast = platform == "gpu" and jnp.dtype(dtype).itemsize < 4 and carry in ("pallas", "fused")
+    fast = platform == "gpu" and jnp.dtype(dtype).itemsize < 4 and carry == "pallas"
     return "tf32" if fast else "float32"
 
 
@@ -100,8 +99,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         state: float32 [Hv, dk, dv], the state before the chunk.
         block: tokens per block.
         carry: the implementation (`Kernels.delta_rule`): "xla" (a scan walks the state),
-            "pallas" (one kernel walks it), "fused" (`kernels.delta_rule.delta_rule_chunk`)
-            or "auto" (`delta_rule_path`).
+            "pallas" (`kernels.delta_rule.delta_rule_chunk`) or "auto" (`delta_rule_path`).
         products: "float32" or "tf32" (`products_for`).
 
     Returns:
@@ -111,7 +109,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         raise ValueError(f"delta rule products {products!r}: expected one of "
                          f"{'|'.join(PRODUCTS)}")
     carry = delta_rule_path(carry)
-    if carry == "fused":
+    if carry == "pallas":
         return delta_rule_chunk(q, k, v, g, beta, state, block=block, products=products)
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -122,14 +120,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
     n, q, k, v, g, beta = pad_blocks(block, q, k, v, g, beta)
 
     w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block, products)
-    if carry == "pallas":
-        flat = lambda a: a.reshape(hv, n * block, a.shape[-1])  # noqa: E731
-        inter, v_new, state = delta_rule_carry(flat(w), flat(qd), flat(kd), flat(u),
-                                               jnp.exp(last), state, block=block,
-                                               products=products)
-        inter, v_new = (a.reshape(hv, n, block, dv) for a in (inter, v_new))
-    else:
-        inter, v_new, state = _carry_scan(w, qd, kd, u, last, state, products)
+    inter, v_new, state = _carry_scan(w, qd, kd, u, last, state, products)
     o = inter + _mm(attn, v_new, products)
     o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
     return o, state
@@ -184,8 +175,7 @@ def unit_lower_inverse(system, products: str = "float32"):
     *lead, c, _ = system.shape
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse: blocks of {c} rows; expected a power of two")
-    r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    r, col = iotas(c)
     eye = jnp.eye(c, dtype=system.dtype)
     low = system - eye
     mm = functools.partial(_mm, products=products)
