@@ -625,6 +625,57 @@ def test_chunked_bench_reads_a_hybrid_model(tmp_path):
     assert all(r["identical_to_resident"] is True for r in reads)
 
 
+PTXAS_OUT = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'delta_rule_walk' for 'sm_90a'
+ptxas info    : Function properties for delta_rule_walk
+    56 bytes stack frame, 56 bytes spill stores, 60 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 56 bytes cumulative stack size
+ptxas info    : Function properties for ut_transform
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 246 registers, used 1 barriers
+"""
+
+
+def test_compile_check_reads_ptxas_and_flags_problems(capsys):
+    """compile_check's parts that need no CUDA plugin: ptxas' report per kernel, the target
+    description, what fails the check; without the plugin it says what to install."""
+    import importlib.util
+
+    from strata_jax.benchmarks import compile_check as cc
+
+    assert cc.parse_ptxas(PTXAS_OUT) == {
+        "delta_rule_walk": {"registers": 255, "spill_stores": 56, "spill_loads": 60},
+        "ut_transform": {"registers": 246, "spill_stores": 0, "spill_loads": 0}}
+    text = cc.target_config("h200")
+    assert "core_count: 132" in text and "device_memory_size: 150754820096" in text
+    assert "major: 9" in text and 'device_description_str: "NVIDIA H200"' in text
+    with pytest.raises(ValueError, match="target 'a100'"):
+        cc.target_config("a100")
+    kernels = cc.parse_ptxas(PTXAS_OUT)
+    rows = [{"ok": False, "error": "x", "products": "tf32", "block": 64, "bv": 32},
+            {"ok": True, "default": True, "kernels": kernels, "products": "tf32", "block": 64,
+             "bv": 32, "temp_bytes": 1},
+            {"ok": True, "default": False, "kernels": kernels, "products": "tf32", "block": 32,
+             "bv": 64, "temp_bytes": 1},
+            {"ok": True, "mixer": "gated-deltanet (xla)", "kernels": {}, "temp_bytes": 9,
+             "plan_bytes": 8},
+            {"ok": True, "mixer": "gated-attention", "kernels": {}, "temp_bytes": 8,
+             "plan_bytes": 8}]
+    assert cc.problems(rows) == [
+        "delta rule tf32 64/32: does not compile",
+        "delta rule tf32 64/32: the default launch spills registers",
+        "gated-deltanet (xla): 9 temporary bytes, plan 8"]
+    with pytest.raises(SystemExit):
+        cc.main(["--cases", "delta-rule,nothing"])
+    assert "--cases nothing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cc.main(["--preset", "qwen3-30b-a3b"])
+    assert "not a hybrid" in capsys.readouterr().err
+    if importlib.util.find_spec("jax_plugins") is None:  # no CUDA plugin installed
+        assert cc.main(["--cases", "delta-rule"]) == 2
+        assert 'pip install "jax[cuda12]' in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
     from strata_jax.benchmarks import hybrid_bench

@@ -80,8 +80,9 @@ def test_deltanet_layer_matches_the_float64_recurrence_across_chunks(f32_params)
 @pytest.mark.slow
 def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
     """The Pallas kernels in interpret mode and the scan, each within float32 of the float64
-    recurrence: 150 tokens in blocks of 64 (the last padded), then four value heads reading two
-    key heads (the kernels read them in place, the scan repeats them)."""
+    recurrence: 150 tokens in blocks of 64 (the last padded) and in the kernels' own blocks for
+    float32 products (16), then four value heads reading two key heads (the kernels read them
+    in place, the scan repeats them)."""
     import jax.numpy as jnp
 
     from strata_jax.layers.deltanet import gated_delta_rule
@@ -90,10 +91,10 @@ def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
     inputs = delta_rule_inputs(150, 4, 16, 32, seed=7)
     args = [jnp.asarray(a, jnp.float32) for a in inputs]
     ref = reference_delta_rule(*inputs)
-    for carry in ("xla", "pallas"):
-        got = gated_delta_rule(*args, block=64, carry=carry)
-        assert_close(got[0], ref[0], np.float32, err_msg=f"{carry}: outputs")
-        assert_close(got[1], ref[1], np.float32, err_msg=f"{carry}: the state")
+    for carry, block in (("xla", 64), ("pallas", 64), ("pallas", None)):  # None: 16 here
+        got = gated_delta_rule(*args, block=block, carry=carry)
+        assert_close(got[0], ref[0], np.float32, err_msg=f"{carry} {block}: outputs")
+        assert_close(got[1], ref[1], np.float32, err_msg=f"{carry} {block}: the state")
     q2, k2 = inputs[0][:, :2], inputs[1][:, :2]  # 2 key heads for 4 value heads: h // 2
     ref = reference_delta_rule(np.repeat(q2, 2, 1), np.repeat(k2, 2, 1), *inputs[2:])
     for carry in ("xla", "pallas"):
@@ -235,7 +236,8 @@ def test_follow_up_turn_continues_the_state(f32_params):
 def test_memory_plan_counts_the_deltanet_layers():
     """The plan's working memory of a Qwen3-Next chunk is the DeltaNet layer's (its delta rule
     at the real head sizes holds more than the fused attention), and `mixer_bytes` bounds what
-    XLA's buffer assignment gives the delta rule's scan path (temporaries, inputs, output)."""
+    XLA's CPU buffer assignment gives the delta rule's scan path (temporaries, inputs, output;
+    the GPU's, smaller, is `benchmarks.compile_check`'s to check)."""
     import jax
     import jax.numpy as jnp
 
@@ -245,14 +247,14 @@ def test_memory_plan_counts_the_deltanet_layers():
 
     c = get_preset("qwen3-next-80b-a3b")
     assert attention_working_bytes(c, 8192, 32768, first=False, platform="gpu") == \
-        mixer_bytes(c, 8192)
+        mixer_bytes(c, 8192, "gpu") < mixer_bytes(c, 8192)  # the GPU's buffers: fewer
     t, hk, hv, dk, dv = 1024, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     m = jax.jit(lambda *a: gated_delta_rule(*a, carry="xla")).lower(
         f32(t, hk, dk), f32(t, hk, dk), f32(t, hv, dv), f32(t, hv), f32(t, hv),
         f32(hv, dk, dv)).compile().memory_analysis()
     held = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-    assert held <= mixer_bytes(c, t)
+    assert held <= mixer_bytes(c, t, "cpu")
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 from strata_jax.kernels import DELTA_RULES
 
 __all__ = ["delta_rule_chunk", "ut_transform", "delta_rule_path",
-           "decay_sums", "doubling_step", "iotas", "pad_blocks", "tf32_parts", "AUTO_ON_GPU", "PRODUCTS"]
+           "decay_sums", "doubling_step", "iotas", "pad_blocks", "tf32_parts", "KERNEL_BLOCKS", "AUTO_ON_GPU", "PRODUCTS"]
 
 # The rule's products: "float32" (full float32) or "tf32" (tensor cores, float32 sums).
 PRODUCTS = ("float32", "tf32")
@@ -47,11 +47,13 @@ PRODUCTS = ("float32", "tf32")
 # a user makes by name.
 AUTO_ON_GPU = "xla"
 
-# The kernels' launch at blocks of 64 and dk = dv = 128 (Qwen3-Next's), each without spilled
-# registers on Hopper (`benchmarks.compile_check`): the walk's state columns a program and
-# warps (32 value heads x 4 slices: 128 programs, one wave), the output kernel's columns a
-# program and warps, the transform's warps.
-WALK_COLUMNS, WALK_WARPS = 32, 4
+# The kernels' launch at dk = dv = 128 (Qwen3-Next's), each without spilled registers on
+# Hopper (`benchmarks.compile_check`): with TF32 products blocks of 64, the walk's state
+# columns a program and warps (32 value heads x 4 slices: 128 programs, one wave), the output
+# kernel's columns a program and warps, the transform's warps. CUDA-core float32 products
+# (a float32 layer's) hold more registers: blocks and slices of 16, 8 warps (at 64 they spill).
+KERNEL_BLOCKS = {"tf32": 64, "float32": 16}
+WALK_COLUMNS, WALK_WARPS = {"tf32": 32, "float32": 16}, {"tf32": 4, "float32": 8}
 OUTPUT_COLUMNS, OUTPUT_WARPS = 64, 8
 TRANSFORM_WARPS = 8
 
@@ -251,10 +253,10 @@ def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
     )(k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32))
 
 
-def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "float32",
-                     bv: int = WALK_COLUMNS, interpret: bool | None = None,
-                     num_warps: int = WALK_WARPS, num_stages: int = 1,
-                     out_columns: int = OUTPUT_COLUMNS):
+def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
+                     products: str = "float32", bv: int | None = None,
+                     interpret: bool | None = None, num_warps: int | None = None,
+                     num_stages: int = 1, out_columns: int = OUTPUT_COLUMNS):
     """The whole chunkwise delta rule in three kernels over the tokens-first layout (the
     module docstring): `ut_transform` (w, u and the decays of every block, in parallel), the
     walk (a program per value head and slice of `bv` state columns: inter, new and the state),
@@ -263,21 +265,23 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int, products: str = "fl
 
     Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
-    the walk's `bv`, `num_warps`, `num_stages`; the output kernel's column slice
-    `out_columns`. Returns (o [T, Hv, dv], the state after the last row)."""
+    the block (default `KERNEL_BLOCKS` for the products), the walk's `bv` and `num_warps`
+    (default `WALK_COLUMNS`, `WALK_WARPS` for the products), `num_stages`; the output kernel's column
+    slice `out_columns`. Returns (o [T, Hv, dv], the state after the last row)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
         raise ValueError(f"delta_rule_chunk: {hk} key heads do not divide {hv} value heads")
-    bv, out_columns = min(bv, dv), min(out_columns, dv)
-    _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv, out_columns=out_columns)
     precision = _precision(products, "delta_rule_chunk")
+    block = block or KERNEL_BLOCKS[products]
+    bv, out_columns = min(bv or WALK_COLUMNS[products], dv), min(out_columns, dv)
+    _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv, out_columns=out_columns)
     f32 = jnp.float32
     n, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
     w, u, eg, et, el = ut_transform(k, v, g, beta, block=block, products=products,
                                     interpret=interpret, num_warps=TRANSFORM_WARPS)
     rep = hv // hk
-    walk_interpret, kw = _launch(interpret, num_warps, num_stages)
+    walk_interpret, kw = _launch(interpret, num_warps or WALK_WARPS[products], num_stages)
     values = jax.ShapeDtypeStruct((n * block, hv, dv), f32)
     inter, new, state = pl.pallas_call(
         functools.partial(_walk_kernel, n_blocks=n, block=block, bv=bv, rep=rep,

@@ -87,7 +87,7 @@ def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
 
 
 @functools.partial(jax.jit, static_argnames=("block", "carry", "products"))
-def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: str = "auto",
+def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: str = "auto",
                      products: str = "float32"):
     """The gated delta rule over a chunk, chunkwise-parallel.
 
@@ -97,7 +97,8 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
         v: float32 [T, Hv, dv].
         g: float32 [T, Hv] log-decays (<= 0); beta: float32 [T, Hv] in [0, 1].
         state: float32 [Hv, dk, dv], the state before the chunk.
-        block: tokens per block.
+        block: tokens per block (default: `DELTA_BLOCK` for the scan; the kernels'
+            `kernels.delta_rule.KERNEL_BLOCKS` for their products).
         carry: the implementation (`Kernels.delta_rule`): "xla" (a scan walks the state),
             "pallas" (`kernels.delta_rule.delta_rule_chunk`) or "auto" (`delta_rule_path`).
         products: "float32" or "tf32" (`products_for`).
@@ -111,6 +112,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int = DELTA_BLOCK, carry: s
     carry = delta_rule_path(carry)
     if carry == "pallas":
         return delta_rule_chunk(q, k, v, g, beta, state, block=block, products=products)
+    block = block or DELTA_BLOCK
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:

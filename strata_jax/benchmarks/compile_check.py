@@ -1,0 +1,311 @@
+"""Compile the GPU kernels for a Hopper GPU on a machine without one: whether each compiles,
+its registers and spilled bytes (ptxas on the PTX XLA emits), and XLA's temporary memory for a
+hybrid model's layers against the engine's memory plan.
+
+XLA compiles for a GPU it is only told about (a "compile-only" device from a target
+description: SMs, shared memory, registers, memory), so kernel launches that would spill or
+fail to compile, and layers whose buffers outgrow the plan, show up before any GPU time is
+spent. Needs jax's CUDA plugin installed (`pip install "jax[cuda12]"`; no GPU or driver) and,
+for registers, a `ptxas` (a CUDA toolkit's, or the plugin's nvidia-cuda-nvcc wheel).
+
+    python -m strata_jax.benchmarks.compile_check --target h100 --tokens 32768 --json out.json
+
+Cases: `delta-rule` (the Pallas delta rule at the real head sizes of `--preset`: TF32
+products, a bf16 layer's, at `hybrid_bench.PALLAS_LAUNCHES` in blocks of 32 and 64; float32
+products, a float32 layer's, at the default launch and in blocks of 16), `layers` (the
+preset's Gated DeltaNet layer through each `Kernels.delta_rule` and its gated attention layer
+at `--tokens`, first chunk, against `engine.memory.attention_working_bytes`). Exit status 1
+where a compile fails, the default launch (TF32, blocks of 64) spills, or a layer's
+temporaries exceed the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# Hopper targets: what XLA's GPU compiler reads of a device (public specifications).
+TARGETS = {
+    "h100": {"name": "NVIDIA H100 80GB HBM3", "memory": 85_520_809_984, "bandwidth": 3.35e12},
+    "h200": {"name": "NVIDIA H200", "memory": 150_754_820_096, "bandwidth": 4.8e12},
+}
+_HOPPER = dict(core_count=132, threads_per_block_limit=1024, threads_per_warp=32,
+               shared_memory_per_block=49152, shared_memory_per_core=233472,
+               shared_memory_per_block_optin=232448, threads_per_core_limit=2048,
+               fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
+               block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
+               registers_per_core_limit=65536, registers_per_block_limit=65536)
+CASES = ("delta-rule", "layers")
+
+
+def target_config(target: str) -> str:
+    """The GpuTargetConfig text proto XLA compiles for: Hopper (sm_90) with `target`'s memory."""
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r}: expected one of {'|'.join(TARGETS)}")
+    t = TARGETS[target]
+    fields = dict(_HOPPER, memory_bandwidth=int(t["bandwidth"]), device_memory_size=t["memory"])
+    body = "".join(f"  {k}: {v}\n" for k, v in fields.items())
+    return (f"gpu_device_info {{\n{body}  cuda_compute_capability {{\n    major: 9\n  }}\n}}\n"
+            f'platform_name: "CUDA"\ndnn_version_info {{\n  major: 9\n  minor: 10\n}}\n'
+            f'device_description_str: "{t["name"]}"\n')
+
+
+def find_ptxas() -> str | None:
+    """A ptxas: on PATH, under $CUDA_HOME or /usr/local/cuda*, or in the nvidia-cuda-nvcc
+    wheel the CUDA plugin installs."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(
+        glob.glob("/usr/local/cuda-*"), reverse=True)]
+    try:
+        import nvidia.cuda_nvcc as nvcc  # the plugin's toolkit wheel
+        roots += list(nvcc.__path__)
+    except ImportError:
+        pass
+    for root in roots:
+        path = os.path.join(root, "bin", "ptxas")
+        if root and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def parse_ptxas(text: str) -> dict[str, dict]:
+    """`ptxas -v` output -> {kernel: {"registers", "spill_stores", "spill_loads"}}."""
+    out, name = {}, None
+    for line in text.splitlines():
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = {"registers": None, "spill_stores": 0, "spill_loads": 0}
+            continue
+        if name is None:
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out[name]["spill_stores"], out[name]["spill_loads"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[name]["registers"] = int(m.group(1))
+    return out
+
+
+def compile_only_device(target: str):
+    """A compile-only CUDA device of `target` (jax's CUDA plugin, no GPU needed)."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+    import jax
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc("compile_check", "cuda",
+                                                target_config=target_config(target),
+                                                topology="1x1x1")
+    except Exception as e:  # noqa: BLE001 - the plugin's absence shows as several kinds
+        raise RuntimeError(
+            f"no compile-only CUDA device ({str(e).splitlines()[0][:200]}): install jax's CUDA "
+            f'plugin (pip install "jax[cuda12]=={jax.__version__}"); no GPU is needed') from e
+    return topology.devices[0]
+
+
+@contextlib.contextmanager
+def as_gpu(device):
+    """The library's platform checks (`jax.devices()`, `jax.default_backend()`, cuDNN's
+    compute capability) answer for `device` while compiling for it."""
+    import jax
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    saved = (jax.devices, jax.default_backend, getattr(fa, "check_compute_capability", None))
+    cap = tuple(int(x) for x in device.compute_capability.split("."))
+    jax.devices = lambda *a, **k: [device]
+    jax.default_backend = lambda: "gpu"
+    if saved[2] is not None:
+        fa.check_compute_capability = lambda c: cap >= tuple(int(x) for x in c.split("."))
+    try:
+        yield
+    finally:
+        jax.devices, jax.default_backend = saved[:2]
+        if saved[2] is not None:
+            fa.check_compute_capability = saved[2]
+
+
+def compile_report(fn, args, ptxas: str | None) -> dict:
+    """Compile jitted `fn` on `args` (ShapeDtypeStructs on the compile-only device): temp
+    bytes and, with `ptxas`, each kernel's registers and spills."""
+    import jax
+
+    dump = tempfile.mkdtemp(prefix="compile_check_")
+    try:
+        compiled = jax.jit(fn).trace(*args).lower().compile({"xla_dump_to": dump})
+        row = {"ok": True, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+               "kernels": {}}
+        for ptx in glob.glob(os.path.join(dump, "*.ptx")) if ptxas else ():
+            if os.path.getsize(ptx):
+                run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                                     capture_output=True, text=True, timeout=600)
+                row["kernels"].update(parse_ptxas(run.stderr))
+        return row
+    except Exception as e:  # noqa: BLE001 - a compile failure is the finding
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        return {"ok": False, "error": " | ".join(lines[:4])[:600]}
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+
+
+def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from strata_jax.benchmarks.hybrid_bench import PALLAS_LAUNCHES
+    from strata_jax.kernels import delta_rule as dr
+
+    on = SingleDeviceSharding(device)
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=on)  # noqa: E731
+    hk, hv = cfg.linear_k_heads, cfg.linear_v_heads
+    dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
+    args = (f32(tokens, hk, dk), f32(tokens, hk, dk), f32(tokens, hv, dv), f32(tokens, hv),
+            f32(tokens, hv), f32(hv, dk, dv))
+
+    launches = [("tf32", b, launch) for b in (32, 64) for launch in PALLAS_LAUNCHES]
+    launches += [("float32", 64, (dr.WALK_COLUMNS["tf32"], dr.WALK_WARPS["tf32"], 1)),
+                 ("float32", dr.KERNEL_BLOCKS["float32"], (dr.WALK_COLUMNS["float32"],
+                                                           dr.WALK_WARPS["float32"], 1))]
+    rows = []
+    for products, block, (bv, warps, stages) in launches:
+        fn = lambda *a, p=products, b=block, bv=bv, w=warps, s=stages: dr.delta_rule_chunk(  # noqa: E731
+            *a, block=b, products=p, interpret=False, bv=bv, num_warps=w, num_stages=s)
+        row = {"case": "delta-rule", "products": products, "block": block, "bv": bv,
+               "num_warps": warps, "num_stages": stages, "tokens": tokens,
+               "default": (block, bv, warps, stages) == (
+                   dr.KERNEL_BLOCKS[products], dr.WALK_COLUMNS[products],
+                   dr.WALK_WARPS[products], 1),
+               **compile_report(fn, args, ptxas)}
+        rows.append(row)
+        _print(row, f"delta rule {products:7s} blocks of {block:3d}, {bv:3d} columns, "
+                    f"{warps} warps, {stages} stages")
+    return rows
+
+
+def layer_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+
+    from strata_jax.engine.memory import attention_working_bytes
+    from strata_jax.kernels import DELTA_RULES, Kernels
+    from strata_jax.models.hybrid import HybridLayer, cache_shapes
+
+    on = SingleDeviceSharding(device)
+    put = lambda t: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), t)
+    cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, tokens))
+    cache = cache_shapes(cfg, tokens)
+    plan = attention_working_bytes(cfg, tokens, tokens, first=True, platform="gpu")
+    linear = next(i for i in range(cfg.n_layers) if cfg.is_linear(i))
+    full = next(i for i in range(cfg.n_layers) if not cfg.is_linear(i))
+    rows = []
+    for layer, rule in [(linear, r) for r in DELTA_RULES if r != "auto"] + [(full, "auto")]:
+        block = nnx.eval_shape(lambda layer=layer, rule=rule: HybridLayer(
+            cfg, layer, rngs=nnx.Rngs(0), kernels=Kernels(delta_rule=rule)))
+        graph, state = nnx.split(block)
+
+        def first(state, x, k, v, graph=graph):
+            return nnx.merge(graph, state).attention_block(
+                x, k, v, 0, jnp.arange(tokens, dtype=jnp.int32))
+
+        args = (put(state), jax.ShapeDtypeStruct((tokens, cfg.hidden_size), cfg.dtype,
+                                                 sharding=on),
+                put(cache.keys[layer]), put(cache.values[layer]))
+        kind = "gated-attention" if layer == full else f"gated-deltanet ({rule})"
+        row = {"case": "layers", "mixer": kind, "layer": layer, "tokens": tokens,
+               "plan_bytes": int(plan), **compile_report(first, args, ptxas)}
+        rows.append(row)
+        _print(row, f"{kind:24s} layer {layer}, {tokens} tokens")
+    return rows
+
+
+def _print(row: dict, what: str) -> None:
+    if not row["ok"]:
+        print(f"{what}: FAILED {row['error']}", flush=True)
+        return
+    spilled = {k: v for k, v in row["kernels"].items() if v["spill_stores"]}
+    regs = max((v["registers"] or 0 for v in row["kernels"].values()), default=0)
+    extra = f", plan {row['plan_bytes'] / 2**20:,.0f} MiB" if "plan_bytes" in row else ""
+    print(f"{what}: temp {row['temp_bytes'] / 2**20:,.0f} MiB{extra}; "
+          f"{len(row['kernels'])} kernels, most registers {regs}, "
+          + (", ".join(f"{k} spills {v['spill_stores']} B" for k, v in spilled.items())
+             or "no spills"), flush=True)
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """What fails the check: a compile failure, a spilled default launch, a layer's
+    temporaries above the plan."""
+    out = []
+    for r in rows:
+        name = r.get("mixer") or f"delta rule {r.get('products')} {r.get('block')}/{r.get('bv')}"
+        if not r["ok"]:
+            out.append(f"{name}: does not compile")
+        elif r.get("default") and any(v["spill_stores"] for v in r["kernels"].values()):
+            out.append(f"{name}: the default launch spills registers")
+        elif "plan_bytes" in r and r["temp_bytes"] > r["plan_bytes"]:
+            out.append(f"{name}: {r['temp_bytes']:,} temporary bytes, plan {r['plan_bytes']:,}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="h100", choices=sorted(TARGETS))
+    ap.add_argument("--preset", default="qwen3-next-80b-a3b")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"comma-separated, of {'|'.join(CASES)}")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    cases = [c for c in a.cases.split(",") if c]
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        ap.error(f"--cases {','.join(bad)}: expected of {'|'.join(CASES)}")
+    if a.tokens < 64:
+        ap.error(f"--tokens {a.tokens}: at least one block of 64")
+    from strata_jax.models import get_preset
+    from strata_jax.models.hybrid import HybridConfig
+
+    cfg = get_preset(a.preset)
+    if not isinstance(cfg, HybridConfig):
+        ap.error(f"--preset {a.preset}: not a hybrid (Gated DeltaNet) model")
+    try:
+        device = compile_only_device(a.target)
+    except RuntimeError as e:
+        print(f"compile_check: {e}", file=sys.stderr)
+        return 2
+    ptxas = find_ptxas()
+    if ptxas is None:
+        print("compile_check: no ptxas found (CUDA toolkit or nvidia-cuda-nvcc): compiles and "
+              "memory only, no registers", file=sys.stderr)
+    rows = []
+    with as_gpu(device):
+        if "delta-rule" in cases:
+            rows += delta_rule_rows(cfg, device, min(a.tokens, 8192), ptxas)
+        if "layers" in cases:
+            rows += layer_rows(cfg, device, a.tokens, ptxas)
+    found = problems(rows)
+    for p in found:
+        print(f"PROBLEM {p}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "device": device.device_kind, "ptxas": ptxas,
+                       "rows": rows, "problems": found}, f, indent=1)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
