@@ -237,7 +237,7 @@ def test_memory_plan_counts_the_deltanet_layers():
     """The plan's working memory of a Qwen3-Next chunk is the DeltaNet layer's (its delta rule
     at the real head sizes holds more than the fused attention), and `mixer_bytes` bounds what
     XLA's CPU buffer assignment gives the delta rule's scan path (temporaries, inputs, output;
-    the GPU's, smaller, is `benchmarks.compile_check`'s to check)."""
+    the GPU's is `benchmarks.compile_check`'s to check)."""
     import jax
     import jax.numpy as jnp
 
@@ -247,14 +247,14 @@ def test_memory_plan_counts_the_deltanet_layers():
 
     c = get_preset("qwen3-next-80b-a3b")
     assert attention_working_bytes(c, 8192, 32768, first=False, platform="gpu") == \
-        mixer_bytes(c, 8192, "gpu") < mixer_bytes(c, 8192)  # the GPU's buffers: fewer
+        mixer_bytes(c, 8192)
     t, hk, hv, dk, dv = 1024, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     m = jax.jit(lambda *a: gated_delta_rule(*a, carry="xla")).lower(
         f32(t, hk, dk), f32(t, hk, dk), f32(t, hv, dv), f32(t, hv), f32(t, hv),
         f32(hv, dk, dv)).compile().memory_analysis()
     held = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-    assert held <= mixer_bytes(c, t, "cpu")
+    assert held <= mixer_bytes(c, t)
 
 
 @pytest.mark.slow

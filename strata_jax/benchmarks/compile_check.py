@@ -194,7 +194,11 @@ def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
     return rows
 
 
-def layer_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
+def layer_rows(cfg, device, tokens: int, chunk: int, ptxas) -> list[dict]:
+    """The token mixers of `cfg` (a hybrid's DeltaNet layer through each delta rule and its
+    gated attention layer; an MLA model's latent attention), a first chunk of `tokens` and a
+    later `chunk` over a cache of `tokens` positions at a traced start (the engine's), each
+    against `engine.memory.attention_working_bytes`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -202,35 +206,64 @@ def layer_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
 
     from strata_jax.engine.memory import attention_working_bytes
     from strata_jax.kernels import DELTA_RULES, Kernels
-    from strata_jax.models.hybrid import HybridLayer, cache_shapes
+    from strata_jax.models.hybrid import HybridConfig
 
     on = SingleDeviceSharding(device)
     put = lambda t: jax.tree.map(  # noqa: E731
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), t)
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, tokens))
-    cache = cache_shapes(cfg, tokens)
-    plan = attention_working_bytes(cfg, tokens, tokens, first=True, platform="gpu")
+    rows = []
+    for kind, make, cache in _mixers(cfg, tokens, HybridConfig, DELTA_RULES, Kernels):
+        graph, state = nnx.split(nnx.eval_shape(make))
+        for queries, first in ((tokens, True), (chunk, False)):
+            def run(state, x, a, b, start, graph=graph, queries=queries, first=first):
+                start = 0 if first else start
+                return nnx.merge(graph, state)(
+                    x, a, b, start, start + jnp.arange(queries, dtype=jnp.int32))
+
+            args = (put(state), jax.ShapeDtypeStruct((queries, cfg.hidden_size), cfg.dtype,
+                                                     sharding=on),
+                    *put(cache), jax.ShapeDtypeStruct((), jnp.int32, sharding=on))
+            plan = attention_working_bytes(cfg, queries, tokens, first=first, platform="gpu")
+            row = {"case": "layers", "mixer": kind, "queries": queries, "capacity": tokens,
+                   "first": first, "plan_bytes": int(plan), **compile_report(run, args, ptxas)}
+            rows.append(row)
+            _print(row, f"{kind:24s} " + (f"first {queries}" if first else
+                                          f"{queries} over {tokens}"))
+    return rows
+
+
+def _mixers(cfg, tokens, hybrid_config, delta_rules, kernels_class):
+    """(name, a maker of the mixer, its cache shapes) for `cfg`'s token mixers; each mixer is
+    called (x, cache a, cache b, start, positions)."""
+    from flax import nnx
+
+    from strata_jax.models import cache_shapes
+
+    caches = cache_shapes(cfg, tokens)
+    if not isinstance(cfg, hybrid_config):
+        from strata_jax.layers.mla import LatentAttention
+
+        return [("latent attention", lambda: LatentAttention(
+            cfg, rngs=nnx.Rngs(0), layer=0, kernels=kernels_class()),
+            (caches.keys[0], caches.values[0]))]
+    from strata_jax.models.hybrid import HybridLayer
+
+    class Mixer(nnx.Module):  # a hybrid layer's mixer with its input norm
+        def __init__(self, layer, rule):
+            self.block = HybridLayer(cfg, layer, rngs=nnx.Rngs(0),
+                                     kernels=kernels_class(delta_rule=rule))
+
+        def __call__(self, x, a, b, start, positions):
+            return self.block.attention_block(x, a, b, start, positions)
+
     linear = next(i for i in range(cfg.n_layers) if cfg.is_linear(i))
     full = next(i for i in range(cfg.n_layers) if not cfg.is_linear(i))
-    rows = []
-    for layer, rule in [(linear, r) for r in DELTA_RULES if r != "auto"] + [(full, "auto")]:
-        block = nnx.eval_shape(lambda layer=layer, rule=rule: HybridLayer(
-            cfg, layer, rngs=nnx.Rngs(0), kernels=Kernels(delta_rule=rule)))
-        graph, state = nnx.split(block)
-
-        def first(state, x, k, v, graph=graph):
-            return nnx.merge(graph, state).attention_block(
-                x, k, v, 0, jnp.arange(tokens, dtype=jnp.int32))
-
-        args = (put(state), jax.ShapeDtypeStruct((tokens, cfg.hidden_size), cfg.dtype,
-                                                 sharding=on),
-                put(cache.keys[layer]), put(cache.values[layer]))
-        kind = "gated-attention" if layer == full else f"gated-deltanet ({rule})"
-        row = {"case": "layers", "mixer": kind, "layer": layer, "tokens": tokens,
-               "plan_bytes": int(plan), **compile_report(first, args, ptxas)}
-        rows.append(row)
-        _print(row, f"{kind:24s} layer {layer}, {tokens} tokens")
-    return rows
+    return [("gated-attention" if layer == full else f"gated-deltanet ({rule})",
+             lambda layer=layer, rule=rule: Mixer(layer, rule),
+             (caches.keys[layer], caches.values[layer]))
+            for layer, rule in [(linear, r) for r in delta_rules if r != "auto"]
+            + [(full, "auto")]]
 
 
 def _print(row: dict, what: str) -> None:
@@ -264,8 +297,11 @@ def problems(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="h100", choices=sorted(TARGETS))
-    ap.add_argument("--preset", default="qwen3-next-80b-a3b")
-    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--preset", default="qwen3-next-80b-a3b",
+                    help="the hybrid model (delta-rule and layers)")
+    ap.add_argument("--mla-preset", default="deepseek-v3", help="the MLA model (layers)")
+    ap.add_argument("--tokens", type=int, default=32768, help="a first chunk; the cache")
+    ap.add_argument("--chunk", type=int, default=8192, help="a later chunk over the cache")
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma-separated, of {'|'.join(CASES)}")
     ap.add_argument("--json", default=None)
@@ -274,14 +310,17 @@ def main(argv=None) -> int:
     bad = [c for c in cases if c not in CASES]
     if bad:
         ap.error(f"--cases {','.join(bad)}: expected of {'|'.join(CASES)}")
-    if a.tokens < 64:
-        ap.error(f"--tokens {a.tokens}: at least one block of 64")
+    if not 64 <= a.chunk <= a.tokens:
+        ap.error(f"--tokens {a.tokens} --chunk {a.chunk}: 64 <= chunk <= tokens")
     from strata_jax.models import get_preset
     from strata_jax.models.hybrid import HybridConfig
+    from strata_jax.models.mla import MLAConfig
 
-    cfg = get_preset(a.preset)
+    cfg, mla = get_preset(a.preset), get_preset(a.mla_preset)
     if not isinstance(cfg, HybridConfig):
         ap.error(f"--preset {a.preset}: not a hybrid (Gated DeltaNet) model")
+    if not isinstance(mla, MLAConfig):
+        ap.error(f"--mla-preset {a.mla_preset}: not a latent-attention model")
     try:
         device = compile_only_device(a.target)
     except RuntimeError as e:
@@ -296,7 +335,8 @@ def main(argv=None) -> int:
         if "delta-rule" in cases:
             rows += delta_rule_rows(cfg, device, min(a.tokens, 8192), ptxas)
         if "layers" in cases:
-            rows += layer_rows(cfg, device, a.tokens, ptxas)
+            for model in (cfg, mla):
+                rows += layer_rows(model, device, a.tokens, a.chunk, ptxas)
     found = problems(rows)
     for p in found:
         print(f"PROBLEM {p}")

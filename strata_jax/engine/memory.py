@@ -88,7 +88,7 @@ def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *,
                                sinks=c.attention_sinks)
                for w in windows)
     mixers = getattr(module, "mixer_bytes", None)  # other token mixers (a hybrid's DeltaNet)
-    return attn if mixers is None else max(attn, mixers(c, queries, platform))
+    return attn if mixers is None else max(attn, mixers(c, queries))
 
 
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,

@@ -186,10 +186,7 @@ class LatentAttention(nnx.Module):
 
             if static:
                 acc = merge_into(acc, part())
-            else:
-                def nothing():  # a block wholly past the prefix
-                    return (jnp.zeros((t, c.n_heads, dv), acc_t),
-                            jnp.full((t, c.n_heads), -jnp.inf, acc_t))
-
-                acc = merge_into(acc, lax.cond(start > b0, part, nothing))
+            else:  # merged inside the cond: each block waits for the last (one part alive)
+                acc = lax.cond(start > b0, lambda a, part=part: merge_into(a, part()),
+                               lambda a: a, acc)  # a block wholly past the prefix adds nothing
         return acc[0].astype(q.dtype)

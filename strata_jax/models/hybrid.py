@@ -245,28 +245,26 @@ def init_cache(config: HybridConfig, capacity: int, dtype=None, *, slack: int = 
                        [config.is_linear(i) for i in range(config.n_layers)], capacity)
 
 
-# The delta rule's float32 temporaries, in arrays of [T, Hv, max(dk, dv)], by platform: XLA's
-# CPU buffer assignment of the scan's path (`gated_delta_rule`) holds 9.5 (tests/test_hybrid.py
-# checks the bound); its GPU one 5.0 for the scan and 2.0 for the Pallas kernels (Qwen3-Next's
-# layer at 32K compiled for Hopper, `benchmarks.compile_check`), planned with one to spare.
-DELTA_TEMPORARIES = {"cpu": 10, "gpu": 6}
+# The delta rule's float32 temporaries, in arrays of [T, Hv, max(dk, dv)]: XLA's CPU buffer
+# assignment of the scan's path (`gated_delta_rule`) holds 9.5 (tests/test_hybrid.py checks the
+# bound); its GPU one up to 8.0 (Qwen3-Next's layer from 1K to 32K compiled for Hopper,
+# `benchmarks.compile_check`), the Pallas kernels' fewer.
+DELTA_TEMPORARIES = 10
 
 
-def mixer_bytes(config: HybridConfig, queries: int, platform: str = "cpu") -> int:
+def mixer_bytes(config: HybridConfig, queries: int) -> int:
     """Working memory of one chunk's Gated DeltaNet layer on `queries` tokens (padded to whole
-    blocks) on `platform` ("gpu"; any other: the CPU's), beyond its input and output: the projections
-    ([T, 2Kd + 2Vd + 2Hv] in the parameter dtype), q, k, v in float32 (the conv's output in the
-    parameter dtype too), the delta rule's temporaries (`DELTA_TEMPORARIES`) and its float32
-    output. The engine's memory plan takes the larger of this and the attention layers'
-    working memory (`engine.memory`)."""
+    blocks), beyond its input and output: the projections ([T, 2Kd + 2Vd + 2Hv] in the
+    parameter dtype), q, k, v in float32 (the conv's output in the parameter dtype too), the
+    delta rule's temporaries (`DELTA_TEMPORARIES`) and its float32 output. The engine's memory
+    plan takes the larger of this and the attention layers' working memory (`engine.memory`)."""
     c = config
     t = -(-queries // DELTA_BLOCK) * DELTA_BLOCK
     it = np.dtype(c.dtype).itemsize
     kd, vd = c.linear_k_heads * c.linear_k_dim, c.linear_v_heads * c.linear_v_dim
     proj = t * (2 * kd + 2 * vd + 2 * c.linear_v_heads) * it
     qkv = t * (2 * kd + vd) * (4 + it)
-    temporaries = DELTA_TEMPORARIES.get(platform, DELTA_TEMPORARIES["cpu"])
-    rule = (temporaries + 1) * t * c.linear_v_heads * max(c.linear_k_dim,
+    rule = (DELTA_TEMPORARIES + 1) * t * c.linear_v_heads * max(c.linear_k_dim,
                                                                 c.linear_v_dim) * 4
     return int(proj + qkv + rule)
 

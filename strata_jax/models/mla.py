@@ -176,13 +176,14 @@ def attention_bytes(config: MLAConfig, queries: int, capacity: int, *, first: bo
                     fused: bool) -> int:
     """Working memory of one chunk's MLA beyond its input and output: queries, the chunk's
     expanded keys and padded values, each part's output and statistics and the float32
-    running merge; a later chunk also one expanded prefix block (and on the XLA parts its
-    float32 scores and probabilities). Without `fused` a first chunk's [N, T, T] scores."""
+    running merge; a later chunk also one expanded prefix block (the blocks are merged one at
+    a time). On the XLA parts (not `fused`) the largest part's float32 scores and
+    probabilities: [N, T, T] over its own keys, [N, T, block] over a prefix block."""
     c = config
     n, d, it = c.n_heads, c.head_dim, np.dtype(c.dtype).itemsize
     own = queries * n * (3 * d * it + 2 * (d * 4 + 4) + c.v_head_dim * 4)
     if first:
         return int(own + (0 if fused else n * queries * queries * (8 + it)))
     block = prefix_block(n, d, it, queries, capacity, fused)
-    scores = 0 if fused else n * queries * block * (8 + it)
+    scores = 0 if fused else n * queries * max(block, queries) * (8 + it)
     return int(own + block * n * 2 * d * it + scores)
