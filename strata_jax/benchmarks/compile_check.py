@@ -12,10 +12,13 @@ for registers, a `ptxas` (a CUDA toolkit's, or the plugin's nvidia-cuda-nvcc whe
 
 Cases: `delta-rule` (the Pallas delta rule at the real head sizes of `--preset`: TF32
 products, a bf16 layer's, at `hybrid_bench.PALLAS_LAUNCHES` in blocks of 32 and 64; float32
-products, a float32 layer's, at the default launch and in blocks of 16), `layers` (the
-preset's Gated DeltaNet layer through each `Kernels.delta_rule` and its gated attention layer
-at `--tokens`, first chunk, against `engine.memory.attention_working_bytes`). Exit status 1
-where a compile fails, the default launch (TF32, blocks of 64) spills, or a layer's
+products, a float32 layer's, at the default launch and in blocks of 16); `layers` (the token
+mixers of `--preset` and `--mla-preset`: a hybrid's Gated DeltaNet layer through each
+`Kernels.delta_rule` and its gated attention layer, latent attention; a first chunk of
+`--tokens` and a later `--chunk` over that cache at a traced start, against
+`engine.memory.attention_working_bytes`); `model` (each preset's first `--layers` layers,
+experts resident, a first chunk of `--tokens`, against `engine.memory.chunk_bytes`). Exit
+status 1 where a compile fails, the default launch (TF32, blocks of 64) spills, or
 temporaries exceed the plan.
 """
 
@@ -43,7 +46,7 @@ _HOPPER = dict(core_count=132, threads_per_block_limit=1024, threads_per_warp=32
                fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
                block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
                registers_per_core_limit=65536, registers_per_block_limit=65536)
-CASES = ("delta-rule", "layers")
+CASES = ("delta-rule", "layers", "model")
 
 
 def target_config(target: str) -> str:
@@ -233,6 +236,37 @@ def layer_rows(cfg, device, tokens: int, chunk: int, ptxas) -> list[dict]:
     return rows
 
 
+def model_rows(cfg, device, tokens: int, layers: int, ptxas) -> list[dict]:
+    """`cfg`'s first `layers` layers, experts resident, a first chunk of `tokens` (the
+    engine's program less the stream): XLA's temporaries against `engine.memory.chunk_bytes`,
+    the activations the plan counts (`CHUNK_HEADROOM` times them)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+
+    from strata_jax.engine.memory import chunk_bytes
+    from strata_jax.models import cache_shapes, model_module
+
+    on = SingleDeviceSharding(device)
+    put = lambda t: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), t)
+    cfg = cfg.replace(n_layers=min(layers, cfg.n_layers), max_seq_len=max(cfg.max_seq_len,
+                                                                          tokens))
+    graph, state = nnx.split(model_module(cfg).abstract_model(cfg))
+
+    def run(state, ids, cache):
+        return nnx.merge(graph, state)(ids, cache, 0, None)
+
+    args = (put(state), jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=on),
+            put(cache_shapes(cfg, tokens)))
+    row = {"case": "model", "model": cfg.name, "layers": cfg.n_layers, "tokens": tokens,
+           "plan_bytes": int(chunk_bytes(cfg, tokens, tokens, first=True, platform="gpu")),
+           **compile_report(run, args, ptxas)}
+    _print(row, f"{cfg.name}, {cfg.n_layers} layers, first {tokens}")
+    return [row]
+
+
 def _mixers(cfg, tokens, hybrid_config, delta_rules, kernels_class):
     """(name, a maker of the mixer, its cache shapes) for `cfg`'s token mixers; each mixer is
     called (x, cache a, cache b, start, positions)."""
@@ -284,7 +318,7 @@ def problems(rows: list[dict]) -> list[str]:
     temporaries above the plan."""
     out = []
     for r in rows:
-        name = r.get("mixer") or f"delta rule {r.get('products')} {r.get('block')}/{r.get('bv')}"
+        name = r.get("mixer") or r.get("model") or f"delta rule {r.get('products')} {r.get('block')}/{r.get('bv')}"
         if not r["ok"]:
             out.append(f"{name}: does not compile")
         elif r.get("default") and any(v["spill_stores"] for v in r["kernels"].values()):
@@ -302,6 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-preset", default="deepseek-v3", help="the MLA model (layers)")
     ap.add_argument("--tokens", type=int, default=32768, help="a first chunk; the cache")
     ap.add_argument("--chunk", type=int, default=8192, help="a later chunk over the cache")
+    ap.add_argument("--layers", type=int, default=4, help="the model case's layers")
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma-separated, of {'|'.join(CASES)}")
     ap.add_argument("--json", default=None)
@@ -337,6 +372,9 @@ def main(argv=None) -> int:
         if "layers" in cases:
             for model in (cfg, mla):
                 rows += layer_rows(model, device, a.tokens, a.chunk, ptxas)
+        if "model" in cases:
+            for model in (cfg, mla):
+                rows += model_rows(model, device, a.tokens, a.layers, ptxas)
     found = problems(rows)
     for p in found:
         print(f"PROBLEM {p}")
