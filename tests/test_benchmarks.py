@@ -660,17 +660,26 @@ def test_compile_check_reads_ptxas_and_flags_problems(capsys):
             {"ok": True, "mixer": "gated-deltanet (xla)", "kernels": {}, "temp_bytes": 9,
              "plan_bytes": 8},
             {"ok": True, "mixer": "gated-attention", "kernels": {}, "temp_bytes": 8,
-             "plan_bytes": 8}]
+             "plan_bytes": 8},
+            {"ok": True, "model": "deepseek-v3", "kernels": {}, "temp_bytes": 10,
+             "plan_bytes": 9}]
     assert cc.problems(rows) == [
         "delta rule tf32 64/32: does not compile",
         "delta rule tf32 64/32: the default launch spills registers",
-        "gated-deltanet (xla): 9 temporary bytes, plan 8"]
+        "gated-deltanet (xla): 9 temporary bytes, plan 8",
+        "deepseek-v3: 10 temporary bytes, plan 9"]
     with pytest.raises(SystemExit):
         cc.main(["--cases", "delta-rule,nothing"])
     assert "--cases nothing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cc.main(["--preset", "qwen3-30b-a3b"])
     assert "not a hybrid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cc.main(["--mla-preset", "qwen3-next-80b-a3b"])
+    assert "not a latent-attention model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cc.main(["--tokens", "4096", "--chunk", "8192"])
+    assert "64 <= chunk <= tokens" in capsys.readouterr().err
     if importlib.util.find_spec("jax_plugins") is None:  # no CUDA plugin installed
         assert cc.main(["--cases", "delta-rule"]) == 2
         assert 'pip install "jax[cuda12]' in capsys.readouterr().err
