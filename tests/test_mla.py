@@ -67,8 +67,8 @@ def test_preset_is_the_published_shape_with_a_latent_cache():
 def test_later_chunk_holds_one_prefix_block_at_a_time():
     """A later chunk at a traced start (the engine's) over DeepSeek-V3's heads: XLA's buffers
     (compiled, not run) stay within the plan's working memory. Each block's part is merged
-    inside its `lax.cond`; merged after it, the 64 parts' float32 outputs were all alive at
-    once (5.3 GB here; on a GPU 5.3 GB against a 3.6 GB plan at 8K over 32K)."""
+    inside its `lax.cond`; merged after it, the 16 parts' float32 outputs were all alive at
+    once (2.2 GB here against a 1.7 GB plan; on a GPU 5.3 GB against 3.6 at 8K over 32K)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -77,9 +77,9 @@ def test_later_chunk_holds_one_prefix_block_at_a_time():
     from strata_jax.kernels import Kernels
 
     ds = get_preset("deepseek-v3")
-    t, capacity = 1024, 32_768
+    t, capacity = 1024, 8192
     assert capacity // mla_layer.prefix_block(ds.n_heads, ds.head_dim, 2, t, capacity,
-                                              False) == 64
+                                              False) == 16
     graph, state = nnx.split(nnx.eval_shape(lambda: mla_layer.LatentAttention(
         ds, rngs=nnx.Rngs(0), layer=0, kernels=Kernels())))
     sds = jax.ShapeDtypeStruct
