@@ -75,13 +75,15 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     Pallas kernels with float32 products; on a GPU with TF32 products (a bf16 layer's kernels)
     the scan, and the kernels in blocks of 32 and 64; the scan's parallel part (`block_terms`)
     and its UT transform (the inverse by doubling, then a matmul; against a triangular solve
-    for the dk + dv columns); the kernels' UT transform alone; the kernels at the walk's
+    for the dk + dv columns); each of the three kernels alone; the kernels at the walk's
     launches that compile without spilled registers (`compile_check`)."""
     import jax
     import jax.numpy as jnp
     from jax.scipy.linalg import solve_triangular
 
-    from strata_jax.kernels.delta_rule import delta_rule_chunk, ut_transform
+    from strata_jax.kernels.delta_rule import (OUTPUT_COLUMNS, WALK_COLUMNS, WALK_WARPS,
+                                               block_outputs, delta_rule_chunk, ut_transform,
+                                               walk_blocks)
     from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule, unit_lower_inverse
 
     hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
@@ -126,9 +128,19 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     for products in products_here:
         fn = jax.jit(lambda *a, products=products: ut_transform(*a, block=b, products=products))
         ms = median_ms(fn, (k, v, g, beta), reps)
-        rows.append({"ut_transform_block": b, "products": products, "tokens": tokens, "ms": ms})
-        print(f"the UT transform kernel alone, blocks of {b}, {products:7s}: {ms:8.2f} ms",
-              flush=True)
+        w, u, eg, et, el = fn(k, v, g, beta)
+        walk = jax.jit(lambda *a, products=products: walk_blocks(
+            *a, block=b, products=products, bv=WALK_COLUMNS[products],
+            num_warps=WALK_WARPS[products]))
+        ms_walk = median_ms(walk, (q, k, w, u, eg, et, el, state), reps)
+        inter, new, _ = walk(q, k, w, u, eg, et, el, state)
+        out = jax.jit(lambda *a, products=products: block_outputs(
+            *a, block=b, products=products, bv=OUTPUT_COLUMNS))
+        ms_out = median_ms(out, (q, k, g, inter, new), reps)  # with a copy of inter (aliased)
+        rows.append({"ut_transform_block": b, "products": products, "tokens": tokens, "ms": ms,
+                     "walk_ms": ms_walk, "outputs_ms": ms_out})
+        print(f"the Pallas kernels alone, blocks of {b}, {products:7s}: UT transform {ms:.2f} "
+              f"ms, walk {ms_walk:.2f} ms, outputs {ms_out:.2f} ms", flush=True)
     if gpu:
         rows += _launches("the Pallas rule", "pallas_block", delta_rule_chunk,
                           (q, k, v, g, beta, state), b, tokens, reps, PALLAS_LAUNCHES)

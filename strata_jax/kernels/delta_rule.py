@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from strata_jax.kernels import DELTA_RULES
 
-__all__ = ["delta_rule_chunk", "ut_transform", "delta_rule_path",
+__all__ = ["delta_rule_chunk", "ut_transform", "walk_blocks", "block_outputs", "delta_rule_path",
            "decay_sums", "doubling_step", "iotas", "pad_blocks", "tf32_parts", "KERNEL_BLOCKS", "AUTO_ON_GPU", "PRODUCTS"]
 
 # The rule's products: "float32" (full float32) or "tf32" (tensor cores, float32 sums).
@@ -266,36 +266,69 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
     Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
     the block (default `KERNEL_BLOCKS` for the products), the walk's `bv` and `num_warps`
-    (default `WALK_COLUMNS`, `WALK_WARPS` for the products), `num_stages`; the output kernel's column
-    slice `out_columns`. Returns (o [T, Hv, dv], the state after the last row)."""
+    (default `WALK_COLUMNS`, `WALK_WARPS` for the products), `num_stages`; the output
+    kernel's column slice `out_columns`. Returns (o [T, Hv, dv], the state after the last row)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
         raise ValueError(f"delta_rule_chunk: {hk} key heads do not divide {hv} value heads")
-    precision = _precision(products, "delta_rule_chunk")
+    _precision(products, "delta_rule_chunk")  # refuses unknown products by name
     block = block or KERNEL_BLOCKS[products]
     bv, out_columns = min(bv or WALK_COLUMNS[products], dv), min(out_columns, dv)
     _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv, out_columns=out_columns)
     f32 = jnp.float32
-    n, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
+    _, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
     w, u, eg, et, el = ut_transform(k, v, g, beta, block=block, products=products,
                                     interpret=interpret, num_warps=TRANSFORM_WARPS)
-    rep = hv // hk
-    walk_interpret, kw = _launch(interpret, num_warps or WALK_WARPS[products], num_stages)
-    values = jax.ShapeDtypeStruct((n * block, hv, dv), f32)
-    inter, new, state = pl.pallas_call(
-        functools.partial(_walk_kernel, n_blocks=n, block=block, bv=bv, rep=rep,
+    inter, new, state = walk_blocks(q, k, w, u, eg, et, el, state, block=block,
+                                    products=products, bv=bv, interpret=interpret,
+                                    num_warps=num_warps or WALK_WARPS[products],
+                                    num_stages=num_stages)
+    o = block_outputs(q, k, g, inter, new, block=block, products=products, bv=out_columns,
+                      interpret=interpret)
+    return o[:t], state
+
+
+def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str, bv: int,
+                interpret: bool | None = None, num_warps: int = 4, num_stages: int = 1):
+    """The state's walk (`delta_rule_chunk`'s second kernel): q, k [n*C, Hk, dk]; w [n*C, Hv,
+    dk], u [n*C, Hv, dv], eg, et [n*C, Hv], el [Hv, n] from `ut_transform`; state [Hv, dk,
+    dv]. A program per value head and slice of `bv` state columns. Returns (inter, new
+    [n*C, Hv, dv], the state after the last block), all float32."""
+    rows, hk, dk = q.shape
+    hv, dv = u.shape[1:]
+    n = rows // block
+    bv = min(bv, dv)  # a slice wider than dv is dv
+    _check_sizes("walk_blocks", block=block, dk=dk, dv=dv, bv=bv)
+    precision = _precision(products, "walk_blocks")
+    interpret, kw = _launch(interpret, num_warps, num_stages)
+    f32 = jnp.float32
+    values = jax.ShapeDtypeStruct((rows, hv, dv), f32)
+    return pl.pallas_call(
+        functools.partial(_walk_kernel, n_blocks=n, block=block, bv=bv, rep=hv // hk,
                           precision=precision),
         grid=(hv, dv // bv),
         out_shape=(values, values, jax.ShapeDtypeStruct((hv, dk, dv), f32)),
-        interpret=walk_interpret, name="delta_rule_walk", **kw,
+        interpret=interpret, name="delta_rule_walk", **kw,
     )(q, k, w, u, eg, et, el, state.astype(f32))
-    out_interpret, kw = _launch(interpret, OUTPUT_WARPS, 1)
-    o = pl.pallas_call(
-        functools.partial(_output_kernel, block=block, bv=out_columns, rep=rep,
+
+
+def block_outputs(q, k, g, inter, new, *, block: int, products: str, bv: int,
+                  interpret: bool | None = None, num_warps: int = OUTPUT_WARPS):
+    """The outputs (`delta_rule_chunk`'s third kernel): o = inter + (q k^T * decay) new per
+    block, q, k [n*C, Hk, dk], g [n*C, Hv], inter and new [n*C, Hv, dv] (o is written over
+    inter). A program per value head, block and slice of `bv` columns. Returns o float32."""
+    rows, hk, _ = q.shape
+    hv, dv = new.shape[1:]
+    bv = min(bv, dv)  # a slice wider than dv is dv
+    _check_sizes("block_outputs", block=block, dv=dv, bv=bv)
+    precision = _precision(products, "block_outputs")
+    interpret, kw = _launch(interpret, num_warps, 1)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, block=block, bv=bv, rep=hv // hk,
                           precision=precision),
-        grid=(hv, n, dv // out_columns), out_shape=values,
+        grid=(hv, rows // block, dv // bv),
+        out_shape=jax.ShapeDtypeStruct((rows, hv, dv), jnp.float32),
         input_output_aliases={3: 0},  # the outputs accumulate over `inter`
-        interpret=out_interpret, name="delta_rule_output", **kw,
+        interpret=interpret, name="delta_rule_output", **kw,
     )(q, k, g, inter, new)
-    return o[:t], state
