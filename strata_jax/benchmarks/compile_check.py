@@ -162,16 +162,23 @@ def compile_report(fn, args, ptxas: str | None) -> dict:
         shutil.rmtree(dump, ignore_errors=True)
 
 
+def on_device(device, tree):
+    """`tree`'s arrays or shapes as ShapeDtypeStructs placed on `device`."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    where = SingleDeviceSharding(device)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree)
+
+
 def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
 
     from strata_jax.benchmarks.hybrid_bench import PALLAS_LAUNCHES
     from strata_jax.kernels import delta_rule as dr
 
-    on = SingleDeviceSharding(device)
-    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=on)  # noqa: E731
+    f32 = lambda *s: on_device(device, jax.ShapeDtypeStruct(s, jnp.float32))  # noqa: E731
     hk, hv = cfg.linear_k_heads, cfg.linear_v_heads
     dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
     args = (f32(tokens, hk, dk), f32(tokens, hk, dk), f32(tokens, hv, dv), f32(tokens, hv),
@@ -205,18 +212,12 @@ def layer_rows(cfg, device, tokens: int, chunk: int, ptxas) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import SingleDeviceSharding
 
     from strata_jax.engine.memory import attention_working_bytes
-    from strata_jax.kernels import DELTA_RULES, Kernels
-    from strata_jax.models.hybrid import HybridConfig
 
-    on = SingleDeviceSharding(device)
-    put = lambda t: jax.tree.map(  # noqa: E731
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), t)
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, tokens))
     rows = []
-    for kind, make, cache in _mixers(cfg, tokens, HybridConfig, DELTA_RULES, Kernels):
+    for kind, make, cache in _mixers(cfg, tokens):
         graph, state = nnx.split(nnx.eval_shape(make))
         for queries, first in ((tokens, True), (chunk, False)):
             def run(state, x, a, b, start, graph=graph, queries=queries, first=first):
@@ -224,9 +225,9 @@ def layer_rows(cfg, device, tokens: int, chunk: int, ptxas) -> list[dict]:
                 return nnx.merge(graph, state)(
                     x, a, b, start, start + jnp.arange(queries, dtype=jnp.int32))
 
-            args = (put(state), jax.ShapeDtypeStruct((queries, cfg.hidden_size), cfg.dtype,
-                                                     sharding=on),
-                    *put(cache), jax.ShapeDtypeStruct((), jnp.int32, sharding=on))
+            args = on_device(device, (state, jax.ShapeDtypeStruct((queries, cfg.hidden_size),
+                                                                  cfg.dtype),
+                                      *cache, jax.ShapeDtypeStruct((), jnp.int32)))
             plan = attention_working_bytes(cfg, queries, tokens, first=first, platform="gpu")
             row = {"case": "layers", "mixer": kind, "queries": queries, "capacity": tokens,
                    "first": first, "plan_bytes": int(plan), **compile_report(run, args, ptxas)}
@@ -243,14 +244,10 @@ def model_rows(cfg, device, tokens: int, layers: int, ptxas) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import SingleDeviceSharding
 
     from strata_jax.engine.memory import chunk_bytes
     from strata_jax.models import cache_shapes, model_module
 
-    on = SingleDeviceSharding(device)
-    put = lambda t: jax.tree.map(  # noqa: E731
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), t)
     cfg = cfg.replace(n_layers=min(layers, cfg.n_layers), max_seq_len=max(cfg.max_seq_len,
                                                                           tokens))
     graph, state = nnx.split(model_module(cfg).abstract_model(cfg))
@@ -258,8 +255,8 @@ def model_rows(cfg, device, tokens: int, layers: int, ptxas) -> list[dict]:
     def run(state, ids, cache):
         return nnx.merge(graph, state)(ids, cache, 0, None)
 
-    args = (put(state), jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=on),
-            put(cache_shapes(cfg, tokens)))
+    args = on_device(device, (state, jax.ShapeDtypeStruct((tokens,), jnp.int32),
+                              cache_shapes(cfg, tokens)))
     row = {"case": "model", "model": cfg.name, "layers": cfg.n_layers, "tokens": tokens,
            "plan_bytes": int(chunk_bytes(cfg, tokens, tokens, first=True, platform="gpu")),
            **compile_report(run, args, ptxas)}
@@ -267,26 +264,28 @@ def model_rows(cfg, device, tokens: int, layers: int, ptxas) -> list[dict]:
     return [row]
 
 
-def _mixers(cfg, tokens, hybrid_config, delta_rules, kernels_class):
+def _mixers(cfg, tokens):
     """(name, a maker of the mixer, its cache shapes) for `cfg`'s token mixers; each mixer is
     called (x, cache a, cache b, start, positions)."""
     from flax import nnx
 
+    from strata_jax.kernels import DELTA_RULES, Kernels
     from strata_jax.models import cache_shapes
+    from strata_jax.models.hybrid import HybridConfig
 
     caches = cache_shapes(cfg, tokens)
-    if not isinstance(cfg, hybrid_config):
+    if not isinstance(cfg, HybridConfig):
         from strata_jax.layers.mla import LatentAttention
 
         return [("latent attention", lambda: LatentAttention(
-            cfg, rngs=nnx.Rngs(0), layer=0, kernels=kernels_class()),
+            cfg, rngs=nnx.Rngs(0), layer=0, kernels=Kernels()),
             (caches.keys[0], caches.values[0]))]
     from strata_jax.models.hybrid import HybridLayer
 
     class Mixer(nnx.Module):  # a hybrid layer's mixer with its input norm
         def __init__(self, layer, rule):
             self.block = HybridLayer(cfg, layer, rngs=nnx.Rngs(0),
-                                     kernels=kernels_class(delta_rule=rule))
+                                     kernels=Kernels(delta_rule=rule))
 
         def __call__(self, x, a, b, start, positions):
             return self.block.attention_block(x, a, b, start, positions)
@@ -296,7 +295,7 @@ def _mixers(cfg, tokens, hybrid_config, delta_rules, kernels_class):
     return [("gated-attention" if layer == full else f"gated-deltanet ({rule})",
              lambda layer=layer, rule=rule: Mixer(layer, rule),
              (caches.keys[layer], caches.values[layer]))
-            for layer, rule in [(linear, r) for r in delta_rules if r != "auto"]
+            for layer, rule in [(linear, r) for r in DELTA_RULES if r != "auto"]
             + [(full, "auto")]]
 
 

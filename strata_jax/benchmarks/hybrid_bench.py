@@ -81,8 +81,7 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     import jax.numpy as jnp
     from jax.scipy.linalg import solve_triangular
 
-    from strata_jax.kernels.delta_rule import (OUTPUT_COLUMNS, WALK_COLUMNS, WALK_WARPS,
-                                               block_outputs, delta_rule_chunk, ut_transform,
+    from strata_jax.kernels.delta_rule import (block_outputs, delta_rule_chunk, ut_transform,
                                                walk_blocks)
     from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule, unit_lower_inverse
 
@@ -129,13 +128,10 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
         fn = jax.jit(lambda *a, products=products: ut_transform(*a, block=b, products=products))
         ms = median_ms(fn, (k, v, g, beta), reps)
         w, u, eg, et, el = fn(k, v, g, beta)
-        walk = jax.jit(lambda *a, products=products: walk_blocks(
-            *a, block=b, products=products, bv=WALK_COLUMNS[products],
-            num_warps=WALK_WARPS[products]))
+        walk = jax.jit(lambda *a, products=products: walk_blocks(*a, block=b, products=products))
         ms_walk = median_ms(walk, (q, k, w, u, eg, et, el, state), reps)
         inter, new, _ = walk(q, k, w, u, eg, et, el, state)
-        out = jax.jit(lambda *a, products=products: block_outputs(
-            *a, block=b, products=products, bv=OUTPUT_COLUMNS))
+        out = jax.jit(lambda *a, products=products: block_outputs(*a, block=b, products=products))
         ms_out = median_ms(out, (q, k, g, inter, new), reps)  # with a copy of inter (aliased)
         rows.append({"ut_transform_block": b, "products": products, "tokens": tokens, "ms": ms,
                      "walk_ms": ms_walk, "outputs_ms": ms_out})

@@ -38,7 +38,8 @@ from jax.experimental.pallas import triton as pltriton
 from strata_jax.kernels import DELTA_RULES
 
 __all__ = ["delta_rule_chunk", "ut_transform", "walk_blocks", "block_outputs", "delta_rule_path",
-           "decay_sums", "doubling_step", "iotas", "pad_blocks", "tf32_parts", "KERNEL_BLOCKS", "AUTO_ON_GPU", "PRODUCTS"]
+           "decay_sums", "doubling_step", "iotas", "pad_blocks", "tf32_parts", "KERNEL_BLOCKS",
+           "AUTO_ON_GPU", "PRODUCTS"]
 
 # The rule's products: "float32" (full float32) or "tf32" (tensor cores, float32 sums).
 PRODUCTS = ("float32", "tf32")
@@ -87,14 +88,17 @@ def decay_sums(g, precision=lax.Precision.HIGHEST):
     exact: a float32 matmul spills a kernel's registers at C = 64)."""
     r, col = iotas(g.shape[-1])
     ones = jnp.where(r > col, 1.0, 0.0)  # [t, j]: t > j
-    parts = tf32_parts(g) if precision == "split" else (g,)
-    sums = None
-    for part in parts:
-        upto = jnp.where(col <= r, part[..., None, :], 0.0)  # [i, t]: g_t for t <= i
-        term = jnp.matmul(upto, ones, preferred_element_type=jnp.float32,
-                          precision=lax.Precision.DEFAULT if precision == "split" else precision)
-        sums = term if sums is None else sums + term
-    return sums, jnp.sum(jnp.where(col <= r, g[..., None, :], 0.0), axis=-1)
+    upto = jnp.where(col <= r, g[..., None, :], 0.0)  # [i, t]: g_t for t <= i
+    if precision != "split":
+        sums = jnp.matmul(upto, ones, precision=precision, preferred_element_type=jnp.float32)
+    else:
+        sums = None
+        for part in tf32_parts(g):
+            term = jnp.matmul(jnp.where(col <= r, part[..., None, :], 0.0), ones,
+                              precision=lax.Precision.DEFAULT,
+                              preferred_element_type=jnp.float32)
+            sums = term if sums is None else sums + term
+    return sums, jnp.sum(upto, axis=-1)
 
 
 def tf32_parts(x):
@@ -148,7 +152,7 @@ def _dot_tn(a, b, precision):  # a.T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _inverse_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, eg_ref, et_ref, el_ref, *,
+def _transform_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, eg_ref, et_ref, el_ref, *,
                     block: int, rep: int, precision):
     h, i = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block, block)
@@ -244,7 +248,7 @@ def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
     f32 = jnp.float32
     per_row = jax.ShapeDtypeStruct((rows, hv), f32)
     return pl.pallas_call(
-        functools.partial(_inverse_kernel, block=block, rep=hv // hk, precision=precision),
+        functools.partial(_transform_kernel, block=block, rep=hv // hk, precision=precision),
         grid=(hv, n),
         out_shape=(jax.ShapeDtypeStruct((rows, hv, dk), f32),
                    jax.ShapeDtypeStruct((rows, hv, dv), f32), per_row, per_row,
@@ -275,6 +279,7 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
     _precision(products, "delta_rule_chunk")  # refuses unknown products by name
     block = block or KERNEL_BLOCKS[products]
     bv, out_columns = min(bv or WALK_COLUMNS[products], dv), min(out_columns, dv)
+    # every size checked before any work (`walk_blocks` and `block_outputs` check theirs too)
     _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv, out_columns=out_columns)
     f32 = jnp.float32
     _, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
@@ -282,26 +287,27 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
                                     interpret=interpret, num_warps=TRANSFORM_WARPS)
     inter, new, state = walk_blocks(q, k, w, u, eg, et, el, state, block=block,
                                     products=products, bv=bv, interpret=interpret,
-                                    num_warps=num_warps or WALK_WARPS[products],
-                                    num_stages=num_stages)
+                                    num_warps=num_warps, num_stages=num_stages)
     o = block_outputs(q, k, g, inter, new, block=block, products=products, bv=out_columns,
                       interpret=interpret)
     return o[:t], state
 
 
-def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str, bv: int,
-                interpret: bool | None = None, num_warps: int = 4, num_stages: int = 1):
+def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str,
+                bv: int | None = None, interpret: bool | None = None,
+                num_warps: int | None = None, num_stages: int = 1):
     """The state's walk (`delta_rule_chunk`'s second kernel): q, k [n*C, Hk, dk]; w [n*C, Hv,
     dk], u [n*C, Hv, dv], eg, et [n*C, Hv], el [Hv, n] from `ut_transform`; state [Hv, dk,
-    dv]. A program per value head and slice of `bv` state columns. Returns (inter, new
-    [n*C, Hv, dv], the state after the last block), all float32."""
+    dv]. A program per value head and slice of `bv` state columns (default `WALK_COLUMNS`,
+    and `WALK_WARPS`, for the products). Returns (inter, new [n*C, Hv, dv], the state after
+    the last block), all float32."""
     rows, hk, dk = q.shape
     hv, dv = u.shape[1:]
     n = rows // block
-    bv = min(bv, dv)  # a slice wider than dv is dv
-    _check_sizes("walk_blocks", block=block, dk=dk, dv=dv, bv=bv)
     precision = _precision(products, "walk_blocks")
-    interpret, kw = _launch(interpret, num_warps, num_stages)
+    bv = min(bv or WALK_COLUMNS[products], dv)  # a slice wider than dv is dv
+    _check_sizes("walk_blocks", bv=bv)
+    interpret, kw = _launch(interpret, num_warps or WALK_WARPS[products], num_stages)
     f32 = jnp.float32
     values = jax.ShapeDtypeStruct((rows, hv, dv), f32)
     return pl.pallas_call(
@@ -313,16 +319,16 @@ def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str, bv:
     )(q, k, w, u, eg, et, el, state.astype(f32))
 
 
-def block_outputs(q, k, g, inter, new, *, block: int, products: str, bv: int,
+def block_outputs(q, k, g, inter, new, *, block: int, products: str, bv: int = OUTPUT_COLUMNS,
                   interpret: bool | None = None, num_warps: int = OUTPUT_WARPS):
     """The outputs (`delta_rule_chunk`'s third kernel): o = inter + (q k^T * decay) new per
     block, q, k [n*C, Hk, dk], g [n*C, Hv], inter and new [n*C, Hv, dv] (o is written over
     inter). A program per value head, block and slice of `bv` columns. Returns o float32."""
     rows, hk, _ = q.shape
     hv, dv = new.shape[1:]
-    bv = min(bv, dv)  # a slice wider than dv is dv
-    _check_sizes("block_outputs", block=block, dv=dv, bv=bv)
     precision = _precision(products, "block_outputs")
+    bv = min(bv, dv)  # a slice wider than dv is dv
+    _check_sizes("block_outputs", bv=bv)
     interpret, kw = _launch(interpret, num_warps, 1)
     return pl.pallas_call(
         functools.partial(_output_kernel, block=block, bv=bv, rep=hv // hk,
