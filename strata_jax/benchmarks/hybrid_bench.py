@@ -84,16 +84,12 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     from strata_jax.kernels.delta_rule import (block_outputs, delta_rule_chunk, ut_transform,
                                                walk_blocks)
     from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule, unit_lower_inverse
+    from strata_jax.testing import delta_rule_inputs
 
     hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
-    keys = jax.random.split(jax.random.key(1), 5)
-    unit = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
-    q = unit(jax.random.normal(keys[0], (tokens, hv, dk))) * dk ** -0.5
-    k = unit(jax.random.normal(keys[1], (tokens, hv, dk)))
-    v = jax.random.normal(keys[2], (tokens, hv, dv))
-    g = -jax.nn.softplus(jax.random.normal(keys[3], (tokens, hv)))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (tokens, hv)))
-    state = jnp.zeros((hv, dk, dv), jnp.float32)
+    keys = jax.random.split(jax.random.key(1), 2)
+    q, k, v, g, beta, state = (jnp.asarray(a, jnp.float32) for a in delta_rule_inputs(
+        tokens, hv, dk, dv, seed=1, state_scale=0.0))
     rows = []
     gpu = jax.default_backend() == "gpu"
     products_here = ("float32", "tf32") if gpu else ("float32",)  # TF32: a GPU's
