@@ -447,6 +447,7 @@ def test_demo_builds_its_three_arms(monkeypatch):
     assert (routed.routed, routed.depth, routed.backend) == (True, 4, "cpu")
 
 
+@pytest.mark.slow  # a subprocess running every arm of the demo (~20 s)
 def test_the_demos_routed_arm_skips_unrouted_experts():
     """`strata-jax demo` as a user first runs it: the routed arm skips some of the experts no
     token routes to (on the CPU the simulated link is paced at LINK_TO_COMPUTE times the
