@@ -77,6 +77,23 @@ def test_deltanet_layer_matches_the_float64_recurrence_across_chunks(f32_params)
     assert 150 > 2 * DELTA_BLOCK
 
 
+def test_scan_walking_several_blocks_a_step_gives_the_same_bits():
+    """`gated_delta_rule(unroll=n)` (`SCAN_UNROLL`): the scan's loop walking n blocks a step,
+    also where n does not divide the blocks (11 here), gives the bits of one block a step."""
+    import jax.numpy as jnp
+
+    from strata_jax.layers.deltanet import gated_delta_rule
+    from strata_jax.testing import delta_rule_inputs
+
+    args = [jnp.asarray(a, jnp.float32) for a in delta_rule_inputs(690, 2, 32, 32, seed=3)]
+    one, state = (np.asarray(a) for a in gated_delta_rule(*args, carry="xla", unroll=1))
+    assert np.isfinite(one).all() and np.abs(state).max() > 0
+    for n in (4, 16):
+        o, s = gated_delta_rule(*args, carry="xla", unroll=n)
+        np.testing.assert_array_equal(np.asarray(o), one, err_msg=f"unroll {n}")
+        np.testing.assert_array_equal(np.asarray(s), state, err_msg=f"unroll {n}")
+
+
 @pytest.mark.slow
 def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
     """The Pallas kernels in interpret mode and the scan, each within float32 of the float64

@@ -93,16 +93,18 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     rows = []
     gpu = jax.default_backend() == "gpu"
     products_here = ("float32", "tf32") if gpu else ("float32",)  # TF32: a GPU's
-    cases = [("float32", "xla", 64), ("float32", "pallas", 64)]
-    if gpu:
-        cases += [("tf32", "xla", 64), ("tf32", "pallas", 32), ("tf32", "pallas", 64)]
-    for products, carry, b in cases:
-        fn = jax.jit(lambda *a, b=b, carry=carry, products=products: gated_delta_rule(
-            *a, block=b, carry=carry, products=products))
+    cases = [("float32", "xla", 64, 1), ("float32", "pallas", 64, None)]
+    if gpu:  # the scan with each step of its loop walking 1, 4 or 16 blocks (SCAN_UNROLL)
+        cases += [("float32", "xla", 64, 4), ("float32", "xla", 64, 16), ("tf32", "xla", 64, 1),
+                  ("tf32", "pallas", 32, None), ("tf32", "pallas", 64, None)]
+    for products, carry, b, unroll in cases:
+        fn = jax.jit(lambda *a, b=b, carry=carry, products=products, unroll=unroll:
+                     gated_delta_rule(*a, block=b, carry=carry, products=products, unroll=unroll))
         ms = median_ms(fn, (q, k, v, g, beta, state), reps)
         rows.append({"delta_rule_block": b, "products": products, "carry": carry,
-                     "tokens": tokens, "ms": ms})
-        print(f"delta rule alone, blocks of {b:4d}, {products:7s} products, {carry:6s}: "
+                     "unroll": unroll, "tokens": tokens, "ms": ms})
+        steps = f", {unroll:2d} blocks a step" if unroll else ""
+        print(f"delta rule alone, blocks of {b:4d}, {products:7s} products, {carry:6s}{steps}: "
               f"{ms:8.2f} ms", flush=True)
     b = 64
     system = jnp.eye(b) + jnp.tril(jax.random.normal(keys[0], (hv, tokens // b, b, b)) * 0.1, -1)

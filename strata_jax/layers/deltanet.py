@@ -40,11 +40,14 @@ from strata_jax.kernels.delta_rule import (PRODUCTS, decay_sums, delta_rule_chun
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
-__all__ = ["DELTA_BLOCK", "PRODUCTS", "GatedDeltaNet", "gated_delta_rule", "block_terms",
+__all__ = ["DELTA_BLOCK", "SCAN_UNROLL", "PRODUCTS", "GatedDeltaNet", "gated_delta_rule", "block_terms",
            "causal_conv", "decay_sums", "l2_normalize", "products_for", "unit_lower_inverse"]
 
 # Tokens per block of the chunkwise delta rule (the UT transform's triangular systems).
 DELTA_BLOCK = 64
+# Blocks a step of the scan's while loop walks (`lax.scan`'s unroll): on a GPU each step of
+# XLA's loop is a round trip through the host, so a step taking several blocks takes fewer.
+SCAN_UNROLL = 1
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -86,9 +89,9 @@ def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
     return jax.nn.silu(out).astype(x.dtype), nxt.astype(window.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "carry", "products"))
+@functools.partial(jax.jit, static_argnames=("block", "carry", "products", "unroll"))
 def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: str = "auto",
-                     products: str = "float32"):
+                     products: str = "float32", unroll: int | None = None):
     """The gated delta rule over a chunk, chunkwise-parallel.
 
     Args:
@@ -102,6 +105,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: s
         carry: the implementation (`Kernels.delta_rule`): "xla" (a scan walks the state),
             "pallas" (`kernels.delta_rule.delta_rule_chunk`) or "auto" (`delta_rule_path`).
         products: "float32" or "tf32" (`products_for`).
+        unroll: blocks a step of the scan walks (default `SCAN_UNROLL`; the scan's only).
 
     Returns:
         (o float32 [T, Hv, dv], the state after the chunk's last row).
@@ -122,7 +126,8 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: s
     n, q, k, v, g, beta = pad_blocks(block, q, k, v, g, beta)
 
     w, qd, kd, u, attn, last = block_terms(q, k, v, g, beta, block, products)
-    inter, v_new, state = _carry_scan(w, qd, kd, u, last, state, products)
+    inter, v_new, state = _carry_scan(w, qd, kd, u, last, state, products,
+                                      unroll or SCAN_UNROLL)
     o = inter + _mm(attn, v_new, products)
     o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
     return o, state
@@ -195,7 +200,7 @@ def _mm(a, b, products: str = "float32"):
     return jnp.matmul(a, b, precision=_HIGHEST)
 
 
-def _carry_scan(w, qd, kd, u, last, state, products: str = "float32"):
+def _carry_scan(w, qd, kd, u, last, state, products: str = "float32", unroll: int = 1):
     """`kernels.delta_rule`'s walk over the blocks as a scan: w, qd, kd [Hv, n, C, dk], u
     [Hv, n, C, dv], last [Hv, n]. Returns (inter, new [Hv, n, C, dv], the last state)."""
     block = w.shape[2]
@@ -210,7 +215,7 @@ def _carry_scan(w, qd, kd, u, last, state, products: str = "float32"):
         return s, (r[:, block:], v_new)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (reads, u, kd, last))  # blocks first
-    state, (inter, v_new) = lax.scan(step, state.astype(jnp.float32), xs)
+    state, (inter, v_new) = lax.scan(step, state.astype(jnp.float32), xs, unroll=unroll)
     return tuple(jnp.moveaxis(a, 0, 1) for a in (inter, v_new)) + (state,)
 
 
