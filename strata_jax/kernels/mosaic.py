@@ -72,7 +72,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from strata_jax.kernels.common import check_operands, group_metadata, zero_rows_past_groups
+from strata_jax.kernels.common import (WINDOWS, check_operands, group_metadata,
+                                       zero_rows_past_groups)
 
 try:  # Pallas' Mosaic GPU interpreter (interpret mode, the CPU tests): a private module of recent
     # jax, absent from jax 0.4.36, which pyproject accepts and on which the library must import.
@@ -85,9 +86,10 @@ except ImportError:  # pragma: no cover - such a jax runs no Mosaic kernel at al
 class MosaicTiles:
     """The Mosaic kernels' tiling: rows and columns a tile, inputs a k step, pipeline stages,
     column tiles a row tile's sweep covers before moving on (`planar_snake`'s width),
-    programs per SM (more than one where their shared memory fits beside each other), and
+    programs per SM (more than one where their shared memory fits beside each other),
     compute warpgroups (2: two on the halves of a row tile, sharing each converted weight
-    tile; fp8 only)."""
+    tile; fp8 only), and where a visit's rows start (`windows`: at fixed row tiles, or at
+    each group's own rows; `common.group_metadata`)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -96,8 +98,12 @@ class MosaicTiles:
     grid_block_n: int = 2
     per_sm: int = 1
     compute_wgs: int = 1
+    windows: str = "tiles"
 
     def __post_init__(self):
+        if self.windows not in WINDOWS:
+            raise ValueError(f"MosaicTiles(windows={self.windows!r}): one of "
+                             f"{'|'.join(WINDOWS)} (`kernels.common.group_metadata`)")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -297,31 +303,39 @@ def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
     return interpret, num_sms
 
 
-def _row_tiles(x, group_sizes, bm: int):
-    """(x padded to whole tiles of `bm` rows, the visits' metadata int32 [4, V] of (expert,
-    row tile, first row, end row): `common.group_metadata`)."""
-    m = x.shape[0]
+def _row_tiles(x, group_sizes, tiles: MosaicTiles):
+    """(x padded to whole tiles of `block_m` rows, the visits' metadata int32 [4, V] of
+    (expert, first row of the visit's window, first row, end row): `common.group_metadata`
+    with `tiles.windows`)."""
+    m, bm = x.shape[0], tiles.block_m
     m_pad = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
-    return xp, group_metadata(group_sizes, m, bm)
+    return xp, group_metadata(group_sizes, m, bm, tiles.windows)
 
 
-def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, bm: int, visit):
-    """Calls visit(expert, column tile, first row of its tile, its first row in the tile,
-    its rows) for the (visit, column tile) pairs this program takes: each band of `gbn`
-    column tiles swept one row tile after another, so the programs working at once share a
-    row tile's x (a band narrower than the matrix reads x again for each band; the last band
+def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, visit):
+    """Calls visit(expert, column tile, first row of its window, its first row in the
+    window, its rows) for the (visit, column tile) pairs this program takes: each band of
+    `gbn` column tiles swept one visit after another, so the programs working at once share a
+    window's x (a band narrower than the matrix reads x again for each band; the last band
     may be narrower: planar_snake)."""
     @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
     def _tiles(info):
         mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
-        row0 = meta_ref[1, mi] * bm
+        row0 = meta_ref[1, mi]
         lo = meta_ref[2, mi]
         rows = meta_ref[3, mi] - lo
 
         @pl.when(rows > 0)  # the visits past the last one hold no rows
         def _():
             visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
+
+
+def _rows8(row0):
+    """A window's first row, a multiple of 8 (`common.group_metadata`'s windows start so), in
+    a form Mosaic's lowering sees is one: an x tile's TMA load into swizzled shared memory
+    starts on a whole 8-row swizzle tile."""
+    return (row0 // 8) * 8
 
 
 def _store_rows(o_smem, o_gmem, start, count, size: int, gmem_row0, cols) -> None:
@@ -375,7 +389,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     dtype = x.dtype
-    xp, meta = _row_tiles(x, group_sizes, bm)
+    xp, meta = _row_tiles(x, group_sizes, tiles)
     grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
@@ -407,7 +421,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
                          for spec in plane_specs]
                 plgpu.emit_pipeline(
                     step, grid=(k // bk,),
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk),
+                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (_rows8(row0), kk),
                                               delay_release=1), *specs],
                     max_concurrent_steps=tiles.stages)(
                         x_gmem, *(p.at[gid] for p in pipe_gmem))
@@ -421,7 +435,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
                 plgpu.commit_smem()
                 _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
 
-        _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
+        _each_visit(meta_ref, grid_m, grid_n, gbn, visit)
 
     scratch = {} if convert is None else dict(w_smem=plgpu.SMEM((2, bk, bn), dtype))
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
@@ -450,7 +464,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     hm = bm // 2
     dtype = x.dtype
-    xp, meta = _row_tiles(x, group_sizes, bm)
+    xp, meta = _row_tiles(x, group_sizes, tiles)
     grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
@@ -460,8 +474,8 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                                  delay_release=1) for spec in plane_specs]
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // bk,), memory_registers=40,
-            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (row0 // bm, kk), delay_release=1),
-                      *specs],
+            in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (_rows8(row0), kk),
+                                      delay_release=1), *specs],
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
             compute_context=context)
 
@@ -538,7 +552,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                 pipeline(step, context, row0, ni)(
                     x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
 
-            _each_visit(meta_ref, grid_m, grid_n, gbn, bm, visit)
+            _each_visit(meta_ref, grid_m, grid_n, gbn, visit)
 
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
                        interpret=interpret, grid=(num_sms,), grid_names=("sm",),
