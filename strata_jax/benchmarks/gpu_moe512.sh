@@ -43,7 +43,8 @@ for STAGE in ${1//,/ }; do
       --cand int4=auto 2>&1 | grep -v '^{' | tail -5
   fi
   if [ "$STAGE" = windows ]; then
-    $SW --set 512 --budget-s $(left 120) --out "$OUT/windows.jsonl" --cand bf16=auto \
+    $SW --set 512 --tokens 16384 4096 1024 --budget-s $(left 90) --out "$OUT/windows.jsonl" \
+      --cand bf16=auto \
       --cand bf16=64,128,64,3,8,2,groups --cand bf16=128,256,64,3,8,1,2,groups \
       --cand bf16=128,128,64,4,8,groups --cand fp8=auto --cand fp8=64,128,64,3,8,2,groups \
       --cand fp8=128,128,128,3,8,groups --cand fp8=256,128,64,3,8,1,2,groups --cand int4=auto \
