@@ -1,6 +1,5 @@
 """Grouped matmul against a float64 NumPy loop, zero-size groups included."""
 
-import dataclasses
 import itertools
 
 import jax
@@ -192,27 +191,6 @@ def test_interpreted_bf16_kernel_matches_reference(tiles):
     np.testing.assert_array_equal(out[200:], 0.0)
 
 
-@pytest.mark.parametrize("tiles", [MOSAIC_SMALL_TILES, pytest.param(
-    MOSAIC_BF16_WIDE_TILES, marks=pytest.mark.slow)], ids=["one-warpgroup", "two"])
-def test_interpreted_windows_at_each_groups_rows_give_the_same_bits(tiles):
-    # windows="groups" (a visit's rows start at its group's, rounded down to 8; windows hold
-    # rows of the groups beside theirs, NaN rows past the groups, and the last one moved back
-    # within the padded rows): the bits of fixed row tiles.
-    sizes = [50, 0, 133, 21, 0, 7, 64]
-    m = sum(sizes) + 11
-    x, w, g = _case(m, 128, 256, sizes, dtype=ml_dtypes.bfloat16)
-    w[[1, 4]] = np.nan
-    x[m - 11:] = np.nan
-    out = {}
-    for windows in ("tiles", "groups"):
-        t = dataclasses.replace(tiles, windows=windows)
-        out[windows] = np.asarray(mosaic_bf16_grouped_matmul(
-            jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), tiles=t, interpret=True))
-    assert np.isfinite(out["groups"][:m - 11]).all()
-    np.testing.assert_array_equal(out["groups"].view(np.uint16), out["tiles"].view(np.uint16))
-    np.testing.assert_array_equal(out["groups"][m - 11:], 0.0)
-
-
 def test_bf16_kernel_lowers_for_cuda():
     # Mosaic's lowering (layouts, shared memory) runs on the CPU: the tilings bf16_tiles_for
     # picks at 512 experts of width 512, gate's and down's shapes.
@@ -251,10 +229,9 @@ def test_many_groups_give_jax_kernels_bits(rows):
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got[m - 40:], 0.0)
-    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES):  # and windows at each group's
-        for t in (tiles, dataclasses.replace(tiles, windows="groups")):
-            other = np.asarray(mosaic_bf16_grouped_matmul(x, w, g, tiles=t))
-            np.testing.assert_array_equal(other.view(np.uint16), want.view(np.uint16), str(t))
+    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES):
+        other = np.asarray(mosaic_bf16_grouped_matmul(x, w, g, tiles=tiles))
+        np.testing.assert_array_equal(other.view(np.uint16), want.view(np.uint16), str(tiles))
     bounds = row_pieces(m, 3)
     pieces = jax.jit(lambda a, b, c: _by_pieces(a, b, c, bounds, "mosaic"))(x, w, g)
     np.testing.assert_array_equal(np.asarray(pieces).view(np.uint16), got.view(np.uint16))

@@ -69,40 +69,43 @@ def quantized_reference(x, w: QuantizedMatrix, group_sizes) -> np.ndarray:
     return grouped_matmul_reference(np.asarray(x, np.float64), deq, group_sizes)
 
 
-@pytest.mark.parametrize("windows", ["tiles", "groups"])
-def test_visits_cover_every_row_of_every_group_once(windows):
+def _tile_visits(sizes, bm: int) -> int:
+    """The visits of fixed row tiles: each tile a group's rows touch."""
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    return int(sum((e - 1) // bm - s // bm + 1 for s, e in zip(starts, ends) if e > s))
+
+
+def test_visits_cover_every_row_of_every_group_once():
     # Each row of each group is stored by one visit, inside the visit's window of bm rows,
-    # which starts on a multiple of 8 rows ("tiles": of bm) and lies within the padded rows;
-    # "groups" takes a group's ceil((r + start % 8) / bm) visits, never more than "tiles".
+    # which starts on a multiple of 8 rows within the padded rows; a group takes
+    # ceil((r + start % 8) / bm) visits, never more than the fixed row tiles its rows touch.
     rng = np.random.default_rng(0)
     cases = [([50, 0, 130, 20, 0], 64), ([0, 0, 0], 16), ([7], 16), ([64, 64, 1, 0, 63], 64),
              ([3, 200, 5], 32), ([300, 3, 77, 0, 129], 128), ([125] * 9, 64)]
     cases += [(list(rng.integers(0, 300, 40) * (rng.random(40) < 0.8)), 128) for _ in range(3)]
-    fn = jax.jit(group_metadata, static_argnums=(1, 2, 3))
+    fn = jax.jit(group_metadata, static_argnums=(1, 2))
     for sizes, bm in cases:
         m = sum(sizes) + 9  # rows past the groups
-        meta = np.asarray(fn(jnp.asarray(sizes, jnp.int32), m, bm, windows))
-        tiles = -(-m // bm)
-        extra = 7 * len(sizes) if windows == "groups" else 0
-        assert meta.shape == (4, -(-(m + extra) // bm) + len(sizes) - 1)
+        meta = np.asarray(fn(jnp.asarray(sizes, jnp.int32), m, bm))
+        assert meta.shape == (4, -(-(m + 7 * len(sizes)) // bm) + len(sizes) - 1)
         owner, visits = np.full(m, -1), np.zeros(len(sizes), int)
         for g, row0, lo, hi in meta.T:
             if hi > lo:
-                assert row0 % (bm if windows == "tiles" else 8) == 0
-                assert row0 <= lo < hi <= row0 + bm <= tiles * bm and sizes[g] > 0
-                assert (owner[lo:hi] == -1).all()
+                assert row0 % 8 == 0 and row0 <= lo < hi <= row0 + bm <= -(-m // bm) * bm
+                assert sizes[g] > 0 and (owner[lo:hi] == -1).all()
                 owner[lo:hi] = g
                 visits[g] += 1
         want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(9, -1)])
         np.testing.assert_array_equal(owner, want, err_msg=f"{sizes} {bm}")
+        sizes = np.asarray(sizes)
         starts = np.cumsum(sizes) - sizes
-        if windows == "groups":
-            np.testing.assert_array_equal(visits, -(-(np.asarray(sizes) + starts % 8) // bm)
-                                          * (np.asarray(sizes) > 0))
-            tiled = np.asarray(fn(jnp.asarray(sizes, jnp.int32), m, bm, "tiles"))
-            assert visits.sum() <= (tiled[3] > tiled[2]).sum()
-    with pytest.raises(ValueError, match="windows='rows'.*tiles\\|groups"):
-        group_metadata(jnp.asarray([1], jnp.int32), 1, 64, "rows")
+        np.testing.assert_array_equal(visits, -(-(sizes + starts % 8) // bm) * (sizes > 0))
+        assert visits.sum() <= _tile_visits(sizes, bm)
+    # 512 experts of 20 rows at 64-row tiles: one visit each, where fixed tiles take 1.25
+    sizes = np.full(512, 20)
+    assert (np.asarray(fn(jnp.asarray(sizes, jnp.int32), 10240, 64))[3] > 0).sum() == 512
+    assert _tile_visits(sizes, 64) == 640
 
 
 def test_the_path_each_choice_takes():

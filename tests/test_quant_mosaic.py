@@ -183,22 +183,6 @@ def test_two_compute_warpgroups_match_the_float64_reference():
     np.testing.assert_array_equal(got, one)
 
 
-@pytest.mark.slow
-def test_interpreted_windows_at_each_groups_rows_give_the_same_bits():
-    # windows="groups" (`common.group_metadata`) through the fp8 kernel with one and two
-    # compute warpgroups and the int4 kernel: the bits of fixed row tiles.
-    sizes = jnp.asarray([50, 0, 133, 21, 0], jnp.int32)
-    x = _x(int(sizes.sum()) + 7, 256)
-    for kind, fn, tiles in (("fp8", mosaic_grouped_matmul, MosaicTiles(64, 128, 64, 2, 1)),
-                            ("fp8", mosaic_grouped_matmul, MosaicTiles(128, 128, 64, 2, 1, 1, 2)),
-                            ("int4", mosaic_int4_grouped_matmul, MosaicTiles(64, 128, 64, 2, 1))):
-        w = _matrix(kind, nan_experts=(1, 4))
-        out = [np.asarray(fn(x, w, sizes, tiles=dataclasses.replace(tiles, windows=windows),
-                             interpret=True)) for windows in ("tiles", "groups")]
-        assert np.isfinite(out[1]).all()
-        np.testing.assert_array_equal(out[1], out[0], err_msg=f"{kind} {tiles}")
-
-
 _LOWERED = {  # kernel, matrix, tiling
     # what the model reads fp8 and int4 with (fp8_tiles_for, MOSAIC_INT4_TILES; bf16x2)
     "model": (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
@@ -324,15 +308,6 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
         other = fn(x, w, sizes, tiles=tiles)
         assert_close(np.asarray(other, np.float64), quantized_reference(x, w, sizes),
                      jnp.bfloat16, err_msg=str(tiles))
-    # Visits whose windows start at each group's rows (windows="groups"): the bits of the
-    # kernel's fixed row tiles, one and two compute warpgroups.
-    model = fp8_tiles_for(m, e, w) if kind == "fp8" else int4_tiles_for(m, e)
-    wide = MOSAIC_WIDE_TILES if kind == "fp8" else None
-    for tiles in filter(None, (model, wide, MOSAIC_SMALL_TILES)):
-        grouped = dataclasses.replace(tiles, windows="groups")
-        np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=grouped)),
-                                      np.asarray(fn(x, w, sizes, tiles=tiles)),
-                                      err_msg=str(grouped))
     if kind == "fp8":
         # Two compute warpgroups sharing each converted tile (MOSAIC_WIDE_TILES and a 128-row
         # one): per 64-row product the same sums in the same order, the dequantize path's bits.
@@ -376,9 +351,6 @@ def test_many_experts_give_dequantize_then_matmul_bits_on_hopper(kind):
     for want in (grouped_matmul(x, deq, sizes, impl="mosaic"), _mosaic_jit(x, deq, sizes)):
         np.testing.assert_array_equal(got, np.asarray(want))
     assert np.isfinite(got).all() and (got[m - 9:] == 0).all()
-    fn = mosaic_grouped_matmul if kind == "fp8" else mosaic_int4_grouped_matmul
-    grouped = dataclasses.replace(tiles, windows="groups")  # windows at each group's rows
-    np.testing.assert_array_equal(np.asarray(fn(x, w, sizes, tiles=grouped)), got)
 
 
 @pytest.mark.gpu

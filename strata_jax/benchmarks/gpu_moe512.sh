@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 46 (fast expert math at 512 experts) in one call on the GPU machine: build, then
-#   bash strata_jax/benchmarks/gpu_moe512.sh [sweep|confirm|windows|tests|bench][,...]
+#   bash strata_jax/benchmarks/gpu_moe512.sh [sweep|confirm|tests|bench][,...]
 # sweep:   grouped_matmul_bench's tiling sweep (every format at 512 experts of width 512,
 #          top-10, and at Qwen3-30B-A3B's 128 of width 768, top-8; 1K/4K/16K tokens;
 #          SWEEP_ARGS) as JSON lines in $OUT/sweep.jsonl;
@@ -8,8 +8,6 @@
 #          ($OUT/grouped_matmul_512.json; the issue's figure: grouped over dense);
 # confirm: the sweep of what the library picks at 512 experts, and at 128 experts it against
 #          this package's bf16 kernel and the small-row tilings ($OUT/confirm.jsonl);
-# windows: what the library picks against its tilings with each group's visits starting at the
-#          group's rows (MosaicTiles.windows "groups"), 512 experts then 128 ($OUT/windows.jsonl);
 # tests:   the kernels' GPU tests (grouped, quantized, Mosaic), $OUT/gpu_tests.log.
 # Every sweep stops starting rows DEADLINE seconds (default 390) after the start.
 # Run from the repository root (the device tool's working directory).
@@ -41,18 +39,6 @@ for STAGE in ${1//,/ }; do
     $SW --set 512 --budget-s $(left 200) --out "$OUT/confirm.jsonl" --cand bf16=auto \
       --cand bf16=128,256,64,3,8,1,2/64,128,64,3,8,2 --cand fp8=auto --cand fp8=64,128,64,3,8,2 \
       --cand int4=auto 2>&1 | grep -v '^{' | tail -5
-  fi
-  if [ "$STAGE" = windows ]; then
-    $SW --set 512 --tokens 16384 4096 1024 --budget-s $(left 90) --out "$OUT/windows.jsonl" \
-      --cand bf16=auto \
-      --cand bf16=64,128,64,3,8,2,groups --cand bf16=128,256,64,3,8,1,2,groups \
-      --cand bf16=128,128,64,4,8,groups --cand fp8=auto --cand fp8=64,128,64,3,8,2,groups \
-      --cand fp8=128,128,128,3,8,groups --cand fp8=256,128,64,3,8,1,2,groups --cand int4=auto \
-      --cand int4=64,128,64,3,8,2,groups --cand int4=128,128,64,3,8,2,groups 2>&1 \
-      | grep -v '^{' | tail -5
-    $SW --set 128 --tokens 1024 8192 --budget-s $(left 10) --out "$OUT/windows.jsonl" \
-      --cand fp8=auto --cand fp8=128,128,128,3,8,1,1,groups --cand fp8=256,128,64,3,8,1,2,groups \
-      --cand int4=auto --cand int4=128,128,64,3,8,2,groups 2>&1 | grep -v '^{' | tail -5
   fi
   if [ "$STAGE" = confirm128 ]; then
     $SW --set 128 --budget-s $(left 15) --out "$OUT/confirm.jsonl" --cand bf16=auto \

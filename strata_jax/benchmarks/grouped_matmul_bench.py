@@ -108,15 +108,9 @@ def bench_one(tokens: int, hidden: int, inter: int, n_experts: int, top_k: int, 
 
 def _tiles(spec: str):
     """"jax" (the bf16 `ragged_dot_mgpu` kernel at the library's tiling) or
-    "bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs]][,tiles|groups]" -> MosaicTiles (the
-    last: where a visit's rows start, `MosaicTiles.windows`)."""
-    from strata_jax.kernels.common import WINDOWS
+    "bm,bn,bk,stages,grid_block_n[,per_sm[,compute_wgs]]" -> MosaicTiles."""
     from strata_jax.kernels.mosaic import MosaicTiles
-    if spec == "jax":
-        return spec
-    parts = spec.split(",")
-    windows = parts.pop() if parts[-1] in WINDOWS else "tiles"
-    return MosaicTiles(*(int(v) for v in parts), windows=windows)
+    return spec if spec == "jax" else MosaicTiles(*(int(v) for v in spec.split(",")))
 
 
 def _random_planes(kind: str, e: int, k: int, n: int, seed: int):
@@ -304,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--out", default=None, help="append each row here as a JSON line")
         q.add_argument("--cand", action="append", default=[], metavar="FORMAT=SPEC",
                        help="time these instead of the set's candidates (repeatable; SPEC: "
-                            "jax | auto | fused | "
-                            "bm,bn,bk,stages,grid_block_n[,per_sm[,wgs]][,tiles|groups] | A/B)")
+                            "jax | auto | fused | bm,bn,bk,stages,grid_block_n[,per_sm[,wgs]] | "
+                            "A/B)")
         a = q.parse_args(argv[1:])
         fmts = a.formats.split(",")
         chosen = {}

@@ -28,65 +28,40 @@ def is_hopper(device: jax.Device | None = None) -> bool:
     return capability.startswith("9.")
 
 
-WINDOWS = ("tiles", "groups")
-
-
-def group_metadata(group_sizes: jax.Array, m: int, block_m: int,
-                   windows: str = "tiles") -> jax.Array:
+def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     """A ragged kernel's visits for rows sorted by group: int32 [4, V] of (group, the first
     row of the visit's window of `block_m` rows, its first row, its end row) per visit,
-    V = ceil(m / block_m) + G - 1 ("tiles") or ceil((m + 7 G) / block_m) + G - 1 ("groups"):
-    an upper bound on the visits (the unused ones have first row == end row and do nothing). A window lies within the rows padded to whole
-    tiles, [0, ceil(m / block_m) * block_m).
+    V = ceil((m + 7 G) / block_m) + G - 1 (an upper bound on the visits; the unused ones have
+    first row == end row and do nothing).
 
-    windows "tiles": group g with rows [start, end) visits each fixed row tile (rows
-    [t * block_m, (t + 1) * block_m)) that holds one of its rows, storing rows
-    [max(start, tile start), min(end, tile end)): a tile that holds the end of one group's
-    rows and the start of the next is visited once per group, so a group of r rows takes up
-    to ceil(r / block_m) + 1 visits.
-    windows "groups": group g's windows start at its own rows: w_j = s8 + j * block_m, s8
-    the multiple of 8 at or below its start (a window starts on a whole 8-row tile of the
-    TMA load), storing rows [max(start, w_j), min(end, w_j + block_m)), for
-    ceil((end - s8) / block_m) visits: at most ceil(r / block_m) + 1 and mostly
-    ceil(r / block_m), which at a handful of rows a group (512 experts, top-10) is up to half
-    the products of fixed tiles. A window past the padded rows is moved back to end at them
-    (it still holds its rows). A window may hold rows of other groups; they are loaded and
-    multiplied but not stored.
+    Group g's windows start at its own rows: w_j = s8 + j * block_m, s8 the multiple of 8 at
+    or below its first row (a window starts on a whole 8-row tile of the TMA load), storing
+    rows [max(start, w_j), min(end, w_j + block_m)): ceil((r + start % 8) / block_m) visits for
+    its r rows, never more than the fixed row tiles its rows touch, and at a handful of rows
+    a group (512 experts, top-10) up to 40% fewer. A window past the rows padded to whole
+    tiles, [0, ceil(m / block_m) * block_m), is moved back to end there (it still holds its
+    rows). A window may hold rows of other groups: they are loaded and multiplied, not stored.
 
     Groups with no rows have no visit, so their weights are never read (a streamed expert no
     token routes to may be stale or garbage)."""
-    if windows not in WINDOWS:
-        raise ValueError(f"group_metadata(windows={windows!r}): one of {'|'.join(WINDOWS)}")
     g = group_sizes.shape[0]
     tiles = -(-m // block_m)
-    # sum_g ceil(a_g) <= ceil(sum_g a_g) + G - 1, a_g = r_g / block_m (tiles: a group's
-    # first row may sit anywhere in its tile, which the G - 1 covers) or (r_g + 7) / block_m
-    # (groups: a window starts up to 7 rows before its group)
-    v = max(-(-(m + (7 * g if windows == "groups" else 0)) // block_m) + g - 1, 1)
+    # sum_g ceil(a_g) <= ceil(sum_g a_g) + G - 1, a_g = (r_g + 7) / block_m
+    v = max(-(-(m + 7 * g) // block_m) + g - 1, 1)
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    if windows == "tiles":
-        first = starts // block_m
-        n_visits = jnp.where(sizes > 0, (ends - 1) // block_m - first + 1, 0)
-    else:
-        first = starts - starts % 8  # windows start on multiples of 8 rows (a TMA tile's)
-        n_visits = jnp.where(sizes > 0, -(-(ends - first) // block_m), 0)
+    first = starts - starts % 8
+    n_visits = jnp.where(sizes > 0, -(-(ends - first) // block_m), 0)
     visit_end = jnp.cumsum(n_visits)
     visit_start = visit_end - n_visits
     i = jnp.arange(v, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(visit_end, i, side="right"), g - 1).astype(jnp.int32)
     valid = i < visit_end[-1]
-    j = i - visit_start[group]
-    if windows == "tiles":
-        row0 = (first[group] + j) * block_m
-        lo = jnp.maximum(starts[group], row0)
-        hi = jnp.minimum(ends[group], row0 + block_m)
-    else:
-        window = first[group] + j * block_m
-        lo = jnp.maximum(starts[group], window)
-        hi = jnp.minimum(ends[group], window + block_m)
-        row0 = jnp.minimum(window, (tiles - 1) * block_m)
+    window = first[group] + (i - visit_start[group]) * block_m
+    lo = jnp.maximum(starts[group], window)
+    hi = jnp.minimum(ends[group], window + block_m)
+    row0 = jnp.minimum(window, (tiles - 1) * block_m)
     zero = jnp.zeros_like(i)
     return jnp.stack([jnp.where(valid, group, zero), jnp.where(valid, row0, zero),
                       jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)]).astype(jnp.int32)

@@ -72,8 +72,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from strata_jax.kernels.common import (WINDOWS, check_operands, group_metadata,
-                                       zero_rows_past_groups)
+from strata_jax.kernels.common import check_operands, group_metadata, zero_rows_past_groups
 
 try:  # Pallas' Mosaic GPU interpreter (interpret mode, the CPU tests): a private module of recent
     # jax, absent from jax 0.4.36, which pyproject accepts and on which the library must import.
@@ -86,10 +85,9 @@ except ImportError:  # pragma: no cover - such a jax runs no Mosaic kernel at al
 class MosaicTiles:
     """The Mosaic kernels' tiling: rows and columns a tile, inputs a k step, pipeline stages,
     column tiles a row tile's sweep covers before moving on (`planar_snake`'s width),
-    programs per SM (more than one where their shared memory fits beside each other),
+    programs per SM (more than one where their shared memory fits beside each other), and
     compute warpgroups (2: two on the halves of a row tile, sharing each converted weight
-    tile; fp8 only), and where a visit's rows start (`windows`: at fixed row tiles, or at
-    each group's own rows; `common.group_metadata`)."""
+    tile; fp8 only)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -98,12 +96,8 @@ class MosaicTiles:
     grid_block_n: int = 2
     per_sm: int = 1
     compute_wgs: int = 1
-    windows: str = "tiles"
 
     def __post_init__(self):
-        if self.windows not in WINDOWS:
-            raise ValueError(f"MosaicTiles(windows={self.windows!r}): one of "
-                             f"{'|'.join(WINDOWS)} (`kernels.common.group_metadata`)")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -305,12 +299,11 @@ def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
 
 def _row_tiles(x, group_sizes, tiles: MosaicTiles):
     """(x padded to whole tiles of `block_m` rows, the visits' metadata int32 [4, V] of
-    (expert, first row of the visit's window, first row, end row): `common.group_metadata`
-    with `tiles.windows`)."""
+    (expert, first row of the visit's window, first row, end row): `common.group_metadata`)."""
     m, bm = x.shape[0], tiles.block_m
     m_pad = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
-    return xp, group_metadata(group_sizes, m, bm, tiles.windows)
+    return xp, group_metadata(group_sizes, m, bm)
 
 
 def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, visit):
