@@ -153,7 +153,7 @@ def _dot_tn(a, b, precision):  # a.T @ b
 
 
 def _transform_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, eg_ref, et_ref, el_ref, *,
-                    block: int, rep: int, precision):
+                      block: int, rep: int, precision):
     h, i = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block, block)
     k = k_ref[rows, h // rep, :]  # [C, dk]

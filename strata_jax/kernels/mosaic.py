@@ -297,10 +297,10 @@ def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
     return interpret, num_sms
 
 
-def _row_tiles(x, group_sizes, tiles: MosaicTiles):
-    """(x padded to whole tiles of `block_m` rows, the visits' metadata int32 [4, V] of
-    (expert, first row of the visit's window, first row, end row): `common.group_metadata`)."""
-    m, bm = x.shape[0], tiles.block_m
+def _row_tiles(x, group_sizes, bm: int):
+    """(x padded to whole tiles of `bm` rows, the visits' metadata int32 [4, V] of (expert,
+    first row of the visit's window, first row, end row): `common.group_metadata`)."""
+    m = x.shape[0]
     m_pad = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
     return xp, group_metadata(group_sizes, m, bm)
@@ -382,7 +382,7 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     dtype = x.dtype
-    xp, meta = _row_tiles(x, group_sizes, tiles)
+    xp, meta = _row_tiles(x, group_sizes, bm)
     grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
@@ -457,7 +457,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     hm = bm // 2
     dtype = x.dtype
-    xp, meta = _row_tiles(x, group_sizes, tiles)
+    xp, meta = _row_tiles(x, group_sizes, bm)
     grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)

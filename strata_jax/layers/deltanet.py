@@ -40,8 +40,9 @@ from strata_jax.kernels.delta_rule import (PRODUCTS, decay_sums, delta_rule_chun
 from strata_jax.layers.norms import GatedRMSNorm
 from strata_jax.layers.params import dot, filled, normal
 
-__all__ = ["DELTA_BLOCK", "SCAN_UNROLL", "PRODUCTS", "GatedDeltaNet", "gated_delta_rule", "block_terms",
-           "causal_conv", "decay_sums", "l2_normalize", "products_for", "unit_lower_inverse"]
+__all__ = ["DELTA_BLOCK", "SCAN_UNROLL", "PRODUCTS", "GatedDeltaNet", "gated_delta_rule",
+           "block_terms", "causal_conv", "decay_sums", "l2_normalize", "products_for",
+           "unit_lower_inverse"]
 
 # Tokens per block of the chunkwise delta rule (the UT transform's triangular systems).
 DELTA_BLOCK = 64
