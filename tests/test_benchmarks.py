@@ -693,7 +693,7 @@ def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
     assert hybrid_bench.main(["--tiny", "--tokens", "128", "--chunk", "64", "--reps", "1",
                               "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mixer"] for r in rows[:3]] == ["gated-attention", "gated-deltanet",
+    assert [r["mixer"] for r in rows[:3]] == ["gated-attention", "gated-deltanet (scan)",
                                               "gated-deltanet (pallas)"]
     assert all(r["over_attention"] > 0 for r in rows[1:3])
     rules = [(r["products"], r["carry"]) for r in rows if "delta_rule_block" in r]

@@ -48,7 +48,10 @@ def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
     """One float32 Gated DeltaNet layer on the GPU through each delta-rule implementation (the
     scan, the Pallas kernels; float32 products), each against the
     token-by-token float64 recurrence: a 300-token prompt in one call, then in two calls (the
-    window and state handed on)."""
+    window and state handed on). The layer's projections run at float32 too (XLA's default
+    on a GPU takes float32 matmuls at TF32, which is not the float32 row of the table)."""
+    import jax
+
     from strata_jax.kernels import Kernels
     from strata_jax.models import build_model, get_preset, init_cache
     from strata_jax.reference import reference_deltanet
@@ -62,11 +65,12 @@ def test_cuda_delta_rule_kernel_matches_the_float64_recurrence():
     zeros = init_cache(cfg, 8)
     for carry in ("pallas", "xla"):
         layer = build_model(cfg, params, kernels=Kernels(delta_rule=carry)).layers[0].linear_attn
-        out, _, state = layer(x, zeros.keys[0], zeros.values[0])
+        with jax.default_matmul_precision("float32"):
+            out, _, state = layer(x, zeros.keys[0], zeros.values[0])
+            a, w, s = layer(x[:130], zeros.keys[0], zeros.values[0])
+            b, _, s = layer(x[130:], w, s)
         assert_close(out, ref, np.float32, err_msg=f"{carry}: one call")
         assert_close(state, ref_state, np.float32, err_msg=f"{carry}: the state")
-        a, w, s = layer(x[:130], zeros.keys[0], zeros.values[0])
-        b, _, s = layer(x[130:], w, s)
         assert_close(np.concatenate([a, b]), ref, np.float32, err_msg=f"{carry}: two calls")
 
 

@@ -157,7 +157,12 @@ def test_delta_rule_kernels_lower_for_cuda_and_refuse_bad_shapes():
     from strata_jax.layers.deltanet import gated_delta_rule, products_for
 
     assert delta_rule_path("auto", "cpu") == "xla"
-    assert delta_rule_path("auto", "gpu") == AUTO_ON_GPU
+    assert delta_rule_path("auto", "cpu", "tf32") == "xla"
+    assert delta_rule_path("auto", "gpu") == AUTO_ON_GPU["float32"] == "xla"
+    assert delta_rule_path("auto", "gpu", "tf32") == AUTO_ON_GPU["tf32"] == "pallas"
+    assert delta_rule_path("xla", "gpu", "tf32") == "xla"
+    with pytest.raises(ValueError, match="'bf16'"):
+        delta_rule_path("auto", "gpu", "bf16")
     assert products_for(jnp.bfloat16, "pallas", "gpu") == "tf32"
     assert products_for(jnp.bfloat16, "xla", "gpu") == "float32"
     assert products_for(jnp.float32, "pallas", "gpu") == "float32"

@@ -16,14 +16,22 @@
 # routed512:     Qwen3-Next's first 8 layers, bf16 experts, 1K / 4K: routed against its link
 #                floor and stream-all (target routed <= 1.05 of its floor).
 # next-resident: the whole Qwen3-Next-80B-A3B (48 layers, int4 experts) all resident, one chunk
-#                at 32K and 4K on the whole card: the times next-e2e divides by.
+#                and layer-major, at 32K and 4K (NEXT_LENGTHS) on the whole card: the time
+#                next-e2e divides by (one chunk) and the bits it must equal (layer-major).
 # next-e2e:      the same streamed within a 16 GB card's footprint (XLA's pool capped at
 #                POOL_GIB=12.93, 0.0925 of an H200, plus a 2.5 GiB ring), 32K layer-major,
 #                against this call's next-resident JSON (its bits checked) or RESIDENT_MS.
-# ds-link:       a DeepSeek-V3 slice (its 3 dense layers + 8 MoE layers, fp8 experts), 1K-8K:
-#                stream-all against the link, routed against its floor.
-# ds-32k:        the same slice, 32K tokens layer-major within a 16 GB card's footprint.
-# glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk, 32K.
+# ds-link:       a DeepSeek-V3 slice (its 3 dense layers + DS_MOE_LAYERS=2 MoE layers, fp8
+#                experts), 1K-8K: stream-all against the link, routed against its floor. The
+#                bench holds the experts twice in host RAM (its arrays and the engine's store:
+#                2 x 21 GB at 2 MoE layers; 4 do not fit a 128 GB host) and the ring two layer
+#                frames (2 x 10.5 GiB) beside XLA's pool (0.6 of the card: the resident arm).
+# ds-32k:        a DeepSeek-V3 slice (3 dense + DS_32K_MOE_LAYERS=4 MoE layers), 32K tokens
+#                layer-major within a 24 GB card's footprint: a layer frame of 256 fp8 experts
+#                is 10.5 GiB (the ring's least), and the slice's other weights (embeddings, head,
+#                dense MLPs, latent attention) ~8 GB, so a 16 GB footprint does not hold them.
+# glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk, 32K
+#                (51.4 GB of experts: an H200's; on an H100 the 32K activations do not fit).
 # glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
 #                call's glm-resident JSON (its bits checked) or RESIDENT_MS.
 # Run from the repository root (the device tool's working directory).
@@ -60,9 +68,10 @@ for STAGE in ${1//,/ }; do
       BENCH_TIMEOUT=300 PRESET=qwen3-next-80b-a3b LAYERS=8 FORMATS=bf16 LENGTHS=1024,4096 \
         QUANT_ARMS=resident,stream-all,routed $RUN quant || rc=1 ;;
     next-resident)
-      for L in 32768 4096; do
+      for L in ${NEXT_LENGTHS:-32768 4096}; do
         XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=280 NAME=next_resident_$L CHUNKED_ARGS="$NEXT
-          --arms resident --resident-orders one --long $L --reps-prefill 2" $RUN chunked || rc=1
+          --arms resident --resident-orders one,layer-major --long $L --reps-prefill 2" \
+          $RUN chunked || rc=1
         export SKIP_BUILD=1
       done ;;
     next-e2e)
@@ -70,24 +79,27 @@ for STAGE in ${1//,/ }; do
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
       POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=next_l48_16g CHUNKED_ARGS="$NEXT
         --arms routed --no-resident $R --ring-gib 2.5
-        --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
+        --orders layer-major --reps-prefill 2" $RUN chunked || rc=1 ;;
     ds-link)
-      BENCH_TIMEOUT=400 PRESET=deepseek-v3 LAYERS=11 FORMATS=fp8 LENGTHS=1024,2048,4096,8192 \
-        QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
+      XLA_CLIENT_MEM_FRACTION=0.6 BENCH_ARGS="--ring-gib 21.5" BENCH_TIMEOUT=400 \
+        PRESET=deepseek-v3 LAYERS=$((3 + ${DS_MOE_LAYERS:-2})) FORMATS=fp8 \
+        LENGTHS=1024,2048,4096,8192 QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
     ds-32k)
-      POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=dsv3_l11_16g CHUNKED_ARGS="--preset
-        deepseek-v3 --layers 11 --quantize fp8 --parts prefill --arms routed --no-resident
-        --ring-gib 2.5 --orders layer-major --reps-prefill 1" $RUN chunked || rc=1 ;;
+      POOL_GIB=13.4 BENCH_TIMEOUT=500 NAME=dsv3_24g CHUNKED_ARGS="--preset deepseek-v3
+        --layers $((3 + ${DS_32K_MOE_LAYERS:-4})) --quantize fp8 --parts prefill --arms routed
+        --no-resident --ring-gib 10.6 --orders layer-major --reps-prefill 1" $RUN chunked \
+        || rc=1 ;;
     glm-resident)
       XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 \
-        CHUNKED_ARGS="$GLM --arms resident --resident-orders one --long 32768 --reps-prefill 2" \
+        CHUNKED_ARGS="$GLM --arms resident --resident-orders one,layer-major --long 32768
+        --reps-prefill 2" \
         $RUN chunked || rc=1 ;;
     glm-e2e)
       R="$OUT/chunked_glm_air_resident_32768.json"
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
       POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=glm_air_l46_16g CHUNKED_ARGS="$GLM
         --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major
-        --reps-prefill 1" $RUN chunked || rc=1 ;;
+        --reps-prefill 2" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;
   esac
   export SKIP_BUILD=1  # one build a call

@@ -39,7 +39,7 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     x = (0.5 * jax.random.normal(jax.random.key(0), (tokens, c.hidden_size))).astype(c.dtype)
     positions = jnp.arange(tokens, dtype=jnp.int32)
     for layer, kind, kernels in ((3, "gated-attention", Kernels()),
-                                 (0, "gated-deltanet", Kernels()),
+                                 (0, "gated-deltanet (scan)", Kernels(delta_rule="xla")),
                                  (0, "gated-deltanet (pallas)", Kernels(delta_rule="pallas"))):
         block = HybridLayer(c, layer, rngs=nnx.Rngs(layer), kernels=kernels)
         graph, state = nnx.split(block)

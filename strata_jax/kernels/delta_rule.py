@@ -44,9 +44,10 @@ __all__ = ["delta_rule_chunk", "ut_transform", "walk_blocks", "block_outputs", "
 # The rule's products: "float32" (full float32) or "tf32" (tensor cores, float32 sums).
 PRODUCTS = ("float32", "tf32")
 
-# What "auto" runs on a GPU: the scan, as measured (hybrid_bench); the kernels are the choice
-# a user makes by name.
-AUTO_ON_GPU = "xla"
+# What "auto" runs on a GPU, by the layer's products (`layers.deltanet.products_for`): the
+# kernels for TF32 products (a bf16/fp16 layer's), the scan for float32 products, which the
+# kernels run on CUDA cores (`hybrid_bench`, BENCHMARKS.md "Hybrid and latent attention").
+AUTO_ON_GPU = {"tf32": "pallas", "float32": "xla"}
 
 # The kernels' launch at dk = dv = 128 (Qwen3-Next's), each without spilled registers on
 # Hopper (`benchmarks.compile_check`): with TF32 products blocks of 64, the walk's state
@@ -59,15 +60,19 @@ OUTPUT_COLUMNS, OUTPUT_WARPS = 64, 8
 TRANSFORM_WARPS = 8
 
 
-def delta_rule_path(impl: str = "auto", platform: str | None = None) -> str:
+def delta_rule_path(impl: str = "auto", platform: str | None = None,
+                    products: str = "float32") -> str:
     """The rule's implementation: "xla" (the scan) or "pallas" (`delta_rule_chunk`); auto:
-    `AUTO_ON_GPU` on a GPU, "xla" elsewhere."""
+    `AUTO_ON_GPU` for the products on a GPU ("tf32": a bf16/fp16 layer's), "xla" elsewhere."""
     impl = (impl or "auto").lower()
     if impl not in DELTA_RULES:
         raise ValueError(f"delta rule {impl!r}: expected one of {'|'.join(DELTA_RULES)}")
+    if products not in PRODUCTS:
+        raise ValueError(f"delta rule products {products!r}: expected one of "
+                         f"{'|'.join(PRODUCTS)}")
     if impl == "auto":
         platform = platform or jax.default_backend()
-        return AUTO_ON_GPU if platform == "gpu" else "xla"
+        return AUTO_ON_GPU[products] if platform == "gpu" else "xla"
     return impl
 
 
