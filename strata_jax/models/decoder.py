@@ -110,6 +110,15 @@ def _layer_boundary(x, k, v):
     return jax.lax.optimization_barrier((x, k, v))
 
 
+def _after(x, prev):
+    """x, usable only once `prev` (the previous sub-chunk's output) is: a layer-major layer's
+    sub-chunks then run one after another, each its own matmuls. Left to itself XLA may merge
+    the sub-chunks' independent matmuls with the same weights (their projections, a dense
+    MLP) into one over every sub-chunk's rows, a temporary of the whole prompt that the memory
+    plan does not count. An identity on the values."""
+    return x if prev is None else lax.optimization_barrier((x, prev))[0]
+
+
 def feed_forward(config: ModelConfig, layer: int, rngs, resident_experts: bool,
                  kernels: Kernels) -> nnx.Module:
     """Layer `layer`'s block after its mixer: the MoE where the config has one, else the dense
@@ -298,7 +307,8 @@ class MoETransformer(nnx.Module):
             k, v = cache.keys[i], cache.values[i]
             with jax.named_scope(f"layer_{layer.layer}"):
                 for j in range(n_sub):
-                    xs[j], k, v = layer.attention_block(xs[j], k, v, starts[j], pos[j], val[j])
+                    xs[j], k, v = layer.attention_block(_after(xs[j], xs[j - 1] if j else None),
+                                                        k, v, starts[j], pos[j], val[j])
                 if layer.is_moe:
                     normed = [layer.post_attn_norm(join(xs[a:b])) for a, b in groups]
                     gval = [join(val[a:b]) for a, b in groups]
@@ -315,7 +325,9 @@ class MoETransformer(nnx.Module):
                     xs = [xj + y for xj, y in zip(xs, ys)]
                     counts.append(total)
                 else:
-                    xs = [xj + layer.mlp(layer.post_attn_norm(xj)) for xj in xs]
+                    for j in range(n_sub):
+                        xj = _after(xs[j], xs[j - 1] if j else None)
+                        xs[j] = xj + layer.mlp(layer.post_attn_norm(xj))
             if i + 1 < len(self.layers):
                 xs, k, v = _layer_boundary(xs, k, v)
             keys.append(k)
