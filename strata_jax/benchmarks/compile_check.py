@@ -196,7 +196,7 @@ def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
                "num_warps": warps, "num_stages": stages, "tokens": tokens,
                "default": (block, bv, warps, stages) == (
                    dr.KERNEL_BLOCKS[products], dr.WALK_COLUMNS[products],
-                   dr.WALK_WARPS[products], 1),
+                   dr.WALK_WARPS[products], dr.WALK_STAGES[products]),
                **compile_report(fn, args, ptxas)}
         rows.append(row)
         _print(row, f"delta rule {products:7s} blocks of {block:3d}, {bv:3d} columns, "

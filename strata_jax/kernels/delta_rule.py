@@ -39,7 +39,7 @@ from strata_jax.kernels import DELTA_RULES
 
 __all__ = ["delta_rule_chunk", "ut_transform", "walk_blocks", "block_outputs", "delta_rule_path",
            "decay_sums", "doubling_step", "iotas", "pad_blocks", "tf32_parts", "KERNEL_BLOCKS",
-           "AUTO_ON_GPU", "PRODUCTS"]
+           "WALK_COLUMNS", "WALK_WARPS", "WALK_STAGES", "AUTO_ON_GPU", "PRODUCTS"]
 
 # The rule's products: "float32" (full float32) or "tf32" (tensor cores, float32 sums).
 PRODUCTS = ("float32", "tf32")
@@ -51,11 +51,14 @@ AUTO_ON_GPU = {"tf32": "pallas", "float32": "xla"}
 
 # The kernels' launch at dk = dv = 128 (Qwen3-Next's), each without spilled registers on
 # Hopper (`benchmarks.compile_check`): with TF32 products blocks of 64, the walk's state
-# columns a program and warps (32 value heads x 4 slices: 128 programs, one wave), the output
-# kernel's columns a program and warps, the transform's warps. CUDA-core float32 products
-# (a float32 layer's) hold more registers: blocks and slices of 16, 8 warps (at 64 they spill).
+# columns a program, warps and pipeline stages (32 value heads x 4 slices: 128 programs, one
+# wave; two stages load a block's q, k, w and u while the one before is multiplied: the
+# fastest of hybrid_bench's launches), the output kernel's columns a program and warps, the
+# transform's warps. CUDA-core float32 products (a float32 layer's) hold more registers:
+# blocks and slices of 16, 8 warps, one stage (at 64 they spill).
 KERNEL_BLOCKS = {"tf32": 64, "float32": 16}
 WALK_COLUMNS, WALK_WARPS = {"tf32": 32, "float32": 16}, {"tf32": 4, "float32": 8}
+WALK_STAGES = {"tf32": 2, "float32": 1}
 OUTPUT_COLUMNS, OUTPUT_WARPS = 64, 8
 TRANSFORM_WARPS = 8
 
@@ -265,7 +268,7 @@ def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
 def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
                      products: str = "float32", bv: int | None = None,
                      interpret: bool | None = None, num_warps: int | None = None,
-                     num_stages: int = 1, out_columns: int = OUTPUT_COLUMNS):
+                     num_stages: int | None = None, out_columns: int = OUTPUT_COLUMNS):
     """The whole chunkwise delta rule in three kernels over the tokens-first layout (the
     module docstring): `ut_transform` (w, u and the decays of every block, in parallel), the
     walk (a program per value head and slice of `bv` state columns: inter, new and the state),
@@ -274,9 +277,10 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
 
     Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
-    the block (default `KERNEL_BLOCKS` for the products), the walk's `bv` and `num_warps`
-    (default `WALK_COLUMNS`, `WALK_WARPS` for the products), `num_stages`; the output
-    kernel's column slice `out_columns`. Returns (o [T, Hv, dv], the state after the last row)."""
+    the block (default `KERNEL_BLOCKS` for the products), the walk's `bv`, `num_warps` and
+    `num_stages` (default `WALK_COLUMNS`, `WALK_WARPS`, `WALK_STAGES` for the products); the
+    output kernel's column slice `out_columns`. Returns (o [T, Hv, dv], the state after the
+    last row)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
@@ -300,11 +304,11 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
 
 def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str,
                 bv: int | None = None, interpret: bool | None = None,
-                num_warps: int | None = None, num_stages: int = 1):
+                num_warps: int | None = None, num_stages: int | None = None):
     """The state's walk (`delta_rule_chunk`'s second kernel): q, k [n*C, Hk, dk]; w [n*C, Hv,
     dk], u [n*C, Hv, dv], eg, et [n*C, Hv], el [Hv, n] from `ut_transform`; state [Hv, dk,
     dv]. A program per value head and slice of `bv` state columns (default `WALK_COLUMNS`,
-    and `WALK_WARPS`, for the products). Returns (inter, new [n*C, Hv, dv], the state after
+    `WALK_WARPS` and `WALK_STAGES` for the products). Returns (inter, new [n*C, Hv, dv], the state after
     the last block), all float32."""
     rows, hk, dk = q.shape
     hv, dv = u.shape[1:]
@@ -312,7 +316,8 @@ def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str,
     precision = _precision(products, "walk_blocks")
     bv = min(bv or WALK_COLUMNS[products], dv)  # a slice wider than dv is dv
     _check_sizes("walk_blocks", bv=bv)
-    interpret, kw = _launch(interpret, num_warps or WALK_WARPS[products], num_stages)
+    interpret, kw = _launch(interpret, num_warps or WALK_WARPS[products],
+                            num_stages or WALK_STAGES[products])
     f32 = jnp.float32
     values = jax.ShapeDtypeStruct((rows, hv, dv), f32)
     return pl.pallas_call(
