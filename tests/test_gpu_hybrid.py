@@ -1,8 +1,9 @@
 """The hybrid Qwen model (Gated DeltaNet + gated attention) on a CUDA GPU through the real
 stream: padded chunks, a follow-up turn and a layer-major read, byte-identical across the
-resident, stream-all and routed arms, with the kernels "auto" picks (Mosaic grouped matmul and
-cuDNN attention on Hopper) and with the Pallas delta rule; the delta rule's kernels against the
-float64 recurrence. Run with STRATA_REQUIRE_GPU=1 on the GPU machine."""
+resident, stream-all and routed arms, with the kernels "auto" picks (Mosaic grouped matmul,
+cuDNN attention and the Pallas delta rule on Hopper) and with the delta rule's scan; the delta
+rule's kernels against the float64 recurrence. Run with STRATA_REQUIRE_GPU=1 on the GPU
+machine."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("delta_rule", ["auto", "pallas"])
+@pytest.mark.parametrize("delta_rule", ["auto", "xla"])
 def test_cuda_hybrid_turns_and_layer_major_identical(delta_rule):
     from strata_jax.engine import Engine
     from strata_jax.kernels import Kernels
+    from strata_jax.kernels.delta_rule import delta_rule_path
     from strata_jax.models import get_preset
     from strata_jax.stream import StreamConfig, StreamTuning
     from strata_jax.synthetic import init_synthetic
 
+    assert delta_rule_path("auto", products="tf32") == "pallas"  # what a bf16 layer runs here
     cfg = get_preset("qwen3-next-80b-a3b").scaled(n_experts=32, top_k=4, hidden_size=256,
                                                   head_dim=64, expert_intermediate=128,
                                                   param_dtype="bfloat16")
