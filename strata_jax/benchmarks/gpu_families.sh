@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The hybrid Qwen (issue 46) and latent-attention (issue 47) families on the GPU machine, through
 # gpu_run.sh's stages, one build a call:
-#   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|mla|gmm512|chunks|routed512|next-resident|next-e2e|ds-link|ds-32k|glm-resident|glm-e2e][,...]
+#   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|mla|gmm512|chunks|routed512|next-resident|next-e2e|next-short|ds-link|ds-32k|glm-resident|glm-e2e][,...]
 # tests:         the families' GPU tests (MLA on cuDNN, the hybrid and MLA arms byte-identical).
 # kernels:       the grouped / quantized matmul GPU tests (gpu_moe512.sh tests).
 # mixers:        Qwen3-Next's Gated DeltaNet layer (each Kernels.delta_rule) against its gated
@@ -21,6 +21,8 @@
 # next-e2e:      the same streamed within a 16 GB card's footprint (XLA's pool capped at
 #                POOL_GIB=12.93, 0.0925 of an H200, plus a 2.5 GiB ring), 32K layer-major,
 #                against this call's next-resident JSON (its bits checked) or RESIDENT_MS.
+# next-short:    the same in the same footprint at 1K and 4K (NEXT_SHORT), one chunk: routed
+#                against stream-all, over next-resident's 4K JSON where this call made it.
 # ds-link:       a DeepSeek-V3 slice (its 3 dense layers + DS_MOE_LAYERS=2 MoE layers, fp8
 #                experts), 1K-8K: stream-all against the link, routed against its floor. The
 #                bench holds the experts twice in host RAM (its arrays and the engine's store:
@@ -80,6 +82,15 @@ for STAGE in ${1//,/ }; do
       POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=next_l48_16g CHUNKED_ARGS="$NEXT
         --arms routed --no-resident $R --ring-gib 2.5
         --orders layer-major --reps-prefill 2" $RUN chunked || rc=1 ;;
+    next-short)
+      for L in ${NEXT_SHORT:-1024 4096}; do
+        R="$OUT/chunked_next_resident_$L.json"
+        if [ -f "$R" ]; then R="--resident-json $R"; else R=""; fi
+        POOL_GIB=12.93 BENCH_TIMEOUT=300 NAME=next_l48_16g_$L CHUNKED_ARGS="$NEXT
+          --arms routed,stream-all --no-resident $R --ring-gib 2.5 --orders one --long $L
+          --reps-prefill 2" $RUN chunked || rc=1
+        export SKIP_BUILD=1
+      done ;;
     ds-link)
       XLA_CLIENT_MEM_FRACTION=0.6 BENCH_ARGS="--ring-gib 21.5" BENCH_TIMEOUT=400 \
         PRESET=deepseek-v3 LAYERS=$((3 + ${DS_MOE_LAYERS:-2})) FORMATS=fp8 \
