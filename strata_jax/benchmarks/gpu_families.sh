@@ -23,11 +23,11 @@
 #                against this call's next-resident JSON (its bits checked) or RESIDENT_MS.
 # next-short:    the same in the same footprint at 1K and 4K (NEXT_SHORT), one chunk: routed
 #                against stream-all, over next-resident's 4K JSON where this call made it.
-# ds-link:       a DeepSeek-V3 slice (its 3 dense layers + DS_MOE_LAYERS=2 MoE layers, fp8
-#                experts), 1K-8K: stream-all against the link, routed against its floor. The
-#                bench holds the experts twice in host RAM (its arrays and the engine's store:
-#                2 x 21 GB at 2 MoE layers; 4 do not fit a 128 GB host) and the ring two layer
-#                frames (2 x 10.5 GiB) beside XLA's pool (0.6 of the card: the resident arm).
+# ds-link:       a DeepSeek-V3 slice (its 3 dense layers + DS_MOE_LAYERS MoE layers, fp8
+#                experts, 10.5 GiB a layer), 1K-8K: stream-all against the link, routed against
+#                its floor. The resident arm holds every expert in XLA's pool (0.6 of the card)
+#                and the ring two layer frames beside it: DS_MOE_LAYERS=2 on an H100 (default),
+#                up to 6 on an H200.
 # ds-32k:        a DeepSeek-V3 slice (3 dense + DS_32K_MOE_LAYERS=4 MoE layers), 32K tokens
 #                layer-major within a 24 GB card's footprint: a layer frame of 256 fp8 experts
 #                is 10.5 GiB (the ring's least), and the slice's other weights (embeddings, head,

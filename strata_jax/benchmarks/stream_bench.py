@@ -39,6 +39,10 @@ Seven parts, each optional:
               speed between two sweeps (another process, minutes apart) does not enter the
               ratio.
 
+Weights: `SyntheticParams(tile=8)`, made as each engine takes them (no copy of the experts
+outside the engines' stores); with accuracy or resident-ab, `common.fast_params` kept whole,
+the plain model beside the quantized one.
+
 The link ceiling (pinned H2D, 256 MB, median of 10) is measured in the same run, before the
 parts and again after them (`link_pinned_gbps_end`, to show its drift). On the GPU the sweep
 probes it again before each length's streamed calls, from a fresh pinned buffer and from each
@@ -649,9 +653,14 @@ def main(argv=None) -> int:
         link, pageable = 2.0, float("nan")  # the CPU backend's default simulated link, GB/s
     print(f"link ceiling: pinned {link:.2f} GB/s, pageable {pageable:.2f} GB/s", flush=True)
     t0 = time.perf_counter()
-    params = fast_params(cfg, 0, args.skew)
+    if {"accuracy", "resident-ab"} & set(parts):  # the plain model beside the quantized one
+        params = fast_params(cfg, 0, args.skew)
+    else:  # nothing drawn here: each engine draws the experts into its store or the device
+        from strata_jax.synthetic import SyntheticParams
+
+        params = SyntheticParams(cfg, 0, args.skew, tile=8)
     plain = (cfg, params)
-    cfg, params = quantized(cfg, params, args.quantize, tile=8)  # fast_params' 8 experts
+    cfg, params = quantized(cfg, params, args.quantize, tile=8)  # 8 experts' draws repeated
     print(f"params in {time.perf_counter() - t0:.1f}s; experts "
           f"{cfg.expert_bytes * cfg.n_experts * len(cfg.moe_layers) / 1e9:.2f} GB", flush=True)
     tuning = _stream_config(args, routed=False).tuning  # with StreamTuning's defaults filled in
