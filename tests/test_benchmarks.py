@@ -696,6 +696,7 @@ def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
     assert [r["mixer"] for r in rows[:3]] == ["gated-attention", "gated-deltanet (scan)",
                                               "gated-deltanet (pallas)"]
     assert all(r["over_attention"] > 0 for r in rows[1:3])
+    assert rows[3]["deltanet_projections_ms"] > 0  # the layer's matmuls outside the rule
     rules = [(r["products"], r["carry"]) for r in rows if "delta_rule_block" in r]
     assert rules == [("float32", "xla"), ("float32", "pallas")]  # TF32 cases need a GPU
     assert any("ut_transform_block" in r for r in rows)

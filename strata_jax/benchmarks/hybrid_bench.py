@@ -1,6 +1,7 @@
 """A hybrid model's two token mixers at one prompt length: one Gated DeltaNet layer against one
 gated full-attention layer of the same model (each with its input norm, as a layer reads it),
-a first chunk of `--tokens` tokens and a later chunk of `--chunk` tokens over the rest.
+a first chunk of `--tokens` tokens and a later chunk of `--chunk` tokens over the rest; the
+DeltaNet layer's projections alone, and the delta rule's variants and pieces.
 
 Target (issue 46): the DeltaNet layer's prefill at 32K tokens at most half the attention
 layer's. Weights are random (the time does not depend on them); bf16; medians of `--reps`.
@@ -66,8 +67,25 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     for row in rows[1:]:
         row["over_attention"] = row["first_chunk_ms"] / attention
         print(f"{row['mixer']} / attention at {tokens}: {row['over_attention']:.3f}")
+    rows.append(_projections(block.linear_attn, x, tokens, reps))
     rows += delta_rule_blocks(c, tokens, reps)
     return rows
+
+
+def _projections(net, x, tokens: int, reps: int) -> dict:
+    """The Gated DeltaNet layer's three projections alone (in_proj, in_gates, out_proj, as the
+    layer multiplies them): what the layer spends outside the rule, its conv and its norms."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.layers.params import dot
+
+    o = jnp.ones((tokens, net.v_heads * net.v_dim), x.dtype)
+    fn = jax.jit(lambda x, o, w_in, w_gates, w_out: (dot(x, w_in), dot(x, w_gates),
+                                                     dot(o, w_out)))
+    ms = median_ms(fn, (x, o, net.in_proj[...], net.in_gates[...], net.out_proj[...]), reps)
+    print(f"gated-deltanet's projections alone, {tokens} tokens: {ms:8.2f} ms", flush=True)
+    return {"deltanet_projections_ms": ms, "tokens": tokens}
 
 
 def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
