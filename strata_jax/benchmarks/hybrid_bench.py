@@ -67,7 +67,7 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
     for row in rows[1:]:
         row["over_attention"] = row["first_chunk_ms"] / attention
         print(f"{row['mixer']} / attention at {tokens}: {row['over_attention']:.3f}")
-    rows.append(_projections(block.linear_attn, x, tokens, reps))
+    rows.append(_projections(block.linear_attn, x, tokens, reps))  # the loop's last: DeltaNet
     rows += delta_rule_blocks(c, tokens, reps)
     return rows
 

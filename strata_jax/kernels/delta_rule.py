@@ -308,8 +308,8 @@ def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str,
     """The state's walk (`delta_rule_chunk`'s second kernel): q, k [n*C, Hk, dk]; w [n*C, Hv,
     dk], u [n*C, Hv, dv], eg, et [n*C, Hv], el [Hv, n] from `ut_transform`; state [Hv, dk,
     dv]. A program per value head and slice of `bv` state columns (default `WALK_COLUMNS`,
-    `WALK_WARPS` and `WALK_STAGES` for the products). Returns (inter, new [n*C, Hv, dv], the state after
-    the last block), all float32."""
+    `WALK_WARPS` and `WALK_STAGES` for the products). Returns (inter, new [n*C, Hv, dv], the
+    state after the last block), all float32."""
     rows, hk, dk = q.shape
     hv, dv = u.shape[1:]
     n = rows // block

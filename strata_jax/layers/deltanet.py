@@ -111,10 +111,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: s
     Returns:
         (o float32 [T, Hv, dv], the state after the chunk's last row).
     """
-    if products not in PRODUCTS:
-        raise ValueError(f"delta rule products {products!r}: expected one of "
-                         f"{'|'.join(PRODUCTS)}")
-    carry = delta_rule_path(carry, products=products)
+    carry = delta_rule_path(carry, products=products)  # refuses unknown products by name
     if carry == "pallas":
         return delta_rule_chunk(q, k, v, g, beta, state, block=block, products=products)
     block = block or DELTA_BLOCK
@@ -275,8 +272,8 @@ class GatedDeltaNet(nnx.Module):
         qf = l2_normalize(q.astype(jnp.float32)) * (self.k_dim ** -0.5)
         kf = l2_normalize(k.astype(jnp.float32))
         with jax.named_scope("delta_rule"):
-            carry = delta_rule_path(self.delta_rule,
-                                    products=products_for(x.dtype, "pallas"))
+            # auto picks by the products the kernels would take; the path taken sets them
+            carry = delta_rule_path(self.delta_rule, products=products_for(x.dtype, "pallas"))
             o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state,
                                         carry=carry, products=products_for(x.dtype, carry))
         o = self.norm(o.astype(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
