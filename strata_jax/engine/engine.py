@@ -344,7 +344,8 @@ class Engine:
                 frame_of=self.streamer.frame_of, tail_pieces=pieces,
                 tail_shape=self.streamer.tail_shape(bucket),
                 tail_layer=self.streamer.tail_layer,
-                expert_axis=EXPERT_AXIS if self._manual else None)
+                expert_axis=EXPERT_AXIS if self._manual else None,
+                parts=1 if self._manual else self.streamer.parts)
             ids = source.ids
         tokens, start, n_valid = ids[:bucket], ids[-2], ids[-1]
         start = 0 if first else start
@@ -382,6 +383,14 @@ class Engine:
                          in_specs=(spec(), (spec(EXPERT_AXIS), spec()), spec(), spec()),
                          out_specs=(spec(), spec(), spec(EXPERT_AXIS)), check=False)(
             state_leaves, resident, ids, cache)
+
+    @property
+    def _native_layers(self) -> int:
+        """Rows of end_chunk's stats: the native engine's layers (a layer in parts is that
+        many of them: `NativeStreamer.native_layers`)."""
+        if self._manual:
+            return self.config.n_layers
+        return self.streamer.native_layers
 
     def _tail_pieces(self, mode: int, bucket: int, *, layer_major: bool) -> int:
         """The pieces a chunk's program runs its last MoE layer in (StreamTuning.tail_pieces),
@@ -453,7 +462,7 @@ class Engine:
         counts [n_moe, E], a scored call's per-row log-probabilities float32 [bucket] and most
         likely tokens int32 [bucket] (both [0] unscored)) from a call's info, read once."""
         c = self.config
-        n_stats = 2 * c.n_layers if self.streamer is not None else 0
+        n_stats = 2 * self._native_layers if self.streamer is not None else 0
         n_counts = len(c.moe_layers) * c.n_experts
         info = np.asarray(info)
         stats = info[:n_stats].reshape(-1, 2)

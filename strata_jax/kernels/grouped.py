@@ -84,7 +84,8 @@ def resolve_implementation(impl: str | None = None) -> str:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: jax.Array, *,
-                   impl: str | None = None, quantized: str | None = None) -> jax.Array:
+                   impl: str | None = None, quantized: str | None = None,
+                   tile_groups: int | None = None) -> jax.Array:
     """Multiplies row groups of `x` by their group's matrix.
 
     Args:
@@ -97,6 +98,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
         impl: auto|mosaic|lax|tiled (`Kernels.grouped_matmul`); None: auto.
         quantized: for a QuantizedMatrix, auto|fused|dequantize (`Kernels.quantized_matmul`,
             `kernels.quantized.resolve_quantized`); None: auto.
+        tile_groups: the Mosaic kernels' tiling as for this many groups (default: G): a
+            layer's experts multiplied in parts (`layers.moe.experts_part`) take the whole
+            layer's tiling, so each row gets the bits the whole layer's matmul gives it.
 
     Returns:
         [M, N] in `x.dtype`, accumulated in float32.
@@ -107,14 +111,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
                              f"dtype {w.dtype}")
         x, w = in_stored_order(x, w, group_sizes)  # act-order: x's columns in stored order
         path = resolve_quantized(quantized, w)
+        groups = tile_groups or group_sizes.shape[0]
         if path == "mosaic":
             if w.kind == "mxfp4":
                 return mosaic_mxfp4(x, w, group_sizes.astype(jnp.int32),
                                     tiles=mxfp4_tiles_for(w.shape[1]))
             if w.kind == "int4":
-                tiles = int4_tiles_for(x.shape[0], group_sizes.shape[0])
+                tiles = int4_tiles_for(x.shape[0], groups)
                 return mosaic_int4(x, w, group_sizes.astype(jnp.int32), tiles=tiles)
-            tiles = fp8_tiles_for(x.shape[0], group_sizes.shape[0], w)
+            tiles = fp8_tiles_for(x.shape[0], groups, w)
             return mosaic_fp8(x, w, group_sizes.astype(jnp.int32), tiles=tiles)
         with jax.named_scope("dequantize"):
             w = w.dequantize()
@@ -131,7 +136,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
     if m == 0:
         return jnp.zeros((0, n), x.dtype)
     if impl == "mosaic":
-        tiles = bf16_tiles_for(m, g, k, n, x.dtype)  # many groups: kernels.mosaic's
+        tiles = bf16_tiles_for(m, tile_groups or g, k, n, x.dtype)  # many: kernels.mosaic's
         if tiles is not None:
             return mosaic_bf16(x, w, group_sizes, tiles=tiles)
         if _mosaic_supports(k, n, x.dtype):

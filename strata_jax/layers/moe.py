@@ -167,7 +167,7 @@ def _add_bias(y: jax.Array, bias: jax.Array, experts: jax.Array) -> jax.Array:
 
 def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.Array,
                    impl: str | None = None, quantized: str | None = None,
-                   act: ExpertAct = ExpertAct()) -> jax.Array:
+                   act: ExpertAct = ExpertAct(), tile_groups: int | None = None) -> jax.Array:
     """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
 
     Args:
@@ -180,6 +180,8 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
         impl: the grouped matmul (`Kernels.grouped_matmul`); None: auto.
         quantized: how quantized matrices are read (`Kernels.quantized_matmul`); None: auto.
         act: the activation between the gate/up and down products (`ExpertAct`).
+        tile_groups: the matmuls' tiling as for this many groups (`grouped_matmul`; a part
+            of a layer's experts takes the layer's).
 
     Returns:
         [M, H] in x.dtype.
@@ -192,7 +194,8 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
     gather (`kernels.quantized.in_stored_order` with `rows`), so that no [M, H] copy is read
     again to reorder it.
     """
-    mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized)
+    mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized,
+                           tile_groups=tile_groups)
 
     def act_order(m):
         return isinstance(m, QuantizedMatrix) and m.perm is not None
@@ -266,16 +269,27 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.
         [T, H] in y_sorted.dtype, summed in float32.
     """
     with jax.named_scope("unpermute"):
-        t, k = weights.shape
-        n = order.shape[0]
         # Rows come back by a gather through the inverse permutation (a scatter of T*k int32s).
         # Scattering the [T*k, H] rows themselves would move H times the bytes (the layer's
         # slowest step after its grouped matmuls); the values are the same.
-        inv = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32),
-                                                      unique_indices=True)
-        y = y_sorted[inv]  # [T*k, H], token-major: y[i] = y_sorted[j] where order[j] == i
-        y = y.reshape(t, k, -1).astype(jnp.float32)  # [T, k, H]
-        return jnp.einsum("tkh,tk->th", y, weights).astype(y_sorted.dtype)
+        y = y_sorted[inverse_order(order)]  # [T*k, H]: y[i] = y_sorted[j] where order[j] == i
+        return combine(y, weights)
+
+
+def inverse_order(order: jax.Array) -> jax.Array:
+    """int32 [T*k]: each token copy's position in the sorted order (`sort_order`'s inverse)."""
+    n = order.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32),
+                                                   unique_indices=True)
+
+
+def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """Token-major expert outputs y [T*k, H] (copy i: token i // k's choice i % k) combined
+    with the routing weights [T, k], summed in float32 -> [T, H] in y.dtype."""
+    t, k = weights.shape
+    dtype = y.dtype
+    y = y.reshape(t, k, -1).astype(jnp.float32)  # [T, k, H]
+    return jnp.einsum("tkh,tk->th", y, weights).astype(dtype)
 
 
 class MoE(nnx.Module):
@@ -393,6 +407,12 @@ class MoE(nnx.Module):
                                                  act=self.act)
         if self.parallel is None:
             out = unpermute(y_sorted, order, routing.weights)
+        return self._shared_and_padding(x, out, valid)
+
+    def _shared_and_padding(self, x: jax.Array, out: jax.Array,
+                            valid: jax.Array | None) -> jax.Array:
+        """Step 7 and the padding mask: the routed output `out` [T, H] plus the shared
+        expert, padded rows (where `valid` is False) exact zeros."""
         if self.shared is not None:
             with jax.named_scope("shared_expert"):
                 shared = self.shared(x)
@@ -405,10 +425,41 @@ class MoE(nnx.Module):
             out = jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
         return out
 
+    def experts_part(self, x: jax.Array, routing: Routing, order: jax.Array, inv: jax.Array,
+                     w: ExpertWeights, lo: int, hi: int,
+                     y_tok: jax.Array | None) -> jax.Array:
+        """Step 5 for the rows of experts lo..hi-1 only, with their weights `w` ([hi - lo,
+        ...]; `expert_parts`): those rows lie together in the sorted order (from the
+        experts' count before lo), so one grouped matmul of hi - lo groups takes them from
+        there, tiled as the whole layer's (`tile_groups`), each row the bits the whole
+        layer's matmul gives it. `order`, `inv`: `sort_order` and `inverse_order` of the
+        routing. Returns the token-major outputs so far [T*k, H] (`y_tok` with these rows
+        filled in; zeros elsewhere on the first part), for `combine`."""
+        m, k = order.shape[0], routing.expert_ids.shape[1]
+        counts = routing.counts.astype(jnp.int32)
+        begin = jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < lo, counts, 0))
+        size = jnp.sum(counts[lo:hi])
+        with jax.named_scope(f"experts_part_{lo}"):
+            # the part's rows first; the rest (past its groups) are never multiplied
+            rows = order[jnp.minimum(begin + jnp.arange(m, dtype=jnp.int32), m - 1)] // k
+            y = experts_swiglu(x, rows, _in_dtype(w, x.dtype), counts[lo:hi],
+                               self.kernels.grouped_matmul, self.kernels.quantized_matmul,
+                               self.act, tile_groups=self.config.n_experts)
+            at = inv - begin  # each token copy's row in y, where it is the part's
+            mine = (at >= 0) & (at < size)
+            got = y[jnp.clip(at, 0, m - 1)]
+            return jnp.where(mine[:, None], got, jnp.zeros((), y.dtype) if y_tok is None
+                             else y_tok)
+
     def __call__(self, x: jax.Array, expert_source: ExpertSource | None = None,
                  valid: jax.Array | None = None):
         """x [T, H] -> ([T, H], counts int32 [E])."""
         routing = self.route_tokens(x, valid)
+        parts = source_parts(expert_source, self.layer)
+        if parts is not None:
+            (out,) = experts_in_parts(self, expert_source, parts, [x], [routing], [valid],
+                                      routing.counts)
+            return out, routing.counts
         row_pieces = getattr(expert_source, "row_pieces", None)
         bounds = (row_pieces(self.layer, routing.expert_ids.size)
                   if row_pieces is not None else None)
@@ -423,3 +474,35 @@ class MoE(nnx.Module):
             out = self.apply_experts(x, routing, None, valid,
                                      pieces=(bounds, weights_for_piece))
         return release_experts(expert_source, self.layer, out), routing.counts
+
+
+def source_parts(expert_source, layer: int) -> tuple[tuple[int, int], ...] | None:
+    """The expert ranges of `layer`'s parts where its source gives the layer in parts
+    (`stream.StreamedExperts.expert_parts`), else None."""
+    parts = getattr(expert_source, "expert_parts", None)
+    return None if parts is None else parts(layer)
+
+
+def experts_in_parts(moe: MoE, source, parts: tuple[tuple[int, int], ...],
+                     xs: list[jax.Array], routings: list[Routing],
+                     valids: list[jax.Array | None], counts: jax.Array) -> list[jax.Array]:
+    """Steps 3-7 of `moe` for each of xs (one chunk, or a layer-major layer's row groups, each
+    with its own routing and padding mask) with the layer's experts in `parts` (expert
+    ranges [lo, hi)): part by part the source's weights (`expert_weights_part`, for the
+    `counts` of all xs), every x's rows of the part's experts (`MoE.experts_part`), then the
+    part's release, so a ring of a few parts' frames carries the layer. The rows, the combine
+    and the shared expert are the whole layer's: the same bits as the layer whole. Returns
+    each x's [T, H]."""
+    if moe.parallel is not None:
+        raise ValueError("a layer's experts in parts on a mesh are not implemented")
+    orders = [sort_order(r.expert_ids) for r in routings]
+    invs = [inverse_order(o) for o in orders]
+    ys: list[jax.Array | None] = [None] * len(xs)
+    for p, (lo, hi) in enumerate(parts):
+        w = source.expert_weights_part(moe.layer, counts, p)
+        ys = [moe.experts_part(x, r, o, i, w, lo, hi, y)
+              for x, r, o, i, y in zip(xs, routings, orders, invs, ys)]
+        ys = source.release_part(moe.layer, p, ys)
+    with jax.named_scope("unpermute"):
+        outs = [combine(y, r.weights) for y, r in zip(ys, routings)]
+    return [moe._shared_and_padding(x, out, v) for x, out, v in zip(xs, outs, valids)]

@@ -23,7 +23,7 @@ from strata_jax.formats import BIASES, MATRICES, expert_format, expert_weights_o
 from strata_jax.kernels import Kernels
 from strata_jax.layers.gqa import Attention
 from strata_jax.layers.mlp import MLP
-from strata_jax.layers.moe import MoE, release_experts
+from strata_jax.layers.moe import MoE, experts_in_parts, release_experts, source_parts
 from strata_jax.layers.norms import RMSNorm
 from strata_jax.layers.params import normal
 from strata_jax.models.hf_config import TensorNames
@@ -316,10 +316,15 @@ class MoETransformer(nnx.Module):
                     total = routings[0].counts
                     for r in routings[1:]:
                         total = total + r.counts
-                    w = layer.mlp.fetch_weights(total, expert_source)
-                    ys = [layer.mlp.apply_experts(h, r, w, v)
-                          for h, r, v in zip(normed, routings, gval)]
-                    ys = release_experts(expert_source, layer.layer, ys)
+                    parts = source_parts(expert_source, layer.layer)
+                    if parts is not None:  # part by part, each over every row group
+                        ys = experts_in_parts(layer.mlp, expert_source, parts, normed,
+                                              routings, gval, total)
+                    else:
+                        w = layer.mlp.fetch_weights(total, expert_source)
+                        ys = [layer.mlp.apply_experts(h, r, w, v)
+                              for h, r, v in zip(normed, routings, gval)]
+                        ys = release_experts(expert_source, layer.layer, ys)
                     ys = [y[(j - a) * sub_chunk:(j - a + 1) * sub_chunk]
                           for (a, b), y in zip(groups, ys) for j in range(a, b)]
                     xs = [xj + y for xj, y in zip(xs, ys)]

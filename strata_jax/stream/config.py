@@ -60,6 +60,12 @@ class StreamTuning:
             frames in turn), and the model reads the frame where they landed. None: two
             frames (one layer plus a layer of read-ahead), capped by
             `StreamConfig.ring_budget_gib`.
+        parts: Each MoE layer's experts in this many equal parts (a divisor of `n_experts`),
+            each its own frame of n_experts / parts slots: the layer's expert math runs part by
+            part, each part's once its copies land, so a ring smaller than one layer frame
+            carries the layer (a DeepSeek-V3 layer of fp8 experts is 10.5 GiB). The same bits
+            as the layer whole. None (the default): 1 where the ring budget holds a layer
+            frame, else the fewest parts of which two frames fit it (`plan_stream`).
         layout: How a streamed chunk lays its copies out in the ring (the same memory either
             way; each chunk chooses, and end_chunk's trace and `ChunkStats.layout` say which):
             "frames": each expert split into the frame's planes (those of the expert format:
@@ -115,6 +121,7 @@ class StreamTuning:
     """
 
     ring: int | None = None
+    parts: int | None = None
     layout: str = "auto"
     frames_from: int = 24576
     tail_pieces: int = 4
@@ -139,6 +146,9 @@ class StreamTuning:
         if self.frames_from < 1:
             raise ValueError(f"frames_from={self.frames_from}: must be at least 1 (a chunk "
                              f"length in tokens; layout='frames' or 'packed' fixes one layout)")
+        if self.parts is not None and self.parts < 1:
+            raise ValueError(f"parts={self.parts}: must be at least 1 (1: each layer whole) or "
+                             "None (as the ring budget needs)")
         if self.tail_pieces < 1:
             raise ValueError(f"tail_pieces={self.tail_pieces}: must be at least 1 (1 runs the "
                              f"last MoE layer whole)")
@@ -303,6 +313,7 @@ _INT_FIELDS = {
 }
 _TUNING_INT_FIELDS = {
     "ring": "an integer (ring slots) or None",
+    "parts": "an integer >= 1 (a divisor of the experts per layer) or None",
     "frames_from": "an integer >= 1 (tokens)",
     "tail_pieces": "an integer >= 1",
     "tail_from": "an integer >= 1 (tokens) or None",
@@ -316,7 +327,7 @@ def _check_int_fields(obj, fields: dict[str, str]) -> None:
     a bool), instead of int()'s or a comparison's bare message."""
     for name, expected in fields.items():
         value = getattr(obj, name)
-        if value is None and name in ("depth", "ring", "tail_from"):
+        if value is None and name in ("depth", "ring", "parts", "tail_from"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name}={value!r}: expected {expected}")

@@ -30,11 +30,15 @@ class StreamPlan:
             hottest first within a layer (by the profile; without one, the lowest ids).
         streamed_mask: bool [n_layers, n_experts], read-only: which experts cross the link.
         streamed_per_layer: int64 [n_layers], read-only: streamed experts per layer.
-        ring: Ring slots, `frames` layer frames of n_experts slots each.
+        ring: Ring slots, `frames` frames of `part_experts` slots each.
         blob_bytes: Bytes of one expert (one ring slot).
         ring_budget_slots: Slots `ring_budget_gib` holds, or None when the ring was given.
         ring_fits_budget: False only for a plan made with `check_ring_budget=False` whose ring
-            budget cannot hold one layer frame (`ring` is then one frame).
+            budget cannot hold one frame of the layer or of its smallest part (`ring` is then
+            one frame).
+        parts: Each MoE layer's experts in this many equal parts (`StreamTuning.parts`), each
+            fetched, multiplied and released on its own: part p of layer l is the native
+            engine's layer `native_layer(l, p)`, of `part_experts` experts. 1: layers whole.
     """
 
     resident: tuple[tuple[int, ...], ...]
@@ -45,6 +49,7 @@ class StreamPlan:
     blob_bytes: int
     ring_budget_slots: int | None = None
     ring_fits_budget: bool = True
+    parts: int = 1
 
     @property
     def resident_count(self) -> int:
@@ -63,9 +68,37 @@ class StreamPlan:
 
     @property
     def frames(self) -> int:
-        """Layer frames in the ring: MoE layer number i (in order) uses frame i % frames."""
-        n_experts = self.streamed_mask.shape[1]
-        return self.ring // n_experts if n_experts else 0
+        """Frames in the ring (each a layer's, or a part's with `parts` > 1): the native
+        layers that fetch take them in turn."""
+        per = self.part_experts
+        return self.ring // per if per else 0
+
+    @property
+    def part_experts(self) -> int:
+        """Experts in one part of a layer (n_experts / parts): a frame's slots."""
+        return self.streamed_mask.shape[1] // self.parts
+
+    @property
+    def native_layers(self) -> int:
+        """Layers the native engine sees: each model layer's `parts` parts."""
+        return self.streamed_mask.shape[0] * self.parts
+
+    def native_layer(self, layer: int, part: int = 0) -> int:
+        """The native engine's layer of part `part` of model layer `layer`."""
+        return layer * self.parts + part
+
+    def native_plan(self) -> tuple[list[tuple[int, int]], list[list[int]]]:
+        """The plan in the native engine's layers (`native_layer`): its stream list of
+        (native layer, expert within the part), in native-layer order and each layer's own
+        order within it, and per native layer its resident experts within the part."""
+        per = self.part_experts
+        stream = sorted(((self.native_layer(l, e // per), e % per) for l, e in self.stream_list),
+                        key=lambda entry: entry[0])  # stable: each part keeps its order
+        resident: list[list[int]] = [[] for _ in range(self.native_layers)]
+        for l, ids in enumerate(self.resident):
+            for e in ids:
+                resident[self.native_layer(l, e // per)].append(e % per)
+        return stream, resident
 
     @property
     def max_streamed_per_layer(self) -> int:
@@ -110,7 +143,10 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
         land, resident ones copied in, so a frame holds a whole layer). `ring` slots when given
         (at least one layer's streamed experts), rounded down to whole frames, at least one;
         else two frames (one layer plus a layer of read-ahead), capped by `ring_budget_gib`,
-        and never fewer than one; one frame when nothing streams.
+        and never fewer than one; one frame when nothing streams. Where the budget holds less
+        than one layer frame, each layer in the fewest equal parts of which two frames fit
+        (`StreamTuning.parts`, which may also fix them): as many frames of n_experts / parts
+        slots as the budget holds, up to two layers' worth.
 
     Args:
         config: The model config.
@@ -132,8 +168,9 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     Raises:
         ValueError: a profile of another model (or not integer counts); a negative
             resident_per_layer or one above the experts of a layer; a negative resident budget,
-            or one larger than `device_bytes`; a ring of fewer than one slot or than one layer's
-            streamed experts; a ring budget that cannot hold one layer frame.
+            or one larger than `device_bytes`; a ring of fewer than one slot or than one
+            frame's streamed experts; a ring budget that cannot hold one frame; parts that do
+            not divide n_experts.
     """
     sc = StreamConfig() if stream is None else stream
     if devices != 1 or device != 0:
@@ -197,39 +234,57 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     mask.flags.writeable = False
     per_layer.flags.writeable = False
 
+    parts = sc.tuning.parts
+    if parts is not None and E and E % parts:
+        raise ValueError(f"parts={parts} does not divide the {E} experts of a layer; take a "
+                         f"divisor of {E} (StreamTuning.parts)")
     need = int(per_layer.max(initial=0))
     budget_slots, fits = None, True
     if sc.tuning.ring is not None:
         ring = int(sc.tuning.ring)
+        parts = parts or 1
+        per = E // parts if E else 1
         if ring < 1:
             raise ValueError(f"a ring of {ring} slots cannot work; it needs at least one slot")
-        if ring < need:
+        need_part = int(mask.reshape(L, parts, per).sum(axis=2).max(initial=0)) if E else 0
+        if ring < need_part:
+            what = "one layer's" if parts == 1 else f"one of {parts} parts of a layer:"
             raise ValueError(
-                f"a ring of {ring} slots cannot hold one layer's {need} streamed experts; "
-                f"use StreamTuning(ring={need}) or more (one layer plus read-ahead: {2 * E})")
-        frames = max(1, ring // E) if E else 1
+                f"a ring of {ring} slots cannot hold {what} {need_part} streamed experts; "
+                f"use StreamTuning(ring={need_part}) or more (plus read-ahead: {2 * per}), "
+                "or more parts (StreamTuning.parts)")
+        frames = max(1, ring // per) if E else 1
     else:
         if not float(sc.ring_budget_gib) >= 0:
             raise ValueError(f"ring_budget_gib={sc.ring_budget_gib}: must be >= 0 (GiB of "
                              "device memory for the ring)")
         budget_slots = int(sc.ring_budget_gib * 2**30) // blob_bytes
-        budget_frames = budget_slots // E if E else 1
         if need == 0:
-            frames = 1
+            frames, parts = 1, parts or 1
         else:
-            fits = budget_frames >= 1
+            if parts is None:  # whole layers where a frame fits, else the fewest parts of
+                parts = 1      # which two frames fit (one being read, the next landing)
+                if budget_slots < E:
+                    parts = next((d for d in range(2, E + 1)
+                                  if E % d == 0 and budget_slots >= 2 * (E // d)), E)
+            per = E // parts
+            fits = budget_slots >= per
             if not fits and check_ring_budget:
+                frame = (f"one layer frame of {E} experts ({E * blob_bytes / 2**30:.2f} GiB: a "
+                         "layer is read where it lands, its resident experts copied in)"
+                         if parts == 1 else
+                         f"one frame of a layer's {parts} parts ({per} experts)")
                 raise ValueError(
                     f"ring_budget_gib={sc.ring_budget_gib} holds {budget_slots} experts of "
-                    f"{blob_bytes / 2**20:.1f} MiB, fewer than one layer frame of {E} experts "
-                    f"({E * blob_bytes / 2**30:.2f} GiB: a layer is read where it lands, its "
-                    "resident experts copied in); raise the budget")
-            frames = max(1, min(2, budget_frames))
-    ring = frames * max(E, 1)
+                    f"{blob_bytes / 2**20:.1f} MiB, fewer than {frame}; raise the budget")
+            # two frames of whole layers; parts take what the budget holds, up to two
+            # layers' worth (more parts of read-ahead)
+            frames = max(1, min(2 if parts == 1 else 2 * parts, budget_slots // per))
+    ring = frames * max(E // parts, 1)
     return StreamPlan(
         resident=tuple(tuple(sorted(r)) for r in resident), stream_list=tuple(stream_list),
         streamed_mask=mask, streamed_per_layer=per_layer, ring=ring, blob_bytes=blob_bytes,
-        ring_budget_slots=budget_slots, ring_fits_budget=fits)
+        ring_budget_slots=budget_slots, ring_fits_budget=fits, parts=parts)
 
 
 def local_config(config: ModelConfig, lo: int, hi: int) -> ModelConfig:

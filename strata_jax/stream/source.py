@@ -39,6 +39,12 @@ class StreamedExperts:
     `tail_shape` (`row_pieces`, `expert_weights_piece`), so that its expert math runs as its
     copies land and only the last piece's math follows the chunk's last copy.
 
+    `parts` > 1 (`StreamPlan.parts`): each MoE layer's experts come in that many equal parts,
+    part p of layer l the native engine's layer l * parts + p (its frame, its counts, its
+    release): the layer asks for them with `expert_parts`, `expert_weights_part` and
+    `release_part` (`layers.moe.experts_in_parts`), and every part's counts are published
+    before the first part is fetched.
+
     `expert_axis` (several devices, `StreamerGroup`): the source runs under `shard_map` over
     that mesh axis, one device's engine per device (the group's id: each call reaches its
     device's engine); `config` is one device's (`StreamerGroup.local_config`, E/G experts),
@@ -51,11 +57,16 @@ class StreamedExperts:
                  frame_of: dict[int, int] | None = None, *, tail_pieces: int = 1,
                  tail_shape: str = "equal", tail_layer: int | None = None,
                  fmt: ExpertFormat | None = None,
-                 expert_axis: str | None = None):
+                 expert_axis: str | None = None, parts: int = 1):
         if frames is not None and frame_of is None:
             raise ValueError("frames need frame_of (NativeStreamer.frame_of)")
         if tail_pieces < 1:
             raise ValueError(f"tail_pieces={tail_pieces}: must be at least 1")
+        if parts < 1 or config.n_experts % parts:
+            raise ValueError(f"parts={parts} must be >= 1 and divide the {config.n_experts} "
+                             "experts of a layer")
+        if parts > 1 and (tail_pieces > 1 or expert_axis is not None):
+            raise ValueError("a layer in parts runs neither tail pieces nor on a mesh")
         if tail_pieces > 1 and mode not in _STREAM_MODES:
             raise ValueError("tail_pieces > 1 needs a streamed chunk (a routed-only chunk "
                              "fetches each layer whole)")
@@ -70,17 +81,48 @@ class StreamedExperts:
         self.tail_shape = tail_shape
         self.tail_layer = tail_layer
         self.expert_axis = expert_axis
+        self.parts = parts
         self._so_far: dict[str, jax.Array] | None = None  # a layer's planes, piece by piece
         self.token, self.ids = begin(engine_id, mode, token, n_ids)
 
     def expert_weights(self, layer: int, counts: jax.Array,
                        resident: ExpertWeights | None) -> ExpertWeights:
         del resident  # the stream supplies every expert, resident ones from the cache
+        if self.parts > 1:
+            raise ValueError(f"layer {layer} streams in {self.parts} parts: take it with "
+                             "expert_weights_part (layers.moe.experts_in_parts)")
         self._publish(layer, counts)
         with jax.named_scope(f"stream_fetch_{layer}"):
             return self._fetch(layer, 0, 1, (0, 0))
 
+    def expert_parts(self, layer: int) -> tuple[tuple[int, int], ...] | None:
+        """The expert ranges [lo, hi) of `layer`'s parts, or None where the layer comes
+        whole."""
+        if self.parts == 1:
+            return None
+        per = self.config.n_experts // self.parts
+        return tuple((p * per, (p + 1) * per) for p in range(self.parts))
+
+    def expert_weights_part(self, layer: int, counts: jax.Array, part: int) -> ExpertWeights:
+        """The weights of part `part` of `layer` (experts `expert_parts(layer)[part]`,
+        [E / parts, ...]): part 0 publishes every part's counts first. Parts come in order,
+        each after the part before's `release_part` (the token orders the fetch after it)."""
+        parts = self.expert_parts(layer)
+        if parts is None or not 0 <= part < len(parts):
+            raise ValueError(f"part {part} of layer {layer}: the layer has "
+                             f"{self.parts} part(s)")
+        if part == 0:
+            for p, (lo, hi) in enumerate(parts):
+                self._publish(layer * self.parts + p, counts[lo:hi])
+        with jax.named_scope(f"stream_fetch_{layer}_part_{part}"):
+            return self._fetch(layer * self.parts + part, 0, 1, (0, 0))
+
+    def release_part(self, layer: int, part: int, outs):
+        """`release` of part `part` of `layer`: its frame may take a later part."""
+        return self.release(layer * self.parts + part, outs)
+
     def _publish(self, layer: int, counts: jax.Array) -> None:
+        """Publishes native layer `layer`'s counts (a MoE layer's, or one part's)."""
         with jax.named_scope(f"stream_publish_{layer}"):
             if self.expert_axis is not None:  # this device's experts' counts
                 per = self.config.n_experts
@@ -116,7 +158,8 @@ class StreamedExperts:
         fmt = self.format
         if self.frames is None:
             planes, self.token = fetch(self.engine_id, layer, self.token,
-                                       self.resident_blobs[layer], self.config.n_experts, fmt,
+                                       self.resident_blobs[layer],
+                                       self.config.n_experts // self.parts, fmt,
                                        so_far=self._so_far if piece > 0 else None,
                                        after=after if piece > 0 else None, **attrs)
             self._so_far = planes if piece + 1 < pieces else None
@@ -153,4 +196,4 @@ class StreamedExperts:
         return outs
 
     def finish(self) -> jax.Array:
-        return end(self.engine_id, self.token, self.config.n_layers)
+        return end(self.engine_id, self.token, self.config.n_layers * self.parts)

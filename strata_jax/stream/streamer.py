@@ -203,6 +203,14 @@ class NativeStreamer(Closable):
         self.streamed_mask = self.plan.streamed_mask
         self.streamed_per_layer = self.plan.streamed_per_layer
         self.ring = self.plan.ring
+        # Each MoE layer in `parts` parts (StreamPlan.parts): part p of layer l is the native
+        # engine's layer l * parts + p, of E / parts experts, with a frame of its own.
+        self.parts = self.plan.parts
+        if self.parts > 1 and self.expert_range != (0, self.full_config.n_experts):
+            raise ValueError(
+                f"a layer in {self.parts} parts (a ring budget below one frame of "
+                f"{E} experts) with expert parallelism is not implemented; raise "
+                "ring_budget_gib to hold a frame of each device's experts")
         self._stores: list[np.ndarray | None] = [None] * L
         # On CUDA every layer is written straight into one pinned block (on the GPU's host NUMA
         # node where the machine has several: `numa_node`), which the engine then copies from
@@ -255,19 +263,23 @@ class NativeStreamer(Closable):
         self.id = self.handle.id
         self.pid = os.getpid()  # the process whose threads serve this engine
         self._finalizer = weakref.finalize(self, _destroy, self.handle, self.pid)
+        per = self.plan.part_experts
         for layer, store in enumerate(self._stores):
             if store is not None:
-                self.handle.set_store(layer, store)
-        layers = np.array([l for l, _ in self.stream_list], np.int32)
-        exps = np.array([e for _, e in self.stream_list], np.int32)
-        rl = np.array([l for l in range(L) for _ in self.resident[l]], np.int32)
-        re_ = np.array([e for l in range(L) for e in self.resident[l]], np.int32)
+                for p in range(self.parts):  # rows of one part: a view, no copy
+                    self.handle.set_store(self.native_layer(layer, p),
+                                          store[p * per:(p + 1) * per])
+        stream, resident = self.plan.native_plan()
+        layers = np.array([l for l, _ in stream], np.int32)
+        exps = np.array([e for _, e in stream], np.int32)
+        rl = np.array([l for l, r in enumerate(resident) for _ in r], np.int32)
+        re_ = np.array([e for r in resident for e in r], np.int32)
         self.handle.set_plan(layers, exps, rl, re_)
         self.handle.prepare()
-        self._resident_blobs = self._put_resident()
-        # The frame each MoE layer's experts land in, as the native engine assigns them (the
-        # views the model reads must be those frames).
-        self.frame_of = {l: self.handle.frame_of(l) for l in self.moe_layers}
+        self._resident_blobs = self._put_resident(resident)
+        # The frame each native layer's experts land in (a MoE layer's, or each of its parts'),
+        # as the native engine assigns them (the views the model reads must be those frames).
+        self.frame_of = {v: self.handle.frame_of(v) for v in self.native_moe_layers}
         self.frames_note = ""
         self._frames = self._frame_views()
 
@@ -285,7 +297,7 @@ class NativeStreamer(Closable):
         if self.backend != "cuda":
             self.frames_note = "layer frames, read through a copy (CPU backend)"
             return None
-        E = self.config.n_experts
+        E = self.plan.part_experts  # a frame's slots: a layer's experts, or a part's
         planes, n = self.handle.frames()
         # A frame's plane p: E rows of the format's plane p, in the ring's region of plane p
         # ([ring, plane bytes]).
@@ -441,13 +453,32 @@ class NativeStreamer(Closable):
             return None  # the simulated device is host memory: no device-size check
         return device_memory("gpu", self.device_ordinal)[0]
 
-    def _put_resident(self) -> dict[int, jax.Array]:
+    def _put_resident(self, resident: list[list[int]]) -> dict[int, jax.Array]:
+        """Per native MoE layer (`native_moe_layers`) its resident experts' blobs on the
+        device, from `resident` (`StreamPlan.native_plan`'s, ids within the part)."""
         device = self.jax_device
+        per = self.plan.part_experts
         out = {}
-        for l in self.moe_layers:
-            rows = self._stores[l][self.resident[l]]  # uint8 [R, blob_bytes]
-            out[l] = jax.device_put(np.ascontiguousarray(rows), device)
+        for v in self.native_moe_layers:
+            l, p = divmod(v, self.parts)
+            rows = self._stores[l][[p * per + e for e in resident[v]]]  # uint8 [R, blob_bytes]
+            out[v] = jax.device_put(np.ascontiguousarray(rows), device)
         return out
+
+    @property
+    def native_moe_layers(self) -> tuple[int, ...]:
+        """The native engine's layers that are parts of MoE layers (`native_layer`), in
+        order: the MoE layers themselves where layers are whole."""
+        return tuple(self.native_layer(l, p) for l in self.moe_layers for p in range(self.parts))
+
+    def native_layer(self, layer: int, part: int = 0) -> int:
+        """The native engine's layer of part `part` of MoE layer `layer` (StreamPlan.parts)."""
+        return self.plan.native_layer(layer, part)
+
+    @property
+    def native_layers(self) -> int:
+        """Layers the native engine has: end_chunk's stats rows (L x parts)."""
+        return self.plan.native_layers
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -464,8 +495,9 @@ class NativeStreamer(Closable):
 
     @property
     def resident_blobs(self) -> dict[int, jax.Array]:
-        """Per MoE layer its resident experts' blobs on the device, uint8 [R, blob_bytes] (in
-        every format), in the plan's order (`resident`): what fetch copies residents from."""
+        """Per native MoE layer (a MoE layer, or each of its parts: `native_moe_layers`) its
+        resident experts' blobs on the device, uint8 [R, blob_bytes] (in every format), in the
+        plan's order: what fetch copies residents from."""
         return self._resident_blobs
 
     def walk_active(self) -> bool:
@@ -658,8 +690,8 @@ class NativeStreamer(Closable):
         most one piece per E row tiles of the chunk: a piece must hold at least as many tiles
         of its own as it adds (Qwen3-30B-A3B, 128 experts top-8: all four pieces from 8,192
         tokens; 512 experts top-10: two from 13,108 tokens, four from 26,215)."""
-        if mode not in _STREAM_MODES or not self.moe_layers:
-            return 1
+        if mode not in _STREAM_MODES or not self.moe_layers or self.parts > 1:
+            return 1  # a layer in parts already runs its math as each part lands
         pieces = self.tuning.tail_pieces
         path = resolve_format(quantized, self.format, self.jax_device)  # None: plain
         visits = path == "mosaic"
@@ -689,10 +721,11 @@ class NativeStreamer(Closable):
 
     def make_stats(self, n_tokens: int, native_stats: np.ndarray, counts: np.ndarray,
                    tail_pieces: int = 1, tail_shape: str | None = None) -> ChunkStats:
-        """ChunkStats from end_chunk's output [L, 2] and the router counts [n_moe, E];
-        `tail_pieces`, `tail_shape`: what the chunk's program used (`tail_pieces`,
-        `tail_shape`; the shape is kept only where there were pieces)."""
-        native_stats = np.asarray(native_stats, np.int64)
+        """ChunkStats from end_chunk's output [native_layers, 2] (a layer's parts summed) and
+        the router counts [n_moe, E]; `tail_pieces`, `tail_shape`: what the chunk's program
+        used (`tail_pieces`, `tail_shape`; the shape is kept only where there were pieces)."""
+        native_stats = np.asarray(native_stats, np.int64).reshape(
+            self.config.n_layers, self.parts, 2).sum(axis=1)
         copied, skipped = native_stats[:, 0], native_stats[:, 1]
         unrouted = np.zeros(self.config.n_layers, np.int64)
         idle = np.asarray(counts) == 0  # [n_moe, E]
@@ -719,8 +752,8 @@ def engine_options(config: ModelConfig, stream: StreamConfig, plan, fmt: ExpertF
     tuning = stream.tuning
     o = native.module().EngineOptions()
     o.backend = 1 if backend == "cuda" else 0
-    o.n_layers = config.n_layers
-    o.n_experts = config.n_experts
+    o.n_layers = plan.native_layers  # a layer's parts are layers of their own
+    o.n_experts = plan.part_experts
     o.routed = bool(stream.routed)
     o.blob_bytes = int(plan.blob_bytes)
     o.ring = int(plan.ring)
