@@ -308,7 +308,8 @@ def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, e
     # For a given format: resident, stream-all and routed (packed and frames rings, the last
     # layer in pieces) read the same logits and KV cache, in chunks and on a follow-up turn;
     # the streamed arms copy the format's bytes. The default run reads resident and routed
-    # (frames, pieces) in one chunk, without the follow-up.
+    # (frames, pieces; act-order int4 also each layer in parts) in one chunk, without the
+    # follow-up.
     from strata_jax.stream import StreamConfig, StreamTuning
 
     cfg, params = _quantized(kind, plain_params)
@@ -320,6 +321,9 @@ def test_quantized_experts_give_the_same_bits_in_every_arm(plain_params, kind, e
             if every or (routed and layout == "frames"):
                 arms[f"{'routed' if routed else 'stream-all'} {layout}"] = StreamConfig(
                     routed=routed, backend="cpu", tuning=tuning)
+    if every or kind == "int4-zp-act":  # each layer in two parts (the act-order rows too)
+        arms["routed in parts"] = StreamConfig(
+            routed=True, backend="cpu", tuning=StreamTuning(parts=2, stream_floor=1))
     got = {}
     for arm, stream in arms.items():
         with Engine(cfg, params, stream, max_context=64, chunk_size=16 if every else 64) as eng:

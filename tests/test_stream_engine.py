@@ -110,6 +110,17 @@ ARMS = {
     "pieces-frames-stream-all-ring3layers": (
         dict(routed=False, ring=48, tail_pieces=2, tail_from=CHUNK, layout="frames",
              stream_floor=16, **SLOW), CHUNK),
+    # Each layer in parts (StreamTuning.parts), each part a native layer with its frame:
+    # a ring of two parts' frames, of one part's, the parts a budget below a layer chooses.
+    "parts4-routed-d2-frames-ring2parts": (dict(routed=True, depth=2, parts=4, ring=8,
+                                                layout="frames", stream_floor=CHUNK, **SLOW),
+                                           CHUNK),
+    "parts2-packed-stream-all-ring1part": (dict(routed=False, parts=2, ring=8,
+                                                layout="packed", stream_floor=CHUNK,
+                                                **JITTERY), CHUNK),
+    "parts-by-budget-routed-only-resident-half": (
+        dict(routed=True, resident_per_layer=8, stream_floor=4096,
+             ring_budget_gib=10 * CFG.expert_bytes / 2**30, **SLOW), CHUNK),
 }
 
 
@@ -118,7 +129,8 @@ ARMS = {
 # test_engine's arms; the tail pieces and routed frames: test_quantized's).
 # Every arm under both routings, the layout changing between chunks among them, runs in the
 # slow run.
-DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery")}
+DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery"),
+                ("skewed", "parts4-routed-d2-frames-ring2parts")}
 
 
 def _arm_cases():
@@ -142,6 +154,7 @@ def test_arms_are_byte_identical(routing_name, arm):
             assert sha256_of(r.logits) == logits_hash
             assert r.session.kv_sha256() == kv_hash
             assert not eng.streamer.walk_active() and eng.streamer.hold() == 0
+        assert (eng.streamer.parts > 1) == arm.startswith("parts")
         want_pieces = [kwargs.get("tail_pieces", 4)
                        if c.stats.mode == "stream" and c.bucket >= kwargs.get("tail_from", 8192)
                        else 1 for c in r.chunks]
@@ -400,6 +413,31 @@ def test_bad_stream_configs():
         Engine(CFG, params, StreamConfig(profile=np.ones((2, 5))), max_context=256)
     with pytest.raises(ValueError, match="exceeds the 16 experts"):
         Engine(CFG, params, StreamConfig(resident_per_layer=17), max_context=256)
+
+
+@pytest.mark.slow  # parts chunk-major: the default arms' parts4-routed-d2-frames-ring2parts
+def test_layers_in_parts_read_layer_major_and_a_follow_up_turn_with_the_resident_bits(routing):
+    # A ring of two parts' frames (each layer in 4 parts): a layer-major prefill (each part
+    # fetched once for every sub-chunk) and a chunked follow-up turn give the resident
+    # engine's bits; the stats fold each layer's parts back into the layer.
+    _, params, _, _ = routing
+    more = np.random.default_rng(9).integers(0, CFG.vocab_size, 20)
+    got = []
+    for stream in (None, _config(routed=True, depth=2, parts=4, ring=8, stream_floor=CHUNK,
+                                 **SLOW)):
+        with Engine(CFG, params, stream, max_context=256, chunk_size=CHUNK, sub_chunk=16) as eng:
+            r = eng.prefill(TOKENS, order="layer-major")
+            r2 = eng.prefill(more, session=r.session)
+            got.append((sha256_of(r.logits), r.session.kv_sha256(), sha256_of(r2.logits),
+                        r2.session.kv_sha256()))
+            if stream is not None:
+                assert eng.streamer.parts == 4 and eng.streamer.native_layers == 4 * CFG.n_layers
+                for rec in r.chunks + r2.chunks:
+                    s = rec.stats
+                    assert s.streamed.shape == (CFG.n_layers,)
+                    np.testing.assert_array_equal(s.copied + s.skipped, s.streamed)
+                    assert np.all(s.skipped <= s.unrouted)
+    assert got[0] == got[1]
 
 
 def test_ring_layout_per_chunk_and_bad_layouts():
@@ -960,6 +998,9 @@ PLANS = {
     "profile-order": dict(
         resident_per_layer=3,
         profile=np.random.default_rng(2).integers(0, 5, (CFG.n_layers, CFG.n_experts))),
+    "parts-by-budget-with-profile": dict(
+        ring_budget_gib=10 * CFG.expert_bytes / 2**30, resident_per_layer=3,
+        profile=np.random.default_rng(4).integers(0, 5, (CFG.n_layers, CFG.n_experts))),
 }
 
 
@@ -978,10 +1019,16 @@ def test_the_engine_follows_plan_stream(name):
         assert eng.ring == plan.ring and eng.blob_bytes == plan.blob_bytes
         # The frame each layer's weights are read from: Python's (which view the model reads
         # on the GPU) is the native engine's (where the walk copies them).
-        assert eng.frame_of == {l: eng.handle.frame_of(l) for l in CFG.moe_layers}
-        assert all(eng.handle.frame_of(l) == -1
-                   for l in range(CFG.n_layers) if l not in CFG.moe_layers)
+        assert eng.frame_of == {l: eng.handle.frame_of(l) for l in eng.native_moe_layers}
+        assert eng.native_moe_layers == tuple(l * plan.parts + p for l in CFG.moe_layers
+                                              for p in range(plan.parts))
+        assert all(eng.handle.frame_of(l) == -1 for l in range(plan.native_layers)
+                   if l not in eng.native_moe_layers)
         assert set(eng.frame_of.values()) <= set(range(plan.frames))
+        assert sorted(eng.resident_blobs) == list(eng.native_moe_layers)
+        stream, resident = plan.native_plan()
+        for v, blobs in eng.resident_blobs.items():  # each part's residents, its rows
+            assert blobs.shape == (len(resident[v]), plan.blob_bytes)
         np.testing.assert_array_equal(eng.streamed_mask, plan.streamed_mask)
         np.testing.assert_array_equal(eng.streamed_per_layer, plan.streamed_per_layer)
     # The figures hang together.
@@ -1019,6 +1066,23 @@ def test_plan_stream_rules():
     p = plan_stream(CFG, StreamConfig(profile=counts, resident_per_layer=1))
     assert p.resident[1] == (3,)
     assert [e for l, e in p.stream_list if l == 1][:3] == [9, 12, 0]
+    # A budget below one layer frame: the fewest equal parts of which two frames fit, as many
+    # frames as it holds (up to two layers' worth); parts may be fixed.
+    p10 = plan_stream(CFG, StreamConfig(ring_budget_gib=10 * CFG.expert_bytes / 2**30))
+    assert (p10.parts, p10.part_experts, p10.frames, p10.ring) == (4, 4, 2, 8)
+    assert p10.ring_fits_budget and p10.native_layers == 4 * CFG.n_layers
+    p15 = plan_stream(CFG, StreamConfig(ring_budget_gib=15 * CFG.expert_bytes / 2**30))
+    assert (p15.parts, p15.frames, p15.ring) == (4, 3, 12)  # two frames of 8 do not fit
+    p2 = plan_stream(CFG, StreamConfig(tuning=StreamTuning(parts=2)))
+    assert (p2.parts, p2.frames, p2.ring) == (2, 4, 32)
+    assert plan_stream(CFG, StreamConfig(tuning=StreamTuning(parts=4, ring=13))).ring == 12
+    # The native plan: part p of layer l is layer l * parts + p, with ids within the part.
+    pr = plan_stream(CFG, StreamConfig(resident_per_layer=6, tuning=StreamTuning(parts=4)))
+    stream, resident = pr.native_plan()
+    assert resident[:4] == [[0, 1, 2, 3], [0, 1], [], []]
+    assert stream[:2] == [(1, 2), (1, 3)] and stream[-1] == (11, 3)
+    assert len(stream) == len(pr.stream_list) and [l for l, _ in stream] == sorted(
+        l for l, _ in stream)
     # The plan is frozen, its arrays read-only.
     with pytest.raises(AttributeError):
         p.ring = 3
@@ -1030,7 +1094,13 @@ def test_plan_stream_rules():
     (dict(ring=0), {}, "ring of 0 slots cannot work"),
     (dict(ring=8), {}, r"ring of 8 slots cannot hold one layer's 16 streamed experts; use StreamTuning\(ring=16\) or more"),
     (dict(ring_budget_gib=1e-6), {}, r"ring_budget_gib=1e-06 holds 0 experts .* fewer than one "
-                                     "layer frame of 16 experts"),
+                                     r"frame of 1 expert \(a layer of 16 in 16 parts\)"),
+    (dict(ring_budget_gib=1e-6, parts=1), {}, r"holds 0 experts .* fewer than one layer frame "
+                                              "of 16 experts"),
+    (dict(parts=3), {}, r"parts=3 does not divide the 16 experts of a layer; take a divisor"),
+    (dict(parts=0), {}, r"parts=0: must be at least 1"),
+    (dict(parts=2, ring=7), {}, r"ring of 7 slots cannot hold one of 2 parts of a layer: 8 "
+                                r"streamed experts; use StreamTuning\(ring=8\)"),
     (dict(ring_budget_gib=-1.0), {}, r"ring_budget_gib=-1.0: must be >= 0"),
     (dict(resident_per_layer=17), {}, "resident_per_layer=17 exceeds the 16 experts"),
     (dict(resident_per_layer=-1), {}, "resident_per_layer=-1: must be >= 0"),
@@ -1052,7 +1122,8 @@ def test_plan_stream_refuses_what_cannot_work(kwargs, extra, pattern):
 def test_plan_stream_reports_an_over_budget_ring_when_asked():
     from strata_jax.stream import plan_stream
 
-    sc = StreamConfig(ring_budget_gib=10 * CFG.expert_bytes / 2**30)  # 10 slots < 16
+    sc = StreamConfig(ring_budget_gib=10 * CFG.expert_bytes / 2**30,  # 10 slots < 16
+                      tuning=StreamTuning(parts=1))
     p = plan_stream(CFG, sc, check_ring_budget=False)
     assert (p.ring, p.ring_budget_slots, p.ring_fits_budget) == (16, 10, False)
     assert plan_stream(CFG, StreamConfig()).ring_fits_budget is True

@@ -235,6 +235,8 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
     per_layer.flags.writeable = False
 
     parts = sc.tuning.parts
+    if parts is not None and parts < 1:
+        sc.tuning.checked()  # names the field
     if parts is not None and E and E % parts:
         raise ValueError(f"parts={parts} does not divide the {E} experts of a layer; take a "
                          f"divisor of {E} (StreamTuning.parts)")
@@ -273,7 +275,8 @@ def plan_stream(config: ModelConfig, stream: StreamConfig | None = None,
                 frame = (f"one layer frame of {E} experts ({E * blob_bytes / 2**30:.2f} GiB: a "
                          "layer is read where it lands, its resident experts copied in)"
                          if parts == 1 else
-                         f"one frame of a layer's {parts} parts ({per} experts)")
+                         f"one frame of {per} expert{'s' if per != 1 else ''} (a layer of "
+                         f"{E} in {parts} parts)")
                 raise ValueError(
                     f"ring_budget_gib={sc.ring_budget_gib} holds {budget_slots} experts of "
                     f"{blob_bytes / 2**20:.1f} MiB, fewer than {frame}; raise the budget")
