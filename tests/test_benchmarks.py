@@ -459,14 +459,19 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     # Host memory is reported; the simulated link has no ceiling to measure.
     assert all(r["peak_rss_bytes"] > 0 and r["peak_rss_over_experts"] > 0 for r in reads.values())
     assert all(r["link_gbps"] is None and r["link_gbps_after"] is None for r in reads.values())
-    # A run without the resident arm divides by the first run's resident one-chunk time.
+    assert all(r["layer_parts"] == 1 for r in reads.values() if r["arm"] != "resident")
+    # A run without the resident arm divides by the first run's resident one-chunk time; its
+    # ring budget holds half a layer frame, so each layer streams in parts (the same bits).
+    cfg = chunked_bench.model_config("qwen3-30b-a3b", 2, 32768, 256, tiny=True)
+    half = (cfg.n_experts // 2 + 0.5) * cfg.expert_bytes / 2**30
     again = tmp_path / "again.json"
     rc = chunked_bench.main(["--tiny", "--layers", "2", "--parts", "prefill", "--long", "256",
                              "--chunk", "128", "--arms", "routed", "--orders", "layer-major",
-                             "--no-resident", "--resident-json", str(out),
-                             "--reps-prefill", "1", "--json", str(again)])
+                             "--no-resident", "--resident-json", str(out), "--ring-gib",
+                             str(half), "--reps-prefill", "1", "--json", str(again)])
     assert rc == 0
     row, = json.loads(again.read_text())["rows"]
+    assert row["layer_parts"] == 4 and row["ring_slots"] == cfg.n_experts // 2
     assert row["over_resident_one"] == pytest.approx(row["ms"] / reads[("resident", "one")]["ms"])
     assert row["identical_to_resident"] is True  # against the first run's resident read
     assert row["kv_sha256"] == reads[("resident", "layer-major")]["kv_sha256"]

@@ -97,6 +97,17 @@ def _link_gbps(eng) -> list[float] | None:
         return None
 
 
+def _ring_rows(eng) -> dict:
+    """The ring a streamed engine read through: its slots and bytes, and the parts each
+    layer streamed in (StreamTuning.parts); empty for the resident engine."""
+    s = eng.streamer
+    if s is None:
+        return {}
+    plan = getattr(s, "plan", None)  # a mesh's group: the first device's plan stands for all
+    plan = plan if plan is not None else s.streamers[0].plan
+    return {"ring_slots": plan.ring, "ring_bytes": plan.ring_bytes, "layer_parts": plan.parts}
+
+
 def _link_rows(r, ms: float, link: list[float] | None) -> dict:
     """A streamed read's time against its link floor: the floor is the slowest device's bytes
     over its own ceiling (one device: the copied bytes over the link), and each device's link
@@ -317,6 +328,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                        "expert_rows": r.expert_rows, "engine_s": made_s,
                        "chunk_choice": r.chunk_choice, "fallback": r.fallback,
                        "devices": r.devices, **_link_rows(r, ms, link),
+                       **_ring_rows(eng),
                        "link_gbps_after": after[0] if after and len(after) == 1 else after,
                        "peak_rss_bytes": peak_rss_bytes(),
                        "peak_rss_over_experts": _over_experts(cfg)}

@@ -28,10 +28,11 @@
 #                its floor. The resident arm holds every expert in XLA's pool (0.6 of the card)
 #                and the ring two layer frames beside it: DS_MOE_LAYERS=2 on an H100 (default),
 #                up to 6 on an H200.
-# ds-32k:        a DeepSeek-V3 slice (3 dense + DS_32K_MOE_LAYERS=4 MoE layers), 32K tokens
-#                layer-major within a 24 GB card's footprint: a layer frame of 256 fp8 experts
-#                is 10.5 GiB (the ring's least), and the slice's other weights (embeddings, head,
-#                dense MLPs, latent attention) ~8 GB, so a 16 GB footprint does not hold them.
+# ds-32k:        a DeepSeek-V3 slice (3 dense + DS_32K_MOE_LAYERS=4 MoE layers, fp8 experts),
+#                32K tokens layer-major within next-e2e's 16 GB footprint (XLA's pool 12.93 GiB,
+#                a ring of DS_RING_GIB=2.5): a layer frame of 256 fp8 experts is 10.5 GiB, so
+#                each layer streams in parts (StreamTuning.parts: 16 parts of 16 experts, three
+#                part frames in 2.5 GiB).
 # glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk, 32K
 #                (51.4 GB of experts: an H200's; on an H100 the 32K activations do not fit).
 # glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
@@ -96,10 +97,10 @@ for STAGE in ${1//,/ }; do
         PRESET=deepseek-v3 LAYERS=$((3 + ${DS_MOE_LAYERS:-2})) FORMATS=fp8 \
         LENGTHS=1024,2048,4096,8192 QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
     ds-32k)
-      POOL_GIB=13.4 BENCH_TIMEOUT=500 NAME=dsv3_24g CHUNKED_ARGS="--preset deepseek-v3
+      POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=dsv3_16g CHUNKED_ARGS="--preset deepseek-v3
         --layers $((3 + ${DS_32K_MOE_LAYERS:-4})) --quantize fp8 --parts prefill --arms routed
-        --no-resident --ring-gib 10.6 --orders layer-major --reps-prefill 1" $RUN chunked \
-        || rc=1 ;;
+        --no-resident --ring-gib ${DS_RING_GIB:-2.5} --orders layer-major --reps-prefill 1" \
+        $RUN chunked || rc=1 ;;
     glm-resident)
       XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 \
         CHUNKED_ARGS="$GLM --arms resident --resident-orders one,layer-major --long 32768

@@ -96,9 +96,13 @@ def cmd_info(args, log: _Log) -> int:
               "position over all layers)")
         print(f"  resident {p['resident_per_layer']} experts per layer "
               f"({size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
-              f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} layer "
-              f"frame{'s' if p['ring_frames'] != 1 else ''}, "
-              f"{size(p['ring_bytes'])})"
+              f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} "
+              + ("layer " if p["ring_parts"] == 1 else "part ")
+              + f"frame{'s' if p['ring_frames'] != 1 else ''}, {size(p['ring_bytes'])}"
+              + ("" if p["ring_parts"] == 1 else
+                 f"; each layer in {p['ring_parts']} parts of "
+                 f"{p['ring_slots'] // p['ring_frames']} experts")
+              + ")"
               + ("" if p["ring_fits_budget"] else
                  f" — MORE than --ring-gib {args.ring_gib}: raise it or keep more resident"))
         dev = p["device_memory"]
