@@ -420,6 +420,49 @@ def test_cuda_padded_turns_and_layer_major_identical(setup):
     assert out["routed"] == out["resident"]
 
 
+def test_cuda_layers_in_parts_identical():
+    # Each MoE layer streamed in 4 parts of 64 of its 256 experts (a ring of part frames, as a
+    # budget below one layer frame gives), with the Mosaic kernels "auto" picks: each part's
+    # grouped matmuls take the whole layer's tiling (256 groups: this package's bf16 kernel),
+    # so chunks, a follow-up turn and a layer-major read give the resident arm's bits; the
+    # model reads each part's frame in place.
+    from strata_jax.engine import Engine as MosaicEngine
+    from strata_jax.models import get_preset
+    from strata_jax.stream import StreamConfig, StreamTuning
+    from strata_jax.synthetic import init_synthetic
+
+    cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=256, top_k=8,
+                                             hidden_size=256, expert_intermediate=128,
+                                             param_dtype="bfloat16")
+    params = init_synthetic(cfg, seed=5, routing_skew=2.0)
+    rng = np.random.default_rng(4)
+    tokens, follow = rng.integers(0, cfg.vocab_size, 200), rng.integers(0, cfg.vocab_size, 37)
+    out = {}
+    for arm, sc in (("resident", None),
+                    ("routed frames", StreamConfig(routed=True, depth=4, backend="cuda",
+                                                   tuning=StreamTuning(
+                                                       parts=4, ring=128, layout="frames",
+                                                       stream_floor=16))),
+                    ("stream-all packed", StreamConfig(routed=False, backend="cuda",
+                                                       tuning=StreamTuning(
+                                                           parts=4, layout="packed")))):
+        with MosaicEngine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
+            if sc is not None:
+                assert eng.streamer.parts == 4
+                assert eng.streamer.read_in_place or sc.tuning.layout == "packed"
+            first = eng.prefill(tokens)
+            second = eng.prefill(follow, first.session)
+            lm = eng.prefill(tokens, order="layer-major")
+            for r in (first, second, lm):
+                for c in r.chunks if sc is not None else ():
+                    np.testing.assert_array_equal(c.stats.copied + c.stats.skipped,
+                                                  c.stats.streamed)
+            out[arm] = (first.logits_sha256(), first.kv_sha256(), second.logits_sha256(),
+                        second.kv_sha256(), lm.logits_sha256(), lm.kv_sha256())
+    assert out["routed frames"] == out["resident"]
+    assert out["stream-all packed"] == out["resident"]
+
+
 @pytest.mark.parametrize("publish", ["callback", "event"])
 def test_cuda_overlapped_chunks_identical(setup, publish):
     # sync_chunks=False on CUDA: each chunk is dispatched while the one before runs, so the

@@ -291,6 +291,59 @@ def test_gpu_row_pieces_same_bits(impl, sizes, m, pieces, shape):
                                   np.asarray(whole).view(np.uint16))
 
 
+def _by_expert_parts(x, w, g, parts, impl):
+    """The whole matmul's rows, computed part by part as a layer in parts does
+    (`MoE.experts_part`): each part's groups' rows from their start, its weights alone, the
+    whole layer's groups for the tiling (and "lax"'s place of the groups)."""
+    m, n_groups = x.shape[0], g.shape[0]
+    per = n_groups // parts
+    out = jnp.zeros((m, w.shape[2]), x.dtype)
+    for p in range(parts):
+        lo = p * per
+        begin, size = int(g[:lo].sum()), int(g[lo:lo + per].sum())
+        rows = jnp.minimum(begin + jnp.arange(m), m - 1)
+        y = grouped_matmul(x[rows], w[lo:lo + per], g[lo:lo + per], impl=impl,
+                           tile_groups=n_groups, group_offset=lo)
+        out = out.at[begin:begin + size].set(y[:size])
+    return out
+
+
+# A layer's experts in parts (StreamTuning.parts): 256 groups (past mosaic.MANY_GROUPS: the
+# whole layer's tiling is this package's kernel, a part's own 64 would be jax's), and few.
+_PART_CASES = [
+    ([0] * 60 + [97, 3, 200] + [0] * 100 + [41] * 20 + [0] * 73, 4),
+    ([300, 0, 41, 700, 0, 0, 183, 56], 2),
+]
+
+
+@pytest.mark.parametrize("sizes, parts", _PART_CASES)
+def test_expert_parts_same_bits(sizes, parts):
+    m = 128 * -(-sum(sizes) // 128) + 128  # and padding rows past the groups
+    x, w, g = _case(m, 256, 128, sizes, dtype=ml_dtypes.bfloat16, seed=4)
+    x, w, g = jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
+    whole = grouped_matmul(x, w, g, impl="lax")
+    np.testing.assert_array_equal(
+        np.asarray(_by_expert_parts(x, w, g, parts, "lax")).view(np.uint16),
+        np.asarray(whole).view(np.uint16))
+    with pytest.raises(ValueError, match="are not among 8"):
+        grouped_matmul(x, w[:4], g[:4], impl="lax", tile_groups=8, group_offset=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["mosaic", "tiled"])
+@pytest.mark.parametrize("sizes, parts", _PART_CASES)
+def test_gpu_expert_parts_same_bits(impl, sizes, parts):
+    if impl == "mosaic" and not is_hopper():
+        pytest.skip("Mosaic GPU ragged_dot needs a Hopper GPU")
+    m = 128 * -(-sum(sizes) // 128) + 128
+    x, w, g = _case(m, 256, 128, sizes, dtype=ml_dtypes.bfloat16, seed=4)
+    x, w, g = jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
+    whole = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl=impl))(x, w, g)
+    np.testing.assert_array_equal(
+        np.asarray(_by_expert_parts(x, w, g, parts, impl)).view(np.uint16),
+        np.asarray(whole).view(np.uint16))
+
+
 def test_row_pieces_bounds():
     assert row_pieces(1024, 4) == (0, 256, 512, 768, 1024)
     assert row_pieces(1000, 4) == (0, 256, 512, 768, 1000)

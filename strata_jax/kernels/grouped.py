@@ -85,7 +85,7 @@ def resolve_implementation(impl: str | None = None) -> str:
 
 def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: jax.Array, *,
                    impl: str | None = None, quantized: str | None = None,
-                   tile_groups: int | None = None) -> jax.Array:
+                   tile_groups: int | None = None, group_offset: int = 0) -> jax.Array:
     """Multiplies row groups of `x` by their group's matrix.
 
     Args:
@@ -98,9 +98,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
         impl: auto|mosaic|lax|tiled (`Kernels.grouped_matmul`); None: auto.
         quantized: for a QuantizedMatrix, auto|fused|dequantize (`Kernels.quantized_matmul`,
             `kernels.quantized.resolve_quantized`); None: auto.
-        tile_groups: the Mosaic kernels' tiling as for this many groups (default: G): a
-            layer's experts multiplied in parts (`layers.moe.experts_part`) take the whole
-            layer's tiling, so each row gets the bits the whole layer's matmul gives it.
+        tile_groups, group_offset: `w` and `group_sizes` are groups group_offset ..
+            group_offset + G - 1 of `tile_groups` (a layer's experts multiplied in parts,
+            `layers.moe.MoE.experts_part`): each row gets the bits the whole layer's matmul
+            gives it. The Mosaic kernels take the whole layer's tiling; "lax", whose CPU
+            lowering contracts every group's rows in one dot (its summation blocks depend on
+            the group's place), the groups at their place among zeros.
 
     Returns:
         [M, N] in `x.dtype`, accumulated in float32.
@@ -144,6 +147,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
         impl = "tiled"  # shape the kernel cannot tile: stay memory-safe.
     if impl == "tiled":
         return _tiled(x, w, group_sizes)
+    if tile_groups and tile_groups != g:  # the whole layer's groups, zeros around these
+        after = tile_groups - group_offset - g
+        if group_offset < 0 or after < 0:
+            raise ValueError(f"grouped_matmul: groups {group_offset}..{group_offset + g - 1} "
+                             f"are not among {tile_groups}")
+        w = jnp.pad(w, ((group_offset, after), (0, 0), (0, 0)))
+        group_sizes = jnp.pad(group_sizes, (group_offset, after))
     return _lax(x, w, group_sizes)
 
 

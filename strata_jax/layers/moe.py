@@ -167,7 +167,8 @@ def _add_bias(y: jax.Array, bias: jax.Array, experts: jax.Array) -> jax.Array:
 
 def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.Array,
                    impl: str | None = None, quantized: str | None = None,
-                   act: ExpertAct = ExpertAct(), tile_groups: int | None = None) -> jax.Array:
+                   act: ExpertAct = ExpertAct(), tile_groups: int | None = None,
+                   group_offset: int = 0) -> jax.Array:
     """SwiGLU of each token copy with its expert: grouped matmuls over rows sorted by expert.
 
     Args:
@@ -180,8 +181,9 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
         impl: the grouped matmul (`Kernels.grouped_matmul`); None: auto.
         quantized: how quantized matrices are read (`Kernels.quantized_matmul`); None: auto.
         act: the activation between the gate/up and down products (`ExpertAct`).
-        tile_groups: the matmuls' tiling as for this many groups (`grouped_matmul`; a part
-            of a layer's experts takes the layer's).
+        tile_groups, group_offset: `w` and `counts` are experts group_offset.. of
+            tile_groups (`grouped_matmul`: a part of a layer's experts, its rows with the bits
+            of the whole layer's matmuls).
 
     Returns:
         [M, H] in x.dtype.
@@ -195,7 +197,7 @@ def experts_swiglu(x: jax.Array, rows: jax.Array, w: ExpertWeights, counts: jax.
     again to reorder it.
     """
     mm = functools.partial(grouped_matmul, impl=impl, quantized=quantized,
-                           tile_groups=tile_groups)
+                           tile_groups=tile_groups, group_offset=group_offset)
 
     def act_order(m):
         return isinstance(m, QuantizedMatrix) and m.perm is not None
@@ -444,7 +446,7 @@ class MoE(nnx.Module):
             rows = order[jnp.minimum(begin + jnp.arange(m, dtype=jnp.int32), m - 1)] // k
             y = experts_swiglu(x, rows, _in_dtype(w, x.dtype), counts[lo:hi],
                                self.kernels.grouped_matmul, self.kernels.quantized_matmul,
-                               self.act, tile_groups=self.config.n_experts)
+                               self.act, tile_groups=self.config.n_experts, group_offset=lo)
             at = inv - begin  # each token copy's row in y, where it is the part's
             mine = (at >= 0) & (at < size)
             got = y[jnp.clip(at, 0, m - 1)]
