@@ -373,13 +373,24 @@ def test_info_json_plan_matches_the_engine():
             assert plan["ring_fits_budget"] is True
         seen_rings.add(plan["ring_slots"])
     assert seen_rings == {2 * N_EXPERTS, N_EXPERTS}  # whole frames: two, or one
-    # A ring budget below one layer's streamed experts is flagged, as the engine refuses it.
-    small = run_json(["info", *MODEL, "--ring-gib", str(cfg.expert_bytes * 20 / 2**30),
+    # A ring budget below one layer frame: each layer in the fewest parts of which two
+    # frames fit it, as the engine streams it (20 slots: 4 parts of 8 experts, 2 frames).
+    small = run_json(["info", *MODEL, "--ring-gib", str(cfg.expert_bytes * 20.5 / 2**30),
                       "--no-measure"])["plan"]
-    assert small["ring_fits_budget"] is False and small["ring_slots"] == N_EXPERTS
-    with pytest.raises(ValueError, match="holds 20 experts"):
+    assert small["ring_fits_budget"] is True
+    assert (small["ring_parts"], small["ring_slots"], small["ring_frames"]) == (4, 16, 2)
+    with NativeStreamer(cfg, [experts.get(l) for l in range(cfg.n_layers)],
+                        StreamConfig(ring_budget_gib=cfg.expert_bytes * 20.5 / 2**30,
+                                     backend="cpu")) as eng:
+        assert (eng.parts, eng.ring) == (4, 16)
+    # Below one expert a part, it is flagged, as the engine refuses it.
+    tiny = run_json(["info", *MODEL, "--ring-gib", str(cfg.expert_bytes * 0.5 / 2**30),
+                     "--no-measure"])["plan"]
+    assert tiny["ring_fits_budget"] is False
+    with pytest.raises(ValueError, match="holds 0 experts"):
         NativeStreamer(cfg, [experts.get(l) for l in range(cfg.n_layers)],
-                     StreamConfig(ring_budget_gib=cfg.expert_bytes * 20 / 2**30, backend="cpu"))
+                       StreamConfig(ring_budget_gib=cfg.expert_bytes * 0.5 / 2**30,
+                                    backend="cpu"))
     # Bad figures are refused by the plan itself, not turned into nonsense.
     with pytest.raises(ValueError, match="exceeds the 32 experts"):
         cli.memory_plan(cfg, max_context=512, resident_per_layer=33)

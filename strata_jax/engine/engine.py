@@ -271,7 +271,8 @@ class Engine:
         return chunk_bytes(self.config, chunk, self.capacity if capacity is None else capacity,
                            first=first, platform=self.device.platform,
                            streamed=self.streamer is not None,
-                           attention=self.kernels.attention, dequantized=self._dequantized)
+                           attention=self.kernels.attention, dequantized=self._dequantized,
+                           parts=self._parts)
 
     @property
     def _dequantized(self) -> bool:
@@ -291,7 +292,8 @@ class Engine:
             activations, kv, _ = chunk_memory(
                 self.config, chunk, self.max_context, self._sub_chunk_arg,
                 platform=self.device.platform, streamed=self.streamer is not None,
-                attention=self.kernels.attention, dequantized=self._dequantized)
+                attention=self.kernels.attention, dequantized=self._dequantized,
+                parts=self._parts)
             need = activations + kv
             if need <= have:
                 return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of "
@@ -383,6 +385,13 @@ class Engine:
                          in_specs=(spec(), (spec(EXPERT_AXIS), spec()), spec(), spec()),
                          out_specs=(spec(), spec(), spec(EXPERT_AXIS)), check=False)(
             state_leaves, resident, ids, cache)
+
+    @property
+    def _parts(self) -> int:
+        """The parts each MoE layer streams in (`NativeStreamer.parts`; 1 resident)."""
+        if self.streamer is None or self._manual:
+            return 1
+        return self.streamer.parts
 
     @property
     def _native_layers(self) -> int:
@@ -514,7 +523,8 @@ class Engine:
         p, s = self.layer_major_shape(n_tokens)
         return layer_major_bytes(self.config, p, s, self.capacity,
                                  s if expert_rows is None else int(expert_rows),
-                                 platform=self.device.platform, attention=self.kernels.attention)
+                                 platform=self.device.platform, attention=self.kernels.attention,
+                                 parts=self._parts)
 
     def layer_major_rows(self, n_tokens: int, have: int | None = None) -> int:
         """The rows a layer-major read of `n_tokens` tokens runs each router/expert call on:

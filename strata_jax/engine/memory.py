@@ -56,15 +56,19 @@ def kv_cache_bytes(config: ModelConfig, capacity: int) -> int:
     return cache_bytes(config, capacity)
 
 
-def expert_bytes(config: ModelConfig, tokens: int) -> int:
+def expert_bytes(config: ModelConfig, tokens: int, parts: int = 1) -> int:
     """Activation bytes of one router/expert call on `tokens` rows: the router's logits and
     scores ([T, E] float32), the experts' sorted inputs and outputs ([T*k, H]) and their
-    gate/up activations ([T*k, I], float32 and the parameter dtype)."""
+    gate/up activations ([T*k, I], float32 and the parameter dtype); a layer in `parts` parts
+    (StreamTuning.parts) also the token-major outputs so far and a part's gathered outputs
+    ([T*k, H] each)."""
     c = config
     it = np.dtype(c.dtype).itemsize
     rows = tokens * c.top_k
+    sorted_rows = 2 if parts == 1 else 4
     return int(tokens * c.n_experts * 8
-               + rows * (2 * c.hidden_size * it + 2 * c.expert_intermediate * (4 + it)))
+               + rows * (sorted_rows * c.hidden_size * it
+                         + 2 * c.expert_intermediate * (4 + it)))
 
 
 def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *, first: bool,
@@ -93,14 +97,16 @@ def attention_working_bytes(config: ModelConfig, queries: int, capacity: int, *,
 
 def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool = False,
                 platform: str = "cpu", streamed: bool = False, attention: str = "auto",
-                dequantized: bool | None = None) -> int:
+                dequantized: bool | None = None, parts: int = 1) -> int:
     """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
     `capacity` positions on a `platform` device with the `attention` path requested
     (`Kernels.attention`; `Engine.chunk_bytes` says what is counted); `streamed` adds one
     layer's expert weights (the packed ring's outputs). `dequantized`: whether the expert math
     writes a quantized layer out in the parameter dtype before its grouped matmuls (the
     "dequantize" path; a fused kernel does not), adding one layer's experts in that dtype;
-    None: for any quantized format (where the path is not known yet)."""
+    None: for any quantized format (where the path is not known yet). `parts`: each layer's
+    experts in that many parts (StreamTuning.parts), the weights fetched and dequantized a
+    part at a time."""
     c = config
     it = np.dtype(c.dtype).itemsize
     qkv = chunk * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim * (4 + it)
@@ -108,15 +114,17 @@ def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool =
                                    attention=attention)
     hidden = 4 * chunk * c.hidden_size * it
     routing = chunk * c.top_k * 8
-    fetched = c.n_experts * c.expert_bytes if streamed else 0
+    per = c.n_experts // parts
+    fetched = per * c.expert_bytes if streamed else 0
     if dequantized is None:
         dequantized = c.expert_format != "plain"
-    layer = c.n_experts * c.expert_params * it if dequantized else 0
-    return int(qkv + attn + hidden + routing + expert_bytes(c, chunk) + fetched + layer)
+    layer = per * c.expert_params * it if dequantized else 0
+    return int(qkv + attn + hidden + routing + expert_bytes(c, chunk, parts) + fetched + layer)
 
 
 def layer_major_bytes(config: ModelConfig, padded: int, sub_chunk: int, capacity: int,
-                      expert_rows: int, *, platform: str, attention: str = "auto") -> int:
+                      expert_rows: int, *, platform: str, attention: str = "auto",
+                      parts: int = 1) -> int:
     """Estimated activation bytes of a layer-major read of a prompt padded to `padded` tokens,
     in sub-chunks of `sub_chunk`, over a KV cache of `capacity` positions, whose router and
     experts run on `expert_rows` rows at a time.
@@ -130,7 +138,8 @@ def layer_major_bytes(config: ModelConfig, padded: int, sub_chunk: int, capacity
         probabilities; blocked, one key block's);
       one router/expert call's rows R: the router's logits and scores ([R, E] float32),
         the experts' sorted inputs and outputs ([R*k, H]) and the gate/up activations
-        ([R*k, I], float32 and parameter dtype).
+        ([R*k, I], float32 and parameter dtype), and with the layer in `parts` parts the
+        outputs so far and a part's ([R*k, H] each; `expert_bytes`).
     P = padded prompt, S = sub-chunk, C = cache capacity, N = query heads.
     """
     c = config
@@ -138,7 +147,7 @@ def layer_major_bytes(config: ModelConfig, padded: int, sub_chunk: int, capacity
     prompt = padded * (3 * c.hidden_size * it + c.top_k * 8 + 8)
     attn = attention_working_bytes(c, sub_chunk, capacity, first=False, platform=platform,
                                    attention=attention)
-    return int(prompt + attn + expert_bytes(c, expert_rows))
+    return int(prompt + attn + expert_bytes(c, expert_rows, parts))
 
 
 def chunk_candidates(max_context: int) -> list[int]:
@@ -156,7 +165,7 @@ def chunk_candidates(max_context: int) -> list[int]:
 def chunk_memory(config: ModelConfig, chunk: int, max_context: int,
                  sub_chunk: int | None = None, *, platform: str = "cpu",
                  streamed: bool = False, headroom: float = CHUNK_HEADROOM,
-                 attention: str = "auto", dequantized: bool | None = None
+                 attention: str = "auto", dequantized: bool | None = None, parts: int = 1
                  ) -> tuple[int, int, int]:
     """(activations, KV caches, capacity) of a prefill in chunks of `chunk` tokens: what
     `Engine._choose_chunk` compares with the memory it has. Activations: `headroom` x the
@@ -164,7 +173,7 @@ def chunk_memory(config: ModelConfig, chunk: int, max_context: int,
     session's and the one a chunk writes), max_context + max(chunk, sub_chunk) positions."""
     capacity = int(max_context) + max(int(chunk), int(sub_chunk or chunk))
     kw = {"platform": platform, "streamed": streamed, "attention": attention,
-          "dequantized": dequantized}
+          "dequantized": dequantized, "parts": parts}
     activations = headroom * max(chunk_bytes(config, chunk, capacity, **kw),
                                  chunk_bytes(config, chunk, capacity, first=True, **kw))
     return int(activations), 2 * kv_cache_bytes(config, capacity), capacity
