@@ -244,7 +244,8 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int | None = N
                           "the lowest ids)")
     g.add_argument("--ring-gib", type=_float, default=4.0, metavar="GIB",
                    help="device memory the ring may take: whole layer frames, where each "
-                        "layer's experts land and are read (two frames when that fits)")
+                        "layer's experts land and are read (two frames when that fits); below "
+                        "one frame, each layer streams in parts with frames of their own")
     g.add_argument("--layout", choices=["auto", "frames", "packed"], default="auto",
                    help="how a streamed chunk lays the ring out: frames (the model reads each "
                         "layer where it landed; best where compute sets the pace), packed "

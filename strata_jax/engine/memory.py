@@ -260,9 +260,10 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     The host store (every expert, pinned host RAM) is `host_store_bytes`. The residents and the
     ring are `stream.plan_stream`'s, the plan a NativeStreamer follows, without a profile: a
     resident budget in GiB is spread evenly over the MoE layers (lowest ids), the ring holds two
-    layer frames (a layer's experts each) when `ring_gib` allows and at least one. A ring budget
-    below one frame, which an engine refuses, is reported here as `ring_fits_budget: False`
-    with a one-frame ring. Activations and compiler workspace are not
+    layer frames (a layer's experts each) when `ring_gib` allows and at least one; below one,
+    frames of each layer's parts (`ring_parts`: the fewest of which two frames fit). A ring
+    budget below one expert, which an engine refuses, is reported here as
+    `ring_fits_budget: False` with a one-frame ring. Activations and compiler workspace are not
     counted. The ring is whole layer frames (residents copied in) whatever the residents, so
     with nearly every expert resident the streamed plan takes more than every expert
     resident; `streamed_note` then says so and why (else it is None).

@@ -55,10 +55,10 @@ class StreamTuning:
     tests can reach every path on small models.
 
     Attributes:
-        ring: Ring slots, in whole layer frames of `n_experts` slots (rounded down, at least
-            one): each MoE layer's experts land in row e of the frame it takes (layers take
-            frames in turn), and the model reads the frame where they landed. None: two
-            frames (one layer plus a layer of read-ahead), capped by
+        ring: Ring slots, in whole frames of `n_experts / parts` slots (rounded down, at
+            least one): each MoE layer's (or part's) experts land in row e of the frame it
+            takes (they take frames in turn), and the model reads the frame where they landed.
+            None: two frames (one layer plus a layer of read-ahead), capped by
             `StreamConfig.ring_budget_gib`.
         parts: Each MoE layer's experts in this many equal parts (a divisor of `n_experts`),
             each its own frame of n_experts / parts slots: the layer's expert math runs part by
@@ -193,7 +193,8 @@ class StreamConfig:
             another model's shape is refused when the engine (or its plan,
             `plan_stream`) is made.
         ring_budget_gib: Device memory the ring of streamed experts may take (two layer frames
-            when they fit; `StreamTuning.ring` sets slots instead).
+            when they fit, else frames of each layer's parts: `StreamTuning.parts`;
+            `StreamTuning.ring` sets slots instead).
         backend: "auto" (CUDA when JAX runs on a GPU and the library has CUDA),
             "cpu" (simulated link) or "cuda".
         trace: Print per-chunk copied/skipped lines; None reads STRATA_TRACE.
