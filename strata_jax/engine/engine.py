@@ -278,7 +278,6 @@ class Engine:
     def _dequantized(self) -> bool:
         """Whether the expert math writes each quantized layer out dequantized (the
         "dequantize" path on this device) rather than reading its planes in a fused kernel."""
-
         fmt = ExpertFormat.of(self.config)
         return resolve_format(self.kernels.quantized_matmul, fmt, self.device) == "dequantize"
 
@@ -346,8 +345,7 @@ class Engine:
                 frame_of=self.streamer.frame_of, tail_pieces=pieces,
                 tail_shape=self.streamer.tail_shape(bucket),
                 tail_layer=self.streamer.tail_layer,
-                expert_axis=EXPERT_AXIS if self._manual else None,
-                parts=1 if self._manual else self.streamer.parts)
+                expert_axis=EXPERT_AXIS if self._manual else None, parts=self._parts)
             ids = source.ids
         tokens, start, n_valid = ids[:bucket], ids[-2], ids[-1]
         start = 0 if first else start
@@ -389,17 +387,7 @@ class Engine:
     @property
     def _parts(self) -> int:
         """The parts each MoE layer streams in (`NativeStreamer.parts`; 1 resident)."""
-        if self.streamer is None or self._manual:
-            return 1
-        return self.streamer.parts
-
-    @property
-    def _native_layers(self) -> int:
-        """Rows of end_chunk's stats: the native engine's layers (a layer in parts is that
-        many of them: `NativeStreamer.native_layers`)."""
-        if self._manual:
-            return self.config.n_layers
-        return self.streamer.native_layers
+        return 1 if self.streamer is None else self.streamer.parts
 
     def _tail_pieces(self, mode: int, bucket: int, *, layer_major: bool) -> int:
         """The pieces a chunk's program runs its last MoE layer in (StreamTuning.tail_pieces),
@@ -408,16 +396,11 @@ class Engine:
             mode, bucket, grouped_matmul=self.kernels.grouped_matmul,
             quantized=self.kernels.quantized_matmul)
 
-
     def _stage_ids(self, ids: list[np.ndarray], *, reset: bool = False) -> None:
         """Hands streamed chunks' ids (`_chunk_ids`, in dispatch order) to the engine before
-        they are dispatched; each chunk's begin_chunk takes its own and writes them on the
-        device as kernel arguments (`NativeStreamer.stage_ids`; `reset` drops ids left over).
-        No host-to-device copy of the prefill's then meets the walk: PjRt's copy of a chunk's
-        ids, queued on its own stream behind the walk's copies, would land only once the link
-        drained and hold the whole program; put on the device and waited for before the walk,
-        they would delay every prefill (DESIGN.md). The resident engine has no walk: its calls
-        take numpy."""
+        they are dispatched; each chunk's begin_chunk writes its own on the device as kernel
+        arguments (`NativeStreamer.stage_ids`; `reset` drops ids left over), so no copy of the
+        prefill's meets the walk's queue (DESIGN.md, "Staged ids")."""
         self.streamer.stage_ids(np.concatenate(ids), reset=reset)
 
     def _dispatch(self, piece: np.ndarray, bucket: int, cache, start: int, *,
@@ -471,7 +454,7 @@ class Engine:
         counts [n_moe, E], a scored call's per-row log-probabilities float32 [bucket] and most
         likely tokens int32 [bucket] (both [0] unscored)) from a call's info, read once."""
         c = self.config
-        n_stats = 2 * self._native_layers if self.streamer is not None else 0
+        n_stats = 2 * self.streamer.native_layers if self.streamer is not None else 0
         n_counts = len(c.moe_layers) * c.n_experts
         info = np.asarray(info)
         stats = info[:n_stats].reshape(-1, 2)

@@ -301,6 +301,12 @@ class StreamerGroup(Closable):
     # under shard_map would need them as one array sharded over the mesh.
     frames = None
     read_in_place = False
+    parts = 1  # NativeStreamer.parts: an engine of a group refuses a layer in parts
+
+    @property
+    def native_layers(self) -> int:
+        """Rows of each device's end_chunk stats (`NativeStreamer.native_layers`)."""
+        return self.streamers[0].native_layers
     frames_note = ("layer frames, read through a copy on each device (in-place views of "
                    "several devices' rings are not built)")
 

@@ -472,13 +472,11 @@ class NativeStreamer(Closable):
         return tuple(self.native_layer(l, p) for l in self.moe_layers for p in range(self.parts))
 
     def native_layer(self, layer: int, part: int = 0) -> int:
-        """The native engine's layer of part `part` of MoE layer `layer` (StreamPlan.parts)."""
-        return self.plan.native_layer(layer, part)
+        return self.plan.native_layer(layer, part)  # StreamPlan.native_layer
 
     @property
     def native_layers(self) -> int:
-        """Layers the native engine has: end_chunk's stats rows (L x parts)."""
-        return self.plan.native_layers
+        return self.plan.native_layers  # end_chunk's stats rows: L x parts
 
     # -- properties ---------------------------------------------------------------------------
 
