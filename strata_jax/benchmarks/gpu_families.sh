@@ -97,7 +97,7 @@ for STAGE in ${1//,/ }; do
         PRESET=deepseek-v3 LAYERS=$((3 + ${DS_MOE_LAYERS:-2})) FORMATS=fp8 \
         LENGTHS=1024,2048,4096,8192 QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
     ds-32k)
-      POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=dsv3_16g CHUNKED_ARGS="--preset deepseek-v3
+      POOL_GIB=12.93 BENCH_TIMEOUT=${DS32K_TIMEOUT:-500} NAME=dsv3_16g CHUNKED_ARGS="--preset deepseek-v3
         --layers $((3 + ${DS_32K_MOE_LAYERS:-4})) --quantize fp8 --parts prefill --arms routed
         --no-resident --ring-gib ${DS_RING_GIB:-2.5} --orders layer-major --reps-prefill 1" \
         $RUN chunked || rc=1 ;;
@@ -109,7 +109,7 @@ for STAGE in ${1//,/ }; do
     glm-e2e)
       R="$OUT/chunked_glm_air_resident_32768.json"
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
-      POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=glm_air_l46_16g CHUNKED_ARGS="$GLM
+      POOL_GIB=12.93 BENCH_TIMEOUT=${GLM_E2E_TIMEOUT:-500} NAME=glm_air_l46_16g CHUNKED_ARGS="$GLM
         --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major
         --reps-prefill 2" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;

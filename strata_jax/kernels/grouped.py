@@ -146,7 +146,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, group_sizes: ja
             return _mosaic_jit(x, w, group_sizes)
         impl = "tiled"  # shape the kernel cannot tile: stay memory-safe.
     if impl == "tiled":
-        return _tiled(x, w, group_sizes)
+        return _tiled(x, w, group_sizes, groups=tile_groups)
     if tile_groups and tile_groups != g:  # the whole layer's groups, zeros around these
         after = tile_groups - group_offset - g
         if group_offset < 0 or after < 0:
@@ -209,13 +209,15 @@ def _lax(x, w, group_sizes):
         return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _tiled(x, w, group_sizes, tile: int = 128, batch: int = 8):
-    """Row tiles of one group each, one small matmul per tile."""
+def _tiled(x, w, group_sizes, tile: int = 128, batch: int = 8, groups: int | None = None):
+    """Row tiles of one group each, one small matmul per tile; `groups`: the tiles as for
+    that many groups (`grouped_matmul`'s tile_groups: the same batches of tiles, the same
+    bits, as the whole layer's call)."""
     with jax.named_scope("grouped_matmul_tiled"):
         m, k = x.shape
         g, _, n = w.shape
         tile = min(tile, max(8, 1 << (m - 1).bit_length()))
-        n_tiles = -(-m // tile) + g  # each group adds at most one partial tile
+        n_tiles = -(-m // tile) + max(g, groups or g)  # a group adds at most a partial tile
         padded_sizes = -(-group_sizes // tile) * tile  # [G]
         starts = jnp.cumsum(group_sizes) - group_sizes  # [G] exclusive
         padded_ends = jnp.cumsum(padded_sizes)  # [G]
