@@ -243,6 +243,7 @@ def test_engine_arms_are_byte_identical_across_turns(order):
     assert seen["routed"] == seen["resident"]
 
 
+@pytest.mark.slow  # chunks carry the state: test_model_matches_float64_reference_whole_and_in_chunks
 def test_follow_up_turn_continues_the_state(f32_params):
     """float32: a prompt read in two turns gives the logits of the prompt read at once."""
     toks = _tokens(100, seed=5)

@@ -115,6 +115,9 @@ ARMS = {
     "parts4-routed-d2-frames-ring2parts": (dict(routed=True, depth=2, parts=4, ring=8,
                                                 layout="frames", stream_floor=CHUNK, **SLOW),
                                            CHUNK),
+    "parts4-packed-routed-d2-ring3parts-jittery": (
+        dict(routed=True, depth=2, parts=4, ring=12, layout="packed", stream_floor=CHUNK,
+             **JITTERY), CHUNK),
     "parts2-packed-stream-all-ring1part": (dict(routed=False, parts=2, ring=8,
                                                 layout="packed", stream_floor=CHUNK,
                                                 **JITTERY), CHUNK),
@@ -124,13 +127,13 @@ ARMS = {
 }
 
 
-# The default run's arm: the packed layout, a jittery link and a ring of three layers (the
-# frames layout, which "auto" picks per chunk, stream-all, residents and the floor:
-# test_engine's arms; the tail pieces and routed frames: test_quantized's).
+# The default run's arm: the packed layout, a jittery link and a ring of three frames, each
+# layer in parts (whole layers in the packed ring: the slow run's arm of that name; the frames
+# layout, which "auto" picks per chunk, stream-all, residents and the floor: test_engine's
+# arms; the tail pieces and routed frames: test_quantized's).
 # Every arm under both routings, the layout changing between chunks among them, runs in the
 # slow run.
-DEFAULT_ARMS = {("skewed", "packed-routed-d2-ring3layers-jittery"),
-                ("skewed", "parts4-routed-d2-frames-ring2parts")}
+DEFAULT_ARMS = {("skewed", "parts4-packed-routed-d2-ring3parts-jittery")}
 
 
 def _arm_cases():
