@@ -32,7 +32,8 @@
 #                32K tokens layer-major within next-e2e's 16 GB footprint (XLA's pool 12.93 GiB,
 #                a ring of DS_RING_GIB=2.5): a layer frame of 256 fp8 experts is 10.5 GiB, so
 #                each layer streams in parts (StreamTuning.parts: 16 parts of 16 experts, three
-#                part frames in 2.5 GiB).
+#                part frames in 2.5 GiB); sub-chunks of DS_SUB_CHUNK=2048 tokens (the plan's
+#                activations at 8K, ~9.8 GiB, do not fit beside the slice's 8.4 GiB of weights).
 # glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk, 32K
 #                (51.4 GB of experts: an H200's; on an H100 the 32K activations do not fit).
 # glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
@@ -99,7 +100,8 @@ for STAGE in ${1//,/ }; do
     ds-32k)
       POOL_GIB=12.93 BENCH_TIMEOUT=${DS32K_TIMEOUT:-500} NAME=dsv3_16g CHUNKED_ARGS="--preset deepseek-v3
         --layers $((3 + ${DS_32K_MOE_LAYERS:-4})) --quantize fp8 --parts prefill --arms routed
-        --no-resident --ring-gib ${DS_RING_GIB:-2.5} --orders layer-major --reps-prefill 1" \
+        --no-resident --ring-gib ${DS_RING_GIB:-2.5} --chunk ${DS_SUB_CHUNK:-2048}
+        --orders layer-major --reps-prefill 1" \
         $RUN chunked || rc=1 ;;
     glm-resident)
       XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 \
