@@ -370,6 +370,28 @@ def read_in_chunks(model, tokens, bounds, cache):
         yield lo, hi, logits
 
 
+def arm_reads(engine_cls, cfg, params, arms, *, check=None, seed: int = 2, **engine_kw) -> dict:
+    """Each arm's reads for identity tests: a 200-token prompt in chunks, a 37-token follow-up
+    turn on its session, the prompt again layer-major (each read's logits finite). `arms`:
+    (name, StreamConfig or None) pairs; `engine_cls(cfg, params, stream, **engine_kw)` makes
+    each engine; `check(engine, stream, reads)`, if given, runs on each arm's engine and
+    reads. Returns {name: the six logits and KV hashes}, for the tests to compare."""
+    rng = np.random.default_rng(seed)
+    tokens, follow = rng.integers(0, cfg.vocab_size, 200), rng.integers(0, cfg.vocab_size, 37)
+    out = {}
+    for name, stream in arms:
+        with engine_cls(cfg, params, stream, **engine_kw) as eng:
+            first = eng.prefill(tokens)
+            second = eng.prefill(follow, first.session)
+            lm = eng.prefill(tokens, order="layer-major")
+            assert np.isfinite(first.logits).all() and np.isfinite(lm.logits).all()
+            if check is not None:
+                check(eng, stream, (first, second, lm))
+            out[name] = (first.logits_sha256(), first.kv_sha256(), second.logits_sha256(),
+                         second.kv_sha256(), lm.logits_sha256(), lm.kv_sha256())
+    return out
+
+
 # config.json of Qwen3-30B-A3B as published (its keys and values), for loader tests.
 QWEN3_30B_A3B_HF_CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,

@@ -60,3 +60,19 @@ def pytest_runtest_setup(item):
     if os.environ.get("STRATA_REQUIRE_GPU") == "1":
         pytest.fail("STRATA_REQUIRE_GPU=1 but JAX sees no GPU", pytrace=False)
     pytest.skip("needs a CUDA GPU (set STRATA_REQUIRE_GPU=1 to make this a failure)")
+
+
+@pytest.fixture
+def stream_arms():
+    """stream_arms(backend="cuda", floor=16): the identity tests' arms (`testing.arm_reads`):
+    ("resident", None), stream-all and routed (depth 4) on `backend`, chunks of `floor` tokens
+    and more streamed."""
+    from strata_jax.stream import StreamConfig, StreamTuning
+
+    def arms(backend: str = "cuda", floor: int = 16) -> tuple:
+        tuning = StreamTuning(stream_floor=floor)
+        return (("resident", None),
+                ("stream-all", StreamConfig(routed=False, backend=backend, tuning=tuning)),
+                ("routed", StreamConfig(routed=True, depth=4, backend=backend, tuning=tuning)))
+
+    return arms

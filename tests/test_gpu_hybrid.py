@@ -14,35 +14,20 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("delta_rule", ["auto", "xla"])
-def test_cuda_hybrid_turns_and_layer_major_identical(delta_rule):
+def test_cuda_hybrid_turns_and_layer_major_identical(delta_rule, stream_arms):
     from strata_jax.engine import Engine
     from strata_jax.kernels import Kernels
     from strata_jax.kernels.delta_rule import delta_rule_path
     from strata_jax.models import get_preset
-    from strata_jax.stream import StreamConfig, StreamTuning
     from strata_jax.synthetic import init_synthetic
+    from strata_jax.testing import arm_reads
 
     assert delta_rule_path("auto", products="tf32") == "pallas"  # what a bf16 layer runs here
     cfg = get_preset("qwen3-next-80b-a3b").scaled(n_experts=32, top_k=4, hidden_size=256,
                                                   head_dim=64, expert_intermediate=128,
                                                   param_dtype="bfloat16")
-    params = init_synthetic(cfg, seed=5, routing_skew=2.0)
-    rng = np.random.default_rng(2)
-    tokens, follow = rng.integers(0, cfg.vocab_size, 200), rng.integers(0, cfg.vocab_size, 37)
-    out = {}
-    for arm, sc in (("resident", None),
-                    ("stream-all", StreamConfig(routed=False, backend="cuda",
-                                                tuning=StreamTuning(stream_floor=16))),
-                    ("routed", StreamConfig(routed=True, depth=4, backend="cuda",
-                                            tuning=StreamTuning(stream_floor=16)))):
-        with Engine(cfg, params, sc, max_context=1024, chunk_size=64,
-                    kernels=Kernels(delta_rule=delta_rule)) as eng:
-            first = eng.prefill(tokens)
-            second = eng.prefill(follow, first.session)
-            lm = eng.prefill(tokens, order="layer-major")
-            assert np.isfinite(first.logits).all() and np.isfinite(lm.logits).all()
-            out[arm] = (first.logits_sha256(), first.kv_sha256(), second.logits_sha256(),
-                        second.kv_sha256(), lm.logits_sha256(), lm.kv_sha256())
+    out = arm_reads(Engine, cfg, init_synthetic(cfg, seed=5, routing_skew=2.0), stream_arms(),
+                    max_context=1024, chunk_size=64, kernels=Kernels(delta_rule=delta_rule))
     assert out["stream-all"] == out["resident"]
     assert out["routed"] == out["resident"]
 

@@ -45,27 +45,13 @@ def test_cuda_mla_fused_and_xla_parts_match_the_float64_reference(monkeypatch):
         assert_close(second, ref[300:], cfg.dtype, err_msg=f"{path}: over the prefix")
 
 
-def test_cuda_mla_turns_and_layer_major_identical():
+def test_cuda_mla_turns_and_layer_major_identical(stream_arms):
     from strata_jax.engine import Engine
-    from strata_jax.stream import StreamConfig, StreamTuning
     from strata_jax.synthetic import init_synthetic
+    from strata_jax.testing import arm_reads
 
     cfg = _config()
-    params = init_synthetic(cfg, seed=5, routing_skew=2.0)
-    rng = np.random.default_rng(2)
-    tokens, follow = rng.integers(0, cfg.vocab_size, 200), rng.integers(0, cfg.vocab_size, 37)
-    out = {}
-    for arm, sc in (("resident", None),
-                    ("stream-all", StreamConfig(routed=False, backend="cuda",
-                                                tuning=StreamTuning(stream_floor=16))),
-                    ("routed", StreamConfig(routed=True, depth=4, backend="cuda",
-                                            tuning=StreamTuning(stream_floor=16)))):
-        with Engine(cfg, params, sc, max_context=1024, chunk_size=64) as eng:
-            first = eng.prefill(tokens)
-            second = eng.prefill(follow, first.session)
-            lm = eng.prefill(tokens, order="layer-major")
-            assert np.isfinite(first.logits).all() and np.isfinite(lm.logits).all()
-            out[arm] = (first.logits_sha256(), first.kv_sha256(), second.logits_sha256(),
-                        second.kv_sha256(), lm.logits_sha256(), lm.kv_sha256())
+    out = arm_reads(Engine, cfg, init_synthetic(cfg, seed=5, routing_skew=2.0), stream_arms(),
+                    max_context=1024, chunk_size=64)
     assert out["stream-all"] == out["resident"]
     assert out["routed"] == out["resident"]

@@ -430,35 +430,26 @@ def test_cuda_layers_in_parts_identical():
     from strata_jax.models import get_preset
     from strata_jax.stream import StreamConfig, StreamTuning
     from strata_jax.synthetic import init_synthetic
+    from strata_jax.testing import arm_reads
+
+    def check(eng, sc, reads):
+        if sc is None:
+            return
+        assert eng.streamer.parts == 4
+        assert eng.streamer.read_in_place or sc.tuning.layout == "packed"
+        for c in (c for r in reads for c in r.chunks):
+            np.testing.assert_array_equal(c.stats.copied + c.stats.skipped, c.stats.streamed)
 
     cfg = get_preset("qwen3-30b-a3b").scaled(n_layers=3, n_experts=256, top_k=8,
                                              hidden_size=256, expert_intermediate=128,
                                              param_dtype="bfloat16")
-    params = init_synthetic(cfg, seed=5, routing_skew=2.0)
-    rng = np.random.default_rng(4)
-    tokens, follow = rng.integers(0, cfg.vocab_size, 200), rng.integers(0, cfg.vocab_size, 37)
-    out = {}
-    for arm, sc in (("resident", None),
-                    ("routed frames", StreamConfig(routed=True, depth=4, backend="cuda",
-                                                   tuning=StreamTuning(
-                                                       parts=4, ring=128, layout="frames",
-                                                       stream_floor=16))),
-                    ("stream-all packed", StreamConfig(routed=False, backend="cuda",
-                                                       tuning=StreamTuning(
-                                                           parts=4, layout="packed")))):
-        with MosaicEngine(cfg, params, sc, max_context=1024, chunk_size=CHUNK) as eng:
-            if sc is not None:
-                assert eng.streamer.parts == 4
-                assert eng.streamer.read_in_place or sc.tuning.layout == "packed"
-            first = eng.prefill(tokens)
-            second = eng.prefill(follow, first.session)
-            lm = eng.prefill(tokens, order="layer-major")
-            for r in (first, second, lm):
-                for c in r.chunks if sc is not None else ():
-                    np.testing.assert_array_equal(c.stats.copied + c.stats.skipped,
-                                                  c.stats.streamed)
-            out[arm] = (first.logits_sha256(), first.kv_sha256(), second.logits_sha256(),
-                        second.kv_sha256(), lm.logits_sha256(), lm.kv_sha256())
+    out = arm_reads(MosaicEngine, cfg, init_synthetic(cfg, seed=5, routing_skew=2.0), (
+        ("resident", None),
+        ("routed frames", StreamConfig(routed=True, depth=4, backend="cuda", tuning=StreamTuning(
+            parts=4, ring=128, layout="frames", stream_floor=16))),
+        ("stream-all packed", StreamConfig(routed=False, backend="cuda", tuning=StreamTuning(
+            parts=4, layout="packed")))), check=check, seed=4, max_context=1024,
+        chunk_size=CHUNK)
     assert out["routed frames"] == out["resident"]
     assert out["stream-all packed"] == out["resident"]
 
