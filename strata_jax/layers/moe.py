@@ -427,31 +427,34 @@ class MoE(nnx.Module):
             out = jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
         return out
 
-    def experts_part(self, x: jax.Array, routing: Routing, order: jax.Array, inv: jax.Array,
+    def experts_part(self, x: jax.Array, routing: Routing, order: jax.Array,
                      w: ExpertWeights, lo: int, hi: int,
-                     y_tok: jax.Array | None) -> jax.Array:
+                     y_sorted: jax.Array | None) -> jax.Array:
         """Step 5 for the rows of experts lo..hi-1 only, with their weights `w` ([hi - lo,
         ...]; `expert_parts`): those rows lie together in the sorted order (from the
         experts' count before lo), so one grouped matmul of hi - lo groups takes them from
         there, tiled as the whole layer's (`tile_groups`), each row the bits the whole
-        layer's matmul gives it. `order`, `inv`: `sort_order` and `inverse_order` of the
-        routing. Returns the token-major outputs so far [T*k, H] (`y_tok` with these rows
-        filled in; zeros elsewhere on the first part), for `combine`."""
+        layer's matmul gives it. `order`: `sort_order` of the routing. Returns the sorted
+        outputs so far [T*k, H]: `y_sorted` (None for the first part, lo = 0) with the
+        part's outputs written from its first row on. Its rows past its groups (zeros) land
+        on later parts' rows, which those parts write again in turn, or on the rows past
+        every group (padding, zeros as the whole layer's); past T*k they are dropped."""
         m, k = order.shape[0], routing.expert_ids.shape[1]
         counts = routing.counts.astype(jnp.int32)
         begin = jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < lo, counts, 0))
-        size = jnp.sum(counts[lo:hi])
         with jax.named_scope(f"experts_part_{lo}"):
             # the part's rows first; the rest (past its groups) are never multiplied
-            rows = order[jnp.minimum(begin + jnp.arange(m, dtype=jnp.int32), m - 1)] // k
+            at = begin + jnp.arange(m, dtype=jnp.int32)
+            rows = order[jnp.minimum(at, m - 1)] // k
             y = experts_swiglu(x, rows, _in_dtype(w, x.dtype), counts[lo:hi],
                                self.kernels.grouped_matmul, self.kernels.quantized_matmul,
                                self.act, tile_groups=self.config.n_experts, group_offset=lo)
-            at = inv - begin  # each token copy's row in y, where it is the part's
-            mine = (at >= 0) & (at < size)
-            got = y[jnp.clip(at, 0, m - 1)]
-            return jnp.where(mine[:, None], got, jnp.zeros((), y.dtype) if y_tok is None
-                             else y_tok)
+            if y_sorted is None:
+                if lo:
+                    raise ValueError(f"experts_part: the first part starts at expert {lo}")
+                return y  # begins at row 0
+            return y_sorted.at[at].set(y, mode="drop", indices_are_sorted=True,
+                                       unique_indices=True)
 
     def __call__(self, x: jax.Array, expert_source: ExpertSource | None = None,
                  valid: jax.Array | None = None):
@@ -498,13 +501,11 @@ def experts_in_parts(moe: MoE, source, parts: tuple[tuple[int, int], ...],
     if moe.parallel is not None:
         raise ValueError("a layer's experts in parts on a mesh are not implemented")
     orders = [sort_order(r.expert_ids) for r in routings]
-    invs = [inverse_order(o) for o in orders]
     ys: list[jax.Array | None] = [None] * len(xs)
     for p, (lo, hi) in enumerate(parts):
         w = source.expert_weights_part(moe.layer, counts, p)
-        ys = [moe.experts_part(x, r, o, i, w, lo, hi, y)
-              for x, r, o, i, y in zip(xs, routings, orders, invs, ys)]
+        ys = [moe.experts_part(x, r, o, w, lo, hi, y)
+              for x, r, o, y in zip(xs, routings, orders, ys)]
         ys = source.release_part(moe.layer, p, ys)
-    with jax.named_scope("unpermute"):
-        outs = [combine(y, r.weights) for y, r in zip(ys, routings)]
+    outs = [unpermute(y, o, r.weights) for y, o, r in zip(ys, orders, routings)]
     return [moe._shared_and_padding(x, out, v) for x, out, v in zip(xs, outs, valids)]
