@@ -60,12 +60,11 @@ def expert_bytes(config: ModelConfig, tokens: int, parts: int = 1) -> int:
     """Activation bytes of one router/expert call on `tokens` rows: the router's logits and
     scores ([T, E] float32), the experts' sorted inputs and outputs ([T*k, H]) and their
     gate/up activations ([T*k, I], float32 and the parameter dtype); a layer in `parts` parts
-    (StreamTuning.parts) also the token-major outputs so far and a part's gathered outputs
-    ([T*k, H] each)."""
+    (StreamTuning.parts) also the sorted outputs so far ([T*k, H]) beside a part's."""
     c = config
     it = np.dtype(c.dtype).itemsize
     rows = tokens * c.top_k
-    sorted_rows = 2 if parts == 1 else 4
+    sorted_rows = 2 if parts == 1 else 3
     return int(tokens * c.n_experts * 8
                + rows * (sorted_rows * c.hidden_size * it
                          + 2 * c.expert_intermediate * (4 + it)))
@@ -139,7 +138,7 @@ def layer_major_bytes(config: ModelConfig, padded: int, sub_chunk: int, capacity
       one router/expert call's rows R: the router's logits and scores ([R, E] float32),
         the experts' sorted inputs and outputs ([R*k, H]) and the gate/up activations
         ([R*k, I], float32 and parameter dtype), and with the layer in `parts` parts the
-        outputs so far and a part's ([R*k, H] each; `expert_bytes`).
+        sorted outputs so far ([R*k, H]; `expert_bytes`).
     P = padded prompt, S = sub-chunk, C = cache capacity, N = query heads.
     """
     c = config
