@@ -271,27 +271,16 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.
         [T, H] in y_sorted.dtype, summed in float32.
     """
     with jax.named_scope("unpermute"):
+        t, k = weights.shape
+        n = order.shape[0]
         # Rows come back by a gather through the inverse permutation (a scatter of T*k int32s).
         # Scattering the [T*k, H] rows themselves would move H times the bytes (the layer's
         # slowest step after its grouped matmuls); the values are the same.
-        y = y_sorted[inverse_order(order)]  # [T*k, H]: y[i] = y_sorted[j] where order[j] == i
-        return combine(y, weights)
-
-
-def inverse_order(order: jax.Array) -> jax.Array:
-    """int32 [T*k]: each token copy's position in the sorted order (`sort_order`'s inverse)."""
-    n = order.shape[0]
-    return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32),
-                                                   unique_indices=True)
-
-
-def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
-    """Token-major expert outputs y [T*k, H] (copy i: token i // k's choice i % k) combined
-    with the routing weights [T, k], summed in float32 -> [T, H] in y.dtype."""
-    t, k = weights.shape
-    dtype = y.dtype
-    y = y.reshape(t, k, -1).astype(jnp.float32)  # [T, k, H]
-    return jnp.einsum("tkh,tk->th", y, weights).astype(dtype)
+        inv = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32),
+                                                      unique_indices=True)
+        y = y_sorted[inv]  # [T*k, H], token-major: y[i] = y_sorted[j] where order[j] == i
+        y = y.reshape(t, k, -1).astype(jnp.float32)  # [T, k, H]
+        return jnp.einsum("tkh,tk->th", y, weights).astype(y_sorted.dtype)
 
 
 class MoE(nnx.Module):

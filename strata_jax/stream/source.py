@@ -113,13 +113,17 @@ class StreamedExperts:
                              f"{self.parts} part(s)")
         if part == 0:
             for p, (lo, hi) in enumerate(parts):
-                self._publish(layer * self.parts + p, counts[lo:hi])
+                self._publish(self._native(layer, p), counts[lo:hi])
         with jax.named_scope(f"stream_fetch_{layer}_part_{part}"):
-            return self._fetch(layer * self.parts + part, 0, 1, (0, 0))
+            return self._fetch(self._native(layer, part), 0, 1, (0, 0))
 
     def release_part(self, layer: int, part: int, outs):
         """`release` of part `part` of `layer`: its frame may take a later part."""
-        return self.release(layer * self.parts + part, outs)
+        return self.release(self._native(layer, part), outs)
+
+    def _native(self, layer: int, part: int) -> int:
+        """The native engine's layer of part `part` of `layer` (`StreamPlan.native_layer`)."""
+        return layer * self.parts + part
 
     def _publish(self, layer: int, counts: jax.Array) -> None:
         """Publishes native layer `layer`'s counts (a MoE layer's, or one part's)."""

@@ -454,15 +454,15 @@ class NativeStreamer(Closable):
         return device_memory("gpu", self.device_ordinal)[0]
 
     def _put_resident(self, resident: list[list[int]]) -> dict[int, jax.Array]:
-        """Per native MoE layer (`native_moe_layers`) its resident experts' blobs on the
-        device, from `resident` (`StreamPlan.native_plan`'s, ids within the part)."""
+        """Per native MoE layer its residents' blobs on the device (`StreamPlan.native_plan`)."""
         device = self.jax_device
         per = self.plan.part_experts
         out = {}
-        for v in self.native_moe_layers:
-            l, p = divmod(v, self.parts)
-            rows = self._stores[l][[p * per + e for e in resident[v]]]  # uint8 [R, blob_bytes]
-            out[v] = jax.device_put(np.ascontiguousarray(rows), device)
+        for l in self.moe_layers:
+            for p in range(self.parts):
+                v = self.native_layer(l, p)
+                rows = self._stores[l][[p * per + e for e in resident[v]]]  # uint8 [R, blob]
+                out[v] = jax.device_put(np.ascontiguousarray(rows), device)
         return out
 
     @property
