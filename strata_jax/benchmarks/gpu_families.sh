@@ -38,6 +38,8 @@
 #                (51.4 GB of experts: an H200's; on an H100 the 32K activations do not fit).
 # glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
 #                call's glm-resident JSON (its bits checked) or RESIDENT_MS.
+# next-e2e and glm-e2e take RESIDENT_JSON (a resident JSON an earlier call brought back, put in
+# the repository) in place of this call's.
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -79,7 +81,7 @@ for STAGE in ${1//,/ }; do
         export SKIP_BUILD=1
       done ;;
     next-e2e)
-      R="$OUT/chunked_next_resident_32768.json"
+      R=${RESIDENT_JSON:-$OUT/chunked_next_resident_32768.json}
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
       POOL_GIB=12.93 BENCH_TIMEOUT=500 NAME=next_l48_16g CHUNKED_ARGS="$NEXT
         --arms routed --no-resident $R --ring-gib 2.5
@@ -109,7 +111,7 @@ for STAGE in ${1//,/ }; do
         --reps-prefill 2" \
         $RUN chunked || rc=1 ;;
     glm-e2e)
-      R="$OUT/chunked_glm_air_resident_32768.json"
+      R=${RESIDENT_JSON:-$OUT/chunked_glm_air_resident_32768.json}
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
       POOL_GIB=12.93 BENCH_TIMEOUT=${GLM_E2E_TIMEOUT:-500} NAME=glm_air_l46_16g CHUNKED_ARGS="$GLM
         --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major
