@@ -57,6 +57,7 @@ def test_preset_is_the_published_shape_with_a_latent_cache():
     plan = memory_plan(ds, max_context=32_768)
     assert plan["kv_bytes"] == cache_bytes(ds, 32_768)
     assert plan["kv_values_per_position"] == 576 * 61
+    assert plan["kv_values_per_position_per_head"] * 2 == per_head
     shapes = param_shapes(F32)
     assert shapes["layers.1.attn.kv_a_proj"].shape == (64, 32 + 8)
     assert shapes["layers.1.attn.kv_b_proj"].shape == (32, 2 * (16 + 16))

@@ -87,13 +87,18 @@ def cmd_info(args, log: _Log) -> int:
                       if link["pinned_gbps"] else link["note"]))
     if "plan" in out:
         p = out["plan"]
+        per_head = p.get("kv_values_per_position_per_head")
         print(f"memory plan for {model.describe()[6:]}:")
         print(f"  experts: {size(p['expert_bytes'])} each, {size(p['expert_bytes_per_layer'])} "
               f"per layer, {size(p['expert_bytes_total'])} in all ({p['moe_layers']} MoE layers)"
               " — kept in host RAM")
         print(f"  dense weights {size(p['dense_bytes'])}; KV cache {size(p['kv_bytes'])} for "
-              f"{p['max_context']} positions ({p['kv_values_per_position']} values a "
-              "position over all layers)")
+              f"{p['max_context']} positions ({p['kv_values_per_position']:,} values a "
+              "position over all layers"
+              + ("" if p.get("kv_values_per_position_per_head") is None else
+                 f": latents, {per_head / p['kv_values_per_position']:.1f}x fewer than "
+                 f"per-head keys and values' {per_head:,}")
+              + ")")
         print(f"  resident {p['resident_per_layer']} experts per layer "
               f"({size(p['resident_bytes'])}); {p['streamed_per_layer']} streamed per layer "
               f"through a ring of {p['ring_slots']} slots ({p['ring_frames']} "

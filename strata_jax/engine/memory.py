@@ -305,6 +305,9 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         "kv_bytes": kv,
         "kv_values_per_position": (kv_cache_bytes(config, 2) - kv_cache_bytes(config, 1))
         // np.dtype(config.dtype).itemsize,
+        # A cache of latents (latent attention): the values per-head keys and values would take.
+        "kv_values_per_position_per_head": getattr(model_module(config), "expanded_values",
+                                                   lambda c: None)(config),
         "max_context": max_context,
         "resident_per_layer": per,
         "resident_bytes": plan.resident_bytes,

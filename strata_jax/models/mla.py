@@ -172,6 +172,12 @@ def cache_bytes(config: MLAConfig, capacity: int) -> int:
             * np.dtype(c.dtype).itemsize)
 
 
+def expanded_values(config: MLAConfig) -> int:
+    """Values a position per-head keys and values would take over every layer (heads x (Dq +
+    Dv) a layer): what the latent cache replaces (DeepSeek-V3: 2,498,560 against 35,136)."""
+    return config.n_layers * config.n_heads * (config.head_dim + config.v_head_dim)
+
+
 def attention_bytes(config: MLAConfig, queries: int, capacity: int, *, first: bool,
                     fused: bool) -> int:
     """Working memory of one chunk's MLA beyond its input and output: queries, the chunk's
