@@ -475,6 +475,13 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     assert row["over_resident_one"] == pytest.approx(row["ms"] / reads[("resident", "one")]["ms"])
     assert row["identical_to_resident"] is True  # against the first run's resident read
     assert row["kv_sha256"] == reads[("resident", "layer-major")]["kv_sha256"]
+    assert row["resident_read"] == "one"
+    # Where the resident one chunk did not fit (no row), its layer-major read divides.
+    lm = tmp_path / "layer_major_only.json"
+    lm.write_text(json.dumps({"rows": [r for r in rows if r.get("read") != "one"]}))
+    ms, read, hashes = chunked_bench._resident_reference(str(lm), 256)
+    assert (ms, read) == (reads[("resident", "layer-major")]["ms"], "layer-major")
+    assert ("layer-major", 1) in hashes and ("one", 1) not in hashes
 
 
 def test_chunked_bench_link_floor_of_a_mesh_is_its_slowest_device():

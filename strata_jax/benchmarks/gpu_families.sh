@@ -34,8 +34,10 @@
 #                each layer streams in parts (StreamTuning.parts: 16 parts of 16 experts, three
 #                part frames in 2.5 GiB); sub-chunks of DS_SUB_CHUNK=2048 tokens (the plan's
 #                activations at 8K, ~9.8 GiB, do not fit beside the slice's 8.4 GiB of weights).
-# glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk, 32K
-#                (51.4 GB of experts: an H200's; on an H100 the 32K activations do not fit).
+# glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk and
+#                layer-major (GLM_RESIDENT_ORDERS), 32K (51.4 GB of experts; on an H100 one
+#                chunk's 32K activations do not fit: GLM_RESIDENT_ORDERS=layer-major, which
+#                glm-e2e then divides by).
 # glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
 #                call's glm-resident JSON (its bits checked) or RESIDENT_MS.
 # next-e2e and glm-e2e take RESIDENT_JSON (a resident JSON an earlier call brought back, put in
@@ -107,8 +109,8 @@ for STAGE in ${1//,/ }; do
         $RUN chunked || rc=1 ;;
     glm-resident)
       XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 \
-        CHUNKED_ARGS="$GLM --arms resident --resident-orders one,layer-major --long 32768
-        --reps-prefill 2" \
+        CHUNKED_ARGS="$GLM --arms resident --resident-orders ${GLM_RESIDENT_ORDERS:-one,layer-major}
+        --long 32768 --reps-prefill 2" \
         $RUN chunked || rc=1 ;;
     glm-e2e)
       R=${RESIDENT_JSON:-$OUT/chunked_glm_air_resident_32768.json}
