@@ -38,6 +38,7 @@ from strata_jax.experts import ExpertWeights
 from strata_jax.formats import ExpertFormat
 from strata_jax.kernels import Kernels
 from strata_jax.kernels.quantized import resolve_format
+from strata_jax.layers.moe import PARTS_COMPILER_OPTIONS
 from strata_jax.models import build_model, expert_plane_names, init_cache, validate_inputs
 from strata_jax.parallel import (EXPERT_AXIS, ExpertParallel, replicated, set_parallel,
                                  shard_map, state_shardings)
@@ -222,17 +223,16 @@ class Engine:
         # The compiled call takes the state as a flat list: flattening an nnx.State on every
         # call is Python work (milliseconds for a real model) before the device starts.
         self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
-        # One dispatch for a new session's cache instead of one per array (new_cache); a
-        # prefill's first chunk makes its zeros inside its own program instead.
+        # One dispatch for a new session's cache (new_cache); a first chunk makes its own zeros.
         on_device = (jax.sharding.SingleDeviceSharding(self.device) if self.mesh is None
                      else replicated(self.mesh))
         self._zero_cache = jax.jit(self._zeros, out_shardings=on_device)
         self.compilations = 0
         self._info_sharding = info_sharding(self.device, self.mesh, split=self._manual)
         self._jit = jax.jit(self._prefill_on_mesh if self._manual else self._prefill_fn,
-                            static_argnames=("first", "mode", "sub", "rows", "width",
-                                             "score"),
-                            out_shardings=(on_device, on_device, self._info_sharding))
+                            static_argnames=("first", "mode", "sub", "rows", "width", "score"),
+                            out_shardings=(on_device, on_device, self._info_sharding),
+                            compiler_options=PARTS_COMPILER_OPTIONS if self._parts > 1 else None)
         # (bucket, first, mode, sub, rows) of the programs run once: with the engine's fixed
         # state, resident blobs and shardings they are what jit keys its compiled programs on. A
         # prestart before an uncompiled program would only hold its walk through the compile.

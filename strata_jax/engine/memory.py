@@ -137,16 +137,19 @@ def layer_major_bytes(config: ModelConfig, padded: int, sub_chunk: int, capacity
         probabilities; blocked, one key block's);
       one router/expert call's rows R: the router's logits and scores ([R, E] float32),
         the experts' sorted inputs and outputs ([R*k, H]) and the gate/up activations
-        ([R*k, I], float32 and parameter dtype), and with the layer in `parts` parts the
-        sorted outputs so far ([R*k, H]; `expert_bytes`).
+        ([R*k, I], float32 and parameter dtype) (`expert_bytes` of a whole layer);
+      with the layer in `parts` parts, every call's sorted outputs so far ([P*k, H] in all:
+        each part adds its rows to every call's before the next part comes).
     P = padded prompt, S = sub-chunk, C = cache capacity, N = query heads.
     """
     c = config
     it = np.dtype(c.dtype).itemsize
     prompt = padded * (3 * c.hidden_size * it + c.top_k * 8 + 8)
+    if parts > 1:
+        prompt += padded * c.top_k * c.hidden_size * it
     attn = attention_working_bytes(c, sub_chunk, capacity, first=False, platform=platform,
                                    attention=attention)
-    return int(prompt + attn + expert_bytes(c, expert_rows, parts))
+    return int(prompt + attn + expert_bytes(c, expert_rows))
 
 
 def chunk_candidates(max_context: int) -> list[int]:

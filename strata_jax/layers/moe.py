@@ -477,6 +477,14 @@ def source_parts(expert_source, layer: int) -> tuple[tuple[int, int], ...] | Non
     return None if parts is None else parts(layer)
 
 
+# XLA options of a program whose layers run in parts (`experts_in_parts`). Every part gathers
+# its rows of each row group from the same hidden states; XLA's GPU sibling multi-output fusion
+# joins those gathers into one kernel per row group, which writes every part's rows (up to
+# [R*k, H] each) at once, before the first part's weights arrive. The pass is off for such a
+# program.
+PARTS_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "multi_output_fusion"}
+
+
 def experts_in_parts(moe: MoE, source, parts: tuple[tuple[int, int], ...],
                      xs: list[jax.Array], routings: list[Routing],
                      valids: list[jax.Array | None], counts: jax.Array) -> list[jax.Array]:
