@@ -98,7 +98,7 @@ for STAGE in ${1//,/ }; do
         export SKIP_BUILD=1
       done ;;
     ds-link)
-      XLA_CLIENT_MEM_FRACTION=0.6 BENCH_ARGS="--ring-gib 21.5" BENCH_TIMEOUT=400 \
+      XLA_CLIENT_MEM_FRACTION=0.6 BENCH_ARGS="--ring-gib 21.5" BENCH_TIMEOUT=${DS_LINK_TIMEOUT:-400} \
         PRESET=deepseek-v3 LAYERS=$((3 + ${DS_MOE_LAYERS:-2})) FORMATS=fp8 \
         LENGTHS=1024,2048,4096,8192 QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
     ds-32k)
@@ -108,7 +108,7 @@ for STAGE in ${1//,/ }; do
         --orders layer-major --reps-prefill 1" \
         $RUN chunked || rc=1 ;;
     glm-resident)
-      XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=400 NAME=glm_air_resident_32768 \
+      XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=${GLM_RESIDENT_TIMEOUT:-400} NAME=glm_air_resident_32768 \
         CHUNKED_ARGS="$GLM --arms resident --resident-orders ${GLM_RESIDENT_ORDERS:-one,layer-major}
         --long 32768 --reps-prefill 2" \
         $RUN chunked || rc=1 ;;
