@@ -17,9 +17,12 @@ mixers of `--preset` and `--mla-preset`: a hybrid's Gated DeltaNet layer through
 `Kernels.delta_rule` and its gated attention layer, latent attention; a first chunk of
 `--tokens` and a later `--chunk` over that cache at a traced start, against
 `engine.memory.attention_working_bytes`); `model` (each preset's first `--layers` layers,
-experts resident, a first chunk of `--tokens`, against `engine.memory.chunk_bytes`). Exit
-status 1 where a compile fails, the default launch (TF32, blocks of 64) spills, or
-temporaries exceed the plan.
+experts resident, a first chunk of `--tokens`, against `engine.memory.chunk_bytes`); `parts`
+(`--mla-preset`'s first `--layers` layers with fp8 experts, layer-major over `--tokens` in
+sub-chunks of `--sub-chunk`, each MoE layer in `--parts` parts read from three ring frames
+given as program inputs in the stream's order, compiled with the engine's options for such a
+program, against `engine.memory.layer_major_bytes`). Exit status 1 where a compile fails, the
+default launch (TF32, blocks of 64) spills, or temporaries exceed the plan.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ _HOPPER = dict(core_count=132, threads_per_block_limit=1024, threads_per_warp=32
                fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
                block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
                registers_per_core_limit=65536, registers_per_block_limit=65536)
-CASES = ("delta-rule", "layers", "model")
+CASES = ("delta-rule", "layers", "model", "parts")
 
 
 def target_config(target: str) -> str:
@@ -139,14 +142,15 @@ def as_gpu(device):
             fa.check_compute_capability = saved[2]
 
 
-def compile_report(fn, args, ptxas: str | None) -> dict:
-    """Compile jitted `fn` on `args` (ShapeDtypeStructs on the compile-only device): temp
-    bytes and, with `ptxas`, each kernel's registers and spills."""
+def compile_report(fn, args, ptxas: str | None, options: dict | None = None) -> dict:
+    """Compile jitted `fn` on `args` (ShapeDtypeStructs on the compile-only device) with XLA
+    `options`: temp bytes and, with `ptxas`, each kernel's registers and spills."""
     import jax
 
     dump = tempfile.mkdtemp(prefix="compile_check_")
     try:
-        compiled = jax.jit(fn).trace(*args).lower().compile({"xla_dump_to": dump})
+        compiled = jax.jit(fn).trace(*args).lower().compile({**(options or {}),
+                                                             "xla_dump_to": dump})
         row = {"ok": True, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
                "kernels": {}}
         for ptx in glob.glob(os.path.join(dump, "*.ptx")) if ptxas else ():
@@ -264,6 +268,85 @@ def model_rows(cfg, device, tokens: int, layers: int, ptxas) -> list[dict]:
     return [row]
 
 
+class _RingParts:
+    """The stream's source of a layer in parts (`stream.StreamedExperts`) as a compile-only
+    program sees it, without the native library: part p's weights are ring frame p % frames
+    (a program input, read in place), available after the part before's release; a release
+    waits for every output of the part's math."""
+
+    def __init__(self, fmt, dtype, frames, per: int, parts: int):
+        import jax.numpy as jnp
+
+        self.fmt, self.dtype, self.frames, self.per, self.parts = fmt, dtype, frames, per, parts
+        self.token, self.taken = jnp.zeros((), jnp.int32), 0
+
+    def expert_parts(self, layer):
+        return tuple((p * self.per, (p + 1) * self.per) for p in range(self.parts))
+
+    def expert_weights_part(self, layer, counts, part):
+        import jax
+
+        if part == 0:
+            self.token = self.token + counts.sum()
+        frame = self.frames[self.taken % len(self.frames)]
+        self.taken += 1
+        views, self.token = jax.lax.optimization_barrier(
+            (tuple(frame[p.name] for p in self.fmt.planes), self.token + 1))
+        planes = {p.name: v if v.dtype == p.dtype else jax.lax.bitcast_convert_type(v, p.dtype)
+                  for p, v in zip(self.fmt.planes, views)}
+        return self.fmt.expert_matrices(planes, self.dtype)
+
+    def release_part(self, layer, part, outs):
+        import jax
+
+        outs = jax.lax.optimization_barrier(outs)
+        tok = self.token + jax.tree_util.tree_leaves(outs)[0][0, 0].astype(self.token.dtype)
+        outs, self.token = jax.lax.optimization_barrier((outs, tok))
+        return outs
+
+
+def parts_rows(cfg, device, tokens: int, sub: int, layers: int, parts: int, ptxas
+               ) -> list[dict]:
+    """`cfg`'s first `layers` layers with fp8 experts, layer-major over `tokens` in
+    sub-chunks of `sub`, each MoE layer in `parts` parts from three ring frames (`_RingParts`),
+    compiled with the engine's options for it: XLA's temporaries against
+    `engine.memory.layer_major_bytes`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from strata_jax.engine.memory import layer_major_bytes
+    from strata_jax.formats import ExpertFormat, quantized_config
+    from strata_jax.layers.moe import PARTS_COMPILER_OPTIONS
+    from strata_jax.models import cache_shapes, model_module
+
+    cfg = quantized_config(cfg.replace(n_layers=min(layers, cfg.n_layers),
+                                       max_seq_len=max(cfg.max_seq_len, tokens)), "fp8", 128)
+    fmt, per = ExpertFormat.of(cfg), cfg.n_experts // parts
+    # The stream's frames as DLPack gives them: a float8 plane viewed as bytes.
+    frames = tuple({p.name: jax.ShapeDtypeStruct(
+        (per, *p.shape), np.uint8 if "float8" in p.dtype.name else p.dtype)
+        for p in fmt.planes} for _ in range(3))
+    graph, state = nnx.split(model_module(cfg).abstract_model(cfg, resident_experts=False))
+
+    def run(state, ids, cache, frames):
+        source = _RingParts(fmt, cfg.dtype, frames, per, parts)
+        return nnx.merge(graph, state).layer_major(ids, cache, 0, source, sub,
+                                                   last_logits=True)[0]
+
+    args = on_device(device, (state, jax.ShapeDtypeStruct((tokens,), jnp.int32),
+                              cache_shapes(cfg, tokens), frames))
+    row = {"case": "parts", "model": cfg.name, "layers": cfg.n_layers, "tokens": tokens,
+           "sub_chunk": sub, "parts": parts,
+           "plan_bytes": int(layer_major_bytes(cfg, tokens, sub, tokens, sub, platform="gpu",
+                                               parts=parts)),
+           **compile_report(run, args, ptxas, PARTS_COMPILER_OPTIONS)}
+    _print(row, f"{cfg.name}, {cfg.n_layers} layers, layer-major {tokens} in {sub}, "
+                f"{parts} parts")
+    return [row]
+
+
 def _mixers(cfg, tokens):
     """(name, a maker of the mixer, its cache shapes) for `cfg`'s token mixers; each mixer is
     called (x, cache a, cache b, start, positions)."""
@@ -335,7 +418,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-preset", default="deepseek-v3", help="the MLA model (layers)")
     ap.add_argument("--tokens", type=int, default=32768, help="a first chunk; the cache")
     ap.add_argument("--chunk", type=int, default=8192, help="a later chunk over the cache")
-    ap.add_argument("--layers", type=int, default=4, help="the model case's layers")
+    ap.add_argument("--layers", type=int, default=4, help="the model and parts cases' layers")
+    ap.add_argument("--sub-chunk", type=int, default=2048, help="the parts case's sub-chunk")
+    ap.add_argument("--parts", type=int, default=16, help="the parts case's parts a layer")
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma-separated, of {'|'.join(CASES)}")
     ap.add_argument("--json", default=None)
@@ -346,6 +431,10 @@ def main(argv=None) -> int:
         ap.error(f"--cases {','.join(bad)}: expected of {'|'.join(CASES)}")
     if not 64 <= a.chunk <= a.tokens:
         ap.error(f"--tokens {a.tokens} --chunk {a.chunk}: 64 <= chunk <= tokens")
+    if a.tokens % a.sub_chunk:
+        ap.error(f"--tokens {a.tokens} is not a multiple of --sub-chunk {a.sub_chunk}")
+    if a.parts < 2:
+        ap.error(f"--parts {a.parts}: the parts case needs at least 2")
     from strata_jax.models import get_preset
     from strata_jax.models.hybrid import HybridConfig
     from strata_jax.models.mla import MLAConfig
@@ -355,6 +444,8 @@ def main(argv=None) -> int:
         ap.error(f"--preset {a.preset}: not a hybrid (Gated DeltaNet) model")
     if not isinstance(mla, MLAConfig):
         ap.error(f"--mla-preset {a.mla_preset}: not a latent-attention model")
+    if "parts" in cases and mla.n_experts % a.parts:
+        ap.error(f"--parts {a.parts} does not divide --mla-preset's {mla.n_experts} experts")
     try:
         device = compile_only_device(a.target)
     except RuntimeError as e:
@@ -374,6 +465,8 @@ def main(argv=None) -> int:
         if "model" in cases:
             for model in (cfg, mla):
                 rows += model_rows(model, device, a.tokens, a.layers, ptxas)
+        if "parts" in cases:
+            rows += parts_rows(mla, device, a.tokens, a.sub_chunk, a.layers, a.parts, ptxas)
     found = problems(rows)
     for p in found:
         print(f"PROBLEM {p}")
