@@ -353,7 +353,10 @@ def test_many_experts_give_dequantize_then_matmul_bits_on_hopper(e, k, n, tokens
     m = int(sizes.sum()) + 9
     x, sizes = _x(m, k), jnp.asarray(sizes)
     got = np.asarray(grouped_matmul(x, w, sizes, quantized="fused"))
-    want = mosaic_bf16_grouped_matmul(x, w.dequantize(), sizes, tiles=mxfp4_tiles_for(n))
+    # Dequantized in one fused program: op by op, its float32 [E, K, N] temporary (4.2 GB at
+    # gpt-oss's layer) outgrows a test worker's share of the card.
+    dense = jax.jit(type(w).dequantize)(w)
+    want = mosaic_bf16_grouped_matmul(x, dense, sizes, tiles=mxfp4_tiles_for(n))
     np.testing.assert_array_equal(got.view(np.uint16), _u16(want))
     assert np.isfinite(got).all() and (got[m - 9:] == 0).all()
 
