@@ -28,12 +28,12 @@
 #                its floor. The resident arm holds every expert in XLA's pool (0.6 of the card)
 #                and the ring two layer frames beside it: DS_MOE_LAYERS=2 on an H100 (default),
 #                up to 6 on an H200.
-# ds-32k:        a DeepSeek-V3 slice (3 dense + DS_32K_MOE_LAYERS=4 MoE layers, fp8 experts),
-#                32K tokens layer-major within next-e2e's 16 GB footprint (XLA's pool 12.93 GiB,
-#                a ring of DS_RING_GIB=2.5): a layer frame of 256 fp8 experts is 10.5 GiB, so
-#                each layer streams in parts (StreamTuning.parts: 16 parts of 16 experts, three
-#                part frames in 2.5 GiB); sub-chunks of DS_SUB_CHUNK=2048 tokens (the plan's
-#                activations at 8K, ~9.8 GiB, do not fit beside the slice's 8.4 GiB of weights).
+# ds-32k:        DeepSeek-V3 slices (3 dense + M MoE layers for each M of DS_32K_MOE_LAYERS="1 2",
+#                fp8 experts), 32K tokens layer-major within next-e2e's 16 GB footprint (XLA's
+#                pool 12.93 GiB, a ring of DS_RING_GIB=2.5): a layer frame of 256 fp8 experts is
+#                10.5 GiB, so each layer streams in parts (16 parts of 16 experts, three part
+#                frames); sub-chunks of DS_SUB_CHUNK=2048. The difference of the two slices is a
+#                MoE layer's time (the 61-layer projection); 3 + 4 layers outgrow the pool.
 # glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk and
 #                layer-major (GLM_RESIDENT_ORDERS), 32K (51.4 GB of experts; on an H100 one
 #                chunk's 32K activations do not fit: GLM_RESIDENT_ORDERS=layer-major, which
@@ -105,11 +105,13 @@ for STAGE in ${1//,/ }; do
         PRESET=deepseek-v3 LAYERS=$((3 + ${DS_MOE_LAYERS:-2})) FORMATS=fp8 \
         LENGTHS=1024,2048,4096,8192 QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
     ds-32k)
-      POOL_GIB=12.93 BENCH_TIMEOUT=${DS32K_TIMEOUT:-500} NAME=dsv3_16g CHUNKED_ARGS="--preset deepseek-v3
-        --layers $((3 + ${DS_32K_MOE_LAYERS:-4})) --quantize fp8 --parts prefill --arms routed
-        --no-resident --ring-gib ${DS_RING_GIB:-2.5} --chunk ${DS_SUB_CHUNK:-2048}
-        --orders layer-major --reps-prefill 1" \
-        $RUN chunked || rc=1 ;;
+      for M in ${DS_32K_MOE_LAYERS:-1 2}; do
+        POOL_GIB=12.93 BENCH_TIMEOUT=${DS32K_TIMEOUT:-280} NAME=dsv3_16g_l$((3 + M)) \
+          CHUNKED_ARGS="--preset deepseek-v3 --layers $((3 + M)) --quantize fp8 --parts prefill
+          --arms routed --no-resident --ring-gib ${DS_RING_GIB:-2.5} --chunk ${DS_SUB_CHUNK:-2048}
+          --orders layer-major --reps-prefill 1" $RUN chunked || rc=1
+        export SKIP_BUILD=1
+      done ;;
     glm-resident)
       XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=${GLM_RESIDENT_TIMEOUT:-400} NAME=glm_air_resident_32768 \
         CHUNKED_ARGS="$GLM --arms resident --resident-orders ${GLM_RESIDENT_ORDERS:-one,layer-major}
