@@ -484,6 +484,24 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     assert ("layer-major", 1) in hashes and ("one", 1) not in hashes
 
 
+def test_chunked_bench_exits_nonzero_when_a_read_fails(tmp_path, monkeypatch, capsys):
+    # A read that failed (out of memory on a GPU) is an error row and a failing exit status.
+    from strata_jax.benchmarks import chunked_bench
+
+    def failing(eng, prompts, chunk, orders):
+        for order in orders:
+            yield order, "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"
+
+    monkeypatch.setattr(chunked_bench, "_reads", failing)
+    out = tmp_path / "failed.json"
+    rc = chunked_bench.main(["--tiny", "--layers", "2", "--parts", "prefill", "--long", "128",
+                             "--chunk", "128", "--arms", "resident", "--resident-orders", "one",
+                             "--reps-prefill", "1", "--json", str(out)])
+    assert rc == 1 and "1 read(s) failed" in capsys.readouterr().out
+    row, = json.loads(out.read_text())["rows"]
+    assert row["error"].startswith("JaxRuntimeError") and "ms" not in row
+
+
 def test_chunked_bench_link_floor_of_a_mesh_is_its_slowest_device():
     # One device: the copied bytes over the link. A mesh: each device's bytes over its own
     # ceiling, the floor the slowest device's, and each link's fraction of its ceiling.

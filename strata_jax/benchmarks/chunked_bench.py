@@ -514,9 +514,11 @@ def main(argv=None) -> int:
             save()
     result["peak_rss_bytes"] = peak_rss_bytes()
     save()
+    failed = [r for r in result["rows"] if "error" in r]
     print(f"identity across arms: {result.get('identical', True)}; peak host RSS "
-          f"{(result['peak_rss_bytes'] or 0) / 1e9:.2f} GB")
-    return 0 if result.get("identical", True) else 1
+          f"{(result['peak_rss_bytes'] or 0) / 1e9:.2f} GB"
+          + (f"; {len(failed)} read(s) failed" if failed else ""))
+    return 0 if result.get("identical", True) and not failed else 1
 
 
 if __name__ == "__main__":
