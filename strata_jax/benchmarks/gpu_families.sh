@@ -41,8 +41,9 @@
 # glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
 #                call's glm-resident JSON (its bits checked) or RESIDENT_MS. GLM-4.5-Air's dense
 #                weights (13.4 GiB) and 32K KV cache (5.8 GiB) alone outgrow 16 GB: GLM_POOL_GIB
-#                sets XLA's pool (26: a 32 GB card's footprint with the 2.5 GiB ring), GLM_E2E_NAME
-#                the output's name.
+#                sets XLA's pool (24: a 26.5 GB footprint with the 2.5 GiB ring), GLM_E2E_NAME
+#                the output's name. The engine picks its chunk (--engine-chunk): with the whole
+#                prompt as its chunk, its cache's padding slack doubles the 32K KV cache.
 # next-e2e and glm-e2e take RESIDENT_JSON (a resident JSON an earlier call brought back, put in
 # the repository) in place of this call's.
 # Run from the repository root (the device tool's working directory).
@@ -121,7 +122,7 @@ for STAGE in ${1//,/ }; do
       R=${RESIDENT_JSON:-$OUT/chunked_glm_air_resident_32768.json}
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
       POOL_GIB=${GLM_POOL_GIB:-12.93} BENCH_TIMEOUT=${GLM_E2E_TIMEOUT:-500} NAME=${GLM_E2E_NAME:-glm_air_l46_16g} CHUNKED_ARGS="$GLM
-        --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major
+        --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major --engine-chunk
         --reps-prefill 2" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;
   esac
