@@ -33,7 +33,9 @@
 #                pool 12.93 GiB, a ring of DS_RING_GIB=2.5): a layer frame of 256 fp8 experts is
 #                10.5 GiB, so each layer streams in parts (16 parts of 16 experts, three part
 #                frames); sub-chunks of DS_SUB_CHUNK=2048. The difference of the two slices is a
-#                MoE layer's time (the 61-layer projection); 3 + 4 layers outgrow the pool.
+#                MoE layer's time: $OUT/dsv3_projection.json projects the 61 layers (3+2 plus 56
+#                such layers; a time, as 61 layers' 31.9 GiB of dense weights outgrow 16 GB);
+#                3 + 4 layers outgrow the pool.
 # glm-resident:  the whole GLM-4.5-Air (46 layers, int4 experts) all resident, one chunk and
 #                layer-major (GLM_RESIDENT_ORDERS), 32K (51.4 GB of experts; on an H100 one
 #                chunk's 32K activations do not fit: GLM_RESIDENT_ORDERS=layer-major, which
@@ -112,7 +114,28 @@ for STAGE in ${1//,/ }; do
           --arms routed --no-resident --ring-gib ${DS_RING_GIB:-2.5} --chunk ${DS_SUB_CHUNK:-2048}
           --orders layer-major --reps-prefill 1" $RUN chunked || rc=1
         export SKIP_BUILD=1
-      done ;;
+      done
+      $PY - "$OUT" <<'PYEOF' || rc=1
+import json, sys
+# A MoE layer's time is the two slices' difference; the 61-layer DeepSeek-V3 (3 dense + 58 MoE)
+# is the 3+2 slice plus 56 more of it.
+out = sys.argv[1]
+ms = {}
+for m in (1, 2):
+    try:
+        rows = json.load(open(f"{out}/chunked_dsv3_16g_l{3 + m}.json"))["rows"]
+        ms[m] = next(r["ms"] for r in rows if r.get("ms"))
+    except (OSError, ValueError, KeyError, StopIteration):
+        sys.exit(f"ds-32k projection: no timed read of the 3+{m} slice")
+layer = ms[2] - ms[1]
+total = ms[2] + 56 * layer
+res = {"slice_ms": ms, "moe_layer_ms": layer, "projected_61_layer_ms": total,
+       "projected_tok_per_s": 32768 / total * 1e3}
+print(f"ds-32k: a MoE layer {layer:.1f} ms; 61 layers projected {total / 1e3:.2f} s "
+      f"({res['projected_tok_per_s']:,.0f} tok/s)")
+json.dump(res, open(f"{out}/dsv3_projection.json", "w"), indent=1)
+PYEOF
+      ;;
     glm-resident)
       XLA_CLIENT_MEM_FRACTION=$WHOLE BENCH_TIMEOUT=${GLM_RESIDENT_TIMEOUT:-400} NAME=glm_air_resident_32768 \
         CHUNKED_ARGS="$GLM --arms resident --resident-orders ${GLM_RESIDENT_ORDERS:-one,layer-major}
