@@ -459,6 +459,7 @@ def test_chunked_bench_tiny_reads_and_follow_up(tmp_path):
     # Host memory is reported; the simulated link has no ceiling to measure.
     assert all(r["peak_rss_bytes"] > 0 and r["peak_rss_over_experts"] > 0 for r in reads.values())
     assert all(r["link_gbps"] is None and r["link_gbps_after"] is None for r in reads.values())
+    assert all(r["first_read_s"] > 0 for r in reads.values())  # its compile, for the record
     assert all(r["layer_parts"] == 1 for r in reads.values() if r["arm"] != "resident")
     # A run without the resident arm divides by the first run's resident one-chunk time; its
     # ring budget holds half a layer frame, so each layer streams in parts (the same bits).

@@ -248,14 +248,16 @@ def _pinned_host_rows(args, cfg, params, prompts, orders, hashes, resident_one):
 
 def _reads(eng, prompts, chunk: int, orders):
     """Times each read of `orders` ("one", "chunked", "layer-major") over prompts[1:] after a
-    compile read of prompts[0]: yields (order, (median ms, last result) or the error's text (a
-    read that does not fit the device)) as each order ends."""
+    compile read of prompts[0]: yields (order, (median ms, last result, the compile read's
+    seconds) or the error's text (a read that does not fit the device)) as each order ends."""
     for order in orders:
         kw = ({"order": "chunk-major"} if order == "one" else
               {"order": "chunk-major", "chunk_size": chunk} if order == "chunked" else
               {"order": "layer-major"})
         try:
+            t0 = time.perf_counter()
             eng.prefill(prompts[0], **kw)  # compile
+            first_s = time.perf_counter() - t0
             times, r = [], None
             for p in prompts[1:]:
                 del r
@@ -264,7 +266,7 @@ def _reads(eng, prompts, chunk: int, orders):
         except Exception as e:  # noqa: BLE001 - out of memory on a smaller device: a row
             yield order, _error_text(e)
             continue
-        yield order, (statistics.median(times), r)
+        yield order, (statistics.median(times), r, first_s)
         del r
 
 
@@ -305,7 +307,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
                     continue
-                ms, r = read
+                ms, r, first_s = read
                 after = _link_gbps(eng)  # again after the reads: the link can drift by a few %
                 # The denominator: the resident one-chunk read, or its layer-major read where
                 # the one chunk did not fit.
@@ -330,6 +332,7 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
                                                  else h == hashes[(order, len(prompts) - 1)]),
                        "prompt": len(prompts) - 1, "logits_sha256": h[0], "kv_sha256": h[1],
                        "expert_rows": r.expert_rows, "engine_s": made_s,
+                       "first_read_s": first_s,  # the compile read (compile + one read)
                        "chunk_choice": r.chunk_choice, "fallback": r.fallback,
                        "devices": r.devices, **_link_rows(r, ms, link),
                        **_ring_rows(eng),
