@@ -43,7 +43,7 @@
 # glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
 #                call's glm-resident JSON (its bits checked) or RESIDENT_MS. GLM-4.5-Air's dense
 #                weights (13.4 GiB) and 32K KV cache (5.8 GiB) alone outgrow 16 GB: GLM_POOL_GIB
-#                sets XLA's pool (24: a 26.5 GB footprint with the 2.5 GiB ring), GLM_E2E_NAME
+#                sets XLA's pool (26: a 28.5 GB footprint with the 2.5 GiB ring), GLM_E2E_NAME
 #                the output's name. The engine picks its chunk (--engine-chunk): with the whole
 #                prompt as its chunk, its cache's padding slack doubles the 32K KV cache.
 # next-e2e and glm-e2e take RESIDENT_JSON (a resident JSON an earlier call brought back, put in
