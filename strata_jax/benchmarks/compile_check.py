@@ -286,15 +286,15 @@ class _RingParts:
     def expert_weights_part(self, layer, counts, part):
         import jax
 
+        from strata_jax.stream.source import frame_planes
+
         if part == 0:
             self.token = self.token + counts.sum()
         frame = self.frames[self.taken % len(self.frames)]
         self.taken += 1
         views, self.token = jax.lax.optimization_barrier(
             (tuple(frame[p.name] for p in self.fmt.planes), self.token + 1))
-        planes = {p.name: v if v.dtype == p.dtype else jax.lax.bitcast_convert_type(v, p.dtype)
-                  for p, v in zip(self.fmt.planes, views)}
-        return self.fmt.expert_matrices(planes, self.dtype)
+        return self.fmt.expert_matrices(frame_planes(self.fmt, views), self.dtype)
 
     def release_part(self, layer, part, outs):
         import jax
@@ -313,21 +313,20 @@ def parts_rows(cfg, device, tokens: int, sub: int, layers: int, parts: int, ptxa
     `engine.memory.layer_major_bytes`."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from strata_jax.engine.memory import layer_major_bytes
     from strata_jax.formats import ExpertFormat, quantized_config
     from strata_jax.layers.moe import PARTS_COMPILER_OPTIONS
     from strata_jax.models import cache_shapes, model_module
+    from strata_jax.stream.streamer import _dlpack_dtype
 
     cfg = quantized_config(cfg.replace(n_layers=min(layers, cfg.n_layers),
                                        max_seq_len=max(cfg.max_seq_len, tokens)), "fp8", 128)
     fmt, per = ExpertFormat.of(cfg), cfg.n_experts // parts
-    # The stream's frames as DLPack gives them: a float8 plane viewed as bytes.
-    frames = tuple({p.name: jax.ShapeDtypeStruct(
-        (per, *p.shape), np.uint8 if "float8" in p.dtype.name else p.dtype)
-        for p in fmt.planes} for _ in range(3))
+    # The stream's frames as DLPack gives them (`_dlpack_dtype`: a float8 plane as bytes).
+    frames = tuple({p.name: jax.ShapeDtypeStruct((per, *p.shape), _dlpack_dtype(p.dtype))
+                    for p in fmt.planes} for _ in range(3))
     graph, state = nnx.split(model_module(cfg).abstract_model(cfg, resident_experts=False))
 
     def run(state, ids, cache, frames):

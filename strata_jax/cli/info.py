@@ -95,7 +95,7 @@ def cmd_info(args, log: _Log) -> int:
         print(f"  dense weights {size(p['dense_bytes'])}; KV cache {size(p['kv_bytes'])} for "
               f"{p['max_context']} positions ({p['kv_values_per_position']:,} values a "
               "position over all layers"
-              + ("" if p.get("kv_values_per_position_per_head") is None else
+              + ("" if per_head is None else
                  f": latents, {per_head / p['kv_values_per_position']:.1f}x fewer than "
                  f"per-head keys and values' {per_head:,}")
               + ")")

@@ -19,6 +19,13 @@ from strata_jax.stream.config import _MODE_STREAM_PACKED, _STREAM_MODES
 from strata_jax.stream.ops import begin, end, fetch, fetch_frame, publish, release
 
 
+def frame_planes(fmt: ExpertFormat, views) -> dict[str, jax.Array]:
+    """Plane name -> array of a ring frame's arrays `views` (in `fmt.planes` order): a plane
+    DLPack cannot name (float8), viewed as unsigned ints of its width, bitcast back."""
+    return {p.name: v if v.dtype == p.dtype else jax.lax.bitcast_convert_type(v, p.dtype)
+            for p, v in zip(fmt.planes, views)}
+
+
 class StreamedExperts:
     """The model's expert source inside one traced chunk.
 
@@ -178,11 +185,7 @@ class StreamedExperts:
         # The frame is a program input: the barrier makes every read of it wait for fetch.
         views, self.token = jax.lax.optimization_barrier(
             (tuple(frame[p.name] for p in fmt.planes), tok))
-        planes = {}
-        for p, v in zip(fmt.planes, views):
-            # A plane DLPack cannot name (float8) is viewed as unsigned ints of its width.
-            planes[p.name] = v if v.dtype == p.dtype else jax.lax.bitcast_convert_type(v, p.dtype)
-        return self._weights(planes)
+        return self._weights(frame_planes(fmt, views))
 
     def _weights(self, planes: dict[str, jax.Array]) -> ExpertWeights:
         """The ExpertWeights the expert math reads (`fmt.expert_matrices`: a plain format's
