@@ -25,9 +25,10 @@
 #                against stream-all, over next-resident's 4K JSON where this call made it.
 # ds-link:       a DeepSeek-V3 slice (its 3 dense layers + DS_MOE_LAYERS MoE layers, fp8
 #                experts, 10.5 GiB a layer), 1K-8K: stream-all against the link, routed against
-#                its floor. The resident arm holds every expert in XLA's pool (0.6 of the card)
-#                and the ring two layer frames beside it: DS_MOE_LAYERS=2 on an H100 (default),
-#                up to 6 on an H200.
+#                its floor. The resident arm holds every expert in XLA's pool (DS_LINK_FRACTION
+#                of the card, 0.45: 35.8 GiB of an H100) and each streamed arm's ring two layer
+#                frames (21.0 GiB) beside it, both arms' engines at once: DS_MOE_LAYERS=2 on an
+#                H100 (default), up to 6 on an H200 with DS_LINK_FRACTION=0.6.
 # ds-32k:        DeepSeek-V3 slices (3 dense + M MoE layers for each M of DS_32K_MOE_LAYERS="1 2",
 #                fp8 experts), 32K tokens layer-major within next-e2e's 16 GB footprint (XLA's
 #                pool 12.93 GiB, a ring of DS_RING_GIB=2.5): a layer frame of 256 fp8 experts is
@@ -104,7 +105,7 @@ for STAGE in ${1//,/ }; do
         export SKIP_BUILD=1
       done ;;
     ds-link)
-      XLA_CLIENT_MEM_FRACTION=0.6 BENCH_ARGS="--ring-gib 21.5" BENCH_TIMEOUT=${DS_LINK_TIMEOUT:-400} \
+      XLA_CLIENT_MEM_FRACTION=${DS_LINK_FRACTION:-0.45} BENCH_ARGS="--ring-gib 21.5" BENCH_TIMEOUT=${DS_LINK_TIMEOUT:-400} \
         PRESET=deepseek-v3 LAYERS=$((3 + ${DS_MOE_LAYERS:-2})) FORMATS=fp8 \
         LENGTHS=1024,2048,4096,8192 QUANT_ARMS=stream-all,routed $RUN quant || rc=1 ;;
     ds-32k)
