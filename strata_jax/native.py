@@ -28,9 +28,11 @@ TARGETS = {
     "fetch_frame": "strata_fetch_frame",
     "release": "strata_release",
     "end": "strata_end_chunk",
+    "dense_fetch": "strata_dense_fetch",
+    "dense_wait": "strata_dense_wait",
 }
 # The library's interface version this Python speaks (module.cc, kApiVersion).
-_API_VERSION = 5
+_API_VERSION = 6
 
 
 @functools.cache

@@ -1,14 +1,16 @@
 // XLA FFI handlers of the streaming engine: begin_chunk, publish, fetch (into
 // outputs of its own, with fetch_piece for a layer's later pieces, or
-// fetch_frame: the model reads the ring's frame), release and end_chunk.
+// fetch_frame: the model reads the ring's frame), release and end_chunk; and
+// dense_fetch / dense_wait, a layer's own weights from pinned host memory
+// (dense_copy.hpp), which need no engine.
 //
 // One handler per target, templated on the platform `P`; handlers_cpu.cc and
 // handlers_cuda.cc each define their platform and its seven handlers with
 // STRATA_DEFINE_HANDLERS, which the module hands to Python by target
-// (module.cc, `registrations()`). A platform names only the execution
-// context the call's first parameter decodes from (`P::StreamCtx`, a type for
-// Ffi::Bind().Ctx<>): XLA's stream on CUDA, null on the CPU. The engine takes
-// it as a void*.
+// (module.cc, `registrations()`). A platform names the execution context the
+// call's first parameter decodes from (`P::StreamCtx`, a type for
+// Ffi::Bind().Ctx<>): XLA's stream on CUDA, null on the CPU, which the engine
+// takes as a void*; and its dense copies (`P::DenseCopy`, `P::DenseWait`).
 //
 // Each call's attributes decode into one struct (BeginAttrs, LayerAttrs,
 // FetchAttrs, EndAttrs), by name: the names and integer widths below are the
@@ -46,7 +48,7 @@ struct Registration {
   const char* target;
   XLA_FFI_Handler* handler;
 };
-using Registrations = std::array<Registration, 7>;
+using Registrations = std::array<Registration, 9>;
 
 // The handlers of platform "cpu" (handlers_cpu.cc) and, in a CUDA build, of
 // platform "CUDA" (handlers_cuda.cc).
@@ -277,6 +279,57 @@ struct Handlers {
     });
   }
 
+  // dense_fetch: the results (a layer's own weights) copied from the host
+  // addresses `src`, one per result, after `after` (dense_copy.hpp).
+  static ffi::Error DenseFetch(Stream stream, int32_t ordinal, Buffer after,
+                               ffi::RemainingRets rets, int64_t key,
+                               ffi::Span<const int64_t> src) {
+    (void)after;
+    const std::string where = "strata: dense_fetch of key " + std::to_string(key) + ": ";
+    if (rets.size() != src.size())
+      return ffi::Error::InvalidArgument(where + std::to_string(rets.size()) + " results, " +
+                                         std::to_string(src.size()) +
+                                         " source addresses: one per result");
+    const size_t n = rets.size();
+    std::vector<void*> dst(n);
+    std::vector<int64_t> bytes(n);
+    for (size_t i = 0; i < n; ++i) {
+      auto r = rets.get<Buffer>(i);
+      if (r.has_error())
+        return ffi::Error::Internal(where + "result " + std::to_string(i) + ": " +
+                                    r.error().message());
+      dst[i] = r.value()->untyped_data();
+      bytes[i] = static_cast<int64_t>(r.value()->size_bytes());
+      if (src[i] == 0 && bytes[i] > 0)
+        return ffi::Error::InvalidArgument(where + "result " + std::to_string(i) +
+                                           " has a null source address");
+    }
+    try {
+      const Status s = P::DenseCopy(Queue(stream), ordinal, key, src.begin(), dst.data(),
+                                    bytes.data(), static_cast<int>(n));
+      return s.empty() ? ffi::Error::Success() : ffi::Error::Internal("strata: " + s);
+    } catch (const std::exception& ex) {
+      return ffi::Error::Internal(where + ex.what());
+    }
+  }
+
+  // dense_wait: XLA's stream waits for dense_fetch's copies of `key`. The
+  // operands are the fetched arrays (aliased to the results), then `after`.
+  static ffi::Error DenseWait(Stream stream, int32_t ordinal, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, int64_t key) {
+    if (args.size() != rets.size() + 1)
+      return ffi::Error::InvalidArgument(
+          "strata: dense_wait of key " + std::to_string(key) + ": " +
+          std::to_string(args.size()) + " operands, " + std::to_string(rets.size()) +
+          " results: the fetched arrays (aliased to the results), then `after`");
+    try {
+      const Status s = P::DenseWait(Queue(stream), ordinal, key);
+      return s.empty() ? ffi::Error::Success() : ffi::Error::Internal("strata: " + s);
+    } catch (const std::exception& ex) {
+      return ffi::Error::Internal(std::string("strata: dense_wait: ") + ex.what());
+    }
+  }
+
   // Bindings: the platform's context and the device ordinal, then one
   // .Arg/.Ret per line in the handler's order, then the call's attribute
   // struct.
@@ -329,6 +382,19 @@ struct Handlers {
         .template Ret<Buffer>()   // token
         .template Attrs<FetchAttrs>();
   }
+  static auto DenseFetchBinding() {
+    return Bind()
+        .template Arg<Buffer>()   // after: orders the copies after it
+        .RemainingRets()          // the layer's arrays
+        .template Attr<int64_t>("key")
+        .template Attr<ffi::Span<const int64_t>>("src");
+  }
+  static auto DenseWaitBinding() {
+    return Bind()
+        .RemainingArgs()          // the fetched arrays (aliased), then after
+        .RemainingRets()          // the same arrays
+        .template Attr<int64_t>("key");
+  }
   static auto EndBinding() {
     return Bind()
         .template Arg<Buffer>()   // token
@@ -339,7 +405,7 @@ struct Handlers {
 
 }  // namespace strata::handlers
 
-// Defines the seven handlers of platform `P` as C functions
+// Defines the nine handlers of platform `P` as C functions
 // Strata<Target><Suffix> (StrataBeginCpu, ...) and `<Suffix>Registrations()`,
 // which lists them by target.
 #define STRATA_DEFINE_HANDLERS(Suffix, P)                                       \
@@ -364,6 +430,12 @@ struct Handlers {
   XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataEnd##Suffix,                              \
                                 ::strata::handlers::Handlers<P>::End,           \
                                 ::strata::handlers::Handlers<P>::EndBinding()); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                \
+      StrataDenseFetch##Suffix, ::strata::handlers::Handlers<P>::DenseFetch,    \
+      ::strata::handlers::Handlers<P>::DenseFetchBinding());                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                \
+      StrataDenseWait##Suffix, ::strata::handlers::Handlers<P>::DenseWait,      \
+      ::strata::handlers::Handlers<P>::DenseWaitBinding());                     \
   ::strata::handlers::Registrations strata::handlers::Suffix##Registrations() { \
     return {{{"begin", StrataBegin##Suffix},                                    \
              {"publish", StrataPublish##Suffix},                                \
@@ -371,5 +443,7 @@ struct Handlers {
              {"fetch_piece", StrataFetchPiece##Suffix},                         \
              {"fetch_frame", StrataFetchFrame##Suffix},                         \
              {"release", StrataRelease##Suffix},                                \
-             {"end", StrataEnd##Suffix}}};                                      \
+             {"end", StrataEnd##Suffix},                                        \
+             {"dense_fetch", StrataDenseFetch##Suffix},                         \
+             {"dense_wait", StrataDenseWait##Suffix}}};                         \
   }

@@ -34,7 +34,7 @@ namespace strata {
 namespace {
 
 // strata_jax/native.py refuses a module of another version: a stale build.
-constexpr int kApiVersion = 5;
+constexpr int kApiVersion = 6;
 
 using HostBytes = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using Int32s = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;

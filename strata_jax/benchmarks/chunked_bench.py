@@ -296,7 +296,8 @@ def prefill_part(args, cfg, params, result, save=lambda: None):
         own = args.engine_chunk or arm == "resident"
         t0 = time.perf_counter()
         with _engine(cfg, params, sc, max_context=n, chunk_size=None if own else n,
-                     sub_chunk=args.chunk, mesh=_mesh(args)) as eng:
+                     sub_chunk=args.chunk, mesh=_mesh(args),
+                     dense=args.dense if sc is not None else "device") as eng:
             made_s = time.perf_counter() - t0
             link = _link_gbps(eng)
             # Each order's row is saved as it ends: a long run keeps what finished.
@@ -449,6 +450,9 @@ def main(argv=None) -> int:
                     help="the experts in this format (stored, streamed and read quantized)")
     ap.add_argument("--quantized-matmul", choices=["auto", "fused", "dequantize"], default="auto",
                     help="how quantized experts are read (Kernels.quantized_matmul)")
+    ap.add_argument("--dense", choices=["device", "host"], default="device",
+                    help="the streamed arms' decoder-layer weights: on the device, or in pinned "
+                         "host memory copied in one layer ahead (Engine(dense=))")
     ap.add_argument("--drop-dense", action="store_true",
                     help="keep no dense weight in host memory once on the device (each engine "
                          "draws them again): for a model whose dense weights do not fit in host "

@@ -41,12 +41,13 @@
 #                layer-major (GLM_RESIDENT_ORDERS), 32K (51.4 GB of experts; on an H100 one
 #                chunk's 32K activations do not fit: GLM_RESIDENT_ORDERS=layer-major, which
 #                glm-e2e then divides by).
-# glm-e2e:       the same streamed within a 16 GB footprint, 32K layer-major, against this
-#                call's glm-resident JSON (its bits checked) or RESIDENT_MS. GLM-4.5-Air's dense
-#                weights (13.4 GiB) and 32K KV cache (5.8 GiB) alone outgrow 16 GB: GLM_POOL_GIB
-#                sets XLA's pool (26: a 28.5 GB footprint with the 2.5 GiB ring), GLM_E2E_NAME
-#                the output's name. The engine picks its chunk (--engine-chunk): with the whole
-#                prompt as its chunk, its cache's padding slack doubles the 32K KV cache.
+# glm-e2e:       the same streamed within a 16 GB footprint (pool POOL 12.93 GiB + 2.5 GiB ring),
+#                32K layer-major, against this call's glm-resident JSON (its bits checked) or
+#                RESIDENT_MS. GLM-4.5-Air's dense weights (13.4 GiB) and 32K KV cache (5.8 GiB)
+#                alone outgrow 16 GB: the streamed engine keeps its dense weights in pinned host
+#                memory (GLM_DENSE=host, Engine(dense="host"); "device" needs GLM_POOL_GIB=26).
+#                GLM_E2E_NAME names the output. The engine picks its chunk (--engine-chunk):
+#                with the whole prompt as its chunk, its cache's padding slack doubles the KV.
 # next-e2e and glm-e2e take RESIDENT_JSON (a resident JSON an earlier call brought back, put in
 # the repository) in place of this call's.
 # Run from the repository root (the device tool's working directory).
@@ -147,7 +148,7 @@ PYEOF
       if [ -f "$R" ]; then R="--resident-json $R"; else R=${RESIDENT_MS:+--resident-ms $RESIDENT_MS}; fi
       POOL_GIB=${GLM_POOL_GIB:-12.93} BENCH_TIMEOUT=${GLM_E2E_TIMEOUT:-500} NAME=${GLM_E2E_NAME:-glm_air_l46_16g} CHUNKED_ARGS="$GLM
         --arms routed --no-resident $R --ring-gib 2.5 --orders layer-major --engine-chunk
-        --reps-prefill 2" $RUN chunked || rc=1 ;;
+        --dense ${GLM_DENSE:-host} --reps-prefill 2" $RUN chunked || rc=1 ;;
     *) echo "unknown stage $STAGE"; rc=2 ;;
   esac
   export SKIP_BUILD=1  # one build a call

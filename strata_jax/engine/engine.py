@@ -26,6 +26,7 @@ from flax import nnx
 
 from strata_jax.config import ModelConfig
 from strata_jax.devices import free_memory
+from strata_jax.engine.dense import HostDense, check_dense, host_leaf
 from strata_jax.engine.memory import (MIN_BUCKET, chunk_bytes, chunk_candidates, chunk_memory,
                                       kv_cache_bytes, layer_major_bytes)
 from strata_jax.engine.placement import (check_stream_device, counted, device_name, device_of,
@@ -103,6 +104,12 @@ class Engine:
             engine (`StreamerGroup`: its residents, ring and link; the budgets per device)
             and each chunk runs under `shard_map`. None: one device.
         tokenizer: A `strata_jax.Tokenizer`: `prefill` and `score` then take text (a str).
+        dense: "device" (the default) keeps every dense weight on the device; "host" keeps
+            each decoder layer's own weights (attention, norms, router, shared experts, dense
+            MLPs) in pinned host memory and copies them in one layer ahead
+            (`engine/dense.py`): the device holds two layers' of them (for a model whose dense
+            weights alone outgrow the card), each crossing the link once per chunk, once per
+            prompt layer-major. One device only.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -113,7 +120,8 @@ class Engine:
                  layer_major_limit_bytes: int | None = None,
                  device: "jax.Device | str | None" = None,
                  progress: Callable[[int, int], object] | None = None,
-                 kernels: Kernels | None = None, mesh=None, tokenizer: Tokenizer | None = None):
+                 kernels: Kernels | None = None, mesh=None, tokenizer: Tokenizer | None = None,
+                 dense: str = "device"):
         if kernels is not None and not isinstance(kernels, Kernels):
             raise TypeError(f"kernels must be a strata_jax.Kernels, got {type(kernels).__name__}")
         self.kernels = kernels if kernels is not None else Kernels()
@@ -131,6 +139,10 @@ class Engine:
             raise ValueError(f"sub_chunk={sub_chunk}: must be at least 1 (or None: chunk_size)")
         if layer_major_limit_bytes is not None and layer_major_limit_bytes < 0:
             raise ValueError(f"layer_major_limit_bytes={layer_major_limit_bytes}: must be >= 0")
+        self.dense = check_dense(dense)
+        if dense == "host" and mesh is not None:
+            raise ValueError("dense='host' with a mesh is not implemented (each device would "
+                             "copy every layer's weights); use dense='device' with a mesh")
         self.config = config
         self.tokenizer = model_tokenizer(tokenizer, config.vocab_size)
         self.max_context = int(max_context)
@@ -154,6 +166,7 @@ class Engine:
                     raise KeyError(f"missing expert parameter {missing[0]!r}")
                 host_experts[layer] = LazyExperts(params, names)
         dense = ParamsView(params, expert_names)
+        on_host = host_leaf(config) if self.dense == "host" else None
 
         wanted = device_of(device)
         self.streamer: NativeStreamer | StreamerGroup | None = None
@@ -192,7 +205,8 @@ class Engine:
             self.device = wanted if wanted is not None else jax.devices()[0]
             with jax.default_device(self.device):
                 model = build_model(config, dense, experts=counted(host_experts, progress),
-                                    resident_experts=True, kernels=self.kernels)
+                                    resident_experts=True, kernels=self.kernels,
+                                    on_host=on_host)
         else:
             if wanted is not None and stream.backend in ("cpu", "cuda", "auto"):
                 # Refused before the experts are packed: the stream's platform follows from its
@@ -210,8 +224,12 @@ class Engine:
                     "pass device=None, or the stream's device")
             self._stream_inputs = (self.streamer.resident_blobs, self.streamer.frames)
             with jax.default_device(self.device):
-                model = build_model(config, dense, resident_experts=False, kernels=self.kernels)
+                model = build_model(config, dense, resident_experts=False, kernels=self.kernels,
+                                    on_host=on_host)
         self._graphdef, state = nnx.split(model)
+        self._dense = None
+        if on_host is not None:  # the decoder layers' own weights into pinned host memory
+            self._dense, state = HostDense.take(state, config, self.device)
         if self.mesh is not None:
             state = jax.device_put(state, state_shardings(state, config, self.mesh))
         else:
@@ -330,7 +348,11 @@ class Engine:
         if first:
             cache = self._zeros()
         state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
-        model = nnx.merge(self._graphdef, state)
+        if self._dense is None:
+            model = nnx.merge(self._graphdef, state)
+        else:
+            model = nnx.merge(self._graphdef, state, self._dense.placeholders())
+            model.dense_source = self._dense.calls()
         bucket = width - 2 - int(score)  # a scored chunk's ids hold the token after it too
         source = None
         if self.streamer is not None:
@@ -525,8 +547,13 @@ class Engine:
         return s
 
     def memory_available(self) -> tuple[int, str]:
-        """(bytes, what) layer-major may use: device free memory, host RAM, or the set limit."""
-        return free_memory(self.device, self.layer_major_limit_bytes, "layer_major_limit_bytes")
+        """(bytes, what) layer-major may use: device free memory, host RAM, or the set limit;
+        with dense="host", less the two layers' dense weights a program copies in."""
+        have, what = free_memory(self.device, self.layer_major_limit_bytes,
+                                 "layer_major_limit_bytes")
+        if self._dense is None:
+            return have, what
+        return max(have - self._dense.in_flight_bytes, 0), f"{what}, less 2 layers' dense"
 
     def prefill(self, tokens, session: Session | None = None, *, order: str | None = None,
                 progress: Callable[[int, int], object] | None = None,
@@ -779,13 +806,14 @@ class Engine:
         A prefill or score running on another thread ends first (close waits for it); from
         inside one (its progress callback) the engine closes under it and it fails."""
         self._closed = True
-        if self.streamer is None:
-            return
         if self._prefill_thread == threading.get_ident():
-            self.streamer.close()
+            if self.streamer is not None:
+                self.streamer.close()
             return
         with self._prefill_lock:  # no program of this engine runs after its stream closes
-            self.streamer.close()
+            if self.streamer is not None:
+                self.streamer.close()
+            self._state_leaves = self._dense = None  # the weights go with their last reference
 
     @property
     def closed(self) -> bool:

@@ -9,7 +9,7 @@ streaming source can issue a per-layer FFI call with the layer index as a static
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +176,9 @@ class MoETransformer(nnx.Module):
     """
 
     layer_class = DecoderLayer
+    # Set inside a program that reads its dense weights from the host
+    # (`engine.dense.DenseCalls`): each group is set in the model before it is read.
+    dense_source = None
 
     @staticmethod
     def norm(config: ModelConfig, rngs):
@@ -226,10 +229,14 @@ class MoETransformer(nnx.Module):
             (logits float32 [T, V] or [V], updated KVCache, counts int32 [n_moe_layers, E]).
         """
         t = tokens.shape[0]
+        if self.dense_source is not None:
+            self.dense_source.embed(self, tokens)
         x = jnp.take(self.embed[...], tokens, axis=0)  # [T, H]
         positions, start, valid = self._positions(t, start, n_valid)
         keys, values, counts = [], [], []
         for i, layer in enumerate(self.layers):
+            if self.dense_source is not None:  # the layer's own weights from the host
+                x = self.dense_source.enter(self, i, x)
             x, k, v, layer_counts = layer(x, cache.keys[i], cache.values[i], start, positions,
                                           expert_source, valid)
             if i + 1 < len(self.layers):
@@ -291,6 +298,8 @@ class MoETransformer(nnx.Module):
                 return None
             return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
+        if self.dense_source is not None:
+            self.dense_source.embed(self, tokens)
         x = jnp.take(self.embed[...], tokens, axis=0)  # [P, H]
         positions, start, valid = self._positions(p, start, n_valid)
         def cut(a, j):
@@ -304,6 +313,8 @@ class MoETransformer(nnx.Module):
         starts = [start if j == 0 else start + j * sub_chunk for j in range(n_sub)]
         keys, values, counts = [], [], []
         for i, layer in enumerate(self.layers):
+            if self.dense_source is not None:
+                xs = self.dense_source.enter(self, i, xs)
             k, v = cache.keys[i], cache.values[i]
             with jax.named_scope(f"layer_{layer.layer}"):
                 for j in range(n_sub):
@@ -357,6 +368,8 @@ class MoETransformer(nnx.Module):
     def _finish(self, x, n_valid, last_logits: bool, targets=None):
         """Final norm and LM head: all positions [T, V], or the last real one [V]; with
         `targets`, (that, `score_rows(x, targets)`)."""
+        if self.dense_source is not None:
+            self.dense_source.head(self, x)
         scores = None if targets is None else self.score_rows(x, targets)
         if last_logits:
             last = x.shape[0] - 1 if n_valid is None else jnp.asarray(n_valid, jnp.int32) - 1
@@ -450,7 +463,8 @@ def expert_param_names(config: ModelConfig, layer: int) -> ExpertWeights:
 
 def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array], *,
                 experts: Mapping[int, ExpertWeights] | None = None,
-                resident_experts: bool = True, kernels: Kernels = Kernels()) -> MoETransformer:
+                resident_experts: bool = True, kernels: Kernels = Kernels(),
+                on_host: Callable[[tuple], bool] | None = None) -> MoETransformer:
     """Builds the model from flat arrays without initialising random weights first.
 
     Args:
@@ -462,18 +476,21 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
         resident_experts: put routed experts on the device; False leaves them out (a streaming
             source then supplies them).
         kernels: the grouped matmul and attention the model's programs use (`Kernels`).
+        on_host: a parameter (its nnx path) for which this is true stays a host numpy array of
+            its dtype (`engine.dense.HostDense.take` moves it into pinned memory).
 
     Raises:
         KeyError: a parameter is missing (named).
         ValueError: a parameter has the wrong shape (name and both shapes).
     """
     return fill_model(abstract_model(config, resident_experts=resident_experts,
-                                     kernels=kernels), config, params, experts)
+                                     kernels=kernels), config, params, experts, on_host)
 
 
 def fill_model(abstract: nnx.Module, config: ModelConfig,
                params: Mapping[str, np.ndarray | jax.Array],
-               experts: Mapping[int, ExpertWeights] | None = None) -> nnx.Module:
+               experts: Mapping[int, ExpertWeights] | None = None,
+               on_host: Callable[[tuple], bool] | None = None) -> nnx.Module:
     """`abstract` (a model with `jax.ShapeDtypeStruct` leaves) with its leaves taken from
     `params` (and routed experts from `experts`), as `build_model` describes."""
     graphdef, state = nnx.split(abstract)
@@ -496,7 +513,11 @@ def fill_model(abstract: nnx.Module, config: ModelConfig,
         if tuple(value.shape) != tuple(spec.shape):
             raise ValueError(
                 f"parameter {name!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
-        filled.append((path, variable.replace(jnp.asarray(value, dtype=spec.dtype))))
+        if on_host is not None and on_host(path):
+            value = np.asarray(value).astype(spec.dtype, copy=False)
+        else:
+            value = jnp.asarray(value, dtype=spec.dtype)
+        filled.append((path, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 

@@ -2,7 +2,9 @@
 
 begin (begin_chunk), publish, fetch / fetch_piece, fetch_frame, release and end (end_chunk)
 are one JAX primitive, threaded by a token so XLA keeps their order; the native library
-registers the same targets for "cpu" (simulated link) and "CUDA".
+registers the same targets for "cpu" (simulated link) and "CUDA". dense_fetch and dense_wait
+(a layer's own weights from pinned host memory, `engine/dense.py`) are the same primitive,
+ordered by their operands.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def _stream_call_lowering(ctx, *operands, target, results, aliases=(), **attrs):
     """`aliases`: (operand, result) pairs that share a buffer (fetch_piece's outputs)."""
     del results
     extra = {"operand_output_aliases": dict(aliases)} if aliases else {}
+    # A tuple attribute (dense_fetch's addresses) is an int64 array attribute.
+    attrs = {k: np.asarray(v, np.int64) if isinstance(v, tuple) else v for k, v in attrs.items()}
     return jax.ffi.ffi_lowering(target, has_side_effect=True, **extra)(ctx, *operands, **attrs)
 
 
@@ -151,3 +155,21 @@ def release(engine_id: int, layer: int, token: jax.Array, after: jax.Array) -> j
 def end(engine_id: int, token: jax.Array, n_layers: int) -> jax.Array:
     (stats,) = _call("end", [((n_layers, 2), jnp.int32)], token, **_end_attrs(engine_id))
     return stats
+
+
+def dense_fetch(key: int, after: jax.Array, shapes, addresses: tuple[int, ...]) -> list[jax.Array]:
+    """Arrays of `shapes` ((shape, dtype) pairs) copied from the host addresses (pinned memory
+    that outlives the program), after `after`; on CUDA the copies run on a stream of their own
+    until `dense_wait(key, ...)`, which every reader must follow."""
+    if len(shapes) != len(addresses) or not shapes:
+        raise ValueError(f"dense_fetch: {len(shapes)} arrays, {len(addresses)} addresses: one "
+                         "address per array, at least one")
+    return list(_call("dense_fetch", shapes, after, key=np.int64(key),
+                      src=tuple(int(a) for a in addresses)))
+
+
+def dense_wait(key: int, arrays: list[jax.Array], after: jax.Array) -> list[jax.Array]:
+    """`arrays` (dense_fetch's of `key`) once their copies landed, after `after`."""
+    shapes = [(a.shape, a.dtype) for a in arrays]
+    return list(_call("dense_wait", shapes, *arrays, after, key=np.int64(key),
+                      aliases=tuple((i, i) for i in range(len(arrays)))))

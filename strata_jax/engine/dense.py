@@ -1,0 +1,213 @@
+"""Dense weights in pinned host memory (`Engine(dense="host")`).
+
+Every weight but the routed experts (the embedding; each decoder layer's attention, norms,
+router, shared experts or dense MLP; the final norm and LM head) lives in one host block (pinned
+on a GPU), tensor after tensor at multiples of 256 bytes, in groups: the embedding, each layer,
+the head. Inside a prefill program, layer i + 1's tensors are copied into buffers XLA allocates
+for them while layer i computes (`dense_fetch`, on a copy stream of its own after the work XLA's
+stream has queued), and XLA's stream waits for them before layer i reads them (`dense_wait`);
+the embedding is copied before the first layer and the head after the last. So the device holds
+two layers' dense weights at a time (the embedding or the head beside the first or last), and
+each crosses the link once per chunk (chunk-major) or once per prompt (layer-major). The math
+and its bits are the resident model's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from strata_jax import native
+from strata_jax.config import ModelConfig
+from strata_jax.formats import expert_format
+from strata_jax.stream.ops import dense_fetch, dense_wait
+
+DENSE_MODES = ("device", "host")
+ALIGN = 256
+_stores = itertools.count(1)
+
+
+def check_dense(dense) -> str:
+    if dense not in DENSE_MODES:
+        raise ValueError(f"dense={dense!r}: expected 'device' (every weight on the device) or "
+                         "'host' (each decoder layer's own weights in pinned host memory, "
+                         "copied to the device one layer ahead)")
+    return dense
+
+
+def host_leaf(config: ModelConfig) -> Callable[[tuple], bool]:
+    """Whether a parameter (its nnx path) stays on the host with dense="host": any but a
+    routed expert's planes."""
+    planes = {p.name for p in expert_format(config).planes}
+
+    def on_host(path: tuple) -> bool:
+        return not (len(path) == 4 and path[0] == "layers" and path[2] == "mlp"
+                    and path[-1] in planes)
+    return on_host
+
+
+def _group(path: tuple, n_layers: int) -> int:
+    """A host leaf's group: 0 the embedding, 1 + i layer i, n_layers + 1 the head."""
+    if path[0] == "layers":
+        return 1 + int(path[1])
+    return 0 if path[0] == "embed" else n_layers + 1
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def layer_dense_bytes(shapes: dict[str, jax.ShapeDtypeStruct], n_layers: int) -> list[int]:
+    """Each group's host bytes (the embedding, each decoder layer, the head: n_layers + 2),
+    of `shapes` (a resident_experts=False model's flat names), as the host block lays them
+    out."""
+    out = [0] * (n_layers + 2)
+    for name, s in shapes.items():
+        n = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+        out[_group(tuple(name.split(".")), n_layers)] += _padded(n)
+    return out
+
+
+def _variable_at(module, path: Iterable):
+    node = module
+    for p in path:
+        node = node[int(p)] if isinstance(p, int) or str(p).isdigit() else getattr(node, p)
+    return node
+
+
+def _set(variable, value) -> None:
+    if hasattr(variable, "set_value"):
+        variable.set_value(value)
+    else:
+        variable.value = value
+
+
+class HostDense:
+    """The host block of a model's dense weights by group (`_group`) and the placeholders a
+    program merges in their place (`take`). Holds the memory until it goes."""
+
+    def __init__(self, leaves: list[tuple[tuple, np.ndarray]], n_layers: int,
+                 device: jax.Device, tied: bool):
+        self.n_layers = n_layers
+        if n_layers + 2 >= 1 << 16:
+            raise ValueError(f"dense='host': {n_layers} layers; at most {(1 << 16) - 3}")
+        self.key_base = next(_stores) << 16  # dense_fetch keys: key_base + group
+        offset, placed = 0, []
+        for path, value in leaves:
+            nbytes = value.size * value.dtype.itemsize
+            placed.append((path, value, offset, nbytes))
+            offset += _padded(nbytes)
+        self.nbytes = offset
+        if device.platform == "gpu" and native.has_cuda():
+            self._buffer = native.module().PinnedBuffer(max(offset, 1), device=device.id)
+            host = self._buffer.array()
+        else:  # the CPU reads plain host memory
+            self._buffer = None
+            host = np.empty(max(offset, 1) + ALIGN, np.uint8)
+            skip = (-host.ctypes.data) % ALIGN
+            host = host[skip:skip + max(offset, 1)]
+        self._host = host
+        base = host.ctypes.data
+        # Each group: (path, shape, dtype, host address) per tensor.
+        self.groups: list[list[tuple[tuple, tuple, np.dtype, int]]] = [
+            [] for _ in range(n_layers + 2)]
+        for path, value, off, nbytes in placed:
+            host[off:off + nbytes] = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+            entry = (tuple(path), tuple(value.shape), value.dtype, base + off)
+            self.groups[_group(path, n_layers)].append(entry)
+            if tied and path[0] == "embed":  # the head reads the embedding too
+                self.groups[n_layers + 1].append(entry)
+        self.group_bytes = [sum(_padded(int(np.prod(shape)) * np.dtype(dt).itemsize)
+                                for _, shape, dt, _ in g) for g in self.groups]
+        self._holders: list = []
+
+    @classmethod
+    def take(cls, state: nnx.State, config: ModelConfig, device: jax.Device):
+        """(HostDense of `state`'s host leaves, the rest of `state`): the leaves are host
+        arrays (`build_model(on_host=...)`), copied into the host block here."""
+        on_host = host_leaf(config)
+        keep, host, holders = [], [], []
+        for path, variable in nnx.to_flat_state(state):
+            if on_host(path):
+                value = np.asarray(variable.get_value() if hasattr(variable, "get_value")
+                                   else variable.value)
+                host.append((path, value))
+                holders.append((path, variable.replace(
+                    jax.ShapeDtypeStruct(value.shape, value.dtype))))
+            else:
+                keep.append((path, variable))
+        dense = cls(host, config.n_layers, device, config.tie_embeddings)
+        dense._holders = holders
+        return dense, nnx.from_flat_state(keep)
+
+    def placeholders(self) -> nnx.State:
+        """The host leaves' places in a program's model (shapes only), made afresh for each
+        trace: a variable made outside a trace cannot be set inside it."""
+        return nnx.from_flat_state([(p, v.replace(v.get_value() if hasattr(v, "get_value")
+                                                  else v.value)) for p, v in self._holders])
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        return self.group_bytes[1:-1]
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Device bytes the copies take at most: the two largest layers', or the embedding or
+        head beside a layer."""
+        two = sum(sorted(self.layer_bytes)[-2:])
+        ends = max(self.group_bytes[0], self.group_bytes[-1]) + max(self.layer_bytes, default=0)
+        return max(two, ends)
+
+    def calls(self) -> "DenseCalls":
+        """A traced program's fetches and waits (one per program trace)."""
+        return DenseCalls(self)
+
+
+class DenseCalls:
+    """Inside one traced program: each group's tensors fetched and set in the model before
+    they are read. The model calls `embed` before its first layer, `enter` before each layer
+    (which also fetches the next layer's after the layer's input) and `head` after the last."""
+
+    def __init__(self, dense: HostDense):
+        self.dense = dense
+        self.pending: dict[int, list] = {}
+
+    def _fetch(self, group: int, after: jax.Array) -> list:
+        entries = self.dense.groups[group]
+        if not entries:
+            return []
+        return dense_fetch(self.dense.key_base + group, after,
+                           [(shape, dtype) for _, shape, dtype, _ in entries],
+                           tuple(addr for *_, addr in entries))
+
+    def _set(self, model, group: int, arrays: list, after: jax.Array) -> None:
+        if arrays:
+            arrays = dense_wait(self.dense.key_base + group, arrays, after)
+            for (path, *_), a in zip(self.dense.groups[group], arrays):
+                _set(_variable_at(model, path), a)
+
+    def embed(self, model, tokens: jax.Array) -> None:
+        """The embedding (group 0) set in `model`, copied after `tokens`."""
+        self._set(model, 0, self._fetch(0, tokens), tokens)
+
+    def enter(self, model, layer: int, x):
+        """Layer `layer`'s tensors set in `model`; the next layer's fetch issued after `x`
+        (the layer's input), which is returned."""
+        after = jax.tree_util.tree_leaves(x)[-1]
+        if layer == 0:
+            self.pending[1] = self._fetch(1, after)
+        g = layer + 1
+        nxt = self._fetch(g + 1, after) if layer + 1 < self.dense.n_layers else []
+        self._set(model, g, self.pending.pop(g), nxt[0] if nxt else after)
+        self.pending[g + 1] = nxt
+        return x
+
+    def head(self, model, x: jax.Array) -> None:
+        """The final norm and LM head set in `model`, copied after `x` (the last layer's
+        output)."""
+        g = self.dense.n_layers + 1
+        self._set(model, g, self._fetch(g, x), x)
