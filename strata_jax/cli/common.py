@@ -633,7 +633,7 @@ def _make_engine(args, cfg, params, experts, stream, max_context, log: _Log, dev
                  what: str = "experts"):
 
     kwargs = dict(max_context=max_context, chunk_size=args.chunk, experts=experts,
-                  order=args.order, device=device,
+                  order=args.order, device=device, dense=getattr(args, "dense", "device"),
                   kernels=Kernels(grouped_matmul=args.grouped_matmul, attention=args.attention,
                                   quantized_matmul=args.quantized_matmul,
                                   delta_rule=args.delta_rule))

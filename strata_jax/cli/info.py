@@ -64,7 +64,7 @@ def cmd_info(args, log: _Log) -> int:
                                       resident_gib=args.resident_gib,
                                       resident_per_layer=args.resident_per_layer,
                                       ring_gib=args.ring_gib, device_bytes=device_bytes,
-                                      devices=args.devices)
+                                      devices=args.devices, dense_on=args.dense)
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
         plan["device"] = device_what
@@ -92,7 +92,10 @@ def cmd_info(args, log: _Log) -> int:
         print(f"  experts: {size(p['expert_bytes'])} each, {size(p['expert_bytes_per_layer'])} "
               f"per layer, {size(p['expert_bytes_total'])} in all ({p['moe_layers']} MoE layers)"
               " — kept in host RAM")
-        print(f"  dense weights {size(p['dense_bytes'])}; KV cache {size(p['kv_bytes'])} for "
+        print(f"  dense weights {size(p['dense_bytes'])}"
+              + ("" if p["dense"] == "device" else
+                 f" in host memory, {size(p['dense_device_bytes'])} on the device at a time")
+              + f"; KV cache {size(p['kv_bytes'])} for "
               f"{p['max_context']} positions ({p['kv_values_per_position']:,} values a "
               "position over all layers"
               + ("" if per_head is None else

@@ -278,6 +278,12 @@ def _stream_options(p: argparse.ArgumentParser, *, depth_default: int | None = N
                         "so each expert crosses the link once per prompt")
     g.add_argument("--sub-chunk", type=_positive_int, metavar="N",
                    help="compute sub-chunk of --order layer-major (default: the engine's)")
+    g.add_argument("--dense", choices=["device", "host"], default="device",
+                   help="where the dense weights (all but the routed experts) live: on the "
+                        "device, or in pinned host memory, each layer's copied in while the "
+                        "layer before computes (a model whose dense weights outgrow the card; "
+                        "each layer's cross the link once per chunk, once per prompt with "
+                        "--order layer-major)")
     g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when JAX has a GPU and the library was built with CUDA, "
                         "else cpu; cpu: the simulated device (host-memory ring, a copy thread "
@@ -470,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="experts resident per MoE layer")
     ig.add_argument("--ring-gib", type=_float, default=4.0, metavar="GIB",
                     help="device memory the ring may take")
+    ig.add_argument("--dense", choices=["device", "host"], default="device",
+                    help="plan the dense weights on the device, or in host memory (two layers' "
+                         "on the device at a time: prefill --dense host)")
     ig.add_argument("--no-measure", action="store_true",
                     help="skip the link bandwidth measurement")
     ig.add_argument("--devices", type=_positive_int, default=1, metavar="N",

@@ -23,6 +23,7 @@ from flax import nnx
 
 from strata_jax import native
 from strata_jax.config import ModelConfig
+from strata_jax.devices import check_host_bytes
 from strata_jax.formats import expert_format
 from strata_jax.stream.ops import dense_fetch, dense_wait
 
@@ -72,6 +73,14 @@ def layer_dense_bytes(shapes: dict[str, jax.ShapeDtypeStruct], n_layers: int) ->
     return out
 
 
+def in_flight_bytes(group_bytes: list[int]) -> int:
+    """Device bytes a program's dense copies take at most (`group_bytes`: the embedding, each
+    layer, the head): the two largest layers', or the embedding or head beside a layer."""
+    layers = group_bytes[1:-1]
+    two = sum(sorted(layers)[-2:])
+    return max(two, max(group_bytes[0], group_bytes[-1]) + max(layers, default=0))
+
+
 def _variable_at(module, path: Iterable):
     node = module
     for p in path:
@@ -102,6 +111,8 @@ class HostDense:
             placed.append((path, value, offset, nbytes))
             offset += _padded(nbytes)
         self.nbytes = offset
+        check_host_bytes(offset, "dense='host': the dense weights' host block",
+                         "use dense='device', or free host memory")
         if device.platform == "gpu" and native.has_cuda():
             self._buffer = native.module().PinnedBuffer(max(offset, 1), device=device.id)
             host = self._buffer.array()
@@ -156,11 +167,7 @@ class HostDense:
 
     @property
     def in_flight_bytes(self) -> int:
-        """Device bytes the copies take at most: the two largest layers', or the embedding or
-        head beside a layer."""
-        two = sum(sorted(self.layer_bytes)[-2:])
-        ends = max(self.group_bytes[0], self.group_bytes[-1]) + max(self.layer_bytes, default=0)
-        return max(two, ends)
+        return in_flight_bytes(self.group_bytes)
 
     def calls(self) -> "DenseCalls":
         """A traced program's fetches and waits (one per program trace)."""

@@ -27,12 +27,12 @@ from flax import nnx
 from strata_jax.config import ModelConfig
 from strata_jax.devices import free_memory
 from strata_jax.engine.dense import HostDense, check_dense, host_leaf
-from strata_jax.engine.memory import (MIN_BUCKET, chunk_bytes, chunk_candidates, chunk_memory,
-                                      kv_cache_bytes, layer_major_bytes)
+from strata_jax.engine.memory import (MIN_BUCKET, chunk_bytes, choose_chunk, kv_cache_bytes,
+                                      layer_major_bytes)
 from strata_jax.engine.placement import (check_stream_device, counted, device_name, device_of,
                                          engine_mesh, first_local, info_sharding, on_mesh,
                                          settle)
-from strata_jax.engine.results import chunk_ids
+from strata_jax.engine.results import chunk_ids, split_info
 from strata_jax.engine.results import (ChunkRecord, PrefillResult, ScoreResult, Session, _bucket,
                                        compile_buckets, sha256_of)
 from strata_jax.experts import ExpertWeights
@@ -104,12 +104,10 @@ class Engine:
             engine (`StreamerGroup`: its residents, ring and link; the budgets per device)
             and each chunk runs under `shard_map`. None: one device.
         tokenizer: A `strata_jax.Tokenizer`: `prefill` and `score` then take text (a str).
-        dense: "device" (the default) keeps every dense weight on the device; "host" keeps
-            each decoder layer's own weights (attention, norms, router, shared experts, dense
-            MLPs) in pinned host memory and copies them in one layer ahead
-            (`engine/dense.py`): the device holds two layers' of them (for a model whose dense
-            weights alone outgrow the card), each crossing the link once per chunk, once per
-            prompt layer-major. One device only.
+        dense: "device" (the default), or "host": every weight but the routed experts in
+            pinned host memory, each layer's copied in while the one before computes
+            (`engine/dense.py`; two layers' on the device at a time; once per chunk, once per
+            prompt layer-major). One device only.
     """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, np.ndarray],
@@ -300,25 +298,12 @@ class Engine:
         return resolve_format(self.kernels.quantized_matmul, fmt, self.device) == "dequantize"
 
     def _choose_chunk(self) -> tuple[int, str]:
-        """The largest chunk (max_context, else a power of two below it, at least 16) whose
-        activations (CHUNK_HEADROOM x `chunk_bytes`, a later chunk's) and two KV caches of the
-        resulting capacity (a session's and the one a chunk writes) fit `memory_available`."""
-        have, what = self.memory_available()
-        candidates = chunk_candidates(self.max_context)
-        for chunk in candidates:
-            activations, kv, _ = chunk_memory(
-                self.config, chunk, self.max_context, self._sub_chunk_arg,
-                platform=self.device.platform, streamed=self.streamer is not None,
-                attention=self.kernels.attention, dequantized=self._dequantized,
-                parts=self._parts)
-            need = activations + kv
-            if need <= have:
-                return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of "
-                               f"activations and KV cache within {have / 2**30:.2f} GiB "
-                               f"({what})")
-        chunk = candidates[-1]
-        return chunk, (f"auto: {chunk} tokens, the smallest chunk; {what} is only "
-                       f"{have / 2**30:.2f} GiB")
+        """`engine.memory.choose_chunk` within `memory_available`."""
+        return choose_chunk(self.config, self.max_context, self._sub_chunk_arg,
+                            *self.memory_available(), platform=self.device.platform,
+                            streamed=self.streamer is not None,
+                            attention=self.kernels.attention, dequantized=self._dequantized,
+                            parts=self._parts)
 
     # -- the compiled call ----------------------------------------------------------------------
 
@@ -472,22 +457,10 @@ class Engine:
         return logits, cache, info
 
     def _split_info(self, info: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(end_chunk stats [L, 2] or [0, 2] (on a streamed mesh every device's, [G, L, 2]),
-        counts [n_moe, E], a scored call's per-row log-probabilities float32 [bucket] and most
-        likely tokens int32 [bucket] (both [0] unscored)) from a call's info, read once."""
-        c = self.config
-        n_stats = 2 * self.streamer.native_layers if self.streamer is not None else 0
-        n_counts = len(c.moe_layers) * c.n_experts
-        info = np.asarray(info)
-        stats = info[:n_stats].reshape(-1, 2)
-        if self._manual:  # [G * width]: each device's stats, then the same counts and scores
-            per = info.reshape(self.n_devices, -1)
-            info = per[0]
-            stats = per[:, :n_stats].reshape(self.n_devices, -1, 2)
-        rows = info[n_stats + n_counts:]
-        half = rows.size // 2  # [bucket] log-probabilities, then [bucket] tokens
-        return (stats, info[n_stats:n_stats + n_counts].reshape(len(c.moe_layers), c.n_experts),
-                rows[:half].view(np.float32), rows[half:])
+        """`results.split_info` of one of this engine's calls."""
+        return split_info(info, self.config,
+                          2 * self.streamer.native_layers if self.streamer is not None else 0,
+                          self.n_devices if self._manual else 0)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -549,8 +522,7 @@ class Engine:
     def memory_available(self) -> tuple[int, str]:
         """(bytes, what) layer-major may use: device free memory, host RAM, or the set limit;
         with dense="host", less the two layers' dense weights a program copies in."""
-        have, what = free_memory(self.device, self.layer_major_limit_bytes,
-                                 "layer_major_limit_bytes")
+        have, what = free_memory(self.device, self.layer_major_limit_bytes, "layer_major_limit_bytes")
         if self._dense is None:
             return have, what
         return max(have - self._dense.in_flight_bytes, 0), f"{what}, less 2 layers' dense"

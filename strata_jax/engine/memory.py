@@ -27,6 +27,7 @@ import numpy as np
 
 from strata_jax.config import ModelConfig
 from strata_jax.devices import size
+from strata_jax.engine.dense import in_flight_bytes, layer_dense_bytes
 from strata_jax.layers.attention import attention_bytes, attention_path
 from strata_jax.models import cache_bytes, model_module, param_shapes
 from strata_jax.parallel import expert_slices
@@ -164,6 +165,24 @@ def chunk_candidates(max_context: int) -> list[int]:
     return out
 
 
+def choose_chunk(config: ModelConfig, max_context: int, sub_chunk: int | None, have: int,
+                 what: str, **kw) -> tuple[int, str]:
+    """(chunk, why): the largest chunk (max_context, else a power of two below it, at least
+    16) whose activations (CHUNK_HEADROOM x `chunk_bytes`, a later chunk's) and two KV caches
+    of the resulting capacity (a session's and the one a chunk writes) fit `have` bytes
+    (`what`: where they come from); `kw`: `chunk_memory`'s. `Engine(chunk_size=None)`."""
+    candidates = chunk_candidates(max_context)
+    for chunk in candidates:
+        activations, kv, _ = chunk_memory(config, chunk, max_context, sub_chunk, **kw)
+        need = activations + kv
+        if need <= have:
+            return chunk, (f"auto: {chunk} tokens, about {need / 2**30:.2f} GiB of activations "
+                           f"and KV cache within {have / 2**30:.2f} GiB ({what})")
+    chunk = candidates[-1]
+    return chunk, (f"auto: {chunk} tokens, the smallest chunk; {what} is only "
+                   f"{have / 2**30:.2f} GiB")
+
+
 def chunk_memory(config: ModelConfig, chunk: int, max_context: int,
                  sub_chunk: int | None = None, *, platform: str = "cpu",
                  streamed: bool = False, headroom: float = CHUNK_HEADROOM,
@@ -256,7 +275,8 @@ def _streamed_note(config, plan, extra: int, ring_streaming: int) -> str | None:
 
 def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
                 resident_per_layer: int | None = None, ring_gib: float = 4.0,
-                device_bytes: int | None = None, devices: int = 1) -> dict:
+                device_bytes: int | None = None, devices: int = 1,
+                dense_on: str = "device") -> dict:
     """Bytes on the device and the host for a model streamed with a resident budget.
 
     The host store (every expert, pinned host RAM) is `host_store_bytes`. The residents and the
@@ -269,6 +289,9 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     counted. The ring is whole layer frames (residents copied in) whatever the residents, so
     with nearly every expert resident the streamed plan takes more than every expert
     resident; `streamed_note` then says so and why (else it is None).
+
+    `dense_on`: "device", or "host" (`Engine(dense="host")`): the device then holds only the
+    dense copies in flight (`dense_device_bytes`, `engine.dense.in_flight_bytes`).
 
     `devices` > 1: expert parallelism (`Engine(mesh=)`): `per_device` holds what each of them
     needs, the dense weights and the KV cache replicated and 1/devices of the experts
@@ -288,7 +311,11 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
                          f"of a layer; use a device count that divides {config.n_experts}")
 
     n_moe = len(config.moe_layers)
-    dense = param_bytes(config, resident_experts=False)
+    dense_all = param_bytes(config, resident_experts=False)
+    dense = dense_all
+    if dense_on == "host":
+        dense = in_flight_bytes(layer_dense_bytes(param_shapes(config, resident_experts=False),
+                                                  config.n_layers))
     kv = kv_cache_bytes(config, max_context)
     stream = StreamConfig(ring_budget_gib=ring_gib, resident_budget_gib=resident_gib,
                           resident_per_layer=resident_per_layer or 0)
@@ -304,7 +331,9 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
         "expert_bytes_per_layer": config.expert_bytes_per_layer,
         "expert_bytes_total": config.expert_bytes_total,
         "moe_layers": n_moe,
-        "dense_bytes": dense,
+        "dense_bytes": dense_all,
+        "dense": dense_on,
+        "dense_device_bytes": dense,
         "kv_bytes": kv,
         "kv_values_per_position": (kv_cache_bytes(config, 2) - kv_cache_bytes(config, 1))
         // np.dtype(config.dtype).itemsize,

@@ -298,3 +298,22 @@ def chunk_ids(piece: np.ndarray, bucket: int, start: int,
         ids[bucket] = next_token
     ids[-2], ids[-1] = start, piece.size
     return ids
+
+
+def split_info(info, config, n_stats: int, devices: int = 0) -> tuple[np.ndarray, ...]:
+    """(end_chunk stats [L, 2] or [0, 2] (with `devices`, a streamed mesh's: every device's,
+    [G, L, 2]), counts [n_moe, E], a scored call's per-row log-probabilities float32 [bucket]
+    and most likely tokens int32 [bucket] (both [0] unscored)) from a call's info, read once.
+    `n_stats`: the stats' int32 values (2 per native layer; 0 unstreamed)."""
+    n_counts = len(config.moe_layers) * config.n_experts
+    info = np.asarray(info)
+    stats = info[:n_stats].reshape(-1, 2)
+    if devices:  # [G * width]: each device's stats, then the same counts and scores
+        per = info.reshape(devices, -1)
+        info = per[0]
+        stats = per[:, :n_stats].reshape(devices, -1, 2)
+    rows = info[n_stats + n_counts:]
+    half = rows.size // 2  # [bucket] log-probabilities, then [bucket] tokens
+    return (stats, info[n_stats:n_stats + n_counts].reshape(len(config.moe_layers),
+                                                            config.n_experts),
+            rows[:half].view(np.float32), rows[half:])
