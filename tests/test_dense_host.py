@@ -102,3 +102,35 @@ def test_cuda_dense_on_host_reads_the_device_bits(stream_arms):
     on_host = arm_reads(Engine, cfg, params, stream_arms(), dense="host", **kw)
     assert len(set(on_device.values())) == 1
     assert on_host == on_device
+
+
+FAMILIES = ["qwen3-next-80b-a3b", "deepseek-v3", "gpt-oss-20b", "glm-4.5-air"]
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_dense_on_host_builds_every_family(preset):
+    """Every family's engine takes dense="host": nothing but routed experts on the device, a
+    host group for the embedding, each layer and the head."""
+    cfg = get_preset(preset).scaled(n_experts=8, top_k=2, param_dtype="bfloat16")
+    with Engine(cfg, init_synthetic(cfg, seed=4), None, max_context=64, chunk_size=32,
+                dense="host") as eng:
+        assert len(eng._dense.groups) == cfg.n_layers + 2 and all(eng._dense.groups)
+        experts = {n for l in cfg.moe_layers for n in expert_plane_names(cfg, l).values()}
+        assert sum(a.size * a.dtype.itemsize for a in eng._state_leaves) == sum(
+            s.size * s.dtype.itemsize for n, s in param_shapes(cfg).items() if n in experts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", FAMILIES[:3])
+def test_dense_on_host_in_every_family(preset):
+    """A hybrid (DeltaNet states in the cache), latent attention and gpt-oss (sinks, biases):
+    two chunks and layer-major read the device bits with the dense weights on the host."""
+    cfg = get_preset(preset).scaled(n_experts=8, top_k=2, param_dtype="bfloat16")
+    params = init_synthetic(cfg, seed=4)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
+    out = []
+    for dense in ("device", "host"):
+        with Engine(cfg, params, None, max_context=64, chunk_size=32, dense=dense) as eng:
+            a, b = eng.prefill(tokens), eng.prefill(tokens, order="layer-major")
+            out.append((a.logits_sha256(), a.kv_sha256(), b.logits_sha256(), b.kv_sha256()))
+    assert out[0] == out[1]

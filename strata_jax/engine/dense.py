@@ -44,10 +44,11 @@ def host_leaf(config: ModelConfig) -> Callable[[tuple], bool]:
     """Whether a parameter (its nnx path) stays on the host with dense="host": any but a
     routed expert's planes."""
     planes = {p.name for p in expert_format(config).planes}
+    moe = {str(l) for l in config.moe_layers}  # a dense layer's MLP has gate/up/down too
 
     def on_host(path: tuple) -> bool:
-        return not (len(path) == 4 and path[0] == "layers" and path[2] == "mlp"
-                    and path[-1] in planes)
+        return not (len(path) == 4 and path[0] == "layers" and str(path[1]) in moe
+                    and path[2] == "mlp" and path[-1] in planes)
     return on_host
 
 
@@ -104,6 +105,7 @@ class HostDense:
         self.n_layers = n_layers
         if n_layers + 2 >= 1 << 16:
             raise ValueError(f"dense='host': {n_layers} layers; at most {(1 << 16) - 3}")
+        native.register_targets()  # dense_fetch and dense_wait, for any engine
         self.key_base = next(_stores) << 16  # dense_fetch keys: key_base + group
         offset, placed = 0, []
         for path, value in leaves:

@@ -206,10 +206,10 @@ def param_shapes(config: HybridConfig, *, resident_experts: bool = True
 
 
 def build_model(config: HybridConfig, params, *, experts=None, resident_experts: bool = True,
-                kernels: Kernels = Kernels()) -> HybridTransformer:
+                kernels: Kernels = Kernels(), on_host=None) -> HybridTransformer:
     """The model from flat arrays (as `models.decoder.build_model`)."""
     return fill_model(abstract_model(config, resident_experts=resident_experts,
-                                     kernels=kernels), config, params, experts)
+                                     kernels=kernels), config, params, experts, on_host)
 
 
 def _layer_specs(config: HybridConfig, capacity: int, dtype) -> Iterator[tuple]:

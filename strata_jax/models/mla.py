@@ -137,10 +137,10 @@ def param_shapes(config: MLAConfig, *, resident_experts: bool = True
 
 
 def build_model(config: MLAConfig, params, *, experts=None, resident_experts: bool = True,
-                kernels: Kernels = Kernels()) -> MLATransformer:
+                kernels: Kernels = Kernels(), on_host=None) -> MLATransformer:
     """The model from flat arrays (as `models.decoder.build_model`)."""
     return fill_model(abstract_model(config, resident_experts=resident_experts,
-                                     kernels=kernels), config, params, experts)
+                                     kernels=kernels), config, params, experts, on_host)
 
 
 def cache_shapes(config: MLAConfig, capacity: int, dtype=None) -> KVCache:
