@@ -27,18 +27,20 @@ def params():
     return init_synthetic(CFG, seed=3)
 
 
+@pytest.mark.slow
 def test_dense_on_host_reads_the_device_bits(params):
-    """Chunks of 64 over 200 tokens, a follow-up turn and layer-major: routed experts with the
-    decoder layers' weights on the host read the bytes of everything on the device."""
+    """Chunks of 64 over 200 tokens, a follow-up turn and layer-major: the dense weights on the
+    host read the bytes of everything on the device (streamed arms: the slow run)."""
     on_device = arm_reads(Engine, CFG, params, ARMS[:1], max_context=256, chunk_size=64)
-    on_host = arm_reads(Engine, CFG, params, ARMS[1:], max_context=256, chunk_size=64,
+    on_host = arm_reads(Engine, CFG, params, ARMS[:1], max_context=256, chunk_size=64,
                         dense="host")
-    assert on_host["routed"] == on_device["resident"]
+    assert on_host == on_device
 
 
 @pytest.mark.slow
 def test_dense_on_host_every_arm(params):
-    """Both arms, both places of the dense weights: one set of bytes."""
+    """Resident and routed (the native stream's CPU backend), both places of the dense weights:
+    one set of bytes."""
     on_device = arm_reads(Engine, CFG, params, ARMS, max_context=256, chunk_size=64)
     on_host = arm_reads(Engine, CFG, params, ARMS, max_context=256, chunk_size=64,
                         dense="host")
@@ -48,8 +50,8 @@ def test_dense_on_host_every_arm(params):
 def test_dense_on_host_leaves_layers_off_the_device(params):
     """The device state holds the routed experts only; each program copies the embedding,
     every layer's weights and the head in (one dense_fetch and one dense_wait each); the host
-    block holds them at 256-byte offsets, grouped as the memory plan counts them; close() lets
-    the weights go."""
+    block holds them at 256-byte offsets, grouped as the memory plan counts them; a chunk and a
+    layer-major read have the device bits; close() lets the weights go."""
     from strata_jax.engine.results import chunk_ids
 
     eng = Engine(CFG, params, None, max_context=128, chunk_size=32, dense="host")
@@ -73,9 +75,13 @@ def test_dense_on_host_leaves_layers_off_the_device(params):
                              first=True, mode=0, sub=0, width=34).as_text()
         assert hlo.count("strata_dense_fetch") == CFG.n_layers + 2
         assert hlo.count("strata_dense_wait") == CFG.n_layers + 2
-        eng.prefill(ids)
+        reads = [eng.prefill(ids), eng.prefill(ids[:20], order="layer-major")]
     finally:
         eng.close()
+    with Engine(CFG, params, None, max_context=128, chunk_size=32) as ref:
+        want = [ref.prefill(ids), ref.prefill(ids[:20], order="layer-major")]
+    assert [(r.logits_sha256(), r.kv_sha256()) for r in reads] == \
+        [(r.logits_sha256(), r.kv_sha256()) for r in want]
     assert eng._state_leaves is None and eng._dense is None
     with pytest.raises(RuntimeError):
         eng.prefill(ids)
