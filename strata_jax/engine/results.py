@@ -63,8 +63,17 @@ class Session:
         return self.cache.valid(p)
 
     def kv_sha256(self) -> str:
-        """SHA-256 of the valid positions' keys then values, layer by layer."""
-        return sha256_of(self.valid_cache())
+        """SHA-256 of the valid positions' keys then values, layer by layer (`valid_cache`'s
+        bytes): each array is fetched whole and cut on the host, so hashing a session takes no
+        device memory (a device-side cut of a 32K cache is a second cache)."""
+        p = self.position
+        valid = jax.tree_util.tree_leaves(jax.eval_shape(lambda c: c.valid(p), self.cache))
+        h = hashlib.sha256()
+        for leaf, want in zip(jax.tree_util.tree_leaves(self.cache), valid):
+            a = np.asarray(leaf)
+            h.update(np.ascontiguousarray(a if a.shape == want.shape else a[:want.shape[0]])
+                     .tobytes())
+        return h.hexdigest()
 
 
 @dataclasses.dataclass
