@@ -741,15 +741,15 @@ def test_kernel_choices_that_do_nothing_are_refused(argv, words, no_work, tmp_pa
 
 
 def test_the_plan_check_uses_the_engines_estimates(monkeypatch):
-    """The refusal's KV cache and activations are the engine's (engine.memory.chunk_memory, which
-    the engine chooses its chunk by); the positions it says fit pass the check, one more does
+    """The refusal's KV cache and activations are the engine's (engine.memory.chunk_memory, by
+    which the engine's choose_chunk chooses its chunk); the positions it says fit pass the check, one more does
     not."""
     import re
 
     import strata_jax.engine.engine as E
     import strata_jax.engine.memory as M
 
-    assert E.chunk_memory is M.chunk_memory and E.kv_cache_bytes is M.kv_cache_bytes
+    assert E.choose_chunk is M.choose_chunk and E.kv_cache_bytes is M.kv_cache_bytes
     cfg = cli.model_config("qwen3-30b-a3b", "tiny", max_seq_len=10**8)
     act, kv, cap = M.chunk_memory(cfg, 16, 10**8, platform="cpu", streamed=True)
     assert cap == 10**8 + 16
