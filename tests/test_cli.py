@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from strata_jax import cli
+from strata_jax.engine import memory
 
 MODEL = ["--preset", "qwen3-30b-a3b", "--scale", "tiny", "--experts", "32", "--top-k", "2",
          "--skew", "2.0"]
@@ -1012,3 +1013,18 @@ def test_kernel_options_reach_the_engine(engine_kernels):
     assert (k.grouped_matmul, k.quantized_matmul, k.attention) == ("tiled", "dequantize", "xla")
     rc, out, err = run(["prefill", *MODEL, "--quantized-matmul", "fast"])
     assert (rc, out) == (2, "") and "invalid choice: 'fast'" in err and "dequantize" in err
+
+
+def test_dense_host_prefill_reads_the_same_bytes():
+    """prefill --dense host: the weights' copies in flight in the plan check, the same logits
+    and KV bytes as --dense device."""
+    out = []
+    for dense in ("device", "host"):
+        rc, stdout, err = run(["prefill", *TINY, "--tokens", "40", "--no-stream", "--dense",
+                               dense, "--json"])
+        assert rc == 0, err
+        d = json.loads(stdout)
+        out.append((d["logits_sha256"], d["kv_sha256"]))
+    assert out[0] == out[1]
+    cfg = cli.model_config("qwen3-30b-a3b", "tiny")
+    assert memory.weight_bytes(cfg, None, "gpu", "host") < memory.weight_bytes(cfg, None, "gpu")

@@ -58,7 +58,7 @@ def _check_kernel_options(args, cfg) -> None:
 
 def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | None,
                 sub_chunk: int | None, backend: str, stream, devices: int = 1,
-                dequantized: bool | None = None) -> None:
+                dequantized: bool | None = None, dense_on: str = "device") -> None:
     """UsageError when the prefill cannot fit the memory of the device it will run on: its
     two KV caches and the activations of its smallest chunk (memory.chunk_memory, the
     estimate an Engine chooses its chunk by; `chunk`, else the smallest an automatic choice
@@ -77,7 +77,8 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     device's residents and simulated ring).
 
     `dequantized`: whether quantized experts are read by the dequantize path (a layer in the
-    parameter dtype a chunk); None counts that layer for any quantized format.
+    parameter dtype a chunk); None counts that layer for any quantized format. `dense_on`:
+    --dense (on the GPU "host" counts the dense copies in flight).
     """
 
     cfg = model.config
@@ -95,7 +96,7 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
             plan = plan_stream(cfg, stream, check_ring_budget=False)
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
-    weights = memory.weight_bytes(cfg, plan, platform)
+    weights = memory.weight_bytes(cfg, plan, platform, dense_on)
     copies = 1
     if devices > 1:
         if cfg.n_experts % devices:

@@ -167,7 +167,7 @@ def _prepare(args, *, scoring: bool = False) -> _Read:
     path = _quantized_path(args, model.config, backend, device)
     _check_plan(model, max_context=max_context, n_tokens=needed, chunk=args.chunk,
                 sub_chunk=args.sub_chunk, backend=backend, stream=stream,
-                devices=args.devices, dequantized=path == "dequantize")
+                devices=args.devices, dequantized=path == "dequantize", dense_on=args.dense)
     (tokens, prompt_text), = files or _read_prompts(args, model, many=False)
     if not args.json:
         print(model.describe() + ("" if path is None else f"; experts {_QUANTIZED_PATHS[path]}"))

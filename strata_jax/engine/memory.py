@@ -206,15 +206,22 @@ def param_bytes(config: ModelConfig, **kw) -> int:
                for s in param_shapes(config, **kw).values())
 
 
-def weight_bytes(config: ModelConfig, plan=None, platform: str = "cpu") -> int:
+def weight_bytes(config: ModelConfig, plan=None, platform: str = "cpu",
+                 dense_on: str = "device") -> int:
     """Bytes of the weights a prefill's `platform` device holds: every parameter when nothing
     streams (`plan` None); streamed by `plan` (stream.plan_stream), on the GPU the dense
     weights and the residents (the ring is the native engine's own allocation), on the CPU
-    every parameter and the simulated ring."""
+    every parameter and the simulated ring. On the GPU with `dense_on` "host" the dense weights
+    count as the copies in flight (`dense.in_flight_bytes`)."""
+    dense = param_bytes(config, resident_experts=False)
+    if platform == "gpu" and dense_on == "host":
+        dense = in_flight_bytes(layer_dense_bytes(param_shapes(config, resident_experts=False),
+                                                  config.n_layers))
     if plan is None:
-        return param_bytes(config)
+        return (param_bytes(config) if platform != "gpu" or dense_on != "host"
+                else dense + config.expert_bytes_total)
     if platform == "gpu":
-        return param_bytes(config, resident_experts=False) + plan.resident_bytes
+        return dense + plan.resident_bytes
     return param_bytes(config) + plan.ring_bytes
 
 
