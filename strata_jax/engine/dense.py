@@ -97,21 +97,28 @@ def _set(variable, value) -> None:
 
 
 class HostDense:
-    """The host block of a model's dense weights by group (`_group`) and the placeholders a
-    program merges in their place (`take`). Holds the memory until it goes."""
+    """The host block of a model's dense weights by group (`_group`), and the placeholders a
+    program merges in their place. The model is built straight into the block (`destination`,
+    `build_model(on_host=...)`: no second host copy), then `take` leaves the rest of its state
+    for the device. Holds the memory until it goes."""
 
-    def __init__(self, leaves: list[tuple[tuple, np.ndarray]], n_layers: int,
-                 device: jax.Device, tied: bool):
-        self.n_layers = n_layers
+    def __init__(self, config: ModelConfig, shapes: dict[str, jax.ShapeDtypeStruct],
+                 device: jax.Device):
+        """`shapes`: the model's flat parameter names to shapes (`models.param_shapes`, with
+        the engine's `resident_experts`); the host leaves among them (`host_leaf`) are laid
+        out in model order."""
+        n_layers = self.n_layers = config.n_layers
         if n_layers + 2 >= 1 << 16:
             raise ValueError(f"dense='host': {n_layers} layers; at most {(1 << 16) - 3}")
+        on_host = host_leaf(config)
         native.register_targets()  # dense_fetch and dense_wait, for any engine
         self.key_base = next(_stores) << 16  # dense_fetch keys: key_base + group
         offset, placed = 0, []
-        for path, value in leaves:
-            nbytes = value.size * value.dtype.itemsize
-            placed.append((path, value, offset, nbytes))
-            offset += _padded(nbytes)
+        for name, spec in shapes.items():
+            path = tuple(name.split("."))
+            if on_host(path):
+                placed.append((path, tuple(spec.shape), np.dtype(spec.dtype), offset))
+                offset += _padded(int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize)
         self.nbytes = offset
         check_host_bytes(offset, "dense='host': the dense weights' host block",
                          "use dense='device', or free host memory")
@@ -123,39 +130,45 @@ class HostDense:
             host = np.empty(max(offset, 1) + ALIGN, np.uint8)
             skip = (-host.ctypes.data) % ALIGN
             host = host[skip:skip + max(offset, 1)]
-        self._host = host
         base = host.ctypes.data
         # Each group: (path, shape, dtype, host address) per tensor.
         self.groups: list[list[tuple[tuple, tuple, np.dtype, int]]] = [
             [] for _ in range(n_layers + 2)]
-        for path, value, off, nbytes in placed:
-            host[off:off + nbytes] = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-            entry = (tuple(path), tuple(value.shape), value.dtype, base + off)
+        self._views: dict[str, np.ndarray] = {}
+        for path, shape, dtype, off in placed:
+            n = int(np.prod(shape)) * dtype.itemsize
+            self._views[".".join(path)] = host[off:off + n].view(dtype).reshape(shape)
+            entry = (path, shape, dtype, base + off)
             self.groups[_group(path, n_layers)].append(entry)
-            if tied and path[0] == "embed":  # the head reads the embedding too
+            if config.tie_embeddings and path[0] == "embed":  # the head reads it too
                 self.groups[n_layers + 1].append(entry)
+        self._host = host
         self.group_bytes = [sum(_padded(int(np.prod(shape)) * np.dtype(dt).itemsize)
                                 for _, shape, dt, _ in g) for g in self.groups]
         self._holders: list = []
 
-    @classmethod
-    def take(cls, state: nnx.State, config: ModelConfig, device: jax.Device):
-        """(HostDense of `state`'s host leaves, the rest of `state`): the leaves are host
-        arrays (`build_model(on_host=...)`), copied into the host block here."""
-        on_host = host_leaf(config)
-        keep, host, holders = [], [], []
+    def destination(self, path: tuple) -> np.ndarray | None:
+        """Where parameter `path` (an nnx path) lives in the host block, None for a device
+        one: `build_model(on_host=...)` writes it there."""
+        return self._views.get(".".join(map(str, path)))
+
+    def take(self, state: nnx.State) -> nnx.State:
+        """`state` without its host leaves (built into the block), which become shape-only
+        placeholders (`placeholders`)."""
+        keep, holders = [], []
         for path, variable in nnx.to_flat_state(state):
-            if on_host(path):
-                value = np.asarray(variable.get_value() if hasattr(variable, "get_value")
-                                   else variable.value)
-                host.append((path, value))
-                holders.append((path, variable.replace(
-                    jax.ShapeDtypeStruct(value.shape, value.dtype))))
-            else:
+            view = self.destination(path)
+            if view is None:
                 keep.append((path, variable))
-        dense = cls(host, config.n_layers, device, config.tie_embeddings)
-        dense._holders = holders
-        return dense, nnx.from_flat_state(keep)
+            else:
+                holders.append((path, variable.replace(
+                    jax.ShapeDtypeStruct(view.shape, view.dtype))))
+        if len(holders) != len(self._views):
+            raise ValueError(f"dense='host': the model has {len(holders)} of the "
+                             f"{len(self._views)} host parameters planned")
+        self._holders = holders
+        self._views = {}  # the block is the program's now, through its addresses
+        return nnx.from_flat_state(keep)
 
     def placeholders(self) -> nnx.State:
         """The host leaves' places in a program's model (shapes only), made afresh for each

@@ -26,7 +26,7 @@ from flax import nnx
 
 from strata_jax.config import ModelConfig
 from strata_jax.devices import free_memory
-from strata_jax.engine.dense import HostDense, check_dense, host_leaf
+from strata_jax.engine.dense import HostDense, check_dense
 from strata_jax.engine.memory import (MIN_BUCKET, chunk_bytes, choose_chunk, kv_cache_bytes,
                                       layer_major_bytes)
 from strata_jax.engine.placement import (check_stream_device, counted, device_name, device_of,
@@ -40,7 +40,8 @@ from strata_jax.formats import ExpertFormat
 from strata_jax.kernels import Kernels
 from strata_jax.kernels.quantized import resolve_format
 from strata_jax.layers.moe import PARTS_COMPILER_OPTIONS
-from strata_jax.models import build_model, expert_plane_names, init_cache, validate_inputs
+from strata_jax.models import (build_model, expert_plane_names, init_cache, param_shapes,
+                               validate_inputs)
 from strata_jax.parallel import (EXPERT_AXIS, ExpertParallel, replicated, set_parallel,
                                  shard_map, state_shardings)
 from strata_jax.profile import ExpertProfile
@@ -151,8 +152,7 @@ class Engine:
         # The device the model lands on is known below; an automatic chunk is chosen there.
         self._set_chunk(int(chunk_size) if chunk_size is not None else min(1024, max_context))
         self.uid = next(_engine_ids)
-        # Nothing is made or read here: `params` may make each tensor when asked for
-        # (strata_jax.weights); the store or the device takes the experts one at a time below.
+        # Nothing is read here: `params` may make each tensor when asked (strata_jax.weights).
         host_experts = dict(experts or {})
         expert_names = set()
         for layer in config.moe_layers:
@@ -164,7 +164,7 @@ class Engine:
                     raise KeyError(f"missing expert parameter {missing[0]!r}")
                 host_experts[layer] = LazyExperts(params, names)
         dense = ParamsView(params, expert_names)
-        on_host = host_leaf(config) if self.dense == "host" else None
+        self._dense: HostDense | None = None
 
         wanted = device_of(device)
         self.streamer: NativeStreamer | StreamerGroup | None = None
@@ -204,7 +204,7 @@ class Engine:
             with jax.default_device(self.device):
                 model = build_model(config, dense, experts=counted(host_experts, progress),
                                     resident_experts=True, kernels=self.kernels,
-                                    on_host=on_host)
+                                    on_host=self._dense_block(True))
         else:
             if wanted is not None and stream.backend in ("cpu", "cuda", "auto"):
                 # Refused before the experts are packed: the stream's platform follows from its
@@ -221,13 +221,16 @@ class Engine:
                     f"{device_name(self.device)} (StreamConfig.device={self.streamer.stream.device}); "
                     "pass device=None, or the stream's device")
             self._stream_inputs = (self.streamer.resident_blobs, self.streamer.frames)
-            with jax.default_device(self.device):
-                model = build_model(config, dense, resident_experts=False, kernels=self.kernels,
-                                    on_host=on_host)
+            try:
+                with jax.default_device(self.device):
+                    model = build_model(config, dense, resident_experts=False,
+                                        kernels=self.kernels, on_host=self._dense_block(False))
+            except BaseException:
+                self.streamer.close()
+                raise
         self._graphdef, state = nnx.split(model)
-        self._dense = None
-        if on_host is not None:  # the decoder layers' own weights into pinned host memory
-            self._dense, state = HostDense.take(state, config, self.device)
+        if self._dense is not None:  # built into pinned host memory: not the device's
+            state = self._dense.take(state)
         if self.mesh is not None:
             state = jax.device_put(state, state_shardings(state, config, self.mesh))
         else:
@@ -236,8 +239,8 @@ class Engine:
             jax.block_until_ready(state)
             chunk, self.chunk_choice = self._choose_chunk()
             self._set_chunk(chunk)
-        # The compiled call takes the state as a flat list: flattening an nnx.State on every
-        # call is Python work (milliseconds for a real model) before the device starts.
+        # The compiled call takes the state as a flat list (flattening an nnx.State costs
+        # milliseconds of Python a call).
         self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
         # One dispatch for a new session's cache (new_cache); a first chunk makes its own zeros.
         on_device = (jax.sharding.SingleDeviceSharding(self.device) if self.mesh is None
@@ -249,9 +252,8 @@ class Engine:
                             static_argnames=("first", "mode", "sub", "rows", "width", "score"),
                             out_shardings=(on_device, on_device, self._info_sharding),
                             compiler_options=PARTS_COMPILER_OPTIONS if self._parts > 1 else None)
-        # (bucket, first, mode, sub, rows) of the programs run once: with the engine's fixed
-        # state, resident blobs and shardings they are what jit keys its compiled programs on. A
-        # prestart before an uncompiled program would only hold its walk through the compile.
+        # The programs run once, by what jit keys them on (the state, blobs and shardings fixed):
+        # a prestart before an uncompiled program would only hold its walk through the compile.
         self._launched: set = set()
         self._prefill_lock = threading.Lock()
         self._prefill_thread: int | None = None
@@ -259,6 +261,14 @@ class Engine:
         self._closed = False
 
     # -- chunk size ------------------------------------------------------------------------------
+
+    def _dense_block(self, resident_experts: bool):
+        """build_model's `on_host` with dense="host" (the host block, made here), else None."""
+        if self.dense != "host":
+            return None
+        self._dense = HostDense(self.config, param_shapes(
+            self.config, resident_experts=resident_experts), self.device)
+        return self._dense.destination
 
     def _set_chunk(self, chunk: int) -> None:
         self.chunk_size = int(chunk)
@@ -275,15 +285,9 @@ class Engine:
 
     def chunk_bytes(self, chunk: int, capacity: int | None = None, *, first: bool = False) -> int:
         """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
-        `capacity` positions: the hidden states (input, residual, normalised, [T, H] each), the
-        q/k/v projections and attention output in float32 and the parameter dtype, the chunk's
-        attention on the path it runs (`layers.attention.attention_bytes`), the router's logits and
-        routing, and the experts' sorted inputs and outputs ([T*k, H]) with their gate/up
-        activations ([T*k, I], float32 and the parameter dtype). A streamed engine's fetch adds
-        one layer's expert weights (the packed ring's outputs), and a quantized expert format
-        read by the "dequantize" path (`Kernels.quantized_matmul` on this device) one layer's
-        experts dequantized. The module's `chunk_bytes`, which the CLI checks a plan with
-        before an engine exists (counting that layer for any quantized format)."""
+        `capacity` positions: `engine.memory.chunk_bytes` (what it counts), which the CLI checks
+        a plan with before an engine exists, on this engine's device, stream and kernels (a
+        quantized format's dequantized layer where "dequantize" reads it here)."""
         return chunk_bytes(self.config, chunk, self.capacity if capacity is None else capacity,
                            first=first, platform=self.device.platform,
                            streamed=self.streamer is not None,
@@ -441,10 +445,8 @@ class Engine:
                 and key in self._launched:
             self.streamer.prestart(piece.size)
         resident = self._stream_inputs if self.streamer is not None else {}
-        # Numpy ids (the resident engine's) are copied by the compiled call on its C++ path (a
-        # separate jax.device_put would cost host time before the launch). That
-        # copy is the engine's own, so a caller's transfer guard does not forbid it. A streamed
-        # call copies nothing from the host.
+        # Numpy ids (a resident engine's) are copied by the compiled call's C++ path (no host time
+        # of a device_put first), the engine's own copy: a caller's transfer guard allows it.
         guard = (jax.transfer_guard_host_to_device("allow") if ids is not None
                  else contextlib.nullcontext())
         with guard:
@@ -729,8 +731,7 @@ class Engine:
                 pos += piece.size
                 if progress is not None:
                     progress(pos - start, int(arr.size))
-            # The infos' copies were started at dispatch: the last one lands with the device's
-            # last work, and reading them is the wait.
+            # The infos' copies started at dispatch: reading them is the wait.
             infos = [self._split_info(info) for _, _, info in pending]
             jax.block_until_ready((logits, cache))
             for (i, n, _), (st, counts, _, _) in zip(pending, infos):
@@ -741,10 +742,9 @@ class Engine:
                     records[i].stats = self.streamer.make_stats(
                         n, st, counts, pieces, self.streamer.tail_shape(records[i].bucket))
         except BaseException:
-            # The caller's session is untouched. Chunks already queued may still be running on
-            # XLA's threads: cancel makes each end at its next stream call (in error), they are
-            # waited for, then what is left of the walk is stopped. Aborting under a running
-            # chunk could hang: a later queued chunk's begin_chunk reset the walk under it.
+            # The caller's session is untouched. Queued chunks end at their next stream call (in
+            # error) and are waited for; then the walk is stopped (aborting under a running chunk
+            # could hang: a later queued chunk's begin_chunk reset the walk under it).
             if self.streamer is not None:
                 try:
                     self.streamer.cancel()

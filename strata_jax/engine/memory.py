@@ -100,8 +100,12 @@ def chunk_bytes(config: ModelConfig, chunk: int, capacity: int, *, first: bool =
                 dequantized: bool | None = None, parts: int = 1) -> int:
     """Estimated activation bytes of one chunk of `chunk` tokens against a cache of
     `capacity` positions on a `platform` device with the `attention` path requested
-    (`Kernels.attention`; `Engine.chunk_bytes` says what is counted); `streamed` adds one
-    layer's expert weights (the packed ring's outputs). `dequantized`: whether the expert math
+    (`Kernels.attention`): the hidden states (input, residual, normalised, [T, H] each), the
+    q/k/v projections and attention output in float32 and the parameter dtype, the chunk's
+    attention on that path (`layers.attention.attention_bytes`), the router's logits and
+    routing, the experts' sorted inputs and outputs ([T*k, H]) and their gate/up activations
+    ([T*k, I], float32 and the parameter dtype); `streamed` adds one layer's expert weights
+    (the packed ring's outputs). `dequantized`: whether the expert math
     writes a quantized layer out in the parameter dtype before its grouped matmuls (the
     "dequantize" path; a fused kernel does not), adding one layer's experts in that dtype;
     None: for any quantized format (where the path is not known yet). `parts`: each layer's

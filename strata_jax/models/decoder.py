@@ -464,7 +464,7 @@ def expert_param_names(config: ModelConfig, layer: int) -> ExpertWeights:
 def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array], *,
                 experts: Mapping[int, ExpertWeights] | None = None,
                 resident_experts: bool = True, kernels: Kernels = Kernels(),
-                on_host: Callable[[tuple], bool] | None = None) -> MoETransformer:
+                on_host: Callable[[tuple], np.ndarray | None] | None = None) -> MoETransformer:
     """Builds the model from flat arrays without initialising random weights first.
 
     Args:
@@ -476,8 +476,9 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
         resident_experts: put routed experts on the device; False leaves them out (a streaming
             source then supplies them).
         kernels: the grouped matmul and attention the model's programs use (`Kernels`).
-        on_host: a parameter (its nnx path) for which this is true stays a host numpy array of
-            its dtype (`engine.dense.HostDense.take` moves it into pinned memory).
+        on_host: a parameter (its nnx path) for which this gives a host array (its shape
+            and dtype: `engine.dense.HostDense.destination`) is written there, and its leaf is
+            that array.
 
     Raises:
         KeyError: a parameter is missing (named).
@@ -490,7 +491,7 @@ def build_model(config: ModelConfig, params: Mapping[str, np.ndarray | jax.Array
 def fill_model(abstract: nnx.Module, config: ModelConfig,
                params: Mapping[str, np.ndarray | jax.Array],
                experts: Mapping[int, ExpertWeights] | None = None,
-               on_host: Callable[[tuple], bool] | None = None) -> nnx.Module:
+               on_host: Callable[[tuple], np.ndarray | None] | None = None) -> nnx.Module:
     """`abstract` (a model with `jax.ShapeDtypeStruct` leaves) with its leaves taken from
     `params` (and routed experts from `experts`), as `build_model` describes."""
     graphdef, state = nnx.split(abstract)
@@ -513,8 +514,10 @@ def fill_model(abstract: nnx.Module, config: ModelConfig,
         if tuple(value.shape) != tuple(spec.shape):
             raise ValueError(
                 f"parameter {name!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
-        if on_host is not None and on_host(path):
-            value = np.asarray(value).astype(spec.dtype, copy=False)
+        dest = on_host(path) if on_host is not None else None
+        if dest is not None:  # written (cast) into host memory, which the leaf then is
+            dest[...] = np.asarray(value)
+            value = dest
         else:
             value = jnp.asarray(value, dtype=spec.dtype)
         filled.append((path, variable.replace(value)))
