@@ -1028,3 +1028,21 @@ def test_dense_host_prefill_reads_the_same_bytes():
     assert out[0] == out[1]
     cfg = cli.model_config("qwen3-30b-a3b", "tiny")
     assert memory.weight_bytes(cfg, None, "gpu", "host") < memory.weight_bytes(cfg, None, "gpu")
+
+
+def test_plan_check_names_dense_host_where_it_fits(monkeypatch):
+    """A GPU whose memory the dense weights outgrow (GLM-4.5-Air's 13.4 GiB on a 16 GB card):
+    the refusal says --dense host fits; with --dense host the check passes."""
+    from strata_jax.cli import checks
+    from strata_jax.cli.common import _Model
+    from strata_jax.stream import StreamConfig
+
+    monkeypatch.setattr(checks, "device_memory", lambda platform: (14 * GIB, "a 16 GB GPU"))
+    args = cli.build_parser().parse_args(["prefill", "--preset", "glm-4.5-air", "--tokens", "8",
+                                          "--quantize", "int4"])
+    model = _Model(args)
+    kw = dict(max_context=4096, n_tokens=4096, chunk=None, sub_chunk=None, backend="cuda",
+              stream=StreamConfig(ring_budget_gib=2.5))
+    with pytest.raises(cli.UsageError, match="--dense host fits"):
+        checks._check_plan(model, **kw)
+    checks._check_plan(model, **kw, dense_on="host")

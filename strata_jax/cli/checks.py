@@ -131,6 +131,11 @@ def _check_plan(model: _Model, *, max_context: int, n_tokens: int, chunk: int | 
     way = (f"use fewer tokens or a smaller --max-context (about {lo} positions fit)" if lo else
            "not one position fits beside the weights; use a smaller model"
            + (" or fewer resident experts" if stream is not None and platform == "gpu" else ""))
+    if platform == "gpu" and dense_on == "device" and devices == 1:
+        on_host = memory.weight_bytes(cfg, plan, platform, "host")
+        if total - weights + on_host <= have:
+            way = (f"--dense host fits (the dense weights in host memory, {gib(on_host)} of "
+                   f"weights on the device at a time); or {way}")
     raise UsageError(
         f"this prefill needs about {gib(total)} of {what} and {gib(have)} is available: "
         f"KV cache {gib(kv)} (2 copies of {cap} positions: a context of {max_context} and "
