@@ -9,7 +9,8 @@ stream has queued), and XLA's stream waits for them before layer i reads them (`
 the embedding is copied before the first layer and the head after the last. So the device holds
 two layers' dense weights at a time (the embedding or the head beside the first or last), and
 each crosses the link once per chunk (chunk-major) or once per prompt (layer-major). The math
-and its bits are the resident model's.
+and its bits are the resident model's. The copy stream (one a device) and each key's two events
+live for the process.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ _stores = itertools.count(1)
 def check_dense(dense) -> str:
     if dense not in DENSE_MODES:
         raise ValueError(f"dense={dense!r}: expected 'device' (every weight on the device) or "
-                         "'host' (each decoder layer's own weights in pinned host memory, "
-                         "copied to the device one layer ahead)")
+                         "'host' (every weight but the routed experts in pinned host memory, "
+                         "each layer's copied to the device one layer ahead)")
     return dense
 
 
