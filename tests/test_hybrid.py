@@ -228,7 +228,7 @@ ARMS = {
                  id="chunk-major"),
     pytest.param("layer-major", ("stream-all",), marks=pytest.mark.slow,
                  id="layer-major-stream-all"),
-    pytest.param("layer-major", ("routed",), id="layer-major-routed")])
+    pytest.param("layer-major", ("routed",), marks=pytest.mark.slow, id="layer-major-routed")])
 def test_engine_arms_are_byte_identical_across_turns(order, arms):
     """bf16: 80 tokens in chunks of 32 (the last padded), then a 21-token follow-up turn; each
     streamed arm's logits and session (KV caches, conv windows, recurrent states) equal the

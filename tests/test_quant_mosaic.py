@@ -205,7 +205,8 @@ def _lowering_case(kind, k, n):
     return _x(1024, k).astype(w.dtype), w
 
 
-@pytest.mark.parametrize("which", ["model", pytest.param("others", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["model", "others"])
 def test_kernels_lower_for_cuda(which):
     # Mosaic's lowering for a GPU (layout inference included) runs on the CPU: the kernels at
     # their tilings and Qwen3-30B-A3B's expert shapes. The int4 kernel's nibbles reach its

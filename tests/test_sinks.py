@@ -235,8 +235,8 @@ def sinks_model():
     return c, params, toks, ref
 
 
-@pytest.mark.parametrize("path", [pytest.param("auto", marks=pytest.mark.slow), "split",
-                                  pytest.param("blocked", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["auto", "split", "blocked"])
 def test_model_with_sinks_matches_reference(sinks_model, path):
     c, params, toks, ref = sinks_model
     model = M.build_model(c, params, kernels=Kernels(attention=path))
