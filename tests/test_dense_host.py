@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from strata_jax.engine import Engine
-from strata_jax.engine.dense import layer_dense_bytes
+from strata_jax.engine.dense import dense_layout, group_bytes
 from strata_jax.models import expert_plane_names, get_preset, param_shapes
 from strata_jax.stream import StreamConfig, StreamTuning
 from strata_jax.synthetic import init_synthetic
@@ -65,8 +65,8 @@ def test_dense_on_host_leaves_layers_off_the_device(params):
         assert [p[0] for p, *_ in dense.groups[0]] == ["embed"]
         assert {p[0] for p, *_ in dense.groups[-1]} == {"final_norm", "lm_head"}
         assert all(addr % 256 == 0 for g in dense.groups for *_, addr in g)
-        assert dense.group_bytes == layer_dense_bytes(param_shapes(CFG, resident_experts=False),
-                                                      CFG.n_layers)
+        assert dense.group_bytes == group_bytes(*dense_layout(
+            CFG, param_shapes(CFG, resident_experts=False))[:2])
         assert dense.in_flight_bytes == max(2 * max(dense.layer_bytes),
                                             max(dense.group_bytes[0], dense.group_bytes[-1])
                                             + max(dense.layer_bytes))

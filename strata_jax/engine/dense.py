@@ -64,15 +64,30 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def layer_dense_bytes(shapes: dict[str, jax.ShapeDtypeStruct], n_layers: int) -> list[int]:
-    """Each group's host bytes (the embedding, each decoder layer, the head: n_layers + 2),
-    of `shapes` (a resident_experts=False model's flat names), as the host block lays them
-    out."""
-    out = [0] * (n_layers + 2)
-    for name, s in shapes.items():
-        n = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-        out[_group(tuple(name.split(".")), n_layers)] += _padded(n)
-    return out
+def dense_layout(config: ModelConfig, shapes: dict[str, jax.ShapeDtypeStruct]
+                 ) -> tuple[list[tuple], list[list[int]], int]:
+    """The host block's layout of `shapes` (flat parameter names to shapes, model order): the
+    host leaves (`host_leaf`) as (path, shape, dtype, offset) at multiples of ALIGN, each group's
+    entries (indices; the embedding, each layer, the head, which with tied embeddings reads the
+    embedding too) and the block's bytes."""
+    on_host = host_leaf(config)
+    n_layers = config.n_layers
+    placed, groups, offset = [], [[] for _ in range(n_layers + 2)], 0
+    for name, spec in shapes.items():
+        path = tuple(name.split("."))
+        if on_host(path):
+            groups[_group(path, n_layers)].append(len(placed))
+            if config.tie_embeddings and path[0] == "embed":
+                groups[n_layers + 1].append(len(placed))
+            placed.append((path, tuple(spec.shape), np.dtype(spec.dtype), offset))
+            offset += _padded(int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize)
+    return placed, groups, offset
+
+
+def group_bytes(placed: list[tuple], groups: list[list[int]]) -> list[int]:
+    """Each group's bytes in the block (`dense_layout`'s)."""
+    return [sum(_padded(int(np.prod(placed[i][1])) * placed[i][2].itemsize) for i in g)
+            for g in groups]
 
 
 def in_flight_bytes(group_bytes: list[int]) -> int:
@@ -81,6 +96,13 @@ def in_flight_bytes(group_bytes: list[int]) -> int:
     layers = group_bytes[1:-1]
     two = sum(sorted(layers)[-2:])
     return max(two, max(group_bytes[0], group_bytes[-1]) + max(layers, default=0))
+
+
+def host_in_flight_bytes(config: ModelConfig, shapes: dict[str, jax.ShapeDtypeStruct]) -> int:
+    """The dense weights' device bytes with dense="host" (`in_flight_bytes` of `shapes`'s
+    layout): what the memory plan counts for them."""
+    placed, groups, _ = dense_layout(config, shapes)
+    return in_flight_bytes(group_bytes(placed, groups))
 
 
 def _variable_at(module, path: Iterable):
@@ -111,15 +133,9 @@ class HostDense:
         n_layers = self.n_layers = config.n_layers
         if n_layers + 2 >= 1 << 16:
             raise ValueError(f"dense='host': {n_layers} layers; at most {(1 << 16) - 3}")
-        on_host = host_leaf(config)
         native.register_targets()  # dense_fetch and dense_wait, for any engine
         self.key_base = next(_stores) << 16  # dense_fetch keys: key_base + group
-        offset, placed = 0, []
-        for name, spec in shapes.items():
-            path = tuple(name.split("."))
-            if on_host(path):
-                placed.append((path, tuple(spec.shape), np.dtype(spec.dtype), offset))
-                offset += _padded(int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize)
+        placed, groups, offset = dense_layout(config, shapes)
         self.nbytes = offset
         check_host_bytes(offset, "dense='host': the dense weights' host block",
                          "use dense='device', or free host memory")
@@ -132,20 +148,14 @@ class HostDense:
             skip = (-host.ctypes.data) % ALIGN
             host = host[skip:skip + max(offset, 1)]
         base = host.ctypes.data
+        self._views: dict[str, np.ndarray] = {
+            ".".join(path): host[off:off + int(np.prod(shape)) * dtype.itemsize]
+            .view(dtype).reshape(shape) for path, shape, dtype, off in placed}
         # Each group: (path, shape, dtype, host address) per tensor.
         self.groups: list[list[tuple[tuple, tuple, np.dtype, int]]] = [
-            [] for _ in range(n_layers + 2)]
-        self._views: dict[str, np.ndarray] = {}
-        for path, shape, dtype, off in placed:
-            n = int(np.prod(shape)) * dtype.itemsize
-            self._views[".".join(path)] = host[off:off + n].view(dtype).reshape(shape)
-            entry = (path, shape, dtype, base + off)
-            self.groups[_group(path, n_layers)].append(entry)
-            if config.tie_embeddings and path[0] == "embed":  # the head reads it too
-                self.groups[n_layers + 1].append(entry)
+            [(*placed[i][:3], base + placed[i][3]) for i in g] for g in groups]
+        self.group_bytes = group_bytes(placed, groups)
         self._host = host
-        self.group_bytes = [sum(_padded(int(np.prod(shape)) * np.dtype(dt).itemsize)
-                                for _, shape, dt, _ in g) for g in self.groups]
         self._holders: list = []
 
     def destination(self, path: tuple) -> np.ndarray | None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from strata_jax.config import ModelConfig
 from strata_jax.devices import size
-from strata_jax.engine.dense import in_flight_bytes, layer_dense_bytes
+from strata_jax.engine.dense import host_in_flight_bytes
 from strata_jax.layers.attention import attention_bytes, attention_path
 from strata_jax.models import cache_bytes, model_module, param_shapes
 from strata_jax.parallel import expert_slices
@@ -210,20 +210,25 @@ def param_bytes(config: ModelConfig, **kw) -> int:
                for s in param_shapes(config, **kw).values())
 
 
+def dense_device_bytes(config: ModelConfig, dense_on: str = "device") -> int:
+    """The dense weights' (all but the routed experts') bytes on the device: all of them, or
+    with `dense_on` "host" the copies in flight (`engine.dense.host_in_flight_bytes`)."""
+    if dense_on == "host":
+        return host_in_flight_bytes(config, param_shapes(config, resident_experts=False))
+    return param_bytes(config, resident_experts=False)
+
+
 def weight_bytes(config: ModelConfig, plan=None, platform: str = "cpu",
                  dense_on: str = "device") -> int:
     """Bytes of the weights a prefill's `platform` device holds: every parameter when nothing
     streams (`plan` None); streamed by `plan` (stream.plan_stream), on the GPU the dense
     weights and the residents (the ring is the native engine's own allocation), on the CPU
-    every parameter and the simulated ring. On the GPU with `dense_on` "host" the dense weights
-    count as the copies in flight (`dense.in_flight_bytes`)."""
-    dense = param_bytes(config, resident_experts=False)
-    if platform == "gpu" and dense_on == "host":
-        dense = in_flight_bytes(layer_dense_bytes(param_shapes(config, resident_experts=False),
-                                                  config.n_layers))
+    every parameter and the simulated ring. On the GPU the dense weights are
+    `dense_device_bytes(config, dense_on)`."""
+    dense = (dense_device_bytes(config, dense_on) if platform == "gpu"
+             else param_bytes(config, resident_experts=False))
     if plan is None:
-        return (param_bytes(config) if platform != "gpu" or dense_on != "host"
-                else dense + config.expert_bytes_total)
+        return dense + config.expert_bytes_total
     if platform == "gpu":
         return dense + plan.resident_bytes
     return param_bytes(config) + plan.ring_bytes
@@ -302,7 +307,7 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
     resident; `streamed_note` then says so and why (else it is None).
 
     `dense_on`: "device", or "host" (`Engine(dense="host")`): the device then holds only the
-    dense copies in flight (`dense_device_bytes`, `engine.dense.in_flight_bytes`).
+    dense copies in flight (`dense_device_bytes`).
 
     `devices` > 1: expert parallelism (`Engine(mesh=)`): `per_device` holds what each of them
     needs, the dense weights and the KV cache replicated and 1/devices of the experts
@@ -323,10 +328,7 @@ def memory_plan(config, *, max_context: int, resident_gib: float | None = None,
 
     n_moe = len(config.moe_layers)
     dense_all = param_bytes(config, resident_experts=False)
-    dense = dense_all
-    if dense_on == "host":
-        dense = in_flight_bytes(layer_dense_bytes(param_shapes(config, resident_experts=False),
-                                                  config.n_layers))
+    dense = dense_device_bytes(config, dense_on)
     kv = kv_cache_bytes(config, max_context)
     stream = StreamConfig(ring_budget_gib=ring_gib, resident_budget_gib=resident_gib,
                           resident_per_layer=resident_per_layer or 0)
