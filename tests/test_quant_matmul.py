@@ -88,21 +88,24 @@ def test_visits_cover_every_row_of_every_group_once():
     for sizes, bm in cases:
         m = sum(sizes) + 9  # rows past the groups
         meta = np.asarray(fn(jnp.asarray(sizes, jnp.int32), m, bm))
-        assert meta.shape == (4, -(-(m + 7 * len(sizes)) // bm) + len(sizes) - 1)
-        owner, visits = np.full(m, -1), np.zeros(len(sizes), int)
+        assert meta.shape == (4, -(-(m + 7 * (len(sizes) + 1)) // bm) + len(sizes))
+        # group len(sizes): the rows past the groups (visits that store zeros)
+        owner, visits = np.full(m, -1), np.zeros(len(sizes) + 1, int)
         for g, row0, lo, hi in meta.T:
             if hi > lo:
                 assert row0 % 8 == 0 and row0 <= lo < hi <= row0 + bm <= -(-m // bm) * bm
-                assert sizes[g] > 0 and (owner[lo:hi] == -1).all()
+                assert (g == len(sizes) or sizes[g] > 0) and (owner[lo:hi] == -1).all()
                 owner[lo:hi] = g
                 visits[g] += 1
-        want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(9, -1)])
+        want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)]
+                              + [np.full(9, len(sizes))])
         np.testing.assert_array_equal(owner, want, err_msg=f"{sizes} {bm}")
-        sizes = np.asarray(sizes)
+        sizes = np.asarray(sizes + [9])
         starts = np.cumsum(sizes) - sizes
         np.testing.assert_array_equal(visits, -(-(sizes + starts % 8) // bm) * (sizes > 0))
-        assert visits.sum() <= _tile_visits(sizes, bm)
-    # 512 experts of 20 rows at 64-row tiles: one visit each, where fixed tiles take 1.25
+        assert visits[:-1].sum() <= _tile_visits(sizes[:-1], bm)
+    # 512 experts of 20 rows at 64-row tiles: one visit each, where fixed tiles take 1.25;
+    # every row in a group: no visit of zeros
     sizes = np.full(512, 20)
     assert (np.asarray(fn(jnp.asarray(sizes, jnp.int32), 10240, 64))[3] > 0).sum() == 512
     assert _tile_visits(sizes, 64) == 640

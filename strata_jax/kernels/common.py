@@ -31,8 +31,8 @@ def is_hopper(device: jax.Device | None = None) -> bool:
 def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     """A ragged kernel's visits for rows sorted by group: int32 [4, V] of (group, the first
     row of the visit's window of `block_m` rows, its first row, its end row) per visit,
-    V = ceil((m + 7 G) / block_m) + G - 1 (an upper bound on the visits; the unused ones have
-    first row == end row and do nothing).
+    V = ceil((m + 7 (G + 1)) / block_m) + G (an upper bound on the visits; the unused ones
+    have first row == end row and do nothing).
 
     Group g's windows start at its own rows: w_j = s8 + j * block_m, s8 the multiple of 8 at
     or below its first row (a window starts on a whole 8-row tile of the TMA load), storing
@@ -42,13 +42,16 @@ def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     tiles, [0, ceil(m / block_m) * block_m), is moved back to end there (it still holds its
     rows). A window may hold rows of other groups: they are loaded and multiplied, not stored.
 
-    Groups with no rows have no visit, so their weights are never read (a streamed expert no
-    token routes to may be stale or garbage)."""
+    The rows past the last group, [sum(group_sizes), m), are group G's: visits that store
+    zeros (the kernel reads no weights for them), so the output needs no pass of its own to
+    zero them. Groups with no rows have no visit, so their weights are never read (a streamed
+    expert no token routes to may be stale or garbage)."""
     g = group_sizes.shape[0]
     tiles = -(-m // block_m)
-    # sum_g ceil(a_g) <= ceil(sum_g a_g) + G - 1, a_g = (r_g + 7) / block_m
-    v = max(-(-(m + 7 * g) // block_m) + g - 1, 1)
+    # sum_g ceil(a_g) <= ceil(sum_g a_g) + G, a_g = (r_g + 7) / block_m over G + 1 groups
+    v = max(-(-(m + 7 * (g + 1)) // block_m) + g, 1)
     sizes = group_sizes.astype(jnp.int32)
+    sizes = jnp.concatenate([sizes, jnp.maximum(m - jnp.sum(sizes), 0)[None]])
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     first = starts - starts % 8
@@ -56,7 +59,9 @@ def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     visit_end = jnp.cumsum(n_visits)
     visit_start = visit_end - n_visits
     i = jnp.arange(v, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(visit_end, i, side="right"), g - 1).astype(jnp.int32)
+    # one [V, G + 1] comparison (a single fusion), not a loop of binary-search steps
+    group = jnp.minimum(jnp.searchsorted(visit_end, i, side="right", method="compare_all"),
+                        g).astype(jnp.int32)
     valid = i < visit_end[-1]
     window = first[group] + (i - visit_start[group]) * block_m
     lo = jnp.maximum(starts[group], window)

@@ -6,7 +6,8 @@ tile) pairs, where a visit is one (row tile, expert) pair with rows of that expe
 (`kernels.common.group_metadata`); an expert with no rows owns no visit, so its weights are
 never read (a streamed expert no token routes to may be stale). A visit's k steps run through a
 TMA pipeline of `stages` buffers, and the rows it owns are stored by a ladder of power-of-two
-row copies (a copy's row count must be static). Rows past the last expert are zeros.
+row copies (a copy's row count must be static). Rows past the last expert are zeros, stored
+by visits of their own (no pass over the output).
 
 fp8 (`mosaic_grouped_matmul`), a k step (e4m3 values, one float32 scale per block x block):
     w = bf16(float32(q[k0:k0+bk, n0:n0+bn]) * scale[k0 // block, n0 // block])   registers
@@ -72,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from strata_jax.kernels.common import check_operands, group_metadata, zero_rows_past_groups
+from strata_jax.kernels.common import check_operands, group_metadata
 
 try:  # Pallas' Mosaic GPU interpreter (interpret mode, the CPU tests): a private module of recent
     # jax, absent from jax 0.4.36, which pyproject accepts and on which the library must import.
@@ -306,22 +307,28 @@ def _row_tiles(x, group_sizes, bm: int):
     return xp, group_metadata(group_sizes, m, bm)
 
 
-def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, visit):
+def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, groups: int, visit, zeros):
     """Calls visit(expert, column tile, first row of its window, its first row in the
-    window, its rows) for the (visit, column tile) pairs this program takes: each band of
-    `gbn` column tiles swept one visit after another, so the programs working at once share a
-    window's x (a band narrower than the matrix reads x again for each band; the last band
-    may be narrower: planar_snake)."""
+    window, its rows) for the (visit, column tile) pairs this program takes, and
+    zeros(column tile, ...) for the visits of the rows past the groups (`group_metadata`'s
+    group `groups`): each band of `gbn` column tiles swept one visit after another, so the
+    programs working at once share a window's x (a band narrower than the matrix reads x
+    again for each band; the last band may be narrower: planar_snake)."""
     @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
     def _tiles(info):
         mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
+        gid = meta_ref[0, mi]
         row0 = meta_ref[1, mi]
         lo = meta_ref[2, mi]
         rows = meta_ref[3, mi] - lo
 
-        @pl.when(rows > 0)  # the visits past the last one hold no rows
+        @pl.when((rows > 0) & (gid < groups))  # the visits past the last one hold no rows
         def _():
-            visit(meta_ref[0, mi], ni, row0, lo - row0, rows)
+            visit(gid, ni, row0, lo - row0, rows)
+
+        @pl.when((rows > 0) & (gid == groups))
+        def _():
+            zeros(ni, row0, lo - row0, rows)
 
 
 def _rows8(row0):
@@ -352,7 +359,7 @@ def _store_rows(o_smem, o_gmem, start, count, size: int, gmem_row0, cols) -> Non
 def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: int,
                 interpret: bool, **kernel_args):
     """`body` as a Mosaic GPU kernel (interpreted on the CPU) over the planes: [m, n] in x's
-    dtype, the rows past the groups zero (no visit stores them)."""
+    dtype (the rows past the groups are stored as zeros by their own visits)."""
     if interpret:
         if InterpretGPUParams is None:
             raise RuntimeError(f"Mosaic GPU interpret mode: jax {jax.__version__} has no Mosaic "
@@ -362,7 +369,8 @@ def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: 
         body, out_type=jax.ShapeDtypeStruct((xp.shape[0], n), xp.dtype),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kernel_args)
-    return zero_rows_past_groups(kernel(meta, xp, *pipelined, *resident)[:m], group_sizes)
+    out = kernel(meta, xp, *pipelined, *resident)
+    return out[:m] if out.shape[0] != m else out
 
 
 def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
@@ -422,13 +430,19 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
 
+            store(acc.astype(dtype), ni, row0, first, rows)
+
+        def store(tile, ni, row0, first, rows):
             @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=dtype))
             def _store(o_smem):
-                o_smem[...] = acc.astype(dtype)
+                o_smem[...] = tile
                 plgpu.commit_smem()
                 _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
 
-        _each_visit(meta_ref, grid_m, grid_n, gbn, visit)
+        def zeros(ni, row0, first, rows):
+            store(jnp.zeros((bm, bn), dtype), ni, row0, first, rows)
+
+        _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
     scratch = {} if convert is None else dict(w_smem=plgpu.SMEM((2, bk, bn), dtype))
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
@@ -545,7 +559,17 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                 pipeline(step, context, row0, ni)(
                     x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
 
-            _each_visit(meta_ref, grid_m, grid_n, gbn, visit)
+            def zeros(ni, row0, first, rows):  # each compute warpgroup its half's rows
+                @pl.when(wg < 2)
+                def _():
+                    lo = jnp.clip(first - wg * hm, 0, hm)
+                    count = jnp.maximum(jnp.clip(first + rows - wg * hm, 0, hm) - lo, 0)
+                    out = o_smem.at[wg]
+                    out[...] = jnp.zeros((hm, bn), dtype)
+                    plgpu.commit_smem()
+                    _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm, pl.ds(ni * bn, bn))
+
+            _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
     return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
                        interpret=interpret, grid=(num_sms,), grid_names=("sm",),
