@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The hybrid Qwen (issue 46) and latent-attention (issue 47) families on the GPU machine, through
 # gpu_run.sh's stages, one build a call:
-#   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|mla|gmm512|chunks|routed512|next-resident|next-e2e|next-short|ds-link|ds-32k|glm-resident|glm-e2e][,...]
+#   bash strata_jax/benchmarks/gpu_families.sh [tests|kernels|mixers|profile|mla|gmm512|chunks|routed512|next-resident|next-e2e|next-short|ds-link|ds-32k|glm-resident|glm-e2e][,...]
 # tests:         the families' GPU tests (MLA on cuDNN, the hybrid and MLA arms byte-identical).
 # kernels:       the grouped / quantized matmul GPU tests (gpu_moe512.sh tests).
 # mixers:        Qwen3-Next's Gated DeltaNet layer (each Kernels.delta_rule) against its gated
 #                attention layer at 32K tokens, and an 8K chunk over the rest (target: DeltaNet
 #                <= 0.5x attention); the delta rule's variants, pieces and kernel launches.
+# profile:       Qwen3-Next's DeltaNet and attention mixers at 32K and an 8K chunk over 24K, its
+#                MoE block at 8K and 32K, kernel by kernel (kernel_profile): what chunks add.
 # mla:           DeepSeek-V3's latent attention, an 8K chunk over a 24K prefix against a first
 #                chunk of the same work (target >= 0.60).
 # gmm512:        the expert math at 512 experts of width 512, top-10, the library's choice
@@ -71,6 +73,9 @@ for STAGE in ${1//,/ }; do
     mixers)
       BENCH_TIMEOUT=${MIXERS_TIMEOUT:-420} NAME=next_32k \
         HYBRID_ARGS="--tokens 32768 --chunk 8192 --reps 5" $RUN hybrid || rc=1 ;;
+    profile)
+      NAME=next_32k PROFILE_ARGS="--tokens 32768 --chunk 8192 --moe-tokens 8192 32768" \
+        $RUN profile || rc=1 ;;
     mla)
       BENCH_TIMEOUT=200 NAME=dsv3_32k MLA_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
         $RUN mla || rc=1 ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests and/or benchmarks; results under $OUT.
-#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|timeline|chunked|hybrid|mla|score|hashes|all][,...]
+#   bash strata_jax/benchmarks/gpu_run.sh [tests|bench|quant|qmm|timeline|chunked|hybrid|profile|mla|score|hashes|all][,...]
 # Stages run in the order given after one build (a comma list: "tests,chunked"); TESTS: the test
 # files (default tests/), TEST_K: a pytest -k expression over them, TEST_DONE: ids to leave
 # out, TEST_WORKERS: pytest-xdist workers sharing the GPU (below); SKIP_BUILD=1
@@ -119,6 +119,11 @@ fi
 if [ "$STAGE" = hybrid ]; then  # a hybrid model's DeltaNet layer against its attention layer
   timeout ${BENCH_TIMEOUT:-420} $PY -m strata_jax.benchmarks.hybrid_bench ${HYBRID_ARGS:-} \
     --json "$OUT/hybrid_${NAME:-run}.json" 2>&1 | tee "$OUT/hybrid_${NAME:-run}.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [ "$STAGE" = profile ]; then  # a hybrid's layers kernel by kernel (kernel_profile)
+  timeout ${BENCH_TIMEOUT:-300} $PY -m strata_jax.benchmarks.kernel_profile ${PROFILE_ARGS:-} \
+    --json "$OUT/profile_${NAME:-run}.json" 2>&1 | tee "$OUT/profile_${NAME:-run}.log" | tail -80
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "$STAGE" = mla ]; then  # a later chunk's latent attention over its prefix against a first chunk

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -289,8 +288,7 @@ def mosaic_bf16_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Arra
 
 
 def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
-    """(interpret, num_sms) with their defaults: interpret off a GPU; the device's SMs (two
-    interpreted programs)."""
+    """(interpret, num_sms): defaults interpret off a GPU, the device's SMs (interpreted: 2)."""
     if interpret is None:
         interpret = jax.devices()[0].platform != "gpu"
     if num_sms is None:
@@ -299,8 +297,7 @@ def _launch(interpret: bool | None, num_sms: int | None) -> tuple[bool, int]:
 
 
 def _row_tiles(x, group_sizes, bm: int):
-    """(x padded to whole tiles of `bm` rows, the visits' metadata int32 [4, V] of (expert,
-    first row of the visit's window, first row, end row): `common.group_metadata`)."""
+    """(x padded to whole tiles of `bm` rows, the visits' `common.group_metadata`)."""
     m = x.shape[0]
     m_pad = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0))) if m_pad != m else x
@@ -308,12 +305,11 @@ def _row_tiles(x, group_sizes, bm: int):
 
 
 def _each_visit(meta_ref, grid_m: int, grid_n: int, gbn: int, groups: int, visit, zeros):
-    """Calls visit(expert, column tile, first row of its window, its first row in the
-    window, its rows) for the (visit, column tile) pairs this program takes, and
-    zeros(column tile, ...) for the visits of the rows past the groups (`group_metadata`'s
-    group `groups`): each band of `gbn` column tiles swept one visit after another, so the
-    programs working at once share a window's x (a band narrower than the matrix reads x
-    again for each band; the last band may be narrower: planar_snake)."""
+    """Calls visit(expert, column tile, window's first row, its first row in the window, its
+    rows) for the (visit, column tile) pairs this program takes, zeros(column tile, ...) for
+    the rows past the groups (`group_metadata`'s group `groups`): each band of `gbn` column
+    tiles swept one visit after another, so the programs working at once share a window's x
+    (the last band may be narrower: planar_snake)."""
     @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
     def _tiles(info):
         mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, gbn)
@@ -344,7 +340,7 @@ def _store_rows(o_smem, o_gmem, start, count, size: int, gmem_row0, cols) -> Non
     static), largest first; then waits until the copies have read o_smem."""
     left = size
     while left > 0:
-        c = 1 << int(math.log2(left))
+        c = 1 << (left.bit_length() - 1)
         left //= 2
 
         @pl.when(count & c != 0)
@@ -356,8 +352,8 @@ def _store_rows(o_smem, o_gmem, start, count, size: int, gmem_row0, cols) -> Non
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _run_kernel(body, meta, xp, pipelined, resident, group_sizes, *, m: int, n: int,
-                interpret: bool, **kernel_args):
+def _run_kernel(body, meta, xp, pipelined, resident, *, m: int, n: int, interpret: bool,
+                **kernel_args):
     """`body` as a Mosaic GPU kernel (interpreted on the CPU) over the planes: [m, n] in x's
     dtype (the rows past the groups are stored as zeros by their own visits)."""
     if interpret:
@@ -439,15 +435,13 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
                 plgpu.commit_smem()
                 _store_rows(o_smem, o_gmem, first, rows, bm, row0, pl.ds(ni * bn, bn))
 
-        def zeros(ni, row0, first, rows):
-            store(jnp.zeros((bm, bn), dtype), ni, row0, first, rows)
+        zeros = lambda ni, *rest: store(jnp.zeros((bm, bn), dtype), ni, *rest)  # noqa: E731
 
         _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
     scratch = {} if convert is None else dict(w_smem=plgpu.SMEM((2, bk, bn), dtype))
-    return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
-                       interpret=interpret, grid=(num_sms * tiles.per_sm,), grid_names=("sm",),
-                       scratch_types=scratch)
+    return _run_kernel(body, meta, xp, pipelined, resident, m=m, n=n, interpret=interpret,
+                       grid=(num_sms * tiles.per_sm,), grid_names=("sm",), scratch_types=scratch)
 
 
 def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
@@ -571,9 +565,8 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
 
             _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
-    return _run_kernel(body, meta, xp, pipelined, resident, group_sizes, m=m, n=n,
-                       interpret=interpret, grid=(num_sms,), grid_names=("sm",),
-                       num_threads=3, thread_name="wg")
+    return _run_kernel(body, meta, xp, pipelined, resident, m=m, n=n, interpret=interpret,
+                       grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg")
 
 
 # int4: a scale group of 128 inputs is a 64-row byte tile holding the group's first half in its
