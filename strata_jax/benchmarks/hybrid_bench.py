@@ -143,12 +143,12 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
     for products in products_here:
         fn = jax.jit(lambda *a, products=products: ut_transform(*a, block=b, products=products))
         ms = median_ms(fn, (k, v, g, beta), reps)
-        w, u, eg, et, el = fn(k, v, g, beta)
+        w, u, d, eg, et, el = fn(k, v, g, beta)
         walk = jax.jit(lambda *a, products=products: walk_blocks(*a, block=b, products=products))
         ms_walk = median_ms(walk, (q, k, w, u, eg, et, el, state), reps)
         inter, new, _ = walk(q, k, w, u, eg, et, el, state)
         out = jax.jit(lambda *a, products=products: block_outputs(*a, block=b, products=products))
-        ms_out = median_ms(out, (q, k, g, inter, new), reps)  # with a copy of inter (aliased)
+        ms_out = median_ms(out, (q, k, d, inter, new), reps)  # with a copy of inter (aliased)
         rows.append({"ut_transform_block": b, "products": products, "tokens": tokens, "ms": ms,
                      "walk_ms": ms_walk, "outputs_ms": ms_out})
         print(f"the Pallas kernels alone, blocks of {b}, {products:7s}: UT transform {ms:.2f} "

@@ -13,11 +13,12 @@ block's start and last_i its total:
 
 `delta_rule_chunk` runs this as three kernels over the tokens-first layout ([T, heads, d], key
 heads read in place: no transposes, no repeated heads): `ut_transform` (a program per value head
-and block), the walk (a program per value head and slice of state columns, holding its [dk, bv]
-part of the state in registers: the columns are independent), and the outputs (a program per
-value head, block and column slice). The walk holds only the state and a block's q, k, w and u:
-everything C x C is in the parallel kernels, and the launches are sized so no kernel spills
-registers on Hopper at the real head sizes (`benchmarks.compile_check`).
+and block: w, u, the decays, and the block's decayed attention a_i = q k^T * decay, C x C, from
+the decay sums it takes for the transform), the walk (a program per value head and slice of
+state columns, holding its [dk, bv] part of the state in registers: the columns are
+independent), and the outputs o_i = inter_i + a_i new_i (a program per value head and block).
+The walk holds only the state and a block's q, k, w and u; the launches are sized so no kernel
+spills registers on Hopper at the real head sizes (`benchmarks.compile_check`).
 
 float32 data and state; the products as the layer asks (`layers.deltanet.products_for`): "tf32"
 on tensor cores (a bf16/fp16 layer), or "float32" (Triton's "ieee": CUDA-core products, for
@@ -59,7 +60,7 @@ AUTO_ON_GPU = {"tf32": "pallas", "float32": "xla"}
 KERNEL_BLOCKS = {"tf32": 64, "float32": 16}
 WALK_COLUMNS, WALK_WARPS = {"tf32": 32, "float32": 16}, {"tf32": 4, "float32": 8}
 WALK_STAGES = {"tf32": 2, "float32": 1}
-OUTPUT_COLUMNS, OUTPUT_WARPS = 64, 8
+OUTPUT_COLUMNS, OUTPUT_WARPS = 128, 4
 TRANSFORM_WARPS = 8
 
 
@@ -160,8 +161,8 @@ def _dot_tn(a, b, precision):  # a.T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _transform_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, eg_ref, et_ref, el_ref, *,
-                      block: int, rep: int, precision):
+def _transform_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, d_ref, eg_ref, et_ref, el_ref,
+                      *, block: int, rep: int, precision):
     h, i = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block, block)
     k = k_ref[rows, h // rep, :]  # [C, dk]
@@ -179,6 +180,7 @@ def _transform_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, eg_ref, et_re
     eg = jnp.exp(gam)  # decay from the block's start
     w_ref[rows, h, :] = dot(x, k * (beta * eg)[:, None])  # the keys reading the state
     u_ref[rows, h, :] = dot(x, v_ref[rows, h, :] * beta[:, None])  # the new values before it
+    d_ref[rows, h, :] = jnp.exp(jnp.where(r >= c, sums, -jnp.inf))  # causal decays
     eg_ref[rows, h] = eg
     et_ref[rows, h] = jnp.exp(jnp.sum(jnp.where(r == block - 1, sums, 0.0), axis=0))  # to its end
     last = lax.broadcasted_iota(jnp.int32, (block,), 0) == block - 1
@@ -202,14 +204,12 @@ def _walk_kernel(q_ref, k_ref, w_ref, u_ref, eg_ref, et_ref, el_ref, s0_ref, int
     s_ref[h, :, cols] = lax.fori_loop(0, n_blocks, step, s0_ref[h, :, cols])
 
 
-def _output_kernel(q_ref, k_ref, g_ref, inter_ref, new_ref, o_ref, *, block: int, bv: int,
+def _output_kernel(q_ref, k_ref, d_ref, inter_ref, new_ref, o_ref, *, block: int, bv: int,
                    rep: int, precision):
     h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, cols = pl.ds(i * block, block), pl.ds(j * bv, bv)
-    r, c = iotas(block)
-    sums, _ = decay_sums(g_ref[rows, h], "split")
-    attn = _dot_nt(q_ref[rows, h // rep, :], k_ref[rows, h // rep, :], precision) * jnp.exp(
-        jnp.where(r >= c, sums, -jnp.inf))  # causal within the block, decayed
+    attn = _dot_nt(q_ref[rows, h // rep, :], k_ref[rows, h // rep, :], precision) * d_ref[
+        rows, h, :]  # causal within the block, decayed
     o_ref[rows, h, cols] = inter_ref[rows, h, cols] + jnp.dot(
         attn, new_ref[rows, h, cols], precision=precision, preferred_element_type=jnp.float32)
 
@@ -235,16 +235,18 @@ def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
     """Each block's UT transform applied: T = (I + L)^-1 with L[i, j] = beta_i k_i.k_j exp(g
     summed over (j, i]) for i > j (0 elsewhere), by doubling (2 log2 C matmuls of C x C, as
     `layers.deltanet.unit_lower_inverse`, unrolled); then w = T (beta exp(gam) k), the keys
-    that read the state, and u = T (beta v), the new values before the state's part. A program
-    per value head and block; tokens-first, key heads read in place.
+    that read the state, and u = T (beta v), the new values before the state's part; and the
+    block's causal decays exp(g summed over (j, i]), i >= j (0 above), from the same sums. A
+    program per value head and block; tokens-first, key heads read in place.
 
     Args:
         k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); v: float32
             [n*C, Hv, dv]; g: float32 [n*C, Hv], the log-decays; beta: float32 [n*C, Hv].
 
-    Returns (w [n*C, Hv, dk], u [n*C, Hv, dv]; [n*C, Hv] exp of each row's decay from its
-    block's start (g summed over the block's rows up to it) and to its end (over the rows
-    after it); [Hv, n] exp of each block's total), all float32."""
+    Returns (w [n*C, Hv, dk], u [n*C, Hv, dv], d [n*C, Hv, C] (row t: token t's row of its
+    block's decays); [n*C, Hv] exp of each row's decay from its block's start (g summed over
+    the block's rows up to it) and to its end (over the rows after it); [Hv, n] exp of each
+    block's total), all float32."""
     rows, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n = rows // block
@@ -259,10 +261,11 @@ def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
         functools.partial(_transform_kernel, block=block, rep=hv // hk, precision=precision),
         grid=(hv, n),
         out_shape=(jax.ShapeDtypeStruct((rows, hv, dk), f32),
-                   jax.ShapeDtypeStruct((rows, hv, dv), f32), per_row, per_row,
+                   jax.ShapeDtypeStruct((rows, hv, dv), f32),
+                   jax.ShapeDtypeStruct((rows, hv, block), f32), per_row, per_row,
                    jax.ShapeDtypeStruct((hv, n), f32)),
         interpret=interpret, name="ut_transform", **kw,
-    )(k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32))
+    )(*(a.astype(f32) for a in (k, v, g, beta)))
 
 
 def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
@@ -270,10 +273,10 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
                      interpret: bool | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, out_columns: int = OUTPUT_COLUMNS):
     """The whole chunkwise delta rule in three kernels over the tokens-first layout (the
-    module docstring): `ut_transform` (w, u and the decays of every block, in parallel), the
-    walk (a program per value head and slice of `bv` state columns: inter, new and the state),
-    the outputs o = inter + (q k^T * decay) new (a program per value head, block and slice of
-    `out_columns`, accumulating over inter in place).
+    module docstring): `ut_transform` (w, u, each block's attention a and the decays of every
+    block, in parallel), the walk (a program per value head and slice of `bv` state columns:
+    inter, new and the state), the outputs o = inter + a new (a program per value head, block
+    and slice of `out_columns`, accumulating over inter in place).
 
     Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
@@ -292,12 +295,12 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
     _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv, out_columns=out_columns)
     f32 = jnp.float32
     _, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
-    w, u, eg, et, el = ut_transform(k, v, g, beta, block=block, products=products,
-                                    interpret=interpret, num_warps=TRANSFORM_WARPS)
+    w, u, d, eg, et, el = ut_transform(k, v, g, beta, block=block, products=products,
+                                       interpret=interpret, num_warps=TRANSFORM_WARPS)
     inter, new, state = walk_blocks(q, k, w, u, eg, et, el, state, block=block,
                                     products=products, bv=bv, interpret=interpret,
                                     num_warps=num_warps, num_stages=num_stages)
-    o = block_outputs(q, k, g, inter, new, block=block, products=products, bv=out_columns,
+    o = block_outputs(q, k, d, inter, new, block=block, products=products, bv=out_columns,
                       interpret=interpret)
     return o[:t], state
 
@@ -329,11 +332,13 @@ def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str,
     )(q, k, w, u, eg, et, el, state.astype(f32))
 
 
-def block_outputs(q, k, g, inter, new, *, block: int, products: str, bv: int = OUTPUT_COLUMNS,
-                  interpret: bool | None = None, num_warps: int = OUTPUT_WARPS):
-    """The outputs (`delta_rule_chunk`'s third kernel): o = inter + (q k^T * decay) new per
-    block, q, k [n*C, Hk, dk], g [n*C, Hv], inter and new [n*C, Hv, dv] (o is written over
-    inter). A program per value head, block and slice of `bv` columns. Returns o float32."""
+def block_outputs(q, k, d, inter, new, *, block: int, products: str,
+                  bv: int = OUTPUT_COLUMNS, interpret: bool | None = None,
+                  num_warps: int = OUTPUT_WARPS):
+    """The outputs (`delta_rule_chunk`'s third kernel): o = inter + (q k^T * d) new per block,
+    q, k [n*C, Hk, dk], d [n*C, Hv, C] each block's causal decays (`ut_transform`), inter and
+    new [n*C, Hv, dv] (o is written over inter). A program per value head, block and slice of
+    `bv` columns. Returns o float32."""
     rows, hk, _ = q.shape
     hv, dv = new.shape[1:]
     precision = _precision(products, "block_outputs")
@@ -347,4 +352,4 @@ def block_outputs(q, k, g, inter, new, *, block: int, products: str, bv: int = O
         out_shape=jax.ShapeDtypeStruct((rows, hv, dv), jnp.float32),
         input_output_aliases={3: 0},  # the outputs accumulate over `inter`
         interpret=interpret, name="delta_rule_output", **kw,
-    )(q, k, g, inter, new)
+    )(q, k, d, inter, new)
