@@ -120,6 +120,27 @@ def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
         assert_close(got[0], ref[0], np.float32, err_msg=f"{carry}, shared keys: outputs")
 
 
+def test_delta_rule_kernels_take_the_layers_values_and_store_its_outputs():
+    """A bf16 layer's values go in as bf16 (made float32 as the transform reads them) and its
+    outputs come out as bf16 from the output kernel: the float32 path's outputs cast once, bit
+    for bit, and the same state (the kernels in interpret mode; the scan casts the same way)."""
+    import jax.numpy as jnp
+
+    from strata_jax.layers.deltanet import gated_delta_rule
+
+    inputs = [jnp.asarray(a, jnp.float32) for a in delta_rule_inputs(80, 2, 16, 16, seed=3)]
+    v16 = inputs[2].astype(jnp.bfloat16)
+    for carry in ("pallas", "xla"):
+        want = gated_delta_rule(*inputs[:2], v16.astype(jnp.float32), *inputs[3:], block=16,
+                                carry=carry)
+        got = gated_delta_rule(*inputs[:2], v16, *inputs[3:], block=16, carry=carry,
+                               out_dtype=jnp.bfloat16)
+        assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32, carry
+        np.testing.assert_array_equal(np.asarray(got[0].astype(jnp.float32)),
+                                      np.asarray(want[0].astype(jnp.bfloat16).astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def test_kernels_decay_sums_are_float32_exact_from_tf32_parts():
     """The kernels sum decays as three TF32 matmuls of exact parts: each part has TF32's 10
     mantissa bits (the low 13 of a float32 clear), the parts sum back to x bit for bit, and the

@@ -179,7 +179,7 @@ def _transform_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, d_ref, eg_ref
         b *= 2
     eg = jnp.exp(gam)  # decay from the block's start
     w_ref[rows, h, :] = dot(x, k * (beta * eg)[:, None])  # the keys reading the state
-    u_ref[rows, h, :] = dot(x, v_ref[rows, h, :] * beta[:, None])  # the new values before it
+    u_ref[rows, h, :] = dot(x, v_ref[rows, h, :].astype(jnp.float32) * beta[:, None])  # new values
     d_ref[rows, h, :] = jnp.exp(jnp.where(r >= c, sums, -jnp.inf))  # causal decays
     eg_ref[rows, h] = eg
     et_ref[rows, h] = jnp.exp(jnp.sum(jnp.where(r == block - 1, sums, 0.0), axis=0))  # to its end
@@ -210,8 +210,9 @@ def _output_kernel(q_ref, k_ref, d_ref, inter_ref, new_ref, o_ref, *, block: int
     rows, cols = pl.ds(i * block, block), pl.ds(j * bv, bv)
     attn = _dot_nt(q_ref[rows, h // rep, :], k_ref[rows, h // rep, :], precision) * d_ref[
         rows, h, :]  # causal within the block, decayed
-    o_ref[rows, h, cols] = inter_ref[rows, h, cols] + jnp.dot(
-        attn, new_ref[rows, h, cols], precision=precision, preferred_element_type=jnp.float32)
+    o_ref[rows, h, cols] = (inter_ref[rows, h, cols] + jnp.dot(
+        attn, new_ref[rows, h, cols], precision=precision,
+        preferred_element_type=jnp.float32)).astype(o_ref.dtype)
 
 
 def _launch(interpret, num_warps, num_stages):
@@ -240,8 +241,9 @@ def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
     program per value head and block; tokens-first, key heads read in place.
 
     Args:
-        k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); v: float32
-            [n*C, Hv, dv]; g: float32 [n*C, Hv], the log-decays; beta: float32 [n*C, Hv].
+        k: float32 [n*C, Hk, dk] (value head h reads key head h // (Hv / Hk)); v: [n*C, Hv,
+            dv], float32 or the layer's bf16/fp16 (made float32 as it is read); g: float32
+            [n*C, Hv], the log-decays; beta: float32 [n*C, Hv].
 
     Returns (w [n*C, Hv, dk], u [n*C, Hv, dv], d [n*C, Hv, C] (row t: token t's row of its
     block's decays); [n*C, Hv] exp of each row's decay from its block's start (g summed over
@@ -265,13 +267,14 @@ def ut_transform(k, v, g, beta, *, block: int, products: str = "float32",
                    jax.ShapeDtypeStruct((rows, hv, block), f32), per_row, per_row,
                    jax.ShapeDtypeStruct((hv, n), f32)),
         interpret=interpret, name="ut_transform", **kw,
-    )(*(a.astype(f32) for a in (k, v, g, beta)))
+    )(k.astype(f32), v, g.astype(f32), beta.astype(f32))
 
 
 def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
                      products: str = "float32", bv: int | None = None,
                      interpret: bool | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, out_columns: int = OUTPUT_COLUMNS):
+                     num_stages: int | None = None, out_columns: int = OUTPUT_COLUMNS,
+                     out_dtype=jnp.float32):
     """The whole chunkwise delta rule in three kernels over the tokens-first layout (the
     module docstring): `ut_transform` (w, u, each block's attention a and the decays of every
     block, in parallel), the walk (a program per value head and slice of `bv` state columns:
@@ -282,8 +285,9 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
     the block (default `KERNEL_BLOCKS` for the products), the walk's `bv`, `num_warps` and
     `num_stages` (default `WALK_COLUMNS`, `WALK_WARPS`, `WALK_STAGES` for the products); the
-    output kernel's column slice `out_columns`. Returns (o [T, Hv, dv], the state after the
-    last row)."""
+    output kernel's column slice `out_columns`. v may be the layer's bf16/fp16 (read as
+    float32). Returns (o [T, Hv, dv] in `out_dtype`, the float32 sums cast as the kernel
+    stores them; the state after the last row)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
@@ -294,14 +298,15 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
     # every size checked before any work (`walk_blocks` and `block_outputs` check theirs too)
     _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv, out_columns=out_columns)
     f32 = jnp.float32
-    _, q, k, v, g, beta = pad_blocks(block, *(a.astype(f32) for a in (q, k, v, g, beta)))
+    _, q, k, v, g, beta = pad_blocks(block, q.astype(f32), k.astype(f32), v, g.astype(f32),
+                                     beta.astype(f32))
     w, u, d, eg, et, el = ut_transform(k, v, g, beta, block=block, products=products,
                                        interpret=interpret, num_warps=TRANSFORM_WARPS)
     inter, new, state = walk_blocks(q, k, w, u, eg, et, el, state, block=block,
                                     products=products, bv=bv, interpret=interpret,
                                     num_warps=num_warps, num_stages=num_stages)
     o = block_outputs(q, k, d, inter, new, block=block, products=products, bv=out_columns,
-                      interpret=interpret)
+                      interpret=interpret, out_dtype=out_dtype)
     return o[:t], state
 
 
@@ -334,11 +339,12 @@ def walk_blocks(q, k, w, u, eg, et, el, state, *, block: int, products: str,
 
 def block_outputs(q, k, d, inter, new, *, block: int, products: str,
                   bv: int = OUTPUT_COLUMNS, interpret: bool | None = None,
-                  num_warps: int = OUTPUT_WARPS):
+                  num_warps: int = OUTPUT_WARPS, out_dtype=jnp.float32):
     """The outputs (`delta_rule_chunk`'s third kernel): o = inter + (q k^T * d) new per block,
     q, k [n*C, Hk, dk], d [n*C, Hv, C] each block's causal decays (`ut_transform`), inter and
-    new [n*C, Hv, dv] (o is written over inter). A program per value head, block and slice of
-    `bv` columns. Returns o float32."""
+    new [n*C, Hv, dv]. A program per value head, block and slice of `bv` columns. Returns o
+    in `out_dtype` (float32: written over inter; the layer's bf16: its own, half the bytes,
+    the float32 sums cast as XLA casts them)."""
     rows, hk, _ = q.shape
     hv, dv = new.shape[1:]
     precision = _precision(products, "block_outputs")
@@ -349,7 +355,8 @@ def block_outputs(q, k, d, inter, new, *, block: int, products: str,
         functools.partial(_output_kernel, block=block, bv=bv, rep=hv // hk,
                           precision=precision),
         grid=(hv, rows // block, dv // bv),
-        out_shape=jax.ShapeDtypeStruct((rows, hv, dv), jnp.float32),
-        input_output_aliases={3: 0},  # the outputs accumulate over `inter`
+        out_shape=jax.ShapeDtypeStruct((rows, hv, dv), out_dtype),
+        # in float32 the outputs accumulate over `inter`
+        input_output_aliases={3: 0} if jnp.dtype(out_dtype) == jnp.float32 else {},
         interpret=interpret, name="delta_rule_output", **kw,
     )(q, k, d, inter, new)

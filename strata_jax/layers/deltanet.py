@@ -90,15 +90,17 @@ def causal_conv(x: jax.Array, window: jax.Array, taps: jax.Array, n_valid=None):
     return jax.nn.silu(out).astype(x.dtype), nxt.astype(window.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "carry", "products", "unroll"))
+@functools.partial(jax.jit, static_argnames=("block", "carry", "products", "unroll",
+                                             "out_dtype"))
 def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: str = "auto",
-                     products: str = "float32", unroll: int | None = None):
+                     products: str = "float32", unroll: int | None = None,
+                     out_dtype=jnp.float32):
     """The gated delta rule over a chunk, chunkwise-parallel.
 
     Args:
         q, k: float32 [T, Hk, dk] (normalised; q scaled), Hk dividing Hv: value head h reads
             query/key head h // (Hv / Hk).
-        v: float32 [T, Hv, dv].
+        v: [T, Hv, dv], float32 or the layer's dtype (read as float32).
         g: float32 [T, Hv] log-decays (<= 0); beta: float32 [T, Hv] in [0, 1].
         state: float32 [Hv, dk, dv], the state before the chunk.
         block: tokens per block (default: `DELTA_BLOCK` for the scan; the kernels'
@@ -107,13 +109,16 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: s
             "pallas" (`kernels.delta_rule.delta_rule_chunk`) or "auto" (`delta_rule_path`).
         products: "float32" or "tf32" (`products_for`).
         unroll: blocks a step of the scan walks (default `SCAN_UNROLL`; the scan's only).
+        out_dtype: o's dtype (the float32 sums cast once; the kernels store it so).
 
     Returns:
-        (o float32 [T, Hv, dv], the state after the chunk's last row).
+        (o [T, Hv, dv] in out_dtype, the float32 state after the chunk's last row).
     """
     carry = delta_rule_path(carry, products=products)  # refuses unknown products by name
     if carry == "pallas":
-        return delta_rule_chunk(q, k, v, g, beta, state, block=block, products=products)
+        return delta_rule_chunk(q, k, v, g, beta, state, block=block, products=products,
+                                out_dtype=out_dtype)
+    v = v.astype(jnp.float32)
     block = block or DELTA_BLOCK
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -128,7 +133,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: s
                                       unroll or SCAN_UNROLL)
     o = inter + _mm(attn, v_new, products)
     o = jnp.moveaxis(o, 0, 2).reshape(n * block, hv, dv)[:t]
-    return o, state
+    return o.astype(out_dtype), state
 
 
 def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
@@ -274,7 +279,8 @@ class GatedDeltaNet(nnx.Module):
         with jax.named_scope("delta_rule"):
             # auto picks by the products the kernels would take; the path taken sets them
             carry = delta_rule_path(self.delta_rule, products=products_for(x.dtype, "pallas"))
-            o, state = gated_delta_rule(qf, kf, v.astype(jnp.float32), g, beta, state,
-                                        carry=carry, products=products_for(x.dtype, carry))
-        o = self.norm(o.astype(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
+            o, state = gated_delta_rule(qf, kf, v, g, beta, state, carry=carry,
+                                        products=products_for(x.dtype, carry),
+                                        out_dtype=x.dtype)
+        o = self.norm(o, z.reshape(t, self.v_heads, self.v_dim))
         return dot(o.reshape(t, vd), self.out_proj[...]), window, state
