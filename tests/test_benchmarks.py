@@ -734,6 +734,20 @@ def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
 
 
 @pytest.mark.slow
+def test_kernel_profile_tiny_traces_every_case(tmp_path):
+    from strata_jax.benchmarks import kernel_profile
+
+    out = tmp_path / "profile.json"
+    assert kernel_profile.main(["--tiny", "--tokens", "64", "--chunk", "32", "--moe-tokens", "16",
+                                "100", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["deltanet first 64", "deltanet 32 over 32",
+                                         "attention first 64", "attention 32 over 32",
+                                         "moe 16", "moe 100"]
+    assert all(r["wall_ms"] > 0 and r["kernels_ms"] >= 0 for r in rows)
+
+
+@pytest.mark.slow
 def test_mla_bench_tiny_times_first_and_later_chunks(tmp_path):
     from strata_jax.benchmarks import mla_bench
 

@@ -75,7 +75,7 @@ for STAGE in ${1//,/ }; do
         HYBRID_ARGS="--tokens 32768 --chunk 8192 --reps 5" $RUN hybrid || rc=1 ;;
     profile)
       BENCH_TIMEOUT=${PROFILE_TIMEOUT:-150} NAME=next_32k \
-        PROFILE_ARGS="--tokens 32768 --chunk 8192 --moe-tokens 8192 32768" \
+        PROFILE_ARGS=${PROFILE_ARGS:-"--tokens 32768 --chunk 8192 --moe-tokens 8192 32768"} \
         $RUN profile || rc=1 ;;
     mla)
       BENCH_TIMEOUT=200 NAME=dsv3_32k MLA_ARGS="--tokens 32768 --chunk 8192 --reps 5" \
