@@ -6,6 +6,7 @@ options of the command line, and the pure-JAX pinned-host baseline.
 from __future__ import annotations
 
 import gc
+import json
 import statistics
 import time
 
@@ -115,6 +116,13 @@ def median_ms(fn, args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def write_rows(path: str | None, args, rows: list) -> None:
+    """A benchmark's rows and its parsed arguments as JSON at `path` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
 def bootstrap_ci(ratios, n: int = 20000, seed: int = 0) -> tuple[float, float]:

@@ -12,10 +12,9 @@ layer's. Weights are random (the time does not depend on them); bf16; medians of
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from strata_jax.benchmarks.common import median_ms
+from strata_jax.benchmarks.common import median_ms, write_rows
 
 # The Pallas rule's walk launches timed, (state columns, warps, stages): those that compile
 # without spilled registers at Qwen3-Next's head sizes in blocks of 64 (`compile_check`).
@@ -191,9 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rows = mixers(a.preset, a.tokens, a.chunk, a.reps, a.tiny)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    write_rows(a.json, a, rows)
     return 0
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import sys
 import tempfile
 import time
+
+from strata_jax.benchmarks.common import write_rows
 
 
 def kernel_totals(fn, args, top: int = 25) -> dict:
@@ -111,9 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rows = profile(a.preset, a.tokens, a.chunk, a.moe_tokens, a.tiny)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    write_rows(a.json, a, rows)
     return 0
 
 

@@ -16,10 +16,9 @@ medians of `--reps`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from strata_jax.benchmarks.common import median_ms
+from strata_jax.benchmarks.common import median_ms, write_rows
 
 
 def pairs(queries: int, prefix: int) -> int:
@@ -115,9 +114,7 @@ def main(argv=None) -> int:
     if not 0 < a.chunk < a.tokens:
         ap.error(f"--chunk {a.chunk} must be within 1..--tokens - 1 ({a.tokens - 1})")
     rows = run(a.preset, a.tokens, a.chunk, a.reps, a.tiny)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    write_rows(a.json, a, rows)
     return 0
 
 
