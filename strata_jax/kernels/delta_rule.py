@@ -13,14 +13,15 @@ block's start and last_i its total:
 
 `delta_rule_chunk` runs this as three kernels over the tokens-first layout ([T, heads, d], key
 heads read in place: no transposes, no repeated heads): `ut_transform` (a program per value head
-and block: w, u, the decays, and the block's decayed attention a_i = q k^T * decay, C x C, from
-the decay sums it takes for the transform), the walk (a program per value head and slice of
-state columns, holding its [dk, bv] part of the state in registers: the columns are
-independent), and the outputs o_i = inter_i + a_i new_i (a program per value head and block).
-The walk holds only the state and a block's q, k, w and u; the launches are sized so no kernel
-spills registers on Hopper at the real head sizes (`benchmarks.compile_check`).
+and block: w, u, and the decays, among them the block's causal C x C decays from the sums it
+takes for the transform), the walk (a program per value head and slice of state columns,
+holding its [dk, bv] part of the state in registers: the columns are independent), and the
+outputs (a program per value head and block, reading the transform's decays). The walk holds
+only the state and a block's q, k, w and u; the launches are sized so no kernel spills
+registers on Hopper at the real head sizes (`benchmarks.compile_check`).
 
-float32 data and state; the products as the layer asks (`layers.deltanet.products_for`): "tf32"
+float32 data and state (a bf16/fp16 layer's v read as it is and made float32, its outputs
+stored in its dtype); the products as the layer asks (`layers.deltanet.products_for`): "tf32"
 on tensor cores (a bf16/fp16 layer), or "float32" (Triton's "ieee": CUDA-core products, for
 float32 layers and tests); the decays' sums float32-exact either way (`decay_sums`). On the
 CPU the kernels run in Pallas' interpret mode (tests).
@@ -54,8 +55,8 @@ AUTO_ON_GPU = {"tf32": "pallas", "float32": "xla"}
 # Hopper (`benchmarks.compile_check`): with TF32 products blocks of 64, the walk's state
 # columns a program, warps and pipeline stages (32 value heads x 4 slices: 128 programs, one
 # wave; two stages load a block's q, k, w and u while the one before is multiplied: the
-# fastest of hybrid_bench's launches), the output kernel's columns a program and warps, the
-# transform's warps. CUDA-core float32 products (a float32 layer's) hold more registers:
+# fastest of hybrid_bench's launches), the output kernel's columns a program (all: q k^T once
+# a block) and warps, the transform's warps. CUDA-core float32 products (a float32 layer's) hold more registers:
 # blocks and slices of 16, 8 warps, one stage (at 64 they spill).
 KERNEL_BLOCKS = {"tf32": 64, "float32": 16}
 WALK_COLUMNS, WALK_WARPS = {"tf32": 32, "float32": 16}, {"tf32": 4, "float32": 8}
