@@ -540,28 +540,24 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                             # slot this visit's last products read.
                             plgpu.barrier_arrive(done)
                             plgpu.barrier_wait(done)
-                        # This warpgroup's rows of the visit: [lo, hi) of its half.
-                        lo = jnp.clip(first - wg * hm, 0, hm)
-                        hi = jnp.clip(first + rows - wg * hm, 0, hm)
-                        count = jnp.maximum(hi - lo, 0)
-                        out = o_smem.at[wg]
-                        out[...] = acc.astype(dtype)
-                        plgpu.commit_smem()
-                        _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm,
-                                    pl.ds(ni * bn, bn))
+                        store_half(acc.astype(dtype), ni, row0, first, rows)
 
                 pipeline(step, context, row0, ni)(
                     x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
 
+            def store_half(tile, ni, row0, first, rows):
+                # This warpgroup's rows of the visit, [lo, hi) of its half, from `tile`.
+                lo = jnp.clip(first - wg * hm, 0, hm)
+                count = jnp.maximum(jnp.clip(first + rows - wg * hm, 0, hm) - lo, 0)
+                out = o_smem.at[wg]
+                out[...] = tile
+                plgpu.commit_smem()
+                _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm, pl.ds(ni * bn, bn))
+
             def zeros(ni, row0, first, rows):  # each compute warpgroup its half's rows
                 @pl.when(wg < 2)
                 def _():
-                    lo = jnp.clip(first - wg * hm, 0, hm)
-                    count = jnp.maximum(jnp.clip(first + rows - wg * hm, 0, hm) - lo, 0)
-                    out = o_smem.at[wg]
-                    out[...] = jnp.zeros((hm, bn), dtype)
-                    plgpu.commit_smem()
-                    _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm, pl.ds(ni * bn, bn))
+                    store_half(jnp.zeros((hm, bn), dtype), ni, row0, first, rows)
 
             _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
