@@ -56,8 +56,8 @@ AUTO_ON_GPU = {"tf32": "pallas", "float32": "xla"}
 # columns a program, warps and pipeline stages (32 value heads x 4 slices: 128 programs, one
 # wave; two stages load a block's q, k, w and u while the one before is multiplied: the
 # fastest of hybrid_bench's launches), the output kernel's columns a program (all: q k^T once
-# a block) and warps, the transform's warps. CUDA-core float32 products (a float32 layer's) hold more registers:
-# blocks and slices of 16, 8 warps, one stage (at 64 they spill).
+# a block) and warps, the transform's warps. CUDA-core float32 products (a float32 layer's)
+# hold more registers: blocks and slices of 16, 8 warps, one stage (at 64 they spill).
 KERNEL_BLOCKS = {"tf32": 64, "float32": 16}
 WALK_COLUMNS, WALK_WARPS = {"tf32": 32, "float32": 16}, {"tf32": 4, "float32": 8}
 WALK_STAGES = {"tf32": 2, "float32": 1}
@@ -277,10 +277,10 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
                      num_stages: int | None = None, out_columns: int = OUTPUT_COLUMNS,
                      out_dtype=jnp.float32):
     """The whole chunkwise delta rule in three kernels over the tokens-first layout (the
-    module docstring): `ut_transform` (w, u, each block's attention a and the decays of every
-    block, in parallel), the walk (a program per value head and slice of `bv` state columns:
-    inter, new and the state), the outputs o = inter + a new (a program per value head, block
-    and slice of `out_columns`, accumulating over inter in place).
+    module docstring): `ut_transform` (w, u and the decays of every block, its causal C x C
+    ones d among them, in parallel), the walk (a program per value head and slice of `bv`
+    state columns: inter, new and the state), the outputs o = inter + (q k^T * d) new (a
+    program per value head, block and slice of `out_columns`; in float32 written over inter).
 
     Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
