@@ -683,11 +683,12 @@ def test_compile_check_reads_ptxas_and_flags_problems(capsys):
     with pytest.raises(ValueError, match="target 'a100'"):
         cc.target_config("a100")
     kernels = cc.parse_ptxas(PTXAS_OUT)
-    rows = [{"ok": False, "error": "x", "products": "tf32", "block": 64, "bv": 32},
-            {"ok": True, "default": True, "kernels": kernels, "products": "tf32", "block": 64,
-             "bv": 32, "temp_bytes": 1},
-            {"ok": True, "default": False, "kernels": kernels, "products": "tf32", "block": 32,
-             "bv": 64, "temp_bytes": 1},
+    rows = [{"ok": False, "error": "x", "products": "bf16", "block": 64, "piece": 32,
+             "bv": 32},
+            {"ok": True, "default": True, "kernels": kernels, "products": "bf16", "block": 64,
+             "piece": 32, "bv": 32, "temp_bytes": 1},
+            {"ok": True, "default": False, "kernels": kernels, "products": "bf16", "block": 64,
+             "piece": 16, "bv": 64, "temp_bytes": 1},
             {"ok": True, "mixer": "gated-deltanet (xla)", "kernels": {}, "temp_bytes": 9,
              "plan_bytes": 8},
             {"ok": True, "mixer": "gated-attention", "kernels": {}, "temp_bytes": 8,
@@ -695,8 +696,8 @@ def test_compile_check_reads_ptxas_and_flags_problems(capsys):
             {"ok": True, "model": "deepseek-v3", "kernels": {}, "temp_bytes": 10,
              "plan_bytes": 9}]
     assert cc.problems(rows) == [
-        "delta rule tf32 64/32: does not compile",
-        "delta rule tf32 64/32: the default launch spills registers",
+        "delta rule bf16 64/32/32: does not compile",
+        "delta rule bf16 64/32/32: the default launch spills registers",
         "gated-deltanet (xla): 9 temporary bytes, plan 8",
         "deepseek-v3: 10 temporary bytes, plan 9"]
     with pytest.raises(SystemExit):
@@ -729,7 +730,7 @@ def test_hybrid_bench_tiny_times_both_mixers(tmp_path):
     assert all(r["over_attention"] > 0 for r in rows[1:3])
     assert rows[3]["deltanet_projections_ms"] > 0  # the layer's matmuls outside the rule
     rules = [(r["products"], r["carry"]) for r in rows if "delta_rule_block" in r]
-    assert rules == [("float32", "xla"), ("float32", "pallas")]  # TF32 cases need a GPU
+    assert rules == [("float32", "xla"), ("float32", "pallas")]  # bf16 cases need a GPU
     assert any("ut_transform_block" in r for r in rows)
 
 

@@ -10,9 +10,10 @@ for registers, a `ptxas` (a CUDA toolkit's, or the plugin's nvidia-cuda-nvcc whe
 
     python -m strata_jax.benchmarks.compile_check --target h100 --tokens 32768 --json out.json
 
-Cases: `delta-rule` (the Pallas delta rule at the real head sizes of `--preset`: TF32
-products, a bf16 layer's, at `hybrid_bench.PALLAS_LAUNCHES` in blocks of 32 and 64; float32
-products, a float32 layer's, at the default launch and in blocks of 16); `layers` (the token
+Cases: `delta-rule` (the Pallas delta rule at the real head sizes of `--preset`: bf16
+products, a bf16 layer's, in blocks of 64 at `hybrid_bench.PALLAS_LAUNCHES` and the
+transform's `PALLAS_PIECES`; float32 products, a float32 layer's, at their default launch);
+`layers` (the token
 mixers of `--preset` and `--mla-preset`: a hybrid's Gated DeltaNet layer through each
 `Kernels.delta_rule` and its gated attention layer, latent attention; a first chunk of
 `--tokens` and a later `--chunk` over that cache at a traced start, against
@@ -22,7 +23,7 @@ experts resident, a first chunk of `--tokens`, against `engine.memory.chunk_byte
 sub-chunks of `--sub-chunk`, each MoE layer in `--parts` parts read from three ring frames
 given as program inputs in the stream's order, compiled with the engine's options for such a
 program, against `engine.memory.layer_major_bytes`). Exit status 1 where a compile fails, the
-default launch (TF32, blocks of 64) spills, or temporaries exceed the plan.
+default launch (bf16, blocks of 64) spills, or temporaries exceed the plan.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from strata_jax.benchmarks.hybrid_bench import PALLAS_LAUNCHES
+    from strata_jax.benchmarks.hybrid_bench import PALLAS_LAUNCHES, PALLAS_PIECES
     from strata_jax.kernels import delta_rule as dr
 
     f32 = lambda *s: on_device(device, jax.ShapeDtypeStruct(s, jnp.float32))  # noqa: E731
@@ -188,23 +189,26 @@ def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
     args = (f32(tokens, hk, dk), f32(tokens, hk, dk), f32(tokens, hv, dv), f32(tokens, hv),
             f32(tokens, hv), f32(hv, dk, dv))
 
-    launches = [("tf32", b, launch) for b in (32, 64) for launch in PALLAS_LAUNCHES]
-    launches += [("float32", 64, (dr.WALK_COLUMNS["tf32"], dr.WALK_WARPS["tf32"], 1)),
-                 ("float32", dr.KERNEL_BLOCKS["float32"], (dr.WALK_COLUMNS["float32"],
-                                                           dr.WALK_WARPS["float32"], 1))]
+    launches = [("bf16", 64, dr.TRANSFORM_PIECES["bf16"], launch) for launch in PALLAS_LAUNCHES]
+    launches += [("bf16", 64, piece, (dr.WALK_COLUMNS["bf16"], dr.WALK_WARPS["bf16"],
+                                      dr.WALK_STAGES["bf16"])) for piece, _ in PALLAS_PIECES]
+    launches += [("float32", dr.KERNEL_BLOCKS["float32"], dr.TRANSFORM_PIECES["float32"],
+                  (dr.WALK_COLUMNS["float32"], dr.WALK_WARPS["float32"], 1))]
     rows = []
-    for products, block, (bv, warps, stages) in launches:
-        fn = lambda *a, p=products, b=block, bv=bv, w=warps, s=stages: dr.delta_rule_chunk(  # noqa: E731
-            *a, block=b, products=p, interpret=False, bv=bv, num_warps=w, num_stages=s)
-        row = {"case": "delta-rule", "products": products, "block": block, "bv": bv,
-               "num_warps": warps, "num_stages": stages, "tokens": tokens,
-               "default": (block, bv, warps, stages) == (
-                   dr.KERNEL_BLOCKS[products], dr.WALK_COLUMNS[products],
-                   dr.WALK_WARPS[products], dr.WALK_STAGES[products]),
+    for products, block, piece, (bv, warps, stages) in launches:
+        fn = lambda *a, p=products, b=block, pc=piece, bv=bv, w=warps, s=stages: \
+            dr.delta_rule_chunk(*a, block=b, products=p, piece=pc, interpret=False, bv=bv,
+                                num_warps=w, num_stages=s)  # noqa: E731
+        row = {"case": "delta-rule", "products": products, "block": block, "piece": piece,
+               "bv": bv, "num_warps": warps, "num_stages": stages, "tokens": tokens,
+               "default": (block, piece, bv, warps, stages) == (
+                   dr.KERNEL_BLOCKS[products], dr.TRANSFORM_PIECES[products],
+                   dr.WALK_COLUMNS[products], dr.WALK_WARPS[products],
+                   dr.WALK_STAGES[products]),
                **compile_report(fn, args, ptxas)}
         rows.append(row)
-        _print(row, f"delta rule {products:7s} blocks of {block:3d}, {bv:3d} columns, "
-                    f"{warps} warps, {stages} stages")
+        _print(row, f"delta rule {products:7s} blocks of {block:3d} (pieces of {piece:2d}), "
+                    f"{bv:3d} columns, {warps} warps, {stages} stages")
     return rows
 
 
@@ -399,7 +403,8 @@ def problems(rows: list[dict]) -> list[str]:
     temporaries above the plan."""
     out = []
     for r in rows:
-        name = r.get("mixer") or r.get("model") or f"delta rule {r.get('products')} {r.get('block')}/{r.get('bv')}"
+        name = r.get("mixer") or r.get("model") or (
+            f"delta rule {r.get('products')} {r.get('block')}/{r.get('piece')}/{r.get('bv')}")
         if not r["ok"]:
             out.append(f"{name}: does not compile")
         elif r.get("default") and any(v["spill_stores"] for v in r["kernels"].values()):

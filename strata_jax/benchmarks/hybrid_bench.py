@@ -15,10 +15,12 @@ import argparse
 import sys
 
 from strata_jax.benchmarks.common import median_ms, write_rows
+from strata_jax.models import get_preset
 
-# The Pallas rule's walk launches timed, (state columns, warps, stages): those that compile
-# without spilled registers at Qwen3-Next's head sizes in blocks of 64 (`compile_check`).
-PALLAS_LAUNCHES = ((16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 8, 1), (64, 8, 1))
+# The Pallas rule's launches timed in blocks of 64 at Qwen3-Next's head sizes (`compile_check`
+# says which spill): the walk's (state columns, warps, stages), the transform's (piece, warps).
+PALLAS_LAUNCHES = ((16, 4, 1), (16, 4, 2), (32, 4, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2))
+PALLAS_PIECES = ((16, 8), (32, 8), (64, 4), (64, 8))
 
 
 def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) -> list[dict]:
@@ -87,33 +89,30 @@ def _projections(net, x, tokens: int, reps: int) -> dict:
     return {"deltanet_projections_ms": ms, "tokens": tokens}
 
 
-def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
-    """The chunkwise delta rule alone (float32 data, the layer's shapes): the scan and the
-    Pallas kernels with float32 products; on a GPU with TF32 products (a bf16 layer's kernels)
-    the scan, and the kernels in blocks of 32 and 64; the scan's parallel part (`block_terms`)
-    and its UT transform (the inverse by doubling, then a matmul; against a triangular solve
-    for the dk + dv columns); each of the three kernels alone; the kernels at the walk's
-    launches that compile without spilled registers (`compile_check`)."""
+def delta_rule_blocks(c, tokens: int, reps: int, kernels_only: bool = False) -> list[dict]:
+    """The chunkwise delta rule alone (the layer's shapes): the scan and the Pallas kernels
+    with float32 products; on a GPU with bf16 products (a bf16 layer's kernels) the scan, and
+    the kernels in blocks of 32 and 64; the scan's parallel part and its transform
+    (`_scan_parts`); each of the two kernels alone; the kernels at `PALLAS_LAUNCHES` and
+    `PALLAS_PIECES`. `kernels_only`: the last two alone."""
     import jax
     import jax.numpy as jnp
-    from jax.scipy.linalg import solve_triangular
 
-    from strata_jax.kernels.delta_rule import (block_outputs, delta_rule_chunk, ut_transform,
+    from strata_jax.kernels.delta_rule import (block_cumsums, operand_dtype, ut_transform,
                                                walk_blocks)
-    from strata_jax.layers.deltanet import _mm, block_terms, gated_delta_rule, unit_lower_inverse
+    from strata_jax.layers.deltanet import gated_delta_rule
     from strata_jax.testing import delta_rule_inputs
 
     hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
-    keys = jax.random.split(jax.random.key(1), 2)
     q, k, v, g, beta, state = (jnp.asarray(a, jnp.float32) for a in delta_rule_inputs(
         tokens, hv, dk, dv, seed=1, state_scale=0.0))
     rows = []
     gpu = jax.default_backend() == "gpu"
-    products_here = ("float32", "tf32") if gpu else ("float32",)  # TF32: a GPU's
-    cases = [("float32", "xla", 64, 1), ("float32", "pallas", 64, None)]
-    if gpu:  # the scan with each step of its loop walking 1, 4 or 16 blocks (SCAN_UNROLL)
-        cases += [("float32", "xla", 64, 4), ("float32", "xla", 64, 16), ("tf32", "xla", 64, 1),
-                  ("tf32", "pallas", 32, None), ("tf32", "pallas", 64, None)]
+    products_here = ("float32", "bf16") if gpu else ("float32",)  # bf16 kernels: a GPU's
+    cases = [] if kernels_only else [("float32", "xla", 64, 1), ("float32", "pallas", 64, None)]
+    if gpu and not kernels_only:  # the scan's loop walking 1, 4 or 16 blocks a step
+        cases += [("float32", "xla", 64, 4), ("float32", "xla", 64, 16), ("bf16", "xla", 64, 1),
+                  ("bf16", "pallas", 32, None), ("bf16", "pallas", 64, None)]
     for products, carry, b, unroll in cases:
         fn = jax.jit(lambda *a, b=b, carry=carry, products=products, unroll=unroll:
                      gated_delta_rule(*a, block=b, carry=carry, products=products, unroll=unroll))
@@ -124,59 +123,81 @@ def delta_rule_blocks(c, tokens: int, reps: int) -> list[dict]:
         print(f"delta rule alone, blocks of {b:4d}, {products:7s} products, {carry:6s}{steps}: "
               f"{ms:8.2f} ms", flush=True)
     b = 64
+    for products in () if kernels_only else products_here:
+        rows.append(_scan_parts(c, q, k, v, g, beta, b, products, tokens, reps))
+    gam, last = block_cumsums(g, b)
+    for products in products_here:
+        op = operand_dtype(products)
+        qo, ko, vo = (a.astype(op) for a in (q, k, v))
+        fn = jax.jit(lambda *a, products=products: ut_transform(*a, block=b, products=products))
+        ms = median_ms(fn, (ko, vo, gam, beta), reps)
+        w, u = fn(ko, vo, gam, beta)
+        walk = jax.jit(lambda *a, products=products: walk_blocks(
+            *a, block=b, products=products, out_dtype=op))
+        ms_walk = median_ms(walk, (qo, ko, w, u, gam, last, state), reps)
+        rows.append({"ut_transform_block": b, "products": products, "tokens": tokens, "ms": ms,
+                     "walk_ms": ms_walk})
+        print(f"the Pallas kernels alone, blocks of {b}, {products:7s}: UT transform {ms:.2f} "
+              f"ms, walk with the outputs {ms_walk:.2f} ms", flush=True)
+    if gpu:
+        rows += _launches((q, k, v.astype(jnp.bfloat16), g, beta, state), b, tokens, reps)
+    return rows
+
+
+def _scan_parts(c, q, k, v, g, beta, b, products, tokens, reps) -> dict:
+    """The scan's parallel part (`block_terms`) and its transform alone (the inverse by
+    doubling, then a matmul; against a triangular solve of the dk + dv columns)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.scipy.linalg import solve_triangular
+
+    from strata_jax.layers.deltanet import _mm, block_terms, unit_lower_inverse
+
+    hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
+    keys = jax.random.split(jax.random.key(1), 2)
     system = jnp.eye(b) + jnp.tril(jax.random.normal(keys[0], (hv, tokens // b, b, b)) * 0.1, -1)
     rhs = jax.random.normal(keys[1], (hv, tokens // b, b, dk + dv))
     solve = lambda s, r: solve_triangular(s, r, lower=True, unit_diagonal=True)  # noqa: E731
     ms_columns = median_ms(jax.jit(solve), (system, rhs), reps)
-    for products in products_here:
-        fn = jax.jit(lambda *a, products=products: block_terms(*a, block=b, products=products))
-        ms = median_ms(fn, (q, k, v, g, beta), reps)
-        inverse = jax.jit(lambda s, r, products=products: _mm(
-            unit_lower_inverse(s, products), r, products))
-        ms_inverse = median_ms(inverse, (system, rhs), reps)
-        rows.append({"block_terms_block": b, "products": products, "tokens": tokens, "ms": ms,
-                     "solve_inverse_ms": ms_inverse, "solve_columns_ms": ms_columns})
-        print(f"the parallel part alone, blocks of {b}, {products:7s}: {ms:8.2f} ms (its "
-              f"transform {ms_inverse:.2f} ms; solved for the {dk + dv} columns "
-              f"{ms_columns:.2f} ms)", flush=True)
-    for products in products_here:
-        fn = jax.jit(lambda *a, products=products: ut_transform(*a, block=b, products=products))
-        ms = median_ms(fn, (k, v, g, beta), reps)
-        w, u, d, eg, et, el = fn(k, v, g, beta)
-        walk = jax.jit(lambda *a, products=products: walk_blocks(*a, block=b, products=products))
-        ms_walk = median_ms(walk, (q, k, w, u, eg, et, el, state), reps)
-        inter, new, _ = walk(q, k, w, u, eg, et, el, state)
-        out = jax.jit(lambda *a, products=products: block_outputs(*a, block=b, products=products))
-        ms_out = median_ms(out, (q, k, d, inter, new), reps)  # with a copy of inter (aliased)
-        rows.append({"ut_transform_block": b, "products": products, "tokens": tokens, "ms": ms,
-                     "walk_ms": ms_walk, "outputs_ms": ms_out})
-        print(f"the Pallas kernels alone, blocks of {b}, {products:7s}: UT transform {ms:.2f} "
-              f"ms, walk {ms_walk:.2f} ms, outputs {ms_out:.2f} ms", flush=True)
-    if gpu:
-        rows += _launches("the Pallas rule", "pallas_block", delta_rule_chunk,
-                          (q, k, v, g, beta, state), b, tokens, reps, PALLAS_LAUNCHES)
-    return rows
+    fn = jax.jit(lambda *a: block_terms(*a, block=b, products=products))
+    ms = median_ms(fn, (q, k, v, g, beta), reps)
+    inverse = jax.jit(lambda s, r: _mm(unit_lower_inverse(s), r, products))
+    ms_inverse = median_ms(inverse, (system, rhs), reps)
+    print(f"the parallel part alone, blocks of {b}, {products:7s}: {ms:8.2f} ms (its "
+          f"transform {ms_inverse:.2f} ms; solved for the {dk + dv} columns "
+          f"{ms_columns:.2f} ms)", flush=True)
+    return {"block_terms_block": b, "products": products, "tokens": tokens, "ms": ms,
+            "solve_inverse_ms": ms_inverse, "solve_columns_ms": ms_columns}
 
 
-def _launches(what, key, kernel, args, block, tokens, reps, launches) -> list[dict]:
-    """`kernel(*args, block=, products="tf32", bv=, num_warps=, num_stages=)` timed at each
-    (bv, warps, stages) of `launches`; a launch Triton refuses is printed and skipped."""
+def _launches(args, block, tokens, reps) -> list[dict]:
+    """`delta_rule_chunk` with bf16 products timed at each walk launch (bv, warps, stages) of
+    `PALLAS_LAUNCHES` and each of the transform's `PALLAS_PIECES` (the other kernel at its
+    default); a launch Triton refuses is printed and skipped."""
     import jax
+    import jax.numpy as jnp
+
+    from strata_jax.kernels.delta_rule import delta_rule_chunk
 
     rows = []
-    for bv, warps, stages in launches:
-        fn = jax.jit(lambda *a, bv=bv, warps=warps, stages=stages: kernel(
-            *a, block=block, products="tf32", bv=bv, num_warps=warps, num_stages=stages))
+    for (piece, tw), (bv, warps, stages) in (
+            [((None, None), launch) for launch in PALLAS_LAUNCHES]
+            + [(p, (None, None, None)) for p in PALLAS_PIECES]):
+        fn = jax.jit(lambda *a, piece=piece, tw=tw, bv=bv, warps=warps, stages=stages:
+                     delta_rule_chunk(*a, block=block, products="bf16", piece=piece,
+                                      transform_warps=tw, bv=bv, num_warps=warps,
+                                      num_stages=stages, out_dtype=jnp.bfloat16))
+        what = (f"pieces of {piece}, {tw} warps" if piece else
+                f"{bv} columns, {warps} warps, {stages} stages")
         try:
             ms = median_ms(fn, args, reps)
         except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
-            print(f"{what}, {bv} columns, {warps} warps, {stages} stages: failed: "
-                  f"{str(e)[:200]}", flush=True)
+            print(f"the Pallas rule, {what}: failed: {str(e)[:200]}", flush=True)
             continue
-        rows.append({key: block, "products": "tf32", "bv": bv, "num_warps": warps,
+        rows.append({"pallas_block": block, "products": "bf16", "piece": piece,
+                     "transform_warps": tw, "bv": bv, "num_warps": warps,
                      "num_stages": stages, "tokens": tokens, "ms": ms})
-        print(f"{what} (tf32), blocks of {block}, {bv} columns, {warps} warps, {stages} "
-              f"stages: {ms:8.2f} ms", flush=True)
+        print(f"the Pallas rule (bf16), blocks of {block}, {what}: {ms:8.2f} ms", flush=True)
     return rows
 
 
@@ -187,9 +208,14 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="the Pallas rule's kernels and launches alone (no mixers, no scan)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    rows = mixers(a.preset, a.tokens, a.chunk, a.reps, a.tiny)
+    if a.kernels_only:
+        rows = delta_rule_blocks(get_preset(a.preset), a.tokens, a.reps, kernels_only=True)
+    else:
+        rows = mixers(a.preset, a.tokens, a.chunk, a.reps, a.tiny)
     write_rows(a.json, a, rows)
     return 0
 

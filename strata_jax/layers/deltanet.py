@@ -12,14 +12,14 @@ The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut i
 `DELTA_BLOCK` tokens; within a block the rule's updates are folded into matmuls (the UT
 transform: each block's unit-lower-triangular system inverted by doubling, then matmuls; no
 LAPACK or cuBLAS triangular solve), and the state walks across the blocks, three small matmuls
-a block, as a scan; or the whole rule runs in three Pallas kernels (`kernels.delta_rule`,
+a block, as a scan; or the whole rule runs in two Pallas kernels (`kernels.delta_rule`,
 `Kernels.delta_rule`). No step is per token. Decays between two tokens
 of a block are summed over their own range (`decay_sums`), not differenced.
 
 Products: a float32 layer takes every product of the rule at full float32 (`HIGHEST`); a
-bf16/fp16 layer on a GPU, through the Pallas kernels, takes them at TF32 (tensor cores; a 10-bit
-mantissa, finer than the layer's bf16 activations and outputs), its state and sums staying
-float32 (`products_for`).
+bf16/fp16 layer on a GPU, through the Pallas kernels, takes them with bf16 operands (the layer's
+own precision: its q, k, v and outputs are bf16), its state and sums staying float32 and the
+inverse at TF32 (`products_for`, `kernels.delta_rule`).
 
 Padding: rows where `valid` is False get beta = 0 and g = 0, which leave the state as it was,
 and the conv window is read at the last real token, so a padded chunk hands the next one the
@@ -54,11 +54,11 @@ _HIGHEST = lax.Precision.HIGHEST
 
 def products_for(dtype, carry: str = "xla", platform: str | None = None) -> str:
     """The delta rule's products for a layer whose activations are `dtype`, run by `carry`
-    (`kernels.delta_rule.delta_rule_path`): "tf32" for the Pallas kernels in a bf16/fp16 layer
+    (`kernels.delta_rule.delta_rule_path`): "bf16" for the Pallas kernels in a bf16/fp16 layer
     on a GPU; "float32" otherwise (the scan keeps the float32 products it was measured with)."""
     platform = platform or jax.default_backend()
     fast = platform == "gpu" and jnp.dtype(dtype).itemsize < 4 and carry == "pallas"
-    return "tf32" if fast else "float32"
+    return "bf16" if fast else "float32"
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -107,7 +107,7 @@ def gated_delta_rule(q, k, v, g, beta, state, block: int | None = None, carry: s
             `kernels.delta_rule.KERNEL_BLOCKS` for their products).
         carry: the implementation (`Kernels.delta_rule`): "xla" (a scan walks the state),
             "pallas" (`kernels.delta_rule.delta_rule_chunk`) or "auto" (`delta_rule_path`).
-        products: "float32" or "tf32" (`products_for`).
+        products: "float32" or "bf16" (`products_for`; the scan's inverse stays float32).
         unroll: blocks a step of the scan walks (default `SCAN_UNROLL`; the scan's only).
         out_dtype: o's dtype (the float32 sums cast once; the kernels store it so).
 
@@ -164,7 +164,7 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     kkt = _mm(kb, jnp.swapaxes(k, -1, -2), products) * decay  # [Hv, n, C, C]
     strict = jnp.tril(jnp.ones((block, block), bool), -1)
     system = jnp.where(strict, kkt, 0.0) + jnp.eye(block, dtype=jnp.float32)
-    inverse = unit_lower_inverse(system, products)
+    inverse = unit_lower_inverse(system)
     rhs = jnp.concatenate([vb, kb * jnp.exp(gam)[..., None]], axis=-1)  # [Hv, n, C, dv+dk]
     solved = _mm(inverse, rhs, products)
     u, w = solved[..., :dv], solved[..., dv:]  # new values; decayed keys reading the state
@@ -175,7 +175,7 @@ def block_terms(q, k, v, g, beta, block: int, products: str = "float32"):
     return w, qd, kd, u, attn, last
 
 
-def unit_lower_inverse(system, products: str = "float32"):
+def unit_lower_inverse(system):
     """The inverse of unit-lower-triangular matrices `system` [..., C, C] (C a power of two)
     by doubling, matmuls only: the inverse of [[A, 0], [B, D]] is [[A^-1, 0], [-D^-1 B A^-1,
     D^-1]]. X starts as I (the 1 x 1 diagonal blocks' inverses); at block size b, X holds the
@@ -188,17 +188,15 @@ def unit_lower_inverse(system, products: str = "float32"):
     r, col = iotas(c)
     eye = jnp.eye(c, dtype=system.dtype)
     low = system - eye
-    mm = functools.partial(_mm, products=products)
-
     def double(level, x):
-        return doubling_step(x, low, r, col, jnp.left_shift(1, level), mm)
+        return doubling_step(x, low, r, col, jnp.left_shift(1, level), _mm)
 
     return lax.fori_loop(0, c.bit_length() - 1, double, jnp.broadcast_to(eye, system.shape))
 
 
 def _mm(a, b, products: str = "float32"):
-    if products == "tf32":
-        return jnp.matmul(a, b, precision=lax.DotAlgorithmPreset.TF32_TF32_F32,
+    if products == "bf16":  # bf16 operands, float32 sums
+        return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
                           preferred_element_type=jnp.float32)
     return jnp.matmul(a, b, precision=_HIGHEST)
 
