@@ -683,12 +683,11 @@ def test_compile_check_reads_ptxas_and_flags_problems(capsys):
     with pytest.raises(ValueError, match="target 'a100'"):
         cc.target_config("a100")
     kernels = cc.parse_ptxas(PTXAS_OUT)
-    rows = [{"ok": False, "error": "x", "products": "bf16", "block": 64, "piece": 32,
-             "bv": 32},
+    rows = [{"ok": False, "error": "x", "products": "bf16", "block": 64, "bv": 32},
             {"ok": True, "default": True, "kernels": kernels, "products": "bf16", "block": 64,
-             "piece": 32, "bv": 32, "temp_bytes": 1},
+             "bv": 32, "temp_bytes": 1},
             {"ok": True, "default": False, "kernels": kernels, "products": "bf16", "block": 64,
-             "piece": 16, "bv": 64, "temp_bytes": 1},
+             "bv": 64, "temp_bytes": 1},
             {"ok": True, "mixer": "gated-deltanet (xla)", "kernels": {}, "temp_bytes": 9,
              "plan_bytes": 8},
             {"ok": True, "mixer": "gated-attention", "kernels": {}, "temp_bytes": 8,
@@ -696,8 +695,8 @@ def test_compile_check_reads_ptxas_and_flags_problems(capsys):
             {"ok": True, "model": "deepseek-v3", "kernels": {}, "temp_bytes": 10,
              "plan_bytes": 9}]
     assert cc.problems(rows) == [
-        "delta rule bf16 64/32/32: does not compile",
-        "delta rule bf16 64/32/32: the default launch spills registers",
+        "delta rule bf16 64/32: does not compile",
+        "delta rule bf16 64/32: the default launch spills registers",
         "gated-deltanet (xla): 9 temporary bytes, plan 8",
         "deepseek-v3: 10 temporary bytes, plan 9"]
     with pytest.raises(SystemExit):
@@ -746,6 +745,29 @@ def test_kernel_profile_tiny_traces_every_case(tmp_path):
                                          "attention first 64", "attention 32 over 32",
                                          "moe 16", "moe 100"]
     assert all(r["wall_ms"] > 0 and r["kernels_ms"] >= 0 for r in rows)
+
+
+FUSED_HLO = """%fused_slice.2 (param_0: bf16[8,4]) -> bf16[8,2] {
+  %param_0 = bf16[8,4]{1,0} parameter(0)
+  %slice.1 = bf16[8,2]{1,0} slice(%param_0), slice={[0:8], [0:2]}
+  %slice.2 = bf16[8,2]{1,0} slice(%param_0), slice={[0:8], [2:4]}
+  ROOT %add.3 = bf16[8,2]{1,0} add(%slice.1, %slice.2)
+}
+
+ENTRY %main (p: bf16[8,4]) -> bf16[8,2] {
+  %p = bf16[8,4]{1,0} parameter(0)
+  ROOT %loop_slice_fusion.2 = bf16[8,2]{1,0} fusion(%p), kind=kLoop, calls=%fused_slice.2
+}
+"""
+
+
+def test_kernel_profile_names_what_a_fusion_holds():
+    from strata_jax.benchmarks.kernel_profile import fusion_summary
+
+    assert fusion_summary(FUSED_HLO, "loop_slice_fusion_2") == \
+        "bf16[8,2] <- p; slice x2, add x1"
+    assert fusion_summary(FUSED_HLO, "loop_slice_fusion_1") is None
+    assert fusion_summary(FUSED_HLO, "cudnn_sdpa_kernel") is None
 
 
 @pytest.mark.slow

@@ -143,7 +143,7 @@ def test_delta_rule_kernels_take_the_layers_values_and_store_its_outputs():
 
 def test_bf16_products_match_float64_at_bf16():
     """bf16 products (what a bf16 layer's kernels take on a GPU: `products_for`), the kernels
-    in interpret mode (blocks of 64 in pieces of 32, as on the GPU) and the scan, against the
+    in interpret mode (blocks of 64, as on the GPU) and the scan, against the
     float64 recurrence at bf16's row of the table; the operands really are rounded (the
     kernels are not the float32 path's bits)."""
     import jax.numpy as jnp
@@ -182,8 +182,7 @@ def test_decay_sums_are_float32_exact():
 def test_delta_rule_kernels_match_float64_under_fast_decays():
     """The kernels take a block's decays as differences of its cumulative log-decays: with
     decays fast enough that a block's sums reach hundreds, the kernels (interpret mode; blocks
-    of 64 in pieces of 16 and 32, and the float32 launch's 16) stay within float32 of the
-    float64 recurrence."""
+    of 64 and the float32 launch's 16) stay within float32 of the float64 recurrence."""
     import jax.numpy as jnp
 
     from strata_jax.kernels.delta_rule import delta_rule_chunk
@@ -193,15 +192,15 @@ def test_delta_rule_kernels_match_float64_under_fast_decays():
     assert np.cumsum(inputs[3][:64, 0]).min() < -100.0
     ref = reference_delta_rule(*inputs)
     args = [jnp.asarray(a, jnp.float32) for a in inputs]
-    for block, piece in ((64, 16), (64, 32), (None, None)):
-        out, state = delta_rule_chunk(*args, block=block, piece=piece)
-        assert_close(out, ref[0], np.float32, err_msg=f"blocks of {block}, pieces of {piece}")
+    for block in (64, None):
+        out, state = delta_rule_chunk(*args, block=block)
+        assert_close(out, ref[0], np.float32, err_msg=f"blocks of {block}")
         assert_close(state, ref[1], np.float32, err_msg=f"blocks of {block}: the state")
 
 
 def test_delta_rule_kernels_lower_for_cuda_and_refuse_bad_shapes():
     """The Pallas rule lowers for CUDA to two Triton calls at the real head sizes with either
-    products; "auto" and the products each path takes; a slice or a piece that is not a power
+    products; "auto" and the products each path takes; a block or a slice that is not a power
     of two and unknown products are refused by name."""
     import jax
     import jax.numpy as jnp
@@ -239,8 +238,8 @@ def test_delta_rule_kernels_lower_for_cuda_and_refuse_bad_shapes():
         delta_rule_chunk(*zeros, block=64, bv=48)
     with pytest.raises(ValueError, match="products 'tf32'"):
         gated_delta_rule(*zeros, products="tf32")
-    with pytest.raises(ValueError, match="piece=8 must be a power of two >= 16"):
-        delta_rule_chunk(*zeros, block=64, piece=8)
+    with pytest.raises(ValueError, match="block=48 must be a power of two >= 16"):
+        delta_rule_chunk(*zeros, block=48)
 
 
 def test_model_matches_float64_reference_whole_and_in_chunks(f32_params):

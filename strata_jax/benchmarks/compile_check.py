@@ -12,7 +12,7 @@ for registers, a `ptxas` (a CUDA toolkit's, or the plugin's nvidia-cuda-nvcc whe
 
 Cases: `delta-rule` (the Pallas delta rule at the real head sizes of `--preset`: bf16
 products, a bf16 layer's, in blocks of 64 at `hybrid_bench.PALLAS_LAUNCHES` and the
-transform's `PALLAS_PIECES`; float32 products, a float32 layer's, at their default launch);
+transform's `TRANSFORM_LAUNCHES`; float32 products, a float32 layer's, at their default launch);
 `layers` (the token
 mixers of `--preset` and `--mla-preset`: a hybrid's Gated DeltaNet layer through each
 `Kernels.delta_rule` and its gated attention layer, latent attention; a first chunk of
@@ -180,7 +180,7 @@ def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from strata_jax.benchmarks.hybrid_bench import PALLAS_LAUNCHES, PALLAS_PIECES
+    from strata_jax.benchmarks.hybrid_bench import PALLAS_LAUNCHES, TRANSFORM_LAUNCHES
     from strata_jax.kernels import delta_rule as dr
 
     f32 = lambda *s: on_device(device, jax.ShapeDtypeStruct(s, jnp.float32))  # noqa: E731
@@ -189,25 +189,28 @@ def delta_rule_rows(cfg, device, tokens: int, ptxas) -> list[dict]:
     args = (f32(tokens, hk, dk), f32(tokens, hk, dk), f32(tokens, hv, dv), f32(tokens, hv),
             f32(tokens, hv), f32(hv, dk, dv))
 
-    launches = [("bf16", 64, dr.TRANSFORM_PIECES["bf16"], launch) for launch in PALLAS_LAUNCHES]
-    launches += [("bf16", 64, piece, (dr.WALK_COLUMNS["bf16"], dr.WALK_WARPS["bf16"],
-                                      dr.WALK_STAGES["bf16"])) for piece, _ in PALLAS_PIECES]
-    launches += [("float32", dr.KERNEL_BLOCKS["float32"], dr.TRANSFORM_PIECES["float32"],
+    bf16 = dr.TRANSFORM_WARPS["bf16"]
+    launches = [("bf16", 64, bf16, launch) for launch in PALLAS_LAUNCHES]
+    launches += [("bf16", 64, tw, (dr.WALK_COLUMNS["bf16"], dr.WALK_WARPS["bf16"],
+                                   dr.WALK_STAGES["bf16"])) for tw in TRANSFORM_LAUNCHES
+                 if tw != bf16]
+    launches += [("float32", dr.KERNEL_BLOCKS["float32"], dr.TRANSFORM_WARPS["float32"],
                   (dr.WALK_COLUMNS["float32"], dr.WALK_WARPS["float32"], 1))]
     rows = []
-    for products, block, piece, (bv, warps, stages) in launches:
-        fn = lambda *a, p=products, b=block, pc=piece, bv=bv, w=warps, s=stages: \
-            dr.delta_rule_chunk(*a, block=b, products=p, piece=pc, interpret=False, bv=bv,
-                                num_warps=w, num_stages=s)  # noqa: E731
-        row = {"case": "delta-rule", "products": products, "block": block, "piece": piece,
-               "bv": bv, "num_warps": warps, "num_stages": stages, "tokens": tokens,
-               "default": (block, piece, bv, warps, stages) == (
-                   dr.KERNEL_BLOCKS[products], dr.TRANSFORM_PIECES[products],
+    for products, block, tw, (bv, warps, stages) in launches:
+        fn = lambda *a, p=products, b=block, tw=tw, bv=bv, w=warps, s=stages: \
+            dr.delta_rule_chunk(*a, block=b, products=p, transform_warps=tw, interpret=False,
+                                bv=bv, num_warps=w, num_stages=s)  # noqa: E731
+        row = {"case": "delta-rule", "products": products, "block": block,
+               "transform_warps": tw, "bv": bv, "num_warps": warps, "num_stages": stages,
+               "tokens": tokens,
+               "default": (block, tw, bv, warps, stages) == (
+                   dr.KERNEL_BLOCKS[products], dr.TRANSFORM_WARPS[products],
                    dr.WALK_COLUMNS[products], dr.WALK_WARPS[products],
                    dr.WALK_STAGES[products]),
                **compile_report(fn, args, ptxas)}
         rows.append(row)
-        _print(row, f"delta rule {products:7s} blocks of {block:3d} (pieces of {piece:2d}), "
+        _print(row, f"delta rule {products:7s} blocks of {block:3d} (transform {tw} warps), "
                     f"{bv:3d} columns, {warps} warps, {stages} stages")
     return rows
 
@@ -404,7 +407,7 @@ def problems(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         name = r.get("mixer") or r.get("model") or (
-            f"delta rule {r.get('products')} {r.get('block')}/{r.get('piece')}/{r.get('bv')}")
+            f"delta rule {r.get('products')} {r.get('block')}/{r.get('bv')}")
         if not r["ok"]:
             out.append(f"{name}: does not compile")
         elif r.get("default") and any(v["spill_stores"] for v in r["kernels"].values()):

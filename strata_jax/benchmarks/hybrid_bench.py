@@ -18,12 +18,13 @@ from strata_jax.benchmarks.common import median_ms, write_rows
 from strata_jax.models import get_preset
 
 # The Pallas rule's launches timed in blocks of 64 at Qwen3-Next's head sizes (`compile_check`
-# says which spill): the walk's (state columns, warps, stages), the transform's (piece, warps).
+# says which spill): the walk's (state columns, warps, stages), the transform's warps.
 PALLAS_LAUNCHES = ((16, 4, 1), (16, 4, 2), (32, 4, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2))
-PALLAS_PIECES = ((16, 8), (32, 8), (64, 4), (64, 8))
+TRANSFORM_LAUNCHES = (4, 8)
 
 
-def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) -> list[dict]:
+def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False,
+           rule: bool = True) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -69,7 +70,8 @@ def mixers(preset: str, tokens: int, chunk: int, reps: int, tiny: bool = False) 
         row["over_attention"] = row["first_chunk_ms"] / attention
         print(f"{row['mixer']} / attention at {tokens}: {row['over_attention']:.3f}")
     rows.append(_projections(block.linear_attn, x, tokens, reps))  # the loop's last: DeltaNet
-    rows += delta_rule_blocks(c, tokens, reps)
+    if rule:
+        rows += delta_rule_blocks(c, tokens, reps)
     return rows
 
 
@@ -94,7 +96,7 @@ def delta_rule_blocks(c, tokens: int, reps: int, kernels_only: bool = False) -> 
     with float32 products; on a GPU with bf16 products (a bf16 layer's kernels) the scan, and
     the kernels in blocks of 32 and 64; the scan's parallel part and its transform
     (`_scan_parts`); each of the two kernels alone; the kernels at `PALLAS_LAUNCHES` and
-    `PALLAS_PIECES`. `kernels_only`: the last two alone."""
+    `TRANSFORM_LAUNCHES`. `kernels_only`: the last two alone."""
     import jax
     import jax.numpy as jnp
 
@@ -172,7 +174,7 @@ def _scan_parts(c, q, k, v, g, beta, b, products, tokens, reps) -> dict:
 
 def _launches(args, block, tokens, reps) -> list[dict]:
     """`delta_rule_chunk` with bf16 products timed at each walk launch (bv, warps, stages) of
-    `PALLAS_LAUNCHES` and each of the transform's `PALLAS_PIECES` (the other kernel at its
+    `PALLAS_LAUNCHES` and each of the transform's `TRANSFORM_LAUNCHES` (the other kernel at its
     default); a launch Triton refuses is printed and skipped."""
     import jax
     import jax.numpy as jnp
@@ -180,22 +182,20 @@ def _launches(args, block, tokens, reps) -> list[dict]:
     from strata_jax.kernels.delta_rule import delta_rule_chunk
 
     rows = []
-    for (piece, tw), (bv, warps, stages) in (
-            [((None, None), launch) for launch in PALLAS_LAUNCHES]
-            + [(p, (None, None, None)) for p in PALLAS_PIECES]):
-        fn = jax.jit(lambda *a, piece=piece, tw=tw, bv=bv, warps=warps, stages=stages:
-                     delta_rule_chunk(*a, block=block, products="bf16", piece=piece,
-                                      transform_warps=tw, bv=bv, num_warps=warps,
-                                      num_stages=stages, out_dtype=jnp.bfloat16))
-        what = (f"pieces of {piece}, {tw} warps" if piece else
+    for tw, (bv, warps, stages) in ([(None, launch) for launch in PALLAS_LAUNCHES]
+                                    + [(w, (None, None, None)) for w in TRANSFORM_LAUNCHES]):
+        fn = jax.jit(lambda *a, tw=tw, bv=bv, warps=warps, stages=stages: delta_rule_chunk(
+            *a, block=block, products="bf16", transform_warps=tw, bv=bv, num_warps=warps,
+            num_stages=stages, out_dtype=jnp.bfloat16))
+        what = (f"the transform at {tw} warps" if tw else
                 f"{bv} columns, {warps} warps, {stages} stages")
         try:
             ms = median_ms(fn, args, reps)
         except Exception as e:  # a launch shape Triton refuses: recorded, not fatal
             print(f"the Pallas rule, {what}: failed: {str(e)[:200]}", flush=True)
             continue
-        rows.append({"pallas_block": block, "products": "bf16", "piece": piece,
-                     "transform_warps": tw, "bv": bv, "num_warps": warps,
+        rows.append({"pallas_block": block, "products": "bf16", "transform_warps": tw,
+                     "bv": bv, "num_warps": warps,
                      "num_stages": stages, "tokens": tokens, "ms": ms})
         print(f"the Pallas rule (bf16), blocks of {block}, {what}: {ms:8.2f} ms", flush=True)
     return rows
@@ -210,12 +210,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="scaled-down widths (CPU smoke run)")
     ap.add_argument("--kernels-only", action="store_true",
                     help="the Pallas rule's kernels and launches alone (no mixers, no scan)")
+    ap.add_argument("--mixers-only", action="store_true",
+                    help="the two mixers and the projections (not the rule alone)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.kernels_only:
         rows = delta_rule_blocks(get_preset(a.preset), a.tokens, a.reps, kernels_only=True)
     else:
-        rows = mixers(a.preset, a.tokens, a.chunk, a.reps, a.tiny)
+        rows = mixers(a.preset, a.tokens, a.chunk, a.reps, a.tiny, rule=not a.mixers_only)
     write_rows(a.json, a, rows)
     return 0
 

@@ -14,8 +14,10 @@ chunks x later - first.
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import os
+import re
 import sys
 import tempfile
 import time
@@ -50,9 +52,30 @@ def kernel_totals(fn, args, top: int = 25) -> dict:
                 t, n = kernels.get(name, (0, 0))
                 kernels[name] = (t + dur, n + 1)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    hlo = fn.lower(*args).compile().as_text()
     return {"wall_ms": wall, "kernels_ms": sum(t for t, _ in kernels.values()) / 1e6,
             "lines_ms": lines,
-            "top": [[name[:100], t / 1e6, n] for name, (t, n) in ranked[:top]]}
+            "top": [[name[:100], t / 1e6, n] for name, (t, n) in ranked[:top]],
+            "fusions": {name: fusion_summary(hlo, name) for name, _ in ranked[:top]
+                        if fusion_summary(hlo, name)}}
+
+
+def fusion_summary(hlo: str, kernel: str) -> str | None:
+    """What XLA fused into the kernel named `kernel` (the profiler's "fusion_12" is the HLO's
+    "fusion.12"), from the compiled module's text: its output shape, its operands and the count
+    of each op in its computation; None where `kernel` is no fusion of `hlo`."""
+    name = re.escape(re.sub(r"_(\d+)$", r".\1", kernel))
+    m = re.search(rf"^\s*(?:ROOT )?%{name} = (\S+) fusion\((.*?)\), kind=\w+, "
+                  rf"calls=%([\w.-]+)", hlo, re.M)
+    if not m:
+        return None
+    operands = re.findall(r"%([\w.-]+)", m.group(2))
+    body = re.search(rf"^%{re.escape(m.group(3))} .*?\{{\n(.*?)\n\}}", hlo, re.M | re.S)
+    ops = collections.Counter(re.findall(r"= \S+ ([a-z][\w-]*)\(", body.group(1) if body
+                                         else ""))
+    ops.pop("parameter", None)
+    return (f"{m.group(1).split('{')[0]} <- {', '.join(operands)}; "
+            + ", ".join(f"{op} x{n}" for op, n in ops.most_common(8)))
 
 
 def profile(preset: str, tokens: int, chunk: int, moe_tokens, tiny: bool = False) -> list[dict]:
@@ -77,6 +100,8 @@ def profile(preset: str, tokens: int, chunk: int, moe_tokens, tiny: bool = False
               flush=True)
         for name, ms, n in row["top"][:12]:
             print(f"    {ms:8.3f} ms  x{n:<5d} {name}", flush=True)
+            if name in row["fusions"]:
+                print(f"                        {row['fusions'][name][:200]}", flush=True)
 
     for layer, kind in ((0, "deltanet"), (3, "attention")):
         block = HybridLayer(c, layer, rngs=nnx.Rngs(layer))

@@ -12,7 +12,7 @@ the block's start (a cumulative sum within the block) and last_i its total:
 
 `delta_rule_chunk` runs this as two kernels over the tokens-first layout ([T, heads, d], key
 heads read in place: no transposes, no repeated heads): `ut_transform` (a program per value head
-and block: the block's triangular system inverted in pieces, then w and u) and the walk (a
+and block: the block's triangular system inverted by doubling, then w and u) and the walk (a
 program per value head and slice of state columns, holding its [dk, bv] part of the state in
 registers: the columns are independent; each block's outputs computed as it passes).
 
@@ -40,7 +40,7 @@ from strata_jax.kernels import DELTA_RULES
 
 __all__ = ["delta_rule_chunk", "ut_transform", "walk_blocks", "block_decays", "decay_sums",
            "doubling_step", "iotas", "pad_blocks", "operand_dtype", "KERNEL_BLOCKS",
-           "TRANSFORM_PIECES", "TRANSFORM_WARPS", "WALK_COLUMNS", "WALK_WARPS", "WALK_STAGES",
+           "TRANSFORM_WARPS", "WALK_COLUMNS", "WALK_WARPS", "WALK_STAGES",
            "AUTO_ON_GPU", "PRODUCTS", "block_cumsums"]
 
 # The rule's products: "float32" (full float32) or "bf16" (bf16 operands, float32 sums).
@@ -52,14 +52,13 @@ PRODUCTS = ("float32", "bf16")
 AUTO_ON_GPU = {"bf16": "pallas", "float32": "xla"}
 
 # The kernels' launch at dk = dv = 128 (Qwen3-Next's), each without spilled registers on
-# Hopper (`benchmarks.compile_check`), by the products: tokens a block; rows a piece of the
-# transform's inverse (whole pieces by doubling, then the blocks below them) and its warps;
-# the walk's state columns a program, warps and pipeline stages (32 value heads x 4 slices:
-# 128 programs, one wave). CUDA-core float32 products hold more registers: blocks, pieces and
-# slices of 16, 8 warps, one stage.
+# Hopper (`benchmarks.compile_check`), by the products: tokens a block; the transform's warps
+# (at 4, two programs an SM); the walk's state columns a program, warps and pipeline stages
+# (32 value heads x 4 slices: 128 programs, one wave; two stages load a block while the one
+# before is multiplied), the fastest of `hybrid_bench`'s launches. CUDA-core float32 products
+# hold more registers: blocks and slices of 16, 8 warps, one stage.
 KERNEL_BLOCKS = {"bf16": 64, "float32": 16}
-TRANSFORM_PIECES = {"bf16": 32, "float32": 16}
-TRANSFORM_WARPS = {"bf16": 8, "float32": 4}
+TRANSFORM_WARPS = {"bf16": 4, "float32": 4}
 WALK_COLUMNS, WALK_WARPS = {"bf16": 32, "float32": 16}, {"bf16": 4, "float32": 8}
 WALK_STAGES = {"bf16": 2, "float32": 1}
 
@@ -151,47 +150,28 @@ def _dot_tn(a, b, precision):  # a.T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _transform_kernel(k_ref, v_ref, gam_ref, beta_ref, w_ref, u_ref, *, block: int, piece: int,
-                      rep: int, precision, inverse_precision):
+def _transform_kernel(k_ref, v_ref, gam_ref, beta_ref, w_ref, u_ref, *, block: int, rep: int,
+                      precision, inverse_precision):
     h, i = pl.program_id(0), pl.program_id(1)
-    n = block // piece
-    rows = [pl.ds(i * block + p * piece, piece) for p in range(n)]
-    ks = [k_ref[r, h // rep, :] for r in rows]  # [P, dk] each, the operands' dtype
-    gam = [gam_ref[r, h] for r in rows]
-    beta = [beta_ref[r, h] for r in rows]
+    rows = pl.ds(i * block, block)
+    k = k_ref[rows, h // rep, :]  # [C, dk], the operands' dtype
+    gam, beta = gam_ref[rows, h], beta_ref[rows, h]
     op = w_ref.dtype
-    r, c = iotas(piece)
+    r, c = iotas(block)
+    low = _dot_nt(k, k, precision) * beta[:, None] * block_decays(gam, gam, r > c)  # strict L
     inv = functools.partial(jnp.dot, precision=inverse_precision,
                             preferred_element_type=jnp.float32)
-
-    def low(a, b):  # piece (a, b) of L: beta_t k_t.k_s exp(gam_t - gam_s), s < t
-        return _dot_nt(ks[a], ks[b], precision) * beta[a][:, None] * block_decays(
-            gam[a], gam[b], (r > c) if a == b else (r >= 0))
-
-    t = {}  # the pieces of T = (I + L)^-1: diagonal ones by doubling, then those below them
-    for a in range(n):
-        x = jnp.where(r == c, 1.0, 0.0)
-        la, b = low(a, a), 1
-        while b < piece:  # unrolled: log2 P steps
-            x = doubling_step(x, la, r, c, b, inv)
-            b *= 2
-        t[a, a] = x
-    for a in range(1, n):
-        lows = {m: low(a, m) for m in range(a)}
-        for b in range(a - 1, -1, -1):  # T_ab = -T_aa sum_m L_am T_mb over b <= m < a
-            acc = sum(inv(lows[m], t[m, b]) for m in range(b, a))
-            t[a, b] = -inv(t[a, a], acc)
-    rw = [(ks[m] * (beta[m] * jnp.exp(gam[m]))[:, None]).astype(op) for m in range(n)]
-    ru = [(v_ref[rows[m], h, :].astype(jnp.float32) * beta[m][:, None]).astype(op)
-          for m in range(n)]
-    for a in range(n):
-        ta = [t[a, m].astype(op) for m in range(a + 1)]
-        w_ref[rows[a], h, :] = sum(jnp.dot(ta[m], rw[m], precision=precision,
-                                           preferred_element_type=jnp.float32)
-                                   for m in range(a + 1)).astype(op)  # keys reading the state
-        u_ref[rows[a], h, :] = sum(jnp.dot(ta[m], ru[m], precision=precision,
-                                           preferred_element_type=jnp.float32)
-                                   for m in range(a + 1)).astype(op)  # new values
+    x = jnp.where(r == c, 1.0, 0.0)
+    b = 1
+    while b < block:  # unrolled: log2 C steps
+        x = doubling_step(x, low, r, c, b, inv)
+        b *= 2
+    x = x.astype(op)
+    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+    w_ref[rows, h, :] = dot(x, (k * (beta * jnp.exp(gam))[:, None]).astype(op)).astype(
+        op)  # the keys reading the state
+    u_ref[rows, h, :] = dot(x, (v_ref[rows, h, :].astype(jnp.float32) * beta[:, None]).astype(
+        op)).astype(op)  # the new values
 
 
 def _walk_kernel(q_ref, k_ref, w_ref, u_ref, gam_ref, last_ref, s0_ref, o_ref, s_ref, *,
@@ -236,15 +216,12 @@ def _precisions(products: str, who: str):
 
 
 def ut_transform(k, v, gam, beta, *, block: int, products: str = "float32",
-                 piece: int | None = None, interpret: bool | None = None,
-                 num_warps: int | None = None):
+                 interpret: bool | None = None, num_warps: int | None = None):
     """Each block's UT transform applied: T = (I + L)^-1 with L[t, s] = beta_t k_t.k_s
-    exp(gam_t - gam_s) for t > s (0 elsewhere), then w = T (beta exp(gam) k), the keys that
-    read the state, and u = T (beta v), the new values before the state's part. T is taken in
-    pieces of `piece` rows (default `TRANSFORM_PIECES`): each diagonal piece inverted by
-    doubling (2 log2 P matmuls of P x P, as `layers.deltanet.unit_lower_inverse`, unrolled),
-    each piece below them -T_aa (sum of L_am T_mb): a block of 64 in pieces of 32 takes a
-    fifth of the whole block's doubling. A program per value head and block; tokens-first,
+    exp(gam_t - gam_s) for t > s (0 elsewhere), inverted by doubling (2 log2 C matmuls of C x
+    C, as `layers.deltanet.unit_lower_inverse`, unrolled), then w = T (beta exp(gam) k), the
+    keys that read the state, and u = T (beta v), the new values before the state's part. A
+    program per value head and block (`num_warps`, default `TRANSFORM_WARPS`); tokens-first,
     key heads read in place.
 
     Args:
@@ -261,13 +238,12 @@ def ut_transform(k, v, gam, beta, *, block: int, products: str = "float32",
         raise ValueError(f"ut_transform: {rows} rows are not whole blocks of {block}, or {hk} "
                          f"key heads do not divide {hv} value heads")
     precision, inverse_precision = _precisions(products, "ut_transform")
-    piece = min(piece or TRANSFORM_PIECES[products], block)
-    _check_sizes("ut_transform", block=block, piece=piece)
+    _check_sizes("ut_transform", block=block)
     interpret, kw = _launch(interpret, num_warps or TRANSFORM_WARPS[products], 1)
     op = operand_dtype(products)
     return pl.pallas_call(
-        functools.partial(_transform_kernel, block=block, piece=piece, rep=hv // hk,
-                          precision=precision, inverse_precision=inverse_precision),
+        functools.partial(_transform_kernel, block=block, rep=hv // hk, precision=precision,
+                          inverse_precision=inverse_precision),
         grid=(hv, n),
         out_shape=(jax.ShapeDtypeStruct((rows, hv, dk), op),
                    jax.ShapeDtypeStruct((rows, hv, dv), op)),
@@ -284,8 +260,8 @@ def block_cumsums(g, block: int):
 
 
 def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
-                     products: str = "float32", piece: int | None = None,
-                     transform_warps: int | None = None, bv: int | None = None,
+                     products: str = "float32", transform_warps: int | None = None,
+                     bv: int | None = None,
                      interpret: bool | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
                      out_dtype=jnp.float32):
@@ -295,10 +271,9 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
 
     Args as `layers.deltanet.gated_delta_rule` (q, k [T, Hk, dk], v [T, Hv, dv], g, beta
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
-    the block (default `KERNEL_BLOCKS` for the products), the transform's `piece` and
-    `transform_warps`, the walk's `bv`, `num_warps` and `num_stages` (defaults for the
-    products: `TRANSFORM_PIECES`, `TRANSFORM_WARPS`, `WALK_COLUMNS`, `WALK_WARPS`,
-    `WALK_STAGES`). q and k are rounded to the operand dtype
+    the block (default `KERNEL_BLOCKS` for the products), the transform's `transform_warps`,
+    the walk's `bv`, `num_warps` and `num_stages` (defaults for the products:
+    `TRANSFORM_WARPS`, `WALK_COLUMNS`, `WALK_WARPS`, `WALK_STAGES`). q and k are rounded to the operand dtype
     (bf16 products: bf16), v read as it is (the layer's bf16/fp16 too). Returns (o [T, Hv, dv]
     in `out_dtype`, the float32 sums cast as the kernel stores them; the float32 state after
     the last row)."""
@@ -308,15 +283,14 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
         raise ValueError(f"delta_rule_chunk: {hk} key heads do not divide {hv} value heads")
     op = operand_dtype(products)  # refuses unknown products by name
     block = block or KERNEL_BLOCKS[products]
-    piece = min(piece or TRANSFORM_PIECES[products], block)
     bv = min(bv or WALK_COLUMNS[products], dv)
     # every size checked before any work (`ut_transform` and `walk_blocks` check theirs too)
-    _check_sizes("delta_rule_chunk", block=block, piece=piece, dk=dk, dv=dv, bv=bv)
+    _check_sizes("delta_rule_chunk", block=block, dk=dk, dv=dv, bv=bv)
     f32 = jnp.float32
     n, q, k, v, g, beta = pad_blocks(block, q.astype(op), k.astype(op), v, g.astype(f32),
                                      beta.astype(f32))
     gam, last = block_cumsums(g, block)
-    w, u = ut_transform(k, v, gam, beta, block=block, products=products, piece=piece,
+    w, u = ut_transform(k, v, gam, beta, block=block, products=products,
                         interpret=interpret, num_warps=transform_warps)
     o, state = walk_blocks(q, k, w, u, gam, last, state, block=block, products=products,
                            bv=bv, interpret=interpret, num_warps=num_warps,
