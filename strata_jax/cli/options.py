@@ -317,8 +317,8 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
                         "XLA paths elsewhere)")
     g.add_argument("--delta-rule", choices=DELTA_RULES, default="auto",
                    help="a Gated DeltaNet layer's chunkwise rule (hybrid models): XLA's matmuls "
-                        "with a scan over the blocks, or three Pallas kernels (auto: the "
-                        "kernels, at TF32 products, for a bf16/fp16 model on a GPU; xla for "
+                        "with a scan over the blocks, or two Pallas kernels (auto: the "
+                        "kernels, bf16 products, for a bf16/fp16 model on a GPU; xla for "
                         "float32 and off a GPU)")
 
 

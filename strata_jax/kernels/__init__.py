@@ -20,10 +20,10 @@ another (jit keys on it). Nothing is read from the environment.
                     paths elsewhere)
     delta_rule      "auto" | "xla" | "pallas"  (`kernels.delta_rule`: a Gated DeltaNet layer's
                     chunkwise rule. xla: XLA's matmuls, the state walked by a scan; pallas:
-                    three Pallas (Triton) kernels in the tokens-first layout, the UT transform,
-                    the state's walk, the outputs; auto: pallas for a bf16/fp16 layer on a GPU
-                    (TF32 products: `kernels.delta_rule.AUTO_ON_GPU`), xla for a float32 layer
-                    and off a GPU)
+                    two Pallas (Triton) kernels in the tokens-first layout, the UT transform
+                    and the state's walk with the outputs; auto: pallas for a bf16/fp16 layer
+                    on a GPU (bf16 products: `kernels.delta_rule.AUTO_ON_GPU`), xla for a
+                    float32 layer and off a GPU)
 
 The defaults are the measured best on each platform; the others exist for tests and
 comparisons.
