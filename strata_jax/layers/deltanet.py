@@ -13,8 +13,8 @@ The delta rule runs chunkwise-parallel (`gated_delta_rule`): the prompt is cut i
 transform: each block's unit-lower-triangular system inverted by doubling, then matmuls; no
 LAPACK or cuBLAS triangular solve), and the state walks across the blocks, three small matmuls
 a block, as a scan; or the whole rule runs in two Pallas kernels (`kernels.delta_rule`,
-`Kernels.delta_rule`). No step is per token. Decays between two tokens
-of a block are summed over their own range (`decay_sums`), not differenced.
+`Kernels.delta_rule`). No step is per token. The scan sums the decays between two tokens of a
+block over their own range (`decay_sums`); the kernels difference cumulative sums.
 
 Products: a float32 layer takes every product of the rule at full float32 (`HIGHEST`); a
 bf16/fp16 layer on a GPU, through the Pallas kernels, takes them with bf16 operands (the layer's
