@@ -20,9 +20,10 @@ Products ("bf16", a bf16/fp16 layer's on a GPU, `layers.deltanet.products_for`):
 (q, k, w, u, the state and the new values rounded to bf16 for each product, as the public fla
 kernels take them) with float32 sums, the state float32 across blocks, and the inverse at TF32
 (tensor cores); or "float32" (Triton's "ieee": CUDA-core products, for float32 layers and
-tests). Decays between two tokens of a block are differences of the block's cumulative sums
-(an error of float32's rounding of the sums, ~1e-5 of them, far under bf16's). The launches
-are sized so no kernel spills registers on Hopper at the real head sizes
+tests). Decays between two tokens of a block are differences of the block's cumulative sums:
+where the sums reach hundreds their float32 rounding moves a decay by ~1e-5 of itself, inside
+float32's tolerance of the float64 recurrence (tests) and far under bf16's rounding. The
+launches are sized so no kernel spills registers on Hopper at the real head sizes
 (`benchmarks.compile_check`). On the CPU the kernels run in Pallas' interpret mode (tests).
 """
 
@@ -38,10 +39,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from strata_jax.kernels import DELTA_RULES
 
-__all__ = ["delta_rule_chunk", "ut_transform", "walk_blocks", "block_decays", "decay_sums",
-           "doubling_step", "iotas", "pad_blocks", "operand_dtype", "KERNEL_BLOCKS",
-           "TRANSFORM_WARPS", "WALK_COLUMNS", "WALK_WARPS", "WALK_STAGES",
-           "AUTO_ON_GPU", "PRODUCTS", "block_cumsums"]
+__all__ = ["delta_rule_chunk", "ut_transform", "walk_blocks", "block_cumsums", "block_decays",
+           "decay_sums", "doubling_step", "iotas", "pad_blocks", "operand_dtype", "KERNEL_BLOCKS",
+           "TRANSFORM_WARPS", "WALK_COLUMNS", "WALK_WARPS", "WALK_STAGES", "AUTO_ON_GPU",
+           "PRODUCTS"]
 
 # The rule's products: "float32" (full float32) or "bf16" (bf16 operands, float32 sums).
 PRODUCTS = ("float32", "bf16")
@@ -273,8 +274,8 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
     [T, Hv], state [Hv, dk, dv], T any length; padded rows get beta = 0, g = 0), and the launch:
     the block (default `KERNEL_BLOCKS` for the products), the transform's `transform_warps`,
     the walk's `bv`, `num_warps` and `num_stages` (defaults for the products:
-    `TRANSFORM_WARPS`, `WALK_COLUMNS`, `WALK_WARPS`, `WALK_STAGES`). q and k are rounded to the operand dtype
-    (bf16 products: bf16), v read as it is (the layer's bf16/fp16 too). Returns (o [T, Hv, dv]
+    `TRANSFORM_WARPS`, `WALK_COLUMNS`, `WALK_WARPS`, `WALK_STAGES`). q and k are rounded to
+    the operand dtype (bf16 products: bf16), v read as it is (the layer's bf16/fp16 too). Returns (o [T, Hv, dv]
     in `out_dtype`, the float32 sums cast as the kernel stores them; the float32 state after
     the last row)."""
     t, hk, dk = q.shape
