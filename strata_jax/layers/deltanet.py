@@ -188,6 +188,7 @@ def unit_lower_inverse(system):
     r, col = iotas(c)
     eye = jnp.eye(c, dtype=system.dtype)
     low = system - eye
+
     def double(level, x):
         return doubling_step(x, low, r, col, jnp.left_shift(1, level), _mm)
 
