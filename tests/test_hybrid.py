@@ -120,6 +120,7 @@ def test_delta_rule_kernels_interpreted_match_the_scan_and_float64():
         assert_close(got[0], ref[0], np.float32, err_msg=f"{carry}, shared keys: outputs")
 
 
+@pytest.mark.slow
 def test_delta_rule_kernels_take_the_layers_values_and_store_its_outputs():
     """A bf16 layer's values go in as bf16 (made float32 as the transform reads them) and its
     outputs come out as bf16 from the walk: the float32 path's outputs cast once, bit for bit,
@@ -141,6 +142,7 @@ def test_delta_rule_kernels_take_the_layers_values_and_store_its_outputs():
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
+@pytest.mark.slow
 def test_bf16_products_match_float64_at_bf16():
     """bf16 products (what a bf16 layer's kernels take on a GPU: `products_for`), the kernels
     in interpret mode (blocks of 64, as on the GPU) and the scan, against the
@@ -179,6 +181,7 @@ def test_decay_sums_are_float32_exact():
     assert_close(gam, np.cumsum(g.astype(np.float64), axis=-1), np.float32)
 
 
+@pytest.mark.slow
 def test_delta_rule_kernels_match_float64_under_fast_decays():
     """The kernels take a block's decays as differences of its cumulative log-decays: with
     decays fast enough that a block's sums reach hundreds, the kernels (interpret mode; blocks
