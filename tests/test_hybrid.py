@@ -77,6 +77,7 @@ def test_deltanet_layer_matches_the_float64_recurrence_across_chunks(f32_params)
     assert 150 > 2 * DELTA_BLOCK
 
 
+@pytest.mark.slow  # SCAN_UNROLL's default walks one block a step
 def test_scan_walking_several_blocks_a_step_gives_the_same_bits():
     """`gated_delta_rule(unroll=n)` (`SCAN_UNROLL`): the scan's loop walking n blocks a step,
     also where n does not divide the blocks (11 here), gives the bits of one block a step."""

@@ -255,6 +255,7 @@ def test_prompt_forms_that_contradict_are_refused(ckpt_dir, tmp_path):
                       ["--prompt", "outside the model's vocabulary [0, 512)"])
 
 
+@pytest.mark.slow
 def test_follow_up_text_gives_the_ids_bits_and_shows_its_next_tokens(ckpt_dir, tmp_path):
     ids, more = ids_of(TEXT), ids_of(MORE)
     id_file, more_ids, more_text, text_file = (tmp_path / n for n in (
