@@ -15,7 +15,6 @@ import argparse
 import sys
 
 from strata_jax.benchmarks.common import median_ms, write_rows
-from strata_jax.models import get_preset
 
 # The Pallas rule's launches timed in blocks of 64 at Qwen3-Next's head sizes (`compile_check`
 # says which spill): the walk's (state columns, warps, stages), the transform's warps.
@@ -215,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.kernels_only:
+        from strata_jax.models import get_preset  # jax loads only once the arguments parse
+
         rows = delta_rule_blocks(get_preset(a.preset), a.tokens, a.reps, kernels_only=True)
     else:
         rows = mixers(a.preset, a.tokens, a.chunk, a.reps, a.tiny, rule=not a.mixers_only)

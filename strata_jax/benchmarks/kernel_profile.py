@@ -53,11 +53,11 @@ def kernel_totals(fn, args, top: int = 25) -> dict:
                 kernels[name] = (t + dur, n + 1)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     hlo = fn.lower(*args).compile().as_text()
+    fusions = {name: fusion_summary(hlo, name) for name, _ in ranked[:top]}
     return {"wall_ms": wall, "kernels_ms": sum(t for t, _ in kernels.values()) / 1e6,
             "lines_ms": lines,
             "top": [[name[:100], t / 1e6, n] for name, (t, n) in ranked[:top]],
-            "fusions": {name: fusion_summary(hlo, name) for name, _ in ranked[:top]
-                        if fusion_summary(hlo, name)}}
+            "fusions": {name: f for name, f in fusions.items() if f}}
 
 
 def fusion_summary(hlo: str, kernel: str) -> str | None:

@@ -152,7 +152,7 @@ def _dot_tn(a, b, precision):  # a.T @ b
 
 
 def _transform_kernel(k_ref, v_ref, gam_ref, beta_ref, w_ref, u_ref, *, block: int, rep: int,
-                      precision, inverse_precision):
+                      precision):
     h, i = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block, block)
     k = k_ref[rows, h // rep, :]  # [C, dk], the operands' dtype
@@ -160,15 +160,14 @@ def _transform_kernel(k_ref, v_ref, gam_ref, beta_ref, w_ref, u_ref, *, block: i
     op = w_ref.dtype
     r, c = iotas(block)
     low = _dot_nt(k, k, precision) * beta[:, None] * block_decays(gam, gam, r > c)  # strict L
-    inv = functools.partial(jnp.dot, precision=inverse_precision,
-                            preferred_element_type=jnp.float32)
+    # the inverse's operands are float32: at DEFAULT precision TF32 on tensor cores
+    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
     x = jnp.where(r == c, 1.0, 0.0)
     b = 1
     while b < block:  # unrolled: log2 C steps
-        x = doubling_step(x, low, r, c, b, inv)
+        x = doubling_step(x, low, r, c, b, dot)
         b *= 2
     x = x.astype(op)
-    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
     w_ref[rows, h, :] = dot(x, (k * (beta * jnp.exp(gam))[:, None]).astype(op)).astype(
         op)  # the keys reading the state
     u_ref[rows, h, :] = dot(x, (v_ref[rows, h, :].astype(jnp.float32) * beta[:, None]).astype(
@@ -206,14 +205,12 @@ def _launch(interpret, num_warps, num_stages):
     return interpret, kw
 
 
-def _precisions(products: str, who: str):
-    """(the operands' products, the inverse's): bf16 products and a TF32 inverse (tensor
-    cores), or full float32 for both."""
+def _precision(products: str, who: str):
+    """The kernels' dot precision: DEFAULT for bf16 products (bf16 operands on tensor cores;
+    the inverse's float32 operands at TF32), HIGHEST for float32 (CUDA cores)."""
     if products not in PRODUCTS:
         raise ValueError(f"{who}: products={products!r}: expected {'|'.join(PRODUCTS)}")
-    if products == "bf16":
-        return lax.Precision.DEFAULT, lax.Precision.DEFAULT
-    return lax.Precision.HIGHEST, lax.Precision.HIGHEST
+    return lax.Precision.DEFAULT if products == "bf16" else lax.Precision.HIGHEST
 
 
 def ut_transform(k, v, gam, beta, *, block: int, products: str = "float32",
@@ -238,13 +235,12 @@ def ut_transform(k, v, gam, beta, *, block: int, products: str = "float32",
     if rows != n * block or hv % hk:
         raise ValueError(f"ut_transform: {rows} rows are not whole blocks of {block}, or {hk} "
                          f"key heads do not divide {hv} value heads")
-    precision, inverse_precision = _precisions(products, "ut_transform")
+    precision = _precision(products, "ut_transform")
     _check_sizes("ut_transform", block=block)
     interpret, kw = _launch(interpret, num_warps or TRANSFORM_WARPS[products], 1)
     op = operand_dtype(products)
     return pl.pallas_call(
-        functools.partial(_transform_kernel, block=block, rep=hv // hk, precision=precision,
-                          inverse_precision=inverse_precision),
+        functools.partial(_transform_kernel, block=block, rep=hv // hk, precision=precision),
         grid=(hv, n),
         out_shape=(jax.ShapeDtypeStruct((rows, hv, dk), op),
                    jax.ShapeDtypeStruct((rows, hv, dv), op)),
@@ -262,8 +258,7 @@ def block_cumsums(g, block: int):
 
 def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
                      products: str = "float32", transform_warps: int | None = None,
-                     bv: int | None = None,
-                     interpret: bool | None = None,
+                     bv: int | None = None, interpret: bool | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
                      out_dtype=jnp.float32):
     """The whole chunkwise delta rule in two kernels over the tokens-first layout (the module
@@ -275,9 +270,9 @@ def delta_rule_chunk(q, k, v, g, beta, state, *, block: int | None = None,
     the block (default `KERNEL_BLOCKS` for the products), the transform's `transform_warps`,
     the walk's `bv`, `num_warps` and `num_stages` (defaults for the products:
     `TRANSFORM_WARPS`, `WALK_COLUMNS`, `WALK_WARPS`, `WALK_STAGES`). q and k are rounded to
-    the operand dtype (bf16 products: bf16), v read as it is (the layer's bf16/fp16 too). Returns (o [T, Hv, dv]
-    in `out_dtype`, the float32 sums cast as the kernel stores them; the float32 state after
-    the last row)."""
+    the operand dtype (bf16 products: bf16), v read as it is (the layer's bf16/fp16 too).
+    Returns (o [T, Hv, dv] in `out_dtype`, the float32 sums cast as the kernel stores them;
+    the float32 state after the last row)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
@@ -312,7 +307,7 @@ def walk_blocks(q, k, w, u, gam, last, state, *, block: int, products: str,
     rows, hk, dk = q.shape
     hv, dv = u.shape[1:]
     n = rows // block
-    precision, _ = _precisions(products, "walk_blocks")
+    precision = _precision(products, "walk_blocks")
     bv = min(bv or WALK_COLUMNS[products], dv)  # a slice wider than dv is dv
     _check_sizes("walk_blocks", bv=bv)
     interpret, kw = _launch(interpret, num_warps or WALK_WARPS[products],
