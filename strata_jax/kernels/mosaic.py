@@ -86,8 +86,8 @@ class MosaicTiles:
     """The Mosaic kernels' tiling: rows and columns a tile, inputs a k step, pipeline stages,
     column tiles a row tile's sweep covers before moving on (`planar_snake`'s width),
     programs per SM (more than one where their shared memory fits beside each other), and
-    compute warpgroups (2: two on the halves of a row tile, sharing each converted weight
-    tile; fp8 only)."""
+    compute warpgroups (2 or 3: each on its 64-row part of a row tile, sharing each k step's
+    weight tile; fp8 converts it once for two, and takes at most two)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -98,24 +98,28 @@ class MosaicTiles:
     compute_wgs: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
+        for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MosaicTiles({name}={v}): a power of two, at least 16")
-        if self.block_m % 64:
+        if self.block_m < 64 or self.block_m % 64:
             raise ValueError(f"MosaicTiles(block_m={self.block_m}): a multiple of 64 (one "
                              "warpgroup's wgmma rows)")
         if min(self.stages, self.grid_block_n, self.per_sm) < 1:
             raise ValueError(f"MosaicTiles(stages={self.stages}, grid_block_n="
                              f"{self.grid_block_n}, per_sm={self.per_sm}): each at least 1")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"MosaicTiles(compute_wgs={self.compute_wgs}): 1 or 2")
-        if self.compute_wgs == 2 and (self.block_m % 128 or self.block_k != 64
-                                      or self.stages < 2 or self.per_sm != 1):
+        if self.compute_wgs not in (1, 2, 3):
+            raise ValueError(f"MosaicTiles(compute_wgs={self.compute_wgs}): 1, 2 or 3")
+        if self.compute_wgs == 1 and self.block_m & (self.block_m - 1):
+            raise ValueError(f"MosaicTiles(block_m={self.block_m}): a power of two for one "
+                             "compute warpgroup")
+        wgs = self.compute_wgs
+        if wgs > 1 and (self.block_m % (64 * wgs) or self.block_k != 64 or self.stages < 2
+                        or self.per_sm != 1):
             raise ValueError(f"MosaicTiles(block_m={self.block_m}, block_k={self.block_k}, "
-                             f"stages={self.stages}, per_sm={self.per_sm}, compute_wgs=2): two "
-                             "compute warpgroups take half of block_m each (a multiple of 64) "
-                             "and half the columns of a 64-input step, with a pipeline of at "
+                             f"stages={self.stages}, per_sm={self.per_sm}, compute_wgs={wgs}): "
+                             f"{wgs} compute warpgroups take 1/{wgs} of block_m each (a "
+                             "multiple of 64) over 64-input steps, with a pipeline of at "
                              "least 2 stages, one program an SM")
 
 
@@ -169,9 +173,14 @@ def int4_tiles_for(m: int, groups: int) -> MosaicTiles:
 # bf16 kernel of jax (`kernels.grouped`) finds each tile's group by a pass over all the groups
 # (7.1 / 20.8 / 36.7 TFLOP/s at 1K / 4K / 16K tokens of 512 experts, against 60 / 177 / 321
 # here). Below BF16_WIDE_FROM_ROWS_PER_GROUP rows a group, MOSAIC_SMALL_TILES; from it two
-# compute warpgroups on the halves of a 128-row tile, 256 columns wide.
+# compute warpgroups on the halves of a 128-row tile, 256 columns wide; from
+# BF16_TALL_FROM_ROWS_PER_GROUP, three on a 192-row tile (MOSAIC_BF16_TALL_TILES), whose
+# visits load each weight tile for 192 rows: an expert's ~160 rows (8K tokens, top-10 of 512)
+# take one visit rather than two, and the k step's 56 KB carry 192 x 256 products, not 128.
 BF16_WIDE_FROM_ROWS_PER_GROUP = 64
 MOSAIC_BF16_WIDE_TILES = MosaicTiles(128, 256, 64, 3, 8, 1, compute_wgs=2)
+BF16_TALL_FROM_ROWS_PER_GROUP = 128
+MOSAIC_BF16_TALL_TILES = MosaicTiles(192, 256, 64, 3, 8, 1, compute_wgs=3)
 
 
 def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | None:
@@ -182,8 +191,13 @@ def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | 
         return None
     wide = MOSAIC_BF16_WIDE_TILES if n % 256 == 0 else dataclasses.replace(
         MOSAIC_BF16_WIDE_TILES, block_n=128, stages=4)
-    for tiles in ((MOSAIC_SMALL_TILES, wide) if m < BF16_WIDE_FROM_ROWS_PER_GROUP * groups
-                  else (wide,)):
+    if m < BF16_WIDE_FROM_ROWS_PER_GROUP * groups:
+        order = (MOSAIC_SMALL_TILES, wide)
+    elif m < BF16_TALL_FROM_ROWS_PER_GROUP * groups:
+        order = (wide,)
+    else:
+        order = (MOSAIC_BF16_TALL_TILES, wide)
+    for tiles in order:
         if mosaic_bf16_supports(k, n, dtype, tiles):
             return tiles
     return None
@@ -191,10 +205,12 @@ def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | 
 
 def mosaic_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the fp8 Mosaic kernel reads quantized matrix `w` with `tiles`: fp8 whose k steps
-    and column tiles lie inside one scale block (one scale a step), read as bf16 or fp16."""
+    and column tiles lie inside one scale block (one scale a step), read as bf16 or fp16, by
+    at most two compute warpgroups (each converts half of a step's columns)."""
     k, n = w.shape
     b = w.block
-    return (w.kind == "fp8" and n % tiles.block_n == 0 and k % tiles.block_k == 0
+    return (w.kind == "fp8" and tiles.compute_wgs <= 2
+            and n % tiles.block_n == 0 and k % tiles.block_k == 0
             and b % tiles.block_k == 0 and b % tiles.block_n == 0
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
@@ -239,8 +255,8 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     specs = [plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))]
     with jax.named_scope("grouped_matmul_fp8_mosaic"):
-        if tiles.compute_wgs == 2:
-            return _ragged_kernel_2wg(
+        if tiles.compute_wgs > 1:
+            return _ragged_kernel_wgs(
                 x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
                 pipelined=[w.q], resident=[w.scale.astype(jnp.float32)],
                 convert_part=convert_part)
@@ -279,8 +295,8 @@ def mosaic_bf16_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Arra
     interpret, num_sms = _launch(interpret, num_sms)
     specs = [plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda kk, ni: (kk, ni))]
     with jax.named_scope("grouped_matmul_bf16_mosaic"):
-        if tiles.compute_wgs == 2:
-            return _ragged_kernel_2wg(x, group_sizes, n, k, tiles, interpret, num_sms,
+        if tiles.compute_wgs > 1:
+            return _ragged_kernel_wgs(x, group_sizes, n, k, tiles, interpret, num_sms,
                                       plane_specs=specs, pipelined=[w], resident=[],
                                       convert_part=None)
         return _ragged_kernel(x, group_sizes, n, k, tiles, interpret, num_sms,
@@ -444,40 +460,50 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
                        grid=(num_sms * tiles.per_sm,), grid_names=("sm",), scratch_types=scratch)
 
 
-def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
+def _ragged_kernel_wgs(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
                        num_sms: int, *, plane_specs, pipelined, resident, convert_part):
-    """`_ragged_kernel` with two compute warpgroups and a memory one (`tiles.compute_wgs` 2):
-    a row tile of `block_m` rows, each compute warpgroup multiplying its half of them, and one
-    converted weight tile a k step for both, so each weight is converted once per
-    `block_m` rows rather than per `block_m / 2`: the conversion's shared-memory reads and
-    writes, what a fused step adds to the bf16 kernel's, spread over twice the products.
+    """`_ragged_kernel` with `tiles.compute_wgs` (2 or 3) compute warpgroups and a memory one:
+    a row tile of `block_m` rows, each compute warpgroup multiplying its part of them (1/wgs),
+    against one weight tile a k step for all: a visit's weight tiles are loaded once per
+    `block_m` rows, and a converted tile (fp8, two warpgroups) is converted once per `block_m`
+    rows rather than per `block_m / 2`: the conversion's shared-memory reads and writes, what a
+    fused step adds to the bf16 kernel's, spread over twice the products. Three warpgroups
+    (bf16) take a 192-row tile: at 512 experts of width 512 an expert's ~160 rows at 8K tokens
+    fit one visit rather than two of 128, so each weight tile is loaded once, not twice.
 
-    A k step: each compute warpgroup converts its part of the step's weights into the shared
-    bf16 slot (`convert_part(kk, gid, ni, wg, *pipelined step refs, *resident refs,
-    w_slot)`: half the columns), waits for its own previous product, fences, and meets the
-    other at the slot's barrier; then each issues its product. A warpgroup passes step kk's
-    barrier only after its product kk - 1 is done, so the slot step kk + 1 writes (read by
-    products kk - 1) is free: two slots. The x and plane buffers are released a step late
-    (the product of step kk reads x until step kk + 1's wait). After its last product each
-    warpgroup meets the other again (the next visit's first steps write the slots this one's
-    last products read), then stores the visit's rows in its half."""
+    A k step with a conversion: each compute warpgroup converts its part of the step's
+    weights into the shared bf16 slot (`convert_part(kk, gid, ni, wg, *pipelined step refs,
+    *resident refs, w_slot)`: half the columns), waits for its own previous product, fences,
+    and meets the other at the slot's barrier; then each issues its product. A warpgroup
+    passes step kk's barrier only after its product kk - 1 is done, so the slot step kk + 1
+    writes (read by products kk - 1) is free: two slots. The x and plane buffers are released
+    a step late (the product of step kk reads x until step kk + 1's wait). After its last
+    product each warpgroup meets the other again (the next visit's first steps write the
+    slots this one's last products read), then stores the visit's rows in its part, in
+    column pieces where a whole tile a warpgroup does not fit beside the pipeline's buffers
+    (`_store_columns`)."""
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    hm = bm // 2
+    wgs = tiles.compute_wgs
+    hm = bm // wgs
     dtype = x.dtype
     xp, meta = _row_tiles(x, group_sizes, bm)
     grid_m, grid_n = meta.shape[1], n // bn
     gbn = min(tiles.grid_block_n, grid_n)
     n_pipe = len(pipelined)
+    step_bytes = sum(int(np.prod(spec.block_shape)) * p.dtype.itemsize
+                     for spec, p in zip(plane_specs, pipelined)) + bm * bk * x.dtype.itemsize
+    slot_bytes = 0 if convert_part is None else 2 * bk * bn * x.dtype.itemsize
+    oc = _store_columns(tiles.stages * step_bytes + slot_bytes, bm, bn, x.dtype.itemsize)
 
     def pipeline(body, context, row0, ni):
         specs = [plgpu.BlockSpec(spec.block_shape, lambda kk, f=spec.index_map: f(kk, ni),
                                  delay_release=1) for spec in plane_specs]
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k // bk,), memory_registers=40,
+            body, grid=(k // bk,), memory_registers=MEMORY_REGISTERS[wgs],
             in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (_rows8(row0), kk),
                                       delay_release=1), *specs],
-            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
+            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=tiles.stages,
             compute_context=context)
 
     def body(meta_ref, x_gmem, *refs):
@@ -490,17 +516,17 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
         # bf16 (no conversion) has no converted slots to share, nor barriers over them
         slots = {} if convert_part is None else dict(
             w_smem=plgpu.SMEM((2, bk, bn), dtype),
-            conv=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-            done=plgpu.Barrier(num_arrivals=2))
+            conv=plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
+            done=plgpu.Barrier(num_arrivals=wgs))
 
         @functools.partial(pl.run_scoped, allocs=allocs,
-                           o_smem=plgpu.SMEM((2, hm, bn), dtype), **slots,
+                           o_smem=plgpu.SMEM((wgs, hm, oc), dtype), **slots,
                            collective_axes="wg")
         def _scope(allocs, o_smem, w_smem=None, conv=None, done=None):
             wg = lax.axis_index("wg")
 
             def visit(gid, ni, row0, first, rows):
-                # Whether this warpgroup's half of the tile holds rows of the visit (a tile
+                # Whether this warpgroup's part of the tile holds rows of the visit (a tile
                 # shared by several experts' rows is visited once per expert): if not, it
                 # converts its share of each step but issues no product.
                 mine = (first < (wg + 1) * hm) & (first + rows > wg * hm)
@@ -508,7 +534,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                 def step(idx, x_smem, *rest):
                     *plane_smem, acc_ref = rest
                     (kk,) = idx
-                    if convert_part is None:  # bf16: both halves read the pipelined tile
+                    if convert_part is None:  # bf16: every part reads the pipelined tile
                         @pl.when(mine)
                         def _():
                             plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], plane_smem[0])
@@ -540,29 +566,53 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                             # slot this visit's last products read.
                             plgpu.barrier_arrive(done)
                             plgpu.barrier_wait(done)
-                        store_half(acc.astype(dtype), ni, row0, first, rows)
+                        for c in range(0, bn, oc):
+                            part = acc if oc == bn else acc[:, c:c + oc]
+                            store_part(part.astype(dtype), ni * bn + c, row0, first, rows)
 
                 pipeline(step, context, row0, ni)(
                     x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
 
-            def store_half(tile, ni, row0, first, rows):
-                # This warpgroup's rows of the visit, [lo, hi) of its half, from `tile`.
+            def store_part(tile, col0, row0, first, rows):
+                # This warpgroup's rows of the visit, [lo, hi) of its part, from `tile` (the
+                # columns from col0).
                 lo = jnp.clip(first - wg * hm, 0, hm)
                 count = jnp.maximum(jnp.clip(first + rows - wg * hm, 0, hm) - lo, 0)
                 out = o_smem.at[wg]
                 out[...] = tile
                 plgpu.commit_smem()
-                _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm, pl.ds(ni * bn, bn))
+                _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm, pl.ds(col0, oc))
 
-            def zeros(ni, row0, first, rows):  # each compute warpgroup its half's rows
-                @pl.when(wg < 2)
+            def zeros(ni, row0, first, rows):  # each compute warpgroup its part's rows
+                @pl.when(wg < wgs)
                 def _():
-                    store_half(jnp.zeros((hm, bn), dtype), ni, row0, first, rows)
+                    for c in range(0, bn, oc):
+                        store_part(jnp.zeros((hm, oc), dtype), ni * bn + c, row0, first, rows)
 
             _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
     return _run_kernel(body, meta, xp, pipelined, resident, m=m, n=n, interpret=interpret,
-                       grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg")
+                       grid=(num_sms,), grid_names=("sm",), num_threads=wgs + 1,
+                       thread_name="wg")
+
+
+# Registers the memory warpgroup keeps (`emit_pipeline_warp_specialized` gives the compute
+# warpgroups an equal share of the rest: 232 each for two, 160 for three, whose 64 x 256
+# float32 accumulators take 128).
+MEMORY_REGISTERS = {2: 40, 3: 32}
+# Shared memory a program may hold (Hopper's opt-in limit per block, less a margin for the
+# pipeline's barriers).
+SMEM_LIMIT = 232448 - 2048
+
+
+def _store_columns(pipeline_bytes: int, rows: int, bn: int, itemsize: int) -> int:
+    """The columns of each copy a multi-warpgroup kernel stores its tile in: all `bn` where
+    the `rows` x bn staging tile fits in shared memory beside the pipeline's buffers, else the
+    largest power-of-two part of bn (at least 64) that does."""
+    oc = bn
+    while oc > 64 and pipeline_bytes + rows * oc * itemsize > SMEM_LIMIT:
+        oc //= 2
+    return oc
 
 
 # int4: a scale group of 128 inputs is a 64-row byte tile holding the group's first half in its
