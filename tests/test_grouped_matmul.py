@@ -12,8 +12,8 @@ from strata_jax.kernels.grouped import (
     _mosaic_jit, grouped_matmul, is_hopper, piece_group_sizes, row_pieces, resolve_implementation
 )
 from strata_jax.kernels.mosaic import (
-    MANY_GROUPS, MOSAIC_BF16_TALL_TILES, MOSAIC_BF16_WIDE_TILES, MOSAIC_SMALL_TILES, MosaicTiles, bf16_tiles_for,
-    mosaic_bf16_grouped_matmul
+    MANY_GROUPS, MOSAIC_BF16_TALL_TILES, MOSAIC_BF16_WIDE_TILES, MOSAIC_SMALL_TILES, MosaicTiles,
+    bf16_tiles_for, mosaic_bf16_grouped_matmul
 )
 from strata_jax.testing import assert_close
 

@@ -18,9 +18,8 @@ from strata_jax.formats import ExpertFormat, QuantizedMatrix
 from strata_jax.kernels import Kernels
 from strata_jax.kernels.common import group_metadata
 from strata_jax.kernels.grouped import grouped_matmul
-from strata_jax.kernels.mosaic import (
-    MOSAIC_INT4_TILES, MOSAIC_TILES, mosaic_int4_supports, mosaic_supports
-)
+from strata_jax.kernels.mosaic import MOSAIC_TILES, mosaic_supports
+from strata_jax.kernels.mosaic_int4 import MOSAIC_INT4_TILES, mosaic_int4_supports
 from strata_jax.kernels.quantized import in_stored_order, resolve_format, resolve_quantized
 from strata_jax.reference import dequantized64
 from strata_jax.testing import assert_close
@@ -204,7 +203,8 @@ def test_act_order_matrices_are_read_in_stored_order(zero_points):
     # reads the stored rows as a plain int4 matrix, so the kernel reads it as it reads int4
     # (zero-points as zero-points are); every path's rows are the float64 reference's of the
     # matrix in input order, (q - z) * scale put back at perm's rows.
-    from strata_jax.kernels.mosaic import MosaicTiles, mosaic_int4_grouped_matmul
+    from strata_jax.kernels.mosaic import MosaicTiles
+    from strata_jax.kernels.mosaic_int4 import mosaic_int4_grouped_matmul
 
     e, k, n = 5, 256, 128
     fmt = ExpertFormat.make("int4", k, n, jnp.bfloat16, block=128, zero_points=zero_points,

@@ -14,9 +14,12 @@ import pytest
 
 from strata_jax.kernels.grouped import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.kernels.mosaic import (
-    MANY_GROUPS, MOSAIC_SMALL_TILES, int4_tiles_for, MOSAIC_INT4_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP, MosaicTiles,
-    fp8_tiles_for, int4_conversion, int4_values_f32, mosaic_grouped_matmul,
-    mosaic_int4_grouped_matmul, mosaic_int4_supports, mosaic_supports, split_scale_bf16
+    MANY_GROUPS, MOSAIC_SMALL_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP,
+    MosaicTiles, fp8_tiles_for, mosaic_grouped_matmul, mosaic_supports
+)
+from strata_jax.kernels.mosaic_int4 import (
+    MOSAIC_INT4_TILES, int4_conversion, int4_tiles_for, int4_values_f32,
+    mosaic_int4_grouped_matmul, mosaic_int4_supports, split_scale_bf16
 )
 from strata_jax.kernels.quantized import resolve_quantized
 from strata_jax.testing import assert_close

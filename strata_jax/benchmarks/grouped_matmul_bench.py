@@ -150,9 +150,8 @@ def sweep(shapes, tokens_list, candidates, *, warmup: int, repeats: int, batch: 
     kernel's 64-column tiling. Stops starting rows after budget_s seconds;
     each row is also written to `out` (a file) as a JSON line."""
     from strata_jax.kernels.grouped import _mosaic_jit
-    from strata_jax.kernels.mosaic import (
-        mosaic_bf16_grouped_matmul, mosaic_grouped_matmul, mosaic_int4_grouped_matmul
-    )
+    from strata_jax.kernels.mosaic import mosaic_bf16_grouped_matmul, mosaic_grouped_matmul
+    from strata_jax.kernels.mosaic_int4 import mosaic_int4_grouped_matmul
     from strata_jax.kernels.mosaic_mxfp4 import (
         MOSAIC_MXFP4_NARROW_TILES, mosaic_mxfp4_grouped_matmul
     )

@@ -8,7 +8,7 @@ routing) it times one layer's expert math (gate and up [M,H]x[H,I], silu(gate) *
     dequantize  the quantized planes dequantized to bf16, then the bf16 grouped matmuls;
     mosaic      the Mosaic GPU kernel at each tiling given (`--mosaic`; none given: the one
                 the model reads the layer with, `model_mosaic_tiles`): fp8
-                `kernels.mosaic.mosaic_grouped_matmul`; int4 `mosaic_int4_grouped_matmul`
+                `kernels.mosaic.mosaic_grouped_matmul`; int4 `kernels.mosaic_int4`
                 (k steps of half a scale group; its conversion, `int4_conversion`, in the
                 row's "int_to_float"); mxfp4 `kernels.mosaic_mxfp4.mosaic_mxfp4_grouped_matmul`
                 (k steps of one pack; by default each matrix at `mxfp4_tiles_for` its width,
@@ -42,8 +42,10 @@ from strata_jax.experts import ExpertWeights
 from strata_jax.formats import MATRICES, QUANTIZE_CHOICES, ExpertFormat, quantized_config
 from strata_jax.kernels.grouped import grouped_matmul
 from strata_jax.kernels.mosaic import (
-    MosaicTiles, fp8_tiles_for, int4_conversion, int4_tiles_for, mosaic_grouped_matmul,
-    mosaic_int4_grouped_matmul, mosaic_int4_supports, mosaic_supports
+    MosaicTiles, fp8_tiles_for, mosaic_grouped_matmul, mosaic_supports
+)
+from strata_jax.kernels.mosaic_int4 import (
+    int4_conversion, int4_tiles_for, mosaic_int4_grouped_matmul, mosaic_int4_supports
 )
 from strata_jax.kernels.mosaic_mxfp4 import (
     mosaic_mxfp4_grouped_matmul, mosaic_mxfp4_supports, mxfp4_tiles_for

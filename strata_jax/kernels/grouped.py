@@ -24,8 +24,8 @@ on other GPUs and lax elsewhere.
 
 A quantized matrix (`formats.QuantizedMatrix`, fp8, int4 or mxfp4 planes) is read as
 `Kernels.quantized_matmul` resolves it (`kernels.quantized.resolve_quantized`): by the Mosaic
-GPU kernels of `kernels.mosaic` (fp8, int4) and `kernels.mosaic_mxfp4` (mxfp4) on Hopper, or
-dequantized first and then multiplied as above.
+GPU kernels of `kernels.mosaic` (fp8), `kernels.mosaic_int4` and `kernels.mosaic_mxfp4` on
+Hopper, or dequantized first and then multiplied as above.
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ from jax import lax
 from strata_jax.formats import QuantizedMatrix
 from strata_jax.kernels import GROUPED_MATMULS as IMPLEMENTATIONS
 from strata_jax.kernels.common import is_hopper, zero_rows_past_groups
-from strata_jax.kernels.mosaic import (
-    bf16_tiles_for, fp8_tiles_for, int4_tiles_for, mosaic_bf16, mosaic_fp8, mosaic_int4
-)
+from strata_jax.kernels.mosaic import bf16_tiles_for, fp8_tiles_for, mosaic_bf16, mosaic_fp8
+from strata_jax.kernels.mosaic_int4 import int4_tiles_for, mosaic_int4
 from strata_jax.kernels.mosaic_mxfp4 import mosaic_mxfp4, mxfp4_tiles_for
 from strata_jax.kernels.quantized import in_stored_order, resolve_quantized
 

@@ -211,7 +211,7 @@ def mosaic_mxfp4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
 
 # Through a jit of its own, a program lowers the kernel once per shape rather than once per
-# call site, as `kernels.mosaic.mosaic_int4` does.
+# call site, as `kernels.mosaic_int4.mosaic_int4` does.
 @functools.partial(jax.jit, static_argnames=("tiles",))
 def mosaic_mxfp4(x: jax.Array, w, group_sizes: jax.Array,
                  tiles: MosaicTiles | None = None) -> jax.Array:

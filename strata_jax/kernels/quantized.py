@@ -7,8 +7,8 @@ and e8m0 exponents per 32 inputs). The expert math hands one for
 each of gate, up and down to `kernels.grouped.grouped_matmul`, which reads it one of two ways,
 chosen here from `Kernels.quantized_matmul` and the device (`resolve_quantized`):
 
-    mosaic      the Hopper Mosaic GPU kernels (`kernels.mosaic`, fp8 and int4;
-                `kernels.mosaic_mxfp4`, mxfp4): each weight tile is dequantized in registers
+    mosaic      the Hopper Mosaic GPU kernels (`kernels.mosaic`, fp8; `kernels.mosaic_int4`;
+                `kernels.mosaic_mxfp4`): each weight tile is dequantized in registers
                 between its load and the tensor-core product, so the layer is never written
                 out in bf16. They give dequantize's bits.
     dequantize  the whole matrix to the parameter dtype first (`QuantizedMatrix.dequantize`),
@@ -27,9 +27,8 @@ import numpy as np
 from strata_jax.formats import QuantizedMatrix
 from strata_jax.kernels import QUANTIZED_MATMULS
 from strata_jax.kernels.common import is_hopper
-from strata_jax.kernels.mosaic import (
-    MOSAIC_INT4_TILES, MOSAIC_TILES, mosaic_int4_supports, mosaic_supports
-)
+from strata_jax.kernels.mosaic import MOSAIC_TILES, mosaic_supports
+from strata_jax.kernels.mosaic_int4 import MOSAIC_INT4_TILES, mosaic_int4_supports
 from strata_jax.kernels.mosaic_mxfp4 import mosaic_mxfp4_supports, mxfp4_tiles_for
 
 __all__ = ["in_stored_order", "resolve_quantized", "resolve_format"]
@@ -64,9 +63,9 @@ def in_stored_order(x: jax.Array, w: QuantizedMatrix | jax.Array, group_sizes: j
 def resolve_quantized(impl: str | None, w: QuantizedMatrix,
                       device: jax.Device | None = None) -> str:
     """The path that reads `w` for `impl` (`Kernels.quantized_matmul`; None: auto): "mosaic"
-    (on a Hopper GPU: `kernels.mosaic` for fp8 and int4, `kernels.mosaic_mxfp4` for mxfp4) or
-    "dequantize" (the matrix to its dtype first, then the plain grouped matmul; any matrix no
-    kernel reads).
+    (on a Hopper GPU: `kernels.mosaic` for fp8, `kernels.mosaic_int4` and
+    `kernels.mosaic_mxfp4`) or "dequantize" (the matrix to its dtype first, then the plain
+    grouped matmul; any matrix no kernel reads).
 
     fused: mosaic where a kernel reads the matrix, else dequantize. auto: the same, but int4
     with zero-points dequantizes (the kernel reading them is slower than dequantizing first:
