@@ -60,8 +60,8 @@ class MosaicTiles:
     """The Mosaic kernels' tiling: rows and columns a tile, inputs a k step, pipeline stages,
     column tiles a row tile's sweep covers before moving on (`planar_snake`'s width),
     programs per SM (more than one where their shared memory fits beside each other), and
-    compute warpgroups (2 or 3: each on its 64-row part of a row tile, sharing each k step's
-    weight tile; fp8 converts it once for two, and takes at most two)."""
+    compute warpgroups (2: two on the halves of a row tile, sharing each k step's weight
+    tile, which fp8 converts once for both)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -72,28 +72,24 @@ class MosaicTiles:
     compute_wgs: int = 1
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
+        for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MosaicTiles({name}={v}): a power of two, at least 16")
-        if self.block_m < 64 or self.block_m % 64:
+        if self.block_m % 64:
             raise ValueError(f"MosaicTiles(block_m={self.block_m}): a multiple of 64 (one "
                              "warpgroup's wgmma rows)")
         if min(self.stages, self.grid_block_n, self.per_sm) < 1:
             raise ValueError(f"MosaicTiles(stages={self.stages}, grid_block_n="
                              f"{self.grid_block_n}, per_sm={self.per_sm}): each at least 1")
-        if self.compute_wgs not in (1, 2, 3):
-            raise ValueError(f"MosaicTiles(compute_wgs={self.compute_wgs}): 1, 2 or 3")
-        if self.compute_wgs == 1 and self.block_m & (self.block_m - 1):
-            raise ValueError(f"MosaicTiles(block_m={self.block_m}): a power of two for one "
-                             "compute warpgroup")
-        wgs = self.compute_wgs
-        if wgs > 1 and (self.block_m % (64 * wgs) or self.block_k != 64 or self.stages < 2
-                        or self.per_sm != 1):
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"MosaicTiles(compute_wgs={self.compute_wgs}): 1 or 2")
+        if self.compute_wgs == 2 and (self.block_m % 128 or self.block_k != 64
+                                      or self.stages < 2 or self.per_sm != 1):
             raise ValueError(f"MosaicTiles(block_m={self.block_m}, block_k={self.block_k}, "
-                             f"stages={self.stages}, per_sm={self.per_sm}, compute_wgs={wgs}): "
-                             f"{wgs} compute warpgroups take 1/{wgs} of block_m each (a "
-                             "multiple of 64) over 64-input steps, with a pipeline of at "
+                             f"stages={self.stages}, per_sm={self.per_sm}, compute_wgs=2): two "
+                             "compute warpgroups take half of block_m each (a multiple of 64) "
+                             "and half the columns of a 64-input step, with a pipeline of at "
                              "least 2 stages, one program an SM")
 
 
@@ -136,14 +132,12 @@ def fp8_tiles_for(m: int, groups: int, w=None) -> MosaicTiles:
 # bf16 kernel of jax (`kernels.grouped`) finds each tile's group by a pass over all the groups
 # (7.1 / 20.8 / 36.7 TFLOP/s at 1K / 4K / 16K tokens of 512 experts, against 60 / 177 / 321
 # here). Below BF16_WIDE_FROM_ROWS_PER_GROUP rows a group, MOSAIC_SMALL_TILES; from it two
-# compute warpgroups on the halves of a 128-row tile, 256 columns wide; from
-# BF16_TALL_FROM_ROWS_PER_GROUP, three on a 192-row tile (MOSAIC_BF16_TALL_TILES), whose
-# visits load each weight tile for 192 rows: an expert's ~160 rows (8K tokens, top-10 of 512)
-# take one visit rather than two, and the k step's 56 KB carry 192 x 256 products, not 128.
+# compute warpgroups on the halves of a 128-row tile, 256 columns wide, through four stages:
+# the weights of 512 experts stream from HBM once a call (3.2 GB of Qwen3-Next's layer) and
+# each step's loads are issued two steps ahead of its product rather than one (a tile stored
+# in two 128-column halves, so that four stages fit in shared memory).
 BF16_WIDE_FROM_ROWS_PER_GROUP = 64
-MOSAIC_BF16_WIDE_TILES = MosaicTiles(128, 256, 64, 3, 8, 1, compute_wgs=2)
-BF16_TALL_FROM_ROWS_PER_GROUP = 128
-MOSAIC_BF16_TALL_TILES = MosaicTiles(192, 256, 64, 3, 8, 1, compute_wgs=3)
+MOSAIC_BF16_WIDE_TILES = MosaicTiles(128, 256, 64, 4, 8, 1, compute_wgs=2)
 
 
 def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | None:
@@ -153,14 +147,9 @@ def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | 
     if groups < MANY_GROUPS:
         return None
     wide = MOSAIC_BF16_WIDE_TILES if n % 256 == 0 else dataclasses.replace(
-        MOSAIC_BF16_WIDE_TILES, block_n=128, stages=4)
-    if m < BF16_WIDE_FROM_ROWS_PER_GROUP * groups:
-        order = (MOSAIC_SMALL_TILES, wide)
-    elif m < BF16_TALL_FROM_ROWS_PER_GROUP * groups:
-        order = (wide,)
-    else:
-        order = (MOSAIC_BF16_TALL_TILES, wide)
-    for tiles in order:
+        MOSAIC_BF16_WIDE_TILES, block_n=128)
+    for tiles in ((MOSAIC_SMALL_TILES, wide) if m < BF16_WIDE_FROM_ROWS_PER_GROUP * groups
+                  else (wide,)):
         if mosaic_bf16_supports(k, n, dtype, tiles):
             return tiles
     return None
@@ -168,12 +157,10 @@ def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | 
 
 def mosaic_supports(w, tiles: MosaicTiles) -> bool:
     """Whether the fp8 Mosaic kernel reads quantized matrix `w` with `tiles`: fp8 whose k steps
-    and column tiles lie inside one scale block (one scale a step), read as bf16 or fp16, by
-    at most two compute warpgroups (each converts half of a step's columns)."""
+    and column tiles lie inside one scale block (one scale a step), read as bf16 or fp16."""
     k, n = w.shape
     b = w.block
-    return (w.kind == "fp8" and tiles.compute_wgs <= 2
-            and n % tiles.block_n == 0 and k % tiles.block_k == 0
+    return (w.kind == "fp8" and n % tiles.block_n == 0 and k % tiles.block_k == 0
             and b % tiles.block_k == 0 and b % tiles.block_n == 0
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
@@ -219,7 +206,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
     specs = [plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))]
     with jax.named_scope("grouped_matmul_fp8_mosaic"):
         if tiles.compute_wgs > 1:
-            return _ragged_kernel_wgs(
+            return _ragged_kernel_2wg(
                 x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
                 pipelined=[w.q], resident=[w.scale.astype(jnp.float32)],
                 convert_part=convert_part)
@@ -259,7 +246,7 @@ def mosaic_bf16_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Arra
     specs = [plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda kk, ni: (kk, ni))]
     with jax.named_scope("grouped_matmul_bf16_mosaic"):
         if tiles.compute_wgs > 1:
-            return _ragged_kernel_wgs(x, group_sizes, n, k, tiles, interpret, num_sms,
+            return _ragged_kernel_2wg(x, group_sizes, n, k, tiles, interpret, num_sms,
                                       plane_specs=specs, pipelined=[w], resident=[],
                                       convert_part=None)
         return _ragged_kernel(x, group_sizes, n, k, tiles, interpret, num_sms,
@@ -423,16 +410,14 @@ def _ragged_kernel(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret
                        grid=(num_sms * tiles.per_sm,), grid_names=("sm",), scratch_types=scratch)
 
 
-def _ragged_kernel_wgs(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
+def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, interpret: bool,
                        num_sms: int, *, plane_specs, pipelined, resident, convert_part):
-    """`_ragged_kernel` with `tiles.compute_wgs` (2 or 3) compute warpgroups and a memory one:
-    a row tile of `block_m` rows, each compute warpgroup multiplying its part of them (1/wgs),
-    against one weight tile a k step for all: a visit's weight tiles are loaded once per
-    `block_m` rows, and a converted tile (fp8, two warpgroups) is converted once per `block_m`
-    rows rather than per `block_m / 2`: the conversion's shared-memory reads and writes, what a
-    fused step adds to the bf16 kernel's, spread over twice the products. Three warpgroups
-    (bf16) take a 192-row tile: at 512 experts of width 512 an expert's ~160 rows at 8K tokens
-    fit one visit rather than two of 128, so each weight tile is loaded once, not twice.
+    """`_ragged_kernel` with two compute warpgroups and a memory one (`tiles.compute_wgs` 2):
+    a row tile of `block_m` rows, each compute warpgroup multiplying its half of them, and one
+    weight tile a k step for both, so each weight tile is loaded once per `block_m` rows and
+    (fp8) converted once per `block_m` rows rather than per `block_m / 2`: the conversion's
+    shared-memory reads and writes, what a fused step adds to the bf16 kernel's, spread over
+    twice the products.
 
     A k step with a conversion: each compute warpgroup converts its part of the step's
     weights into the shared bf16 slot (`convert_part(kk, gid, ni, wg, *pipelined step refs,
@@ -442,13 +427,12 @@ def _ragged_kernel_wgs(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
     writes (read by products kk - 1) is free: two slots. The x and plane buffers are released
     a step late (the product of step kk reads x until step kk + 1's wait). After its last
     product each warpgroup meets the other again (the next visit's first steps write the
-    slots this one's last products read), then stores the visit's rows in its part, in
-    column pieces where a whole tile a warpgroup does not fit beside the pipeline's buffers
-    (`_store_columns`)."""
+    slots this one's last products read), then stores the visit's rows in its half, in column
+    pieces where its whole [block_m / 2, block_n] tile does not fit beside the pipeline's
+    buffers (`_store_columns`)."""
     m = x.shape[0]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    wgs = tiles.compute_wgs
-    hm = bm // wgs
+    hm = bm // 2
     dtype = x.dtype
     xp, meta = _row_tiles(x, group_sizes, bm)
     grid_m, grid_n = meta.shape[1], n // bn
@@ -463,10 +447,10 @@ def _ragged_kernel_wgs(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
         specs = [plgpu.BlockSpec(spec.block_shape, lambda kk, f=spec.index_map: f(kk, ni),
                                  delay_release=1) for spec in plane_specs]
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k // bk,), memory_registers=MEMORY_REGISTERS[wgs],
+            body, grid=(k // bk,), memory_registers=40,
             in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (_rows8(row0), kk),
                                       delay_release=1), *specs],
-            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=tiles.stages,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
             compute_context=context)
 
     def body(meta_ref, x_gmem, *refs):
@@ -479,11 +463,11 @@ def _ragged_kernel_wgs(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
         # bf16 (no conversion) has no converted slots to share, nor barriers over them
         slots = {} if convert_part is None else dict(
             w_smem=plgpu.SMEM((2, bk, bn), dtype),
-            conv=plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
-            done=plgpu.Barrier(num_arrivals=wgs))
+            conv=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            done=plgpu.Barrier(num_arrivals=2))
 
         @functools.partial(pl.run_scoped, allocs=allocs,
-                           o_smem=plgpu.SMEM((wgs, hm, oc), dtype), **slots,
+                           o_smem=plgpu.SMEM((2, hm, oc), dtype), **slots,
                            collective_axes="wg")
         def _scope(allocs, o_smem, w_smem=None, conv=None, done=None):
             wg = lax.axis_index("wg")
@@ -547,7 +531,7 @@ def _ragged_kernel_wgs(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                 _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm, pl.ds(col0, oc))
 
             def zeros(ni, row0, first, rows):  # each compute warpgroup its part's rows
-                @pl.when(wg < wgs)
+                @pl.when(wg < 2)
                 def _():
                     for c in range(0, bn, oc):
                         store_part(jnp.zeros((hm, oc), dtype), ni * bn + c, row0, first, rows)
@@ -555,21 +539,17 @@ def _ragged_kernel_wgs(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
             _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
     return _run_kernel(body, meta, xp, pipelined, resident, m=m, n=n, interpret=interpret,
-                       grid=(num_sms,), grid_names=("sm",), num_threads=wgs + 1,
+                       grid=(num_sms,), grid_names=("sm",), num_threads=3,
                        thread_name="wg")
 
 
-# Registers the memory warpgroup keeps (`emit_pipeline_warp_specialized` gives the compute
-# warpgroups an equal share of the rest: 232 each for two, 160 for three, whose 64 x 256
-# float32 accumulators take 128).
-MEMORY_REGISTERS = {2: 40, 3: 32}
 # Shared memory a program may hold (Hopper's opt-in limit per block, less a margin for the
 # pipeline's barriers).
 SMEM_LIMIT = 232448 - 2048
 
 
 def _store_columns(pipeline_bytes: int, rows: int, bn: int, itemsize: int) -> int:
-    """The columns of each copy a multi-warpgroup kernel stores its tile in: all `bn` where
+    """The columns of each copy the two-warpgroup kernel stores its tiles in: all `bn` where
     the `rows` x bn staging tile fits in shared memory beside the pipeline's buffers, else the
     largest power-of-two part of bn (at least 64) that does."""
     oc = bn
