@@ -1,6 +1,5 @@
 """Grouped matmul against a float64 NumPy loop, zero-size groups included."""
 
-import dataclasses
 import itertools
 
 import jax
@@ -13,8 +12,8 @@ from strata_jax.kernels.grouped import (
     _mosaic_jit, grouped_matmul, is_hopper, piece_group_sizes, row_pieces, resolve_implementation
 )
 from strata_jax.kernels.mosaic import (
-    MANY_GROUPS, MOSAIC_BF16_WIDE_TILES, MOSAIC_SMALL_TILES, MosaicTiles, bf16_tiles_for,
-    mosaic_bf16_grouped_matmul
+    MANY_GROUPS, MOSAIC_BF16_DEEP_TILES, MOSAIC_BF16_WIDE_TILES, MOSAIC_SMALL_TILES, MosaicTiles,
+    bf16_tiles_for, mosaic_bf16_grouped_matmul
 )
 from strata_jax.testing import assert_close
 
@@ -165,11 +164,15 @@ def test_gpu_rows_past_groups_are_zero(impl, sizes, m):
 
 def test_bf16_kernel_choice_follows_groups_and_rows():
     # jax's kernel below MANY_GROUPS groups (Qwen3-30B-A3B's 128 keep it); from them this
-    # package's: 64-row tiles where groups hold few rows, else two warpgroups on 128 rows.
+    # package's: 64-row tiles where groups hold few rows, else two warpgroups on 128 rows,
+    # through four stages from 256 rows a group.
     bf16 = jnp.bfloat16
     assert bf16_tiles_for(8192, 128, 2048, 768, bf16) is None
     assert bf16_tiles_for(1024 * 10, 512, 2048, 512, bf16) == MOSAIC_SMALL_TILES
     assert bf16_tiles_for(4096 * 10, 512, 512, 2048, bf16) == MOSAIC_BF16_WIDE_TILES
+    assert bf16_tiles_for(256 * 512 - 1, 512, 2048, 512, bf16) == MOSAIC_BF16_WIDE_TILES
+    assert bf16_tiles_for(256 * 512, 512, 2048, 512, bf16) == MOSAIC_BF16_DEEP_TILES
+    assert MOSAIC_BF16_DEEP_TILES.stages == 4
     assert bf16_tiles_for(64 * MANY_GROUPS - 1, MANY_GROUPS, 256, 256, bf16) == MOSAIC_SMALL_TILES
     assert bf16_tiles_for(64 * MANY_GROUPS, MANY_GROUPS, 256, 384, bf16) == MosaicTiles(
         128, 128, 64, 4, 8, 1, 2)  # 384 columns: 128-column tiles
@@ -178,7 +181,7 @@ def test_bf16_kernel_choice_follows_groups_and_rows():
 
 
 @pytest.mark.parametrize("tiles", [MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES,
-                                   MosaicTiles(128, 128, 64, 2, 1)])
+                                   MOSAIC_BF16_DEEP_TILES, MosaicTiles(128, 128, 64, 2, 1)])
 def test_interpreted_bf16_kernel_matches_reference(tiles):
     # Pallas' Mosaic GPU interpreter: groups with no rows hold NaN, a group's rows cross row
     # tiles, rows past the groups come back as zeros.
@@ -196,7 +199,7 @@ def test_bf16_kernel_lowers_for_cuda():
     # Mosaic's lowering (layouts, shared memory) runs on the CPU: the tilings bf16_tiles_for
     # picks at 512 experts of width 512, gate's and down's shapes.
     sizes = jnp.full((16,), 64, jnp.int32)
-    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES):
+    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES, MOSAIC_BF16_DEEP_TILES):
         for k, n in ((2048, 512), (512, 2048)):
             f = jax.jit(lambda x, w, s, tiles=tiles: mosaic_bf16_grouped_matmul(
                 x, w, s, tiles=tiles, interpret=False, num_sms=132))
@@ -207,7 +210,7 @@ def test_bf16_kernel_lowers_for_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [20, 150])  # MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES
+@pytest.mark.parametrize("rows", [20, 150, 300])  # the SMALL, WIDE and DEEP tilings
 def test_many_groups_give_jax_kernels_bits(rows):
     # From MANY_GROUPS groups grouped_matmul takes this package's bf16 kernel: the bits of
     # jax's kernel (the one fewer groups take), groups with no rows (NaN weights) unread,
@@ -224,14 +227,14 @@ def test_many_groups_give_jax_kernels_bits(rows):
     w[sizes == 0] = np.nan
     x, w, g = jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
     assert bf16_tiles_for(m, e, k, n, x.dtype) == (
-        MOSAIC_SMALL_TILES if rows < 64 else MOSAIC_BF16_WIDE_TILES)
+        MOSAIC_SMALL_TILES if rows < 64 else MOSAIC_BF16_WIDE_TILES if rows < 256
+        else MOSAIC_BF16_DEEP_TILES)
     got = np.asarray(jax.jit(grouped_matmul)(x, w, g))
     want = np.asarray(jax.jit(_mosaic_jit)(x, w, g))
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got[m - 40:], 0.0)
-    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES,
-                  dataclasses.replace(MOSAIC_BF16_WIDE_TILES, stages=3)):  # whole-tile stores
+    for tiles in (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES, MOSAIC_BF16_DEEP_TILES):
         other = np.asarray(mosaic_bf16_grouped_matmul(x, w, g, tiles=tiles))
         np.testing.assert_array_equal(other.view(np.uint16), want.view(np.uint16), str(tiles))
     bounds = row_pieces(m, 3)

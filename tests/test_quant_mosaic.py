@@ -14,8 +14,8 @@ import pytest
 
 from strata_jax.kernels.grouped import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.kernels.mosaic import (
-    MANY_GROUPS, MOSAIC_SMALL_TILES, MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP,
-    MosaicTiles, fp8_tiles_for, mosaic_grouped_matmul, mosaic_supports
+    FP8_MANY_WIDE_FROM_ROWS_PER_GROUP, MANY_GROUPS, MOSAIC_FP8_MANY_TILES, MOSAIC_SMALL_TILES,
+    MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP, MosaicTiles, fp8_tiles_for, mosaic_grouped_matmul, mosaic_supports
 )
 from strata_jax.kernels.mosaic_int4 import (
     MOSAIC_INT4_TILES, int4_conversion, int4_tiles_for, int4_values_f32,
@@ -191,6 +191,7 @@ _LOWERED = {  # kernel, matrix, tiling
     "model": (("fp8", mosaic_grouped_matmul, MOSAIC_TILES),
               ("fp8", mosaic_grouped_matmul, MOSAIC_WIDE_TILES),
               ("fp8", mosaic_grouped_matmul, MOSAIC_SMALL_TILES),
+              ("fp8", mosaic_grouped_matmul, MOSAIC_FP8_MANY_TILES),
               ("int4", mosaic_int4_grouped_matmul, MOSAIC_INT4_TILES),
               ("int4", mosaic_int4_grouped_matmul, MOSAIC_SMALL_TILES)),
     # the kernel with zero-points ("fused"), and int4's "bits" (fp16 inputs, float32 scales)
@@ -263,11 +264,18 @@ def test_what_the_kernel_reads_and_refuses():
     assert fp8_tiles_for(4096 * 8, 128) == MOSAIC_WIDE_TILES
     assert fp8_tiles_for(4096 * 8, 128, w8) == MOSAIC_WIDE_TILES
     assert fp8_tiles_for(4096 * 8, 128, _matrix("fp8", block=32)) == MOSAIC_TILES
-    # Many experts of few rows (512, top-10 at 1K-4K tokens): 64-row tiles, two programs an
-    # SM, for both formats; int4 only below INT4_SMALL_BELOW_ROWS_PER_GROUP rows an expert.
-    assert fp8_tiles_for(1024 * 10, 512) == fp8_tiles_for(4096 * 10, 512, w8) == (
+    # From MANY_GROUPS groups (512 experts, top-10): 64-row tiles two an SM below
+    # FP8_MANY_WIDE_FROM_ROWS_PER_GROUP rows a group, else 256-row tiles through four stages.
+    many = FP8_MANY_WIDE_FROM_ROWS_PER_GROUP * 512
+    assert fp8_tiles_for(many - 1, 512) == MOSAIC_SMALL_TILES
+    assert fp8_tiles_for(many, 512, w8) == MOSAIC_FP8_MANY_TILES
+    assert fp8_tiles_for(32768 * 10, 512) == MOSAIC_FP8_MANY_TILES
+    assert fp8_tiles_for(many, 512, _matrix("fp8", block=32)) == MOSAIC_TILES
+    # Many experts of few rows (512, top-10 at 1K tokens): 64-row tiles, two programs an SM,
+    # for both formats; int4 only below INT4_SMALL_BELOW_ROWS_PER_GROUP rows an expert.
+    assert fp8_tiles_for(1024 * 10, 512) == fp8_tiles_for(1024 * 10, 512, w8) == (
         MOSAIC_SMALL_TILES)
-    assert fp8_tiles_for(16384 * 10, 512) == MOSAIC_WIDE_TILES
+    assert fp8_tiles_for(16384 * 10, 512) == MOSAIC_FP8_MANY_TILES
     assert fp8_tiles_for(1024 * 10, MANY_GROUPS - 1) == MOSAIC_TILES
     assert mosaic_supports(w8, MOSAIC_SMALL_TILES)
     assert mosaic_int4_supports(w4, MOSAIC_SMALL_TILES)
@@ -333,22 +341,22 @@ def test_kernel_gives_dequantize_then_matmul_bits_on_hopper(k, n, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_many_experts_give_dequantize_then_matmul_bits_on_hopper(kind):
-    # 512 experts of few rows (MOSAIC_SMALL_TILES for both formats): the bits of the
-    # dequantized matrix through the bf16 kernels (this package's, which grouped_matmul takes
-    # at this many groups, and jax's), experts with no rows (NaN scales) unread, rows past the
-    # groups zeros.
+@pytest.mark.parametrize("kind,rows", [("fp8", 20), ("int4", 20), ("fp8", 100)])
+def test_many_experts_give_dequantize_then_matmul_bits_on_hopper(kind, rows):
+    # 512 experts of few rows (MOSAIC_SMALL_TILES for both formats; fp8 from 64 rows an
+    # expert MOSAIC_FP8_MANY_TILES): the bits of the dequantized matrix through the bf16
+    # kernels (this package's, which grouped_matmul takes at this many groups, and jax's),
+    # experts with no rows (NaN scales) unread, rows past the groups zeros.
     if not is_hopper():
         pytest.skip("the Mosaic kernel needs a Hopper GPU")
     e, k, n = 2 * MANY_GROUPS, 256, 256
-    sizes = np.random.default_rng(3).integers(0, 40, e).astype(np.int32)
+    sizes = np.random.default_rng(3).integers(0, 2 * rows, e).astype(np.int32)
     sizes[[0, 7, e - 1]] = 0
     w = _matrix(kind, e=e, k=k, n=n, nan_experts=(0, 7, e - 1))
     m = int(sizes.sum()) + 9
     x, sizes = _x(m, k), jnp.asarray(sizes)
     tiles = fp8_tiles_for(m, e, w) if kind == "fp8" else int4_tiles_for(m, e)
-    assert tiles == MOSAIC_SMALL_TILES
+    assert tiles == (MOSAIC_SMALL_TILES if rows < 64 else MOSAIC_FP8_MANY_TILES)
     got = np.asarray(grouped_matmul(x, w, sizes))
     deq = w.dequantize()
     from strata_jax.kernels.grouped import _mosaic_jit

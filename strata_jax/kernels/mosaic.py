@@ -114,17 +114,27 @@ WIDE_FROM_ROWS_PER_GROUP = 256
 # (Qwen3-30B-A3B's 128) keep the tilings measured for them.
 MANY_GROUPS = 256
 MOSAIC_SMALL_TILES = MosaicTiles(64, 128, 64, 3, 8, 2)
+# fp8 from MANY_GROUPS groups of FP8_MANY_WIDE_FROM_ROWS_PER_GROUP rows or more: two compute
+# warpgroups on 256-row tiles through four stages (the tile stored in 64-column quarters so
+# that they fit), 0.89 / 0.83 / 0.93 of the time of MOSAIC_SMALL_TILES at 4K and 8K tokens of
+# 512 experts and of MOSAIC_WIDE_TILES at 32K (BENCHMARKS.md).
+FP8_MANY_WIDE_FROM_ROWS_PER_GROUP = 64
+MOSAIC_FP8_MANY_TILES = MosaicTiles(256, 128, 64, 4, 8, 1, compute_wgs=2)
 
 
 def fp8_tiles_for(m: int, groups: int, w=None) -> MosaicTiles:
-    """The fp8 tiling for a grouped matmul of `m` rows over `groups` groups: MOSAIC_WIDE_TILES
-    from WIDE_FROM_ROWS_PER_GROUP rows a group on average (and where it reads `w`, if given),
-    else MOSAIC_SMALL_TILES from MANY_GROUPS groups, else MOSAIC_TILES."""
-    if m >= WIDE_FROM_ROWS_PER_GROUP * max(groups, 1) and (
-            w is None or mosaic_supports(w, MOSAIC_WIDE_TILES)):
-        return MOSAIC_WIDE_TILES
-    if groups >= MANY_GROUPS and (w is None or mosaic_supports(w, MOSAIC_SMALL_TILES)):
-        return MOSAIC_SMALL_TILES
+    """The fp8 tiling for a grouped matmul of `m` rows over `groups` groups, the first of
+    these that reads `w` (if given): from MANY_GROUPS groups MOSAIC_FP8_MANY_TILES from
+    FP8_MANY_WIDE_FROM_ROWS_PER_GROUP rows a group on average, else MOSAIC_SMALL_TILES; below
+    them MOSAIC_WIDE_TILES from WIDE_FROM_ROWS_PER_GROUP rows a group; else MOSAIC_TILES."""
+    if groups >= MANY_GROUPS:
+        order = ((MOSAIC_FP8_MANY_TILES, MOSAIC_SMALL_TILES)
+                 if m >= FP8_MANY_WIDE_FROM_ROWS_PER_GROUP * groups else (MOSAIC_SMALL_TILES,))
+    else:
+        order = (MOSAIC_WIDE_TILES,) if m >= WIDE_FROM_ROWS_PER_GROUP * max(groups, 1) else ()
+    for tiles in order:
+        if w is None or mosaic_supports(w, tiles):
+            return tiles
     return MOSAIC_TILES
 
 
@@ -132,12 +142,15 @@ def fp8_tiles_for(m: int, groups: int, w=None) -> MosaicTiles:
 # bf16 kernel of jax (`kernels.grouped`) finds each tile's group by a pass over all the groups
 # (7.1 / 20.8 / 36.7 TFLOP/s at 1K / 4K / 16K tokens of 512 experts, against 60 / 177 / 321
 # here). Below BF16_WIDE_FROM_ROWS_PER_GROUP rows a group, MOSAIC_SMALL_TILES; from it two
-# compute warpgroups on the halves of a 128-row tile, 256 columns wide, through four stages:
-# the weights of 512 experts stream from HBM once a call (3.2 GB of Qwen3-Next's layer) and
-# each step's loads are issued two steps ahead of its product rather than one (a tile stored
-# in two 128-column halves, so that four stages fit in shared memory).
+# compute warpgroups on the halves of a 128-row tile, 256 columns wide; from
+# DEEP_FROM_ROWS_PER_GROUP the same through four stages (MOSAIC_BF16_DEEP_TILES: each step's
+# loads issued two steps ahead of its product rather than one, the tile stored in two
+# 128-column halves so that the stages fit), 0.91 / 0.94 of three stages' time at 16K / 32K
+# tokens of 512 experts and 1.05 / 1.11 at 4K / 8K (BENCHMARKS.md).
 BF16_WIDE_FROM_ROWS_PER_GROUP = 64
-MOSAIC_BF16_WIDE_TILES = MosaicTiles(128, 256, 64, 4, 8, 1, compute_wgs=2)
+DEEP_FROM_ROWS_PER_GROUP = 256
+MOSAIC_BF16_WIDE_TILES = MosaicTiles(128, 256, 64, 3, 8, 1, compute_wgs=2)
+MOSAIC_BF16_DEEP_TILES = dataclasses.replace(MOSAIC_BF16_WIDE_TILES, stages=4)
 
 
 def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | None:
@@ -146,10 +159,15 @@ def bf16_tiles_for(m: int, groups: int, k: int, n: int, dtype) -> MosaicTiles | 
     MANY_GROUPS groups, or a shape this kernel does not tile)."""
     if groups < MANY_GROUPS:
         return None
-    wide = MOSAIC_BF16_WIDE_TILES if n % 256 == 0 else dataclasses.replace(
-        MOSAIC_BF16_WIDE_TILES, block_n=128)
-    for tiles in ((MOSAIC_SMALL_TILES, wide) if m < BF16_WIDE_FROM_ROWS_PER_GROUP * groups
-                  else (wide,)):
+    if m < BF16_WIDE_FROM_ROWS_PER_GROUP * groups:
+        order = (MOSAIC_SMALL_TILES, MOSAIC_BF16_WIDE_TILES)
+    elif m < DEEP_FROM_ROWS_PER_GROUP * groups:
+        order = (MOSAIC_BF16_WIDE_TILES,)
+    else:
+        order = (MOSAIC_BF16_DEEP_TILES,)
+    if n % 256:
+        order += (dataclasses.replace(MOSAIC_BF16_WIDE_TILES, block_n=128, stages=4),)
+    for tiles in order:
         if mosaic_bf16_supports(k, n, dtype, tiles):
             return tiles
     return None
