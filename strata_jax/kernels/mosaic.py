@@ -109,8 +109,8 @@ WIDE_FROM_ROWS_PER_GROUP = 256
 # Many groups (512 experts, top-10: Qwen3-Next's) hold few rows each, so a 128-row tile is
 # mostly empty and the kernel streams every expert's weights: 64-row tiles, two programs an SM
 # (about 96 KB of shared memory each), so that one program's loads and stores overlap the
-# other's steps. The H200 sweep's fastest for every format below its row bounds (DESIGN.md,
-# "Many small experts"); from MANY_GROUPS groups, so that the shapes of fewer, larger experts
+# other's steps. The sweep's fastest for every format below its row bounds (BENCHMARKS.md,
+# "512 experts of width 512"); from MANY_GROUPS groups, so that the shapes of fewer, larger experts
 # (Qwen3-30B-A3B's 128) keep the tilings measured for them.
 MANY_GROUPS = 256
 MOSAIC_SMALL_TILES = MosaicTiles(64, 128, 64, 3, 8, 2)

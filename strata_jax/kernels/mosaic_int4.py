@@ -58,7 +58,7 @@ from strata_jax.kernels.mosaic import (
 INT4_GROUP = 128
 MOSAIC_INT4_TILES = MosaicTiles(128, 128, INT4_GROUP // 2, 3, 8, 2)
 
-# From MANY_GROUPS groups of fewer rows a group on average, MOSAIC_SMALL_TILES.
+# From MANY_GROUPS groups of fewer than this many rows a group on average, MOSAIC_SMALL_TILES.
 INT4_SMALL_BELOW_ROWS_PER_GROUP = 48
 
 
