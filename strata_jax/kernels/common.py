@@ -75,7 +75,8 @@ def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
 def check_operands(name: str, x: jax.Array, w, group_sizes: jax.Array) -> tuple[int, int, int]:
     """(M, K, N) of a grouped matmul of x [M, K] by quantized matrix `w`'s [E, K, N]
     (`formats.QuantizedMatrix`) with group_sizes [E]; a ValueError naming `name` where the
-    shapes disagree or an int4 or mxfp4 plane is not the format's."""
+    shapes disagree, x is not in the matrix's dtype, or an int4 or mxfp4 plane is not the
+    format's."""
     m, k = x.shape
     e = w.q.shape[0]
     n = w.shape[1]
@@ -83,6 +84,8 @@ def check_operands(name: str, x: jax.Array, w, group_sizes: jax.Array) -> tuple[
         raise ValueError(f"{name}: x is [M, {k}] but the matrix is {w.shape}")
     if group_sizes.shape != (e,):
         raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({e},)")
+    if x.dtype != w.dtype:
+        raise ValueError(f"{name}: x dtype {x.dtype} != the matrix's {w.dtype}")
     if w.kind == "int4":
         check_int4_plane(w.q, w.shape, w.block)
     elif w.kind == "mxfp4":

@@ -182,9 +182,6 @@ def mosaic_mxfp4_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
                          f"{w.block} in {jnp.dtype(w.dtype).name} cannot be read by {tiles} "
                          f"(mxfp4 in packs of {MXFP4_PACK}, block_k {MXFP4_PACK}, columns a "
                          "multiple of block_n, one compute warpgroup)")
-    if x.dtype != w.dtype:
-        raise ValueError(f"mosaic_mxfp4_grouped_matmul: x dtype {x.dtype} != the matrix's "
-                         f"{w.dtype}")
     scale_shape = (w.q.shape[0], k // MXFP4_GROUP, n)
     if w.scale.dtype != jnp.uint8 or tuple(w.scale.shape) != scale_shape:
         raise ValueError(f"mosaic_mxfp4_grouped_matmul: scale plane {w.scale.dtype} "
