@@ -15,7 +15,8 @@ import pytest
 from strata_jax.kernels.grouped import grouped_matmul, is_hopper, piece_group_sizes, row_pieces
 from strata_jax.kernels.mosaic import (
     FP8_MANY_WIDE_FROM_ROWS_PER_GROUP, MANY_GROUPS, MOSAIC_FP8_MANY_TILES, MOSAIC_SMALL_TILES,
-    MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP, MosaicTiles, fp8_tiles_for, mosaic_grouped_matmul, mosaic_supports
+    MOSAIC_TILES, MOSAIC_WIDE_TILES, WIDE_FROM_ROWS_PER_GROUP, MosaicTiles, fp8_tiles_for,
+    mosaic_grouped_matmul, mosaic_supports
 )
 from strata_jax.kernels.mosaic_int4 import (
     MOSAIC_INT4_TILES, int4_conversion, int4_tiles_for, int4_values_f32,

@@ -123,10 +123,11 @@ MOSAIC_FP8_MANY_TILES = MosaicTiles(256, 128, 64, 4, 8, 1, compute_wgs=2)
 
 
 def fp8_tiles_for(m: int, groups: int, w=None) -> MosaicTiles:
-    """The fp8 tiling for a grouped matmul of `m` rows over `groups` groups, the first of
-    these that reads `w` (if given): from MANY_GROUPS groups MOSAIC_FP8_MANY_TILES from
-    FP8_MANY_WIDE_FROM_ROWS_PER_GROUP rows a group on average, else MOSAIC_SMALL_TILES; below
-    them MOSAIC_WIDE_TILES from WIDE_FROM_ROWS_PER_GROUP rows a group; else MOSAIC_TILES."""
+    """The fp8 tiling for a grouped matmul of `m` rows over `groups` groups: the first that
+    reads `w` (if given) of, from MANY_GROUPS groups, MOSAIC_FP8_MANY_TILES (from
+    FP8_MANY_WIDE_FROM_ROWS_PER_GROUP rows a group on average) and MOSAIC_SMALL_TILES; below
+    MANY_GROUPS, MOSAIC_WIDE_TILES (from WIDE_FROM_ROWS_PER_GROUP rows a group); else
+    MOSAIC_TILES."""
     if groups >= MANY_GROUPS:
         order = ((MOSAIC_FP8_MANY_TILES, MOSAIC_SMALL_TILES)
                  if m >= FP8_MANY_WIDE_FROM_ROWS_PER_GROUP * groups else (MOSAIC_SMALL_TILES,))
@@ -221,7 +222,7 @@ def mosaic_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *,
 
     specs = [plgpu.BlockSpec((bk, bn), lambda kk, ni: (kk, ni))]
     with jax.named_scope("grouped_matmul_fp8_mosaic"):
-        if tiles.compute_wgs > 1:
+        if tiles.compute_wgs == 2:
             return _ragged_kernel_2wg(
                 x, group_sizes, n, k, tiles, interpret, num_sms, plane_specs=specs,
                 pipelined=[w.q], resident=[w.scale.astype(jnp.float32)],
@@ -261,7 +262,7 @@ def mosaic_bf16_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Arra
     interpret, num_sms = _launch(interpret, num_sms)
     specs = [plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda kk, ni: (kk, ni))]
     with jax.named_scope("grouped_matmul_bf16_mosaic"):
-        if tiles.compute_wgs > 1:
+        if tiles.compute_wgs == 2:
             return _ragged_kernel_2wg(x, group_sizes, n, k, tiles, interpret, num_sms,
                                       plane_specs=specs, pipelined=[w], resident=[],
                                       convert_part=None)
@@ -489,7 +490,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
             wg = lax.axis_index("wg")
 
             def visit(gid, ni, row0, first, rows):
-                # Whether this warpgroup's part of the tile holds rows of the visit (a tile
+                # Whether this warpgroup's half of the tile holds rows of the visit (a tile
                 # shared by several experts' rows is visited once per expert): if not, it
                 # converts its share of each step but issues no product.
                 mine = (first < (wg + 1) * hm) & (first + rows > wg * hm)
@@ -497,7 +498,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                 def step(idx, x_smem, *rest):
                     *plane_smem, acc_ref = rest
                     (kk,) = idx
-                    if convert_part is None:  # bf16: every part reads the pipelined tile
+                    if convert_part is None:  # bf16: both halves read the pipelined tile
                         @pl.when(mine)
                         def _():
                             plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hm, hm)], plane_smem[0])
@@ -537,7 +538,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                     x_gmem, *(p.at[gid] for p in pipe_gmem), allocations=allocs)
 
             def store_part(tile, col0, row0, first, rows):
-                # This warpgroup's rows of the visit, [lo, hi) of its part, from `tile` (the
+                # This warpgroup's rows of the visit, [lo, hi) of its half, from `tile` (the
                 # columns from col0).
                 lo = jnp.clip(first - wg * hm, 0, hm)
                 count = jnp.maximum(jnp.clip(first + rows - wg * hm, 0, hm) - lo, 0)
@@ -546,7 +547,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
                 plgpu.commit_smem()
                 _store_rows(out, o_gmem, lo, count, hm, row0 + wg * hm, pl.ds(col0, oc))
 
-            def zeros(ni, row0, first, rows):  # each compute warpgroup its part's rows
+            def zeros(ni, row0, first, rows):  # each compute warpgroup its half's rows
                 @pl.when(wg < 2)
                 def _():
                     for c in range(0, bn, oc):
@@ -555,8 +556,7 @@ def _ragged_kernel_2wg(x, group_sizes, n: int, k: int, tiles: MosaicTiles, inter
             _each_visit(meta_ref, grid_m, grid_n, gbn, pipelined[0].shape[0], visit, zeros)
 
     return _run_kernel(body, meta, xp, pipelined, resident, m=m, n=n, interpret=interpret,
-                       grid=(num_sms,), grid_names=("sm",), num_threads=3,
-                       thread_name="wg")
+                       grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg")
 
 
 # Shared memory a program may hold (Hopper's opt-in limit per block, less a margin for the
