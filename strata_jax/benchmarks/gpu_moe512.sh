@@ -9,6 +9,10 @@
 # confirm: the sweep of what the library picks at 512 experts, and at 128 experts it against
 #          this package's bf16 kernel and the small-row tilings ($OUT/confirm.jsonl);
 # tests:   the kernels' GPU tests (grouped, quantized, Mosaic), $OUT/gpu_tests.log.
+# ncu:     Nsight Compute's counters of this package's kernels (what the library picks, bf16, at
+#          NCU_TOKENS, default 8192 and 32768): speed of light, memory, compute and warp states
+#          in $OUT/ncu_gmm.txt, DRAM / L2 bytes and the tensor pipe's activity in
+#          $OUT/ncu_metrics.txt (a Firecracker machine only: KINDS.md).
 # Every sweep stops starting rows DEADLINE seconds (default 390) after the start.
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
@@ -52,6 +56,26 @@ for STAGE in ${1//,/ }; do
       tests/test_grouped_matmul.py tests/test_quant_mosaic.py tests/test_quant_matmul.py \
       2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  fi
+  if [ "$STAGE" = ncu ]; then
+    NCU_RUN="$PY -m strata_jax.benchmarks.grouped_matmul_bench sweep --set 512 --formats bf16
+      --cand bf16=auto --tokens ${NCU_TOKENS:-8192 32768} --warmup 0 --repeats 1 --batch 1"
+    # each size: the reference's three products (jax's kernel, also named "body", 128 threads
+    # a block), then the correctness call's and the timed call's (384 threads a block)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    NCU="ncu --clock-control none -k regex:^body_mosaic --launch-count 18"
+    timeout 200 $NCU --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+      $NCU_RUN > "$OUT/ncu_gmm.txt" 2>&1; echo "ncu sections rc $?"
+    timeout 120 $NCU --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\
+lts__t_bytes.sum,lts__t_sector_hit_rate.pct,\
+sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed \
+      $NCU_RUN > "$OUT/ncu_metrics.txt" 2>&1; echo "ncu metrics rc $?"
+    unset XLA_PYTHON_CLIENT_PREALLOCATE
+    grep -E "body_mosaic|Block Size|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)|L2 Hit" \
+      "$OUT/ncu_gmm.txt" | head -130
+    grep -vE "^==PROF==|^\{|^jax" "$OUT/ncu_metrics.txt" | tail -120
   fi
   echo "$STAGE done at $(( $(date +%s) - t0 )) s"
 done
