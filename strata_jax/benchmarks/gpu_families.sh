@@ -14,7 +14,8 @@
 # gmm512:        the expert math at 512 experts of width 512, top-10, the library's choice
 #                in every format, against dense at 1K / 4K / 16K tokens (gpu_moe512.sh confirm).
 # chunks:        Qwen3-Next's first 8 layers all resident, 32K tokens: one chunk against 8K
-#                chunks (target <= 1.10).
+#                chunks (target <= 1.10); CHUNKS_FORMATS (default bf16; fp8, int4: the experts
+#                quantized) and CHUNKS_SIZES (default 8192) give other formats and chunks.
 # routed512:     Qwen3-Next's first 8 layers, bf16 experts, 1K / 4K: routed against its link
 #                floor and stream-all (target routed <= 1.05 of its floor).
 # next-resident: the whole Qwen3-Next-80B-A3B (48 layers, int4 experts) all resident, one chunk
@@ -82,10 +83,17 @@ for STAGE in ${1//,/ }; do
         $RUN mla || rc=1 ;;
     gmm512)  # the library's choice at 512 experts, every format (gpu_moe512.sh confirm)
       DEADLINE=${GMM_DEADLINE:-380} bash strata_jax/benchmarks/gpu_moe512.sh confirm || rc=1 ;;
-    chunks)
-      BENCH_TIMEOUT=240 NAME=next_l8 CHUNKED_ARGS="--preset qwen3-next-80b-a3b --layers 8
-        --parts prefill --arms resident --resident-orders one,chunked --long 32768 --chunk 8192
-        --reps-prefill 3" $RUN chunked || rc=1 ;;
+    chunks)  # each format of CHUNKS_FORMATS (bf16|fp8|int4) at each of CHUNKS_SIZES
+      for Q in ${CHUNKS_FORMATS:-bf16}; do
+        for C in ${CHUNKS_SIZES:-8192}; do
+          S=""; [ "$Q" = bf16 ] || S="_$Q"; [ "$C" = 8192 ] || S="${S}_c$C"
+          BENCH_TIMEOUT=240 NAME=next_l8$S CHUNKED_ARGS="--preset qwen3-next-80b-a3b --layers 8
+            --parts prefill --arms resident --resident-orders one,chunked --long 32768
+            --chunk $C --reps-prefill 3 $([ "$Q" = bf16 ] || echo --quantize $Q)" \
+            $RUN chunked || rc=1
+          export SKIP_BUILD=1
+        done
+      done ;;
     routed512)
       BENCH_TIMEOUT=300 PRESET=qwen3-next-80b-a3b LAYERS=8 FORMATS=bf16 LENGTHS=1024,4096 \
         QUANT_ARMS=resident,stream-all,routed $RUN quant || rc=1 ;;
