@@ -15,7 +15,8 @@
 #                in every format, against dense at 1K / 4K / 16K tokens (gpu_moe512.sh confirm).
 # chunks:        Qwen3-Next's first 8 layers all resident, 32K tokens: one chunk against 8K
 #                chunks (target <= 1.10); CHUNKS_FORMATS (default bf16; fp8, int4: the experts
-#                quantized) and CHUNKS_SIZES (default 8192) give other formats and chunks.
+#                quantized) and CHUNKS_SIZES (default 8192) give other formats and chunks;
+#                CHUNKS_ORDERS (default one,chunked; layer-major: the chunk as sub-chunks).
 # routed512:     Qwen3-Next's first 8 layers, bf16 experts, 1K / 4K: routed against its link
 #                floor and stream-all (target routed <= 1.05 of its floor).
 # next-resident: the whole Qwen3-Next-80B-A3B (48 layers, int4 experts) all resident, one chunk
@@ -88,7 +89,7 @@ for STAGE in ${1//,/ }; do
         for C in ${CHUNKS_SIZES:-8192}; do
           S=""; [ "$Q" = bf16 ] || S="_$Q"; [ "$C" = 8192 ] || S="${S}_c$C"
           BENCH_TIMEOUT=240 NAME=next_l8$S CHUNKED_ARGS="--preset qwen3-next-80b-a3b --layers 8
-            --parts prefill --arms resident --resident-orders one,chunked --long 32768
+            --parts prefill --arms resident --resident-orders ${CHUNKS_ORDERS:-one,chunked} --long 32768
             --chunk $C --reps-prefill 3 $([ "$Q" = bf16 ] || echo --quantize $Q)" \
             $RUN chunked || rc=1
           export SKIP_BUILD=1
