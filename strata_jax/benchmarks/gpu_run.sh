@@ -50,7 +50,8 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   # into the repository), left out here: a suite longer than one call's limit goes on in the
   # next. $OUT/gpu_tests_done.txt: those ids and the ones this run passed or skipped.
   # TEST_WORKERS=N (default 4; 1: one process): N pytest-xdist workers share the GPU (most of
-  # the suite's time is compiling, on the CPU; the whole suite fits one call), each JAX client
+  # the suite's time is compiling, on the CPU; the whole suite takes 8 to 10 minutes, so a
+  # second call with TEST_DONE may finish what TEST_TIMEOUT, default 560 s, cut), each JAX client
   # preallocating TEST_MEM_FRACTION of the GPU's memory (default 0.72 / N: the rest stays free
   # for the engines' rings and cuDNN).
   desel=() par=() envs=(STRATA_REQUIRE_GPU=1)
@@ -61,7 +62,7 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
     par=(-n "${TEST_WORKERS:-4}" --dist worksteal)
     envs+=(XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-$(awk "BEGIN {print 0.72 / ${TEST_WORKERS:-4}}")})
   fi
-  env "${envs[@]}" timeout ${TEST_TIMEOUT:-420} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 \
+  env "${envs[@]}" timeout ${TEST_TIMEOUT:-560} $PY -m pytest -m gpu -v -rs --durations=0 --timeout=150 \
     ${par[@]+"${par[@]}"} ${TEST_K:+-k "$TEST_K"} ${desel[@]+"${desel[@]}"} ${TESTS:-tests} 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
