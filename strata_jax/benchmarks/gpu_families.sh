@@ -87,10 +87,12 @@ for STAGE in ${1//,/ }; do
     chunks)  # each format of CHUNKS_FORMATS (bf16|fp8|int4) at each of CHUNKS_SIZES
       for Q in ${CHUNKS_FORMATS:-bf16}; do
         for C in ${CHUNKS_SIZES:-8192}; do
-          S=""; [ "$Q" = bf16 ] || S="_$Q"; [ "$C" = 8192 ] || S="${S}_c$C"
+          S="" QA=""
+          [ "$Q" = bf16 ] || { S="_$Q"; QA="--quantize $Q"; }
+          [ "$C" = 8192 ] || S="${S}_c$C"
           BENCH_TIMEOUT=240 NAME=next_l8$S CHUNKED_ARGS="--preset qwen3-next-80b-a3b --layers 8
             --parts prefill --arms resident --resident-orders ${CHUNKS_ORDERS:-one,chunked}
-            --long 32768 --chunk $C --reps-prefill 3 $([ "$Q" = bf16 ] || echo --quantize $Q)" \
+            --long 32768 --chunk $C --reps-prefill 3 $QA" \
             $RUN chunked || rc=1
           export SKIP_BUILD=1
         done

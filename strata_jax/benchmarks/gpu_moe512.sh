@@ -10,9 +10,9 @@
 #          this package's bf16 kernel and the small-row tilings ($OUT/confirm.jsonl);
 # tests:   the kernels' GPU tests (grouped, quantized, Mosaic), $OUT/gpu_tests.log.
 # ncu:     Nsight Compute's counters of this package's kernels (what the library picks, bf16, at
-#          NCU_TOKENS, default 8192 and 32768): speed of light, memory, compute and warp states
-#          in $OUT/ncu_gmm.txt, DRAM / L2 bytes and the tensor pipe's activity in
-#          $OUT/ncu_metrics.txt (a Firecracker machine only: KINDS.md).
+#          NCU_TOKENS, default 8192 and 32768): speed of light, memory, compute (the tensor
+#          pipe's share) and warp states in $OUT/ncu_gmm.txt, DRAM / L2 bytes and throughputs
+#          in $OUT/ncu_metrics.txt (a Firecracker machine only: KINDS.md).
 # Every sweep stops starting rows DEADLINE seconds (default 390) after the start.
 # Run from the repository root (the device tool's working directory).
 set -uo pipefail
@@ -69,7 +69,6 @@ for STAGE in ${1//,/ }; do
       $NCU_RUN > "$OUT/ncu_gmm.txt" 2>&1; echo "ncu sections rc $?"
     timeout 120 $NCU --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\
 lts__t_bytes.sum,lts__t_sector_hit_rate.pct,\
-sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed,\
 dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed \
       $NCU_RUN > "$OUT/ncu_metrics.txt" 2>&1; echo "ncu metrics rc $?"
     unset XLA_PYTHON_CLIENT_PREALLOCATE
